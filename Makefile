@@ -1,0 +1,38 @@
+# One venv, made once; every target depends on it.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# A CPU wheel of this version lies on disk on dev machines; GPU hosts may override it.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.pdserve-installed
+
+.PHONY: setup run test lint format bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[test]"
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/pdserve up $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: setup
+	$(PY) -m perf.run_all $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

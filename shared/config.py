@@ -1,0 +1,183 @@
+"""One source of truth for configuration.
+
+Every option is a dataclass field. The CLI flag is ``--field-name`` and the environment
+variable is ``PDSERVE_FIELD_NAME``; a flag beats the variable, which beats the default.
+OpenTelemetry is configured only through the standard ``OTEL_*`` variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+ENV_PREFIX = "PDSERVE_"
+
+T = TypeVar("T")
+
+
+def opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, multiple: bool = False):
+    """A config field: its default, help text, allowed choices, and whether it may repeat."""
+    meta = {"help": help, "choices": choices, "multiple": multiple}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class BusConfig:
+    nats_url: str = opt("nats://127.0.0.1:4222", "NATS server URL(s), comma separated")
+    namespace: str = opt("pdserve", "prefix of every NATS subject")
+    nats_token: str | None = opt(None, "NATS auth token")
+    nats_user: str | None = opt(None, "NATS user name")
+    nats_password: str | None = opt(None, "NATS password")
+    nats_creds: str | None = opt(None, "path to a NATS .creds file")
+    nats_tls_ca: str | None = opt(None, "CA bundle used to verify the NATS server (enables TLS)")
+    nats_tls_cert: str | None = opt(None, "client certificate for NATS mutual TLS")
+    nats_tls_key: str | None = opt(None, "client key for NATS mutual TLS")
+    max_message_bytes: int = opt(8 * 1024 * 1024, "largest bus message accepted")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = opt(None, "local Hugging Face model directory (default: the built-in demo model)")
+    served_model_name: str | None = opt(None, "model name in the API (default: directory name)")
+    device: str = opt("auto", "auto, cpu or cuda[:N]")
+    dtype: str = opt("auto", "auto, float32, bfloat16 or float16", choices=("auto", "float32", "bfloat16", "float16"))
+    block_size: int = opt(16, "tokens per KV-cache block")
+    num_kv_blocks: int = opt(0, "KV-cache blocks; 0 sizes the cache from --kv-cache-gib")
+    kv_cache_gib: float = opt(1.0, "memory for the KV cache when --num-kv-blocks is 0")
+    max_num_seqs: int = opt(64, "most sequences running in one decode step")
+    max_num_batched_tokens: int = opt(2048, "token budget of one engine step")
+    max_model_len: int = opt(0, "longest prompt + output; 0 takes the model's own limit")
+    enable_prefix_cache: bool = opt(True, "reuse cached KV blocks of shared prompt prefixes")
+    seed: int = opt(0, "seed for weights of the demo model and for unseeded sampling")
+
+
+@dataclass
+class WorkerConfig:
+    worker_id: str | None = opt(None, "unique worker name (default: role-host-pid)")
+    ucx_host: str = opt("127.0.0.1", "address the KV-transfer listener binds and advertises")
+    ucx_port: int = opt(0, "KV-transfer listener port; 0 picks a free one")
+    metrics_port: int = opt(0, "Prometheus /metrics port; 0 disables it")
+    heartbeat_seconds: float = opt(0.5, "how often load is published")
+    lease_seconds: float = opt(30.0, "how long a prefill worker holds KV blocks for the decode pull")
+    local_prefill_threshold: int = opt(0, "decode workers prefill prompts shorter than this locally")
+    kv_failure_policy: str = opt("fail", "what a failed KV pull does to the request", choices=("fail", "recompute"))
+    max_queue: int = opt(1024, "waiting requests beyond which new ones are refused")
+    drain_seconds: float = opt(30.0, "on SIGTERM, how long in-flight requests may finish")
+
+
+@dataclass
+class GatewayConfig:
+    host: str = opt("127.0.0.1", "HTTP bind address")
+    port: int = opt(8000, "HTTP port")
+    api_key: list[str] = opt([], "accepted Bearer API key; repeat for several (env: comma separated)", multiple=True)
+    max_body_bytes: int = opt(4 * 1024 * 1024, "largest accepted HTTP request body")
+    max_prompt_tokens: int = opt(0, "longest accepted prompt; 0 means the model's context")
+    request_timeout: float = opt(600.0, "deadline of one request from arrival to last token, seconds")
+    prefill_timeout: float = opt(60.0, "deadline for the prefill stage, seconds")
+    max_queue: int = opt(1024, "in-flight requests beyond which new ones get 503")
+    worker_timeout: float = opt(3.0, "seconds without a heartbeat before a worker leaves the registry")
+
+
+@dataclass
+class UpConfig:
+    prefill_workers: int = opt(0, "prefill worker processes (0 serves aggregated)")
+    decode_workers: int = opt(1, "decode worker processes")
+    nats_url: str | None = opt(None, "use this NATS server instead of starting one")
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def _base_type(tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _base_type(args[0])
+    if origin is list:
+        return _base_type(typing.get_args(tp)[0])
+    return tp
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _convert(kind: Any, raw: str) -> Any:
+    if kind is bool:
+        return _parse_bool(raw)
+    return kind(raw)
+
+
+def env_default(f: dataclasses.Field, kind: Any) -> Any:
+    raw = os.environ.get(env_name(f.name))
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    if raw is None:
+        return default
+    try:
+        if f.metadata.get("multiple"):
+            return [_convert(kind, part) for part in raw.split(",") if part.strip()]
+        return _convert(kind, raw)
+    except ValueError as exc:
+        raise SystemExit(f"invalid {env_name(f.name)}={raw!r}: {exc}") from None
+
+
+def add_options(parser: argparse.ArgumentParser, *classes: type, skip: tuple[str, ...] = ()) -> None:
+    """Add one flag per field of each config class, defaulting to its env var."""
+    hints: dict[str, Any] = {}
+    for cls in classes:
+        hints.update(typing.get_type_hints(cls))
+    seen: set[str] = set()
+    for cls in classes:
+        group = parser.add_argument_group(cls.__name__.removesuffix("Config").lower())
+        for f in dataclasses.fields(cls):
+            if f.name in seen or f.name in skip:
+                continue
+            seen.add(f.name)
+            kind = _base_type(hints[f.name])
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f"{f.metadata['help']} [env {env_name(f.name)}]"
+            default = env_default(f, kind)
+            if kind is bool:
+                group.add_argument(flag, dest=f.name, default=default, help=help_text, action=argparse.BooleanOptionalAction)
+            elif f.metadata.get("multiple"):
+                # A flag given on the command line replaces the env list rather than extending it.
+                group.add_argument(flag, dest=f.name, default=None, help=help_text, type=kind, action="append")
+                parser.set_defaults(**{f"_env_{f.name}": default})
+            else:
+                group.add_argument(flag, dest=f.name, default=default, help=help_text, type=kind, choices=f.metadata.get("choices"))
+
+
+def build(cls: type[T], ns: argparse.Namespace | dict[str, Any]) -> T:
+    """Make a config object from parsed arguments, ignoring options of other classes."""
+    values = vars(ns) if isinstance(ns, argparse.Namespace) else ns
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in values:
+            continue
+        value = values[f.name]
+        if value is None and f.metadata.get("multiple"):
+            value = values.get(f"_env_{f.name}", [])
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def all_option_names() -> dict[str, type]:
+    """Every option name, mapped to the class that owns it (used by tests and compose checks)."""
+    out: dict[str, type] = {}
+    for cls in (BusConfig, EngineConfig, WorkerConfig, GatewayConfig, UpConfig):
+        for f in dataclasses.fields(cls):
+            out.setdefault(f.name, cls)
+    return out
