@@ -1,0 +1,279 @@
+"""Prometheus metrics of the gateway and the workers (prometheus_client, text format).
+
+Each process builds its metrics on its own ``CollectorRegistry`` (never the global default), so
+tests can run several gateways or workers in one interpreter. Times are seconds, sizes bytes.
+
+Gateway::
+
+    registry = CollectorRegistry()
+    m = GatewayMetrics(registry)
+    registry.register(WorkerLoadCollector(lambda: discovery.loads()))  # one scrape point for `up`
+    app.router.add_get("/metrics", metrics_handler(registry))
+
+Worker::
+
+    registry = CollectorRegistry()
+    m = WorkerMetrics(registry, role="decode")
+    server = start_metrics_server(cfg.metrics_port, registry)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# Buckets span the range LLM serving actually sees: a cached short prompt answers in a few ms, a
+# long prompt on a busy cluster or a long generation takes minutes.
+TTFT_BUCKETS = (
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75,
+    1.0, 1.5, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
+)  # fmt: skip
+# One decode step per token: from ~1 ms (tiny model) to seconds when a step is preempted.
+ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+E2E_BUCKETS = (
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
+    90.0, 120.0, 240.0, 480.0, 960.0, 1920.0,
+)  # fmt: skip
+QUEUE_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+)  # fmt: skip
+# KV pull of one request: ~100 us for a few blocks over shared memory to seconds for 100k tokens
+# of a large model over TCP.
+KV_TRANSFER_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+    0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+TOKEN_COUNT_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+class GatewayMetrics:
+    """Request-level metrics as the client sees them."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds",
+            "Request arrival to the first generated token leaving the gateway.",
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            "pdserve_inter_token_latency_seconds",
+            "Time between consecutive tokens of one request (one observation per token).",
+            buckets=ITL_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "pdserve_e2e_request_latency_seconds",
+            "Request arrival to its last token.",
+            buckets=E2E_BUCKETS,
+            registry=registry,
+        )
+        self.requests = Counter(
+            "pdserve_requests",
+            "Finished requests by finish reason (stop, length, abort, error).",
+            ["finish_reason"],
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "pdserve_prompt_tokens", "Prompt tokens of finished requests.", registry=registry
+        )
+        self.generation_tokens = Counter(
+            "pdserve_generation_tokens", "Tokens generated for clients.", registry=registry
+        )
+        self.in_flight = Gauge(
+            "pdserve_requests_in_flight",
+            "Requests accepted and not yet finished.",
+            registry=registry,
+        )
+        self.prompt_tokens_per_request = Histogram(
+            "pdserve_request_prompt_tokens",
+            "Prompt length of each request.",
+            buckets=TOKEN_COUNT_BUCKETS,
+            registry=registry,
+        )
+        self.generation_tokens_per_request = Histogram(
+            "pdserve_request_generation_tokens",
+            "Generated tokens of each request.",
+            buckets=TOKEN_COUNT_BUCKETS,
+            registry=registry,
+        )
+
+    def request_finished(
+        self, finish_reason: str, prompt_tokens: int, generation_tokens: int, e2e_seconds: float
+    ) -> None:
+        """Account one finished request (TTFT and ITL are observed as tokens arrive)."""
+        self.requests.labels(finish_reason=finish_reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generation_tokens)
+        self.prompt_tokens_per_request.observe(prompt_tokens)
+        self.generation_tokens_per_request.observe(generation_tokens)
+        self.e2e.observe(e2e_seconds)
+
+
+class WorkerMetrics:
+    """Per-worker engine metrics; every series carries a ``role`` label (prefill or decode)."""
+
+    def __init__(self, registry: CollectorRegistry, role: str) -> None:
+        self.role = role
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, ["role"], buckets=buckets, registry=registry).labels(role)
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, ["role"], registry=registry).labels(role)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, ["role"], registry=registry).labels(role)
+
+        self.queue_time = hist(
+            "pdserve_worker_queue_time_seconds",
+            "Request arrival at the worker to its first scheduled forward pass.",
+            QUEUE_BUCKETS,
+        )
+        self.prefill_time = hist(
+            "pdserve_worker_prefill_time_seconds",
+            "Time a request spent in prefill forward passes (all its chunks).",
+            TTFT_BUCKETS,
+        )
+        self.decode_step_time = hist(
+            "pdserve_worker_decode_step_seconds",
+            "Duration of one decode engine step (the whole batch).",
+            ITL_BUCKETS,
+        )
+        self.kv_transfer_seconds = hist(
+            "pdserve_kv_transfer_seconds",
+            "Duration of one request's KV pull from a prefill worker.",
+            KV_TRANSFER_BUCKETS,
+        )
+        self.kv_transfer_bytes = counter(
+            "pdserve_kv_transfer_bytes", "KV-cache bytes pulled from prefill workers."
+        )
+        self.kv_used_blocks = gauge(
+            "pdserve_worker_kv_cache_used_blocks", "KV-cache blocks in use (incl. leased)."
+        )
+        self.kv_total_blocks = gauge("pdserve_worker_kv_cache_total_blocks", "KV-cache blocks.")
+        self.running = gauge("pdserve_worker_running_requests", "Sequences in the running batch.")
+        self.waiting = gauge("pdserve_worker_waiting_requests", "Requests waiting to be scheduled.")
+        self.preemptions = counter(
+            "pdserve_worker_preemptions", "Sequences preempted because KV blocks ran out."
+        )
+
+    def set_load(self, used_blocks: int, total_blocks: int, running: int, waiting: int) -> None:
+        """Refresh the load gauges (call with each heartbeat or engine step)."""
+        self.kv_used_blocks.set(used_blocks)
+        self.kv_total_blocks.set(total_blocks)
+        self.running.set(running)
+        self.waiting.set(waiting)
+
+
+class WorkerLoadLike(Protocol):
+    """The fields of ``shared.protocol.WorkerLoad`` this module reads."""
+
+    worker_id: str
+    role: str
+    free_blocks: int
+    total_blocks: int
+    running: int
+    waiting: int
+    draining: bool
+
+
+class WorkerLoadCollector(Collector):
+    """Re-exports the discovery registry's worker loads at scrape time, labelled by worker.
+
+    ``loads`` returns the live registry's current ``WorkerLoad`` values; a worker that left the
+    registry disappears from the next scrape instead of leaving a stale gauge behind.
+    """
+
+    def __init__(self, loads: Callable[[], Iterable[WorkerLoadLike]]) -> None:
+        self._loads = loads
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        labels = ["worker", "role"]
+        used = GaugeMetricFamily(
+            "pdserve_kv_cache_used_blocks", "KV-cache blocks in use per worker.", labels=labels
+        )
+        total = GaugeMetricFamily(
+            "pdserve_kv_cache_total_blocks", "KV-cache blocks per worker.", labels=labels
+        )
+        running = GaugeMetricFamily(
+            "pdserve_running_requests", "Sequences running per worker.", labels=labels
+        )
+        waiting = GaugeMetricFamily(
+            "pdserve_waiting_requests", "Requests waiting per worker.", labels=labels
+        )
+        draining = GaugeMetricFamily(
+            "pdserve_worker_draining", "1 while the worker drains before exit.", labels=labels
+        )
+        for load in self._loads():
+            key = [load.worker_id, load.role]
+            used.add_metric(key, load.total_blocks - load.free_blocks)
+            total.add_metric(key, load.total_blocks)
+            running.add_metric(key, load.running)
+            waiting.add_metric(key, load.waiting)
+            draining.add_metric(key, 1.0 if load.draining else 0.0)
+        return [used, total, running, waiting, draining]
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        # Declaring no fixed series keeps registration from calling ``loads`` before discovery runs.
+        return []
+
+
+def render_metrics(registry: CollectorRegistry) -> tuple[bytes, str]:
+    """The registry in Prometheus text format, with its content type."""
+    return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+def metrics_handler(registry: CollectorRegistry) -> Callable[[Any], Any]:
+    """An aiohttp handler serving ``registry`` (for the gateway's ``/metrics`` route)."""
+    from aiohttp import web
+
+    async def handle(_request: web.Request) -> web.Response:
+        body, content_type = render_metrics(registry)
+        # aiohttp wants the charset apart from the mime type.
+        mime, _, params = content_type.partition(";")
+        charset = params.split("charset=")[-1].strip() if "charset=" in params else "utf-8"
+        return web.Response(body=body, content_type=mime.strip(), charset=charset)
+
+    return handle
+
+
+@dataclass
+class MetricsServer:
+    """A running ``/metrics`` HTTP server (background thread)."""
+
+    port: int
+    server: WSGIServer
+    thread: threading.Thread
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+def start_metrics_server(
+    port: int, registry: CollectorRegistry, addr: str = "0.0.0.0"
+) -> MetricsServer:
+    """Serve ``registry`` on ``http://addr:port/metrics`` from a daemon thread; port 0 picks one."""
+    server, thread = start_http_server(port, addr=addr, registry=registry)
+    return MetricsServer(port=server.server_port, server=server, thread=thread)
