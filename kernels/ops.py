@@ -1,0 +1,132 @@
+"""The one dispatch point per kernel. The engine calls only these (`from kernels import ops`).
+
+`PDSERVE_KERNELS=auto|triton|torch` picks the implementation, read on every call so tests and
+benchmarks can flip it: `auto` runs Triton on CUDA tensors and the plain-torch reference
+otherwise, `triton` forces Triton (on CPU tensors that needs `TRITON_INTERPRET=1`), `torch` forces
+the reference. The Triton modules are imported on first use, so CPU-only processes never
+compile anything.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from kernels import reference
+
+BACKENDS = ("auto", "triton", "torch")
+
+# op name -> module that holds its Triton implementation (function of the same name)
+_TRITON_MODULES = {
+    "rms_norm": "kernels.triton_norm",
+    "rotary_embedding": "kernels.triton_rotary",
+    "store_kvcache": "kernels.triton_cache",
+    "decode_attention": "kernels.triton_decode",
+    "prefill_attention": "kernels.triton_prefill",
+}
+
+
+def backend_for(tensor: Tensor) -> str:
+    """ "triton" or "torch": what a call with this tensor runs under the current environment."""
+    mode = os.environ.get("PDSERVE_KERNELS", "auto").strip().lower() or "auto"
+    if mode not in BACKENDS:
+        raise ValueError(f"PDSERVE_KERNELS={mode!r}; expected one of {', '.join(BACKENDS)}")
+    if mode == "auto":
+        return "triton" if tensor.is_cuda else "torch"
+    return mode
+
+
+@functools.cache
+def _triton_impl(name: str) -> Callable:
+    return getattr(importlib.import_module(_TRITON_MODULES[name]), name)
+
+
+def _impl(name: str, tensor: Tensor) -> Callable:
+    if backend_for(tensor) == "triton":
+        return _triton_impl(name)
+    return getattr(reference, name)
+
+
+def rms_norm(
+    x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """x [T,H]. With residual: s = x + residual, returns (rmsnorm(s) * weight, s); else
+    (rmsnorm(x) * weight, None). Norm in fp32, cast back (HF LlamaRMSNorm)."""
+    return _impl("rms_norm", x)(x, weight, eps, residual)
+
+
+def build_rope_cache(
+    head_dim: int,
+    max_position: int,
+    base: float,
+    rope_scaling: dict | None,
+    device: torch.device | str | None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """[max_position, head_dim] table: first half cos, second half sin of the D/2 frequencies.
+    rope_scaling: None, "default", "linear" or "llama3" (HF semantics). Built once; no kernel."""
+    return reference.build_rope_cache(head_dim, max_position, base, rope_scaling, device, dtype)
+
+
+def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor) -> None:
+    """In-place neox-style rotary on q [T,Hq,D] and k [T,Hk,D] at positions [T] (int64)."""
+    _impl("rotary_embedding", q)(positions, q, k, cos_sin_cache)
+
+
+def store_kvcache(
+    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+) -> None:
+    """Scatter key/value [T,Hk,D] into k/v_cache [blocks, block_size, Hk, D] (strided views ok)
+    at slot_mapping [T] (int64, block_id * block_size + offset; -1 = skip)."""
+    _impl("store_kvcache", key)(key, value, k_cache, v_cache, slot_mapping)
+
+
+def prefill_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    k_cache: Tensor | None = None,
+    v_cache: Tensor | None = None,
+    block_tables: Tensor | None = None,
+) -> Tensor:
+    """Varlen causal GQA attention; q [T,Hq,D], k/v [T,Hk,D] packed, cu_seqlens [B+1] int32.
+
+    Without block_tables the keys are the packed k/v (k_len == q_len). With block_tables
+    [B, maxblocks] int32 the keys/values come from the paged cache (the new tokens already
+    stored there) and query j of seq i sits at position k_len - q_len + j. Returns [T,Hq,D].
+    """
+    return _impl("prefill_attention", q)(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        scale,
+        k_cache,
+        v_cache,
+        block_tables,
+    )
+
+
+def decode_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    scale: float,
+) -> Tensor:
+    """One query per sequence, q [B,Hq,D], over context_lens[i] cached tokens -> [B,Hq,D]."""
+    return _impl("decode_attention", q)(q, k_cache, v_cache, block_tables, context_lens, scale)

@@ -1,0 +1,219 @@
+"""Plain-torch twins of every kernel: the CPU production path and the oracle for the Triton ones.
+
+Every function has exactly the signature of its dispatch point in `kernels.ops`. They are
+vectorised (no Python loop over sequences) because on CPU they *are* the engine's hot path, and
+they accept the strided per-layer KV views `kv_cache[:, layer, 0]` without copying the cache.
+Math runs in at least fp32 (fp64 stays fp64) and results are cast back to the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half types, fp64 stays fp64: the precision every kernel accumulates in."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def rms_norm(
+    x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """RMSNorm with an optional fused residual add (HF LlamaRMSNorm semantics).
+
+    With a residual: s = x + residual; returns (rmsnorm(s) * weight, s). Without: (rmsnorm(x) *
+    weight, None). The sum is rounded to the activation dtype first, as the unfused model does.
+    """
+    if residual is not None:
+        x = x + residual
+        residual = x
+    xc = x.to(_compute_dtype(x.dtype))
+    normed = xc * torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype), residual
+
+
+def _rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> Tensor:
+    # fp32 exactly as HF computes it, so positions map to the same angles bit for bit.
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not rope_scaling:
+        return inv_freq
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(rope_scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(rope_scaling["factor"])
+        low_freq_factor = float(rope_scaling["low_freq_factor"])
+        high_freq_factor = float(rope_scaling["high_freq_factor"])
+        old_context_len = float(rope_scaling["original_max_position_embeddings"])
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths (low frequencies) are stretched by `factor`, short ones kept, and the
+        # band in between is interpolated smoothly.
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (
+            high_freq_factor - low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_scaling rope_type {rope_type!r}")
+
+
+def build_rope_cache(
+    head_dim: int,
+    max_position: int,
+    base: float,
+    rope_scaling: dict | None,
+    device: torch.device | str | None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """cos/sin table [max_position, head_dim]: first half cos, second half sin of the D/2 freqs."""
+    inv_freq = _rope_inv_freq(head_dim, base, rope_scaling)
+    positions = torch.arange(max_position, dtype=torch.int64).float()
+    freqs = positions[:, None] * inv_freq[None, :]
+    cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    return cache.to(device=device, dtype=dtype)
+
+
+def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor) -> None:
+    """Rotate q [T,Hq,D] and k [T,Hk,D] in place, HF "rotate_half" (neox) style."""
+    cos_sin = cos_sin_cache[positions]
+    cos, sin = cos_sin.chunk(2, dim=-1)
+    cos = cos[:, None, :]
+    sin = sin[:, None, :]
+    for x in (q, k):
+        xc = x.to(_compute_dtype(x.dtype))
+        x1, x2 = xc.chunk(2, dim=-1)
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        x.copy_(rotated)
+
+
+def store_kvcache(
+    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+) -> None:
+    """Write key/value [T,Hk,D] into caches [num_blocks, block_size, Hk, D] at slot_mapping.
+
+    slot = block_id * block_size + offset; slot -1 marks a token whose K/V is already cached.
+    """
+    block_size = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    block_ids = torch.div(slots, block_size, rounding_mode="floor")
+    offsets = slots % block_size
+    # Two-index advanced assignment writes straight through the strided per-layer view.
+    k_cache[block_ids, offsets] = key[keep].to(k_cache.dtype)
+    v_cache[block_ids, offsets] = value[keep].to(v_cache.dtype)
+
+
+def _gather_paged(cache: Tensor, block_tables: Tensor, num_blocks: int) -> Tensor:
+    """[B, num_blocks*block_size, Hk, D] view of each sequence's first num_blocks cache blocks."""
+    table = block_tables[:, :num_blocks].long()
+    # Table slots past a sequence's end may hold padding (-1, stale ids); they are masked later,
+    # but must still index something real.
+    table = table.clamp(0, cache.shape[0] - 1)
+    batch = table.shape[0]
+    return cache[table].reshape(batch, num_blocks * cache.shape[1], *cache.shape[2:])
+
+
+def decode_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    scale: float,
+) -> Tensor:
+    """One query per sequence over its context_lens[i] cached tokens. q/out: [B, Hq, D]."""
+    batch, num_q_heads, head_dim = q.shape
+    if batch == 0:
+        return q.new_empty(q.shape)
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    max_len = int(context_lens.max())
+    num_blocks = max(1, -(-max_len // block_size))
+    cdt = _compute_dtype(q.dtype)
+    keys = _gather_paged(k_cache, block_tables, num_blocks).to(cdt)  # [B, S, Hk, D]
+    values = _gather_paged(v_cache, block_tables, num_blocks).to(cdt)
+    # GQA without repeating K/V: query head h reads kv head h // group.
+    qg = q.to(cdt).view(batch, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bhgd,bshd->bhgs", qg, keys) * scale
+    token = torch.arange(keys.shape[1], device=q.device)
+    valid = token[None, :] < context_lens[:, None].to(token.dtype)  # [B, S]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    # An empty context has nothing to attend: zeros, not NaN.
+    probs = torch.where(valid.any(dim=-1)[:, None, None, None], probs, 0.0)
+    out = torch.einsum("bhgs,bshd->bhgd", probs, values)
+    return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
+
+
+def _pad_packed(x: Tensor, cu_seqlens: Tensor, max_len: int) -> tuple[Tensor, Tensor]:
+    """Packed [T, ...] -> padded [B, max_len, ...] and the validity mask [B, max_len]."""
+    starts = cu_seqlens[:-1].long()
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    offs = torch.arange(max_len, device=x.device)
+    index = starts[:, None] + offs[None, :]
+    valid = offs[None, :] < lens[:, None]
+    index = torch.where(valid, index, 0)
+    return x[index], valid
+
+
+def prefill_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    k_cache: Tensor | None = None,
+    v_cache: Tensor | None = None,
+    block_tables: Tensor | None = None,
+) -> Tensor:
+    """Varlen causal attention with GQA over packed sequences; see kernels.ops for the contract."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    out = q.new_empty(q.shape)
+    if num_tokens == 0 or batch == 0 or max_seqlen_q == 0:
+        return out
+    cdt = _compute_dtype(q.dtype)
+    q_pad, _ = _pad_packed(q, cu_seqlens_q, max_seqlen_q)  # [B, Mq, Hq, D]
+    if block_tables is None:
+        k_pad, k_valid = _pad_packed(k, cu_seqlens_k, max_seqlen_k)
+        v_pad, _ = _pad_packed(v, cu_seqlens_k, max_seqlen_k)
+    else:
+        assert k_cache is not None and v_cache is not None
+        num_blocks = -(-max_seqlen_k // k_cache.shape[1])
+        k_pad = _gather_paged(k_cache, block_tables, num_blocks)
+        v_pad = _gather_paged(v_cache, block_tables, num_blocks)
+        k_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
+        k_valid = torch.arange(k_pad.shape[1], device=q.device)[None, :] < k_lens[:, None]
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    k_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
+    # Query j of a sequence sits at absolute position k_len - q_len + j (cached prefix first).
+    q_pos = (k_lens - q_lens)[:, None] + torch.arange(max_seqlen_q, device=q.device)[None, :]
+    k_pos = torch.arange(k_pad.shape[1], device=q.device)
+    allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]
+    # Padding query rows sit past the last key and so see every valid key: no all-masked row,
+    # hence no NaN, and their output is dropped below anyway.
+    attn = F.scaled_dot_product_attention(
+        q_pad.to(cdt).transpose(1, 2),
+        k_pad.to(cdt).transpose(1, 2),
+        v_pad.to(cdt).transpose(1, 2),
+        attn_mask=allowed[:, None, :, :],
+        scale=scale,
+        enable_gqa=True,
+    ).transpose(1, 2)  # [B, Mq, Hq, D]
+    token = torch.arange(num_tokens, device=q.device)
+    seq_of_token = torch.searchsorted(cu_seqlens_q[1:].long(), token, right=True)
+    pos_in_seq = token - cu_seqlens_q.long()[seq_of_token]
+    out.copy_(attn[seq_of_token, pos_in_seq])
+    return out
