@@ -1,0 +1,428 @@
+"""Request parsing and validation for the OpenAI-compatible endpoints.
+
+The body is parsed strictly (UTF-8, JSON, bounded nesting) and every field is checked by hand
+against the table below; the same table feeds ``/openapi.json`` so docs and checks cannot drift.
+Anything a client sends that we do not support is refused with a 400 naming it, rather than
+silently ignored, so nobody believes a parameter took effect when it did not.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.errors import APIError, bad_request, unsupported_parameter
+
+MAX_NESTING = 32  # deeper JSON than this is never a legitimate request
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+MAX_SEED = 2**63 - 1
+ALLOWED_ROLES = ("system", "developer", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class NumberField:
+    """One numeric sampling field: its JSON type, bounds and meaning."""
+
+    name: str
+    kind: str  # "integer" or "number"
+    description: str
+    minimum: float | None = None
+    maximum: float | None = None
+    exclusive_minimum: bool = False
+    nullable: bool = True
+
+
+SAMPLING_FIELDS: tuple[NumberField, ...] = (
+    NumberField("max_tokens", "integer", "most tokens to generate", minimum=1),
+    NumberField("temperature", "number", "sampling temperature; 0 is greedy", 0.0, 2.0),
+    NumberField("top_p", "number", "nucleus sampling mass", 0.0, 1.0, exclusive_minimum=True),
+    NumberField("top_k", "integer", "sample among the k likeliest tokens; -1 or 0 is off", -1),
+    NumberField("seed", "integer", "per-request sampling seed", -MAX_SEED, MAX_SEED),
+    NumberField("n", "integer", "number of choices; only 1 is supported", 1, 1),
+)
+_FIELDS_BY_NAME = {f.name: f for f in SAMPLING_FIELDS}
+
+COMMON_KEYS = frozenset(
+    ["model", "stream", "stream_options", "stop", "ignore_eos", "user"] + list(_FIELDS_BY_NAME)
+)
+COMPLETION_KEYS = COMMON_KEYS | {"prompt"}
+CHAT_KEYS = COMMON_KEYS | {"messages", "max_completion_tokens"}
+
+
+@dataclass
+class GenerationParams:
+    model: str
+    max_tokens: int | None  # None: up to the end of the context window
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    stream: bool = False
+    include_usage: bool = False
+
+
+@dataclass
+class CompletionRequest:
+    params: GenerationParams
+    prompt: str | list[int]
+
+
+@dataclass
+class ChatMessage:
+    role: str
+    content: str
+    name: str | None = None
+
+
+@dataclass
+class ChatRequest:
+    params: GenerationParams
+    messages: list[ChatMessage]
+
+
+# ----------------------------------------------------------------------------- body
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """Decode a request body into a JSON object, or raise a 400 that says what is wrong."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"Request body is not valid UTF-8 (byte {exc.start})") from None
+    if not text.strip():
+        raise bad_request("Request body is empty; expected a JSON object")
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise bad_request("Request body is nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, huge integers, NaN/Infinity
+        raise bad_request(f"Request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"Request body must be a JSON object, not {_json_type(body)}")
+    if _depth(body) > MAX_NESTING:
+        raise bad_request(f"Request body is nested deeper than {MAX_NESTING} levels")
+    return body
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of a parsed JSON value, iteratively so that it cannot overflow the stack."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, level)
+        if deepest > MAX_NESTING:
+            return deepest
+        stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"
+
+
+# ----------------------------------------------------------------------------- fields
+
+
+def _check_keys(body: dict[str, Any], allowed: frozenset[str]) -> None:
+    for key in body:
+        # A null for an unknown optional field is the same as leaving it out; some SDKs send them.
+        if key not in allowed and body[key] is not None:
+            raise unsupported_parameter(key)
+
+
+def _number(body: dict[str, Any], name: str) -> float | int | None:
+    spec = _FIELDS_BY_NAME[name]
+    return check_number(body.get(name), spec, name)
+
+
+def check_number(value: Any, spec: NumberField, param: str) -> float | int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad_request(f"'{param}' must be {_article(spec.kind)}", param, "invalid_type")
+    if spec.kind == "integer":
+        if isinstance(value, float):
+            if not value.is_integer():
+                raise bad_request(f"'{param}' must be an integer", param, "invalid_type")
+            value = int(value)
+    elif math.isnan(value) or math.isinf(value):
+        raise bad_request(f"'{param}' must be a finite number", param, "invalid_value")
+    if spec.minimum is not None:
+        if spec.exclusive_minimum and value <= spec.minimum:
+            raise bad_request(f"'{param}' must be > {spec.minimum}", param, "invalid_value")
+        if not spec.exclusive_minimum and value < spec.minimum:
+            raise bad_request(f"'{param}' must be >= {spec.minimum}", param, "invalid_value")
+    if spec.maximum is not None and value > spec.maximum:
+        raise bad_request(f"'{param}' must be <= {spec.maximum}", param, "invalid_value")
+    return value
+
+
+def _article(kind: str) -> str:
+    return "an integer" if kind == "integer" else "a number"
+
+
+def _bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"'{name}' must be a boolean", name, "invalid_type")
+    return value
+
+
+def _model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if model is None:
+        raise bad_request("'model' is required", "model", "missing_required_parameter")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' must be a non-empty string", "model", "invalid_type")
+    return model
+
+
+def _stop(body: dict[str, Any]) -> list[str]:
+    value = body.get("stop")
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise bad_request("'stop' must be a string or a list of strings", "stop", "invalid_type")
+    if len(items) > MAX_STOP_STRINGS:
+        raise bad_request(f"'stop' has more than {MAX_STOP_STRINGS} strings", "stop")
+    for s in items:
+        if not s:
+            raise bad_request("'stop' strings must not be empty", "stop", "invalid_value")
+        if len(s) > MAX_STOP_LENGTH:
+            raise bad_request(f"'stop' strings must be <= {MAX_STOP_LENGTH} chars", "stop")
+    return list(dict.fromkeys(items))
+
+
+def _include_usage(body: dict[str, Any], stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise bad_request(
+            "'stream_options' is only allowed when 'stream' is true", "stream_options"
+        )
+    if not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options", "invalid_type")
+    for key, value in options.items():
+        if key != "include_usage" and value is not None:
+            raise unsupported_parameter(f"stream_options.{key}")
+    value = options.get("include_usage")
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad_request(
+            "'stream_options.include_usage' must be a boolean",
+            "stream_options.include_usage",
+            "invalid_type",
+        )
+    return value
+
+
+def _user(body: dict[str, Any]) -> None:
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad_request("'user' must be a string", "user", "invalid_type")
+
+
+def _params(body: dict[str, Any], max_tokens: int | None) -> GenerationParams:
+    _user(body)
+    stream = _bool(body, "stream")
+    top_k = _number(body, "top_k")
+    temperature = _number(body, "temperature")
+    top_p = _number(body, "top_p")
+    _number(body, "n")  # validated to be 1; nothing else to do with it
+    return GenerationParams(
+        model=_model(body),
+        max_tokens=max_tokens,
+        temperature=1.0 if temperature is None else float(temperature),
+        top_p=1.0 if top_p is None else float(top_p),
+        top_k=-1 if top_k in (None, 0) else int(top_k),
+        seed=_number(body, "seed"),
+        stop=_stop(body),
+        ignore_eos=_bool(body, "ignore_eos"),
+        stream=stream,
+        include_usage=_include_usage(body, stream),
+    )
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+def parse_completion(body: dict[str, Any]) -> CompletionRequest:
+    _check_keys(body, COMPLETION_KEYS)
+    max_tokens = _number(body, "max_tokens")
+    # OpenAI's legacy completions default to 16 new tokens.
+    params = _params(body, 16 if max_tokens is None else int(max_tokens))
+    return CompletionRequest(params=params, prompt=_prompt(body.get("prompt")))
+
+
+def _prompt(value: Any) -> str | list[int]:
+    if value is None:
+        raise bad_request("'prompt' is required", "prompt", "missing_required_parameter")
+    # A batch of one is accepted for convenience; real batches would need n>1 semantics.
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise bad_request("'prompt' must not be empty", "prompt", "invalid_value")
+        return value
+    if isinstance(value, list):
+        if not value:
+            raise bad_request("'prompt' must not be empty", "prompt", "invalid_value")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            return list(value)
+        if all(isinstance(t, (str, list)) for t in value):
+            raise bad_request("Batched prompts are not supported; send one prompt", "prompt")
+    raise bad_request("'prompt' must be a string or a list of token ids", "prompt", "invalid_type")
+
+
+def parse_chat(body: dict[str, Any]) -> ChatRequest:
+    _check_keys(body, CHAT_KEYS)
+    max_tokens = _number(body, "max_tokens")
+    max_completion = check_number(
+        body.get("max_completion_tokens"), _FIELDS_BY_NAME["max_tokens"], "max_completion_tokens"
+    )
+    if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
+        raise bad_request(
+            "Give either 'max_tokens' or 'max_completion_tokens', not both",
+            "max_completion_tokens",
+        )
+    chosen = max_completion if max_completion is not None else max_tokens
+    params = _params(body, None if chosen is None else int(chosen))
+    return ChatRequest(params=params, messages=_messages(body.get("messages")))
+
+
+def _messages(value: Any) -> list[ChatMessage]:
+    if value is None:
+        raise bad_request("'messages' is required", "messages", "missing_required_parameter")
+    if not isinstance(value, list) or not value:
+        raise bad_request("'messages' must be a non-empty array", "messages", "invalid_type")
+    return [_message(item, f"messages[{i}]") for i, item in enumerate(value)]
+
+
+def _message(item: Any, where: str) -> ChatMessage:
+    if not isinstance(item, dict):
+        raise bad_request(f"'{where}' must be an object", where, "invalid_type")
+    for key, value in item.items():
+        if key not in ("role", "content", "name") and value is not None:
+            raise unsupported_parameter(f"{where}.{key}")
+    role = item.get("role")
+    if not isinstance(role, str) or role not in ALLOWED_ROLES:
+        raise bad_request(
+            f"'{where}.role' must be one of {', '.join(ALLOWED_ROLES)}",
+            f"{where}.role",
+            "invalid_value",
+        )
+    name = item.get("name")
+    if name is not None and not isinstance(name, str):
+        raise bad_request(f"'{where}.name' must be a string", f"{where}.name", "invalid_type")
+    content = _content(item.get("content"), role, f"{where}.content")
+    # 'developer' is OpenAI's newer name for the system role; templates only know 'system'.
+    return ChatMessage(role="system" if role == "developer" else role, content=content, name=name)
+
+
+def _content(value: Any, role: str, where: str) -> str:
+    if value is None:
+        if role == "assistant":
+            return ""
+        raise bad_request(f"'{where}' is required", where, "missing_required_parameter")
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise bad_request(
+            f"'{where}' must be a string or an array of text parts", where, "invalid_type"
+        )
+    texts = []
+    for i, part in enumerate(value):
+        here = f"{where}[{i}]"
+        if not isinstance(part, dict):
+            raise bad_request(f"'{here}' must be an object", here, "invalid_type")
+        kind = part.get("type")
+        if kind != "text":
+            raise bad_request(
+                f"'{here}.type' {kind!r} is not supported; only 'text' parts are",
+                f"{here}.type",
+                "unsupported_content_type",
+            )
+        for key in part:
+            if key not in ("type", "text"):
+                raise unsupported_parameter(f"{here}.{key}")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise bad_request(f"'{here}.text' must be a string", f"{here}.text", "invalid_type")
+        texts.append(text)
+    return "".join(texts)
+
+
+def check_token_ids(ids: list[int], vocab_size: int) -> None:
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise bad_request(
+                f"Token id {t} at prompt[{i}] is outside the vocabulary [0, {vocab_size})",
+                "prompt",
+                "invalid_token_id",
+            )
+
+
+def check_length(
+    prompt_len: int, max_tokens: int | None, max_model_len: int, max_prompt_tokens: int
+) -> int:
+    """Check that the prompt and its output fit; return the max_tokens to use."""
+    param = "messages" if max_tokens is None else "max_tokens"
+    if prompt_len == 0:
+        raise bad_request("The prompt is empty after tokenization", "prompt")
+    if max_prompt_tokens and prompt_len > max_prompt_tokens:
+        raise bad_request(
+            f"The prompt has {prompt_len} tokens; this server accepts at most {max_prompt_tokens}",
+            "prompt",
+            "context_length_exceeded",
+        )
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise APIError(
+            400,
+            f"The prompt has {prompt_len} tokens, which leaves no room to generate within "
+            f"the model's context of {max_model_len} tokens",
+            param=param,
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise APIError(
+            400,
+            f"The prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the "
+            f"model's context of {max_model_len} tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return max_tokens
