@@ -1,0 +1,496 @@
+"""The wire protocol between gateway and workers: msgpack maps with a version and a type.
+
+Every message is a dataclass below. ``encode`` turns one into bytes; ``decode`` parses bytes from
+the bus and checks every field's type and bounds before a message object exists, so code behind
+it can trust what it gets. Anything else - an unknown type or version, a missing or extra field,
+a wrong type, an oversized string or list, a non-finite float - raises ``ProtocolError``.
+msgpack never instantiates objects, and nothing is ever unpickled.
+
+Flow of one request (subjects from ``Subjects``):
+  gateway  -PrefillRequest->  {ns}.prefill.{worker}      prefill replies PrefillResult to reply_to
+  gateway  -DecodeRequest->   {ns}.decode.{worker}       decode streams TokenBatch to reply_to
+  decode   -ReleaseLease->    {ns}.lease.{prefill}       after pulling the KV (or giving up)
+  gateway  -Cancel->          {ns}.cancel                broadcast; every worker drops the request
+  workers  -WorkerLoad->      {ns}.load.{role}.{worker}  heartbeats; WorkerGone when leaving
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+from services.engine.sampling import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+# Bounds that hold for any sane deployment; the bus also caps whole messages (max_message_bytes).
+MAX_ID_CHARS = 128
+MAX_SUBJECT_CHARS = 256
+MAX_TEXT_CHARS = 4096
+MAX_TOKENS = 1 << 20  # prompt/output token lists
+MAX_BLOCKS = 1 << 20
+MAX_STOP_TOKENS = 1024
+MAX_BATCH_ITEMS = 4096
+MAX_TOKEN_ID = (1 << 31) - 1
+INT64_MAX = (1 << 63) - 1
+MAX_DEPTH = 8
+
+# Worker ids, request ids and gateway ids appear inside NATS subjects, so they must be one
+# subject token: no dots, no wildcards, no whitespace.
+_TOKEN_RE = re.compile(r"^[A-Za-z0-9_\-:]+$")
+# A full subject: dot-separated tokens, no wildcards (we only ever publish to it).
+_SUBJECT_RE = re.compile(r"^[A-Za-z0-9_\-:]+(\.[A-Za-z0-9_\-:]+)*$")
+
+ROLES = ("prefill", "decode")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class ProtocolError(ValueError):
+    """A bus message that does not fit the protocol."""
+
+
+def is_subject_token(text: str) -> bool:
+    return bool(_TOKEN_RE.match(text)) and len(text) <= MAX_ID_CHARS
+
+
+# ---------------------------------------------------------------------------------------------
+# field helpers: bounds live in dataclass field metadata, read by the generic checker below
+
+
+def _f(default: Any = dataclasses.MISSING, **bounds: Any) -> Any:
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=bounds)
+    return field(default=default, metadata=bounds)
+
+
+def ident(**kw: Any) -> Any:
+    """A request/worker id: one NATS subject token."""
+    return _f(kw.pop("default", dataclasses.MISSING), pattern=_TOKEN_RE, max_len=MAX_ID_CHARS)
+
+
+def subject(**kw: Any) -> Any:
+    return _f(
+        kw.pop("default", dataclasses.MISSING), pattern=_SUBJECT_RE, max_len=MAX_SUBJECT_CHARS
+    )
+
+
+def text(max_len: int = MAX_TEXT_CHARS, **kw: Any) -> Any:
+    return _f(kw.pop("default", dataclasses.MISSING), max_len=max_len, **kw)
+
+
+def count(lo: int = 0, hi: int = INT64_MAX, **kw: Any) -> Any:
+    return _f(kw.pop("default", dataclasses.MISSING), lo=lo, hi=hi)
+
+
+def tokens(max_len: int = MAX_TOKENS, **kw: Any) -> Any:
+    return _f(kw.pop("default", dataclasses.MISSING), lo=0, hi=MAX_TOKEN_ID, max_len=max_len)
+
+
+def seconds(**kw: Any) -> Any:
+    return _f(kw.pop("default", dataclasses.MISSING), lo=0.0, hi=1e12)
+
+
+# ---------------------------------------------------------------------------------------------
+# messages
+
+
+@dataclass
+class KVHandle:
+    """Where a prefilled request's KV blocks wait to be pulled, and under which lease."""
+
+    worker_id: str = ident()
+    address: str = text(max_len=255)  # host the prefill worker's UCX listener advertises
+    port: int = count(lo=1, hi=65535)
+    block_ids: list[int] = _f(lo=0, hi=MAX_TOKEN_ID, max_len=MAX_BLOCKS)
+    num_tokens: int = count(lo=1, hi=MAX_TOKENS)
+    # model, dtype, block_size, num_layers, num_kv_heads, head_dim: must equal the puller's
+    fingerprint: dict[str, Any] = _f(max_len=32)
+    lease_expires: float = seconds()
+    # Per-lease secret: the UCX listener serves blocks only to whoever shows it, so a peer that
+    # can reach the port but did not read the PrefillResult off the bus gets nothing.
+    token: str = text(max_len=64, default="")
+
+
+@dataclass
+class PrefillRequest:
+    TYPE: ClassVar[str] = "prefill_request"
+    request_id: str = ident()
+    prompt_token_ids: list[int] = tokens()
+    sampling: SamplingParams = _f()
+    reply_to: str = subject()
+    deadline: float = seconds()
+
+
+@dataclass
+class PrefillResult:
+    TYPE: ClassVar[str] = "prefill_result"
+    request_id: str = ident()
+    worker_id: str = ident()
+    first_token: int | None = count(hi=MAX_TOKEN_ID)
+    finish_reason: str | None = text(max_len=16, choices=FINISH_REASONS)
+    kv: KVHandle | None = _f()
+    error: str | None = text()
+    cached_tokens: int = count(hi=MAX_TOKENS, default=0)
+    # machine-readable error kind ("overloaded", "draining", "deadline", "cancelled", "internal",
+    # "invalid"): the gateway retries elsewhere on overloaded/draining
+    error_code: str | None = text(max_len=32, default=None)
+
+
+@dataclass
+class DecodeRequest:
+    TYPE: ClassVar[str] = "decode_request"
+    request_id: str = ident()
+    prompt_token_ids: list[int] = tokens()
+    output_token_ids: list[int] = tokens()  # already generated, e.g. [first_token]
+    sampling: SamplingParams = _f()
+    kv: KVHandle | None = _f()  # None: the decode worker prefills locally
+    reply_to: str = subject()
+    deadline: float = seconds()
+
+
+@dataclass
+class TokenItem:
+    request_id: str = ident()
+    token_ids: list[int] = tokens()
+    finish_reason: str | None = text(max_len=16, choices=FINISH_REASONS, default=None)
+    error: str | None = text(default=None)
+    error_code: str | None = text(max_len=32, default=None)
+
+
+@dataclass
+class TokenBatch:
+    """Everything one engine step produced for one gateway inbox."""
+
+    TYPE: ClassVar[str] = "token_batch"
+    items: list[TokenItem] = _f(max_len=MAX_BATCH_ITEMS)
+
+
+@dataclass
+class ReleaseLease:
+    TYPE: ClassVar[str] = "release_lease"
+    request_id: str = ident()
+
+
+@dataclass
+class Cancel:
+    TYPE: ClassVar[str] = "cancel"
+    request_id: str = ident()
+
+
+@dataclass
+class WorkerLoad:
+    TYPE: ClassVar[str] = "worker_load"
+    worker_id: str = ident()
+    role: str = text(max_len=16, choices=ROLES)
+    model: str = text(max_len=256)
+    free_blocks: int = count()
+    total_blocks: int = count()
+    running: int = count()
+    waiting: int = count()
+    draining: bool = _f(default=False)
+    ucx_address: str = text(max_len=255, default="")
+    ucx_port: int = count(hi=65535, default=0)
+    metrics_url: str | None = text(max_len=512, default=None)
+    ts: float = seconds(default=0.0)
+    # decode workers prefill prompts shorter than this themselves: the gateway then skips the
+    # prefill hop and sends DecodeRequest(kv=None)
+    local_prefill_threshold: int = count(hi=MAX_TOKENS, default=0)
+    block_size: int = count(hi=1 << 16, default=0)
+    # prefill workers: highest lease count they accept; 0 = unknown
+    max_queue: int = count(default=0)
+
+
+@dataclass
+class WorkerGone:
+    """A worker's last word when it leaves cleanly (drain finished): drop it from registries."""
+
+    TYPE: ClassVar[str] = "worker_gone"
+    worker_id: str = ident()
+    role: str = text(max_len=16, choices=ROLES)
+
+
+Message = (
+    PrefillRequest
+    | PrefillResult
+    | DecodeRequest
+    | TokenBatch
+    | ReleaseLease
+    | Cancel
+    | WorkerLoad
+    | WorkerGone
+)
+MESSAGE_TYPES: dict[str, type] = {
+    cls.TYPE: cls
+    for cls in (
+        PrefillRequest,
+        PrefillResult,
+        DecodeRequest,
+        TokenBatch,
+        ReleaseLease,
+        Cancel,
+        WorkerLoad,
+        WorkerGone,
+    )
+}
+_NESTED = (KVHandle, TokenItem, SamplingParams)
+
+# SamplingParams belongs to the engine, so its wire bounds are declared here.
+_SAMPLING_BOUNDS: dict[str, dict[str, Any]] = {
+    "temperature": {"lo": 0.0, "hi": 2.0},
+    "top_p": {"lo": 0.0, "hi": 1.0},
+    "top_k": {"lo": -1, "hi": MAX_TOKEN_ID},
+    "seed": {"lo": -INT64_MAX, "hi": INT64_MAX},
+    "max_tokens": {"lo": 1, "hi": MAX_TOKENS},
+    "stop_token_ids": {"lo": 0, "hi": MAX_TOKEN_ID, "max_len": MAX_STOP_TOKENS},
+    "ignore_eos": {},
+}
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+# ---------------------------------------------------------------------------------------------
+# encoding
+
+
+def _to_wire(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_to_wire(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_wire(v) for k, v in value.items()}
+    return value
+
+
+def encode(msg: Message) -> bytes:
+    body = _to_wire(msg)
+    body["v"] = PROTOCOL_VERSION
+    body["type"] = msg.TYPE
+    return msgpack.packb(body, use_bin_type=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# decoding and checking
+
+
+def _fail(path: str, why: str) -> typing.NoReturn:
+    raise ProtocolError(f"{path}: {why}")
+
+
+def _check_int(value: Any, path: str, bounds: dict[str, Any]) -> int:
+    if type(value) is not int:  # bool is an int subclass: reject it explicitly
+        _fail(path, f"expected int, got {type(value).__name__}")
+    lo, hi = bounds.get("lo", -INT64_MAX), bounds.get("hi", INT64_MAX)
+    if not lo <= value <= hi:
+        _fail(path, f"{value} outside [{lo}, {hi}]")
+    return value
+
+
+def _check_float(value: Any, path: str, bounds: dict[str, Any]) -> float:
+    if type(value) not in (int, float):
+        _fail(path, f"expected number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        _fail(path, "not finite")
+    lo, hi = bounds.get("lo", -math.inf), bounds.get("hi", math.inf)
+    if not lo <= value <= hi:
+        _fail(path, f"{value} outside [{lo}, {hi}]")
+    return value
+
+
+def _check_str(value: Any, path: str, bounds: dict[str, Any]) -> str:
+    if type(value) is not str:
+        _fail(path, f"expected str, got {type(value).__name__}")
+    if len(value) > bounds.get("max_len", MAX_TEXT_CHARS):
+        _fail(path, f"longer than {bounds.get('max_len', MAX_TEXT_CHARS)} chars")
+    pattern = bounds.get("pattern")
+    if pattern is not None and not pattern.match(value):
+        _fail(path, f"{value[:40]!r} is not a valid identifier")
+    choices = bounds.get("choices")
+    if choices is not None and value not in choices:
+        _fail(path, f"{value[:40]!r} not one of {choices}")
+    return value
+
+
+def _check_scalar_dict(value: Any, path: str, bounds: dict[str, Any]) -> dict[str, Any]:
+    """A flat map of short strings to scalars (the KV layout fingerprint)."""
+    if type(value) is not dict:
+        _fail(path, f"expected map, got {type(value).__name__}")
+    if len(value) > bounds.get("max_len", 32):
+        _fail(path, "too many entries")
+    for k, v in value.items():
+        if type(k) is not str or len(k) > 64:
+            _fail(path, "keys must be short strings")
+        if type(v) not in (str, int, float, bool) or (type(v) is str and len(v) > 256):
+            _fail(f"{path}.{k}", "values must be short scalars")
+    return dict(value)
+
+
+def _check(value: Any, tp: Any, path: str, bounds: dict[str, Any], depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        _fail(path, "nested too deeply")
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            _fail(path, "must not be null")
+        (inner,) = [a for a in args if a is not type(None)]
+        return _check(value, inner, path, bounds, depth)
+    if value is None:
+        _fail(path, "must not be null")
+    if origin is list:
+        if type(value) is not list:
+            _fail(path, f"expected list, got {type(value).__name__}")
+        max_len = bounds.get("max_len", MAX_TOKENS)
+        if len(value) > max_len:
+            _fail(path, f"more than {max_len} items")
+        (item_tp,) = typing.get_args(tp)
+        if item_tp is int:  # the hot case (token ids): one pass, no per-item path strings
+            lo, hi = bounds.get("lo", -INT64_MAX), bounds.get("hi", INT64_MAX)
+            for v in value:
+                if type(v) is not int or not lo <= v <= hi:
+                    _fail(path, f"items must be ints in [{lo}, {hi}]")
+            return value
+        return [_check(v, item_tp, f"{path}[{i}]", {}, depth + 1) for i, v in enumerate(value)]
+    if origin is dict:
+        return _check_scalar_dict(value, path, bounds)
+    if tp is bool:
+        if type(value) is not bool:
+            _fail(path, f"expected bool, got {type(value).__name__}")
+        return value
+    if tp is int:
+        return _check_int(value, path, bounds)
+    if tp is float:
+        return _check_float(value, path, bounds)
+    if tp is str:
+        return _check_str(value, path, bounds)
+    if tp in _NESTED:
+        return _build(tp, value, path, depth + 1)
+    raise TypeError(f"protocol has no checker for {tp!r}")  # a bug here, not bad input
+
+
+def _build(cls: type, body: Any, path: str, depth: int, skip: tuple[str, ...] = ()) -> Any:
+    if type(body) is not dict:
+        _fail(path, f"expected map, got {type(body).__name__}")
+    hints = _hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(body) - set(fields) - set(skip)
+    if unknown:
+        _fail(path, f"unknown fields {sorted(map(str, unknown))[:5]}")
+    kwargs: dict[str, Any] = {}
+    for name, f in fields.items():
+        if name not in body:
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            if required:
+                _fail(f"{path}.{name}", "missing")
+            continue
+        bounds = _SAMPLING_BOUNDS[name] if cls is SamplingParams else dict(f.metadata)
+        kwargs[name] = _check(body[name], hints[name], f"{path}.{name}", bounds, depth)
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as exc:  # the class's own invariants (SamplingParams)
+        raise ProtocolError(f"{path}: {exc}") from None
+
+
+def decode(data: bytes, max_bytes: int = 8 * 1024 * 1024) -> Message:
+    """Parse and check one bus message. Raises ProtocolError on anything that does not fit."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError("message is not bytes")
+    if len(data) > max_bytes:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds the {max_bytes} byte limit")
+    try:
+        body = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=max_bytes,
+            max_bin_len=0,  # we never send binary blobs on the bus
+            max_ext_len=0,
+            max_array_len=MAX_TOKENS,
+            max_map_len=64,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types for malformed input
+        raise ProtocolError(f"not a valid msgpack message: {type(exc).__name__}: {exc}") from None
+    if type(body) is not dict:
+        raise ProtocolError("message is not a map")
+    version = body.get("v")
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {version!r}")
+    kind = body.get("type")
+    cls = MESSAGE_TYPES.get(kind) if type(kind) is str else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {str(kind)[:40]!r}")
+    return _build(cls, body, cls.TYPE, 0, skip=("v", "type"))
+
+
+def decode_as(data: bytes, *classes: type, max_bytes: int = 8 * 1024 * 1024) -> Any:
+    """Decode and insist on one of ``classes`` (each subject carries known message types)."""
+    msg = decode(data, max_bytes)
+    if not isinstance(msg, classes):
+        names = ", ".join(c.TYPE for c in classes)
+        raise ProtocolError(f"expected {names}, got {msg.TYPE}")
+    return msg
+
+
+# ---------------------------------------------------------------------------------------------
+# subjects
+
+
+@dataclass(frozen=True)
+class Subjects:
+    """Every NATS subject pdserve uses, under one namespace."""
+
+    namespace: str = "pdserve"
+
+    def __post_init__(self) -> None:
+        if not _SUBJECT_RE.match(self.namespace):
+            raise ValueError(f"invalid namespace {self.namespace!r}")
+
+    def _join(self, *parts: str) -> str:
+        for part in parts:
+            if not is_subject_token(part):
+                raise ValueError(f"{part!r} is not a valid subject token")
+        return ".".join((self.namespace, *parts))
+
+    def prefill(self, worker_id: str) -> str:
+        return self._join("prefill", worker_id)
+
+    def decode(self, worker_id: str) -> str:
+        return self._join("decode", worker_id)
+
+    def lease(self, worker_id: str) -> str:
+        return self._join("lease", worker_id)
+
+    @property
+    def cancel(self) -> str:
+        return self._join("cancel")
+
+    def load(self, role: str, worker_id: str) -> str:
+        return self._join("load", role, worker_id)
+
+    @property
+    def all_loads(self) -> str:
+        return self._join("load") + ".>"
+
+    def gateway(self, gateway_id: str) -> str:
+        return self._join("gw", gateway_id)
+
+    @property
+    def gateway_prefix(self) -> str:
+        """Workers publish replies only under this prefix (reply_to is checked against it)."""
+        return f"{self.namespace}.gw."
