@@ -72,7 +72,7 @@ def write_model_dir(
     eos_id = tok.token_to_id("</s>")
     tok_cfg: dict = {
         "bos_token": "<s>",
-        "eos_token": {"content": "</s>", "special": True},
+        "eos_token": {"__type": "AddedToken", "content": "</s>", "special": True},
         "tokenizer_class": "PreTrainedTokenizerFast",
     }
     if template is not None and template_in_file:
