@@ -8,7 +8,14 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.config import BusConfig, EngineConfig, GatewayConfig, UpConfig, WorkerConfig, add_options
+from shared.config import (
+    BusConfig,
+    EngineConfig,
+    GatewayConfig,
+    UpConfig,
+    WorkerConfig,
+    add_options,
+)
 
 
 @dataclass(frozen=True)
@@ -38,16 +45,34 @@ COMMANDS: dict[str, Command] = {
         "services.launcher:run",
         (UpConfig, GatewayConfig, EngineConfig, WorkerConfig, BusConfig),
     ),
-    "gateway": Command("run the OpenAI-compatible HTTP gateway", "gateway.server:run", (GatewayConfig, EngineConfig, BusConfig)),
-    "prefill": Command("run a prefill worker", "services.prefill.worker:run", (WorkerConfig, EngineConfig, BusConfig)),
-    "decode": Command("run a decode worker", "services.decode.worker:run", (WorkerConfig, EngineConfig, BusConfig)),
-    "bench": Command("benchmark an OpenAI-compatible endpoint", "perf.bench_cli:run", extra=_bench_args),
-    "trace": Command("per-phase breakdown of request traces from Jaeger", "shared.trace_cli:run", extra=_trace_args),
+    "gateway": Command(
+        "run the OpenAI-compatible HTTP gateway",
+        "gateway.server:run",
+        (GatewayConfig, EngineConfig, BusConfig),
+    ),
+    "prefill": Command(
+        "run a prefill worker",
+        "services.prefill.worker:run",
+        (WorkerConfig, EngineConfig, BusConfig),
+    ),
+    "decode": Command(
+        "run a decode worker", "services.decode.worker:run", (WorkerConfig, EngineConfig, BusConfig)
+    ),
+    "bench": Command(
+        "benchmark an OpenAI-compatible endpoint", "perf.bench_cli:run", extra=_bench_args
+    ),
+    "trace": Command(
+        "per-phase breakdown of request traces from Jaeger",
+        "shared.trace_cli:run",
+        extra=_trace_args,
+    ),
 }
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description="LLM serving with disaggregated prefill and decode")
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="LLM serving with disaggregated prefill and decode"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, cmd in COMMANDS.items():
         p = sub.add_parser(name, help=cmd.help, description=cmd.help)

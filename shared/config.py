@@ -44,10 +44,16 @@ class BusConfig:
 
 @dataclass
 class EngineConfig:
-    model: str | None = opt(None, "local Hugging Face model directory (default: the built-in demo model)")
+    model: str | None = opt(
+        None, "local Hugging Face model directory (default: the built-in demo model)"
+    )
     served_model_name: str | None = opt(None, "model name in the API (default: directory name)")
     device: str = opt("auto", "auto, cpu or cuda[:N]")
-    dtype: str = opt("auto", "auto, float32, bfloat16 or float16", choices=("auto", "float32", "bfloat16", "float16"))
+    dtype: str = opt(
+        "auto",
+        "auto, float32, bfloat16, float16 or float64 (tests)",
+        choices=("auto", "float32", "bfloat16", "float16", "float64"),
+    )
     block_size: int = opt(16, "tokens per KV-cache block")
     num_kv_blocks: int = opt(0, "KV-cache blocks; 0 sizes the cache from --kv-cache-gib")
     kv_cache_gib: float = opt(1.0, "memory for the KV cache when --num-kv-blocks is 0")
@@ -65,9 +71,15 @@ class WorkerConfig:
     ucx_port: int = opt(0, "KV-transfer listener port; 0 picks a free one")
     metrics_port: int = opt(0, "Prometheus /metrics port; 0 disables it")
     heartbeat_seconds: float = opt(0.5, "how often load is published")
-    lease_seconds: float = opt(30.0, "how long a prefill worker holds KV blocks for the decode pull")
-    local_prefill_threshold: int = opt(0, "decode workers prefill prompts shorter than this locally")
-    kv_failure_policy: str = opt("fail", "what a failed KV pull does to the request", choices=("fail", "recompute"))
+    lease_seconds: float = opt(
+        30.0, "how long a prefill worker holds KV blocks for the decode pull"
+    )
+    local_prefill_threshold: int = opt(
+        0, "decode workers prefill prompts shorter than this locally"
+    )
+    kv_failure_policy: str = opt(
+        "fail", "what a failed KV pull does to the request", choices=("fail", "recompute")
+    )
     max_queue: int = opt(1024, "waiting requests beyond which new ones are refused")
     drain_seconds: float = opt(30.0, "on SIGTERM, how long in-flight requests may finish")
 
@@ -76,13 +88,19 @@ class WorkerConfig:
 class GatewayConfig:
     host: str = opt("127.0.0.1", "HTTP bind address")
     port: int = opt(8000, "HTTP port")
-    api_key: list[str] = opt([], "accepted Bearer API key; repeat for several (env: comma separated)", multiple=True)
+    api_key: list[str] = opt(
+        [], "accepted Bearer API key; repeat for several (env: comma separated)", multiple=True
+    )
     max_body_bytes: int = opt(4 * 1024 * 1024, "largest accepted HTTP request body")
     max_prompt_tokens: int = opt(0, "longest accepted prompt; 0 means the model's context")
-    request_timeout: float = opt(600.0, "deadline of one request from arrival to last token, seconds")
+    request_timeout: float = opt(
+        600.0, "deadline of one request from arrival to last token, seconds"
+    )
     prefill_timeout: float = opt(60.0, "deadline for the prefill stage, seconds")
     max_queue: int = opt(1024, "in-flight requests beyond which new ones get 503")
-    worker_timeout: float = opt(3.0, "seconds without a heartbeat before a worker leaves the registry")
+    worker_timeout: float = opt(
+        3.0, "seconds without a heartbeat before a worker leaves the registry"
+    )
 
 
 @dataclass
@@ -134,7 +152,9 @@ def env_default(f: dataclasses.Field, kind: Any) -> Any:
         raise SystemExit(f"invalid {env_name(f.name)}={raw!r}: {exc}") from None
 
 
-def add_options(parser: argparse.ArgumentParser, *classes: type, skip: tuple[str, ...] = ()) -> None:
+def add_options(
+    parser: argparse.ArgumentParser, *classes: type, skip: tuple[str, ...] = ()
+) -> None:
     """Add one flag per field of each config class, defaulting to its env var."""
     hints: dict[str, Any] = {}
     for cls in classes:
@@ -151,13 +171,28 @@ def add_options(parser: argparse.ArgumentParser, *classes: type, skip: tuple[str
             help_text = f"{f.metadata['help']} [env {env_name(f.name)}]"
             default = env_default(f, kind)
             if kind is bool:
-                group.add_argument(flag, dest=f.name, default=default, help=help_text, action=argparse.BooleanOptionalAction)
+                group.add_argument(
+                    flag,
+                    dest=f.name,
+                    default=default,
+                    help=help_text,
+                    action=argparse.BooleanOptionalAction,
+                )
             elif f.metadata.get("multiple"):
                 # A flag given on the command line replaces the env list rather than extending it.
-                group.add_argument(flag, dest=f.name, default=None, help=help_text, type=kind, action="append")
+                group.add_argument(
+                    flag, dest=f.name, default=None, help=help_text, type=kind, action="append"
+                )
                 parser.set_defaults(**{f"_env_{f.name}": default})
             else:
-                group.add_argument(flag, dest=f.name, default=default, help=help_text, type=kind, choices=f.metadata.get("choices"))
+                group.add_argument(
+                    flag,
+                    dest=f.name,
+                    default=default,
+                    help=help_text,
+                    type=kind,
+                    choices=f.metadata.get("choices"),
+                )
 
 
 def build(cls: type[T], ns: argparse.Namespace | dict[str, Any]) -> T:

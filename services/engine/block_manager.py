@@ -1,0 +1,147 @@
+"""Paged KV-cache bookkeeping: fixed-size blocks, ref counts, and a prefix cache.
+
+A block holds ``block_size`` consecutive tokens of one sequence. A *full* block whose KV has been
+computed is registered under a chained hash (parent block's hash + this block's tokens), so a later
+sequence with the same prefix reuses it instead of recomputing it. Hashes are blake2b over a fixed
+byte encoding, so they agree across processes and restarts (the gateway's KV-aware router and other
+workers compute the same values).
+
+Freed blocks keep their hash and stay reusable until their space is needed: the free list is
+ordered least-recently-freed first, so allocation evicts the coldest cached block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+
+from services.engine.sequence import Sequence
+
+ROOT_HASH = 0
+
+
+def hash_block(parent_hash: int, token_ids: Seq[int]) -> int:
+    data = struct.pack(f"<Q{len(token_ids)}I", parent_hash, *token_ids)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def prefix_block_hashes(token_ids: Seq[int], block_size: int) -> list[int]:
+    """Chained hashes of every full block of ``token_ids``."""
+    hashes: list[int] = []
+    parent = ROOT_HASH
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_cache = enable_prefix_cache
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # per-sequence: hashes of its blocks registered so far (prefix of block_table)
+        self.seq_hashes: dict[str, list[int]] = {}
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_tokens) <= len(self.free)
+
+    def can_fit(self, num_tokens: int) -> bool:
+        """Whether a new sequence of ``num_tokens`` tokens would get its blocks now."""
+        return -(-num_tokens // self.block_size) <= len(self.free)
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        """Grow ``seq.block_table`` so it covers ``num_tokens`` tokens."""
+        for _ in range(self.blocks_needed(seq, num_tokens)):
+            seq.block_table.append(self._take_free_block())
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        old = self.block_hash[block_id]
+        if old is not None:  # evict: its cached content is about to be overwritten
+            if self.cached.get(old) == block_id:
+                del self.cached[old]
+            self.block_hash[block_id] = None
+        self.ref_counts[block_id] = 1
+        return block_id
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Attach cached blocks for the longest cached prefix of a fresh sequence.
+
+        Returns the number of tokens whose KV is reused. At least one token is always left to
+        compute, because the engine needs the last position's logits to sample.
+        """
+        if seq.block_table:
+            raise RuntimeError(f"{seq.request_id} already has blocks")
+        hashes = prefix_block_hashes(seq.token_ids[: seq.num_tokens - 1], self.block_size)
+        if not self.enable_prefix_cache:
+            self.seq_hashes[seq.request_id] = []
+            return 0
+        self.prefix_queries += len(hashes)
+        matched: list[int] = []
+        for h in hashes:
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            matched.append(h)
+            if self.ref_counts[block_id] == 0:
+                del self.free[block_id]
+            self.ref_counts[block_id] += 1
+            seq.block_table.append(block_id)
+        self.prefix_hits += len(matched)
+        self.seq_hashes[seq.request_id] = matched
+        return len(matched) * self.block_size
+
+    def commit(self, seq: Sequence) -> None:
+        """Register the full blocks whose KV is now computed, so later prompts can reuse them."""
+        if not self.enable_prefix_cache:
+            return
+        hashes = self.seq_hashes.setdefault(seq.request_id, [])
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        parent = hashes[-1] if hashes else ROOT_HASH
+        bs = self.block_size
+        for i in range(len(hashes), full):
+            parent = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
+            hashes.append(parent)
+            block_id = seq.block_table[i]
+            # First writer wins; a duplicate block computed concurrently stays private.
+            if parent not in self.cached:
+                self.cached[parent] = block_id
+                self.block_hash[block_id] = parent
+
+    def free_sequence(self, seq: Sequence) -> None:
+        """Drop the sequence's references; cached blocks stay reusable until evicted."""
+        # Tail blocks first, so the end of a chain is evicted before its prefix.
+        for block_id in reversed(seq.block_table):
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self.free[block_id] = None
+        seq.block_table = []
+        self.seq_hashes.pop(seq.request_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        for h, block_id in list(self.cached.items()):
+            if self.ref_counts[block_id] == 0:
+                del self.cached[h]
+                self.block_hash[block_id] = None

@@ -1,0 +1,177 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+
+Tokens of all scheduled sequences are packed into one flat batch with no padding. The first
+``num_decodes`` sequences contribute one token each and use paged decode attention; the rest are
+prefill chunks that use varlen causal attention (reading any already-cached prefix from the pages).
+All heavy ops go through ``kernels.ops``, the one dispatch point between Triton and torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels import ops
+from services.engine.model_config import ModelConfig
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
+    num_decodes: int
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
+    decode_context_lens: torch.Tensor  # [num_decodes]
+    cu_seqlens_q: torch.Tensor  # [num_prefills + 1], prefill part only
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    prefill_block_tables: torch.Tensor | None  # None when no prefill chunk has a cached prefix
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        # q, k and v share one matmul; the loader concatenates the checkpoint's three tensors.
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        meta: AttentionMetadata,
+        cos_sin: torch.Tensor,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        # split() gave views into qkv; rotary works in place, so give it its own storage
+        q, k = q.contiguous(), k.contiguous()
+        ops.rotary_embedding(positions, q, k, cos_sin)
+        ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        nd = meta.num_decodes
+        parts = []
+        if nd:
+            parts.append(
+                ops.decode_attention(
+                    q[:nd],
+                    self.k_cache,
+                    self.v_cache,
+                    meta.decode_block_tables,
+                    meta.decode_context_lens,
+                    self.scale,
+                )
+            )
+        if q.shape[0] > nd:
+            parts.append(
+                ops.prefill_attention(
+                    q[nd:],
+                    k[nd:],
+                    v[nd:],
+                    meta.cu_seqlens_q,
+                    meta.cu_seqlens_k,
+                    meta.max_seqlen_q,
+                    meta.max_seqlen_k,
+                    self.scale,
+                    self.k_cache if meta.prefill_block_tables is not None else None,
+                    self.v_cache if meta.prefill_block_tables is not None else None,
+                    meta.prefill_block_tables,
+                )
+            )
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, positions, h, residual, meta, cos_sin):
+        if residual is None:
+            residual, (h, _) = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(positions, h, meta, cos_sin)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+
+    def init_rope(self, max_position: int, device: torch.device) -> None:
+        cfg = self.cfg
+        self.cos_sin = ops.build_rope_cache(
+            cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, device
+        )
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """Point every layer at its K and V views of the block-major cache."""
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.k_cache = kv_cache[:, i, 0]
+            layer.self_attn.v_cache = kv_cache[:, i, 1]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(positions, h, residual, meta, self.cos_sin)
+        # Only the positions that sample need the final norm and the (large) vocab projection.
+        h, residual = h[logits_indices], residual[logits_indices]
+        h, _ = self.norm(h, residual)
+        return self.lm_head(h).float()

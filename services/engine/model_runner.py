@@ -1,0 +1,99 @@
+"""Turns a scheduled batch into tensors, runs the model and samples, all without per-sequence
+Python work beyond gathering each sequence's token ids and block table."""
+
+from __future__ import annotations
+
+import torch
+
+from services.engine.model import AttentionMetadata, LlamaForCausalLM
+from services.engine.sampler import SamplingTensors, sample
+from services.engine.scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(
+        self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int, device: torch.device
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = device
+        model.bind_kv_cache(kv_cache)
+
+    def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """Returns sampled tokens for the sequences whose last token was computed, and their
+        indices in ``batch.seqs`` (partial prefill chunks sample nothing)."""
+        seqs, counts, nd = batch.seqs, batch.num_new_tokens, batch.num_decodes
+        starts_list = [s.num_computed_tokens for s in seqs]
+        input_ids = [
+            t
+            for s, c, st in zip(seqs, counts, starts_list, strict=True)
+            for t in s.token_ids[st : st + c]
+        ]
+        q_lens = self._tensor(counts)
+        starts = self._tensor(starts_list)
+        ctx_lens = starts + q_lens
+        num_tokens = len(input_ids)
+        cu_q = torch.zeros(len(seqs) + 1, dtype=torch.int64, device=self.device)
+        cu_q[1:] = q_lens.cumsum(0)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs), device=self.device), q_lens)
+        positions = (
+            starts[seq_of_token] + torch.arange(num_tokens, device=self.device) - cu_q[seq_of_token]
+        )
+
+        max_blocks = max(len(s.block_table) for s in seqs)
+        block_tables = self._tensor(
+            [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs], torch.int32
+        )
+        block_of_token = block_tables[seq_of_token, positions // self.block_size].to(torch.int64)
+        slot_mapping = block_of_token * self.block_size + positions % self.block_size
+
+        pre_q = q_lens[nd:]
+        pre_k = ctx_lens[nd:]
+        has_prefix = bool((starts[nd:] > 0).any()) if len(seqs) > nd else False
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            num_decodes=nd,
+            decode_block_tables=block_tables[:nd],
+            decode_context_lens=ctx_lens[:nd].to(torch.int32),
+            cu_seqlens_q=_cumsum0(pre_q),
+            cu_seqlens_k=_cumsum0(pre_k),
+            max_seqlen_q=int(pre_q.max()) if len(pre_q) else 0,
+            max_seqlen_k=int(pre_k.max()) if len(pre_k) else 0,
+            prefill_block_tables=block_tables[nd:] if has_prefix else None,
+        )
+        sampling_rows = [
+            i for i, s in enumerate(seqs) if starts_list[i] + counts[i] == s.num_tokens
+        ]
+        if not sampling_rows:
+            self.model(self._tensor(input_ids), positions, meta, cu_q[1:0])
+            return torch.empty(0, dtype=torch.int64), []
+        rows = self._tensor(sampling_rows)
+        logits = self.model(self._tensor(input_ids), positions, meta, cu_q[1:][rows] - 1)
+        tokens = sample(logits, self._sampling_tensors([seqs[i] for i in sampling_rows]))
+        return tokens.cpu(), sampling_rows
+
+    def _sampling_tensors(self, seqs) -> SamplingTensors:
+        vocab = self.model.cfg.vocab_size
+        temps = [s.sampling.temperature for s in seqs]
+        top_ks = [s.sampling.top_k if s.sampling.top_k > 0 else vocab for s in seqs]
+        top_ps = [s.sampling.top_p for s in seqs]
+        return SamplingTensors(
+            temperatures=self._tensor(temps, torch.float32),
+            top_ks=self._tensor(top_ks),
+            top_ps=self._tensor(top_ps, torch.float32),
+            seeds=self._tensor([s.seed for s in seqs]),
+            steps=self._tensor([s.num_output_tokens for s in seqs]),
+            needs_filter=any(k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps),
+            all_greedy=all(t == 0 for t in temps),
+        )
+
+
+def _cumsum0(x: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(len(x) + 1, dtype=torch.int32, device=x.device)
+    out[1:] = x.cumsum(0)
+    return out

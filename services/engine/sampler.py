@@ -1,0 +1,84 @@
+"""Vectorised sampling for a whole batch: greedy, temperature, top-k, top-p, per-request seeds.
+
+Randomness is counter-based: the noise for a request's n-th output token is a hash of
+(seed, n, vocab id). A request therefore samples the same tokens whatever it is batched with,
+after preemption, and on whichever worker (prefill or decode) produces a given token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _i64(x: int) -> int:
+    """An unsigned 64-bit constant as the signed int64 torch stores."""
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN = _i64(0x9E3779B97F4A7C15)
+_MIX1 = _i64(0xBF58476D1CE4E5B9)
+_MIX2 = _i64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    # logical right shift on int64 (torch's >> is arithmetic)
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """U(0,1) noise [B, V] from splitmix64 of (seed, step, vocab id); int64 math wraps."""
+    device = seeds.device
+    vocab = torch.arange(vocab_size, dtype=torch.int64, device=device)
+    x = (seeds * _GOLDEN + steps * _MIX1)[:, None] + vocab[None, :] * _MIX2
+    x = x ^ _shr(x, 30)
+    x = x * _MIX1
+    x = x ^ _shr(x, 27)
+    x = x * _MIX2
+    x = x ^ _shr(x, 31)
+    top53 = _shr(x, 11).to(torch.float64)
+    return ((top53 + 0.5) / float(1 << 53)).to(torch.float32)
+
+
+@dataclass
+class SamplingTensors:
+    temperatures: torch.Tensor  # [B] float32, 0 = greedy
+    top_ks: torch.Tensor  # [B] int64, vocab size when off
+    top_ps: torch.Tensor  # [B] float32
+    seeds: torch.Tensor  # [B] int64
+    steps: torch.Tensor  # [B] int64: index of the output token being sampled
+    needs_filter: bool  # any row with top-k or top-p active
+    all_greedy: bool
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Pick one token per row of ``logits`` [B, V] (float32)."""
+    greedy_tokens = logits.argmax(dim=-1)
+    if st.all_greedy:
+        return greedy_tokens
+    temps = torch.where(st.temperatures > 0, st.temperatures, torch.ones_like(st.temperatures))
+    logits = logits / temps[:, None]
+    if st.needs_filter:
+        logits = _top_k_top_p(logits, st.top_ks, st.top_ps)
+    probs = torch.softmax(logits, dim=-1)
+    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (a Gumbel-max equivalent).
+    exp_noise = -torch.log(uniform_noise(st.seeds, st.steps, logits.shape[-1]))
+    sampled = (probs / exp_noise).argmax(dim=-1)
+    return torch.where(st.temperatures > 0, sampled, greedy_tokens)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)
+    outside_k = ranks[None, :] >= top_ks[:, None]
+    sorted_logits = sorted_logits.masked_fill(outside_k, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # keep the smallest prefix whose mass reaches top_p; the first token always survives
+    outside_p = mass_before >= top_ps[:, None]
+    sorted_logits = sorted_logits.masked_fill(outside_p, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)

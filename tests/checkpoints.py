@@ -1,0 +1,80 @@
+"""Tiny Hugging Face checkpoints built offline: random weights, save_pretrained, and a BPE
+tokenizer trained on a few sentences. HF transformers running the same weights is the oracle."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Disaggregated prefill and decode keep long prompts from stalling short ones.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "naïve café déjà vu — 日本語のテキスト 🚀 emoji",
+    "def add(a, b):\n    return a + b\n",
+] * 4
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+# name -> (transformers config class name, kwargs)
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "llama-gqa": (
+        "LlamaConfig",
+        dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=512),
+    ),
+    "llama-mha-tied": (
+        "LlamaConfig",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=4, tie_word_embeddings=True, max_position_embeddings=512,
+             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    ),
+    "qwen2-bias": (
+        "Qwen2Config",
+        dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=1, max_position_embeddings=512),
+    ),
+}  # fmt: skip
+
+
+def train_tokenizer(vocab_size: int = 384):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+def build_checkpoint(name: str, out: Path, seed: int = 0) -> Path:
+    import torch
+    import transformers
+
+    cls_name, kwargs = VARIANTS[name]
+    tok = train_tokenizer()
+    config = getattr(transformers, cls_name)(
+        vocab_size=tok.get_vocab_size(),
+        bos_token_id=0,
+        eos_token_id=1,
+        initializer_range=0.1,
+        **kwargs,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE})
+    )
+    return out

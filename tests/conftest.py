@@ -1,0 +1,25 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Each test session gets its own demo-model cache unless the caller pins one.
+os.environ.setdefault(
+    "PDSERVE_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".pytest_cache" / "pdserve")
+)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """name -> directory of a tiny HF checkpoint (see tests/checkpoints.py)."""
+    from tests.checkpoints import VARIANTS, build_checkpoint
+
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: build_checkpoint(name, root / name) for name in VARIANTS}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(checkpoints) -> Path:
+    return checkpoints["llama-gqa"]
