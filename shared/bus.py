@@ -1,0 +1,202 @@
+"""The NATS message bus: one connection per process, protocol messages in and out.
+
+``Bus`` wraps nats-py with what every pdserve process needs: reconnects that never give up,
+authentication and TLS from ``BusConfig``, namespaced subjects (``bus.subjects``), headers for
+trace context, and a hard filter on input - every received message is size-limited and fully
+schema-checked by ``shared.protocol.decode`` before a handler sees it. Bad messages are counted
+and logged (rate-limited), never raised into the subscription loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from shared.config import BusConfig
+from shared.protocol import Message, ProtocolError, Subjects, decode_as, encode
+
+log = logging.getLogger("pdserve.bus")
+
+Handler = Callable[[Any, dict[str, str]], Awaitable[None]]
+
+
+@dataclass
+class BusStats:
+    received: int = 0
+    rejected: int = 0  # oversized or failed the schema check
+    handler_errors: int = 0
+    reconnects: int = 0
+    disconnects: int = 0
+    last_reject_log: float = field(default=0.0, repr=False)
+
+
+def tls_context(config: BusConfig) -> ssl.SSLContext | None:
+    """A TLS context when a CA or client certificate is configured; None leaves TLS to the URL
+    scheme (``tls://`` uses the system trust store)."""
+    if not (config.nats_tls_ca or config.nats_tls_cert):
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=config.nats_tls_ca)
+    if config.nats_tls_cert:
+        ctx.load_cert_chain(config.nats_tls_cert, config.nats_tls_key)
+    return ctx
+
+
+def connect_options(config: BusConfig, name: str) -> dict[str, Any]:
+    """Keyword arguments for ``nats.connect`` (auth, TLS, reconnect policy)."""
+    servers = [s.strip() for s in config.nats_url.split(",") if s.strip()]
+    opts: dict[str, Any] = {
+        "servers": servers,
+        "name": name,
+        "allow_reconnect": True,
+        "max_reconnect_attempts": -1,  # a restarted NATS must never strand a worker
+        "reconnect_time_wait": 0.5,
+        "connect_timeout": 2,
+        "ping_interval": 5,
+        "max_outstanding_pings": 3,
+    }
+    if config.nats_token:
+        opts["token"] = config.nats_token
+    if config.nats_user:
+        opts["user"] = config.nats_user
+        opts["password"] = config.nats_password or ""
+    if config.nats_creds:
+        opts["user_credentials"] = config.nats_creds
+    ctx = tls_context(config)
+    if ctx is not None:
+        opts["tls"] = ctx
+    return opts
+
+
+class Bus:
+    def __init__(self, config: BusConfig, name: str) -> None:
+        self.config = config
+        self.name = name
+        self.subjects = Subjects(config.namespace)
+        self.max_bytes = config.max_message_bytes
+        self.stats = BusStats()
+        self.nc: Client | None = None
+        self._subs: list[Subscription] = []
+        self._on_reconnect: list[Callable[[], Awaitable[None]]] = []
+
+    # -- connection -------------------------------------------------------------------------
+
+    async def connect(self, timeout: float = 30.0) -> None:
+        """Connect, retrying until ``timeout``: in compose the bus may start after us."""
+        opts = connect_options(self.config, self.name)
+        opts.update(
+            error_cb=self._error_cb,
+            disconnected_cb=self._disconnected_cb,
+            reconnected_cb=self._reconnected_cb,
+        )
+        # With unlimited reconnects nats-py keeps trying the first connect forever too (in
+        # compose the bus may come up after us), so the overall wait is bounded here.
+        try:
+            self.nc = await asyncio.wait_for(nats.connect(**opts), timeout)
+        except (asyncio.TimeoutError, Exception) as exc:
+            raise ConnectionError(
+                f"cannot connect to NATS at {self.config.nats_url}: {exc!r}"
+            ) from exc
+        log.info("connected to NATS %s as %s", self.nc.connected_url, self.name)
+
+    @property
+    def connected(self) -> bool:
+        return self.nc is not None and self.nc.is_connected
+
+    def on_reconnect(self, callback: Callable[[], Awaitable[None]]) -> None:
+        """Run ``callback`` after every reconnect (e.g. republish state at once)."""
+        self._on_reconnect.append(callback)
+
+    async def _error_cb(self, exc: Exception) -> None:
+        log.warning("NATS error: %s", exc)
+
+    async def _disconnected_cb(self) -> None:
+        self.stats.disconnects += 1
+        log.warning("disconnected from NATS")
+
+    async def _reconnected_cb(self) -> None:
+        self.stats.reconnects += 1
+        log.info("reconnected to NATS %s", self.nc.connected_url if self.nc else "?")
+        for callback in self._on_reconnect:
+            try:
+                await callback()
+            except Exception:
+                log.exception("reconnect callback failed")
+
+    async def close(self) -> None:
+        """Flush what we published and close. Safe to call twice."""
+        nc, self.nc = self.nc, None
+        if nc is None or nc.is_closed:
+            return
+        try:
+            await asyncio.wait_for(nc.flush(), 2.0)
+        except Exception:
+            pass
+        try:
+            await asyncio.wait_for(nc.close(), 5.0)
+        except Exception:
+            log.debug("error while closing NATS", exc_info=True)
+
+    # -- messages ---------------------------------------------------------------------------
+
+    async def publish(
+        self, subject: str, msg: Message, headers: dict[str, str] | None = None
+    ) -> None:
+        if self.nc is None:
+            raise ConnectionError("bus is not connected")
+        data = encode(msg)
+        if len(data) > self.max_bytes:
+            raise ProtocolError(f"{msg.TYPE} of {len(data)} bytes exceeds {self.max_bytes}")
+        await self.nc.publish(subject, data, headers=headers or None)
+
+    async def flush(self, timeout: float = 2.0) -> None:
+        if self.nc is not None:
+            await self.nc.flush(timeout=timeout)
+
+    async def subscribe(
+        self,
+        subject: str,
+        handler: Handler,
+        accept: tuple[type, ...],
+        queue: str | None = None,
+    ) -> Subscription:
+        """Deliver messages of the ``accept`` types on ``subject`` to ``handler(msg, headers)``.
+
+        Messages are handled one at a time per subscription, in arrival order; a handler that
+        must not block others should hand work off (e.g. to a queue) and return.
+        """
+        if self.nc is None:
+            raise ConnectionError("bus is not connected")
+
+        async def on_msg(raw: Msg) -> None:
+            self.stats.received += 1
+            try:
+                msg = decode_as(raw.data, *accept, max_bytes=self.max_bytes)
+            except ProtocolError as exc:
+                self._rejected(raw.subject, exc)
+                return
+            try:
+                await handler(msg, dict(raw.headers or {}))
+            except Exception:
+                self.stats.handler_errors += 1
+                log.exception("handler for %s failed on %s", raw.subject, msg.TYPE)
+
+        sub = await self.nc.subscribe(subject, queue=queue or "", cb=on_msg)
+        self._subs.append(sub)
+        return sub
+
+    def _rejected(self, subject: str, exc: Exception) -> None:
+        self.stats.rejected += 1
+        now = time.monotonic()
+        if now - self.stats.last_reject_log > 5.0:  # a flood of junk must not flood the log
+            self.stats.last_reject_log = now
+            log.warning("rejected message on %s (%d so far): %s", subject, self.stats.rejected, exc)

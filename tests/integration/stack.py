@@ -1,0 +1,122 @@
+"""Real processes for integration tests: nats-server and pdserve services.
+
+Small on purpose. Typical session fixture::
+
+    nats = start_nats(tmp_path_factory.mktemp("nats"))
+    p = start_service("prefill", nats.url, logs, env={"PDSERVE_WORKER_ID": "p0"})
+    d = start_service("decode", nats.url, logs, env={"PDSERVE_WORKER_ID": "d0"})
+    g = start_service("gateway", nats.url, logs, env={"PDSERVE_PORT": str(port)})
+    wait_http(f"http://127.0.0.1:{port}/health")
+    ...
+    stop_all([g, p, d]); nats.stop()
+
+API:
+- ``free_port()``: an unused loopback TCP port.
+- ``start_nats(workdir, **kw) -> NatsServer``: nats-server on a free loopback port; ``.url``,
+  ``.stop()``, ``.restart(down_seconds)`` (same port), ``.child.pid``.
+- ``start_service(command, nats_url, log_dir, env=None, options=None) -> Child``: runs
+  ``python -m shared.cli <command>`` in its own process group. ``options`` maps option names
+  (``{"num_kv_blocks": 64}``) to values; they travel as ``PDSERVE_*`` env like ``pdserve up``
+  does. ``Child``: ``.pid``, ``.alive()``, ``.signal(sig)``, ``.wait(t)``, ``.stop(t)`` (SIGTERM
+  then SIGKILL of the group), ``.log_text()`` for failure messages.
+- ``wait_until(predicate, timeout, what)``; ``wait_http(url, timeout, child=None)``.
+- ``stop_all(children)``: stop every child by pid (process group), newest first.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from services.launcher import (
+    Child,
+    NatsServer,
+    free_port,
+    http_ok,
+    service_argv,
+    service_env,
+    spawn,
+)
+
+__all__ = [
+    "Child",
+    "NatsServer",
+    "free_port",
+    "log_text",
+    "start_nats",
+    "start_service",
+    "stop_all",
+    "wait_http",
+    "wait_until",
+]
+
+# Test processes stay small and quiet: one torch thread each (2 shared cores), no exporters.
+QUIET_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+def start_nats(workdir: Path, **kw: object) -> NatsServer:
+    nats = NatsServer(log_path=Path(workdir) / "nats.log", workdir=Path(workdir), **kw)
+    nats.start()
+    return nats
+
+
+def start_service(
+    command: str,
+    nats_url: str,
+    log_dir: Path,
+    env: dict[str, str] | None = None,
+    options: dict[str, object] | None = None,
+    name: str | None = None,
+) -> Child:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    base.update(QUIET_ENV)
+    base.update(env or {})
+    full_env = service_env({"nats_url": nats_url, **(options or {})}, base)
+    name = name or full_env.get("PDSERVE_WORKER_ID") or command
+    log_path = Path(log_dir) / f"{name}.log"
+    return spawn(name, service_argv(command), full_env, log_path)
+
+
+def log_text(child: Child, tail: int = 4000) -> str:
+    if child.log_path is None or not child.log_path.exists():
+        return ""
+    return child.log_path.read_text(errors="replace")[-tail:]
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, what: str = "condition") -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def wait_http(url: str, timeout: float = 60.0, children: Iterable[Child] = ()) -> None:
+    """Wait for a 200 from ``url``; fail at once (with its log) if one of ``children`` dies."""
+    children = list(children)
+    deadline = time.monotonic() + timeout
+    while not http_ok(url, timeout=1.0):
+        for child in children:
+            if not child.alive():
+                raise RuntimeError(
+                    f"{child.name} exited with {child.popen.returncode}:\n{log_text(child)}"
+                )
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} not healthy after {timeout:.0f}s")
+        time.sleep(0.1)
+
+
+def stop_all(children: Iterable[Child], timeout: float = 10.0) -> None:
+    for child in reversed(list(children)):
+        child.stop(timeout)

@@ -1,0 +1,170 @@
+"""The NATS layer against a real nats-server: delivery with headers, input filtering, auth,
+TLS, and surviving a server restart."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from shared.bus import Bus
+from shared.config import BusConfig
+from shared.protocol import Cancel, ReleaseLease, WorkerLoad, encode
+from tests.integration.stack import NatsServer, start_nats
+
+
+@pytest.fixture(scope="module")
+def nats(tmp_path_factory) -> NatsServer:
+    server = start_nats(tmp_path_factory.mktemp("nats"))
+    yield server
+    server.stop()
+
+
+def bus_for(url: str, **kw) -> Bus:
+    return Bus(BusConfig(nats_url=url, namespace="t", **kw), "test")
+
+
+async def collect(bus: Bus, subject: str, accept: tuple[type, ...]) -> asyncio.Queue:
+    got: asyncio.Queue = asyncio.Queue()
+
+    async def handler(msg, headers) -> None:
+        await got.put((msg, headers))
+
+    await bus.subscribe(subject, handler, accept)
+    await bus.flush()
+    return got
+
+
+async def test_publish_subscribe_with_headers(nats) -> None:
+    a, b = bus_for(nats.url), bus_for(nats.url)
+    await a.connect()
+    await b.connect()
+    try:
+        subject = b.subjects.cancel
+        got = await collect(b, subject, (Cancel,))
+        tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        await a.publish(subject, Cancel("r1"), headers={"traceparent": tp})
+        msg, headers = await asyncio.wait_for(got.get(), 5)
+        assert msg == Cancel("r1")
+        assert headers["traceparent"] == tp
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_bad_input_is_dropped_and_counted(nats) -> None:
+    """Junk, wrong types and oversized messages never reach the handler; good ones still do."""
+    sender = bus_for(nats.url)
+    receiver = bus_for(nats.url, max_message_bytes=1024)
+    await sender.connect()
+    await receiver.connect()
+    try:
+        subject = receiver.subjects.lease("p0")
+        got = await collect(receiver, subject, (ReleaseLease,))
+        nc = sender.nc
+        await nc.publish(subject, b"\xc1garbage")
+        await nc.publish(subject, encode(Cancel("r1")))  # valid message, wrong subject type
+        await nc.publish(subject, b"\x00" * 4096)  # over this receiver's limit
+        load = WorkerLoad("x", "decode", "m" * 200, 1, 1, 0, 0)
+        assert len(encode(load)) < 1024
+        await nc.publish(subject, encode(ReleaseLease("ok")))
+        msg, _ = await asyncio.wait_for(got.get(), 5)
+        assert msg == ReleaseLease("ok")
+        assert got.empty()
+        assert receiver.stats.rejected == 3
+        # and the sender refuses to publish beyond its own limit
+        small = bus_for(nats.url, max_message_bytes=16)
+        await small.connect()
+        with pytest.raises(ValueError, match="exceeds"):
+            await small.publish(subject, load)
+        await small.close()
+    finally:
+        await sender.close()
+        await receiver.close()
+
+
+async def test_token_auth(tmp_path) -> None:
+    server = start_nats(tmp_path, token="s3cret")
+    try:
+        good = bus_for(server.url, nats_token="s3cret")
+        await good.connect(timeout=5)
+        assert good.connected
+        await good.close()
+        bad = bus_for(server.url, nats_token="wrong")
+        with pytest.raises(ConnectionError):
+            await bad.connect(timeout=1.5)
+    finally:
+        server.stop()
+
+
+async def test_user_password_auth(tmp_path) -> None:
+    server = start_nats(tmp_path, user="pd", password="pw")
+    try:
+        good = bus_for(server.url, nats_user="pd", nats_password="pw")
+        await good.connect(timeout=5)
+        assert good.connected
+        await good.close()
+        with pytest.raises(ConnectionError):
+            await bus_for(server.url).connect(timeout=1.5)
+    finally:
+        server.stop()
+
+
+def make_cert(tmp: Path) -> tuple[Path, Path]:
+    key, cert = tmp / "server.key", tmp / "server.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+        + ["-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost"]
+        + ["-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+        check=True,
+        capture_output=True,
+    )
+    return key, cert
+
+
+async def test_tls(tmp_path) -> None:
+    """A CA file in BusConfig turns TLS on and verifies the server against it."""
+    key, cert = make_cert(tmp_path)
+    server = NatsServer(
+        workdir=tmp_path, log_path=tmp_path / "nats.log", tls_cert=cert, tls_key=key
+    )
+    server.start()
+    try:
+        good = bus_for(f"tls://127.0.0.1:{server.port}", nats_tls_ca=str(cert))
+        await good.connect(timeout=5)
+        got = await collect(good, good.subjects.cancel, (Cancel,))
+        await good.publish(good.subjects.cancel, Cancel("over-tls"))
+        assert (await asyncio.wait_for(got.get(), 5))[0] == Cancel("over-tls")
+        await good.close()
+        # without the CA the self-signed server is not trusted
+        with pytest.raises(ConnectionError):
+            await bus_for(f"tls://127.0.0.1:{server.port}").connect(timeout=1.5)
+    finally:
+        server.stop()
+
+
+async def test_survives_server_restart(tmp_path) -> None:
+    server = start_nats(tmp_path)
+    a, b = bus_for(server.url), bus_for(server.url)
+    try:
+        await a.connect()
+        await b.connect()
+        got = await collect(b, b.subjects.cancel, (Cancel,))
+        server.restart(down_seconds=0.3)
+        # reconnect is automatic, and subscriptions come back with it
+        for _ in range(100):
+            if a.stats.reconnects and b.stats.reconnects:
+                break
+            await asyncio.sleep(0.1)
+        assert a.stats.reconnects >= 1 and b.stats.reconnects >= 1
+        assert a.connected and b.connected
+        await b.flush()
+        await a.publish(a.subjects.cancel, Cancel("after-restart"))
+        msg, _ = await asyncio.wait_for(got.get(), 5)
+        assert msg == Cancel("after-restart")
+    finally:
+        await a.close()
+        await b.close()
+        server.stop()
