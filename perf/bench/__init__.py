@@ -1,0 +1,1 @@
+"""`pdserve bench`: datasets, arrivals, streaming client, metrics and reports."""

@@ -1,0 +1,238 @@
+"""Results on disk: one JSON file, a markdown table, and PNG plots.
+
+A result holds one or more runs; several runs are a sweep over request rates, and the
+scenario harness puts several labelled series (e.g. "disaggregated", "aggregated") side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from perf.bench.client import RequestRecord
+from perf.bench.metrics import BenchMetrics, request_tpot
+
+LATENCY_METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
+TITLES = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2el_ms": "E2E latency"}
+
+
+@dataclass
+class RunResult:
+    series: str  # which system or configuration ("pdserve", "disaggregated 1P1D", ...)
+    request_rate: float
+    burstiness: float
+    max_concurrency: int | None
+    metrics: BenchMetrics
+    records: list[RequestRecord] = field(default_factory=list)
+
+    @property
+    def rate_label(self) -> str:
+        return "inf" if math.isinf(self.request_rate) else f"{self.request_rate:g}"
+
+
+def _jsonable(value: Any) -> Any:
+    """Standard JSON has no Infinity/NaN; write them as strings so any parser reads the file."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def result_document(
+    runs: Sequence[RunResult],
+    config: dict[str, Any],
+    summary: dict[str, Any] | None = None,
+    detailed: bool = True,
+) -> dict[str, Any]:
+    doc_runs = []
+    for run in runs:
+        entry: dict[str, Any] = {
+            "series": run.series,
+            "request_rate": run.request_rate,
+            "burstiness": run.burstiness,
+            "max_concurrency": run.max_concurrency,
+            "metrics": run.metrics.to_dict(),
+        }
+        if detailed:
+            entry["records"] = [
+                asdict(r) | {"output_tokens": r.output_tokens, "tpot": request_tpot(r)}
+                for r in run.records
+            ]
+        doc_runs.append(entry)
+    return _jsonable({"config": config, "summary": summary or {}, "runs": doc_runs})
+
+
+def write_json(path: Path, document: dict[str, Any]) -> None:
+    path.write_text(json.dumps(document, indent=1, allow_nan=False) + "\n")
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.2f}" if abs(x) < 1000 else f"{x:.0f}"
+
+
+def markdown_table(runs: Sequence[RunResult], percentiles: Sequence[str] = ("p90", "p99")) -> str:
+    """One row per run: load, throughput, goodput and the latency distributions (ms)."""
+    head = ["series", "rate (req/s)", "done/failed", "req/s", "out tok/s", "goodput (req/s)"]
+    head.append("SLO attain.")
+    for name in LATENCY_METRICS:
+        head += [f"{TITLES[name]} {s}" for s in ("mean", "median", *percentiles)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for run in runs:
+        m = run.metrics
+        has_slo = bool(m.goodput_slos_ms)
+        row = [
+            run.series,
+            run.rate_label,
+            f"{m.completed}/{m.failed}",
+            _fmt(m.request_throughput),
+            _fmt(m.output_throughput),
+            _fmt(m.request_goodput) if has_slo else "-",
+            f"{100 * m.slo_attainment:.1f}%" if has_slo else "-",
+        ]
+        for name in LATENCY_METRICS:
+            d = getattr(m, name)
+            row += [_fmt(d.mean), _fmt(d.median), *(_fmt(d.percentiles[p]) for p in percentiles)]
+        lines.append("| " + " | ".join(row) + " |")
+    slos = next((r.metrics.goodput_slos_ms for r in runs if r.metrics.goodput_slos_ms), None)
+    if slos:
+        lines.append("")
+        lines.append("SLOs (ms): " + ", ".join(f"{k} <= {v:g}" for k, v in slos.items()))
+    return "\n".join(lines) + "\n"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def latency_samples(run: RunResult, name: str) -> np.ndarray:
+    """The per-request (or, for ITL, pooled per-gap) values behind one distribution, in ms."""
+    ok = [r for r in run.records if r.success]
+    if name == "ttft_ms":
+        values = [r.ttft for r in ok]
+    elif name == "tpot_ms":
+        values = [t for r in ok if (t := request_tpot(r)) is not None]
+    elif name == "itl_ms":
+        values = [g for r in ok for g in r.itl]
+    elif name == "e2el_ms":
+        values = [r.latency for r in ok]
+    else:
+        raise ValueError(name)
+    return np.sort(np.asarray(values, dtype=np.float64) * 1000.0)
+
+
+def plot_latency_cdfs(runs: Sequence[RunResult], path: Path, title: str = "") -> None:
+    """Empirical CDFs of TTFT, TPOT, ITL and E2E, one line per run."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for ax, name in zip(axes.flat, LATENCY_METRICS, strict=True):
+        slo = {"ttft_ms": "ttft", "tpot_ms": "tpot", "e2el_ms": "e2el"}.get(name)
+        for run in runs:
+            xs = latency_samples(run, name)
+            if xs.size:
+                ys = np.arange(1, xs.size + 1) / xs.size
+                ax.step(xs, ys, where="post", label=f"{run.series} @ {run.rate_label} req/s")
+            limit = run.metrics.goodput_slos_ms.get(slo or "")
+            # an SLO far right of every sample would squash the curves into one line
+            if limit is not None and xs.size and limit <= 2 * xs[-1]:
+                ax.axvline(limit, color="grey", ls="--", lw=0.8)
+        ax.set_xlabel(f"{TITLES[name]} (ms)")
+        ax.set_ylabel("fraction of " + ("gaps" if name == "itl_ms" else "requests"))
+        ax.set_ylim(0, 1.01)
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=7, loc="lower right")
+    fig.suptitle(title or "latency CDFs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _rate_positions(runs: Sequence[RunResult]) -> tuple[dict[float, float], float | None]:
+    """x position per offered rate; an unbounded rate goes one step right of the largest."""
+    finite = sorted({r.request_rate for r in runs if math.isfinite(r.request_rate)})
+    pos = {rate: rate for rate in finite}
+    inf_x = None
+    if any(math.isinf(r.request_rate) for r in runs):
+        inf_x = finite[-1] * 1.25 if finite else 1.0
+        pos[math.inf] = inf_x
+    return pos, inf_x
+
+
+def plot_sweep(runs: Sequence[RunResult], path: Path, title: str = "") -> None:
+    """Throughput, goodput and SLO attainment against offered request rate, one line per series."""
+    plt = _pyplot()
+    series: dict[str, list[RunResult]] = {}
+    for run in runs:
+        series.setdefault(run.series, []).append(run)
+    pos, inf_x = _rate_positions(runs)
+    has_slo = any(r.metrics.goodput_slos_ms for r in runs)
+    fig, axes = plt.subplots(1, 3 if has_slo else 2, figsize=(15 if has_slo else 10, 4.5))
+    for name, group in series.items():
+        group = sorted(group, key=lambda r: r.request_rate)
+        xs = [pos[r.request_rate] for r in group]
+        axes[0].plot(xs, [r.metrics.output_throughput for r in group], "o-", label=name)
+        axes[1].plot(xs, [r.metrics.request_throughput for r in group], "o-", label=f"{name}")
+        if has_slo:
+            axes[1].plot(
+                xs, [r.metrics.request_goodput for r in group], "s--", label=f"{name} goodput"
+            )
+            axes[2].plot(xs, [100 * r.metrics.slo_attainment for r in group], "o-", label=name)
+    axes[0].set_ylabel("output tokens / s")
+    axes[1].set_ylabel("requests / s")
+    if has_slo:
+        axes[2].set_ylabel("SLO attainment (%)")
+        axes[2].axhline(90, color="grey", ls="--", lw=0.8)
+        axes[2].set_ylim(0, 101)
+    for ax in axes:
+        ax.set_xlim(left=0)
+        if inf_x is not None:  # label the unbounded point "inf" instead of a made-up number
+            ticks = [t for t in ax.get_xticks() if 0 <= t < inf_x * 0.9] + [inf_x]
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks[:-1]] + ["inf"])
+        ax.set_xlabel("offered request rate (req/s)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title or "throughput and goodput vs request rate")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(
+    runs: Sequence[RunResult],
+    out_dir: Path,
+    name: str,
+    config: dict[str, Any],
+    summary: dict[str, Any] | None = None,
+    plots: bool = True,
+    detailed: bool = True,
+) -> dict[str, Path]:
+    """Write <name>.json, <name>.md and the PNGs; return what was written, by kind."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / f"{name}.json", "markdown": out_dir / f"{name}.md"}
+    write_json(paths["json"], result_document(runs, config, summary, detailed))
+    md = [f"# {name}", "", markdown_table(runs)]
+    if summary:
+        md += ["", *(f"- {k}: {v}" for k, v in summary.items()), ""]
+    if plots:
+        paths["cdf"] = out_dir / f"{name}_latency_cdf.png"
+        plot_latency_cdfs(runs, paths["cdf"], title=name)
+        md.append(f"![latency CDFs]({paths['cdf'].name})")
+        if len({r.request_rate for r in runs}) > 1:
+            paths["sweep"] = out_dir / f"{name}_sweep.png"
+            plot_sweep(runs, paths["sweep"], title=name)
+            md.append(f"![throughput and goodput vs rate]({paths['sweep'].name})")
+    paths["markdown"].write_text("\n".join(md) + "\n")
+    return paths

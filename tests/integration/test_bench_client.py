@@ -1,0 +1,235 @@
+"""`pdserve bench` against a real aiohttp server that streams OpenAI SSE with known timings.
+
+The server sleeps TTFT before the first chunk and ITL between chunks, so every latency the
+client reports has a known floor, and token counts are known exactly. It runs in its own thread
+and event loop so the bench runs exactly as from the command line (its own asyncio.run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from perf.bench.client import ClientConfig, LoadConfig, run_benchmark
+from perf.bench.datasets import BenchRequest
+from shared.cli import main as cli_main
+
+TTFT_S = 0.040
+ITL_S = 0.008
+MODEL = "fake-model"
+FAIL_TOKEN = 7  # a prompt starting with this id gets HTTP 500
+PAIR_TOKEN = 9  # a prompt starting with this id streams two tokens per chunk
+
+
+def _chunk(text: str, finish: str | None, n_tokens: int) -> bytes:
+    choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+    body = {"id": "cmpl-1", "object": "text_completion", "model": MODEL, "choices": [choice]}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
+    prompt = body["prompt"]
+    if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+        return web.json_response({"error": {"message": "prompt must be token ids"}}, status=400)
+    if body.get("ignore_eos") is not True or body.get("stream") is not True:
+        return web.json_response(
+            {"error": {"message": "bench must stream, ignore_eos"}}, status=400
+        )
+    if prompt[0] == FAIL_TOKEN:
+        return web.json_response({"error": {"message": "injected failure"}}, status=500)
+    n = int(body["max_tokens"])
+    per_chunk = 2 if prompt[0] == PAIR_TOKEN else 1
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await asyncio.sleep(TTFT_S)
+    sent = 0
+    while sent < n:
+        k = min(per_chunk, n - sent)
+        sent += k
+        await resp.write(_chunk("a" * k, "length" if sent == n else None, k))
+        if sent < n:
+            await asyncio.sleep(ITL_S)
+    usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
+    usage_body = {"id": "cmpl-1", "object": "text_completion", "choices": [], "usage": usage}
+    await resp.write(b"data: " + json.dumps(usage_body).encode() + b"\n\n")
+    await resp.write(b": keep-alive comment\n\ndata: [DONE]\n\n")
+    return resp
+
+
+async def models(_: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+
+@pytest.fixture(scope="module")
+def server_url() -> Iterator[str]:
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    ready = threading.Event()
+
+    def serve() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.SockSite(runner, sock).start())
+        ready.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    yield f"http://127.0.0.1:{port}"
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+def test_records_match_server_timings(server_url: str) -> None:
+    reqs = [BenchRequest([100 + i] * (5 + i), 6) for i in range(6)]
+    reqs.append(BenchRequest([FAIL_TOKEN, 1, 2], 4))
+    reqs.append(BenchRequest([PAIR_TOKEN, 1, 2], 7))  # 4 chunks: 2+2+2+1 tokens
+    cfg = ClientConfig(base_url=server_url, model=MODEL)
+    run = asyncio.run(run_benchmark(reqs, cfg, LoadConfig(float("inf")), progress=False))
+
+    assert len(run.records) == len(reqs)
+    assert [r.index for r in run.records] == list(range(len(reqs)))
+    failed = run.records[6]
+    assert not failed.success and "HTTP 500" in failed.error and "injected" in failed.error
+    for rec in run.records[:6]:
+        assert rec.success, rec.error
+        assert rec.usage_tokens == rec.chunk_tokens == rec.output_tokens == 6
+        assert rec.finish_reason == "length"
+        assert len(rec.itl) == 5
+        assert rec.ttft >= TTFT_S * 0.95
+        # single gaps jitter with scheduling; the server's sleeps bound the total from below
+        assert rec.latency >= TTFT_S + 5 * ITL_S
+        assert np.median(rec.itl) >= ITL_S * 0.5
+        # E2E ends at the last token chunk: TTFT plus the gaps, not the usage chunk or [DONE]
+        assert rec.latency == pytest.approx(rec.ttft + sum(rec.itl), abs=1e-9)
+    assert [r.prompt_len for r in run.records[:6]] == [5, 6, 7, 8, 9, 10]
+    paired = run.records[7]
+    assert paired.success and len(paired.itl) == 3
+    assert paired.chunk_tokens == 4  # one text chunk counts one token without token ids...
+    assert paired.output_tokens == 7  # ...so the usage chunk's count is the one used
+    # all sent at once: the whole run takes about one request's time, not eight
+    assert run.duration < 8 * (TTFT_S + 5 * ITL_S)
+
+
+def test_max_concurrency_serializes(server_url: str) -> None:
+    reqs = [BenchRequest([50, 51], 3) for _ in range(4)]
+    cfg = ClientConfig(base_url=server_url, model=MODEL)
+    run = asyncio.run(run_benchmark(reqs, cfg, LoadConfig(float("inf"), max_concurrency=1), False))
+    one = TTFT_S + 2 * ITL_S
+    assert run.duration >= 4 * one * 0.95
+    starts = sorted(r.start_time for r in run.records)
+    # each starts only after the previous one ended, and its clock starts when it is sent
+    assert all(b - a >= one * 0.9 for a, b in zip(starts, starts[1:], strict=False))
+    assert all(r.ttft < 3 * TTFT_S for r in run.records)
+
+
+def test_cli_writes_consistent_outputs(server_url: str, tmp_path: Path) -> None:
+    rc = cli_main(
+        [
+            "bench",
+            "--base-url",
+            server_url,
+            "--dataset",
+            "random",
+            "--num-requests",
+            "10",
+            "--input-len",
+            "16",
+            "--output-len",
+            "5",
+            "--range-ratio",
+            "0.5",
+            "--request-rate",
+            "200",
+            "inf",
+            "--goodput",
+            "ttft:5000",
+            "tpot:1",  # ITL floor is 8 ms, so nothing meets a 1 ms TPOT SLO
+            "--result-dir",
+            str(tmp_path),
+            "--result-name",
+            "fake",
+            "--no-progress",
+        ]
+    )
+    assert rc == 0
+    doc = json.loads((tmp_path / "fake.json").read_text())
+    assert doc["config"]["model"] is None and doc["config"]["num_requests"] == 10
+    assert [run["request_rate"] for run in doc["runs"]] == [200, "inf"]
+    for run in doc["runs"]:
+        m, records = run["metrics"], run["records"]
+        assert len(records) == 10 and m["completed"] == 10 and m["failed"] == 0
+        assert m["total_output_tokens"] == sum(r["output_tokens"] for r in records)
+        assert all(r["output_tokens"] == r["expected_output_len"] for r in records)
+        assert m["output_len_mismatches"] == 0
+        ttfts = sorted(r["ttft"] * 1000 for r in records)
+        assert m["ttft_ms"]["percentiles"]["p99"] == pytest.approx(np.percentile(ttfts, 99))
+        assert m["ttft_ms"]["median"] >= TTFT_S * 1000 * 0.95
+        assert all(r["latency"] >= TTFT_S + (r["output_tokens"] - 1) * ITL_S for r in records)
+        assert m["tpot_ms"]["median"] >= ITL_S * 1000 * 0.5
+        assert m["itl_ms"]["count"] == sum(len(r["itl"]) for r in records)
+        assert m["request_throughput"] == pytest.approx(10 / m["duration_s"])
+        # tpot SLO of 1 ms is impossible here, so no request is good
+        assert m["good_requests"] == 0 and m["slo_attainment"] == 0.0
+        assert m["goodput_slos_ms"] == {"ttft": 5000.0, "tpot": 1.0}
+    assert not math.isnan(doc["runs"][0]["metrics"]["duration_s"])
+    md = (tmp_path / "fake.md").read_text()
+    assert "| pdserve | 200 | 10/0 |" in md and "| pdserve | inf | 10/0 |" in md
+    for png in ("fake_latency_cdf.png", "fake_sweep.png"):
+        data = (tmp_path / png).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 10_000
+        assert f"]({png})" in md
+
+
+def test_cli_fails_fast_on_bad_endpoint(server_url: str, tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="warm-up request"):
+        cli_main(
+            [
+                "bench",
+                "--base-url",
+                server_url,
+                "--endpoint",
+                "/v1/nope",
+                "--model",
+                MODEL,
+                "--num-requests",
+                "2",
+                "--result-dir",
+                str(tmp_path),
+                "--no-progress",
+            ]
+        )
+    assert not list(tmp_path.iterdir())
+
+
+def test_arrival_pacing_is_followed(server_url: str) -> None:
+    reqs = [BenchRequest([60, 61], 1) for _ in range(5)]
+    cfg = ClientConfig(base_url=server_url, model=MODEL)
+    t0 = time.perf_counter()
+    run = asyncio.run(run_benchmark(reqs, cfg, LoadConfig(50.0, seed=3), False))
+    assert time.perf_counter() - t0 >= run.duration
+    offsets = np.concatenate(
+        [[0.0], np.cumsum(np.random.default_rng(3).gamma(1.0, 1 / 50.0, size=4))]
+    )
+    starts = np.array([r.start_time for r in run.records])
+    assert np.all(starts >= offsets - 1e-3)
+    assert np.all(starts - offsets < 0.05)  # the event loop keeps to the schedule
