@@ -168,3 +168,76 @@ async def test_survives_server_restart(tmp_path) -> None:
         await a.close()
         await b.close()
         server.stop()
+
+
+# -- discovery over the same server -------------------------------------------------------------
+
+
+async def test_heartbeats_registry_and_ageing_out(nats) -> None:
+    from shared.discovery import JOINED, LEFT, HeartbeatPublisher, WorkerRegistry
+
+    worker_bus, gw_bus = bus_for(nats.url), bus_for(nats.url)
+    await worker_bus.connect()
+    await gw_bus.connect()
+    registry = WorkerRegistry(gw_bus, timeout=0.6)
+    events: list[tuple[str, str]] = []
+    registry.add_listener(lambda event, load: events.append((event, load.worker_id)))
+    await registry.start()
+    await gw_bus.flush()
+
+    state = {"draining": False}
+
+    def load_of(worker_id: str, role: str):
+        return lambda: WorkerLoad(worker_id, role, "m", 7, 8, 1, 0, state["draining"])
+
+    clean = HeartbeatPublisher(worker_bus, load_of("d0", "decode"), interval=0.1)
+    crashy = HeartbeatPublisher(worker_bus, load_of("p0", "prefill"), interval=0.1)
+    try:
+        await clean.start()
+        await crashy.start()
+
+        async def until(pred, timeout=5.0):
+            for _ in range(int(timeout / 0.05)):
+                if pred():
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError("condition not reached")
+
+        await until(lambda: len(registry.loads()) == 2)
+        assert [w.worker_id for w in registry.routable("decode")] == ["d0"]
+        assert registry.get("p0").free_blocks == 7
+        assert sorted(events) == [(JOINED, "d0"), (JOINED, "p0")]
+
+        state["draining"] = True  # a draining worker stays known but takes nothing new
+        await until(lambda: registry.get("d0").draining)
+        assert registry.routable("decode") == [] and registry.get("d0") is not None
+
+        await clean.stop(gone=True)  # clean exit: gone at once
+        await until(lambda: registry.get("d0") is None, timeout=0.3)
+        await crashy.stop(gone=False)  # like kill -9: ages out after the timeout
+        assert registry.get("p0") is not None
+        await until(lambda: registry.get("p0") is None, timeout=3.0)
+        assert (LEFT, "d0") in events and (LEFT, "p0") in events
+    finally:
+        await registry.stop()
+        await worker_bus.close()
+        await gw_bus.close()
+
+
+async def test_micro_service_registration(nats) -> None:
+    import json
+
+    from shared.discovery import register_micro_service
+
+    bus = bus_for(nats.url)
+    await bus.connect()
+    try:
+        svc = await register_micro_service(bus, lambda: WorkerLoad("d7", "decode", "m", 3, 8, 0, 0))
+        reply = await bus.nc.request("$SRV.INFO.pdserve-decode", b"", timeout=2)
+        info = json.loads(reply.data)
+        assert info["metadata"]["worker_id"] == "d7"
+        reply = await bus.nc.request("t.status.d7", b"", timeout=2)
+        assert json.loads(reply.data)["free_blocks"] == 3
+        await svc.stop()
+    finally:
+        await bus.close()
