@@ -207,8 +207,12 @@ def inject_headers(
 
 
 def extract_context(headers: Mapping[str, str] | None) -> Context:
-    """The trace context carried by incoming NATS headers (empty context when there is none)."""
-    return propagate.extract(dict(headers) if headers else {})
+    """The trace context carried by incoming NATS or HTTP headers (empty context if none).
+
+    Header names are matched case-insensitively: HTTP clients may send ``Traceparent`` and
+    NATS keeps whatever case the sender used, while the propagator looks up ``traceparent``.
+    """
+    return propagate.extract({k.lower(): v for k, v in headers.items()} if headers else {})
 
 
 def record_span(

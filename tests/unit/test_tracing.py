@@ -82,6 +82,23 @@ def test_no_endpoint_keeps_noop_provider_but_still_propagates() -> None:
     assert tracing.inject_headers() == {}
 
 
+def test_extract_matches_header_names_in_any_case() -> None:
+    value = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    for name in ("traceparent", "Traceparent", "TRACEPARENT"):
+        ctx = trace.get_current_span(tracing.extract_context({name: value})).get_span_context()
+        assert (ctx.trace_id, ctx.span_id, ctx.is_remote) == (
+            0x0AF7651916CD43DD8448EB211C80319C,
+            0xB7AD6B7169203331,
+            True,
+        )
+    assert not trace.get_current_span(tracing.extract_context(None)).get_span_context().is_valid
+    assert (
+        not trace.get_current_span(tracing.extract_context({"traceparent": "junk"}))
+        .get_span_context()
+        .is_valid
+    )
+
+
 def test_sdk_disabled_wins_over_endpoint(monkeypatch: pytest.MonkeyPatch, rx: OtlpReceiver) -> None:
     _use(monkeypatch, rx.env(OTEL_SDK_DISABLED="true"))
     tracing.setup_tracing(tracing.SERVICE_GATEWAY, "gw-1")
