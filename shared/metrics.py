@@ -25,16 +25,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-    start_http_server,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 # Buckets span the range LLM serving actually sees: a cached short prompt answers in a few ms, a
@@ -238,21 +231,24 @@ class WorkerLoadCollector(Collector):
         return []
 
 
-def render_metrics(registry: CollectorRegistry) -> tuple[bytes, str]:
-    """The registry in Prometheus text format, with its content type."""
-    return generate_latest(registry), CONTENT_TYPE_LATEST
+def render_metrics(registry: CollectorRegistry, accept: str | None = None) -> tuple[bytes, str]:
+    """The registry in the format the scraper's ``Accept`` header asks for, with its type.
+
+    Prometheus text by default; OpenMetrics when asked (Prometheus asks for it to get exemplars
+    and created timestamps). The content type keeps its ``version`` parameter, which Prometheus
+    3 needs to pick a parser.
+    """
+    encoder, content_type = choose_encoder(accept or "")
+    return encoder(registry), content_type
 
 
 def metrics_handler(registry: CollectorRegistry) -> Callable[[Any], Any]:
     """An aiohttp handler serving ``registry`` (for the gateway's ``/metrics`` route)."""
     from aiohttp import web
 
-    async def handle(_request: web.Request) -> web.Response:
-        body, content_type = render_metrics(registry)
-        # aiohttp wants the charset apart from the mime type.
-        mime, _, params = content_type.partition(";")
-        charset = params.split("charset=")[-1].strip() if "charset=" in params else "utf-8"
-        return web.Response(body=body, content_type=mime.strip(), charset=charset)
+    async def handle(request: web.Request) -> web.Response:
+        body, content_type = render_metrics(registry, request.headers.get("Accept"))
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     return handle
 

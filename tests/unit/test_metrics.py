@@ -10,6 +10,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared import metrics
@@ -46,11 +49,11 @@ def load(worker_id: str, role: str, free: int, total: int, running: int, waiting
     )
 
 
-async def scrape(registry: CollectorRegistry) -> tuple[str, str]:
+async def scrape(registry: CollectorRegistry, accept: str | None = None) -> tuple[str, str]:
     app = web.Application()
     app.router.add_get("/metrics", metrics.metrics_handler(registry))
     async with TestClient(TestServer(app)) as client:
-        resp = await client.get("/metrics")
+        resp = await client.get("/metrics", headers={"Accept": accept} if accept else None)
         assert resp.status == 200
         return await resp.text(), resp.headers["Content-Type"]
 
@@ -72,7 +75,7 @@ async def test_gateway_histograms_count_the_requests_made() -> None:
         m.in_flight.dec()
 
     text, content_type = await scrape(registry)
-    assert content_type.startswith("text/plain")
+    assert content_type.startswith("text/plain; version=0.0.4")  # Prometheus 3 needs the version
     s = parse(text)
     assert s[("pdserve_time_to_first_token_seconds_count", ())] == 3
     assert s[("pdserve_time_to_first_token_seconds_sum", ())] == pytest.approx(2.33)
@@ -111,6 +114,28 @@ async def test_gateway_reexports_live_worker_loads() -> None:
     s = parse((await scrape(registry))[0])
     assert not [key for key in s if dict(key[1]).get("worker") == "p1"]
     assert s[("pdserve_kv_cache_used_blocks", (("role", "decode"), ("worker", "d1")))] == 0
+
+
+async def test_openmetrics_when_the_scraper_asks_for_it() -> None:
+    registry = CollectorRegistry()
+    m = metrics.GatewayMetrics(registry)
+    m.ttft.observe(0.05)
+    m.request_finished("stop", 3, 4, 0.2)
+    text, content_type = await scrape(registry, "application/openmetrics-text;version=1.0.0")
+    assert content_type.startswith("application/openmetrics-text")
+    families = {f.name: f for f in openmetrics_families(text)}
+    [count] = [
+        s
+        for s in families["pdserve_time_to_first_token_seconds"].samples
+        if s.name.endswith("_count")
+    ]
+    assert count.value == 1
+    [stop] = families["pdserve_requests"].samples[:1]
+    assert (stop.name, stop.labels, stop.value) == (
+        "pdserve_requests_total",
+        {"finish_reason": "stop"},
+        1,
+    )
 
 
 def test_load_collector_registers_before_discovery_runs() -> None:
