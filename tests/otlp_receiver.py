@@ -152,6 +152,12 @@ class _SpanStore:
             out.setdefault(span.trace_id, []).append(span)
         return out
 
+    def request_spans(self, request_id: str) -> list[ReceivedSpan]:
+        """Every span of the trace(s) in which some span carries ``pdserve.request_id``."""
+        spans = self.spans
+        ids = {s.trace_id for s in spans if s.attributes.get("pdserve.request_id") == request_id}
+        return sorted((s for s in spans if s.trace_id in ids), key=lambda s: s.start_ns)
+
     def wait_for_sync(
         self, predicate: Callable[[list[ReceivedSpan]], bool], timeout: float = 10.0
     ) -> list[ReceivedSpan]:

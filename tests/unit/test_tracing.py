@@ -151,7 +151,7 @@ def test_spans_cross_a_header_hop_into_one_trace(
         pass
     # Nothing of this process was exported yet (5 s batch delay); shutdown must flush it.
     tracing.shutdown_tracing()
-    spans = {s.name: s for s in rx.spans}
+    spans = {s.name: s for s in rx.request_spans("req-hop")}
     assert set(spans) == {"POST /v1/completions", "prefill.queue", "decode.generate"}
 
     root_span, prefill, decode = (
