@@ -4,8 +4,9 @@ Configuration comes only from the standard ``OTEL_*`` environment variables, rea
 itself wherever it can:
 
 - ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_ENDPOINT``: where spans go. With
-  neither set (and no ``OTEL_TRACES_EXPORTER=console``) no SDK provider is installed at all: the
-  API's no-op tracer stays in place, spans are non-recording and cost a few hundred nanoseconds.
+  neither set (and ``OTEL_TRACES_EXPORTER`` not naming ``otlp`` or ``console``) no SDK provider
+  is installed at all: the API's no-op tracer stays in place and a span is a few microseconds
+  of non-recording bookkeeping. ``OTEL_TRACES_EXPORTER=none`` turns export off explicitly.
 - ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` / ``OTEL_EXPORTER_OTLP_PROTOCOL``: ``http/protobuf``
   (default) or ``grpc``.
 - ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG``, ``OTEL_BSP_*``, ``OTEL_RESOURCE_ATTRIBUTES``,
@@ -115,7 +116,10 @@ def _exporter_kind() -> str | None:
         return None
     if "console" in requested:
         return "console"
-    # The spec's default endpoint (localhost:4318) is not assumed: no endpoint means no cost.
+    # Asked for by name, OTLP goes to the spec's default endpoint (localhost:4318 or :4317).
+    # Otherwise that default is not assumed: no endpoint configured means no exporter, no cost.
+    if "otlp" in requested:
+        return "otlp"
     if _env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or _env("OTEL_EXPORTER_OTLP_ENDPOINT"):
         return "otlp"
     return None

@@ -106,6 +106,25 @@ def test_sdk_disabled_wins_over_endpoint(monkeypatch: pytest.MonkeyPatch, rx: Ot
     assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
 
 
+@pytest.mark.parametrize(
+    "env,enabled",
+    [
+        ({"OTEL_TRACES_EXPORTER": "otlp"}, True),  # named: the spec's default endpoint
+        ({"OTEL_TRACES_EXPORTER": "console"}, True),
+        ({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4318"}, False),
+        ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://x:4318/v1/traces"}, True),
+        ({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, False),  # a protocol alone is no destination
+    ],
+)
+def test_which_env_turns_export_on(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], enabled: bool
+) -> None:
+    _use(monkeypatch, env)
+    tracing.setup_tracing(tracing.SERVICE_PREFILL, "p-1")
+    assert tracing.tracing_enabled() is enabled
+    assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider) is not enabled
+
+
 def test_spans_cross_a_header_hop_into_one_trace(
     monkeypatch: pytest.MonkeyPatch, rx: OtlpReceiver
 ) -> None:
