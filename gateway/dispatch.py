@@ -1,0 +1,326 @@
+"""The gateway's side of a request's life on the bus.
+
+One inbox subscription (``{ns}.gw.{gateway_id}``) receives every ``PrefillResult`` and
+``TokenBatch`` for this gateway; each is handed to the waiting request's queue by request id.
+``Dispatcher.generate`` drives one request through the stages of the design:
+
+    route -> PrefillRequest to a prefill worker -> first token (yielded at once)
+          -> DecodeRequest with the KV handle to a decode worker -> tokens as they come
+
+or, when no prefill worker is alive or the prompt is short, straight to a decode worker that
+prefills locally. Every wait has a deadline, a worker leaving the registry fails (or, for
+prefill, retries) its requests at once, and a request that ends early - client gone, stop
+string, error - is cancelled on the workers so they free its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+
+from gateway.router import Router
+from services.engine.sampling import SamplingParams
+from shared.bus import Bus
+from shared.discovery import LEFT, WorkerRegistry
+from shared.protocol import (
+    Cancel,
+    DecodeRequest,
+    PrefillRequest,
+    PrefillResult,
+    ReleaseLease,
+    TokenBatch,
+    TokenItem,
+    WorkerLoad,
+)
+from shared.tracing import ATTR_REQUEST_ID, SPAN_ROUTE, inject_headers, tracer
+
+log = logging.getLogger("pdserve.gateway.dispatch")
+_tracer = tracer(__name__)
+
+PREFILL_ATTEMPTS = 3  # prefill is idempotent: a dead or overloaded worker's request goes elsewhere
+RETRYABLE_PREFILL_CODES = ("overloaded", "draining")
+
+
+class NoWorker(Exception):
+    """No worker can take the request now (answer 503 with Retry-After)."""
+
+
+class StageTimeout(Exception):
+    """A stage passed its deadline."""
+
+
+class WorkerFailure(Exception):
+    """A worker failed the request or vanished mid-request (a server fault, not bad input)."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class TokenEvent:
+    token_ids: list[int]
+    finish_reason: str | None
+    cached_tokens: int | None = None  # set on the event carrying the prefill result
+
+
+@dataclass
+class _WorkerLeft:
+    worker_id: str
+
+
+class _Pending:
+    """A request waiting for messages from workers."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[PrefillResult | TokenItem | _WorkerLeft] = asyncio.Queue()
+        self.workers: set[str] = set()  # whose departure should wake this request
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        bus: Bus,
+        registry: WorkerRegistry,
+        router: Router,
+        gateway_id: str,
+        request_timeout: float,
+        prefill_timeout: float,
+    ) -> None:
+        self.bus = bus
+        self.registry = registry
+        self.router = router
+        self.inbox = bus.subjects.gateway(gateway_id)
+        self.request_timeout = request_timeout
+        self.prefill_timeout = prefill_timeout
+        self._pending: dict[str, _Pending] = {}
+        self._background: set[asyncio.Task] = set()
+        registry.add_listener(self._on_registry_event)
+
+    async def start(self) -> None:
+        await self.bus.subscribe(self.inbox, self._on_message, (PrefillResult, TokenBatch))
+
+    def in_flight(self, request_id: str) -> bool:
+        return request_id in self._pending
+
+    # -- incoming ----------------------------------------------------------------------------
+
+    async def _on_message(self, msg: PrefillResult | TokenBatch, headers: dict[str, str]) -> None:
+        if isinstance(msg, PrefillResult):
+            self._deliver(msg.request_id, msg)
+            return
+        for item in msg.items:
+            self._deliver(item.request_id, item)
+
+    def _deliver(self, request_id: str, item: PrefillResult | TokenItem) -> None:
+        pending = self._pending.get(request_id)
+        if pending is not None:
+            pending.queue.put_nowait(item)
+        elif isinstance(item, PrefillResult) and item.kv is not None:
+            # A late answer for a request that already ended: free its blocks now rather than
+            # when the lease runs out.
+            self._spawn(self._release_stale(item))
+
+    def _on_registry_event(self, event: str, load: WorkerLoad) -> None:
+        if event != LEFT:
+            return
+        for pending in self._pending.values():
+            if load.worker_id in pending.workers:
+                pending.queue.put_nowait(_WorkerLeft(load.worker_id))
+
+    # -- outgoing ----------------------------------------------------------------------------
+
+    async def _publish(self, subject: str, msg, headers: dict[str, str] | None = None) -> None:
+        await self.bus.publish(subject, msg, headers)
+
+    def _spawn(self, coro) -> None:
+        """Fire-and-forget publish that survives the cancellation of the request's task."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(_log_failure)
+
+    async def cancel(self, request_id: str) -> None:
+        await self._publish(self.bus.subjects.cancel, Cancel(request_id))
+
+    # -- one request -------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        context: Context | None = None,
+    ) -> AsyncIterator[TokenEvent]:
+        """Yield the request's tokens as they arrive; the last event has a finish reason.
+
+        Raises NoWorker before anything was sent, StageTimeout or WorkerFailure on faults.
+        Closing the generator early (client gone, stop string) cancels the request.
+        """
+        pending = _Pending()
+        self._pending[request_id] = pending
+        headers = inject_headers(context=context)
+        deadline = time.time() + self.request_timeout
+        finished = False
+        try:
+            with _tracer.start_as_current_span(SPAN_ROUTE, context=context) as span:
+                span.set_attribute(ATTR_REQUEST_ID, request_id)
+                use_prefill = self._wants_prefill(len(prompt_token_ids))
+                span.set_attribute("pdserve.route.prefill", use_prefill)
+                if not use_prefill and not self.router.has_decode():
+                    raise NoWorker("no decode worker is available")
+
+            output: list[int] = []
+            kv = None
+            if use_prefill:
+                result = await self._prefill(
+                    request_id, prompt_token_ids, sampling, headers, deadline, pending
+                )
+                if result is not None:
+                    if result.first_token is not None:
+                        output.append(result.first_token)
+                    yield TokenEvent(list(output), result.finish_reason, result.cached_tokens)
+                    if result.finish_reason is not None:
+                        finished = True
+                        if result.kv is not None:
+                            await self._publish(
+                                self.bus.subjects.lease(result.kv.worker_id),
+                                ReleaseLease(request_id),
+                            )
+                        return
+                    kv = result.kv
+
+            decode_worker = self.router.pick_decode(len(prompt_token_ids) + sampling.max_tokens)
+            if decode_worker is None:
+                if output:
+                    raise WorkerFailure("no decode worker is available", "no_decode_worker")
+                raise NoWorker("no decode worker is available")
+            pending.workers.add(decode_worker)
+            trace.get_current_span(context).set_attribute("pdserve.decode_worker", decode_worker)
+            await self._publish(
+                self.bus.subjects.decode(decode_worker),
+                DecodeRequest(
+                    request_id=request_id,
+                    prompt_token_ids=prompt_token_ids,
+                    output_token_ids=output,
+                    sampling=sampling,
+                    kv=kv,
+                    reply_to=self.inbox,
+                    deadline=deadline,
+                ),
+                headers,
+            )
+            while True:
+                item = await self._next(pending, deadline, "decode")
+                if isinstance(item, _WorkerLeft):
+                    raise WorkerFailure(
+                        f"decode worker {item.worker_id} stopped while serving the request",
+                        "worker_lost",
+                    )
+                if not isinstance(item, TokenItem):
+                    await self._release_stale(item)  # a late answer of a retried prefill
+                    continue
+                if item.error is not None:
+                    raise WorkerFailure(item.error, item.error_code)
+                yield TokenEvent(list(item.token_ids), item.finish_reason)
+                if item.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            self._pending.pop(request_id, None)
+            if not finished:
+                # Runs even while the handler is being cancelled (client gone), so it must not
+                # await anything that the cancellation could interrupt.
+                self._spawn(self.cancel(request_id))
+
+    def _wants_prefill(self, prompt_len: int) -> bool:
+        if not self.router.has_prefill():
+            return False
+        return prompt_len >= self.router.local_prefill_threshold()
+
+    async def _prefill(
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling: SamplingParams,
+        headers: dict[str, str],
+        deadline: float,
+        pending: _Pending,
+    ) -> PrefillResult | None:
+        """Run the prefill stage; None means no prefill worker could take it (prefill locally)."""
+        tried: set[str] = set()
+        for _ in range(PREFILL_ATTEMPTS):
+            worker = self.router.pick_prefill(len(prompt), exclude=tried)
+            if worker is None:
+                return None
+            tried.add(worker)
+            pending.workers.add(worker)
+            trace.get_current_span().set_attribute("pdserve.prefill_worker", worker)
+            stage_deadline = min(deadline, time.time() + self.prefill_timeout)
+            await self._publish(
+                self.bus.subjects.prefill(worker),
+                PrefillRequest(
+                    request_id=request_id,
+                    prompt_token_ids=prompt,
+                    sampling=sampling,
+                    reply_to=self.inbox,
+                    deadline=stage_deadline,
+                ),
+                headers,
+            )
+            while True:
+                item = await self._next(pending, stage_deadline, "prefill")
+                if isinstance(item, _WorkerLeft):
+                    if item.worker_id != worker:
+                        continue
+                    log.warning("prefill worker %s left; retrying %s", worker, request_id)
+                    result = None
+                    break
+                if isinstance(item, PrefillResult) and item.worker_id == worker:
+                    result = item
+                    break
+                await self._release_stale(item)
+            pending.workers.discard(worker)
+            if result is None:
+                continue
+            if result.error is None:
+                return result
+            if result.error_code in RETRYABLE_PREFILL_CODES:
+                log.info("prefill worker %s refused %s: %s", worker, request_id, result.error)
+                continue
+            raise WorkerFailure(f"prefill failed: {result.error}", result.error_code)
+        # Every prefill worker we tried refused or vanished: a decode worker can still prefill.
+        return None
+
+    async def _release_stale(self, item: object) -> None:
+        """An earlier prefill worker answered after we moved on: free its blocks now."""
+        if isinstance(item, PrefillResult) and item.kv is not None:
+            await self._publish(
+                self.bus.subjects.lease(item.kv.worker_id), ReleaseLease(item.request_id)
+            )
+
+    async def _next(self, pending: _Pending, deadline: float, stage: str):
+        remaining = deadline - time.time()
+        if remaining <= 0:
+            raise StageTimeout(f"the {stage} stage passed its deadline")
+        try:
+            return await asyncio.wait_for(pending.queue.get(), remaining)
+        except asyncio.TimeoutError:
+            raise StageTimeout(f"the {stage} stage passed its deadline") from None
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(task, 1.0)
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("background publish failed: %s", task.exception())

@@ -1,0 +1,533 @@
+"""The gateway over real HTTP and a real nats-server.
+
+Behind the gateway runs ``ScriptedDecodeWorker``: it speaks the real wire protocol on the real bus
+(heartbeats, DecodeRequest in, TokenBatch out, Cancel) but generates a fixed token script instead
+of running a model, so these tests pin down the gateway alone: validation, auth, SSE framing,
+detokenization, stop strings, cancellation, errors, admission, metrics, and a fuzz run. Model
+output against HF transformers is covered by the end-to-end tests with real workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from multidict import CIMultiDict
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.server import create_app
+from gateway.tokenizer import ModelTokenizer
+from shared.bus import Bus
+from shared.config import BusConfig, EngineConfig, GatewayConfig
+from shared.discovery import HeartbeatPublisher
+from shared.protocol import Cancel, DecodeRequest, TokenBatch, TokenItem, WorkerLoad
+from tests.integration.stack import free_port, start_nats
+from tests.unit.gateway_fixtures import train_byte_level, write_model_dir
+
+MODEL = "tiny-gw"
+CONTEXT = 128
+SCRIPT_TEXT = "Hello world! Grüße 😀 日本語 END tail"
+FAIL_SEED = 666  # the scripted worker fails requests with this seed after two tokens
+SLOW_SEED = 777  # ... and streams these slowly (for disconnects and admission)
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory):
+    nats = start_nats(tmp_path_factory.mktemp("nats"))
+    yield nats.url
+    nats.stop()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_model_dir(
+        tmp_path_factory.mktemp("model") / MODEL,
+        train_byte_level(vocab_size=300),
+        max_position_embeddings=CONTEXT,
+    )
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir) -> ModelTokenizer:
+    return ModelTokenizer.from_dir(model_dir)
+
+
+class ScriptedDecodeWorker:
+    def __init__(self, nats_url: str, namespace: str, tokenizer: ModelTokenizer) -> None:
+        self.bus = Bus(BusConfig(nats_url=nats_url, namespace=namespace), "scripted-decode")
+        self.worker_id = "scripted-d0"
+        self.script = tokenizer.encode(SCRIPT_TEXT, add_special_tokens=False)
+        self.requests: list[DecodeRequest] = []
+        self.cancelled: set[str] = set()
+        self.tasks: set[asyncio.Task] = set()
+        self.heartbeat = HeartbeatPublisher(self.bus, self.load, 0.2)
+
+    def load(self) -> WorkerLoad:
+        return WorkerLoad(
+            worker_id=self.worker_id,
+            role="decode",
+            model=MODEL,
+            free_blocks=100,
+            total_blocks=100,
+            running=len(self.tasks),
+            waiting=0,
+        )
+
+    async def start(self) -> None:
+        await self.bus.connect()
+        await self.bus.subscribe(
+            self.bus.subjects.decode(self.worker_id), self.on_decode, (DecodeRequest,)
+        )
+        await self.bus.subscribe(self.bus.subjects.cancel, self.on_cancel, (Cancel,))
+        await self.heartbeat.start()
+
+    async def stop(self) -> None:
+        await self.heartbeat.stop()
+        for task in list(self.tasks):
+            task.cancel()
+        await self.bus.close()
+
+    async def on_cancel(self, msg: Cancel, headers: dict[str, str]) -> None:
+        self.cancelled.add(msg.request_id)
+
+    async def on_decode(self, msg: DecodeRequest, headers: dict[str, str]) -> None:
+        self.requests.append(msg)
+        task = asyncio.create_task(self.generate(msg))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def generate(self, req: DecodeRequest) -> None:
+        delay = 0.05 if req.sampling.seed == SLOW_SEED else 0.002
+        n = min(req.sampling.max_tokens, len(self.script))
+        for i in range(n):
+            await asyncio.sleep(delay)
+            if req.request_id in self.cancelled:
+                return
+            if req.sampling.seed == FAIL_SEED and i == 2:
+                item = TokenItem(req.request_id, [], "error", "injected failure", "internal")
+            else:
+                finish = "length" if i == n - 1 else None
+                item = TokenItem(req.request_id, [self.script[i]], finish)
+            await self.bus.publish(req.reply_to, TokenBatch([item]))
+            if item.finish_reason:
+                return
+
+
+class Harness:
+    def __init__(self, base: str, worker: ScriptedDecodeWorker | None, app: web.Application):
+        self.base = base
+        self.worker = worker
+        self.app = app
+        self.session = aiohttp.ClientSession()
+
+    async def post(self, path: str, body, headers=None) -> tuple[int, dict, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        async with self.session.post(self.base + path, data=data, headers=headers) as r:
+            text = await r.text()
+            try:
+                payload = json.loads(text)
+            except ValueError:
+                payload = {"raw": text}
+            return r.status, payload, CIMultiDict(r.headers)
+
+    async def stream(self, path: str, body, headers=None) -> tuple[int, list, dict]:
+        async with self.session.post(self.base + path, json=body, headers=headers) as r:
+            events = []
+            async for line in r.content:
+                line = line.decode().strip()
+                if line.startswith("data: "):
+                    data = line[len("data: ") :]
+                    events.append(data if data == "[DONE]" else json.loads(data))
+            return r.status, events, CIMultiDict(r.headers)
+
+    async def get(self, path: str, headers=None) -> tuple[int, str]:
+        async with self.session.get(self.base + path, headers=headers) as r:
+            return r.status, await r.text()
+
+
+async def start_harness(
+    nats_url, model_dir, tokenizer, namespace, with_worker=True, **gateway_options
+) -> tuple[Harness, web.AppRunner]:
+    worker = None
+    if with_worker:
+        worker = ScriptedDecodeWorker(nats_url, namespace, tokenizer)
+        await worker.start()
+    port = free_port()
+    config = GatewayConfig(host="127.0.0.1", port=port, worker_timeout=1.0, **gateway_options)
+    app = create_app(
+        config,
+        EngineConfig(model=str(model_dir)),
+        BusConfig(nats_url=nats_url, namespace=namespace),
+    )
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    harness = Harness(f"http://127.0.0.1:{port}", worker, app)
+    if with_worker:
+        deadline = time.monotonic() + 5
+        while (await harness.get("/health"))[0] != 200:
+            assert time.monotonic() < deadline, "gateway never saw the worker"
+            await asyncio.sleep(0.05)
+    return harness, runner
+
+
+_namespace_counter = iter(range(10**6))
+
+
+@pytest.fixture
+async def gw(nats_url, model_dir, tokenizer):
+    harness, runner = await start_harness(
+        nats_url, model_dir, tokenizer, f"t{next(_namespace_counter)}", max_body_bytes=64 * 1024
+    )
+    yield harness
+    await harness.session.close()
+    await runner.cleanup()
+    await harness.worker.stop()
+
+
+def assert_openai_error(payload: dict, param: str | None = None) -> None:
+    assert set(payload) == {"error"}, payload
+    assert set(payload["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(payload["error"]["message"], str) and payload["error"]["message"]
+    if param is not None:
+        assert payload["error"]["param"] == param, payload
+
+
+# ----------------------------------------------------------------------------- bad input
+
+COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+
+
+async def test_bad_input_is_a_4xx_openai_error(gw: Harness):
+    cases = [
+        ("/v1/completions", b"{not json", 400, None),
+        ("/v1/completions", b"\xff\xfe\x00", 400, None),
+        ("/v1/completions", b"[1,2,3]", 400, None),
+        ("/v1/completions", b"[" * 20_000 + b"]" * 20_000, 400, None),
+        ("/v1/completions", {**COMPLETION, "logit_bias": {"1": 2}}, 400, "logit_bias"),
+        ("/v1/completions", {**COMPLETION, "temperature": 3}, 400, "temperature"),
+        ("/v1/completions", {**COMPLETION, "top_p": 0}, 400, "top_p"),
+        ("/v1/completions", {**COMPLETION, "max_tokens": 0}, 400, "max_tokens"),
+        ("/v1/completions", {**COMPLETION, "model": "nope"}, 404, "model"),
+        ("/v1/completions", {**COMPLETION, "max_tokens": CONTEXT}, 400, "max_tokens"),
+        ("/v1/completions", {**COMPLETION, "prompt": [1, 2, 10**6]}, 400, "prompt"),
+        ("/v1/completions", {**COMPLETION, "prompt": "x" * (CONTEXT * 8)}, 400, None),
+        ("/v1/completions", {"prompt": "x"}, 400, "model"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "bot", "content": "x"}]}, 400,
+         "messages[0].role"),
+        ("/v1/chat/completions",
+         {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+         "messages[0].content[0].type"),
+        ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "n"),
+        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    ]  # fmt: skip
+    for path, body, status, param in cases:
+        code, payload, headers = await gw.post(path, body)
+        assert code == status, (body if isinstance(body, dict) else body[:40], payload)
+        assert_openai_error(payload, param)
+        assert headers.get("x-request-id")
+    # The temperature NaN case cannot be sent as JSON by json.dumps(allow_nan=False) clients.
+    code, payload, _ = await gw.post(
+        "/v1/completions", b'{"model": "tiny-gw", "prompt": "a", "temperature": NaN}'
+    )
+    assert code == 400
+    assert_openai_error(payload)
+    assert (await gw.get("/health"))[0] == 200
+
+
+async def test_oversized_body_is_413_with_the_configured_limit(gw: Harness):
+    small = {**COMPLETION, "user": "u" * 60_000}  # big body, short prompt
+    assert (await gw.post("/v1/completions", small))[0] == 200
+    code, payload, _ = await gw.post("/v1/completions", {**COMPLETION, "prompt": "a" * 70_000})
+    assert code == 413
+    assert_openai_error(payload)
+    assert "65536" in payload["error"]["message"]
+
+
+async def test_unknown_route_and_method_are_openai_errors(gw: Harness):
+    code, payload, _ = await gw.post("/v1/embeddings", {"model": MODEL})
+    assert code == 404
+    assert_openai_error(payload)
+    status, text = await gw.get("/v1/completions")
+    assert status == 405
+    assert_openai_error(json.loads(text))
+
+
+async def test_request_id_is_honoured_and_validated(gw: Harness):
+    code, payload, headers = await gw.post(
+        "/v1/completions", COMPLETION, headers={"x-request-id": "my-req:1"}
+    )
+    assert code == 200 and headers["x-request-id"] == "my-req:1"
+    assert payload["id"] == "cmpl-my-req:1"
+    assert gw.worker.requests[-1].request_id == "my-req:1"
+    code, payload, _ = await gw.post("/v1/completions", COMPLETION, headers={"x-request-id": "a b"})
+    assert code == 400
+    assert_openai_error(payload, "x-request-id")
+
+
+# ----------------------------------------------------------------------------- auth, docs
+
+
+async def test_api_keys(nats_url, model_dir, tokenizer):
+    harness, runner = await start_harness(
+        nats_url, model_dir, tokenizer, "auth", api_key=["key-one", "key-two"]
+    )
+    try:
+        for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": "key-one"}):
+            code, payload, resp_headers = await harness.post("/v1/completions", COMPLETION, headers)
+            assert code == 401
+            assert_openai_error(payload)
+            assert payload["error"]["type"] == "authentication_error"
+        for key in ("key-one", "key-two"):
+            code, _, _ = await harness.post(
+                "/v1/completions", COMPLETION, {"Authorization": f"Bearer {key}"}
+            )
+            assert code == 200
+        status, _ = await harness.get("/v1/models")
+        assert status == 401
+        assert (await harness.get("/health"))[0] == 200
+    finally:
+        await harness.session.close()
+        await runner.cleanup()
+        await harness.worker.stop()
+
+
+async def test_openapi_and_models(gw: Harness):
+    status, text = await gw.get("/openapi.json")
+    assert status == 200
+    spec = json.loads(text)
+    assert spec["openapi"].startswith("3.")
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"} <= set(
+        spec["paths"]
+    )
+    props = spec["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert props["temperature"]["maximum"] == 2.0 and props["top_p"]["exclusiveMinimum"] == 0.0
+    status, text = await gw.get("/v1/models")
+    assert json.loads(text)["data"][0]["id"] == MODEL
+
+
+# ----------------------------------------------------------------------------- serving
+
+
+async def test_streaming_completion(gw: Harness, tokenizer):
+    body = {
+        **COMPLETION,
+        "max_tokens": 30,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    status, events, headers = await gw.stream("/v1/completions", body, {"x-request-id": "s1"})
+    assert status == 200 and headers["x-request-id"] == "s1"
+    assert headers["Content-Type"].startswith("text/event-stream")
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    script = gw.worker.script[:30]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert text == tokenizer.decode(script)
+    assert all("\ufffd" not in c["choices"][0]["text"] for c in chunks)
+    last = chunks[-1]
+    assert last["choices"][0]["finish_reason"] == "length"
+    assert last["usage"] == {
+        "prompt_tokens": len(tokenizer.encode("Hello")),
+        "completion_tokens": len(script),
+        "total_tokens": len(tokenizer.encode("Hello")) + len(script),
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    assert all(c["usage"] is None for c in chunks[:-1])
+    sent = gw.worker.requests[-1]
+    assert sent.kv is None and sent.output_token_ids == []
+    assert sent.prompt_token_ids == tokenizer.encode("Hello")
+    assert sent.sampling.stop_token_ids == tokenizer.eos_token_ids
+
+
+async def test_chat_streaming_and_not(gw: Harness, tokenizer):
+    status, events, _ = await gw.stream("/v1/chat/completions", {**CHAT, "stream": True})
+    assert status == 200 and events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    expected = tokenizer.decode(gw.worker.script[:4])
+    assert streamed == expected
+    code, payload, _ = await gw.post("/v1/chat/completions", {**CHAT, "ignore_eos": True})
+    assert code == 200
+    assert payload["object"] == "chat.completion"
+    assert payload["choices"][0]["message"] == {"role": "assistant", "content": expected}
+    assert payload["usage"]["completion_tokens"] == 4
+    # The templated prompt (BOS from the template, no extra one) went to the worker.
+    prompt = gw.worker.requests[-1].prompt_token_ids
+    assert tokenizer.decode(prompt, skip_special_tokens=False).startswith("<s><|user|>")
+    assert gw.worker.requests[-1].sampling.ignore_eos
+    assert gw.worker.requests[-1].sampling.stop_token_ids == []
+
+
+async def test_stop_string_cuts_text_and_cancels(gw: Harness):
+    body = {**COMPLETION, "max_tokens": 40, "stop": ["END"], "seed": SLOW_SEED}
+    code, payload, _ = await gw.post("/v1/completions", body, {"x-request-id": "stop1"})
+    assert code == 200
+    choice = payload["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["text"] == SCRIPT_TEXT[: SCRIPT_TEXT.index("END")]
+    await wait_for(lambda: "stop1" in gw.worker.cancelled, "cancel after a stop string")
+
+
+async def test_disconnect_cancels_on_the_workers(gw: Harness):
+    body = {**COMPLETION, "max_tokens": 40, "stream": True, "seed": SLOW_SEED}
+    async with gw.session.post(
+        gw.base + "/v1/completions", json=body, headers={"x-request-id": "gone1"}
+    ) as r:
+        assert r.status == 200
+        await r.content.readline()  # the first event arrived: the stream is running
+    await wait_for(lambda: "gone1" in gw.worker.cancelled, "cancel after a disconnect")
+    await wait_for(lambda: gw.app_state().in_flight == 0, "in-flight back to 0")
+
+
+async def test_worker_error_is_an_error_event_or_5xx(gw: Harness):
+    body = {**COMPLETION, "max_tokens": 10, "seed": FAIL_SEED}
+    status, events, _ = await gw.stream("/v1/completions", {**body, "stream": True})
+    assert status == 200
+    assert "error" in events[-2] and events[-1] == "[DONE]"
+    assert_openai_error(events[-2])
+    assert not any(c.get("choices", [{}])[0].get("finish_reason") for c in events[:-2])
+    code, payload, _ = await gw.post("/v1/completions", body)
+    assert code == 502
+    assert_openai_error(payload)
+
+
+async def test_no_decode_worker_is_503_with_retry_after(nats_url, model_dir, tokenizer):
+    harness, runner = await start_harness(
+        nats_url, model_dir, tokenizer, "empty", with_worker=False
+    )
+    try:
+        assert (await harness.get("/health"))[0] == 503
+        code, payload, headers = await harness.post("/v1/completions", COMPLETION)
+        assert code == 503 and int(headers["Retry-After"]) >= 1
+        assert_openai_error(payload)
+    finally:
+        await harness.session.close()
+        await runner.cleanup()
+
+
+async def test_admission_limit_and_metrics(nats_url, model_dir, tokenizer):
+    harness, runner = await start_harness(nats_url, model_dir, tokenizer, "adm", max_queue=2)
+    try:
+        slow = {**COMPLETION, "max_tokens": 10, "seed": SLOW_SEED}
+        results = await asyncio.gather(*(harness.post("/v1/completions", slow) for _ in range(5)))
+        codes = sorted(r[0] for r in results)
+        assert codes.count(200) >= 2 and set(codes) <= {200, 503}, codes
+        assert 503 in codes
+        status, text = await harness.get("/metrics")
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        ok = codes.count(200)
+        ttft = families["pdserve_time_to_first_token_seconds"]
+        count = next(s.value for s in ttft.samples if s.name.endswith("_count"))
+        assert count == ok
+        by_reason = {
+            s.labels["finish_reason"]: s.value
+            for s in families["pdserve_requests"].samples
+            if s.name == "pdserve_requests_total"
+        }
+        assert by_reason == {"length": ok}
+        used = families["pdserve_kv_cache_total_blocks"].samples
+        assert [(s.labels["worker"], s.value) for s in used] == [("scripted-d0", 100.0)]
+        gauge = families["pdserve_requests_in_flight"].samples[0].value
+        assert gauge == 0
+    finally:
+        await harness.session.close()
+        await runner.cleanup()
+        await harness.worker.stop()
+
+
+# ----------------------------------------------------------------------------- fuzz
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+field_names = st.sampled_from(
+    ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
+     "top_p", "top_k", "seed", "stop", "ignore_eos", "n", "stream", "stream_options", "user",
+     "logprobs", "echo"]
+)  # fmt: skip
+plausible = st.fixed_dictionaries(
+    {"model": st.sampled_from([MODEL, "other", ""])},
+    optional={
+        "prompt": st.one_of(st.text(max_size=30), st.lists(st.integers(-5, 400), max_size=6)),
+        "messages": st.lists(
+            st.fixed_dictionaries(
+                {"role": st.sampled_from(["user", "system", "assistant", "x"])},
+                optional={"content": st.one_of(st.text(max_size=20), json_values)},
+            ),
+            max_size=3,
+        ),
+        "max_tokens": st.one_of(st.integers(-2, 200), json_values),
+        "temperature": st.one_of(st.floats(-1, 3), json_values),
+        "top_p": st.floats(-0.5, 1.5),
+        "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=3)),
+        "stream": st.booleans(),
+    },
+)
+bodies = st.one_of(
+    plausible,
+    st.dictionaries(field_names, json_values, max_size=6),
+    json_values,
+    st.binary(max_size=40),
+)
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(body=bodies, path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+async def test_fuzz_never_5xx(gw: Harness, body, path):
+    if isinstance(body, dict) and isinstance(body.get("max_tokens"), int):
+        body["max_tokens"] = min(body["max_tokens"], 8)  # keep the run short
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with gw.session.post(gw.base + path, data=data) as r:
+        payload = await r.read()
+        assert r.status < 500, (r.status, payload[:300])
+        if r.status >= 400:
+            assert_openai_error(json.loads(payload))
+    status, _ = await gw.get("/health")
+    assert status == 200
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+async def wait_for(predicate, what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def _app_state(self: Harness):
+    from gateway.server import GATEWAY_KEY
+
+    return self.app[GATEWAY_KEY]
+
+
+Harness.app_state = _app_state  # type: ignore[attr-defined]
+assert math.isfinite(1.0)
