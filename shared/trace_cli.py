@@ -10,7 +10,8 @@ span tag) or the last N traces of a service, and splits each request's end-to-en
     other        the rest of the root span: HTTP handling, tokenization, routing, NATS hops
 
 Each phase is the union of its spans' time ranges inside the root span, so overlapping chunks
-are not counted twice and ``other`` never goes negative.
+are not counted twice and ``other`` never goes negative. Jaeger searches its default window
+(the last 2 days) and returns whole traces, spans of every service included.
 """
 
 from __future__ import annotations
@@ -340,7 +341,11 @@ def run(ns: argparse.Namespace, out: TextIO | None = None) -> int:
     rows.sort(key=lambda b: b.start_us, reverse=True)  # newest first, like Jaeger's UI
     if not rows:
         what = f"request {request_id}" if request_id is not None else "any request"
-        print(f"pdserve trace: no trace of {what} for service {ns.service}", file=sys.stderr)
+        print(
+            f"pdserve trace: no trace of {what} for service {ns.service} (not sampled, not yet"
+            " exported, or older than Jaeger's search window, 2 days by default?)",
+            file=sys.stderr,
+        )
         return 1
     if request_id is not None:
         print("\n\n".join(format_breakdown(b) for b in rows), file=out)
