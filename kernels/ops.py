@@ -1,8 +1,8 @@
 """The one dispatch point per kernel. The engine calls only these (`from kernels import ops`).
 
 `PDSERVE_KERNELS=auto|triton|torch` picks the implementation, read on every call so tests and
-benchmarks can flip it: `auto` runs Triton on CUDA tensors and the plain-torch reference
-otherwise, `triton` forces Triton (on CPU tensors that needs `TRITON_INTERPRET=1`), `torch` forces
+benchmarks can flip it: `auto` runs Triton on CUDA tensors (float64 excepted) and the plain-torch
+reference otherwise, `triton` forces Triton (on CPU tensors that needs `TRITON_INTERPRET=1`), `torch` forces
 the reference. The Triton modules are imported on first use, so CPU-only processes never
 compile anything.
 """
@@ -37,7 +37,8 @@ def backend_for(tensor: Tensor) -> str:
     if mode not in BACKENDS:
         raise ValueError(f"PDSERVE_KERNELS={mode!r}; expected one of {', '.join(BACKENDS)}")
     if mode == "auto":
-        return "triton" if tensor.is_cuda else "torch"
+        # The Triton kernels accumulate in fp32; float64 (a debugging dtype) stays on the twin.
+        return "triton" if tensor.is_cuda and tensor.dtype != torch.float64 else "torch"
     return mode
 
 

@@ -1,0 +1,346 @@
+"""Varlen causal prefill attention (flash-attention forward) with GQA and an optional paged prefix.
+
+One program owns BLOCK_M queries of one sequence and one query head. Keys come either from the
+packed k/v of this forward pass or, when block tables are given, from the paged cache (where the
+new tokens were already stored), so a prompt whose prefix is cached, or a later chunk of a long
+prompt, attends its whole history. Key tiles left of the first query of the block need no causal
+mask; only the diagonal tiles pay for one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels.triton_attention_common import LOG2E, dot_precision, paged_rows
+
+
+@triton.jit
+def _key_rows(
+    tokens,
+    valid,
+    kv_head,
+    k_start,
+    table_row_ptr,
+    block_size,
+    stride_k_token,
+    stride_k_head,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_cache_head,
+    PAGED: tl.constexpr,
+):
+    if PAGED:
+        return paged_rows(
+            table_row_ptr,
+            tokens,
+            valid,
+            kv_head,
+            block_size,
+            stride_cache_block,
+            stride_cache_offset,
+            stride_cache_head,
+        )
+    else:
+        return (k_start + tokens).to(tl.int64) * stride_k_token + kv_head * stride_k_head
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_base,
+    v_base,
+    rows,
+    key_valid,
+    allowed,
+    d,
+    d_mask,
+    scale_log2,
+    MASKED: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    kv_mask = key_valid[:, None] & d_mask[None, :]
+    k = tl.load(k_base + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    if MASKED:
+        scores = tl.where(allowed, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_base + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    block_tables_ptr,
+    cu_seqlens_q_ptr,
+    cu_seqlens_k_ptr,
+    out_ptr,
+    scale_log2,
+    group,
+    block_size,
+    stride_q_token,
+    stride_q_head,
+    stride_k_token,
+    stride_k_head,
+    stride_table_seq,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_cache_head,
+    stride_out_token,
+    stride_out_head,
+    HEAD_DIM: tl.constexpr,
+    PAGED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # Longest-running query blocks (bottom of the causal triangle) are launched first.
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return
+    k_start = tl.load(cu_seqlens_k_ptr + seq)
+    k_len = tl.load(cu_seqlens_k_ptr + seq + 1) - k_start
+    kv_head = head // group
+    # Query row r of this sequence sits at absolute position prefix + r.
+    prefix = k_len - q_len
+
+    rows_q = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_valid = rows_q < q_len
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q = tl.load(
+        q_ptr
+        + (q_start + rows_q).to(tl.int64)[:, None] * stride_q_token
+        + head * stride_q_head
+        + d[None, :],
+        mask=q_valid[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    q_pos = prefix + rows_q
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Keys < first query position + 1 are visible to every row: no mask in these tiles.
+    full_end = ((prefix + m_block * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
+    for tile_start in range(0, full_end, BLOCK_N):
+        keys = tile_start + tl.arange(0, BLOCK_N)
+        always = keys < full_end
+        rows = _key_rows(
+            keys,
+            always,
+            kv_head,
+            k_start,
+            table_row,
+            block_size,
+            stride_k_token,
+            stride_k_head,
+            stride_cache_block,
+            stride_cache_offset,
+            stride_cache_head,
+            PAGED,
+        )
+        m_i, l_i, acc = _attend_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            k_ptr,
+            v_ptr,
+            rows,
+            always,
+            always,
+            d,
+            d_mask,
+            scale_log2,
+            False,
+            PRECISION,
+        )
+
+    # Diagonal tiles: causal and length masks. Each row sees key 0 or already saw a full tile,
+    # so no row is ever all -inf.
+    end = tl.minimum(k_len, prefix + (m_block + 1) * BLOCK_M)
+    for tile_start in range(full_end, end, BLOCK_N):
+        keys = tile_start + tl.arange(0, BLOCK_N)
+        key_valid = keys < k_len
+        rows = _key_rows(
+            keys,
+            key_valid,
+            kv_head,
+            k_start,
+            table_row,
+            block_size,
+            stride_k_token,
+            stride_k_head,
+            stride_cache_block,
+            stride_cache_offset,
+            stride_cache_head,
+            PAGED,
+        )
+        m_i, l_i, acc = _attend_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            k_ptr,
+            v_ptr,
+            rows,
+            key_valid,
+            (keys[None, :] <= q_pos[:, None]) & key_valid[None, :],
+            d,
+            d_mask,
+            scale_log2,
+            True,
+            PRECISION,
+        )
+
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr
+        + (q_start + rows_q).to(tl.int64)[:, None] * stride_out_token
+        + head * stride_out_head
+        + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=q_valid[:, None] & d_mask[None, :],
+    )
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int  # queries per program
+    block_n: int  # keys per inner-loop tile
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def choose_prefill_config(head_dim: int, device: torch.device) -> PrefillConfig:
+    if device.type != "cuda":
+        # Interpreter: big tiles mean fewer interpreted iterations.
+        return PrefillConfig(block_m=64, block_n=64)
+    if head_dim <= 64:
+        return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+
+
+def prefill_attention_with(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    k_cache: Tensor | None,
+    v_cache: Tensor | None,
+    block_tables: Tensor | None,
+    config: PrefillConfig,
+) -> Tensor:
+    """prefill_attention with an explicit tiling (tests and the benchmark pin it)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    batch = cu_seqlens_q.shape[0] - 1
+    if num_tokens == 0 or batch == 0 or max_seqlen_q == 0:
+        return out
+    paged = block_tables is not None
+    if paged:
+        assert k_cache is not None and v_cache is not None
+        assert k_cache.stride() == v_cache.stride(), "K and V views must share one layout"
+        assert block_tables.stride(-1) == 1 and k_cache.stride(-1) == 1
+        keys, values = k_cache, v_cache
+        num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+        stride_k = (0, 0)
+        stride_cache = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+        stride_table = block_tables.stride(0)
+    else:
+        assert k.stride() == v.stride(), "packed K and V must share one layout"
+        assert k.stride(-1) == 1
+        keys, values, block_tables = k, v, cu_seqlens_k  # table pointer unused
+        num_kv_heads, block_size = k.shape[1], 1
+        stride_k = (k.stride(0), k.stride(1))
+        stride_cache = (0, 0, 0)
+        stride_table = 0
+    assert q.stride(-1) == 1
+    grid = (triton.cdiv(max_seqlen_q, config.block_m), batch, num_q_heads)
+    _prefill_kernel[grid](
+        q,
+        keys,
+        values,
+        block_tables,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        out,
+        scale * LOG2E,
+        num_q_heads // num_kv_heads,
+        block_size,
+        q.stride(0),
+        q.stride(1),
+        *stride_k,
+        stride_table,
+        *stride_cache,
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        PAGED=paged,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        PRECISION=dot_precision(q.dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
+
+
+def prefill_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    k_cache: Tensor | None = None,
+    v_cache: Tensor | None = None,
+    block_tables: Tensor | None = None,
+) -> Tensor:
+    """See kernels.ops.prefill_attention."""
+    config = choose_prefill_config(q.shape[2], q.device)
+    return prefill_attention_with(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        scale,
+        k_cache,
+        v_cache,
+        block_tables,
+        config,
+    )
