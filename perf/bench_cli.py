@@ -154,18 +154,27 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_dataset(ns: argparse.Namespace) -> list[Any]:
+# Seed offsets: each rate of a sweep and the warm-up get prompts of their own, so a server's
+# prefix cache can never answer a later run from an earlier one. Every side of a comparison
+# still gets the very same prompts for the same rate.
+WARMUP_SEED_OFFSET = 1_000_003
+CALIBRATION_SEED_OFFSET = 2_000_003
+
+
+def build_dataset(
+    ns: argparse.Namespace, seed_offset: int = 0, num_requests: int | None = None
+) -> list[Any]:
     import numpy as np
 
     from perf.bench import datasets as ds
 
-    rng = np.random.default_rng(ns.seed)
+    rng = np.random.default_rng(ns.seed + seed_offset)
     if ns.tokenizer:
         tokens = ds.token_space_from_tokenizer(ns.tokenizer)
     else:
         lo, hi = ns.token_id_range
         tokens = ds.TokenSpace(lo, hi + 1)
-    n = ns.num_requests
+    n = ns.num_requests if num_requests is None else num_requests
     if ns.dataset == "random":
         reqs = ds.random_dataset(n, ns.input_len, ns.output_len, ns.range_ratio, tokens, rng)
     elif ns.dataset == "chat":
@@ -202,9 +211,7 @@ def describe(ns: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in sorted(vars(ns).items()) if k not in skip and not k.startswith("_")}
 
 
-async def bench_sweep(
-    ns: argparse.Namespace, requests: list[Any], series: str | None = None
-) -> list[Any]:
+async def bench_sweep(ns: argparse.Namespace, series: str | None = None) -> list[Any]:
     """Run the workload once per request rate against ns.base_url; return RunResults."""
     from perf.bench.client import ClientConfig, LoadConfig, discover_model, run_benchmark, warm_up
     from perf.bench.metrics import compute_metrics, parse_goodput
@@ -221,11 +228,12 @@ async def bench_sweep(
         ignore_eos=ns.ignore_eos,
         timeout=ns.timeout,
     )
-    if ns.warmup_requests > 0 and requests:
-        await warm_up(cfg, requests[0], ns.warmup_requests)
+    if ns.warmup_requests > 0:
+        await warm_up(cfg, build_dataset(ns, WARMUP_SEED_OFFSET, 1)[0], ns.warmup_requests)
     results = []
-    for rate in ns.request_rate:
-        load = LoadConfig(rate, ns.burstiness, ns.max_concurrency, ns.seed)
+    for i, rate in enumerate(ns.request_rate):
+        requests = build_dataset(ns, seed_offset=i)
+        load = LoadConfig(rate, ns.burstiness, ns.max_concurrency, ns.seed + i)
         name = series or ns.label
         run = await run_benchmark(requests, cfg, load, ns.progress, desc=f"{name} @ {rate:g}/s")
         metrics = compute_metrics(run.records, run.duration, slos, ns.percentiles)
@@ -279,8 +287,7 @@ def run(ns: argparse.Namespace) -> int:
 
     from perf.bench.report import write_outputs
 
-    requests = build_dataset(ns)
-    results = asyncio.run(bench_sweep(ns, requests))
+    results = asyncio.run(bench_sweep(ns))
     name = ns.result_name or f"bench-{ns.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
     summary = sweep_summary(results, ns.slo_attainment_target)
     paths = write_outputs(

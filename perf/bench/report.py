@@ -79,8 +79,10 @@ def _fmt(x: float) -> str:
     return f"{x:.2f}" if abs(x) < 1000 else f"{x:.0f}"
 
 
-def markdown_table(runs: Sequence[RunResult], percentiles: Sequence[str] = ("p90", "p99")) -> str:
+def markdown_table(runs: Sequence[RunResult]) -> str:
     """One row per run: load, throughput, goodput and the latency distributions (ms)."""
+    # the percentiles the runs were computed with, except the median (it has its own column)
+    percentiles = [p for p in runs[0].metrics.ttft_ms.percentiles if p != "p50"] if runs else []
     head = ["series", "rate (req/s)", "done/failed", "req/s", "out tok/s", "goodput (req/s)"]
     head.append("SLO attain.")
     for name in LATENCY_METRICS:

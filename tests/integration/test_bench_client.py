@@ -8,6 +8,7 @@ and event loop so the bench runs exactly as from the command line (its own async
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import socket
@@ -37,45 +38,46 @@ def _chunk(text: str, finish: str | None, n_tokens: int) -> bytes:
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    body = await request.json()
-    prompt = body["prompt"]
-    if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
-        return web.json_response({"error": {"message": "prompt must be token ids"}}, status=400)
-    if body.get("ignore_eos") is not True or body.get("stream") is not True:
-        return web.json_response(
-            {"error": {"message": "bench must stream, ignore_eos"}}, status=400
-        )
-    if prompt[0] == FAIL_TOKEN:
-        return web.json_response({"error": {"message": "injected failure"}}, status=500)
-    n = int(body["max_tokens"])
-    per_chunk = 2 if prompt[0] == PAIR_TOKEN else 1
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await resp.prepare(request)
-    await asyncio.sleep(TTFT_S)
-    sent = 0
-    while sent < n:
-        k = min(per_chunk, n - sent)
-        sent += k
-        await resp.write(_chunk("a" * k, "length" if sent == n else None, k))
-        if sent < n:
-            await asyncio.sleep(ITL_S)
-    usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
-    usage_body = {"id": "cmpl-1", "object": "text_completion", "choices": [], "usage": usage}
-    await resp.write(b"data: " + json.dumps(usage_body).encode() + b"\n\n")
-    await resp.write(b": keep-alive comment\n\ndata: [DONE]\n\n")
-    return resp
+def make_app(ttft_s: float = TTFT_S, itl_s: float = ITL_S) -> web.Application:
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        prompt = body["prompt"]
+        if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+            return web.json_response({"error": {"message": "want token ids"}}, status=400)
+        if body.get("ignore_eos") is not True or body.get("stream") is not True:
+            return web.json_response({"error": {"message": "want stream, ignore_eos"}}, status=400)
+        if prompt[0] == FAIL_TOKEN:
+            return web.json_response({"error": {"message": "injected failure"}}, status=500)
+        n = int(body["max_tokens"])
+        per_chunk = 2 if prompt[0] == PAIR_TOKEN else 1
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.sleep(ttft_s)
+        sent = 0
+        while sent < n:
+            k = min(per_chunk, n - sent)
+            sent += k
+            await resp.write(_chunk("a" * k, "length" if sent == n else None, k))
+            if sent < n:
+                await asyncio.sleep(itl_s)
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": n}
+        usage_body = {"id": "cmpl-1", "object": "text_completion", "choices": [], "usage": usage}
+        await resp.write(b"data: " + json.dumps(usage_body).encode() + b"\n\n")
+        await resp.write(b": keep-alive comment\n\ndata: [DONE]\n\n")
+        return resp
 
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
-async def models(_: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
-
-
-@pytest.fixture(scope="module")
-def server_url() -> Iterator[str]:
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
+    return app
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: web.Application) -> Iterator[str]:
+    """Serve `app` on a free loopback port from its own thread and event loop."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -93,10 +95,18 @@ def server_url() -> Iterator[str]:
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     assert ready.wait(10)
-    yield f"http://127.0.0.1:{port}"
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def server_url() -> Iterator[str]:
+    with serve_in_thread(make_app()) as url:
+        yield url
 
 
 def test_records_match_server_timings(server_url: str) -> None:
@@ -233,3 +243,44 @@ def test_arrival_pacing_is_followed(server_url: str) -> None:
     starts = np.array([r.start_time for r in run.records])
     assert np.all(starts >= offsets - 1e-3)
     assert np.all(starts - offsets < 0.05)  # the event loop keeps to the schedule
+
+
+def test_scenario_harness_compares_sides(tmp_path: Path) -> None:
+    """The side-by-side harness on two running endpoints: one decodes 2.5x faster."""
+    from perf import scenarios
+
+    with (
+        serve_in_thread(make_app(0.02, 0.004)) as fast,
+        serve_in_thread(make_app(0.02, 0.010)) as slow,
+    ):
+        rc = scenarios.main(
+            [
+                *("disagg-vs-agg", "--external", f"fast={fast}", "--external", f"slow={slow}"),
+                *("--results", str(tmp_path), "--name", "cmp", "--"),
+                *("--dataset", "random", "--num-requests", "6", "--input-len", "8"),
+                *("--output-len", "6", "--long-fraction", "0", "--request-rate", "100", "inf"),
+                *("--goodput", "ttft:2000", "tpot:50", "--no-progress"),
+            ]
+        )
+    assert rc == 0
+    out = tmp_path / "cmp"
+    doc = json.loads((out / "bench.json").read_text())
+    # rates alternate between sides, so both see the same machine conditions
+    order = [(r["series"], r["request_rate"]) for r in doc["runs"]]
+    assert order == [("fast", 100), ("slow", 100), ("fast", "inf"), ("slow", "inf")]
+    prompts = {}
+    for run in doc["runs"]:
+        lens = [r["prompt_len"] for r in run["records"]]
+        prompts.setdefault(run["request_rate"], lens)
+        assert prompts[run["request_rate"]] == lens  # same workload on every side
+    summary = json.loads((out / "comparison.json").read_text())
+    assert (summary["candidate"], summary["baseline"]) == ("fast", "slow")
+    for row in summary["per_rate"]:
+        assert 0.25 < row["tpot_p99_ratio"] < 0.6  # ~4.x ms against ~10.x ms
+        assert row["goodput_ratio"] > 0.5  # all good on both sides; req/s differ by duration
+    assert summary["distserve_goodput_base"] == summary["distserve_goodput_cand"] == 100
+    assert summary["tpot_target_met"] is True and summary["goodput_target_met"] is False
+    md = (out / "comparison.md").read_text()
+    assert "(target <= 0.5x): met" in md and "(target >= 1.5x): MISSED" in md
+    for name in ("bench.md", "bench_latency_cdf.png", "bench_sweep.png"):
+        assert (out / name).stat().st_size > 500

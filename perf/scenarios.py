@@ -1,0 +1,794 @@
+"""Side-by-side serving scenarios: start pdserve topologies, load each, compare.
+
+    python -m perf.scenarios disagg-vs-agg [--dry-run] [harness options] [-- bench options]
+
+Each side of a scenario is a pdserve topology started here as local processes, every worker
+pinned with `taskset` to cores of its own (standing in for a GPU each), all sides getting the
+same number of worker cores. NATS and the gateway share separate "frontend" cores so they do not
+steal cycles from the engines. All sides get the same workload (same seed, same token ids) and
+the same request-rate sweep in one run; with --interleave (default) every side stays up on the
+same cores and rates alternate between sides, so machine noise hits them alike.
+
+Results go to perf/results/<scenario>-<time>/: the bench JSON, markdown and plots with one
+series per side, comparison.md with the ratios against the scenario's targets, and each
+process's log under logs/.
+
+`--external NAME=URL` benchmarks endpoints that are already running instead of starting any.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import copy
+import dataclasses
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from perf.bench.client import ClientConfig, LoadConfig, discover_model, run_benchmark, warm_up
+from perf.bench.metrics import compute_metrics, max_goodput_rate, parse_goodput
+from perf.bench.report import RunResult, write_outputs
+from perf.bench_cli import (
+    CALIBRATION_SEED_OFFSET,
+    WARMUP_SEED_OFFSET,
+    build_dataset,
+    describe,
+    make_parser,
+    print_summary,
+)
+from services.launcher import (
+    Child,
+    NatsServer,
+    find_nats_server,
+    free_port,
+    http_ok,
+    service_argv,
+    service_env,
+    spawn,
+)
+
+READY_TIMEOUT = 600.0
+
+
+@dataclass
+class Side:
+    """One system under test: a topology to start, or an endpoint that already runs."""
+
+    name: str
+    prefill_workers: int = 0
+    decode_workers: int = 1
+    options: dict[str, object] = field(default_factory=dict)  # pdserve options for every service
+    base_url: str | None = None  # external endpoint: nothing is started
+
+    @property
+    def num_workers(self) -> int:
+        return self.prefill_workers + self.decode_workers
+
+
+@dataclass
+class Targets:
+    """What the candidate must achieve against the baseline (ratios candidate / baseline)."""
+
+    max_p99_tpot_ratio: float | None = None
+    min_goodput_ratio: float | None = None
+
+
+@dataclass
+class Scenario:
+    name: str
+    description: str
+    sides: list[Side]
+    bench_defaults: list[str]
+    baseline: str | None = None
+    candidate: str | None = None
+    targets: Targets = field(default_factory=Targets)
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "disagg-vs-agg": Scenario(
+        name="disagg-vs-agg",
+        description=(
+            "Disaggregated 1P1D against aggregated (decode workers prefilling locally) with equal "
+            "worker cores; chat-like traffic where 20% of requests carry 2-4k-token prompts."
+        ),
+        sides=[
+            Side("disaggregated 1P1D", prefill_workers=1, decode_workers=1),
+            # local_prefill_threshold is moot without prefill workers, but say it: every
+            # prompt is prefilled by the decode worker that serves it
+            Side("aggregated 2D", 0, 2, options={"local_prefill_threshold": 1 << 30}),
+        ],
+        bench_defaults=[
+            *("--dataset", "chat", "--input-len", "256", "--output-len", "128"),
+            *("--max-input-len", "1536", "--max-output-len", "512"),
+            *("--long-fraction", "0.2", "--long-input-range", "2048:4096"),
+            *("--num-requests", "100", "--seed", "0"),
+        ],
+        baseline="aggregated 2D",
+        candidate="disaggregated 1P1D",
+        targets=Targets(max_p99_tpot_ratio=0.5, min_goodput_ratio=1.5),
+    ),
+}
+
+
+# -- placement ---------------------------------------------------------------------------------
+
+
+@dataclass
+class ProcSpec:
+    """One process of a topology as it will be started."""
+
+    name: str
+    role: str  # "nats", "gateway", "prefill", "decode" or "up"
+    cores: list[int]
+    argv: list[str] = field(default_factory=list)
+    options: dict[str, object] = field(default_factory=dict)  # PDSERVE_* values
+    env: dict[str, str] = field(default_factory=dict)  # other variables (threads, devices)
+
+    def command_line(self) -> str:
+        env = {**self.env, **service_env(self.options, base={})}
+        return " ".join(
+            [*(f"{k}={shlex.quote(v)}" for k, v in env.items()), *map(shlex.quote, self.argv)]
+        )
+
+
+def cpu_list(cores: Sequence[int]) -> str:
+    return ",".join(str(c) for c in cores)
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """`0,2-4` -> [0, 2, 3, 4] (taskset's list syntax)."""
+    cores: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cores.extend(range(int(lo), int(hi or lo) + 1))
+    if not cores:
+        raise ValueError(f"empty cpu list {text!r}")
+    return cores
+
+
+def thread_env(cores: int, device: str | None) -> dict[str, str]:
+    env = {
+        # one compute thread per pinned core: more threads than cores only contend
+        "OMP_NUM_THREADS": str(cores),
+        "MKL_NUM_THREADS": str(cores),
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+    }
+    if device is not None:
+        env["CUDA_VISIBLE_DEVICES"] = device
+    return env
+
+
+def plan_side(
+    side: Side,
+    worker_cores: Sequence[Sequence[int]],
+    frontend_cores: Sequence[int],
+    port: int,
+    nats_port: int,
+    devices: Sequence[str] | None,
+    mode: str,
+) -> list[ProcSpec]:
+    """The processes of one side, each with its cores, options and environment."""
+    if len(worker_cores) < side.num_workers:
+        raise ValueError(f"{side.name}: {side.num_workers} workers but {len(worker_cores)} slots")
+    taskset = ["taskset", "-c"]
+    common = {**side.options, "nats_url": f"nats://127.0.0.1:{nats_port}"}
+    if mode == "up":
+        # `pdserve up` starts every service itself: the whole tree shares one core set
+        cores = sorted({c for cs in worker_cores[: side.num_workers] for c in cs})
+        cores = sorted(set(cores) | set(frontend_cores))
+        argv = [*taskset, cpu_list(cores), *service_argv("up")]
+        argv += ["--prefill-workers", str(side.prefill_workers)]
+        argv += ["--decode-workers", str(side.decode_workers), "--port", str(port)]
+        # no nats_url here: `up` would take it as "use that server" and start none
+        opts = dict(side.options)
+        per_worker = max(1, len(cores) // max(1, side.num_workers))
+        return [ProcSpec("up", "up", cores, argv, opts, thread_env(per_worker, None))]
+    specs = [ProcSpec("nats", "nats", list(frontend_cores), options={"port": nats_port})]
+    roles = ["prefill"] * side.prefill_workers + ["decode"] * side.decode_workers
+    counts = {"prefill": 0, "decode": 0}
+    for i, role in enumerate(roles):
+        cores = list(worker_cores[i])
+        worker_id = f"{role}-{counts[role]}"
+        counts[role] += 1
+        device = devices[i % len(devices)] if devices else None
+        specs.append(
+            ProcSpec(
+                worker_id,
+                role,
+                cores,
+                [*taskset, cpu_list(cores), *service_argv(role)],
+                {**common, "worker_id": worker_id},
+                thread_env(len(cores), device),
+            )
+        )
+    gateway_opts = {**common, "port": port, "host": "127.0.0.1"}
+    specs.append(
+        ProcSpec(
+            "gateway",
+            "gateway",
+            list(frontend_cores),
+            [*taskset, cpu_list(frontend_cores), *service_argv("gateway")],
+            gateway_opts,
+            thread_env(len(frontend_cores), None),
+        )
+    )
+    return specs
+
+
+def allocate_worker_cores(first: int, per_worker: int, workers: int) -> list[list[int]]:
+    return [
+        list(range(first + i * per_worker, first + (i + 1) * per_worker)) for i in range(workers)
+    ]
+
+
+# -- running a topology ------------------------------------------------------------------------
+
+
+def _pin_all_threads(pid: int, cores: Sequence[int]) -> None:
+    # nats-server is started by the launcher helper without taskset; -a pins its threads too
+    subprocess.run(
+        ["taskset", "-a", "-p", "-c", cpu_list(cores), str(pid)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+
+
+def _log_tail(child: Child, chars: int = 3000) -> str:
+    if child.log_path is None or not child.log_path.exists():
+        return ""
+    return child.log_path.read_text(errors="replace")[-chars:]
+
+
+def _probe_completion(base_url: str, timeout: float = 30.0) -> bool:
+    """One tiny completion: the gateway is healthy before any worker has registered."""
+    body = json.dumps(
+        {"model": _model_or_default(base_url), "prompt": [65, 66, 67], "max_tokens": 1}
+    ).encode()
+    req = urllib.request.Request(
+        base_url + "/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status == 200
+    except (OSError, ValueError):
+        return False
+
+
+def _model_or_default(base_url: str) -> str:
+    try:
+        return asyncio.run(discover_model(base_url, timeout=5))
+    except Exception:  # noqa: BLE001 - any failure just means "not ready yet"
+        return "default"
+
+
+class RunningSide:
+    """A started topology; `stop()` takes it down gateway first, workers drained, NATS last."""
+
+    def __init__(self, side: Side, specs: list[ProcSpec], log_dir: Path, port: int) -> None:
+        self.side = side
+        self.specs = specs
+        self.log_dir = log_dir
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.nats: NatsServer | None = None
+        self.children: list[Child] = []
+
+    def start(self, timeout: float = READY_TIMEOUT) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+        for spec in self.specs:
+            if spec.role == "nats":
+                port = int(str(spec.options["port"]))
+                self.nats = NatsServer(
+                    port=port, log_path=self.log_dir / "nats.log", workdir=self.log_dir
+                )
+                self.nats.start()
+                assert self.nats.child is not None
+                _pin_all_threads(self.nats.child.pid, spec.cores)
+                continue
+            env = service_env(spec.options, {**clean, **spec.env})
+            log = self.log_dir / f"{spec.name}.log"
+            self.children.append(spawn(spec.name, spec.argv, env, log))
+        self.wait_ready(timeout)
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            for child in self.children:
+                if not child.alive():
+                    raise RuntimeError(
+                        f"{self.side.name}: {child.name} exited with {child.popen.returncode}\n"
+                        f"{_log_tail(child)}"
+                    )
+            if http_ok(self.base_url + "/health", 1.0) and _probe_completion(self.base_url):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.side.name} not serving after {timeout:.0f}s")
+            time.sleep(0.5)
+
+    def stop(self, drain: float = 10.0) -> None:
+        gateways = [c for c in self.children if c.name in ("gateway", "up")]
+        workers = [c for c in self.children if c not in gateways]
+        for child in gateways:
+            child.stop(drain + 5.0)
+        for child in workers:
+            child.signal(15)
+        for child in workers:
+            child.stop(drain)
+        if self.nats is not None:
+            self.nats.stop()
+
+
+@contextlib.contextmanager
+def running(sides: list[RunningSide]) -> Iterator[list[RunningSide]]:
+    started: list[RunningSide] = []
+    try:
+        for side in sides:
+            print(f"starting {side.side.name} ...", flush=True)
+            started.append(side)
+            side.start()
+            print(f"{side.side.name} serving at {side.base_url}", flush=True)
+        yield sides
+    finally:
+        for side in reversed(started):
+            side.stop()
+
+
+# -- measuring ---------------------------------------------------------------------------------
+
+
+async def _bench_once(
+    ns: argparse.Namespace,
+    requests: list[Any],
+    base_url: str,
+    series: str,
+    rate: float,
+    slos: dict[str, float],
+    max_concurrency: int | None = None,
+    seed_offset: int = 0,
+) -> RunResult:
+    model = ns.model or await discover_model(base_url, ns.api_key)
+    cfg = ClientConfig(
+        base_url, model, ns.endpoint, ns.api_key, ns.temperature, ns.ignore_eos, ns.timeout
+    )
+    if ns.warmup_requests > 0:
+        warm = build_dataset(ns, WARMUP_SEED_OFFSET, 1)[0]
+        await warm_up(cfg, warm, ns.warmup_requests)
+    conc = max_concurrency if max_concurrency is not None else ns.max_concurrency
+    load = LoadConfig(rate, ns.burstiness, conc, ns.seed + seed_offset)
+    run = await run_benchmark(requests, cfg, load, ns.progress, desc=f"{series} @ {rate:g}/s")
+    metrics = compute_metrics(run.records, run.duration, slos, ns.percentiles)
+    return RunResult(series, rate, ns.burstiness, conc, metrics, run.records)
+
+
+@dataclass
+class Calibration:
+    """Unloaded latencies (one request at a time) that scale the SLOs and the rate sweep."""
+
+    ttft_p90_ms: float
+    tpot_p90_ms: float
+    e2el_mean_s: float
+
+    def slos(self, scale_ttft: float, scale_tpot: float) -> dict[str, float]:
+        return {"ttft": scale_ttft * self.ttft_p90_ms, "tpot": scale_tpot * self.tpot_p90_ms}
+
+    def rates(self, workers: int, factors: Sequence[float]) -> list[float]:
+        # serial capacity of the workers; continuous batching lifts the real one above it
+        base = workers / self.e2el_mean_s
+        return [round(base * f, 3) for f in factors]
+
+
+def calibrate(ns: argparse.Namespace, base_url: str, count: int) -> Calibration:
+    """DistServe sets SLOs as multiples of the latency a request sees on an idle system."""
+    sample = build_dataset(ns, CALIBRATION_SEED_OFFSET, count)
+    run = asyncio.run(_bench_once(ns, sample, base_url, "calibration", math.inf, {}, 1))
+    m = compute_metrics(run.records, run.metrics.duration_s, {}, (90.0,))
+    if m.completed == 0:
+        raise RuntimeError("calibration requests all failed")
+    return Calibration(m.ttft_ms.p(90), m.tpot_ms.p(90), m.e2el_ms.mean / 1000.0)
+
+
+def compare(
+    results: list[RunResult], scenario: Scenario, target_attainment: float
+) -> tuple[str, dict]:
+    """Ratios of candidate to baseline per rate and overall, checked against the targets."""
+    base_name, cand_name = scenario.baseline, scenario.candidate
+    by = {(r.series, r.request_rate): r for r in results}
+    rates = sorted({r.request_rate for r in results})
+    lines = [
+        f"# {scenario.name}: {cand_name} vs {base_name}",
+        "",
+        scenario.description,
+        "",
+        "| rate (req/s) | p99 TTFT base | p99 TTFT cand | ratio | p99 TPOT base | p99 TPOT cand "
+        "| ratio | goodput base | goodput cand | ratio | attain. base | attain. cand |",
+        "|" + "---|" * 12,
+    ]
+    rows = []
+    for rate in rates:
+        b, c = by.get((base_name, rate)), by.get((cand_name, rate))
+        if b is None or c is None:
+            continue
+        bm, cm = b.metrics, c.metrics
+        row = {
+            "rate": rate,
+            "ttft_p99_ratio": _ratio(cm.ttft_ms.p(99), bm.ttft_ms.p(99)),
+            "tpot_p99_ratio": _ratio(cm.tpot_ms.p(99), bm.tpot_ms.p(99)),
+            "goodput_ratio": _ratio(cm.request_goodput, bm.request_goodput),
+        }
+        rows.append(row)
+        lines.append(
+            f"| {b.rate_label} | {bm.ttft_ms.p(99):.1f} | {cm.ttft_ms.p(99):.1f} | "
+            f"{_fmt_ratio(row['ttft_p99_ratio'])} | {bm.tpot_ms.p(99):.2f} | "
+            f"{cm.tpot_ms.p(99):.2f} | {_fmt_ratio(row['tpot_p99_ratio'])} | "
+            f"{bm.request_goodput:.3f} | {cm.request_goodput:.3f} | "
+            f"{_fmt_ratio(row['goodput_ratio'])} | {100 * bm.slo_attainment:.0f}% | "
+            f"{100 * cm.slo_attainment:.0f}% |"
+        )
+
+    def max_rate(series: str) -> float | None:
+        pts = [(r.request_rate, r.metrics.slo_attainment) for r in results if r.series == series]
+        return max_goodput_rate(pts, target_attainment)
+
+    gb, gc = max_rate(base_name), max_rate(cand_name)
+    summary: dict[str, Any] = {
+        "baseline": base_name,
+        "candidate": cand_name,
+        "per_rate": rows,
+        "distserve_goodput_base": gb,
+        "distserve_goodput_cand": gc,
+        "distserve_goodput_ratio": _ratio(gc, gb) if gc is not None and gb is not None else None,
+    }
+    lines += [
+        "",
+        f"DistServe goodput (highest rate with >= {target_attainment:.0%} SLO "
+        f"attainment, tested rates only): {base_name} {gb}, {cand_name} {gc}, ratio "
+        f"{_fmt_ratio(summary['distserve_goodput_ratio'])}",
+    ]
+    t = scenario.targets
+    verdicts = []
+    # judge TPOT at the highest rate both sides served, where interference is worst
+    if rows and t.max_p99_tpot_ratio is not None:
+        r = rows[-1]["tpot_p99_ratio"]
+        ok = r is not None and r <= t.max_p99_tpot_ratio
+        verdicts.append(
+            f"p99 TPOT ratio at the highest rate {_fmt_ratio(r)} "
+            f"(target <= {t.max_p99_tpot_ratio}x): {'met' if ok else 'MISSED'}"
+        )
+        summary["tpot_target_met"] = ok
+    if t.min_goodput_ratio is not None:
+        r = summary["distserve_goodput_ratio"]
+        ok = r is not None and r >= t.min_goodput_ratio
+        verdicts.append(
+            f"goodput ratio {_fmt_ratio(r)} (target >= {t.min_goodput_ratio}x): "
+            f"{'met' if ok else 'MISSED'}"
+        )
+        summary["goodput_target_met"] = ok
+    lines += ["", *(f"- {v}" for v in verdicts)]
+    return "\n".join(lines) + "\n", summary
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def _fmt_ratio(r: float | None) -> str:
+    return "n/a" if r is None else f"{r:.2f}x"
+
+
+def machine_description() -> dict[str, Any]:
+    cpu = platform.processor()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    desc: dict[str, Any] = {
+        "host_cpus": os.cpu_count(),
+        "usable_cpus": sorted(os.sched_getaffinity(0)),
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    with contextlib.suppress(OSError, ValueError):
+        kb = next(
+            int(x.split()[1])
+            for x in Path("/proc/meminfo").read_text().splitlines()
+            if x.startswith("MemTotal")
+        )
+        desc["memory_gib"] = round(kb / 2**20, 1)
+    with contextlib.suppress(Exception):
+        import torch
+
+        desc["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            desc["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return desc
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+def make_parser_scenarios() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m perf.scenarios",
+        description="Side-by-side pdserve scenarios. Bench options go after `--`.",
+    )
+    p.add_argument("scenario", choices=sorted(SCENARIOS))
+    p.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
+    p.add_argument(
+        "--mode",
+        choices=("services", "up"),
+        default="services",
+        help="start each service pinned (services) or one `pdserve up` per side",
+    )
+    p.add_argument("--cores-per-worker", type=int, default=1)
+    p.add_argument(
+        "--first-worker-core",
+        type=int,
+        default=None,
+        help="first core for workers (default: right after the frontend cores)",
+    )
+    p.add_argument("--frontend-cores", default="0", help="cores for NATS and the gateway")
+    p.add_argument(
+        "--devices", default=None, help="CUDA_VISIBLE_DEVICES per worker, comma separated (cycled)"
+    )
+    p.add_argument("--port", type=int, default=0, help="first gateway port (default: free ones)")
+    p.add_argument(
+        "--no-interleave",
+        dest="interleave",
+        action="store_false",
+        help="run sides one after another instead of alternating rates",
+    )
+    p.add_argument(
+        "--external",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="benchmark a running endpoint as a side (replaces the scenario's sides)",
+    )
+    p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="pdserve option for every side, e.g. --option num_kv_blocks=512",
+    )
+    p.add_argument("--calibration-requests", type=int, default=8)
+    p.add_argument(
+        "--slo-scale-ttft",
+        type=float,
+        default=4.0,
+        help="TTFT SLO = this x unloaded p90 TTFT (unless --goodput is given)",
+    )
+    p.add_argument(
+        "--slo-scale-tpot",
+        type=float,
+        default=2.0,
+        help="TPOT SLO = this x unloaded p90 TPOT (unless --goodput is given)",
+    )
+    p.add_argument(
+        "--rate-factors",
+        default="0.5,1,2,4",
+        help="sweep rates as multiples of the unloaded serial capacity "
+        "(unless --request-rate is given)",
+    )
+    p.add_argument("--results", default="perf/results", help="parent folder of the run folder")
+    p.add_argument("--name", default=None, help="run folder name (default: scenario-time)")
+    return p
+
+
+def _sides(args: argparse.Namespace, scenario: Scenario) -> list[Side]:
+    if args.external:
+        sides = []
+        for item in args.external:
+            name, sep, url = item.partition("=")
+            if not sep or not url.startswith("http"):
+                raise SystemExit(f"--external wants NAME=URL, got {item!r}")
+            sides.append(Side(name, base_url=url.rstrip("/")))
+        return sides
+    extra: dict[str, object] = {}
+    for item in args.option:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--option wants NAME=VALUE, got {item!r}")
+        extra[key.replace("-", "_")] = value
+    return [dataclasses.replace(s, options={**s.options, **extra}) for s in scenario.sides]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = make_parser_scenarios().parse_args(argv[:split])
+    bench_args = argv[split + 1 :]
+    scenario = copy.deepcopy(SCENARIOS[args.scenario])
+    ns = make_parser().parse_args([*scenario.bench_defaults, *bench_args])
+    ns.percentiles = sorted({*ns.percentiles, 50.0, 90.0, 99.0})  # the comparison reads p99
+    user_rates = any(a.startswith("--request-rate") for a in bench_args)
+    sides = _sides(args, scenario)
+    if args.external and scenario.baseline not in {s.name for s in sides}:
+        # external sides: the last one named is the baseline, the first the candidate
+        scenario.baseline, scenario.candidate = sides[-1].name, sides[0].name
+    requests = build_dataset(ns)
+    name = args.name or f"{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out_dir = Path(args.results) / name
+
+    frontend = parse_cpu_list(args.frontend_cores)
+    first = args.first_worker_core if args.first_worker_core is not None else max(frontend) + 1
+    most = max((s.num_workers for s in sides if s.base_url is None), default=0)
+    slots = allocate_worker_cores(first, args.cores_per_worker, most)
+    devices = args.devices.split(",") if args.devices else None
+    runners: dict[str, RunningSide] = {}
+    for side in sides:
+        if side.base_url is None:
+            port = args.port + len(runners) if args.port else free_port()
+            specs = plan_side(side, slots, frontend, port, free_port(), devices, args.mode)
+            runners[side.name] = RunningSide(side, specs, out_dir / "logs" / _slug(side.name), port)
+
+    _print_plan(scenario, sides, list(runners.values()), ns, requests, slots, args)
+    if args.dry_run:
+        return _check_plan(list(runners.values()), slots, frontend)
+    _check_plan(list(runners.values()), slots, frontend, strict=True)
+
+    config = {
+        "scenario": scenario.name,
+        "harness": vars(args),
+        "bench": describe(ns),
+        "machine": machine_description(),
+        "sides": [dataclasses.asdict(s) for s in sides],
+        "processes": {n: [s.command_line() for s in r.specs] for n, r in runners.items()},
+    }
+    results = measure(args, ns, sides, runners, requests, user_rates, config)
+    md, summary = compare(results, scenario, ns.slo_attainment_target)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "comparison.md").write_text(md)
+    (out_dir / "comparison.json").write_text(json.dumps(summary, indent=1) + "\n")
+    paths = write_outputs(
+        results, out_dir, "bench", config, {"comparison": "comparison.md"}, ns.plots, ns.detailed
+    )
+    print(md)
+    print(f"results in {out_dir}: comparison.md, " + ", ".join(p.name for p in paths.values()))
+    return 0
+
+
+def measure(
+    args: argparse.Namespace,
+    ns: argparse.Namespace,
+    sides: list[Side],
+    runners: dict[str, RunningSide],
+    requests: list[Any],
+    user_rates: bool,
+    config: dict[str, Any],
+) -> list[RunResult]:
+    """Every side at every rate: alternating sides per rate, or one side after another."""
+    results: list[RunResult] = []
+
+    def bench(side: Side, url: str, index: int, rate: float, slos: dict[str, float]) -> None:
+        # the same prompts for every side at this rate, other prompts at other rates
+        reqs = requests if index == 0 else build_dataset(ns, seed_offset=index)
+        result = asyncio.run(_bench_once(ns, reqs, url, side.name, rate, slos, None, index))
+        print_summary(result)
+        results.append(result)
+
+    def url_of(side: Side) -> str:
+        return side.base_url or runners[side.name].base_url
+
+    if args.interleave:
+        with running(list(runners.values())):
+            rates, slos = _rates_and_slos(args, ns, url_of(sides[-1]), sides, user_rates, config)
+            for i, rate in enumerate(rates):
+                for side in sides:
+                    bench(side, url_of(side), i, rate, slos)
+        return results
+    plan: tuple[list[float], dict[str, float]] | None = None
+    for side in sides:
+        with running([runners[side.name]] if side.name in runners else []):
+            if plan is None:  # calibrate on whichever side comes up first
+                plan = _rates_and_slos(args, ns, url_of(side), sides, user_rates, config)
+            for i, rate in enumerate(plan[0]):
+                bench(side, url_of(side), i, rate, plan[1])
+    return results
+
+
+def _rates_and_slos(
+    args: argparse.Namespace,
+    ns: argparse.Namespace,
+    url: str,
+    sides: list[Side],
+    user_rates: bool,
+    config: dict[str, Any],
+) -> tuple[list[float], dict[str, float]]:
+    """The sweep's rates and SLOs: as given, or scaled from an unloaded calibration run."""
+    slos = parse_goodput(ns.goodput)
+    rates = list(ns.request_rate) if user_rates else []
+    if not slos or not rates:
+        cal = calibrate(ns, url, args.calibration_requests)
+        config["calibration"] = dataclasses.asdict(cal)
+        if not slos:
+            slos = cal.slos(args.slo_scale_ttft, args.slo_scale_tpot)
+        if not rates:
+            workers = max((s.num_workers for s in sides if s.base_url is None), default=1)
+            rates = cal.rates(workers, [float(f) for f in args.rate_factors.split(",")])
+        print(f"calibration on {url}: {cal}; SLOs (ms) {slos}; rates {rates}", flush=True)
+    config["slos_ms"], config["rates"] = slos, rates
+    return rates, slos
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def _print_plan(scenario, sides, runners, ns, requests, slots, args) -> None:
+    ins = np.array([r.prompt_len for r in requests])
+    outs = np.array([r.output_len for r in requests])
+    print(f"scenario {scenario.name}: {scenario.description}")
+    print(
+        f"workload: {len(requests)} requests, prompt tokens p50 {np.median(ins):.0f} "
+        f"p90 {np.percentile(ins, 90):.0f} max {ins.max()}, "
+        f"{(ins >= ns.long_input_range[0]).mean():.0%} long; output p50 {np.median(outs):.0f} "
+        f"max {outs.max()}; total {ins.sum()} in / {outs.sum()} out"
+    )
+    print(
+        f"worker core slots: {slots}; frontend cores: {args.frontend_cores}; "
+        f"interleave: {args.interleave}"
+    )
+    for side in sides:
+        if side.base_url:
+            print(f"[{side.name}] external endpoint {side.base_url}")
+    for r in runners:
+        print(
+            f"[{r.side.name}] {r.side.prefill_workers} prefill + {r.side.decode_workers} decode "
+            f"workers, gateway {r.base_url}, logs {r.log_dir}"
+        )
+        for spec in r.specs:
+            line = spec.command_line() if spec.argv else f"nats-server (pinned to {spec.cores})"
+            print(f"    {spec.name}: {line}")
+    goodput = ns.goodput or f"calibrated: ttft x{args.slo_scale_ttft}, tpot x{args.slo_scale_tpot}"
+    print(f"goodput SLOs: {goodput}; attainment target {ns.slo_attainment_target:.0%}")
+
+
+def _check_plan(runners, slots, frontend, strict: bool = False) -> int:
+    """Missing cores or binaries: warn in a dry run, refuse in a real one."""
+    problems = []
+    usable = os.sched_getaffinity(0)
+    wanted = {c for s in slots for c in s} | set(frontend)
+    if runners and not wanted <= usable:
+        problems.append(
+            f"cores {sorted(wanted - usable)} are not available (have {sorted(usable)})"
+        )
+    if runners:
+        try:
+            find_nats_server()
+        except FileNotFoundError as exc:
+            problems.append(str(exc))
+        if subprocess.run(["taskset", "-V"], capture_output=True).returncode != 0:
+            problems.append("taskset not found (util-linux)")
+    for p in problems:
+        print(("error: " if strict else "warning: ") + p, file=sys.stderr)
+    if strict and problems:
+        raise SystemExit(2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
