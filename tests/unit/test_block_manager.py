@@ -1,0 +1,91 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from services.engine.block_manager import BlockManager, prefix_block_hashes
+from services.engine.sampling import SamplingParams
+from services.engine.sequence import Sequence
+
+
+def seq(rid: str, tokens: list[int]) -> Sequence:
+    return Sequence(rid, tokens, SamplingParams(), 0, 0.0)
+
+
+def computed(bm: BlockManager, s: Sequence, n: int | None = None) -> Sequence:
+    bm.allocate(s, s.num_tokens)
+    s.num_computed_tokens = s.num_tokens if n is None else n
+    bm.commit(s)
+    return s
+
+
+def test_hashes_are_stable_across_processes():
+    tokens = list(range(100))
+    here = prefix_block_hashes(tokens, 16)
+    code = "from services.engine.block_manager import prefix_block_hashes as h; print(h(list(range(100)), 16))"
+    there = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert str(here) == there.strip()
+    assert len(here) == 6  # only full blocks
+    # chained: the same block content under a different parent hashes differently
+    assert prefix_block_hashes(tokens[16:32], 16)[0] != here[1]
+
+
+def test_prefix_reuse_and_refcounts():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = computed(bm, seq("a", list(range(10))))  # blocks: 2 full + 1 partial
+    b = seq("b", list(range(8)) + [99, 98, 97])
+    assert bm.match_prefix(b) == 8
+    assert b.block_table == a.block_table[:2]
+    assert [bm.ref_counts[x] for x in a.block_table] == [2, 2, 1]
+    bm.free_sequence(a)
+    assert bm.num_free_blocks == 8 - 2  # b still holds the shared prefix
+    bm.free_sequence(b)
+    assert bm.num_free_blocks == 8
+
+
+def test_match_leaves_one_token_to_compute():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    computed(bm, seq("a", list(range(8))))
+    again = seq("b", list(range(8)))
+    # all 8 tokens are cached, but the last one must run to produce logits: only 1 block reused
+    assert bm.match_prefix(again) == 4
+
+
+def test_partial_blocks_are_never_shared():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    computed(bm, seq("a", list(range(6))))
+    assert bm.match_prefix(seq("b", list(range(6)) + [7])) == 4
+
+
+def test_lru_eviction_only_when_space_is_needed():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    old = computed(bm, seq("old", list(range(9))))
+    new = computed(bm, seq("new", list(range(100, 109))))
+    bm.free_sequence(old)
+    bm.free_sequence(new)
+    assert len(bm.cached) == 4
+    # two blocks: old's uncached partial tail, then its least recently freed cached block
+    fresh = seq("fresh", [1000] * 5)
+    bm.allocate(fresh, 5)
+    assert len(bm.cached) == 3
+    assert bm.match_prefix(seq("probe_old", list(range(9)))) == 4  # old's first block survived
+    bm.free_sequence(fresh)
+
+
+def test_eviction_under_pressure_keeps_outputs_consistent():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    a = computed(bm, seq("a", list(range(9))))
+    bm.free_sequence(a)
+    b = seq("b", list(range(50, 62)))
+    bm.allocate(b, 12)  # needs every block: all of a's cached blocks are evicted
+    assert bm.cached == {}
+    assert bm.match_prefix(seq("c", list(range(9)))) == 0
+
+
+def test_disabled_cache_never_matches():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_cache=False)
+    computed(bm, seq("a", list(range(12))))
+    assert bm.match_prefix(seq("b", list(range(12)))) == 0
+    assert bm.cached == {}

@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+import torch
+
+from services.engine.sampler import SamplingTensors, sample, uniform_noise
+
+
+def tensors(
+    b: int, temp: float, top_k: int, top_p: float, seeds: list[int], vocab: int
+) -> SamplingTensors:
+    return SamplingTensors(
+        temperatures=torch.full((b,), temp),
+        top_ks=torch.full((b,), top_k if top_k > 0 else vocab),
+        top_ps=torch.full((b,), top_p),
+        seeds=torch.tensor(seeds),
+        steps=torch.zeros(b, dtype=torch.int64),
+        needs_filter=top_k > 0 or top_p < 1.0,
+        all_greedy=temp == 0,
+    )
+
+
+def test_noise_is_uniform_and_deterministic():
+    u = uniform_noise(torch.tensor([1, 2]), torch.tensor([0, 0]), 50_000)
+    assert torch.equal(u, uniform_noise(torch.tensor([1, 2]), torch.tensor([0, 0]), 50_000))
+    assert 0 < u.min() and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.01
+    assert not torch.equal(u[0], u[1])
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 20_000
+    logits = probs.log().expand(n, 4).contiguous()
+    tokens = sample(logits, tensors(n, 1.0, -1, 1.0, list(range(n)), 4))
+    freq = torch.bincount(tokens, minlength=4).float() / n
+    assert torch.allclose(freq, probs, atol=0.015)
+
+
+def test_top_k_and_top_p_filter():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 4000
+    logits = probs.log().expand(n, 4).contiguous()
+    top2 = sample(logits, tensors(n, 1.0, 2, 1.0, list(range(n)), 4))
+    assert set(top2.tolist()) == {0, 1}
+    # top_p 0.6: the smallest prefix reaching 0.6 is {0, 1}
+    nucleus = sample(logits, tensors(n, 1.0, -1, 0.6, list(range(n)), 4))
+    assert set(nucleus.tolist()) == {0, 1}
+    assert sample(logits[:8], tensors(8, 1.0, 1, 1.0, list(range(8)), 4)).tolist() == [0] * 8
+
+
+def test_greedy_rows_in_a_mixed_batch():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]])
+    st = tensors(2, 1.0, -1, 1.0, [3, 4], 3)
+    st.temperatures = torch.tensor([0.0, 1.0])
+    st.all_greedy = False
+    assert sample(logits, st)[0].item() == 1
