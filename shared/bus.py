@@ -106,7 +106,7 @@ class Bus:
             raise ConnectionError(
                 f"cannot connect to NATS at {self.config.nats_url}: {exc!r}"
             ) from exc
-        log.info("connected to NATS %s as %s", self.nc.connected_url, self.name)
+        log.info("connected to NATS %s as %s", _url(self.nc), self.name)
 
     @property
     def connected(self) -> bool:
@@ -125,7 +125,7 @@ class Bus:
 
     async def _reconnected_cb(self) -> None:
         self.stats.reconnects += 1
-        log.info("reconnected to NATS %s", self.nc.connected_url if self.nc else "?")
+        log.info("reconnected to NATS %s", _url(self.nc))
         for callback in self._on_reconnect:
             try:
                 await callback()
@@ -200,3 +200,8 @@ class Bus:
         if now - self.stats.last_reject_log > 5.0:  # a flood of junk must not flood the log
             self.stats.last_reject_log = now
             log.warning("rejected message on %s (%d so far): %s", subject, self.stats.rejected, exc)
+
+
+def _url(nc: Client | None) -> str:
+    url = nc.connected_url if nc is not None else None
+    return url.netloc if url is not None else "?"

@@ -1,0 +1,247 @@
+"""The prefill worker: prompts in, first token out at once, KV held under a lease for the pull.
+
+Requests queue in the engine, which packs as many prompts per forward as the token budget allows
+(long ones are chunked). When a prompt's last chunk is done the engine samples the first token and
+parks the sequence with its blocks (``prefill_only``). The worker then leases those blocks and
+publishes a ``PrefillResult`` with the first token and a ``KVHandle`` to the gateway immediately -
+that message is the request's time to first token.
+
+The lease ends when the decode worker says it has pulled (``ReleaseLease``), when the request is
+cancelled, or when it expires (``lease_seconds``); the blocks go back to the engine then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+from services.engine.engine import LLMEngine
+from services.worker_base import RequestState, Step, Worker
+from shared import tracing
+from shared.kv_transfer import KVServer, LeaseTable
+from shared.protocol import KVHandle, PrefillRequest, PrefillResult, ReleaseLease
+
+log = logging.getLogger("pdserve.prefill")
+
+
+class PrefillWorker(Worker):
+    role = "prefill"
+    service_name = tracing.SERVICE_PREFILL
+
+    def __init__(self, ns: argparse.Namespace | dict) -> None:
+        super().__init__(ns)
+        self.leases = LeaseTable(self._free_lease)
+        self.kv_server: KVServer | None = None
+
+    def make_engine(self) -> LLMEngine:
+        return LLMEngine(self.engine_config, prefill_only=True)
+
+    async def start_extra(self) -> None:
+        self.kv_server = KVServer(
+            self.engine.kv_cache,
+            self.engine.layout_fingerprint(),
+            self.leases,
+            advertise_host=self.config.ucx_host,
+            port=self.config.ucx_port,
+        )
+        await self.kv_server.start()
+
+    async def close_extra(self) -> None:
+        if self.kv_server is not None:
+            await self.kv_server.stop()
+
+    async def subscribe(self) -> None:
+        # Requests are addressed to this worker by name (the gateway routes), so no queue group.
+        await self.bus.subscribe(
+            self.subjects.prefill(self.worker_id), self._on_request, (PrefillRequest,)
+        )
+        await self.bus.subscribe(
+            self.subjects.lease(self.worker_id), self._on_release, (ReleaseLease,)
+        )
+
+    def load_extra(self) -> dict:
+        return {
+            "ucx_address": self.config.ucx_host,
+            "ucx_port": self.kv_server.port if self.kv_server else 0,
+        }
+
+    def busy(self) -> bool:
+        return bool(self.states) or len(self.leases) > 0
+
+    # -- requests ------------------------------------------------------------------------------
+
+    async def _on_request(self, req: PrefillRequest, headers: dict[str, str]) -> None:
+        if not self.reply_ok(req.reply_to):
+            log.warning(
+                "dropping %s: reply subject %r is not a gateway inbox", req.request_id, req.reply_to
+            )
+            return
+        refusal = self._refusal(req)
+        if refusal is not None:
+            code, text = refusal
+            await self._reply(
+                req.reply_to,
+                PrefillResult(req.request_id, self.worker_id, None, "error", None, text, 0, code),
+            )
+            return
+        state = RequestState(
+            req.request_id, req.reply_to, req.deadline, tracing.extract_context(headers)
+        )
+        state.num_prompt_tokens = len(req.prompt_token_ids)
+        try:
+            self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling)
+        except ValueError as exc:  # invalid for this model (too long, token id out of range...)
+            await self._reply(
+                req.reply_to,
+                PrefillResult(
+                    req.request_id, self.worker_id, None, "error", None, str(exc), 0, "invalid"
+                ),
+            )
+            return
+        self.states[req.request_id] = state
+        self.wake_engine()
+
+    def _refusal(self, req: PrefillRequest) -> tuple[str, str] | None:
+        if self.draining:
+            return "draining", f"prefill worker {self.worker_id} is draining"
+        if req.deadline < time.time():
+            return "deadline", "the request's deadline passed before prefill"
+        if req.request_id in self.states or self.leases.get(req.request_id) is not None:
+            return "invalid", f"duplicate request id {req.request_id}"
+        if len(self.states) >= self.config.max_queue:
+            return "overloaded", f"prefill worker {self.worker_id} queue is full"
+        return None
+
+    async def _reply(
+        self, subject: str, result: PrefillResult, headers: dict[str, str] | None = None
+    ) -> None:
+        try:
+            await self.bus.publish(subject, result, headers)
+        except Exception as exc:
+            log.warning("could not reply for %s: %s", result.request_id, exc)
+
+    # -- engine outputs ------------------------------------------------------------------------
+
+    def on_step(self, step: Step) -> None:
+        self._record_forward(step)
+        for out in step.outputs:
+            state = self.states.pop(out.request_id, None)
+            if state is None:  # cancelled meanwhile: make sure nothing stays parked
+                self.engine.release(out.request_id)
+                continue
+            self.metrics.prefill_time.observe(
+                (step.end_ns - (state.first_scheduled_ns or step.start_ns)) / 1e9
+            )
+            token = out.new_token_ids[0] if out.new_token_ids else None
+            kv = None
+            if out.finish_reason is None:
+                kv = self._lease(out.request_id)
+                if kv is None:
+                    continue
+            result = PrefillResult(
+                request_id=out.request_id,
+                worker_id=self.worker_id,
+                first_token=token,
+                finish_reason=out.finish_reason,
+                kv=kv,
+                error=None,
+                cached_tokens=out.num_cached_tokens,
+            )
+            self.spawn(
+                self._reply(state.reply_to, result, tracing.inject_headers(context=state.context))
+            )
+        self.update_metrics()
+
+    def _lease(self, request_id: str) -> KVHandle | None:
+        try:
+            block_ids, num_tokens = self.engine.blocks_of(request_id)
+        except KeyError:
+            return None
+        lease = self.leases.add(request_id, block_ids, num_tokens, self.config.lease_seconds)
+        return KVHandle(
+            worker_id=self.worker_id,
+            address=self.config.ucx_host,
+            port=self.kv_server.port,
+            block_ids=block_ids,
+            num_tokens=num_tokens,
+            fingerprint=self.engine.layout_fingerprint(),
+            lease_expires=lease.expires,
+            token=lease.token,
+        )
+
+    def _record_forward(self, step: Step) -> None:
+        """prefill.queue once per request, prefill.forward per forward pass it took part in."""
+        stats = step.stats
+        for rid in stats.prefill_seqs:
+            state = self.states.get(rid)
+            if state is None:
+                continue
+            if state.first_scheduled_ns is None:
+                state.first_scheduled_ns = step.start_ns
+                self.metrics.queue_time.observe((step.start_ns - state.arrival_ns) / 1e9)
+                tracing.record_span(
+                    tracing.SPAN_PREFILL_QUEUE,
+                    state.arrival_ns,
+                    step.start_ns,
+                    context=state.context,
+                    attributes={
+                        tracing.ATTR_REQUEST_ID: rid,
+                        tracing.ATTR_WORKER_ID: self.worker_id,
+                    },
+                )
+            seq = self.engine.seqs.get(rid)
+            tracing.record_span(
+                tracing.SPAN_PREFILL_FORWARD,
+                step.start_ns,
+                step.end_ns,
+                context=state.context,
+                attributes={
+                    tracing.ATTR_REQUEST_ID: rid,
+                    tracing.ATTR_WORKER_ID: self.worker_id,
+                    tracing.ATTR_BATCH_SIZE: stats.num_seqs,
+                    tracing.ATTR_BATCH_TOKENS: stats.num_tokens,
+                    tracing.ATTR_CACHED_TOKENS: seq.num_cached_tokens if seq else 0,
+                },
+            )
+
+    # -- leases, cancel, deadlines ---------------------------------------------------------------
+
+    def _free_lease(self, request_id: str) -> None:
+        self.engine.release(request_id)
+        self.wake_engine()  # waiting prompts may fit now
+
+    async def _on_release(self, msg: ReleaseLease, headers: dict[str, str]) -> None:
+        self.leases.release(msg.request_id)
+        self.update_metrics()
+
+    async def on_cancel(self, request_id: str) -> None:
+        if self.states.pop(request_id, None) is not None:
+            self.engine.abort(request_id)
+            self.wake_engine()
+        else:
+            self.leases.release(request_id)
+
+    async def expire(self, state: RequestState) -> None:
+        self.states.pop(state.request_id, None)
+        self.engine.abort(state.request_id)
+        await self._reply(
+            state.reply_to,
+            PrefillResult(
+                state.request_id,
+                self.worker_id,
+                None,
+                "error",
+                None,
+                "prefill deadline passed",
+                0,
+                "deadline",
+            ),
+        )
+
+    async def housekeeping(self) -> None:
+        self.leases.expire()
+
+
+def run(ns: argparse.Namespace) -> int:
+    return PrefillWorker(ns).run()
