@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 from pathlib import Path
 
@@ -23,12 +22,22 @@ from hypothesis import strategies as st
 from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.server import create_app
+from gateway.server import GATEWAY_KEY, Gateway, create_app
 from gateway.tokenizer import ModelTokenizer
 from shared.bus import Bus
 from shared.config import BusConfig, EngineConfig, GatewayConfig
 from shared.discovery import HeartbeatPublisher
-from shared.protocol import Cancel, DecodeRequest, TokenBatch, TokenItem, WorkerLoad
+from shared.protocol import (
+    Cancel,
+    DecodeRequest,
+    KVHandle,
+    PrefillRequest,
+    PrefillResult,
+    ReleaseLease,
+    TokenBatch,
+    TokenItem,
+    WorkerLoad,
+)
 from tests.integration.stack import free_port, start_nats
 from tests.unit.gateway_fixtures import train_byte_level, write_model_dir
 
@@ -36,6 +45,7 @@ MODEL = "tiny-gw"
 CONTEXT = 128
 SCRIPT_TEXT = "Hello world! Grüße 😀 日本語 END tail"
 FAIL_SEED = 666  # the scripted worker fails requests with this seed after two tokens
+DIE_SEED = 555  # ... dies (stops heartbeats and tokens) after two tokens
 SLOW_SEED = 777  # ... and streams these slowly (for disconnects and admission)
 
 
@@ -64,9 +74,11 @@ def tokenizer(model_dir) -> ModelTokenizer:
 
 
 class ScriptedDecodeWorker:
-    def __init__(self, nats_url: str, namespace: str, tokenizer: ModelTokenizer) -> None:
-        self.bus = Bus(BusConfig(nats_url=nats_url, namespace=namespace), "scripted-decode")
-        self.worker_id = "scripted-d0"
+    def __init__(
+        self, nats_url: str, namespace: str, tokenizer: ModelTokenizer, worker_id="scripted-d0"
+    ) -> None:
+        self.bus = Bus(BusConfig(nats_url=nats_url, namespace=namespace), worker_id)
+        self.worker_id = worker_id
         self.script = tokenizer.encode(SCRIPT_TEXT, add_special_tokens=False)
         self.requests: list[DecodeRequest] = []
         self.cancelled: set[str] = set()
@@ -110,9 +122,13 @@ class ScriptedDecodeWorker:
     async def generate(self, req: DecodeRequest) -> None:
         delay = 0.05 if req.sampling.seed == SLOW_SEED else 0.002
         n = min(req.sampling.max_tokens, len(self.script))
-        for i in range(n):
+        start = len(req.output_token_ids)  # after a prefill worker made the first token
+        for i in range(start, n):
             await asyncio.sleep(delay)
             if req.request_id in self.cancelled:
+                return
+            if req.sampling.seed == DIE_SEED and i == start + 2:
+                await self.heartbeat.stop(gone=False)  # as if kill -9: no goodbye, no tokens
                 return
             if req.sampling.seed == FAIL_SEED and i == 2:
                 item = TokenItem(req.request_id, [], "error", "injected failure", "internal")
@@ -124,10 +140,81 @@ class ScriptedDecodeWorker:
                 return
 
 
+class ScriptedPrefillWorker:
+    """Answers PrefillRequests with the script's first token and a KV handle, or misbehaves:
+    mode "overloaded" refuses, "crash" stops its heartbeat and never answers, "silent" keeps
+    beating but never answers."""
+
+    def __init__(self, nats_url, namespace, tokenizer, worker_id, mode="ok", waiting=0) -> None:
+        self.bus = Bus(BusConfig(nats_url=nats_url, namespace=namespace), worker_id)
+        self.worker_id = worker_id
+        self.mode = mode
+        self.waiting = waiting
+        self.script = tokenizer.encode(SCRIPT_TEXT, add_special_tokens=False)
+        self.requests: list[PrefillRequest] = []
+        self.released: list[str] = []
+        self.heartbeat = HeartbeatPublisher(self.bus, self.load, 0.2)
+
+    def load(self) -> WorkerLoad:
+        return WorkerLoad(
+            worker_id=self.worker_id,
+            role="prefill",
+            model=MODEL,
+            free_blocks=100,
+            total_blocks=100,
+            running=0,
+            waiting=self.waiting,
+        )
+
+    async def start(self) -> None:
+        await self.bus.connect()
+        subjects = self.bus.subjects
+        await self.bus.subscribe(
+            subjects.prefill(self.worker_id), self.on_prefill, (PrefillRequest,)
+        )
+        await self.bus.subscribe(subjects.lease(self.worker_id), self.on_release, (ReleaseLease,))
+        await self.heartbeat.start()
+
+    async def stop(self) -> None:
+        await self.heartbeat.stop()
+        await self.bus.close()
+
+    async def on_release(self, msg: ReleaseLease, headers) -> None:
+        self.released.append(msg.request_id)
+
+    async def on_prefill(self, req: PrefillRequest, headers) -> None:
+        self.requests.append(req)
+        if self.mode == "crash":
+            await self.heartbeat.stop(gone=False)
+            return
+        if self.mode == "silent":
+            return
+        if self.mode == "overloaded":
+            result = PrefillResult(
+                req.request_id, self.worker_id, None, None, None, "queue full", 0, "overloaded"
+            )
+        else:
+            kv = KVHandle(
+                worker_id=self.worker_id,
+                address="127.0.0.1",
+                port=1,
+                block_ids=[0],
+                num_tokens=len(req.prompt_token_ids),
+                fingerprint={"model": MODEL},
+                lease_expires=time.time() + 30,
+            )
+            finish = "length" if req.sampling.max_tokens == 1 else None
+            result = PrefillResult(
+                req.request_id, self.worker_id, self.script[0], finish, kv, None, 3
+            )
+        await self.bus.publish(req.reply_to, result)
+
+
 class Harness:
     def __init__(self, base: str, worker: ScriptedDecodeWorker | None, app: web.Application):
         self.base = base
         self.worker = worker
+        self.extra: list = []
         self.app = app
         self.session = aiohttp.ClientSession()
 
@@ -151,18 +238,25 @@ class Harness:
                     events.append(data if data == "[DONE]" else json.loads(data))
             return r.status, events, CIMultiDict(r.headers)
 
+    def app_state(self) -> Gateway:
+        return self.app[GATEWAY_KEY]
+
     async def get(self, path: str, headers=None) -> tuple[int, str]:
         async with self.session.get(self.base + path, headers=headers) as r:
             return r.status, await r.text()
 
 
 async def start_harness(
-    nats_url, model_dir, tokenizer, namespace, with_worker=True, **gateway_options
+    nats_url, model_dir, tokenizer, namespace, with_worker=True, extra=(), **gateway_options
 ) -> tuple[Harness, web.AppRunner]:
+    """A gateway in this event loop; ``extra`` are (class, kwargs) of more scripted workers."""
     worker = None
     if with_worker:
         worker = ScriptedDecodeWorker(nats_url, namespace, tokenizer)
         await worker.start()
+    extra_workers = [cls(nats_url, namespace, tokenizer, **kw) for cls, kw in extra]
+    for w in extra_workers:
+        await w.start()
     port = free_port()
     config = GatewayConfig(host="127.0.0.1", port=port, worker_timeout=1.0, **gateway_options)
     app = create_app(
@@ -174,12 +268,24 @@ async def start_harness(
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     harness = Harness(f"http://127.0.0.1:{port}", worker, app)
+    harness.extra = extra_workers
     if with_worker:
+        expected = 1 + len(extra_workers)
         deadline = time.monotonic() + 5
-        while (await harness.get("/health"))[0] != 200:
-            assert time.monotonic() < deadline, "gateway never saw the worker"
+        while (await harness.get("/health"))[0] != 200 or len(
+            harness.app_state().workers.loads()
+        ) < expected:
+            assert time.monotonic() < deadline, "gateway never saw the workers"
             await asyncio.sleep(0.05)
     return harness, runner
+
+
+async def stop_harness(harness: Harness, runner: web.AppRunner) -> None:
+    await harness.session.close()
+    await runner.cleanup()
+    for w in [harness.worker, *harness.extra]:
+        if w is not None:
+            await w.stop()
 
 
 _namespace_counter = iter(range(10**6))
@@ -191,9 +297,7 @@ async def gw(nats_url, model_dir, tokenizer):
         nats_url, model_dir, tokenizer, f"t{next(_namespace_counter)}", max_body_bytes=64 * 1024
     )
     yield harness
-    await harness.session.close()
-    await runner.cleanup()
-    await harness.worker.stop()
+    await stop_harness(harness, runner)
 
 
 def assert_openai_error(payload: dict, param: str | None = None) -> None:
@@ -299,9 +403,7 @@ async def test_api_keys(nats_url, model_dir, tokenizer):
         assert status == 401
         assert (await harness.get("/health"))[0] == 200
     finally:
-        await harness.session.close()
-        await runner.cleanup()
-        await harness.worker.stop()
+        await stop_harness(harness, runner)
 
 
 async def test_openapi_and_models(gw: Harness):
@@ -416,8 +518,7 @@ async def test_no_decode_worker_is_503_with_retry_after(nats_url, model_dir, tok
         assert code == 503 and int(headers["Retry-After"]) >= 1
         assert_openai_error(payload)
     finally:
-        await harness.session.close()
-        await runner.cleanup()
+        await stop_harness(harness, runner)
 
 
 async def test_admission_limit_and_metrics(nats_url, model_dir, tokenizer):
@@ -445,9 +546,95 @@ async def test_admission_limit_and_metrics(nats_url, model_dir, tokenizer):
         gauge = families["pdserve_requests_in_flight"].samples[0].value
         assert gauge == 0
     finally:
-        await harness.session.close()
-        await runner.cleanup()
-        await harness.worker.stop()
+        await stop_harness(harness, runner)
+
+
+# ----------------------------------------------------------------------------- lifecycle
+
+
+async def test_prefill_first_then_decode_with_kv(nats_url, model_dir, tokenizer):
+    harness, runner = await start_harness(
+        nats_url, model_dir, tokenizer, "pd",
+        extra=[(ScriptedPrefillWorker, {"worker_id": "p0"})],
+    )  # fmt: skip
+    try:
+        body = {
+            **COMPLETION,
+            "max_tokens": 12,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        status, events, _ = await harness.stream("/v1/completions", body, {"x-request-id": "pd1"})
+        assert status == 200 and events[-1] == "[DONE]"
+        text = "".join(c["choices"][0]["text"] for c in events[:-1])
+        script = harness.worker.script
+        assert text == tokenizer.decode(script[:12])
+        usage = events[-2]["usage"]
+        assert usage["completion_tokens"] == 12
+        assert usage["prompt_tokens_details"] == {"cached_tokens": 3}
+        (prefill_req,) = harness.extra[0].requests
+        assert prefill_req.prompt_token_ids == tokenizer.encode("Hello")
+        decode_req = harness.worker.requests[-1]
+        assert decode_req.kv is not None and decode_req.kv.worker_id == "p0"
+        assert decode_req.output_token_ids == [script[0]]
+        # max_tokens=1 ends at the prefill worker; its lease is released at once.
+        code, payload, _ = await harness.post(
+            "/v1/completions", {**COMPLETION, "max_tokens": 1}, {"x-request-id": "pd2"}
+        )
+        assert code == 200 and payload["choices"][0]["finish_reason"] == "length"
+        assert payload["choices"][0]["text"] == tokenizer.decode(script[:1])
+        await wait_for(lambda: "pd2" in harness.extra[0].released, "lease release")
+        assert len(harness.worker.requests) == 1
+    finally:
+        await stop_harness(harness, runner)
+
+
+async def test_prefill_retried_on_another_worker(nats_url, model_dir, tokenizer):
+    # The crashing and the refusing workers look least loaded, so they are tried first.
+    harness, runner = await start_harness(
+        nats_url, model_dir, tokenizer, "retry",
+        extra=[
+            (ScriptedPrefillWorker, {"worker_id": "p-crash", "mode": "crash"}),
+            (ScriptedPrefillWorker, {"worker_id": "p-busy", "mode": "overloaded", "waiting": 1}),
+            (ScriptedPrefillWorker, {"worker_id": "p-ok", "waiting": 5}),
+        ],
+    )  # fmt: skip
+    try:
+        started = time.monotonic()
+        code, payload, _ = await harness.post("/v1/completions", {**COMPLETION, "max_tokens": 5})
+        assert code == 200, payload
+        assert payload["choices"][0]["text"] == tokenizer.decode(harness.worker.script[:5])
+        assert [len(w.requests) for w in harness.extra] == [1, 1, 1]
+        assert harness.worker.requests[-1].kv.worker_id == "p-ok"
+        assert time.monotonic() - started < 4.0  # worker_timeout is 1 s
+    finally:
+        await stop_harness(harness, runner)
+
+
+async def test_prefill_deadline_is_a_504(nats_url, model_dir, tokenizer):
+    harness, runner = await start_harness(
+        nats_url, model_dir, tokenizer, "slow",
+        extra=[(ScriptedPrefillWorker, {"worker_id": "p-silent", "mode": "silent"})],
+        prefill_timeout=0.5,
+    )  # fmt: skip
+    try:
+        code, payload, _ = await harness.post("/v1/completions", COMPLETION, {"x-request-id": "t1"})
+        assert code == 504
+        assert_openai_error(payload)
+        await wait_for(lambda: "t1" in harness.worker.cancelled, "cancel after the deadline")
+    finally:
+        await stop_harness(harness, runner)
+
+
+async def test_dead_decode_worker_ends_its_streams_with_an_error(gw: Harness):
+    body = {**COMPLETION, "max_tokens": 20, "stream": True, "seed": DIE_SEED}
+    started = time.monotonic()
+    status, events, _ = await gw.stream("/v1/completions", body)
+    assert status == 200 and events[-1] == "[DONE]"
+    assert_openai_error(events[-2])
+    assert "stopped" in events[-2]["error"]["message"]
+    assert time.monotonic() - started < 4.0  # worker_timeout is 1 s, not the request deadline
+    assert gw.app_state().in_flight == 0
 
 
 # ----------------------------------------------------------------------------- fuzz
@@ -521,13 +708,3 @@ async def wait_for(predicate, what: str, timeout: float = 5.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.02)
-
-
-def _app_state(self: Harness):
-    from gateway.server import GATEWAY_KEY
-
-    return self.app[GATEWAY_KEY]
-
-
-Harness.app_state = _app_state  # type: ignore[attr-defined]
-assert math.isfinite(1.0)
