@@ -138,7 +138,10 @@ class Dispatcher:
     # -- outgoing ----------------------------------------------------------------------------
 
     async def _publish(self, subject: str, msg, headers: dict[str, str] | None = None) -> None:
-        await self.bus.publish(subject, msg, headers)
+        try:
+            await self.bus.publish(subject, msg, headers)
+        except Exception as exc:  # closed or never-connected bus: fail the request, loudly
+            raise WorkerFailure(f"message bus unavailable: {exc}", "bus_unavailable") from exc
 
     def _spawn(self, coro) -> None:
         """Fire-and-forget publish that survives the cancellation of the request's task."""

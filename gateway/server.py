@@ -69,6 +69,7 @@ log = logging.getLogger("pdserve.gateway")
 _tracer = tr.tracer(__name__)
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+DRAIN_SECONDS = 30.0  # on SIGTERM, how long in-flight requests may finish
 BIG_PROMPT_CHARS = 20_000  # tokenize longer prompts off the event loop
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -86,10 +87,15 @@ class ServedModel:
 
     @classmethod
     def load(cls, engine: EngineConfig) -> ServedModel:
-        # Imported here: resolving the demo model needs torch, which the gateway otherwise avoids.
-        from services.engine.model_dir import resolve_model
+        if engine.model:
+            model_dir = Path(engine.model).expanduser()
+            if not model_dir.is_dir():
+                raise SystemExit(f"--model {engine.model}: not a directory")
+        else:
+            # Imported only here: making the demo model needs torch, which the gateway avoids.
+            from services.engine.model_dir import resolve_model
 
-        model_dir = resolve_model(engine.model)
+            model_dir = resolve_model(None)
         tok = ModelTokenizer.from_dir(model_dir)
         chat = None
         if tok.chat_template is not None:
@@ -604,6 +610,15 @@ async def _stream(
     except ConnectionResetError:
         progress.finish_reason = "abort"  # the client went away; the workers were cancelled
         raise
+    except Exception:
+        # A bug must not look like a short but successful stream: end it with an error event.
+        log.exception("request %s failed", rid)
+        progress.finish_reason = "error"
+        if writer is None:
+            raise
+        await writer.send(server_error("internal server error").body())
+        await writer.done()
+        return writer.response
     tail = out.finish()
     if out.stopped:
         progress.finish_reason = "stop"
@@ -687,7 +702,8 @@ def run(ns: argparse.Namespace) -> int:
     tr.setup_tracing(tr.SERVICE_GATEWAY, gateway_id)
     try:
         app = create_app(config, engine, bus, gateway_id)
-        asyncio.run(serve(app, config.host, config.port, drain_seconds=config.request_timeout))
+        drain = min(config.request_timeout, DRAIN_SECONDS)
+        asyncio.run(serve(app, config.host, config.port, drain_seconds=drain))
     finally:
         tr.shutdown_tracing()
     return 0

@@ -10,7 +10,9 @@ output against HF transformers is covered by the end-to-end tests with real work
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -38,7 +40,8 @@ from shared.protocol import (
     TokenItem,
     WorkerLoad,
 )
-from tests.integration.stack import free_port, start_nats
+from tests.integration.stack import free_port, log_text, start_nats, start_service
+from tests.otlp_receiver import OtlpReceiver
 from tests.unit.gateway_fixtures import train_byte_level, write_model_dir
 
 MODEL = "tiny-gw"
@@ -81,6 +84,7 @@ class ScriptedDecodeWorker:
         self.worker_id = worker_id
         self.script = tokenizer.encode(SCRIPT_TEXT, add_special_tokens=False)
         self.requests: list[DecodeRequest] = []
+        self.headers: list[dict[str, str]] = []
         self.cancelled: set[str] = set()
         self.tasks: set[asyncio.Task] = set()
         self.heartbeat = HeartbeatPublisher(self.bus, self.load, 0.2)
@@ -115,6 +119,7 @@ class ScriptedDecodeWorker:
 
     async def on_decode(self, msg: DecodeRequest, headers: dict[str, str]) -> None:
         self.requests.append(msg)
+        self.headers.append(headers)
         task = asyncio.create_task(self.generate(msg))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -635,6 +640,69 @@ async def test_dead_decode_worker_ends_its_streams_with_an_error(gw: Harness):
     assert "stopped" in events[-2]["error"]["message"]
     assert time.monotonic() - started < 4.0  # worker_timeout is 1 s, not the request deadline
     assert gw.app_state().in_flight == 0
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+async def test_pdserve_gateway_command_traces_and_stops(nats_url, model_dir, tokenizer, tmp_path):
+    """`pdserve gateway` as its own process: root and route spans reach an OTLP receiver, the
+    trace context rides to the worker in NATS headers, and SIGTERM stops it cleanly."""
+    worker = ScriptedDecodeWorker(nats_url, "cli", tokenizer)
+    await worker.start()
+    port = free_port()
+    async with OtlpReceiver() as rx:
+        child = start_service(
+            "gateway",
+            nats_url,
+            tmp_path,
+            env=rx.env(),
+            options={"namespace": "cli", "model": model_dir, "port": port, "worker_timeout": 1},
+        )
+        session = aiohttp.ClientSession()
+        try:
+            base = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 30
+            while True:
+                assert child.alive(), log_text(child)
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with session.get(base + "/health") as r:
+                        if r.status == 200:
+                            break
+                assert time.monotonic() < deadline, log_text(child)
+                await asyncio.sleep(0.1)
+            async with session.post(
+                base + "/v1/completions", json=COMPLETION, headers={"x-request-id": "trace-1"}
+            ) as r:
+                assert r.status == 200 and r.headers["x-request-id"] == "trace-1"
+
+            spans = await rx.wait_for(
+                lambda spans: {"POST /v1/completions", "route"} <= {s.name for s in spans}
+            )
+            by_name = {
+                s.name: s for s in spans if s.attributes.get("pdserve.request_id") == "trace-1"
+            }
+            root, route = by_name["POST /v1/completions"], by_name["route"]
+            assert root.parent_span_id is None and root.kind == 2
+            assert root.resource["service.name"] == "pdserve-gateway"
+            assert route.parent_span_id == root.span_id and route.trace_id == root.trace_id
+            attrs = root.attributes
+            assert attrs["gen_ai.operation.name"] == "text_completion"
+            assert attrs["gen_ai.request.model"] == MODEL
+            assert attrs["gen_ai.usage.input_tokens"] == len(tokenizer.encode("Hello"))
+            assert attrs["gen_ai.usage.output_tokens"] == 4
+            assert list(attrs["gen_ai.response.finish_reasons"]) == ["length"]
+            assert "gen_ai.latency.time_to_first_token" in attrs
+            # The worker's spans will hang under the root: its traceparent names root's span.
+            traceparent = worker.headers[-1]["traceparent"]
+            assert traceparent.split("-")[1:3] == [root.trace_id, root.span_id]
+
+            child.signal(signal.SIGTERM)
+            assert child.wait(15) == 0, log_text(child)
+        finally:
+            await session.close()
+            child.stop()
+            await worker.stop()
 
 
 # ----------------------------------------------------------------------------- fuzz
