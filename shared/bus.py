@@ -87,6 +87,7 @@ class Bus:
         self.nc: Client | None = None
         self._subs: list[Subscription] = []
         self._on_reconnect: list[Callable[[], Awaitable[None]]] = []
+        self._closing = False
 
     # -- connection -------------------------------------------------------------------------
 
@@ -121,7 +122,8 @@ class Bus:
 
     async def _disconnected_cb(self) -> None:
         self.stats.disconnects += 1
-        log.warning("disconnected from NATS")
+        if not self._closing:
+            log.warning("disconnected from NATS")
 
     async def _reconnected_cb(self) -> None:
         self.stats.reconnects += 1
@@ -134,6 +136,7 @@ class Bus:
 
     async def close(self) -> None:
         """Flush what we published and close. Safe to call twice."""
+        self._closing = True
         nc, self.nc = self.nc, None
         if nc is None or nc.is_closed:
             return

@@ -20,12 +20,13 @@ API:
   does. ``Child``: ``.pid``, ``.alive()``, ``.signal(sig)``, ``.wait(t)``, ``.stop(t)`` (SIGTERM
   then SIGKILL of the group), ``.log_text()`` for failure messages.
 - ``wait_until(predicate, timeout, what)``; ``wait_http(url, timeout, child=None)``.
-- ``stop_all(children)``: stop every child by pid (process group), newest first.
+- ``stop_all(children)``: SIGTERM every child's process group at once, wait, SIGKILL leftovers.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -118,5 +119,11 @@ def wait_http(url: str, timeout: float = 60.0, children: Iterable[Child] = ()) -
 
 
 def stop_all(children: Iterable[Child], timeout: float = 10.0) -> None:
-    for child in reversed(list(children)):
-        child.stop(timeout)
+    """SIGTERM every child at once (they drain in parallel), then wait; SIGKILL stragglers."""
+    children = list(children)
+    for child in children:
+        if child.alive():
+            child.signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for child in reversed(children):
+        child.stop(max(0.0, deadline - time.monotonic()))

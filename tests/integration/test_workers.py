@@ -1,0 +1,316 @@
+"""Prefill and decode workers as real processes, driven over a real nats-server by a test client
+that speaks the gateway's side of the protocol. KV moves over real UCX on loopback; HF
+transformers (float64) is the oracle for every generated token."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from dataclasses import replace
+
+import pytest
+
+from services.engine.sampling import SamplingParams
+from shared.bus import Bus
+from shared.config import BusConfig
+from shared.discovery import WorkerRegistry
+from shared.protocol import (
+    Cancel,
+    DecodeRequest,
+    PrefillRequest,
+    PrefillResult,
+    ReleaseLease,
+    TokenBatch,
+    TokenItem,
+    WorkerLoad,
+)
+from tests.integration.stack import log_text, start_nats, start_service, stop_all, wait_until
+from tests.unit.test_engine import hf_greedy
+
+LEASE_SECONDS = 3.0
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+PROMPTS = [
+    list(range(5, 45)),  # 40 tokens: 3 blocks, the last one partial
+    [7, 300, 12, 99, 45, 45, 45, 2],
+    list(range(100, 132)),  # exactly 2 full blocks
+]
+WORKER_OPTIONS = {
+    "dtype": "float64",  # greedy ties cannot flip between engine and oracle
+    "num_kv_blocks": 64,
+    "block_size": 16,
+    "max_num_batched_tokens": 256,
+    "heartbeat_seconds": 0.2,
+    "lease_seconds": LEASE_SECONDS,
+}
+
+
+class TestGateway:
+    """The gateway's half of the protocol, minus HTTP: inbox, requests, registry."""
+
+    __test__ = False
+
+    def __init__(self, nats_url: str) -> None:
+        self.bus = Bus(BusConfig(nats_url=nats_url), "test-gateway")
+        self.inbox = self.bus.subjects.gateway("tg")
+        self.registry = WorkerRegistry(self.bus, timeout=2.0)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.batches: list[TokenBatch] = []
+
+    async def start(self) -> None:
+        await self.bus.connect()
+        await self.bus.subscribe(self.inbox, self._on_message, (PrefillResult, TokenBatch))
+        await self.registry.start()
+
+    async def _on_message(self, msg, headers) -> None:
+        if isinstance(msg, PrefillResult):
+            self.queue(msg.request_id).put_nowait(msg)
+            return
+        self.batches.append(msg)
+        for item in msg.items:
+            self.queue(item.request_id).put_nowait(item)
+
+    def queue(self, rid: str) -> asyncio.Queue:
+        return self.queues.setdefault(rid, asyncio.Queue())
+
+    async def prefill(
+        self, worker: str, rid: str, prompt: list[int], sp: SamplingParams = GREEDY, **kw
+    ) -> PrefillResult:
+        req = PrefillRequest(rid, prompt, sp, self.inbox, time.time() + 30)
+        await self.bus.publish(self.bus.subjects.prefill(worker), replace(req, **kw))
+        return await asyncio.wait_for(self.queue(rid).get(), 20)
+
+    async def send_decode(
+        self, worker: str, rid: str, prompt: list[int], output: list[int], kv, **kw
+    ) -> None:
+        sp = kw.pop("sampling", GREEDY)
+        req = DecodeRequest(rid, prompt, output, sp, kv, self.inbox, time.time() + 30)
+        await self.bus.publish(self.bus.subjects.decode(worker), replace(req, **kw))
+
+    async def items(self, rid: str, timeout: float = 20) -> list[TokenItem]:
+        """Every item of one request up to and including the one with a finish reason."""
+        out: list[TokenItem] = []
+        while not out or out[-1].finish_reason is None:
+            out.append(await asyncio.wait_for(self.queue(rid).get(), timeout))
+        return out
+
+    async def decode(self, worker: str, rid: str, prompt, output, kv, **kw) -> list[TokenItem]:
+        await self.send_decode(worker, rid, prompt, output, kv, **kw)
+        return await self.items(rid)
+
+    def load(self, worker: str) -> WorkerLoad | None:
+        return self.registry.get(worker)
+
+    async def until_idle(self, *workers: str, timeout: float = 5.0) -> None:
+        """Every block of ``workers`` back on the free list (per their heartbeats)."""
+
+        def idle(w: str) -> bool:
+            load = self.load(w)
+            return load is not None and load.free_blocks == load.total_blocks and not load.running
+
+        deadline = time.monotonic() + timeout
+        while not all(idle(w) for w in workers):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"blocks not freed: {[self.load(w) for w in workers]}")
+            await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        await self.registry.stop()
+        await self.bus.close()
+
+
+def tokens(items: list[TokenItem]) -> list[int]:
+    return [t for item in items for t in item.token_ids]
+
+
+@pytest.fixture(scope="module")
+def expected(llama_dir) -> list[list[int]]:
+    return hf_greedy(llama_dir, PROMPTS, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, llama_dir):
+    """nats-server, prefill p0, decode d0 (kv failure: fail) and d1 (kv failure: recompute)."""
+    logs = tmp_path_factory.mktemp("worker-logs")
+    nats = start_nats(logs)
+    opts = {**WORKER_OPTIONS, "model": str(llama_dir)}
+    children = [
+        start_service("prefill", nats.url, logs, options={**opts, "worker_id": "p0"}),
+        start_service("decode", nats.url, logs, options={**opts, "worker_id": "d0"}),
+        start_service(
+            "decode",
+            nats.url,
+            logs,
+            options={**opts, "worker_id": "d1", "kv_failure_policy": "recompute"},
+        ),
+    ]
+    yield nats, children, logs, opts
+    stop_all(children)
+    nats.stop()
+
+
+@pytest.fixture
+async def gw(stack):
+    nats, children, _, _ = stack
+    gateway = TestGateway(nats.url)
+    await gateway.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not all(gateway.load(w) for w in ("p0", "d0", "d1")):
+            for child in children:
+                assert child.alive(), f"{child.name} died:\n{log_text(child)}"
+            assert time.monotonic() < deadline, "workers did not come up"
+            await asyncio.sleep(0.1)
+        yield gateway
+    finally:
+        await gateway.close()
+    for child in children:
+        assert child.alive(), f"{child.name} died:\n{log_text(child)}"
+
+
+async def test_disaggregated_greedy_matches_hf(gw, expected) -> None:
+    """Prefill on p0, pull over UCX, decode on d0: token for token what HF generates."""
+
+    async def one(i: int, prompt: list[int]) -> list[int]:
+        rid = f"dis-{i}"
+        result = await gw.prefill("p0", rid, prompt)
+        assert result.error is None and result.finish_reason is None
+        assert result.kv.num_tokens == len(prompt)
+        assert len(result.kv.block_ids) == -(-len(prompt) // 16)
+        items = await gw.decode("d0", rid, prompt, [result.first_token], result.kv)
+        assert all(item.error is None for item in items)
+        assert items[-1].finish_reason == "length"
+        return [result.first_token] + tokens(items)
+
+    outputs = await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+    assert outputs == expected
+    # one TokenBatch per step for this inbox: concurrent requests share messages
+    dis = [b for b in gw.batches if any(it.request_id.startswith("dis-") for it in b.items)]
+    assert any(len(b.items) > 1 for b in dis)
+    assert all(len({it.request_id for it in b.items}) == len(b.items) for b in dis)
+    # leases released by the decode side's ReleaseLease, well before they would expire
+    await gw.until_idle("p0", "d0", timeout=LEASE_SECONDS - 1.0)
+
+
+async def test_local_prefill_matches_hf(gw, expected) -> None:
+    """kv=None: the decode worker prefills itself (short prompts, aggregated mode)."""
+    outputs = await asyncio.gather(
+        *(gw.decode("d1", f"local-{i}", p, [], None) for i, p in enumerate(PROMPTS))
+    )
+    assert [tokens(items) for items in outputs] == expected
+    await gw.until_idle("d1")
+
+
+async def test_lease_expiry_frees_unpulled_kv(gw) -> None:
+    result = await gw.prefill("p0", "never-pulled", PROMPTS[0])
+    assert result.kv is not None
+    await asyncio.sleep(0.5)
+    load = gw.load("p0")
+    assert load.total_blocks - load.free_blocks == len(result.kv.block_ids)
+    # nobody pulls or releases: the lease runs out and the blocks come back
+    await gw.until_idle("p0", timeout=LEASE_SECONDS + 2.0)
+
+
+async def test_failed_pull_fail_policy_sends_error_not_text(gw) -> None:
+    result = await gw.prefill("p0", "pull-fails", PROMPTS[1])
+    await gw.bus.publish(gw.bus.subjects.lease("p0"), ReleaseLease("pull-fails"))  # lease gone
+    await gw.until_idle("p0")
+    items = await gw.decode("d0", "pull-fails", PROMPTS[1], [result.first_token], result.kv)
+    assert len(items) == 1 and tokens(items) == []
+    assert items[0].finish_reason == "error" and items[0].error_code == "kv_transfer"
+    assert "no lease" in items[0].error
+    await gw.until_idle("d0")
+
+
+async def test_failed_pull_recompute_policy_still_matches_hf(gw, expected) -> None:
+    result = await gw.prefill("p0", "pull-recompute", PROMPTS[1])
+    await gw.bus.publish(gw.bus.subjects.lease("p0"), ReleaseLease("pull-recompute"))
+    items = await gw.decode("d1", "pull-recompute", PROMPTS[1], [result.first_token], result.kv)
+    assert [result.first_token] + tokens(items) == expected[1]
+    await gw.until_idle("p0", "d1")
+
+
+async def test_layout_mismatch_fails_and_releases_the_lease(gw) -> None:
+    result = await gw.prefill("p0", "mismatch", PROMPTS[0])
+    kv = replace(result.kv, fingerprint={**result.kv.fingerprint, "head_dim": 64})
+    items = await gw.decode("d0", "mismatch", PROMPTS[0], [result.first_token], kv)
+    assert items[-1].error_code == "kv_transfer" and "head_dim" in items[-1].error
+    await gw.until_idle("p0", "d0", timeout=LEASE_SECONDS - 1.0)
+
+
+async def test_cancel_mid_stream_frees_blocks_on_both_workers(gw) -> None:
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    result = await gw.prefill("p0", "cancel-me", PROMPTS[0], long)
+    await gw.send_decode(
+        "d0", "cancel-me", PROMPTS[0], [result.first_token], result.kv, sampling=long
+    )
+    first = await asyncio.wait_for(gw.queue("cancel-me").get(), 20)
+    assert first.token_ids and first.error is None
+    await gw.bus.publish(gw.bus.subjects.cancel, Cancel("cancel-me"))
+    await gw.until_idle("p0", "d0")
+    # and a request cancelled while its KV waits under a lease frees at once
+    await gw.prefill("p0", "cancel-leased", PROMPTS[0])
+    await gw.bus.publish(gw.bus.subjects.cancel, Cancel("cancel-leased"))
+    await gw.until_idle("p0", timeout=LEASE_SECONDS - 1.0)
+
+
+async def test_deadlines(gw) -> None:
+    # already past: refused without touching the engine
+    items = await gw.decode("d0", "late", PROMPTS[1], [], None, deadline=time.time() - 1)
+    assert items[-1].error_code == "deadline"
+    result = await gw.prefill("p0", "late-p", PROMPTS[1], deadline=time.time() - 1)
+    assert result.error_code == "deadline" and result.kv is None
+    # passing mid-generation: an explicit error soon after, blocks freed
+    long = SamplingParams(temperature=0.0, max_tokens=450, ignore_eos=True)
+    t0 = time.time()
+    items = await gw.decode("d0", "slow", PROMPTS[1], [], None, sampling=long, deadline=t0 + 0.3)
+    assert items[-1].error_code == "deadline"
+    assert time.time() - t0 < 2.0
+    assert len(tokens(items)) < 450
+    await gw.until_idle("d0")
+
+
+async def test_bad_bus_input_is_ignored(gw, expected) -> None:
+    nc = gw.bus.nc
+    for subject in (gw.bus.subjects.prefill("p0"), gw.bus.subjects.decode("d0")):
+        await nc.publish(subject, b"\x81\xa1v\x01")  # a map with a version and nothing else
+        await nc.publish(subject, b"not msgpack at all")
+    # replies only ever go to gateway inboxes
+    sneaky = PrefillRequest("sneaky", PROMPTS[1], GREEDY, "pdserve.cancel", time.time() + 30)
+    await gw.bus.publish(gw.bus.subjects.prefill("p0"), sneaky)
+    # a well-formed request the model cannot serve gets an error, not a crash
+    result = await gw.prefill("p0", "bad-token", [5, 10_000])
+    assert result.error_code == "invalid" and "token ids" in result.error
+    # and the workers still serve
+    result = await gw.prefill("p0", "after-junk", PROMPTS[1])
+    items = await gw.decode("d0", "after-junk", PROMPTS[1], [result.first_token], result.kv)
+    assert [result.first_token] + tokens(items) == expected[1]
+    assert gw.queue("sneaky").empty()
+
+
+async def test_sigterm_drains_then_deregisters(gw, stack) -> None:
+    nats, _, logs, opts = stack
+    worker = start_service("decode", nats.url, logs, options={**opts, "worker_id": "d-drain"})
+    try:
+        await asyncio.get_running_loop().run_in_executor(
+            None, lambda: wait_until(lambda: gw.load("d-drain"), 120, "d-drain heartbeat")
+        )
+        n = 400
+        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        await gw.send_decode("d-drain", "in-flight", PROMPTS[0], [], None, sampling=sp)
+        first = await asyncio.wait_for(gw.queue("in-flight").get(), 20)
+        worker.signal(signal.SIGTERM)
+        while not gw.load("d-drain").draining:  # announced at once, not at the next beat
+            await asyncio.sleep(0.01)
+        refused = await gw.decode("d-drain", "too-late", PROMPTS[1], [], None)
+        assert refused[-1].error_code == "draining"
+        rest = await gw.items("in-flight")
+        assert rest[-1].finish_reason == "length"
+        assert len(tokens([first, *rest])) == n  # finished in full despite the SIGTERM
+        # deregistered at once (WorkerGone), not after the registry timeout
+        await asyncio.sleep(0.5)
+        assert gw.load("d-drain") is None
+        assert await asyncio.get_running_loop().run_in_executor(None, worker.wait, 10) == 0
+    finally:
+        worker.stop()
