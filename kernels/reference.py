@@ -95,6 +95,22 @@ def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Ten
         x.copy_(rotated)
 
 
+def _token_rows(cache: Tensor) -> tuple[Tensor, int] | None:
+    """A [rows, Hk*D] view of a paged cache whose blocks keep (block_size, Hk, D) contiguous.
+
+    Row ``block * per_block + offset`` is that token's slot, in the block-major layout as in a
+    plain contiguous one. Single-index copies and gathers on this view are far faster on CPU than
+    two-index advanced indexing through the strided per-layer view.
+    """
+    num_blocks, block_size, heads, dim = cache.shape
+    s_block, s_tok, s_head, s_dim = cache.stride()
+    if num_blocks == 0 or s_dim != 1 or s_head != dim or s_tok != heads * dim or s_block % s_tok:
+        return None
+    per_block = s_block // s_tok
+    rows = (num_blocks - 1) * per_block + block_size
+    return torch.as_strided(cache, (rows, s_tok), (s_tok, 1)), per_block
+
+
 def store_kvcache(
     key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
 ) -> None:
@@ -107,19 +123,31 @@ def store_kvcache(
     slots = slot_mapping[keep]
     block_ids = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots % block_size
-    # Two-index advanced assignment writes straight through the strided per-layer view.
+    k_rows, v_rows = _token_rows(k_cache), _token_rows(v_cache)
+    if k_rows is not None and v_rows is not None:
+        rows = block_ids * k_rows[1] + offsets
+        width = k_rows[0].shape[1]
+        k_rows[0].index_copy_(0, rows, key[keep].reshape(len(rows), width).to(k_cache.dtype))
+        v_rows[0].index_copy_(0, rows, value[keep].reshape(len(rows), width).to(v_cache.dtype))
+        return
+    # Two-index advanced assignment writes straight through any strided view.
     k_cache[block_ids, offsets] = key[keep].to(k_cache.dtype)
     v_cache[block_ids, offsets] = value[keep].to(v_cache.dtype)
 
 
 def _gather_paged(cache: Tensor, block_tables: Tensor, num_blocks: int) -> Tensor:
-    """[B, num_blocks*block_size, Hk, D] view of each sequence's first num_blocks cache blocks."""
+    """[B, num_blocks*block_size, Hk, D] copy of each sequence's first num_blocks cache blocks."""
     table = block_tables[:, :num_blocks].long()
     # Table slots past a sequence's end may hold padding (-1, stale ids); they are masked later,
     # but must still index something real.
     table = table.clamp(0, cache.shape[0] - 1)
-    batch = table.shape[0]
-    return cache[table].reshape(batch, num_blocks * cache.shape[1], *cache.shape[2:])
+    batch, block_size = table.shape[0], cache.shape[1]
+    rows = _token_rows(cache)
+    if rows is not None:
+        view, per_block = rows
+        index = (table * per_block)[:, :, None] + torch.arange(block_size, device=table.device)
+        return view[index.reshape(-1)].view(batch, num_blocks * block_size, *cache.shape[2:])
+    return cache[table].reshape(batch, num_blocks * block_size, *cache.shape[2:])
 
 
 def decode_attention(
@@ -139,18 +167,18 @@ def decode_attention(
     max_len = int(context_lens.max())
     num_blocks = max(1, -(-max_len // block_size))
     cdt = _compute_dtype(q.dtype)
-    keys = _gather_paged(k_cache, block_tables, num_blocks).to(cdt)  # [B, S, Hk, D]
-    values = _gather_paged(v_cache, block_tables, num_blocks).to(cdt)
-    # GQA without repeating K/V: query head h reads kv head h // group.
+    keys = _gather_paged(k_cache, block_tables, num_blocks).to(cdt).transpose(1, 2)  # [B,Hk,S,D]
+    values = _gather_paged(v_cache, block_tables, num_blocks).to(cdt).transpose(1, 2)
+    # GQA without repeating K/V: the `group` query heads of one kv head act as `group` query
+    # rows that all see the same keys (nothing is causal inside a decode step).
     qg = q.to(cdt).view(batch, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bhgd,bshd->bhgs", qg, keys) * scale
-    token = torch.arange(keys.shape[1], device=q.device)
+    token = torch.arange(keys.shape[2], device=q.device)
     valid = token[None, :] < context_lens[:, None].to(token.dtype)  # [B, S]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    out = F.scaled_dot_product_attention(
+        qg, keys, values, attn_mask=valid[:, None, None, :], scale=scale
+    )
     # An empty context has nothing to attend: zeros, not NaN.
-    probs = torch.where(valid.any(dim=-1)[:, None, None, None], probs, 0.0)
-    out = torch.einsum("bhgs,bshd->bhgd", probs, values)
+    out = torch.where((context_lens > 0).view(batch, 1, 1, 1), out, 0.0)
     return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
 
 
