@@ -45,7 +45,8 @@ log = logging.getLogger("pdserve.gateway.dispatch")
 _tracer = tracer(__name__)
 
 PREFILL_ATTEMPTS = 3  # prefill is idempotent: a dead or overloaded worker's request goes elsewhere
-RETRYABLE_PREFILL_CODES = ("overloaded", "draining")
+DECODE_ATTEMPTS = 3  # a decode worker that refuses a request before its first token
+RETRYABLE_CODES = ("overloaded", "draining")
 
 
 class NoWorker(Exception):
@@ -200,42 +201,61 @@ class Dispatcher:
                         return
                     kv = result.kv
 
-            decode_worker = self.router.pick_decode(len(prompt_token_ids) + sampling.max_tokens)
-            if decode_worker is None:
-                if output:
-                    raise WorkerFailure("no decode worker is available", "no_decode_worker")
-                raise NoWorker("no decode worker is available")
-            pending.workers.add(decode_worker)
-            trace.get_current_span(context).set_attribute("pdserve.decode_worker", decode_worker)
-            await self._publish(
-                self.bus.subjects.decode(decode_worker),
-                DecodeRequest(
-                    request_id=request_id,
-                    prompt_token_ids=prompt_token_ids,
-                    output_token_ids=output,
-                    sampling=sampling,
-                    kv=kv,
-                    reply_to=self.inbox,
-                    deadline=deadline,
-                ),
-                headers,
-            )
+            tried: set[str] = set()
             while True:
-                item = await self._next(pending, deadline, "decode")
-                if isinstance(item, _WorkerLeft):
-                    raise WorkerFailure(
-                        f"decode worker {item.worker_id} stopped while serving the request",
-                        "worker_lost",
-                    )
-                if not isinstance(item, TokenItem):
-                    await self._release_stale(item)  # a late answer of a retried prefill
-                    continue
-                if item.error is not None:
-                    raise WorkerFailure(item.error, item.error_code)
-                yield TokenEvent(list(item.token_ids), item.finish_reason)
-                if item.finish_reason is not None:
-                    finished = True
-                    return
+                decode_worker = self.router.pick_decode(
+                    len(prompt_token_ids) + sampling.max_tokens, exclude=tried
+                )
+                if decode_worker is None:
+                    if output or tried:
+                        raise WorkerFailure("no decode worker can take the request", "no_worker")
+                    raise NoWorker("no decode worker is available")
+                tried.add(decode_worker)
+                pending.workers = {decode_worker}
+                trace.get_current_span(context).set_attribute(
+                    "pdserve.decode_worker", decode_worker
+                )
+                await self._publish(
+                    self.bus.subjects.decode(decode_worker),
+                    DecodeRequest(
+                        request_id=request_id,
+                        prompt_token_ids=prompt_token_ids,
+                        output_token_ids=output,
+                        sampling=sampling,
+                        kv=kv,
+                        reply_to=self.inbox,
+                        deadline=deadline,
+                    ),
+                    headers,
+                )
+                streamed = False
+                while True:
+                    item = await self._next(pending, deadline, "decode")
+                    if isinstance(item, _WorkerLeft):
+                        raise WorkerFailure(
+                            f"decode worker {item.worker_id} stopped while serving the request",
+                            "worker_lost",
+                        )
+                    if not isinstance(item, TokenItem):
+                        await self._release_stale(item)  # a late answer of a retried prefill
+                        continue
+                    if item.error is not None:
+                        if (
+                            not streamed
+                            and item.error_code in RETRYABLE_CODES
+                            and len(tried) < DECODE_ATTEMPTS
+                        ):
+                            # Refused before it started (full or draining). The refusing worker
+                            # dropped any KV lease, so the next one prefills locally.
+                            log.info("decode worker %s refused %s", decode_worker, request_id)
+                            kv = None
+                            break
+                        raise WorkerFailure(item.error, item.error_code)
+                    streamed = True
+                    yield TokenEvent(list(item.token_ids), item.finish_reason)
+                    if item.finish_reason is not None:
+                        finished = True
+                        return
         finally:
             self._pending.pop(request_id, None)
             if not finished:
@@ -295,7 +315,7 @@ class Dispatcher:
                 continue
             if result.error is None:
                 return result
-            if result.error_code in RETRYABLE_PREFILL_CODES:
+            if result.error_code in RETRYABLE_CODES:
                 log.info("prefill worker %s refused %s: %s", worker, request_id, result.error)
                 continue
             raise WorkerFailure(f"prefill failed: {result.error}", result.error_code)

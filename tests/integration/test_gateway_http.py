@@ -78,10 +78,18 @@ def tokenizer(model_dir) -> ModelTokenizer:
 
 class ScriptedDecodeWorker:
     def __init__(
-        self, nats_url: str, namespace: str, tokenizer: ModelTokenizer, worker_id="scripted-d0"
+        self,
+        nats_url: str,
+        namespace: str,
+        tokenizer: ModelTokenizer,
+        worker_id="scripted-d0",
+        refuse: bool = False,
+        free_blocks: int = 100,
     ) -> None:
         self.bus = Bus(BusConfig(nats_url=nats_url, namespace=namespace), worker_id)
         self.worker_id = worker_id
+        self.refuse = refuse  # answer every request with an "overloaded" refusal
+        self.free_blocks = free_blocks
         self.script = tokenizer.encode(SCRIPT_TEXT, add_special_tokens=False)
         self.requests: list[DecodeRequest] = []
         self.headers: list[dict[str, str]] = []
@@ -94,8 +102,8 @@ class ScriptedDecodeWorker:
             worker_id=self.worker_id,
             role="decode",
             model=MODEL,
-            free_blocks=100,
-            total_blocks=100,
+            free_blocks=self.free_blocks,
+            total_blocks=max(100, self.free_blocks),
             running=len(self.tasks),
             waiting=0,
         )
@@ -125,6 +133,10 @@ class ScriptedDecodeWorker:
         task.add_done_callback(self.tasks.discard)
 
     async def generate(self, req: DecodeRequest) -> None:
+        if self.refuse:
+            item = TokenItem(req.request_id, [], "error", "worker full", "overloaded")
+            await self.bus.publish(req.reply_to, TokenBatch([item]))
+            return
         delay = 0.05 if req.sampling.seed == SLOW_SEED else 0.002
         n = min(req.sampling.max_tokens, len(self.script))
         start = len(req.output_token_ids)  # after a prefill worker made the first token
@@ -612,6 +624,27 @@ async def test_prefill_retried_on_another_worker(nats_url, model_dir, tokenizer)
         assert [len(w.requests) for w in harness.extra] == [1, 1, 1]
         assert harness.worker.requests[-1].kv.worker_id == "p-ok"
         assert time.monotonic() - started < 4.0  # worker_timeout is 1 s
+    finally:
+        await stop_harness(harness, runner)
+
+
+async def test_refusing_decode_worker_is_skipped(nats_url, model_dir, tokenizer):
+    harness, runner = await start_harness(
+        nats_url, model_dir, tokenizer, "refuse",
+        extra=[
+            (ScriptedPrefillWorker, {"worker_id": "p0"}),
+            (ScriptedDecodeWorker, {"worker_id": "d-full", "refuse": True, "free_blocks": 999}),
+        ],
+    )  # fmt: skip
+    try:
+        code, payload, _ = await harness.post("/v1/completions", {**COMPLETION, "max_tokens": 6})
+        assert code == 200, payload
+        assert payload["choices"][0]["text"] == tokenizer.decode(harness.worker.script[:6])
+        refused = harness.extra[1].requests
+        assert len(refused) == 1 and refused[0].kv is not None
+        # The KV handle died with the refusal, so the next worker prefills locally.
+        retried = harness.worker.requests[-1]
+        assert retried.kv is None and retried.output_token_ids == [harness.worker.script[0]]
     finally:
         await stop_harness(harness, runner)
 
