@@ -21,6 +21,7 @@ import importlib.util
 import json
 import os
 import re
+import secrets
 import sys
 import time
 import urllib.error
@@ -150,6 +151,14 @@ def environment_of(service: dict[str, Any]) -> dict[str, str]:
             continue  # pass-through from the host: unset in the container unless given
         out[key] = str(value).lower() if isinstance(value, bool) else str(value)
     return out
+
+
+def env_file_values(service: dict[str, Any], dotenv: dict[str, str]) -> dict[str, str]:
+    """What the service's ``env_file`` entries hand over when ``.env`` holds ``dotenv``."""
+    entries = service.get("env_file") or []
+    entries = [entries] if isinstance(entries, str) else entries
+    paths = [e if isinstance(e, str) else e["path"] for e in entries]
+    return dict(dotenv) if ".env" in paths or "./.env" in paths else {}
 
 
 def pdserve_command(service: dict[str, Any]) -> list[str] | None:
@@ -332,7 +341,7 @@ def test_pdserve_variables_are_options_the_command_reads(scenario) -> None:
                 f"(known: {', '.join(sorted(env_name(o) for o in options))})"
             )
         # .env reaches every service through env_file; the service's own environment wins.
-        merged = {**env_file, **own}
+        merged = {**env_file_values(service, env_file), **own}
         values = parse_with_env(
             command, {k: v for k, v in merged.items() if k.startswith("PDSERVE_")}
         )
@@ -399,6 +408,16 @@ def test_topology_is_wired_for_health_restarts_and_ucx(scenario) -> None:
             source = str(volume).split(":")[0]
             if source.startswith("./"):
                 assert (COMPOSE_DIR / source).exists(), f"{name}: mounts missing {source}"
+    for name, service in pdserve_services(doc).items():
+        # A health check that reads an unset variable never passes.
+        test = " ".join(service["healthcheck"]["test"])
+        for var in re.findall(r"os\.environ\[['\"](\w+)['\"]\]", test):
+            assert environment_of(service).get(var, "0") != "0", f"{name}: health check needs {var}"
+    nats_conf = (COMPOSE_DIR / "nats.conf").read_text()
+    monitor_port = int(re.search(r"^http_port:\s*(\d+)", nats_conf, re.M)[1])
+    assert urlsplit(healthcheck_url(services["nats"])).port == monitor_port
+    client_port = int(re.search(r"^port:\s*(\d+)", nats_conf, re.M)[1])
+    assert client_port in {p.target for p in published_ports(services["nats"])}
 
 
 def test_gpu_workers_each_own_a_gpu() -> None:
@@ -525,7 +544,11 @@ def cpu_profile_stack(tmp_path_factory) -> Iterator[LocalStack]:
     from tests.integration.stack import QUIET_ENV, free_port, log_text, stop_all, wait_http
     from tests.otlp_receiver import OtlpReceiver
 
-    doc = interpolate(load_raw(), {})  # a laptop: no .env, so the demo model
+    # A laptop whose .env holds only a NATS token: no MODEL_DIR, so the demo model. The token
+    # proves both halves of the auth wiring: nats-server's --auth from interpolation, and the
+    # pdserve services' PDSERVE_NATS_TOKEN through env_file.
+    dotenv = {"PDSERVE_NATS_TOKEN": secrets.token_hex(16)}
+    doc = interpolate(load_raw(), dotenv)
     services = active_services(doc, "cpu")
     logs = tmp_path_factory.mktemp("compose-logs")
     children = []
@@ -561,7 +584,7 @@ def cpu_profile_stack(tmp_path_factory) -> Iterator[LocalStack]:
         started: list[tuple[str, Any, dict[str, str], dict[str, Any]]] = []
         for name, service in pdserve_services({"services": services}).items():
             command = pdserve_command(service)
-            env = environment_of(service)
+            env = {**env_file_values(service, dotenv), **environment_of(service)}
             env["PDSERVE_NATS_URL"] = rewrite_url(name, env["PDSERVE_NATS_URL"])
             env["OTEL_EXPORTER_OTLP_ENDPOINT"] = rewrite_url(
                 name, env["OTEL_EXPORTER_OTLP_ENDPOINT"]
