@@ -59,7 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="let the model stop at EOS (output lengths are then not exact)",
     )
     target.add_argument(
-        "--warmup-requests", type=int, default=1, help="unmeasured requests sent first"
+        "--warmup-requests",
+        type=int,
+        default=1,
+        help="unmeasured requests (own prompts, same distribution) sent one by one first",
     )
 
     data = p.add_argument_group("dataset (prompts are token ids, so lengths are exact)")
@@ -229,7 +232,7 @@ async def bench_sweep(ns: argparse.Namespace, series: str | None = None) -> list
         timeout=ns.timeout,
     )
     if ns.warmup_requests > 0:
-        await warm_up(cfg, build_dataset(ns, WARMUP_SEED_OFFSET, 1)[0], ns.warmup_requests)
+        await warm_up(cfg, build_dataset(ns, WARMUP_SEED_OFFSET, ns.warmup_requests))
     results = []
     for i, rate in enumerate(ns.request_rate):
         requests = build_dataset(ns, seed_offset=i)

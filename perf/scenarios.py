@@ -108,15 +108,15 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         sides=[
             Side("disaggregated 1P1D", prefill_workers=1, decode_workers=1),
-            # local_prefill_threshold is moot without prefill workers, but say it: every
-            # prompt is prefilled by the decode worker that serves it
-            Side("aggregated 2D", 0, 2, options={"local_prefill_threshold": 1 << 30}),
+            # with no prefill worker alive the gateway sends every request straight to a
+            # decode worker, which prefills it locally
+            Side("aggregated 2D", prefill_workers=0, decode_workers=2),
         ],
         bench_defaults=[
             *("--dataset", "chat", "--input-len", "256", "--output-len", "128"),
             *("--max-input-len", "1536", "--max-output-len", "512"),
             *("--long-fraction", "0.2", "--long-input-range", "2048:4096"),
-            *("--num-requests", "100", "--seed", "0"),
+            *("--num-requests", "100", "--seed", "0", "--warmup-requests", "4"),
         ],
         baseline="aggregated 2D",
         candidate="disaggregated 1P1D",
@@ -370,8 +370,7 @@ async def _bench_once(
         base_url, model, ns.endpoint, ns.api_key, ns.temperature, ns.ignore_eos, ns.timeout
     )
     if ns.warmup_requests > 0:
-        warm = build_dataset(ns, WARMUP_SEED_OFFSET, 1)[0]
-        await warm_up(cfg, warm, ns.warmup_requests)
+        await warm_up(cfg, build_dataset(ns, WARMUP_SEED_OFFSET, ns.warmup_requests))
     conc = max_concurrency if max_concurrency is not None else ns.max_concurrency
     load = LoadConfig(rate, ns.burstiness, conc, ns.seed + seed_offset)
     run = await run_benchmark(requests, cfg, load, ns.progress, desc=f"{series} @ {rate:g}/s")
@@ -407,7 +406,7 @@ def calibrate(ns: argparse.Namespace, base_url: str, count: int) -> Calibration:
 
 
 def compare(
-    results: list[RunResult], scenario: Scenario, target_attainment: float
+    results: list[RunResult], scenario: Scenario, target_attainment: float, workload: str = ""
 ) -> tuple[str, dict]:
     """Ratios of candidate to baseline per rate and overall, checked against the targets."""
     base_name, cand_name = scenario.baseline, scenario.candidate
@@ -418,6 +417,7 @@ def compare(
         "",
         scenario.description,
         "",
+        *([f"Workload: {workload}.", ""] if workload else []),
         "| rate (req/s) | p99 TTFT base | p99 TTFT cand | ratio | p99 TPOT base | p99 TPOT cand "
         "| ratio | goodput base | goodput cand | ratio | attain. base | attain. cand |",
         "|" + "---|" * 12,
@@ -659,7 +659,9 @@ def main(argv: list[str] | None = None) -> int:
         "processes": {n: [s.command_line() for s in r.specs] for n, r in runners.items()},
     }
     results = measure(args, ns, sides, runners, requests, user_rates, config)
-    md, summary = compare(results, scenario, ns.slo_attainment_target)
+    slos = ", ".join(f"{k} <= {v:.1f} ms" for k, v in config["slos_ms"].items())
+    workload = f"{describe_workload(ns, requests)}; SLOs {slos}"
+    md, summary = compare(results, scenario, ns.slo_attainment_target, workload)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "comparison.md").write_text(md)
     (out_dir / "comparison.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -729,7 +731,12 @@ def _rates_and_slos(
         if not rates:
             workers = max((s.num_workers for s in sides if s.base_url is None), default=1)
             rates = cal.rates(workers, [float(f) for f in args.rate_factors.split(",")])
-        print(f"calibration on {url}: {cal}; SLOs (ms) {slos}; rates {rates}", flush=True)
+        print(
+            f"calibration on {url}: unloaded p90 TTFT {cal.ttft_p90_ms:.1f} ms, p90 TPOT "
+            f"{cal.tpot_p90_ms:.2f} ms, mean E2E {cal.e2el_mean_s:.3f} s -> SLOs (ms) "
+            f"{ {k: round(v, 2) for k, v in slos.items()} }, rates {rates}",
+            flush=True,
+        )
     config["slos_ms"], config["rates"] = slos, rates
     return rates, slos
 
@@ -738,16 +745,20 @@ def _slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-def _print_plan(scenario, sides, runners, ns, requests, slots, args) -> None:
+def describe_workload(ns: argparse.Namespace, requests: list[Any]) -> str:
     ins = np.array([r.prompt_len for r in requests])
     outs = np.array([r.output_len for r in requests])
-    print(f"scenario {scenario.name}: {scenario.description}")
-    print(
-        f"workload: {len(requests)} requests, prompt tokens p50 {np.median(ins):.0f} "
-        f"p90 {np.percentile(ins, 90):.0f} max {ins.max()}, "
-        f"{(ins >= ns.long_input_range[0]).mean():.0%} long; output p50 {np.median(outs):.0f} "
-        f"max {outs.max()}; total {ins.sum()} in / {outs.sum()} out"
+    long = f", {(ins >= ns.long_input_range[0]).mean():.0%} long" if ns.long_fraction else ""
+    return (
+        f"{ns.dataset} dataset, {len(requests)} requests per rate, prompt tokens "
+        f"p50 {np.median(ins):.0f} p90 {np.percentile(ins, 90):.0f} max {ins.max()}{long}; "
+        f"output tokens p50 {np.median(outs):.0f} max {outs.max()}"
     )
+
+
+def _print_plan(scenario, sides, runners, ns, requests, slots, args) -> None:
+    print(f"scenario {scenario.name}: {scenario.description}")
+    print(f"workload: {describe_workload(ns, requests)}")
     print(
         f"worker core slots: {slots}; frontend cores: {args.frontend_cores}; "
         f"interleave: {args.interleave}"

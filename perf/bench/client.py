@@ -184,11 +184,12 @@ async def discover_model(base_url: str, api_key: str | None = None, timeout: flo
     return str(models[0]["id"])
 
 
-async def warm_up(cfg: ClientConfig, req: BenchRequest, count: int) -> None:
-    """Send a few requests first, so the run fails fast on a bad endpoint and no cold start
-    (lazy model load, first Triton compile) lands in the measurements."""
+async def warm_up(cfg: ClientConfig, requests: list[BenchRequest]) -> None:
+    """Send a few unmeasured requests first, one at a time, so the run fails fast on a bad
+    endpoint and no cold start (lazy allocation, first kernel compile) lands in the numbers.
+    They should be prompts the run does not use, or a prefix cache would flatter the run."""
     async with make_session(cfg, None) as session:
-        for _ in range(count):
+        for req in requests:
             rec = await send_completion(session, cfg, req)
             if not rec.success:
                 raise RuntimeError(f"warm-up request to {cfg.url} failed: {rec.error}")

@@ -149,7 +149,9 @@ def test_max_concurrency_serializes(server_url: str) -> None:
     starts = sorted(r.start_time for r in run.records)
     # each starts only after the previous one ended, and its clock starts when it is sent
     assert all(b - a >= one * 0.9 for a, b in zip(starts, starts[1:], strict=False))
-    assert all(r.ttft < 3 * TTFT_S for r in run.records)
+    # a request's clock starts when it gets a slot, not when it arrived: queued behind three
+    # others, the last would show a TTFT over 3 * one if it counted its wait
+    assert all(r.ttft < 3 * one for r in run.records)
 
 
 def test_cli_writes_consistent_outputs(server_url: str, tmp_path: Path) -> None:
@@ -235,23 +237,24 @@ def test_arrival_pacing_is_followed(server_url: str) -> None:
     reqs = [BenchRequest([60, 61], 1) for _ in range(5)]
     cfg = ClientConfig(base_url=server_url, model=MODEL)
     t0 = time.perf_counter()
-    run = asyncio.run(run_benchmark(reqs, cfg, LoadConfig(50.0, seed=3), False))
+    run = asyncio.run(run_benchmark(reqs, cfg, LoadConfig(10.0, seed=3), False))
     assert time.perf_counter() - t0 >= run.duration
     offsets = np.concatenate(
-        [[0.0], np.cumsum(np.random.default_rng(3).gamma(1.0, 1 / 50.0, size=4))]
+        [[0.0], np.cumsum(np.random.default_rng(3).gamma(1.0, 1 / 10.0, size=4))]
     )
     starts = np.array([r.start_time for r in run.records])
     assert np.all(starts >= offsets - 1e-3)
-    assert np.all(starts - offsets < 0.05)  # the event loop keeps to the schedule
+    # sends are due at absolute times, so lateness does not pile up along the run
+    assert np.all(starts - offsets < 0.1)
 
 
 def test_scenario_harness_compares_sides(tmp_path: Path) -> None:
-    """The side-by-side harness on two running endpoints: one decodes 2.5x faster."""
+    """The side-by-side harness on two running endpoints: one decodes 10x faster."""
     from perf import scenarios
 
     with (
-        serve_in_thread(make_app(0.02, 0.004)) as fast,
-        serve_in_thread(make_app(0.02, 0.010)) as slow,
+        serve_in_thread(make_app(0.02, 0.002)) as fast,
+        serve_in_thread(make_app(0.02, 0.020)) as slow,
     ):
         rc = scenarios.main(
             [
@@ -259,7 +262,7 @@ def test_scenario_harness_compares_sides(tmp_path: Path) -> None:
                 *("--results", str(tmp_path), "--name", "cmp", "--"),
                 *("--dataset", "random", "--num-requests", "6", "--input-len", "8"),
                 *("--output-len", "6", "--long-fraction", "0", "--request-rate", "100", "inf"),
-                *("--goodput", "ttft:2000", "tpot:50", "--no-progress"),
+                *("--goodput", "ttft:2000", "tpot:80", "--no-progress"),
             ]
         )
     assert rc == 0
@@ -276,7 +279,8 @@ def test_scenario_harness_compares_sides(tmp_path: Path) -> None:
     summary = json.loads((out / "comparison.json").read_text())
     assert (summary["candidate"], summary["baseline"]) == ("fast", "slow")
     for row in summary["per_rate"]:
-        assert 0.25 < row["tpot_p99_ratio"] < 0.6  # ~4.x ms against ~10.x ms
+        # ~2 ms against ~20 ms; scheduling noise on a busy machine only adds to the fast side
+        assert 0.05 < row["tpot_p99_ratio"] < 0.5
         assert row["goodput_ratio"] > 0.5  # all good on both sides; req/s differ by duration
     assert summary["distserve_goodput_base"] == summary["distserve_goodput_cand"] == 100
     assert summary["tpot_target_met"] is True and summary["goodput_target_met"] is False
