@@ -50,8 +50,10 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
+    # kv head varies fastest: programs running side by side read neighbouring head slices of
+    # the same page, so DRAM sees whole token rows rather than scattered 2*head_dim byte pieces.
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     start = split * partition_size
@@ -86,12 +88,13 @@ def _decode_split_kernel(
         )
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         # Every tile holds at least one valid token, so m_new is finite from the first tile on.
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # The softmax scale rides inside exp2's argument (one FMA per score).
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1) * scale_log2)
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        p = tl.exp2(scores * scale_log2 - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -108,7 +111,7 @@ def _decode_split_kernel(
         )
     else:
         # Partials are [B, Hq, splits(, D)] fp32; splits past the context store (-inf, 0, 0).
-        part = (seq * tl.num_programs(1) * group + heads) * num_splits + split
+        part = (seq * tl.num_programs(0) * group + heads) * num_splits + split
         tl.store(part_max_ptr + part, m_i, mask=g_mask)
         tl.store(part_sum_ptr + part, l_i, mask=g_mask)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=out_mask)
@@ -163,10 +166,11 @@ class DecodeConfig:
 def choose_decode_config(
     batch: int, num_kv_heads: int, max_context: int, head_dim: int, device: torch.device
 ) -> DecodeConfig:
-    """Split only as far as needed to give every SM a few programs; never below ~256 tokens."""
+    """Split only as far as needed to fill the GPU evenly; never below ~256 tokens per split."""
     block_n = 64 if head_dim <= 128 else 32
     programs = max(1, batch * num_kv_heads)
-    wanted = triton.cdiv(2 * num_sms(device), programs)
+    # ~8 programs per SM: about three resident per SM, so the last wave's tail stays short.
+    wanted = triton.cdiv(8 * num_sms(device), programs)
     by_length = max(1, max_context // 256)
     num_splits = triton.next_power_of_2(max(1, min(wanted, by_length)))
     return DecodeConfig(block_n=block_n, num_splits=num_splits)
@@ -208,7 +212,7 @@ def decode_attention_with(
         part_acc = torch.empty(
             (batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
         )
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q,
         k_cache,
         v_cache,

@@ -68,12 +68,13 @@ def _attend_tile(
 ):
     kv_mask = key_valid[:, None] & d_mask[None, :]
     k = tl.load(k_base + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if MASKED:
         scores = tl.where(allowed, scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    # The softmax scale rides inside exp2's argument (one FMA per score).
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1) * scale_log2)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
+    p = tl.exp2(scores * scale_log2 - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(v_base + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
