@@ -460,6 +460,13 @@ def test_every_variable_is_documented() -> None:
         assert has_default or name in dotenv.documented, (
             f"${{{name}}} has no default and no .env.example line"
         )
+    # A PDSERVE_* line in .env that every service overrides would be silently ignored.
+    services = pdserve_services(load_raw())
+    for name in dotenv.documented:
+        if name.startswith("PDSERVE_"):
+            assert any(name not in environment_of(s) for s in services.values()), (
+                f".env.example offers {name}, but every service overrides it"
+            )
     compose_own = {"COMPOSE_PROFILES", "COMPOSE_PROJECT_NAME"}
     for name in dotenv.documented:
         passes_through = name.startswith(("PDSERVE_", "OTEL_"))  # env_file hands these over
