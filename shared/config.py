@@ -60,7 +60,9 @@ class EngineConfig:
     max_num_seqs: int = opt(64, "most sequences running in one decode step")
     max_num_batched_tokens: int = opt(2048, "token budget of one engine step")
     max_model_len: int = opt(0, "longest prompt + output; 0 takes the model's own limit")
-    enable_prefix_cache: bool = opt(True, "reuse cached KV blocks of shared prompt prefixes")
+    prefix_cache: bool = opt(
+        True, "reuse cached KV blocks of shared prompt prefixes (--no-prefix-cache turns it off)"
+    )
     seed: int = opt(0, "seed for weights of the demo model and for unseeded sampling")
 
 

@@ -89,7 +89,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, capacity)
         model.init_rope(self.max_model_len, self.device)
 
-        self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_cache)
+        self.block_manager = BlockManager(num_blocks, self.block_size, config.prefix_cache)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )

@@ -84,7 +84,7 @@ def test_preemption_keeps_outputs_identical(checkpoints):
     prompts = random_prompts(8, seed=2, max_len=60)
     expected = hf_greedy(model_dir, prompts, 20)
     sampling = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    engine = make_engine(model_dir, num_kv_blocks=8, enable_prefix_cache=False)
+    engine = make_engine(model_dir, num_kv_blocks=8, prefix_cache=False)
     assert run_staggered(engine, prompts, sampling) == expected
     assert engine.scheduler.num_preemptions > 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
