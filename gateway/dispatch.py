@@ -47,6 +47,7 @@ _tracer = tracer(__name__)
 PREFILL_ATTEMPTS = 3  # prefill is idempotent: a dead or overloaded worker's request goes elsewhere
 DECODE_ATTEMPTS = 3  # a decode worker that refuses a request before its first token
 RETRYABLE_CODES = ("overloaded", "draining")
+TYPICAL_OUTPUT_TOKENS = 256
 
 
 class NoWorker(Exception):
@@ -203,9 +204,10 @@ class Dispatcher:
 
             tried: set[str] = set()
             while True:
-                decode_worker = self.router.pick_decode(
-                    len(prompt_token_ids) + sampling.max_tokens, exclude=tried
-                )
+                # Most requests stop long before max_tokens (which for chat defaults to the whole
+                # context), so the load estimate counts only a typical output length.
+                expected = len(prompt_token_ids) + min(sampling.max_tokens, TYPICAL_OUTPUT_TOKENS)
+                decode_worker = self.router.pick_decode(expected, exclude=tried)
                 if decode_worker is None:
                     if output or tried:
                         raise WorkerFailure("no decode worker can take the request", "no_worker")

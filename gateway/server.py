@@ -482,6 +482,12 @@ def _finish_span(span: trace.Span, progress: Progress, rid: str, e2e: float) -> 
         span.set_attribute(
             tr.GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN, progress.first_token_at - progress.arrived
         )
+    if progress.first_token_at is not None and progress.last_token_at is not None:
+        # As the gateway sees it: first token to last. Queue and forward times per phase are on
+        # the workers' own spans.
+        span.set_attribute(
+            tr.GEN_AI_LATENCY_TIME_IN_MODEL_DECODE, progress.last_token_at - progress.first_token_at
+        )
 
 
 def _response_id(operation: str, rid: str) -> str:
