@@ -22,6 +22,7 @@ import json
 import os
 import re
 import secrets
+import subprocess
 import sys
 import time
 import urllib.error
@@ -499,8 +500,6 @@ def healthcheck_url(service: dict[str, Any]) -> str:
 
 def run_healthcheck(test: list[str], env: dict[str, str]) -> bool:
     """Run a ``CMD python ...`` health check exactly as docker would, with ``python`` local."""
-    import subprocess
-
     assert test[0] == "CMD" and test[1] == "python", f"unsupported health check {test}"
     done = subprocess.run(
         [sys.executable, *test[2:]], env=env, capture_output=True, timeout=30, check=False
