@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from services.engine.engine import LLMEngine
-from services.worker_base import RequestState, Step, Worker
+from services.worker_base import RequestState, Step, Worker, exit_now
 from shared import tracing
 from shared.kv_transfer import KVClient, KVTransferError
 from shared.protocol import DecodeRequest, ReleaseLease, TokenBatch, TokenItem
@@ -346,4 +346,5 @@ class DecodeWorker(Worker):
 
 
 def run(ns: argparse.Namespace) -> int:
-    return DecodeWorker(ns).run()
+    exit_now(DecodeWorker(ns).run())
+    return 0  # not reached

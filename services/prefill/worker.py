@@ -17,7 +17,7 @@ import logging
 import time
 
 from services.engine.engine import LLMEngine
-from services.worker_base import RequestState, Step, Worker
+from services.worker_base import RequestState, Step, Worker, exit_now
 from shared import tracing
 from shared.kv_transfer import KVServer, LeaseTable
 from shared.protocol import KVHandle, PrefillRequest, PrefillResult, ReleaseLease
@@ -244,4 +244,5 @@ class PrefillWorker(Worker):
 
 
 def run(ns: argparse.Namespace) -> int:
-    return PrefillWorker(ns).run()
+    exit_now(PrefillWorker(ns).run())
+    return 0  # not reached

@@ -1,0 +1,251 @@
+"""``pdserve up`` end to end: its own nats-server, 2 prefill + 2 decode workers and the gateway as
+real processes; real HTTP with the official openai client; HF transformers as the oracle; and
+SIGTERM leaves no process behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.integration.stack import free_port, wait_until
+from tests.unit.test_engine import hf_greedy
+
+REPO = Path(__file__).resolve().parents[2]
+MAX_TOKENS = 8
+LOCAL_THRESHOLD = 6  # prompts shorter than this are prefilled by the decode worker itself
+PROMPTS = [
+    list(range(5, 45)),
+    [7, 300, 12, 99, 45, 45, 45, 2, 17, 18],
+    list(range(100, 132)),
+    [9, 9, 9],  # below the threshold: local prefill
+]
+
+
+def free_port_range(n: int) -> int:
+    """A base port with ``n`` consecutive free ports after it (worker metrics ports)."""
+    for _ in range(50):
+        base = free_port()
+        try:
+            socks = []
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range")
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """pid -> /proc start time of every live descendant of ``pid``."""
+    parent_of: dict[int, int] = {}
+    start_of: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        parent_of[int(entry)] = int(fields[1])
+        start_of[int(entry)] = fields[19]
+    found: dict[int, str] = {}
+    frontier = [pid]
+    while frontier:
+        p = frontier.pop()
+        for child, parent in parent_of.items():
+            if parent == p and child not in found:
+                found[child] = start_of[child]
+                frontier.append(child)
+    return found
+
+
+def still_running(pid: int, start: str) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return fields[19] == start and fields[0] != "Z"
+
+
+@dataclass
+class Up:
+    proc: subprocess.Popen
+    url: str
+    log: Path
+    metrics_base: int
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory, llama_dir):
+    port = free_port()
+    metrics_base = free_port_range(4)
+    log = tmp_path_factory.mktemp("up") / "up.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    env.update(
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        UCX_WARN_UNUSED_ENV_VARS="n",
+        PYTHONUNBUFFERED="1",
+        PDSERVE_DTYPE="float64",
+        PDSERVE_NUM_KV_BLOCKS="64",
+        PDSERVE_HEARTBEAT_SECONDS="0.2",
+        PDSERVE_DRAIN_SECONDS="5",
+    )
+    argv = [sys.executable, "-m", "shared.cli", "up", "--model", str(llama_dir)]
+    argv += ["--prefill-workers", "2", "--decode-workers", "2", "--port", str(port)]
+    argv += ["--local-prefill-threshold", str(LOCAL_THRESHOLD)]
+    argv += ["--metrics-port", str(metrics_base)]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    handle = Up(proc, f"http://127.0.0.1:{port}", log, metrics_base)
+
+    def ready() -> bool:
+        assert proc.poll() is None, f"pdserve up exited:\n{handle.output()[-4000:]}"
+        return "pdserve ready at http://127.0.0.1:" in handle.output()
+
+    try:
+        wait_until(ready, 180, "the ready line")
+        # /health needs one decode worker; these tests want all four registered
+        wait_until(
+            lambda: scrape(handle.url).count("pdserve_kv_cache_total_blocks{") == 4, 60, "4 workers"
+        )
+        yield handle
+    finally:
+        if proc.poll() is None:
+            for pid in descendants(proc.pid):
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            proc.kill()
+            proc.wait()
+
+
+def scrape(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=2) as resp:
+            return resp.read().decode()
+    except OSError:
+        return ""
+
+
+def metric(text: str, name: str) -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and not line.startswith("#")
+    )
+
+
+def test_ready_line(up) -> None:
+    lines = [line for line in up.output().splitlines() if line.startswith("pdserve ready at")]
+    assert len(lines) == 1 and lines[0].startswith(f"pdserve ready at {up.url}")
+
+
+async def test_streaming_matches_hf_via_openai_client(up, llama_dir) -> None:
+    from openai import AsyncOpenAI
+
+    from gateway.tokenizer import ModelTokenizer
+
+    expected = hf_greedy(llama_dir, PROMPTS, MAX_TOKENS)
+    tok = ModelTokenizer.from_dir(llama_dir)
+    client = AsyncOpenAI(base_url=up.url + "/v1", api_key="unused")
+    model = (await client.models.list()).data[0].id
+
+    async def stream(prompt: list[int]) -> tuple[str, str | None]:
+        chunks = await client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        text, reason = "", None
+        async for chunk in chunks:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                reason = chunk.choices[0].finish_reason or reason
+        return text, reason
+
+    results = await asyncio.gather(*(stream(p) for p in PROMPTS))
+    for (text, reason), ids in zip(results, expected, strict=True):
+        assert reason == "length"
+        assert text == tok.decode(ids)
+    await client.close()
+
+
+async def test_32_concurrent_streams_complete(up) -> None:
+    import aiohttp
+
+    async def one(session: aiohttp.ClientSession, model: str, i: int) -> str | None:
+        body = {
+            "model": model,
+            "prompt": [5 + i, 6, 7, 8, 9, 10, 11][: 3 + i % 5],
+            "max_tokens": 6,
+            "temperature": 0.8,
+            "seed": i,
+            "stream": True,
+        }
+        reason = None
+        async with session.post(up.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if line.startswith("data: {"):
+                    choices = json.loads(line[6:]).get("choices") or [{}]
+                    reason = choices[0].get("finish_reason") or reason
+        return reason
+
+    async with aiohttp.ClientSession() as session:
+        async with session.get(up.url + "/v1/models") as resp:
+            model = (await resp.json())["data"][0]["id"]
+        reasons = await asyncio.gather(*(one(session, model, i) for i in range(32)))
+    assert all(r in ("length", "stop") for r in reasons), reasons
+
+
+def test_both_paths_were_used(up) -> None:
+    """Disaggregated requests went through prefill workers and a UCX pull; short ones stayed
+    local. Worker metrics ports are consecutive from --metrics-port."""
+    scrapes = [scrape(f"http://127.0.0.1:{up.metrics_base + i}") for i in range(4)]
+    prefill, decode = scrapes[:2], scrapes[2:]
+    assert sum(metric(s, "pdserve_worker_prefill_time_seconds_count") for s in prefill) >= 3
+    assert sum(metric(s, "pdserve_kv_transfer_bytes_total") for s in decode) > 0
+    # and every block is back on every free list (the gateway re-exports worker loads)
+    assert "pdserve_kv_cache_used_blocks{" in scrape(up.url)
+    wait_until(
+        lambda: metric(scrape(up.url), "pdserve_kv_cache_used_blocks{") == 0, 10, "blocks freed"
+    )
+
+
+def test_sigterm_stops_everything(up) -> None:
+    family = descendants(up.proc.pid)
+    # nats-server, 2 prefill, 2 decode, gateway (and nothing is double counted)
+    assert len(family) >= 6, family
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.proc.wait(timeout=30) == 0
+    wait_until(
+        lambda: not any(still_running(pid, start) for pid, start in family.items()),
+        10,
+        "all children gone",
+    )
