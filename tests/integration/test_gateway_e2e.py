@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 
 import aiohttp
@@ -78,7 +79,7 @@ def stack(tmp_path_factory, llama_dir):
                 assert child.alive(), f"{child.name} died:\n{log_text(child)}"
             assert time.monotonic() < deadline, "the stack did not come up"
             time.sleep(0.2)
-        yield base, nats_server.url
+        yield base, nats_server.url, {c.name: c for c in children}
     finally:
         for child in children:
             if not child.alive():
@@ -103,11 +104,11 @@ def worker_loads(base: str) -> dict[str, float]:
     return out
 
 
-async def wait_all_blocks_free(base: str, timeout: float = 10.0) -> None:
+async def wait_all_blocks_free(base: str, timeout: float = 10.0, workers=WORKERS) -> None:
     deadline = time.monotonic() + timeout
     while True:
         loads = await asyncio.to_thread(worker_loads, base)
-        if set(loads) == set(WORKERS) and not any(loads.values()):
+        if set(loads) == set(workers) and not any(loads.values()):
             return
         assert time.monotonic() < deadline, f"KV blocks still in use: {loads}"
         await asyncio.sleep(0.1)
@@ -154,7 +155,7 @@ def expected_text(llama_dir, hf_tokenizer, prompt_ids: list[list[int]]) -> list[
 
 
 async def test_streaming_greedy_matches_hf_across_paths(stack, spy, llama_dir, hf_tokenizer):
-    base, _ = stack
+    base, _, _ = stack
     prompt_ids = [hf_tokenizer.encode(p) for p in PROMPTS]
     assert len(prompt_ids[-1]) < LOCAL_PREFILL_THRESHOLD <= min(map(len, prompt_ids[:-1]))
     expected = expected_text(llama_dir, hf_tokenizer, prompt_ids)
@@ -199,7 +200,7 @@ async def test_streaming_greedy_matches_hf_across_paths(stack, spy, llama_dir, h
 
 
 async def test_chat_non_streaming_matches_hf(stack, llama_dir, hf_tokenizer):
-    base, _ = stack
+    base, _, _ = stack
     messages = [{"role": "user", "content": "The quick brown fox"}]
     ids = hf_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
     if not isinstance(ids, list):
@@ -221,7 +222,7 @@ async def test_chat_non_streaming_matches_hf(stack, llama_dir, hf_tokenizer):
 
 
 async def test_32_concurrent_streams_then_no_blocks_in_use(stack):
-    base, _ = stack
+    base, _, _ = stack
     async with aiohttp.ClientSession() as session:
 
         async def one(i: int) -> tuple[str | None, bool]:
@@ -253,7 +254,7 @@ async def test_32_concurrent_streams_then_no_blocks_in_use(stack):
 
 
 async def test_disconnect_and_stop_string_free_every_block(stack, spy, llama_dir, hf_tokenizer):
-    base, _ = stack
+    base, _, _ = stack
     async with aiohttp.ClientSession() as session:
         model = await model_name(session, base)
         body = {
@@ -293,3 +294,75 @@ async def test_disconnect_and_stop_string_free_every_block(stack, spy, llama_dir
 async def model_name(session: aiohttp.ClientSession, base: str) -> str:
     async with session.get(base + "/v1/models") as r:
         return (await r.json())["data"][0]["id"]
+
+
+async def read_stream(response: aiohttp.ClientResponse, first: asyncio.Event) -> dict:
+    """Collect one SSE stream: its text, finish reason, error event and [DONE]."""
+    out = {"text": "", "finish": None, "error": None, "done": False}
+    async for line in response.content:
+        line = line.decode().strip()
+        if not line.startswith("data: "):
+            continue
+        first.set()
+        if line == "data: [DONE]":
+            out["done"] = True
+            continue
+        event = json.loads(line[6:])
+        if "error" in event:
+            out["error"] = event["error"]
+            continue
+        out["text"] += event["choices"][0]["text"]
+        out["finish"] = event["choices"][0]["finish_reason"] or out["finish"]
+    return out
+
+
+async def test_zz_killed_workers(stack, spy):
+    """kill -9 of a decode worker mid-stream: its streams end with an error event quickly, the
+    other worker's streams finish, /health stays 200, and new requests (and prefills, after a
+    prefill worker is killed too) go to the survivors. Runs last: it leaves the stack at 1P1D."""
+    base, _, children = stack
+    async with aiohttp.ClientSession() as session:
+        model = await model_name(session, base)
+        body = {"model": model, "max_tokens": 440, "ignore_eos": True, "stream": True}
+        responses, firsts = [], []
+        for i in range(4):
+            r = await session.post(
+                base + "/v1/completions",
+                json={**body, "prompt": f"{PROMPTS[0]} {i}"},
+                headers={"x-request-id": f"kill-{i}"},
+            )
+            assert r.status == 200
+            responses.append(r)
+        firsts = [asyncio.Event() for _ in responses]
+        readers = [
+            asyncio.create_task(read_stream(r, e)) for r, e in zip(responses, firsts, strict=True)
+        ]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 30)
+        on_d1 = {f"kill-{i}" for i in range(4) if spy.decode[f"kill-{i}"][0] == "d1"}
+        assert 0 < len(on_d1) < 4, spy.decode
+        children["d1"].signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        results = await asyncio.wait_for(asyncio.gather(*readers), 60)
+        for r in responses:
+            r.release()
+        for i, result in enumerate(results):
+            assert result["done"], result
+            if f"kill-{i}" in on_d1:
+                assert result["error"] is not None and result["finish"] is None, result
+            else:
+                assert result["error"] is None and result["finish"] == "length", result
+        # Streams on the dead worker ended within the registry timeout, not the request deadline.
+        assert time.monotonic() - killed_at < 20
+
+        async with session.get(base + "/health") as r:
+            assert r.status == 200
+        children["p1"].signal(signal.SIGKILL)
+        for i in range(4):
+            small = {"model": model, "prompt": PROMPTS[i], "max_tokens": 4, "ignore_eos": True}
+            async with session.post(
+                base + "/v1/completions", json=small, headers={"x-request-id": f"after-{i}"}
+            ) as r:
+                assert r.status == 200, await r.text()
+                assert (await r.json())["choices"][0]["finish_reason"] == "length"
+            assert spy.decode[f"after-{i}"][0] == "d0"
+    await wait_all_blocks_free(base, timeout=15, workers=("p0", "d0"))
