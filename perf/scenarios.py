@@ -86,6 +86,7 @@ class Targets:
 
     max_p99_tpot_ratio: float | None = None
     min_goodput_ratio: float | None = None
+    max_token_overhead_ms: float | None = None  # TPOT p50 through HTTP minus engine step time
 
 
 @dataclass
@@ -97,6 +98,7 @@ class Scenario:
     baseline: str | None = None
     candidate: str | None = None
     targets: Targets = field(default_factory=Targets)
+    calibrate_slos: bool = True  # derive goodput SLOs from unloaded latency unless given
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -121,6 +123,21 @@ SCENARIOS: dict[str, Scenario] = {
         baseline="aggregated 2D",
         candidate="disaggregated 1P1D",
         targets=Targets(max_p99_tpot_ratio=0.5, min_goodput_ratio=1.5),
+    ),
+    "token-overhead": Scenario(
+        name="token-overhead",
+        description=(
+            "Per-token cost of gateway + NATS + SSE streaming: TPOT measured through the HTTP "
+            "API minus the decode worker's own engine step time, one request at a time."
+        ),
+        sides=[Side("aggregated 1D", prefill_workers=0, decode_workers=1)],
+        bench_defaults=[
+            *("--dataset", "random", "--input-len", "32", "--output-len", "256"),
+            *("--num-requests", "20", "--max-concurrency", "1", "--request-rate", "inf"),
+            *("--warmup-requests", "2", "--seed", "0"),
+        ],
+        targets=Targets(max_token_overhead_ms=1.0),
+        calibrate_slos=False,
     ),
 }
 
@@ -199,7 +216,8 @@ def plan_side(
         argv += ["--prefill-workers", str(side.prefill_workers)]
         argv += ["--decode-workers", str(side.decode_workers), "--port", str(port)]
         # no nats_url here: `up` would take it as "use that server" and start none
-        opts = dict(side.options)
+        # workers get metrics ports base, base+1, ... (prefill first), as `up` numbers them
+        opts = {**side.options, "metrics_port": free_port()}
         per_worker = max(1, len(cores) // max(1, side.num_workers))
         return [ProcSpec("up", "up", cores, argv, opts, thread_env(per_worker, None))]
     specs = [ProcSpec("nats", "nats", list(frontend_cores), options={"port": nats_port})]
@@ -216,7 +234,8 @@ def plan_side(
                 role,
                 cores,
                 [*taskset, cpu_list(cores), *service_argv(role)],
-                {**common, "worker_id": worker_id},
+                # a /metrics port of its own, so the harness can read the engine's step times
+                {**common, "worker_id": worker_id, "metrics_port": free_port()},
                 thread_env(len(cores), device),
             )
         )
@@ -291,6 +310,17 @@ class RunningSide:
         self.nats: NatsServer | None = None
         self.children: list[Child] = []
 
+    @property
+    def metrics_urls(self) -> list[str]:
+        ports = []
+        for spec in self.specs:
+            port = int(str(spec.options.get("metrics_port") or 0))
+            if port and spec.role in ("prefill", "decode"):
+                ports.append(port)
+            elif port and spec.role == "up":
+                ports.extend(port + i for i in range(self.side.num_workers))
+        return [f"http://127.0.0.1:{port}/metrics" for port in ports]
+
     def start(self, timeout: float = READY_TIMEOUT) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         clean = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
@@ -354,8 +384,59 @@ def running(sides: list[RunningSide]) -> Iterator[list[RunningSide]]:
 
 # -- measuring ---------------------------------------------------------------------------------
 
+DECODE_STEP = "pdserve_worker_decode_step_seconds"
 
-async def _bench_once(
+
+def scrape_decode_steps(urls: Sequence[str]) -> tuple[float, float]:
+    """(sum of seconds, count) of decode engine steps over the workers' /metrics pages."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total, count = 0.0, 0.0
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                text = resp.read().decode()
+        except OSError:
+            continue  # a worker without a metrics server (e.g. prefill-only) adds nothing
+        for family in text_string_to_metric_families(text):
+            if family.name != DECODE_STEP:
+                continue
+            for sample in family.samples:
+                if sample.name == DECODE_STEP + "_sum":
+                    total += sample.value
+                elif sample.name == DECODE_STEP + "_count":
+                    count += sample.value
+    return total, count
+
+
+@dataclass
+class EngineSteps:
+    """Decode engine steps the workers ran during one measured run."""
+
+    steps: int
+    mean_ms: float
+
+    @classmethod
+    def between(cls, before: tuple[float, float], after: tuple[float, float]) -> EngineSteps:
+        steps = int(after[1] - before[1])
+        return cls(steps, 1000.0 * (after[0] - before[0]) / steps if steps else 0.0)
+
+
+def _client_config(ns: argparse.Namespace, base_url: str) -> ClientConfig:
+    model = ns.model or asyncio.run(discover_model(base_url, ns.api_key))
+    return ClientConfig(
+        base_url, model, ns.endpoint, ns.api_key, ns.temperature, ns.ignore_eos, ns.timeout
+    )
+
+
+def warm(ns: argparse.Namespace, base_url: str) -> None:
+    """Unmeasured requests with prompts of their own, outside every measured window."""
+    if ns.warmup_requests > 0:
+        reqs = build_dataset(ns, WARMUP_SEED_OFFSET, ns.warmup_requests)
+        asyncio.run(warm_up(_client_config(ns, base_url), reqs))
+
+
+def bench_once(
     ns: argparse.Namespace,
     requests: list[Any],
     base_url: str,
@@ -365,15 +446,11 @@ async def _bench_once(
     max_concurrency: int | None = None,
     seed_offset: int = 0,
 ) -> RunResult:
-    model = ns.model or await discover_model(base_url, ns.api_key)
-    cfg = ClientConfig(
-        base_url, model, ns.endpoint, ns.api_key, ns.temperature, ns.ignore_eos, ns.timeout
-    )
-    if ns.warmup_requests > 0:
-        await warm_up(cfg, build_dataset(ns, WARMUP_SEED_OFFSET, ns.warmup_requests))
+    cfg = _client_config(ns, base_url)
     conc = max_concurrency if max_concurrency is not None else ns.max_concurrency
     load = LoadConfig(rate, ns.burstiness, conc, ns.seed + seed_offset)
-    run = await run_benchmark(requests, cfg, load, ns.progress, desc=f"{series} @ {rate:g}/s")
+    desc = f"{series} @ {rate:g}/s"
+    run = asyncio.run(run_benchmark(requests, cfg, load, ns.progress, desc=desc))
     metrics = compute_metrics(run.records, run.duration, slos, ns.percentiles)
     return RunResult(series, rate, ns.burstiness, conc, metrics, run.records)
 
@@ -398,32 +475,62 @@ class Calibration:
 def calibrate(ns: argparse.Namespace, base_url: str, count: int) -> Calibration:
     """DistServe sets SLOs as multiples of the latency a request sees on an idle system."""
     sample = build_dataset(ns, CALIBRATION_SEED_OFFSET, count)
-    run = asyncio.run(_bench_once(ns, sample, base_url, "calibration", math.inf, {}, 1))
+    warm(ns, base_url)
+    run = bench_once(ns, sample, base_url, "calibration", math.inf, {}, 1)
     m = compute_metrics(run.records, run.metrics.duration_s, {}, (90.0,))
     if m.completed == 0:
         raise RuntimeError("calibration requests all failed")
     return Calibration(m.ttft_ms.p(90), m.tpot_ms.p(90), m.e2el_ms.mean / 1000.0)
 
 
-def compare(
-    results: list[RunResult], scenario: Scenario, target_attainment: float, workload: str = ""
-) -> tuple[str, dict]:
-    """Ratios of candidate to baseline per rate and overall, checked against the targets."""
+def scenario_report(
+    results: list[RunResult],
+    scenario: Scenario,
+    target_attainment: float,
+    workload: str = "",
+    engine_steps: dict[str, EngineSteps] | None = None,
+) -> tuple[str, dict[str, Any]]:
+    """comparison.md and its numbers: candidate/baseline ratios per rate and overall, engine
+    step times against the latency seen through HTTP, each checked against the targets."""
+    base_name, cand_name = scenario.baseline, scenario.candidate
+    series = {r.series for r in results}
+    paired = base_name in series and cand_name in series
+    title = f"# {scenario.name}" + (f": {cand_name} vs {base_name}" if paired else "")
+    lines = [title, "", scenario.description, ""]
+    if workload:
+        lines += [f"Workload: {workload}.", ""]
+    summary: dict[str, Any] = {}
+    verdicts: list[str] = []
+    t = scenario.targets
+    if paired:
+        lines += _comparison_section(results, scenario, target_attainment, summary, verdicts)
+    if engine_steps:
+        lines += _engine_section(results, engine_steps, t, summary, verdicts)
+    if verdicts:
+        lines += ["", *(f"- {v}" for v in verdicts)]
+    return "\n".join(lines) + "\n", summary
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def _comparison_section(
+    results: list[RunResult],
+    scenario: Scenario,
+    target_attainment: float,
+    summary: dict[str, Any],
+    verdicts: list[str],
+) -> list[str]:
     base_name, cand_name = scenario.baseline, scenario.candidate
     by = {(r.series, r.request_rate): r for r in results}
-    rates = sorted({r.request_rate for r in results})
     lines = [
-        f"# {scenario.name}: {cand_name} vs {base_name}",
-        "",
-        scenario.description,
-        "",
-        *([f"Workload: {workload}.", ""] if workload else []),
         "| rate (req/s) | p99 TTFT base | p99 TTFT cand | ratio | p99 TPOT base | p99 TPOT cand "
         "| ratio | goodput base | goodput cand | ratio | attain. base | attain. cand |",
         "|" + "---|" * 12,
     ]
     rows = []
-    for rate in rates:
+    for rate in sorted({r.request_rate for r in results}):
         b, c = by.get((base_name, rate)), by.get((cand_name, rate))
         if b is None or c is None:
             continue
@@ -444,46 +551,93 @@ def compare(
             f"{100 * cm.slo_attainment:.0f}% |"
         )
 
-    def max_rate(series: str) -> float | None:
-        pts = [(r.request_rate, r.metrics.slo_attainment) for r in results if r.series == series]
+    def max_rate(name: str | None) -> float | None:
+        pts = [(r.request_rate, r.metrics.slo_attainment) for r in results if r.series == name]
         return max_goodput_rate(pts, target_attainment)
 
     gb, gc = max_rate(base_name), max_rate(cand_name)
-    summary: dict[str, Any] = {
-        "baseline": base_name,
-        "candidate": cand_name,
-        "per_rate": rows,
-        "distserve_goodput_base": gb,
-        "distserve_goodput_cand": gc,
-        "distserve_goodput_ratio": _ratio(gc, gb) if gc is not None and gb is not None else None,
-    }
+    ratio = _ratio(gc, gb)
+    summary.update(
+        baseline=base_name,
+        candidate=cand_name,
+        per_rate=rows,
+        distserve_goodput_base=gb,
+        distserve_goodput_cand=gc,
+        distserve_goodput_ratio=ratio,
+    )
     lines += [
         "",
-        f"DistServe goodput (highest rate with >= {target_attainment:.0%} SLO "
-        f"attainment, tested rates only): {base_name} {gb}, {cand_name} {gc}, ratio "
-        f"{_fmt_ratio(summary['distserve_goodput_ratio'])}",
+        f"DistServe goodput (highest rate with >= {target_attainment:.0%} SLO attainment, "
+        f"tested rates only): {base_name} {gb}, {cand_name} {gc}, ratio {_fmt_ratio(ratio)}",
     ]
     t = scenario.targets
-    verdicts = []
     # judge TPOT at the highest rate both sides served, where interference is worst
     if rows and t.max_p99_tpot_ratio is not None:
         r = rows[-1]["tpot_p99_ratio"]
         ok = r is not None and r <= t.max_p99_tpot_ratio
         verdicts.append(
             f"p99 TPOT ratio at the highest rate {_fmt_ratio(r)} "
-            f"(target <= {t.max_p99_tpot_ratio}x): {'met' if ok else 'MISSED'}"
+            f"(target <= {t.max_p99_tpot_ratio}x): {_verdict(ok)}"
         )
         summary["tpot_target_met"] = ok
     if t.min_goodput_ratio is not None:
-        r = summary["distserve_goodput_ratio"]
-        ok = r is not None and r >= t.min_goodput_ratio
+        ok = ratio is not None and ratio >= t.min_goodput_ratio
         verdicts.append(
-            f"goodput ratio {_fmt_ratio(r)} (target >= {t.min_goodput_ratio}x): "
-            f"{'met' if ok else 'MISSED'}"
+            f"goodput ratio {_fmt_ratio(ratio)} (target >= {t.min_goodput_ratio}x): {_verdict(ok)}"
         )
         summary["goodput_target_met"] = ok
-    lines += ["", *(f"- {v}" for v in verdicts)]
-    return "\n".join(lines) + "\n", summary
+    return lines
+
+
+def _engine_section(
+    results: list[RunResult],
+    engine_steps: dict[str, EngineSteps],
+    t: Targets,
+    summary: dict[str, Any],
+    verdicts: list[str],
+) -> list[str]:
+    """What the HTTP path adds per token: TPOT seen by the client minus the engine's step."""
+    lines = [
+        "",
+        "| run | p50 TPOT (HTTP) | p50 ITL (HTTP) | engine decode step mean | overhead per token "
+        "| decode steps |",
+        "|" + "---|" * 6,
+    ]
+    rows = {}
+    for r in results:
+        key = f"{r.series} @ {r.rate_label}"
+        steps = engine_steps.get(key)
+        if steps is None or not steps.steps:
+            continue
+        overhead = r.metrics.tpot_ms.median - steps.mean_ms
+        rows[key] = {
+            "tpot_p50_ms": r.metrics.tpot_ms.median,
+            "itl_p50_ms": r.metrics.itl_ms.median,
+            "engine_step_mean_ms": steps.mean_ms,
+            "overhead_ms": overhead,
+            "decode_steps": steps.steps,
+        }
+        lines.append(
+            f"| {key} | {r.metrics.tpot_ms.median:.3f} | {r.metrics.itl_ms.median:.3f} | "
+            f"{steps.mean_ms:.3f} | {overhead:.3f} | {steps.steps} |"
+        )
+    lines += [
+        "",
+        "Overhead = p50 TPOT through the API minus the mean decode step the workers timed "
+        "(their Prometheus histogram). It is per token only when one sequence runs at a time; "
+        "ITL is per SSE chunk, and a chunk may carry several tokens while the detokenizer waits "
+        "for a whole UTF-8 character.",
+    ]
+    summary["engine"] = rows
+    if t.max_token_overhead_ms is not None and rows:
+        worst = max(row["overhead_ms"] for row in rows.values())
+        ok = worst <= t.max_token_overhead_ms
+        verdicts.append(
+            f"per-token overhead {worst:.3f} ms at p50 (target <= {t.max_token_overhead_ms} ms): "
+            f"{_verdict(ok)}"
+        )
+        summary["overhead_target_met"] = ok
+    return lines
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -624,7 +778,9 @@ def main(argv: list[str] | None = None) -> int:
     scenario = copy.deepcopy(SCENARIOS[args.scenario])
     ns = make_parser().parse_args([*scenario.bench_defaults, *bench_args])
     ns.percentiles = sorted({*ns.percentiles, 50.0, 90.0, 99.0})  # the comparison reads p99
-    user_rates = any(a.startswith("--request-rate") for a in bench_args)
+    user_rates = any(
+        a.startswith("--request-rate") for a in [*scenario.bench_defaults, *bench_args]
+    )
     sides = _sides(args, scenario)
     if args.external and scenario.baseline not in {s.name for s in sides}:
         # external sides: the last one named is the baseline, the first the candidate
@@ -658,10 +814,24 @@ def main(argv: list[str] | None = None) -> int:
         "sides": [dataclasses.asdict(s) for s in sides],
         "processes": {n: [s.command_line() for s in r.specs] for n, r in runners.items()},
     }
-    results = measure(args, ns, sides, runners, requests, user_rates, config)
-    slos = ", ".join(f"{k} <= {v:.1f} ms" for k, v in config["slos_ms"].items())
+    engine_steps: dict[str, EngineSteps] = {}
+    results = measure(
+        args,
+        ns,
+        sides,
+        runners,
+        requests,
+        user_rates,
+        scenario.calibrate_slos,
+        config,
+        engine_steps,
+    )
+    slos = ", ".join(f"{k} <= {v:.1f} ms" for k, v in config["slos_ms"].items()) or "none"
     workload = f"{describe_workload(ns, requests)}; SLOs {slos}"
-    md, summary = compare(results, scenario, ns.slo_attainment_target, workload)
+    md, summary = scenario_report(
+        results, scenario, ns.slo_attainment_target, workload, engine_steps
+    )
+    config["engine_steps"] = {k: dataclasses.asdict(v) for k, v in engine_steps.items()}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "comparison.md").write_text(md)
     (out_dir / "comparison.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -680,7 +850,9 @@ def measure(
     runners: dict[str, RunningSide],
     requests: list[Any],
     user_rates: bool,
+    want_slos: bool,
     config: dict[str, Any],
+    engine_steps: dict[str, EngineSteps],
 ) -> list[RunResult]:
     """Every side at every rate: alternating sides per rate, or one side after another."""
     results: list[RunResult] = []
@@ -688,7 +860,14 @@ def measure(
     def bench(side: Side, url: str, index: int, rate: float, slos: dict[str, float]) -> None:
         # the same prompts for every side at this rate, other prompts at other rates
         reqs = requests if index == 0 else build_dataset(ns, seed_offset=index)
-        result = asyncio.run(_bench_once(ns, reqs, url, side.name, rate, slos, None, index))
+        metrics_urls = runners[side.name].metrics_urls if side.name in runners else []
+        warm(ns, url)
+        before = scrape_decode_steps(metrics_urls)
+        result = bench_once(ns, reqs, url, side.name, rate, slos, None, index)
+        if metrics_urls:
+            steps = EngineSteps.between(before, scrape_decode_steps(metrics_urls))
+            engine_steps[f"{side.name} @ {result.rate_label}"] = steps
+            print(f"engine: {steps.steps} decode steps, mean {steps.mean_ms:.2f} ms", flush=True)
         print_summary(result)
         results.append(result)
 
@@ -697,7 +876,9 @@ def measure(
 
     if args.interleave:
         with running(list(runners.values())):
-            rates, slos = _rates_and_slos(args, ns, url_of(sides[-1]), sides, user_rates, config)
+            rates, slos = _rates_and_slos(
+                args, ns, url_of(sides[-1]), sides, user_rates, want_slos, config
+            )
             for i, rate in enumerate(rates):
                 for side in sides:
                     bench(side, url_of(side), i, rate, slos)
@@ -706,7 +887,7 @@ def measure(
     for side in sides:
         with running([runners[side.name]] if side.name in runners else []):
             if plan is None:  # calibrate on whichever side comes up first
-                plan = _rates_and_slos(args, ns, url_of(side), sides, user_rates, config)
+                plan = _rates_and_slos(args, ns, url_of(side), sides, user_rates, want_slos, config)
             for i, rate in enumerate(plan[0]):
                 bench(side, url_of(side), i, rate, plan[1])
     return results
@@ -718,15 +899,16 @@ def _rates_and_slos(
     url: str,
     sides: list[Side],
     user_rates: bool,
+    want_slos: bool,
     config: dict[str, Any],
 ) -> tuple[list[float], dict[str, float]]:
     """The sweep's rates and SLOs: as given, or scaled from an unloaded calibration run."""
     slos = parse_goodput(ns.goodput)
     rates = list(ns.request_rate) if user_rates else []
-    if not slos or not rates:
+    if (want_slos and not slos) or not rates:
         cal = calibrate(ns, url, args.calibration_requests)
         config["calibration"] = dataclasses.asdict(cal)
-        if not slos:
+        if want_slos and not slos:
             slos = cal.slos(args.slo_scale_ttft, args.slo_scale_tpot)
         if not rates:
             workers = max((s.num_workers for s in sides if s.base_url is None), default=1)
@@ -774,7 +956,11 @@ def _print_plan(scenario, sides, runners, ns, requests, slots, args) -> None:
         for spec in r.specs:
             line = spec.command_line() if spec.argv else f"nats-server (pinned to {spec.cores})"
             print(f"    {spec.name}: {line}")
-    goodput = ns.goodput or f"calibrated: ttft x{args.slo_scale_ttft}, tpot x{args.slo_scale_tpot}"
+    goodput = ns.goodput or (
+        f"calibrated: ttft x{args.slo_scale_ttft}, tpot x{args.slo_scale_tpot}"
+        if scenario.calibrate_slos
+        else "none"
+    )
     print(f"goodput SLOs: {goodput}; attainment target {ns.slo_attainment_target:.0%}")
 
 

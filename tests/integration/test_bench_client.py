@@ -288,3 +288,47 @@ def test_scenario_harness_compares_sides(tmp_path: Path) -> None:
     assert "(target <= 0.5x): met" in md and "(target >= 1.5x): MISSED" in md
     for name in ("bench.md", "bench_latency_cdf.png", "bench_sweep.png"):
         assert (out / name).stat().st_size > 500
+
+
+def test_scenario_plan_pins_each_worker_to_its_own_cores() -> None:
+    from perf import scenarios
+
+    assert scenarios.parse_cpu_list("0,2-4") == [0, 2, 3, 4]
+    slots = scenarios.allocate_worker_cores(first=1, per_worker=2, workers=2)
+    assert slots == [[1, 2], [3, 4]]
+    disagg, agg = scenarios.SCENARIOS["disagg-vs-agg"].sides
+    plans = {
+        side.name: scenarios.plan_side(side, slots, [0], 8100, 4222, None, "services")
+        for side in (disagg, agg)
+    }
+    by_role = {name: [(p.role, p.cores) for p in plan] for name, plan in plans.items()}
+    assert by_role[disagg.name] == [
+        ("nats", [0]),
+        ("prefill", [1, 2]),
+        ("decode", [3, 4]),
+        ("gateway", [0]),
+    ]
+    assert by_role[agg.name] == [
+        ("nats", [0]),
+        ("decode", [1, 2]),
+        ("decode", [3, 4]),
+        ("gateway", [0]),
+    ]
+    for plan in plans.values():
+        workers = [p for p in plan if p.role in ("prefill", "decode")]
+        # equal worker cores on both sides; one thread per pinned core
+        assert sorted(c for w in workers for c in w.cores) == [1, 2, 3, 4]
+        for w in workers:
+            assert w.argv[:3] == ["taskset", "-c", ",".join(map(str, w.cores))]
+            assert w.argv[-1] == w.role and w.env["OMP_NUM_THREADS"] == "2"
+            assert w.options["nats_url"] == "nats://127.0.0.1:4222"
+        assert len({w.options["metrics_port"] for w in workers}) == len(workers)
+        assert len({w.options["worker_id"] for w in workers}) == len(workers)
+        gateway = plan[-1]
+        assert gateway.argv[:3] == ["taskset", "-c", "0"] and gateway.options["port"] == 8100
+    up = scenarios.plan_side(disagg, slots, [0], 8100, 4222, None, "up")
+    assert len(up) == 1 and up[0].argv[:3] == ["taskset", "-c", "0,1,2,3,4"]
+    assert up[0].argv[-6:] == ["--prefill-workers", "1", "--decode-workers", "1", "--port", "8100"]
+    assert "nats_url" not in up[0].options  # `up` must start its own NATS
+    with pytest.raises(ValueError):
+        scenarios.plan_side(agg, slots[:1], [0], 8100, 4222, None, "services")
