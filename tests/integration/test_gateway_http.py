@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.server import GATEWAY_KEY, Gateway, create_app
+from gateway.server import create_app
+from gateway.state import GATEWAY_KEY, Gateway
 from gateway.tokenizer import ModelTokenizer
 from shared.bus import Bus
 from shared.config import BusConfig, EngineConfig, GatewayConfig

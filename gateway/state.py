@@ -1,0 +1,150 @@
+"""What the gateway's handlers share: the served model and the gateway's live state."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import secrets
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from gateway.api_models import GenerationParams
+from gateway.chat_template import ChatTemplate
+from gateway.dispatch import Dispatcher
+from gateway.router import Router
+from gateway.tokenizer import ModelTokenizer
+from services.engine.sampling import SamplingParams
+from shared.bus import Bus
+from shared.config import BusConfig, EngineConfig, GatewayConfig
+from shared.discovery import WorkerRegistry
+from shared.metrics import GatewayMetrics, WorkerLoadCollector
+
+log = logging.getLogger("pdserve.gateway")
+
+
+@dataclass
+class ServedModel:
+    name: str
+    tokenizer: ModelTokenizer
+    chat: ChatTemplate | None
+    max_model_len: int
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def load(cls, engine: EngineConfig) -> ServedModel:
+        if engine.model:
+            model_dir = Path(engine.model).expanduser()
+            if not model_dir.is_dir():
+                raise SystemExit(f"--model {engine.model}: not a directory")
+        else:
+            # Imported only here: making the demo model needs torch, which the gateway avoids.
+            from services.engine.model_dir import resolve_model
+
+            model_dir = resolve_model(None)
+        tok = ModelTokenizer.from_dir(model_dir)
+        chat = None
+        if tok.chat_template is not None:
+            chat = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
+        return cls(
+            name=engine.served_model_name or model_dir.name,
+            tokenizer=tok,
+            chat=chat,
+            max_model_len=engine.max_model_len or _context_length(model_dir),
+        )
+
+
+def _context_length(model_dir: Path) -> int:
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        cfg = {}
+    value = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None
+    return value if isinstance(value, int) and value > 0 else 2048
+
+
+def new_gateway_id() -> str:
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:40] or "host"
+    return f"gw-{host}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+# ----------------------------------------------------------------------------- state
+
+
+class Gateway:
+    """Everything the handlers share: config, model, bus side, metrics."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        engine: EngineConfig,
+        bus_config: BusConfig,
+        gateway_id: str | None = None,
+    ) -> None:
+        self.config = config
+        self.bus_config = bus_config
+        self.gateway_id = gateway_id or new_gateway_id()
+        self.model = ServedModel.load(engine)
+        self.block_size = engine.block_size
+        self.registry = CollectorRegistry()
+        self.metrics = GatewayMetrics(self.registry)
+        self.bus = Bus(bus_config, self.gateway_id)
+        self.workers = WorkerRegistry(self.bus, config.worker_timeout)
+        self.registry.register(WorkerLoadCollector(self.workers.loads))
+        self.router = Router(self.workers.loads, engine.block_size, model=self.model.name)
+        self.dispatcher = Dispatcher(
+            self.bus,
+            self.workers,
+            self.router,
+            self.gateway_id,
+            config.request_timeout,
+            config.prefill_timeout,
+        )
+        self.in_flight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    async def start(self) -> None:
+        await self.bus.connect()
+        await self.workers.start()
+        await self.dispatcher.start()
+        log.info("gateway %s serving %s", self.gateway_id, self.model.name)
+
+    async def stop(self) -> None:
+        await self.workers.stop()
+        await self.dispatcher.close()
+        await self.bus.close()
+
+    def healthy(self) -> tuple[bool, str]:
+        if not self.bus.connected:
+            return False, "not connected to NATS"
+        if not self.router.has_decode():
+            others = {w.model for w in self.workers.loads("decode") if w.model != self.model.name}
+            if others:
+                # A misconfigured pair (e.g. --served-model-name on one side only) must be obvious.
+                return False, f"decode workers serve {sorted(others)}, not {self.model.name!r}"
+            return False, "no decode worker is alive"
+        return True, "ok"
+
+    def sampling_params(self, p: GenerationParams, max_tokens: int) -> SamplingParams:
+        eos = [] if p.ignore_eos else list(self.model.tokenizer.eos_token_ids)
+        return SamplingParams(
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            seed=p.seed,
+            max_tokens=max_tokens,
+            stop_token_ids=eos,
+            ignore_eos=p.ignore_eos,
+        )
+
+
+GATEWAY_KEY = web.AppKey("gateway", Gateway)
+REQUEST_ID_KEY = web.RequestKey("request_id", str)
