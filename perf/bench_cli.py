@@ -22,6 +22,34 @@ def _rate(text: str) -> float:
     return value
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _unit(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
+def _range_ratio(text: str) -> float:
+    value = _unit(text)
+    if value == 1.0:  # a ratio of 1 would allow zero-length prompts
+        raise argparse.ArgumentTypeError("must be below 1")
+    return value
+
+
 def _range(text: str) -> tuple[int, int]:
     lo, sep, hi = text.partition(":")
     try:
@@ -60,36 +88,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     target.add_argument(
         "--warmup-requests",
-        type=int,
+        type=_non_negative,
         default=1,
         help="unmeasured requests (own prompts, same distribution) sent one by one first",
     )
 
     data = p.add_argument_group("dataset (prompts are token ids, so lengths are exact)")
     data.add_argument("--dataset", choices=DATASETS, default="random")
-    data.add_argument("--num-requests", type=int, default=200)
+    data.add_argument("--num-requests", type=_positive, default=200)
     data.add_argument(
         "--input-len",
-        type=int,
+        type=_positive,
         default=512,
         help="prompt length (random: mean; chat: median; shared-prefix: suffix length)",
     )
-    data.add_argument("--output-len", type=int, default=128, help="output length (chat: median)")
+    data.add_argument(
+        "--output-len", type=_positive, default=128, help="output length (chat: median)"
+    )
     data.add_argument(
         "--range-ratio",
-        type=float,
+        type=_range_ratio,
         default=0.0,
         help="random/shared-prefix: lengths uniform in len*(1-r)..len*(1+r)",
     )
     data.add_argument("--input-sigma", type=float, default=1.0, help="chat: log-normal sigma")
     data.add_argument("--output-sigma", type=float, default=0.7, help="chat: log-normal sigma")
-    data.add_argument("--max-input-len", type=int, default=4096, help="chat: longest prompt")
-    data.add_argument("--max-output-len", type=int, default=1024, help="chat: longest output")
-    data.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: system prompt")
-    data.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: distinct ones")
+    data.add_argument("--max-input-len", type=_positive, default=4096, help="chat: longest prompt")
+    data.add_argument("--max-output-len", type=_positive, default=1024, help="chat: longest output")
+    data.add_argument(
+        "--prefix-len", type=_positive, default=1024, help="shared-prefix: system prompt"
+    )
+    data.add_argument(
+        "--num-prefixes", type=_positive, default=4, help="shared-prefix: distinct ones"
+    )
     data.add_argument(
         "--long-fraction",
-        type=float,
+        type=_unit,
         default=0.0,
         help="fraction of requests whose prompt is replaced by a long one (mixed workload)",
     )
@@ -120,7 +154,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     load.add_argument(
         "--burstiness", type=float, default=1.0, help="gamma shape: 1 Poisson, <1 bursty"
     )
-    load.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    load.add_argument(
+        "--max-concurrency", type=_positive, default=None, help="most requests in flight"
+    )
     load.add_argument("--seed", type=int, default=0, help="seed of dataset and arrivals")
 
     out = p.add_argument_group("metrics and output")
@@ -133,7 +169,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     out.add_argument(
         "--slo-attainment-target",
-        type=float,
+        type=_unit,
         default=0.9,
         help="sweep goodput = highest rate with at least this SLO attainment (DistServe)",
     )

@@ -241,5 +241,13 @@ def test_cli_options_build_the_scenario_mix() -> None:
     assert len(reqs) == 40
     assert sum(300 <= r.prompt_len <= 400 for r in reqs) >= 10
     assert [r.prompt_token_ids for r in build_dataset(ns)] == [r.prompt_token_ids for r in reqs]
-    with pytest.raises(SystemExit):
-        make_parser().parse_args(["--request-rate", "0"])
+    for bad in (
+        ["--request-rate", "0"],
+        ["--num-requests", "0"],
+        ["--range-ratio", "1"],
+        ["--long-fraction", "1.5"],
+        ["--long-input-range", "9:3"],
+        ["--percentiles", "50,101"],
+    ):
+        with pytest.raises(SystemExit):
+            make_parser().parse_args(bad)
