@@ -250,16 +250,11 @@ def describe(ns: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in sorted(vars(ns).items()) if k not in skip and not k.startswith("_")}
 
 
-async def bench_sweep(ns: argparse.Namespace, series: str | None = None) -> list[Any]:
-    """Run the workload once per request rate against ns.base_url; return RunResults."""
-    from perf.bench.client import ClientConfig, LoadConfig, discover_model, run_benchmark, warm_up
-    from perf.bench.metrics import compute_metrics, parse_goodput
-    from perf.bench.report import RunResult
+def client_config(ns: argparse.Namespace, base_url: str, model: str) -> Any:
+    from perf.bench.client import ClientConfig
 
-    slos = parse_goodput(ns.goodput)
-    model = ns.model or await discover_model(ns.base_url, ns.api_key)
-    cfg = ClientConfig(
-        base_url=ns.base_url,
+    return ClientConfig(
+        base_url=base_url,
         model=model,
         endpoint=ns.endpoint,
         api_key=ns.api_key,
@@ -267,16 +262,44 @@ async def bench_sweep(ns: argparse.Namespace, series: str | None = None) -> list
         ignore_eos=ns.ignore_eos,
         timeout=ns.timeout,
     )
+
+
+async def measure_rate(
+    ns: argparse.Namespace,
+    cfg: Any,
+    requests: list[Any],
+    rate: float,
+    slos: dict[str, float],
+    series: str,
+    seed_offset: int = 0,
+    max_concurrency: int | None = None,
+) -> Any:
+    """One measured run of `requests` at `rate`; returns a RunResult with its metrics."""
+    from perf.bench.client import LoadConfig, run_benchmark
+    from perf.bench.metrics import compute_metrics
+    from perf.bench.report import RunResult
+
+    conc = max_concurrency if max_concurrency is not None else ns.max_concurrency
+    load = LoadConfig(rate, ns.burstiness, conc, ns.seed + seed_offset)
+    run = await run_benchmark(requests, cfg, load, ns.progress, desc=f"{series} @ {rate:g}/s")
+    metrics = compute_metrics(run.records, run.duration, slos, ns.percentiles)
+    return RunResult(series, rate, ns.burstiness, conc, metrics, run.records)
+
+
+async def bench_sweep(ns: argparse.Namespace) -> list[Any]:
+    """Warm up, then run the workload once per request rate against ns.base_url."""
+    from perf.bench.client import discover_model, warm_up
+    from perf.bench.metrics import parse_goodput
+
+    slos = parse_goodput(ns.goodput)
+    model = ns.model or await discover_model(ns.base_url, ns.api_key)
+    cfg = client_config(ns, ns.base_url, model)
     if ns.warmup_requests > 0:
         await warm_up(cfg, build_dataset(ns, WARMUP_SEED_OFFSET, ns.warmup_requests))
     results = []
     for i, rate in enumerate(ns.request_rate):
         requests = build_dataset(ns, seed_offset=i)
-        load = LoadConfig(rate, ns.burstiness, ns.max_concurrency, ns.seed + i)
-        name = series or ns.label
-        run = await run_benchmark(requests, cfg, load, ns.progress, desc=f"{name} @ {rate:g}/s")
-        metrics = compute_metrics(run.records, run.duration, slos, ns.percentiles)
-        result = RunResult(name, rate, ns.burstiness, ns.max_concurrency, metrics, run.records)
+        result = await measure_rate(ns, cfg, requests, rate, slos, ns.label, seed_offset=i)
         print_summary(result)
         results.append(result)
     return results

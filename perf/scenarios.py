@@ -40,15 +40,17 @@ from typing import Any
 
 import numpy as np
 
-from perf.bench.client import ClientConfig, LoadConfig, discover_model, run_benchmark, warm_up
+from perf.bench.client import ClientConfig, discover_model, warm_up
 from perf.bench.metrics import compute_metrics, max_goodput_rate, parse_goodput
 from perf.bench.report import RunResult, write_outputs
 from perf.bench_cli import (
     CALIBRATION_SEED_OFFSET,
     WARMUP_SEED_OFFSET,
     build_dataset,
+    client_config,
     describe,
     make_parser,
+    measure_rate,
     print_summary,
 )
 from services.launcher import (
@@ -424,9 +426,7 @@ class EngineSteps:
 
 def _client_config(ns: argparse.Namespace, base_url: str) -> ClientConfig:
     model = ns.model or asyncio.run(discover_model(base_url, ns.api_key))
-    return ClientConfig(
-        base_url, model, ns.endpoint, ns.api_key, ns.temperature, ns.ignore_eos, ns.timeout
-    )
+    return client_config(ns, base_url, model)
 
 
 def warm(ns: argparse.Namespace, base_url: str) -> None:
@@ -447,12 +447,9 @@ def bench_once(
     seed_offset: int = 0,
 ) -> RunResult:
     cfg = _client_config(ns, base_url)
-    conc = max_concurrency if max_concurrency is not None else ns.max_concurrency
-    load = LoadConfig(rate, ns.burstiness, conc, ns.seed + seed_offset)
-    desc = f"{series} @ {rate:g}/s"
-    run = asyncio.run(run_benchmark(requests, cfg, load, ns.progress, desc=desc))
-    metrics = compute_metrics(run.records, run.duration, slos, ns.percentiles)
-    return RunResult(series, rate, ns.burstiness, conc, metrics, run.records)
+    return asyncio.run(
+        measure_rate(ns, cfg, requests, rate, slos, series, seed_offset, max_concurrency)
+    )
 
 
 @dataclass
