@@ -121,6 +121,7 @@ async def send_completion(
     rec.start_time = sent - (run_start if run_start is not None else sent)
     last = sent
     first = True
+    done = False
     try:
         async with session.post(cfg.url, json=body, headers=cfg.headers()) as resp:
             if resp.status != 200:
@@ -128,17 +129,18 @@ async def send_completion(
                 rec.error = f"HTTP {resp.status}: {text[:500]}"
                 return rec
             async for raw in resp.content:
+                now = time.perf_counter()  # arrival time, before any parsing
                 line = raw.strip()
                 if not line.startswith(b"data:"):
                     continue  # blank separators, ": keep-alive" comments, event: lines
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
+                    done = True
                     break
                 data = json.loads(payload)
                 if "error" in data:
                     rec.error = f"stream error: {json.dumps(data['error'])[:500]}"
                     return rec
-                now = time.perf_counter()
                 choices = data.get("choices")
                 if choices:
                     if first:
@@ -157,6 +159,10 @@ async def send_completion(
         return rec
     if first:
         rec.error = "stream ended without a chunk carrying choices"
+        return rec
+    if not done:
+        # a connection cut mid-answer is a failure, however many tokens came before it
+        rec.error = f"stream ended without [DONE] after {rec.chunk_tokens} tokens"
         return rec
     rec.latency = last - sent
     rec.success = True

@@ -30,6 +30,7 @@ ITL_S = 0.008
 MODEL = "fake-model"
 FAIL_TOKEN = 7  # a prompt starting with this id gets HTTP 500
 PAIR_TOKEN = 9  # a prompt starting with this id streams two tokens per chunk
+CUT_TOKEN = 11  # a prompt starting with this id gets its stream cut after two tokens
 
 
 def _chunk(text: str, finish: str | None, n_tokens: int) -> bytes:
@@ -58,6 +59,8 @@ def make_app(ttft_s: float = TTFT_S, itl_s: float = ITL_S) -> web.Application:
             k = min(per_chunk, n - sent)
             sent += k
             await resp.write(_chunk("a" * k, "length" if sent == n else None, k))
+            if prompt[0] == CUT_TOKEN and sent == 2:
+                return resp  # ends the response without usage or [DONE]
             if sent < n:
                 await asyncio.sleep(itl_s)
         usage = {"prompt_tokens": len(prompt), "completion_tokens": n}
@@ -113,6 +116,7 @@ def test_records_match_server_timings(server_url: str) -> None:
     reqs = [BenchRequest([100 + i] * (5 + i), 6) for i in range(6)]
     reqs.append(BenchRequest([FAIL_TOKEN, 1, 2], 4))
     reqs.append(BenchRequest([PAIR_TOKEN, 1, 2], 7))  # 4 chunks: 2+2+2+1 tokens
+    reqs.append(BenchRequest([CUT_TOKEN, 1, 2], 5))
     cfg = ClientConfig(base_url=server_url, model=MODEL)
     run = asyncio.run(run_benchmark(reqs, cfg, LoadConfig(float("inf")), progress=False))
 
@@ -136,6 +140,8 @@ def test_records_match_server_timings(server_url: str) -> None:
     assert paired.success and len(paired.itl) == 3
     assert paired.chunk_tokens == 4  # one text chunk counts one token without token ids...
     assert paired.output_tokens == 7  # ...so the usage chunk's count is the one used
+    cut = run.records[8]
+    assert not cut.success and "without [DONE] after 2 tokens" in cut.error
     # all sent at once: the whole run takes about one request's time, not eight
     assert run.duration < 8 * (TTFT_S + 5 * ITL_S)
 
