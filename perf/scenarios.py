@@ -669,11 +669,14 @@ def machine_description() -> dict[str, Any]:
         )
         desc["memory_gib"] = round(kb / 2**20, 1)
     with contextlib.suppress(Exception):
-        import torch
+        # versions from package metadata: importing torch here would cost seconds
+        from importlib.metadata import version
 
-        desc["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            desc["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        desc["torch"] = version("torch")
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        gpus = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+        if gpus.returncode == 0:
+            desc["gpus"] = gpus.stdout.strip().splitlines()
     return desc
 
 
@@ -743,6 +746,12 @@ def make_parser_scenarios() -> argparse.ArgumentParser:
         default="0.5,1,2,4",
         help="sweep rates as multiples of the unloaded serial capacity "
         "(unless --request-rate is given)",
+    )
+    p.add_argument(
+        "--stop-below-attainment",
+        type=float,
+        default=0.1,
+        help="a side whose SLO attainment drops below this skips the higher rates",
     )
     p.add_argument("--results", default="perf/results", help="parent folder of the run folder")
     p.add_argument("--name", default=None, help="run folder name (default: scenario-time)")
@@ -853,12 +862,18 @@ def measure(
 ) -> list[RunResult]:
     """Every side at every rate: alternating sides per rate, or one side after another."""
     results: list[RunResult] = []
+    saturated: set[str] = set()
+    warmed: set[str] = set()
 
     def bench(side: Side, url: str, index: int, rate: float, slos: dict[str, float]) -> None:
+        if side.name in saturated:
+            return
         # the same prompts for every side at this rate, other prompts at other rates
         reqs = requests if index == 0 else build_dataset(ns, seed_offset=index)
         metrics_urls = runners[side.name].metrics_urls if side.name in runners else []
-        warm(ns, url)
+        if side.name not in warmed:
+            warm(ns, url)
+            warmed.add(side.name)
         before = scrape_decode_steps(metrics_urls)
         result = bench_once(ns, reqs, url, side.name, rate, slos, None, index)
         if metrics_urls:
@@ -867,6 +882,15 @@ def measure(
             print(f"engine: {steps.steps} decode steps, mean {steps.mean_ms:.2f} ms", flush=True)
         print_summary(result)
         results.append(result)
+        # Past this point a side only queues: higher rates would take ever longer to show
+        # the same collapse, and the goodput knee is already behind us.
+        if slos and result.metrics.slo_attainment < args.stop_below_attainment:
+            print(
+                f"{side.name}: SLO attainment below {args.stop_below_attainment:.0%}, "
+                "skipping its higher rates",
+                flush=True,
+            )
+            saturated.add(side.name)
 
     def url_of(side: Side) -> str:
         return side.base_url or runners[side.name].base_url
@@ -901,7 +925,7 @@ def _rates_and_slos(
 ) -> tuple[list[float], dict[str, float]]:
     """The sweep's rates and SLOs: as given, or scaled from an unloaded calibration run."""
     slos = parse_goodput(ns.goodput)
-    rates = list(ns.request_rate) if user_rates else []
+    rates = sorted(ns.request_rate) if user_rates else []  # ascending: see stop_below_attainment
     if (want_slos and not slos) or not rates:
         cal = calibrate(ns, url, args.calibration_requests)
         config["calibration"] = dataclasses.asdict(cal)
