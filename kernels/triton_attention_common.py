@@ -32,12 +32,15 @@ def paged_rows(
     tokens,
     valid,
     kv_head,
-    block_size,
+    block_size: tl.constexpr,
     stride_cache_block,
     stride_cache_offset,
     stride_cache_head,
 ):
-    """Element offsets of the rows (token, kv_head, :) of a strided paged-cache view."""
+    """Element offsets of the rows (token, kv_head, :) of a strided paged-cache view.
+
+    block_size is a compile-time constant (one per engine), so the divisions become shifts.
+    """
     page = tl.load(block_table_row_ptr + tokens // block_size, mask=valid, other=0).to(tl.int64)
     return (
         page * stride_cache_block

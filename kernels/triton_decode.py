@@ -32,7 +32,7 @@ def _decode_split_kernel(
     part_sum_ptr,
     scale_log2,
     group,
-    block_size,
+    block_size: tl.constexpr,
     partition_size,
     num_splits,
     stride_q_seq,
@@ -97,7 +97,7 @@ def _decode_split_kernel(
         p = tl.exp2(scores * scale_log2 - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
     out_mask = g_mask[:, None] & d_mask[None, :]

@@ -43,13 +43,20 @@ def _rms_norm_kernel(
 
 def _rows(t: Tensor) -> Tensor:
     """2-D with unit column stride; rows may be strided (e.g. a slice of a wider buffer)."""
+    if t.dim() != 2:
+        t = t.reshape(-1, t.shape[-1])
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def rms_norm(
     x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
 ) -> tuple[Tensor, Tensor | None]:
-    """See kernels.ops.rms_norm."""
+    """See kernels.ops.rms_norm. Leading dims beyond [T, H] are flattened and restored."""
+    if x.dim() != 2:
+        out, new_residual = rms_norm(
+            _rows(x), weight, eps, _rows(residual) if residual is not None else None
+        )
+        return out.view(x.shape), new_residual.view(x.shape) if new_residual is not None else None
     x = _rows(x)
     num_rows, hidden = x.shape
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)

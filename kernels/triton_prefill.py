@@ -26,7 +26,7 @@ def _key_rows(
     kv_head,
     k_start,
     table_row_ptr,
-    block_size,
+    block_size: tl.constexpr,
     stride_k_token,
     stride_k_head,
     stride_cache_block,
@@ -50,6 +50,22 @@ def _key_rows(
 
 
 @triton.jit
+def _load_rows(ptrs, key_valid, d_mask, MASK_KEYS: tl.constexpr, EVEN_D: tl.constexpr):
+    # Masks only where a tile can hold keys past the end or a padded head dim: unmasked loads
+    # keep the copies wide and unpredicated.
+    if MASK_KEYS:
+        if EVEN_D:
+            return tl.load(ptrs, mask=key_valid[:, None], other=0.0)
+        else:
+            return tl.load(ptrs, mask=key_valid[:, None] & d_mask[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            return tl.load(ptrs)
+        else:
+            return tl.load(ptrs, mask=d_mask[None, :], other=0.0)
+
+
+@triton.jit
 def _attend_tile(
     q,
     m_i,
@@ -64,10 +80,10 @@ def _attend_tile(
     d_mask,
     scale_log2,
     MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    kv_mask = key_valid[:, None] & d_mask[None, :]
-    k = tl.load(k_base + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    k = _load_rows(k_base + rows[:, None] + d[None, :], key_valid, d_mask, MASKED, EVEN_D)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if MASKED:
         scores = tl.where(allowed, scores, float("-inf"))
@@ -76,8 +92,8 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores * scale_log2 - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_base + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    v = _load_rows(v_base + rows[:, None] + d[None, :], key_valid, d_mask, MASKED, EVEN_D)
+    acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -92,7 +108,7 @@ def _prefill_kernel(
     out_ptr,
     scale_log2,
     group,
-    block_size,
+    block_size: tl.constexpr,
     stride_q_token,
     stride_q_head,
     stride_k_token,
@@ -176,6 +192,7 @@ def _prefill_kernel(
             d_mask,
             scale_log2,
             False,
+            HEAD_DIM == BLOCK_D,
             PRECISION,
         )
 
@@ -213,6 +230,7 @@ def _prefill_kernel(
             d_mask,
             scale_log2,
             True,
+            HEAD_DIM == BLOCK_D,
             PRECISION,
         )
 
@@ -277,8 +295,9 @@ def prefill_attention_with(
         stride_cache = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         stride_table = block_tables.stride(0)
     else:
-        assert k.stride() == v.stride(), "packed K and V must share one layout"
-        assert k.stride(-1) == 1
+        if k.stride() != v.stride() or k.stride(-1) != 1:
+            # One set of strides serves both; views of one fused qkv already agree.
+            k, v = k.contiguous(), v.contiguous()
         keys, values, block_tables = k, v, cu_seqlens_k  # table pointer unused
         num_kv_heads, block_size = k.shape[1], 1
         stride_k = (k.stride(0), k.stride(1))

@@ -157,6 +157,7 @@ def _decode_oracle(q: Tensor, paged, scale: float) -> Tensor:
         (128, 8, 2, 32, DecodeConfig(block_n=16, num_splits=4)),  # GQA 4, tile < page, split-K
         (128, 8, 1, 16, None),  # GQA 8, the production heuristic
         (64, 16, 2, 32, DecodeConfig(block_n=64, num_splits=3)),  # GQA 8, uneven split count
+        (80, 4, 1, 16, DecodeConfig(block_n=16, num_splits=2)),  # head dim not a power of 2
     ],
 )
 def test_decode_attention(
@@ -210,7 +211,8 @@ def test_decode_attention_empty_batch_and_dispatch(monkeypatch: pytest.MonkeyPat
     [
         (64, 2, 2, [1, 15, 16, 17, 100], PrefillConfig(block_m=16, block_n=32)),  # GQA 1
         (128, 4, 1, [33, 1, 64, 65], None),  # GQA 4, production tiling
-        (64, 8, 1, [1, 2048], PrefillConfig(block_m=64, block_n=64)),  # GQA 8, 2k prompt
+        (64, 8, 1, [1, 1531], PrefillConfig(block_m=64, block_n=64)),  # GQA 8, long prompt
+        (80, 2, 1, [40, 17], PrefillConfig(block_m=16, block_n=16)),  # head dim not a power of 2
     ],
 )
 def test_prefill_attention_packed(
