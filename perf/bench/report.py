@@ -136,21 +136,40 @@ def latency_samples(run: RunResult, name: str) -> np.ndarray:
     return np.sort(np.asarray(values, dtype=np.float64) * 1000.0)
 
 
+LINESTYLES = ("-", "--", "-.", ":")
+
+
 def plot_latency_cdfs(runs: Sequence[RunResult], path: Path, title: str = "") -> None:
-    """Empirical CDFs of TTFT, TPOT, ITL and E2E, one line per run."""
+    """Empirical CDFs of TTFT, TPOT, ITL and E2E: one colour per series, one dash per rate."""
     plt = _pyplot()
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    series = list(dict.fromkeys(r.series for r in runs))
+    rates = sorted({r.request_rate for r in runs})
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     for ax, name in zip(axes.flat, LATENCY_METRICS, strict=True):
         slo = {"ttft_ms": "ttft", "tpot_ms": "tpot", "e2el_ms": "e2el"}.get(name)
+        lo, hi = math.inf, 0.0
         for run in runs:
             xs = latency_samples(run, name)
             if xs.size:
                 ys = np.arange(1, xs.size + 1) / xs.size
-                ax.step(xs, ys, where="post", label=f"{run.series} @ {run.rate_label} req/s")
+                ax.step(
+                    xs,
+                    ys,
+                    where="post",
+                    color=colors[series.index(run.series) % len(colors)],
+                    ls=LINESTYLES[rates.index(run.request_rate) % len(LINESTYLES)],
+                    label=f"{run.series} @ {run.rate_label} req/s",
+                )
+                positive = xs[xs > 0]
+                if positive.size:
+                    lo, hi = min(lo, positive[0]), max(hi, positive[-1])
             limit = run.metrics.goodput_slos_ms.get(slo or "")
             # an SLO far right of every sample would squash the curves into one line
             if limit is not None and xs.size and limit <= 2 * xs[-1]:
                 ax.axvline(limit, color="grey", ls="--", lw=0.8)
+        if hi > 50 * lo:  # long-prompt TTFTs and queueing tails span decades
+            ax.set_xscale("log")
         ax.set_xlabel(f"{TITLES[name]} (ms)")
         ax.set_ylabel("fraction of " + ("gaps" if name == "itl_ms" else "requests"))
         ax.set_ylim(0, 1.01)
@@ -182,16 +201,18 @@ def plot_sweep(runs: Sequence[RunResult], path: Path, title: str = "") -> None:
     pos, inf_x = _rate_positions(runs)
     has_slo = any(r.metrics.goodput_slos_ms for r in runs)
     fig, axes = plt.subplots(1, 3 if has_slo else 2, figsize=(15 if has_slo else 10, 4.5))
-    for name, group in series.items():
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (name, group) in enumerate(series.items()):
+        c = colors[i % len(colors)]
         group = sorted(group, key=lambda r: r.request_rate)
         xs = [pos[r.request_rate] for r in group]
-        axes[0].plot(xs, [r.metrics.output_throughput for r in group], "o-", label=name)
-        axes[1].plot(xs, [r.metrics.request_throughput for r in group], "o-", label=f"{name}")
+        axes[0].plot(xs, [r.metrics.output_throughput for r in group], "o-", c=c, label=name)
+        axes[1].plot(xs, [r.metrics.request_throughput for r in group], "o-", c=c, label=name)
         if has_slo:
-            axes[1].plot(
-                xs, [r.metrics.request_goodput for r in group], "s--", label=f"{name} goodput"
-            )
-            axes[2].plot(xs, [100 * r.metrics.slo_attainment for r in group], "o-", label=name)
+            goodput = [r.metrics.request_goodput for r in group]
+            axes[1].plot(xs, goodput, "s--", c=c, label=f"{name} goodput")
+            attainment = [100 * r.metrics.slo_attainment for r in group]
+            axes[2].plot(xs, attainment, "o-", c=c, label=name)
     axes[0].set_ylabel("output tokens / s")
     axes[1].set_ylabel("requests / s")
     if has_slo:
