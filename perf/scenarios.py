@@ -688,7 +688,7 @@ def make_parser_scenarios() -> argparse.ArgumentParser:
         prog="python -m perf.scenarios",
         description="Side-by-side pdserve scenarios. Bench options go after `--`.",
     )
-    p.add_argument("scenario", choices=sorted(SCENARIOS))
+    p.add_argument("scenario", choices=[*sorted(SCENARIOS), "all"], help="what to run")
     p.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
     p.add_argument(
         "--mode",
@@ -781,6 +781,11 @@ def main(argv: list[str] | None = None) -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     args = make_parser_scenarios().parse_args(argv[:split])
     bench_args = argv[split + 1 :]
+    if args.scenario == "all":
+        # one after another, each with its own defaults and run folder
+        rest = list(argv)
+        rest.remove("all")  # the first "all" is the positional one: it precedes any "--"
+        return max([main([name, *rest]) for name in SCENARIOS])
     scenario = copy.deepcopy(SCENARIOS[args.scenario])
     ns = make_parser().parse_args([*scenario.bench_defaults, *bench_args])
     ns.percentiles = sorted({*ns.percentiles, 50.0, 90.0, 99.0})  # the comparison reads p99
