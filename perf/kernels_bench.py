@@ -400,14 +400,37 @@ def main(argv: list[str] | None = None) -> int:
         ]
 
     results: list[Result] = []
+
+    def save(**summary: object) -> None:
+        # Rewritten after every case, so a run cut short by a timeout still leaves its data.
+        if not args.json:
+            return
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "device": name,
+                    "torch": torch.__version__,
+                    "triton": __import__("triton").__version__,
+                    "peak_gbps": peak_gbps,
+                    "peak_tflops": peak_tflops,
+                    "measured_copy_gbps": copy_gbps,
+                    **summary,
+                    "results": [asdict(r) for r in results],
+                },
+                f,
+                indent=2,
+            )
+
     for case in decode_cases:
         for r in bench_decode(case, peak_gbps, args.repeats, args.sweep):
             print(format_result(r), flush=True)
             results.append(r)
+        save(complete=False)
     for case in prefill_cases:
         for r in bench_prefill(case, peak_tflops, args.repeats, args.sweep):
             print(format_result(r), flush=True)
             results.append(r)
+        save(complete=False)
 
     def target(op: str, case: str, fraction: float) -> dict:
         best = max(
@@ -428,11 +451,16 @@ def main(argv: list[str] | None = None) -> int:
         "decode": target("decode_attention", decode_cases[0].name, TARGET_DECODE_BW_FRACTION),
         "prefill": target("prefill_attention", prefill_cases[0].name, TARGET_PREFILL_FLOP_FRACTION),
     }
+
+    def pct(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.1%}"
+
     for key, t in targets.items():
         verdict = "MET" if t["met_by_default"] else "MISSED"
         print(
-            f"target {key}: {verdict} default {t['default_fraction']} best {t['best_fraction']}"
-            f" (want >= {t['target_fraction']}) best config {t['best_config']}"
+            f"target {key}: {verdict} default {pct(t['default_fraction'])} of peak,"
+            f" best {pct(t['best_fraction'])} (want >= {pct(t['target_fraction'])})"
+            f" best config {t['best_config']}"
         )
     wrong = [
         r
@@ -441,23 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for r in wrong:
         print(f"WRONG RESULT (err > {MAX_ABS_ERR_BF16}): {format_result(r)}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "device": name,
-                    "torch": torch.__version__,
-                    "triton": __import__("triton").__version__,
-                    "peak_gbps": peak_gbps,
-                    "peak_tflops": peak_tflops,
-                    "measured_copy_gbps": copy_gbps,
-                    "targets": targets,
-                    "all_results_correct": not wrong,
-                    "results": [asdict(r) for r in results],
-                },
-                f,
-                indent=2,
-            )
+    save(complete=True, targets=targets, all_results_correct=not wrong)
     return 1 if wrong else 0
 
 

@@ -298,3 +298,16 @@ def test_prefill_attention_empty_batch() -> None:
     q, k = randn(0, 4, 64), randn(0, 2, 64)
     cu = torch.zeros(1, dtype=torch.int32, device=DEV)
     assert prefill_attention(q, k, k, cu, cu, 0, 0, 0.125).shape == (0, 4, 64)
+
+
+def test_decode_split_heuristic() -> None:
+    from kernels.triton_decode import choose_decode_config
+
+    device = torch.device(DEV)
+    # One long sequence: the context is split so more than one program works on it...
+    long_one = choose_decode_config(1, 1, 32768, 128, device)
+    assert long_one.num_splits > 1
+    # ...but never into slivers shorter than ~256 tokens,
+    assert choose_decode_config(1, 1, 512, 128, device).num_splits <= 2
+    # and a batch that already fills the device is not split at all.
+    assert choose_decode_config(4096, 8, 2048, 128, device).num_splits == 1
