@@ -204,6 +204,8 @@ def test_decode_attention_empty_batch_and_dispatch(monkeypatch: pytest.MonkeyPat
     )
     assert torch.equal(via_ops, direct)
     assert ops.backend_for(q) == "triton"
+    monkeypatch.setenv("PDSERVE_KERNELS", "auto")
+    assert ops.backend_for(q) == ("triton" if DEV == "cuda" else "torch")
 
 
 @pytest.mark.parametrize(
