@@ -52,6 +52,10 @@ class BlockManager:
         self.seq_hashes: dict[str, list[int]] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # What entered and left the prefix cache since the last drain: workers publish these so
+        # the gateway can route a prompt to the worker that already holds its prefix.
+        self.stored_events: list[int] = []
+        self.removed_events: list[int] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -82,6 +86,7 @@ class BlockManager:
         if old is not None:  # evict: its cached content is about to be overwritten
             if self.cached.get(old) == block_id:
                 del self.cached[old]
+                self.removed_events.append(old)
             self.block_hash[block_id] = None
         self.ref_counts[block_id] = 1
         return block_id
@@ -129,6 +134,7 @@ class BlockManager:
             if parent not in self.cached:
                 self.cached[parent] = block_id
                 self.block_hash[block_id] = parent
+                self.stored_events.append(parent)
 
     def free_sequence(self, seq: Sequence) -> None:
         """Drop the sequence's references; cached blocks stay reusable until evicted."""
@@ -145,3 +151,10 @@ class BlockManager:
             if self.ref_counts[block_id] == 0:
                 del self.cached[h]
                 self.block_hash[block_id] = None
+                self.removed_events.append(h)
+
+    def drain_events(self) -> tuple[list[int], list[int]]:
+        """(stored, removed) block hashes since the last call."""
+        stored, removed = self.stored_events, self.removed_events
+        self.stored_events, self.removed_events = [], []
+        return stored, removed

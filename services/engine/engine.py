@@ -234,6 +234,16 @@ class LLMEngine:
             self._finish(seq, None)
             return True
 
+    def drain_kv_events(self) -> tuple[list[int], list[int]]:
+        """Prefix-cache block hashes (stored, removed) since the last call, for KV-aware routing."""
+        with self.lock:
+            return self.block_manager.drain_events()
+
+    def cached_block_hashes(self) -> list[int]:
+        """Every block hash in the prefix cache now (a snapshot for late-joining routers)."""
+        with self.lock:
+            return list(self.block_manager.cached)
+
     def blocks_of(self, request_id: str) -> tuple[list[int], int]:
         """Block ids and the number of tokens whose KV they hold, for a parked sequence."""
         seq = self.seqs[request_id]

@@ -89,3 +89,16 @@ def test_disabled_cache_never_matches():
     computed(bm, seq("a", list(range(12))))
     assert bm.match_prefix(seq("b", list(range(12)))) == 0
     assert bm.cached == {}
+
+
+def test_cache_events_report_stores_and_evictions():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    a = computed(bm, seq("a", list(range(8))))
+    stored, removed = bm.drain_events()
+    assert stored == prefix_block_hashes(list(range(8)), 4) and removed == []
+    bm.free_sequence(a)
+    b = seq("b", list(range(50, 58)))
+    bm.allocate(b, 8)
+    stored, removed = bm.drain_events()
+    assert stored == [] and sorted(removed) == sorted(prefix_block_hashes(list(range(8)), 4))
+    assert bm.drain_events() == ([], [])
