@@ -29,6 +29,8 @@ import os
 import platform
 import re
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -382,6 +384,55 @@ def running(sides: list[RunningSide]) -> Iterator[list[RunningSide]]:
     finally:
         for side in reversed(started):
             side.stop()
+
+
+class Profiler:
+    """py-spy on every Python service of a side for exactly one measured run.
+
+    Sampling is non-blocking (the process is never paused), so the profile costs the server a
+    little CPU but no latency spikes. Flame graphs land in <run folder>/profiles/.
+    """
+
+    def __init__(self, binary: str, out_dir: Path, fmt: str = "flamegraph", rate: int = 100):
+        self.binary, self.out_dir, self.fmt, self.rate = binary, out_dir, fmt, rate
+        self.active: list[subprocess.Popen] = []
+        self.files: list[Path] = []
+
+    @staticmethod
+    def find(explicit: str | None) -> str:
+        for candidate in (explicit, str(Path(sys.executable).parent / "py-spy")):
+            if candidate and Path(candidate).exists():
+                return candidate
+        found = shutil.which("py-spy")
+        if found is None:
+            raise SystemExit("--py-spy needs py-spy: pip install py-spy, or pass --py-spy-bin")
+        return found
+
+    def start(self, runner: RunningSide, label: str) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        ext = {"flamegraph": "svg", "speedscope": "json", "raw": "txt"}[self.fmt]
+        for child in runner.children:
+            out = self.out_dir / f"{_slug(runner.side.name)}-{_slug(label)}-{child.name}.{ext}"
+            argv = [self.binary, "record", "--nonblocking", "--rate", str(self.rate)]
+            argv += ["--format", self.fmt, "--output", str(out), "--pid", str(child.pid)]
+            if child.name == "up":
+                argv.append("--subprocesses")  # the services are the launcher's children
+            log = open(self.out_dir / "py-spy.log", "ab")  # noqa: SIM115 - the child owns it
+            self.active.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
+            log.close()
+            self.files.append(out)
+
+    def stop(self) -> None:
+        # SIGINT makes py-spy write what it sampled and exit
+        for proc in self.active:
+            proc.send_signal(signal.SIGINT)
+        for proc in self.active:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.active.clear()
 
 
 # -- measuring ---------------------------------------------------------------------------------
@@ -753,6 +804,13 @@ def make_parser_scenarios() -> argparse.ArgumentParser:
         default=0.1,
         help="a side whose SLO attainment drops below this skips the higher rates",
     )
+    p.add_argument(
+        "--py-spy", action="store_true", help="profile every service during each measured run"
+    )
+    p.add_argument("--py-spy-bin", default=None, help="py-spy executable (default: PATH)")
+    p.add_argument(
+        "--py-spy-format", choices=("flamegraph", "speedscope", "raw"), default="flamegraph"
+    )
     p.add_argument("--results", default="perf/results", help="parent folder of the run folder")
     p.add_argument("--name", default=None, help="run folder name (default: scenario-time)")
     return p
@@ -826,6 +884,11 @@ def main(argv: list[str] | None = None) -> int:
         "processes": {n: [s.command_line() for s in r.specs] for n, r in runners.items()},
     }
     engine_steps: dict[str, EngineSteps] = {}
+    profiler = None
+    if args.py_spy:
+        profiler = Profiler(
+            Profiler.find(args.py_spy_bin), out_dir / "profiles", args.py_spy_format
+        )
     results = measure(
         args,
         ns,
@@ -836,6 +899,7 @@ def main(argv: list[str] | None = None) -> int:
         scenario.calibrate_slos,
         config,
         engine_steps,
+        profiler,
     )
     slos = ", ".join(f"{k} <= {v:.1f} ms" for k, v in config["slos_ms"].items()) or "none"
     workload = f"{describe_workload(ns, requests)}; SLOs {slos}"
@@ -843,6 +907,10 @@ def main(argv: list[str] | None = None) -> int:
         results, scenario, ns.slo_attainment_target, workload, engine_steps
     )
     config["engine_steps"] = {k: dataclasses.asdict(v) for k, v in engine_steps.items()}
+    if profiler is not None and profiler.files:
+        found = [f for f in profiler.files if f.exists()]
+        md += "\n## py-spy profiles (one per service and run)\n\n"
+        md += "".join(f"- [{f.name}]({f.relative_to(out_dir)})\n" for f in found)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "comparison.md").write_text(md)
     (out_dir / "comparison.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -864,6 +932,7 @@ def measure(
     want_slos: bool,
     config: dict[str, Any],
     engine_steps: dict[str, EngineSteps],
+    profiler: Profiler | None = None,
 ) -> list[RunResult]:
     """Every side at every rate: alternating sides per rate, or one side after another."""
     results: list[RunResult] = []
@@ -880,7 +949,13 @@ def measure(
             warm(ns, url)
             warmed.add(side.name)
         before = scrape_decode_steps(metrics_urls)
-        result = bench_once(ns, reqs, url, side.name, rate, slos, None, index)
+        if profiler is not None and side.name in runners:
+            profiler.start(runners[side.name], f"{rate:g}")
+        try:
+            result = bench_once(ns, reqs, url, side.name, rate, slos, None, index)
+        finally:
+            if profiler is not None:
+                profiler.stop()
         if metrics_urls:
             steps = EngineSteps.between(before, scrape_decode_steps(metrics_urls))
             engine_steps[f"{side.name} @ {result.rate_label}"] = steps
