@@ -171,7 +171,7 @@ def decode_attention(
     values = _gather_paged(v_cache, block_tables, num_blocks).to(cdt).transpose(1, 2)
     # GQA without repeating K/V: the `group` query heads of one kv head act as `group` query
     # rows that all see the same keys (nothing is causal inside a decode step).
-    qg = q.to(cdt).view(batch, num_kv_heads, group, head_dim)
+    qg = q.to(cdt).reshape(batch, num_kv_heads, group, head_dim)
     token = torch.arange(keys.shape[2], device=q.device)
     valid = token[None, :] < context_lens[:, None].to(token.dtype)  # [B, S]
     out = F.scaled_dot_product_attention(

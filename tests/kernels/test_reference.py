@@ -161,7 +161,9 @@ def test_decode_attention_matches_naive(
 ) -> None:
     lens = edge_lens(block_size, seed=head_dim + num_q_heads, extra=2)
     paged = make_paged_kv(lens, block_size, num_kv_heads, head_dim, dtype)
-    q = torch.randn(len(lens), num_q_heads, head_dim, dtype=dtype)
+    # q as the engine has it: a strided view into the fused qkv projection.
+    qkv = torch.randn(len(lens), num_q_heads + 2 * num_kv_heads, head_dim, dtype=dtype)
+    q = qkv[:, :num_q_heads]
     scale = 1 / math.sqrt(head_dim)
     out = ops.decode_attention(
         q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens(), scale

@@ -169,7 +169,7 @@ def test_decode_attention(
 ) -> None:
     lens = lens_with_edges(block_size, seed=head_dim * num_q_heads, randoms=1)
     paged = make_paged_kv(lens, block_size, num_kv_heads, head_dim, DT, device=DEV)
-    q = randn(len(lens), num_q_heads, head_dim)
+    q = randn(len(lens), num_q_heads + 2 * num_kv_heads, head_dim)[:, :num_q_heads]  # qkv view
     scale = 1 / math.sqrt(head_dim)
     args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens(), scale)
     out = decode_attention(*args) if config is None else decode_attention_with(*args, config)
@@ -225,8 +225,9 @@ def test_prefill_attention_packed(
     config: PrefillConfig | None,
 ) -> None:
     total = sum(lens)
-    q, k, v = randn(total, num_q_heads, head_dim), randn(total, num_kv_heads, head_dim), None
-    v = randn(total, num_kv_heads, head_dim)
+    # q, k, v as the engine has them: strided views into one fused qkv projection.
+    qkv = randn(total, num_q_heads + 2 * num_kv_heads, head_dim)
+    q, k, v = qkv.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
     cu = cu_seqlens(lens, DEV)
     scale = 1 / math.sqrt(head_dim)
     args = (q, k, v, cu, cu, max(lens), max(lens), scale)
