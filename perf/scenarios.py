@@ -128,6 +128,24 @@ SCENARIOS: dict[str, Scenario] = {
         candidate="disaggregated 1P1D",
         targets=Targets(max_p99_tpot_ratio=0.5, min_goodput_ratio=1.5),
     ),
+    "prefix-cache": Scenario(
+        name="prefix-cache",
+        description=(
+            "Disaggregated 1P1D with the prefix cache on against off: many requests share a few "
+            "long system prompts, so with the cache on most prefill work is a cache hit."
+        ),
+        sides=[
+            Side("prefix cache on", 1, 1, options={"enable_prefix_cache": True}),
+            Side("prefix cache off", 1, 1, options={"enable_prefix_cache": False}),
+        ],
+        bench_defaults=[
+            *("--dataset", "shared-prefix", "--num-prefixes", "4", "--prefix-len", "1536"),
+            *("--input-len", "64", "--output-len", "32", "--range-ratio", "0.5"),
+            *("--num-requests", "80", "--seed", "0", "--warmup-requests", "2"),
+        ],
+        baseline="prefix cache off",
+        candidate="prefix cache on",
+    ),
     "token-overhead": Scenario(
         name="token-overhead",
         description=(
