@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from perf.bench.client import ClientConfig, LoadConfig, run_benchmark
+from perf.bench.client import ClientConfig, LoadConfig, RequestRecord, run_benchmark
 from perf.bench.datasets import BenchRequest
 from shared.cli import main as cli_main
 
@@ -356,3 +356,44 @@ def test_scenario_plan_pins_each_worker_to_its_own_cores() -> None:
     assert "nats_url" not in up[0].options  # `up` must start its own NATS
     with pytest.raises(ValueError):
         scenarios.plan_side(agg, slots[:1], [0], 8100, 4222, None, "services")
+
+
+def test_engine_step_scrape_and_overhead_report() -> None:
+    """Decode-step times come from a real worker-style /metrics page (shared.metrics)."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from perf import scenarios
+    from perf.bench.metrics import compute_metrics
+    from perf.bench.report import RunResult
+    from shared.metrics import WorkerMetrics
+
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry, "decode")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    try:
+        urls = [f"http://127.0.0.1:{port}/metrics", "http://127.0.0.1:1/metrics"]  # one dead
+        for _ in range(3):
+            metrics.decode_step_time.observe(0.010)  # before the run: must not count
+        before = scenarios.scrape_decode_steps(urls)
+        assert before == pytest.approx((0.030, 3))
+        for _ in range(4):
+            metrics.decode_step_time.observe(0.002)
+        steps = scenarios.EngineSteps.between(before, scenarios.scrape_decode_steps(urls))
+    finally:
+        server.shutdown()
+        thread.join(5)
+    assert steps.steps == 4 and steps.mean_ms == pytest.approx(2.0)
+
+    # one request, 5 tokens, 2.5 ms per token seen through HTTP -> 0.5 ms overhead per token
+    rec = RequestRecord(0, 8, 5, success=True, ttft=0.01, itl=[0.0025] * 4)
+    rec.latency, rec.usage_tokens = 0.02, 5
+    run = RunResult("side", math.inf, 1.0, 1, compute_metrics([rec], 1.0), [rec])
+    scenario = scenarios.SCENARIOS["token-overhead"]
+    md, summary = scenarios.scenario_report([run], scenario, 0.9, "", {"side @ inf": steps})
+    assert summary["engine"]["side @ inf"]["overhead_ms"] == pytest.approx(0.5)
+    assert summary["overhead_target_met"] is True
+    assert "per-token overhead 0.500 ms at p50 (target <= 1.0 ms): met" in md
