@@ -105,6 +105,31 @@ class BenchMetrics:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def vllm_flat(self) -> dict[str, float | int | None]:
+        """The same numbers under the key names of `vllm bench serve`'s result JSON, so its
+        tooling and dashboards read our files unchanged."""
+        flat: dict[str, float | int | None] = {
+            "duration": self.duration_s,
+            "completed": self.completed,
+            "failed": self.failed,
+            "total_input_tokens": self.total_input_tokens,
+            "total_output_tokens": self.total_output_tokens,
+            "request_throughput": self.request_throughput,
+            "request_goodput": self.request_goodput if self.goodput_slos_ms else None,
+            "output_throughput": self.output_throughput,
+            "total_token_throughput": self.total_token_throughput,
+            "max_output_tokens_per_s": self.max_output_tokens_per_s,
+            "max_concurrent_requests": self.max_concurrent_requests,
+        }
+        for key in ("ttft", "tpot", "itl", "e2el"):
+            d: Distribution = getattr(self, f"{key}_ms")
+            flat[f"mean_{key}_ms"] = d.mean
+            flat[f"median_{key}_ms"] = d.median
+            flat[f"std_{key}_ms"] = d.std
+            for name, value in d.percentiles.items():
+                flat[f"{name}_{key}_ms"] = value  # "p99" -> p99_ttft_ms, "p99.9" -> p99.9_ttft_ms
+        return flat
+
 
 def request_tpot(rec: RequestRecord) -> float | None:
     """Per-request time per output token after the first; None when there is no second token."""

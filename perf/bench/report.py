@@ -61,6 +61,7 @@ def result_document(
             "burstiness": run.burstiness,
             "max_concurrency": run.max_concurrency,
             "metrics": run.metrics.to_dict(),
+            "vllm": run.metrics.vllm_flat(),
         }
         if detailed:
             entry["records"] = [

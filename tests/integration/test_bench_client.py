@@ -201,6 +201,7 @@ def test_cli_writes_consistent_outputs(server_url: str, tmp_path: Path) -> None:
         assert m["output_len_mismatches"] == 0
         ttfts = sorted(r["ttft"] * 1000 for r in records)
         assert m["ttft_ms"]["percentiles"]["p99"] == pytest.approx(np.percentile(ttfts, 99))
+        assert run["vllm"]["p99_ttft_ms"] == m["ttft_ms"]["percentiles"]["p99"]
         assert m["ttft_ms"]["median"] >= TTFT_S * 1000 * 0.95
         assert all(r["latency"] >= TTFT_S + (r["output_tokens"] - 1) * ITL_S for r in records)
         assert m["tpot_ms"]["median"] >= ITL_S * 1000 * 0.5

@@ -85,6 +85,17 @@ def test_latency_metrics_follow_vllm_definitions(records: list[RequestRecord]) -
     assert m.goodput_slos_ms == {} and m.request_goodput == 0.0 and m.slo_attainment == 0.0
 
 
+def test_vllm_key_names(records: list[RequestRecord]) -> None:
+    m = compute_metrics(records, 2.0, {"ttft": 350.0}, percentiles=(50, 99, 99.9))
+    flat = m.vllm_flat()
+    assert flat["completed"] == 4 and flat["failed"] == 1 and flat["duration"] == 2.0
+    assert flat["mean_ttft_ms"] == pytest.approx(250.0)
+    assert flat["p99_ttft_ms"] == pytest.approx(397.0)
+    assert "p99.9_itl_ms" in flat and "p50_e2el_ms" in flat and "std_tpot_ms" in flat
+    assert flat["request_goodput"] == pytest.approx(m.good_requests / 2.0)
+    assert compute_metrics(records, 2.0).vllm_flat()["request_goodput"] is None
+
+
 def test_usage_count_beats_chunk_count() -> None:
     r = rec(0, 0.1, [0.02, 0.02], tokens=5, usage=5)  # 3 chunks carried 5 tokens
     assert r.chunk_tokens == 3 and r.output_tokens == 5
