@@ -20,7 +20,7 @@ from kernels.triton_attention_common import LOG2E, dot_precision, paged_rows
 
 
 @triton.jit
-def _key_rows(
+def _kv_rows(
     tokens,
     valid,
     kv_head,
@@ -29,13 +29,17 @@ def _key_rows(
     block_size: tl.constexpr,
     stride_k_token,
     stride_k_head,
+    stride_v_token,
+    stride_v_head,
     stride_cache_block,
     stride_cache_offset,
     stride_cache_head,
     PAGED: tl.constexpr,
 ):
+    """Element offsets of the K rows and the V rows of these key positions."""
     if PAGED:
-        return paged_rows(
+        # The K and V views of one layer share their strides.
+        rows = paged_rows(
             table_row_ptr,
             tokens,
             valid,
@@ -45,8 +49,12 @@ def _key_rows(
             stride_cache_offset,
             stride_cache_head,
         )
+        return rows, rows
     else:
-        return (k_start + tokens).to(tl.int64) * stride_k_token + kv_head * stride_k_head
+        token = (k_start + tokens).to(tl.int64)
+        k_rows = token * stride_k_token + kv_head * stride_k_head
+        v_rows = token * stride_v_token + kv_head * stride_v_head
+        return k_rows, v_rows
 
 
 @triton.jit
@@ -73,7 +81,8 @@ def _attend_tile(
     acc,
     k_base,
     v_base,
-    rows,
+    k_rows,
+    v_rows,
     key_valid,
     allowed,
     d,
@@ -83,7 +92,7 @@ def _attend_tile(
     EVEN_D: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    k = _load_rows(k_base + rows[:, None] + d[None, :], key_valid, d_mask, MASKED, EVEN_D)
+    k = _load_rows(k_base + k_rows[:, None] + d[None, :], key_valid, d_mask, MASKED, EVEN_D)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if MASKED:
         scores = tl.where(allowed, scores, float("-inf"))
@@ -92,7 +101,7 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores * scale_log2 - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = _load_rows(v_base + rows[:, None] + d[None, :], key_valid, d_mask, MASKED, EVEN_D)
+    v = _load_rows(v_base + v_rows[:, None] + d[None, :], key_valid, d_mask, MASKED, EVEN_D)
     acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=PRECISION)
     return m_new, l_i, acc
 
@@ -113,6 +122,8 @@ def _prefill_kernel(
     stride_q_head,
     stride_k_token,
     stride_k_head,
+    stride_v_token,
+    stride_v_head,
     stride_table_seq,
     stride_cache_block,
     stride_cache_offset,
@@ -164,7 +175,7 @@ def _prefill_kernel(
     for tile_start in range(0, full_end, BLOCK_N):
         keys = tile_start + tl.arange(0, BLOCK_N)
         always = keys < full_end
-        rows = _key_rows(
+        k_rows, v_rows = _kv_rows(
             keys,
             always,
             kv_head,
@@ -173,6 +184,8 @@ def _prefill_kernel(
             block_size,
             stride_k_token,
             stride_k_head,
+            stride_v_token,
+            stride_v_head,
             stride_cache_block,
             stride_cache_offset,
             stride_cache_head,
@@ -185,7 +198,8 @@ def _prefill_kernel(
             acc,
             k_ptr,
             v_ptr,
-            rows,
+            k_rows,
+            v_rows,
             always,
             always,
             d,
@@ -202,7 +216,7 @@ def _prefill_kernel(
     for tile_start in range(full_end, end, BLOCK_N):
         keys = tile_start + tl.arange(0, BLOCK_N)
         key_valid = keys < k_len
-        rows = _key_rows(
+        k_rows, v_rows = _kv_rows(
             keys,
             key_valid,
             kv_head,
@@ -211,6 +225,8 @@ def _prefill_kernel(
             block_size,
             stride_k_token,
             stride_k_head,
+            stride_v_token,
+            stride_v_head,
             stride_cache_block,
             stride_cache_offset,
             stride_cache_head,
@@ -223,7 +239,8 @@ def _prefill_kernel(
             acc,
             k_ptr,
             v_ptr,
-            rows,
+            k_rows,
+            v_rows,
             key_valid,
             (keys[None, :] <= q_pos[:, None]) & key_valid[None, :],
             d,
@@ -291,16 +308,15 @@ def prefill_attention_with(
         assert block_tables.stride(-1) == 1 and k_cache.stride(-1) == 1
         keys, values = k_cache, v_cache
         num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-        stride_k = (0, 0)
+        stride_kv = (0, 0, 0, 0)
         stride_cache = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         stride_table = block_tables.stride(0)
     else:
-        if k.stride() != v.stride() or k.stride(-1) != 1:
-            # One set of strides serves both; views of one fused qkv already agree.
-            k, v = k.contiguous(), v.contiguous()
+        k = k if k.stride(-1) == 1 else k.contiguous()
+        v = v if v.stride(-1) == 1 else v.contiguous()
         keys, values, block_tables = k, v, cu_seqlens_k  # table pointer unused
         num_kv_heads, block_size = k.shape[1], 1
-        stride_k = (k.stride(0), k.stride(1))
+        stride_kv = (k.stride(0), k.stride(1), v.stride(0), v.stride(1))
         stride_cache = (0, 0, 0)
         stride_table = 0
     assert q.stride(-1) == 1
@@ -318,7 +334,7 @@ def prefill_attention_with(
         block_size,
         q.stride(0),
         q.stride(1),
-        *stride_k,
+        *stride_kv,
         stride_table,
         *stride_cache,
         out.stride(0),

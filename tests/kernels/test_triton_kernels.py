@@ -228,6 +228,8 @@ def test_prefill_attention_packed(
     # q, k, v as the engine has them: strided views into one fused qkv projection.
     qkv = randn(total, num_q_heads + 2 * num_kv_heads, head_dim)
     q, k, v = qkv.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+    if head_dim == 128:
+        k = k.contiguous()  # K and V with different strides (rotated k copied, v still a view)
     cu = cu_seqlens(lens, DEV)
     scale = 1 / math.sqrt(head_dim)
     args = (q, k, v, cu, cu, max(lens), max(lens), scale)
