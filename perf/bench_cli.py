@@ -1,5 +1,14 @@
 """`pdserve bench`: load an OpenAI-compatible endpoint and report vLLM-comparable metrics.
 
+    pdserve bench --base-url http://127.0.0.1:8000 --dataset chat --num-requests 200 \
+        --request-rate 1 2 4 8 --goodput ttft:500 tpot:50 --result-name chat-sweep
+
+sends token-id prompts to /v1/completions (streaming, `ignore_eos`, usage in the last chunk),
+prints a summary per rate, and writes perf/results/chat-sweep.{json,md} plus latency-CDF and
+throughput/goodput-vs-rate PNGs. Any server that takes token-id prompts works (vLLM, SGLang,
+pdserve). `--tokenizer MODEL_DIR` draws prompt ids from the model's vocabulary; without it ids
+come from --token-id-range (printable ASCII bytes, ordinary tokens in every common vocabulary).
+
 Only argparse is imported at module level: the CLI imports this module to build its parser,
 and `pdserve --help` must not pay for numpy, aiohttp or matplotlib.
 """

@@ -262,3 +262,16 @@ def test_cli_options_build_the_scenario_mix() -> None:
     ):
         with pytest.raises(SystemExit):
             make_parser().parse_args(bad)
+
+
+def test_cli_module_stays_light() -> None:
+    """`pdserve` imports perf.bench_cli to build its parser; heavy imports wait for `run`."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, perf.bench_cli; "
+        "print(sorted(m for m in ('numpy', 'aiohttp', 'matplotlib', 'tqdm') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
