@@ -190,6 +190,8 @@ async def test_streaming_greedy_matches_hf_across_paths(stack, spy, llama_dir, h
         assert usage.prompt_tokens == len(prompt_ids[i])
     # Long prompts went prefill worker -> decode worker with a KV handle, over both of each.
     long_ids = [f"e2e-{i}" for i in range(len(PROMPTS) - 1)]
+    all_ids = [f"e2e-{i}" for i in range(len(PROMPTS))]
+    await until(lambda: all(r in spy.decode for r in all_ids), "the spy saw every request")
     assert {spy.prefill[r] for r in long_ids} == {"p0", "p1"}
     assert all(spy.decode[r][1] for r in long_ids)
     assert {spy.decode[r][0] for r in long_ids} == {"d0", "d1"}
@@ -269,7 +271,7 @@ async def test_disconnect_and_stop_string_free_every_block(stack, spy, llama_dir
         ) as r:
             assert r.status == 200
             await r.content.readline()  # generating on the workers now; then hang up
-        assert spy.decode.get("leaver") or spy.prefill.get("leaver")
+        await until(lambda: "leaver" in spy.decode or "leaver" in spy.prefill, "the spy saw it")
 
         # A stop string taken from the oracle's own output cuts the text right before it.
         ids = hf_tokenizer.encode(PROMPTS[1])
@@ -289,6 +291,13 @@ async def test_disconnect_and_stop_string_free_every_block(stack, spy, llama_dir
         assert choice["text"] == full[: full.index(stop)]
         assert choice["finish_reason"] == "stop"
     await wait_all_blocks_free(base)
+
+
+async def until(predicate, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
 
 
 async def model_name(session: aiohttp.ClientSession, base: str) -> str:
@@ -338,6 +347,8 @@ async def test_zz_killed_workers(stack, spy):
             asyncio.create_task(read_stream(r, e)) for r, e in zip(responses, firsts, strict=True)
         ]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 30)
+        # The first token may come from a prefill worker before the DecodeRequest is sent.
+        await until(lambda: all(f"kill-{i}" in spy.decode for i in range(4)), "decode requests")
         on_d1 = {f"kill-{i}" for i in range(4) if spy.decode[f"kill-{i}"][0] == "d1"}
         assert 0 < len(on_d1) < 4, spy.decode
         children["d1"].signal(signal.SIGKILL)
@@ -364,5 +375,6 @@ async def test_zz_killed_workers(stack, spy):
             ) as r:
                 assert r.status == 200, await r.text()
                 assert (await r.json())["choices"][0]["finish_reason"] == "length"
+            await until(lambda i=i: f"after-{i}" in spy.decode, "decode request")
             assert spy.decode[f"after-{i}"][0] == "d0"
     await wait_all_blocks_free(base, timeout=15, workers=("p0", "d0"))
