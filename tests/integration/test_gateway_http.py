@@ -676,6 +676,31 @@ async def test_dead_decode_worker_ends_its_streams_with_an_error(gw: Harness):
     assert gw.app_state().in_flight == 0
 
 
+async def test_nats_restart_recovers(tmp_path, model_dir, tokenizer):
+    nats = start_nats(tmp_path)
+    harness, runner = await start_harness(nats.url, model_dir, tokenizer, "restart")
+    try:
+        assert (await harness.post("/v1/completions", COMPLETION))[0] == 200
+        await asyncio.to_thread(nats.stop)
+        await wait_until_status(harness, "/health", 503, "health to drop with NATS")
+        await asyncio.to_thread(nats.start)
+        started = time.monotonic()
+        await wait_until_status(harness, "/health", 200, "health after the restart", 10)
+        code, payload, _ = await harness.post("/v1/completions", COMPLETION)
+        assert code == 200, payload
+        assert time.monotonic() - started < 10
+    finally:
+        await stop_harness(harness, runner)
+        nats.stop()
+
+
+async def wait_until_status(harness, path, status, what, timeout=5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (await harness.get(path))[0] != status:
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
 # ----------------------------------------------------------------------------- the command
 
 
