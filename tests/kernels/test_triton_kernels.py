@@ -31,6 +31,12 @@ from tests.kernels.helpers import (
 DEV = TEST_DEVICE
 DT = TEST_DTYPE
 
+# The interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584, "not
+# supported yet"), so bf16 attention is checked compiled on a GPU only.
+uses_dot = pytest.mark.skipif(
+    DEV == "cpu" and DT == torch.bfloat16, reason="interpreter has no bf16 tl.dot"
+)
+
 
 def f64(t: Tensor) -> Tensor:
     """The oracle's copy of an input: float64 on CPU (ints stay ints)."""
@@ -160,6 +166,7 @@ def _decode_oracle(q: Tensor, paged, scale: float) -> Tensor:
         (80, 4, 1, 16, DecodeConfig(block_n=16, num_splits=2)),  # head dim not a power of 2
     ],
 )
+@uses_dot
 def test_decode_attention(
     head_dim: int,
     num_q_heads: int,
@@ -177,6 +184,7 @@ def test_decode_attention(
     assert_close(out, _decode_oracle(q, paged, scale), DT)
 
 
+@uses_dot
 def test_decode_attention_long_context_splits() -> None:
     # Flash-decoding's reason to exist: one sequence, thousands of tokens, many splits.
     paged = make_paged_kv([2048, 1], 32, 1, 64, DT, device=DEV)
@@ -186,6 +194,7 @@ def test_decode_attention_long_context_splits() -> None:
     assert_close(out, _decode_oracle(q, paged, 0.125), DT)
 
 
+@uses_dot
 def test_decode_attention_empty_batch_and_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     paged = make_paged_kv([3], 16, 2, 64, DT, device=DEV)
     q = randn(0, 4, 64)
@@ -217,6 +226,7 @@ def test_decode_attention_empty_batch_and_dispatch(monkeypatch: pytest.MonkeyPat
         (80, 2, 1, [40, 17], PrefillConfig(block_m=16, block_n=16)),  # head dim not a power of 2
     ],
 )
+@uses_dot
 def test_prefill_attention_packed(
     head_dim: int,
     num_q_heads: int,
@@ -251,6 +261,7 @@ def test_prefill_attention_packed(
         (64, 8, 8, 32, None),  # GQA 1
     ],
 )
+@uses_dot
 def test_prefill_attention_with_paged_prefix(
     head_dim: int,
     num_q_heads: int,
