@@ -456,41 +456,56 @@ class Profiler:
 # -- measuring ---------------------------------------------------------------------------------
 
 DECODE_STEP = "pdserve_worker_decode_step_seconds"
+PREFILL_TIME = "pdserve_worker_prefill_time_seconds"
 
 
-def scrape_decode_steps(urls: Sequence[str]) -> tuple[float, float]:
-    """(sum of seconds, count) of decode engine steps over the workers' /metrics pages."""
+@dataclass
+class EngineCounters:
+    """Cumulative counters of a side's workers, read from their /metrics pages."""
+
+    decode_step_seconds: float = 0.0
+    decode_steps: float = 0.0
+    remote_prefills: float = 0.0  # prompts prefilled by prefill workers (not locally)
+
+
+def scrape_engine(urls: Sequence[str]) -> EngineCounters:
     from prometheus_client.parser import text_string_to_metric_families
 
-    total, count = 0.0, 0.0
+    c = EngineCounters()
     for url in urls:
         try:
             with urllib.request.urlopen(url, timeout=5) as resp:
                 text = resp.read().decode()
         except OSError:
-            continue  # a worker without a metrics server (e.g. prefill-only) adds nothing
+            continue  # a worker that is gone adds nothing; the run's own numbers will show it
         for family in text_string_to_metric_families(text):
-            if family.name != DECODE_STEP:
-                continue
             for sample in family.samples:
                 if sample.name == DECODE_STEP + "_sum":
-                    total += sample.value
+                    c.decode_step_seconds += sample.value
                 elif sample.name == DECODE_STEP + "_count":
-                    count += sample.value
-    return total, count
+                    c.decode_steps += sample.value
+                elif sample.name == PREFILL_TIME + "_count" and sample.labels.get("role") == (
+                    "prefill"
+                ):
+                    c.remote_prefills += sample.value
+    return c
 
 
 @dataclass
 class EngineSteps:
-    """Decode engine steps the workers ran during one measured run."""
+    """What the workers did during one measured run."""
 
     steps: int
     mean_ms: float
+    remote_prefills: int = 0
+    warning: str = ""
 
     @classmethod
-    def between(cls, before: tuple[float, float], after: tuple[float, float]) -> EngineSteps:
-        steps = int(after[1] - before[1])
-        return cls(steps, 1000.0 * (after[0] - before[0]) / steps if steps else 0.0)
+    def between(cls, before: EngineCounters, after: EngineCounters) -> EngineSteps:
+        steps = int(after.decode_steps - before.decode_steps)
+        seconds = after.decode_step_seconds - before.decode_step_seconds
+        remote = int(after.remote_prefills - before.remote_prefills)
+        return cls(steps, 1000.0 * seconds / steps if steps else 0.0, remote)
 
 
 def _client_config(ns: argparse.Namespace, base_url: str) -> ClientConfig:
@@ -666,8 +681,8 @@ def _engine_section(
     lines = [
         "",
         "| run | p50 TPOT (HTTP) | p50 ITL (HTTP) | engine decode step mean | overhead per token "
-        "| decode steps |",
-        "|" + "---|" * 6,
+        "| decode steps | prompts prefilled remotely |",
+        "|" + "---|" * 7,
     ]
     rows = {}
     for r in results:
@@ -675,28 +690,35 @@ def _engine_section(
         steps = engine_steps.get(key)
         if steps is None or not steps.steps:
             continue
-        overhead = r.metrics.tpot_ms.median - steps.mean_ms
+        # TPOT minus the step time is a per-token cost only when each step decodes this one
+        # request; with a batch, a step serves many requests and the difference means nothing
+        overhead = r.metrics.tpot_ms.median - steps.mean_ms if r.max_concurrency == 1 else None
         rows[key] = {
             "tpot_p50_ms": r.metrics.tpot_ms.median,
             "itl_p50_ms": r.metrics.itl_ms.median,
             "engine_step_mean_ms": steps.mean_ms,
             "overhead_ms": overhead,
             "decode_steps": steps.steps,
+            "remote_prefills": steps.remote_prefills,
         }
         lines.append(
             f"| {key} | {r.metrics.tpot_ms.median:.3f} | {r.metrics.itl_ms.median:.3f} | "
-            f"{steps.mean_ms:.3f} | {overhead:.3f} | {steps.steps} |"
+            f"{steps.mean_ms:.3f} | {'n/a' if overhead is None else f'{overhead:.3f}'} | "
+            f"{steps.steps} | {steps.remote_prefills} |"
         )
+        if steps.warning:
+            verdicts.append(f"WARNING: {steps.warning}; this run does not measure what it says")
     lines += [
         "",
         "Overhead = p50 TPOT through the API minus the mean decode step the workers timed "
-        "(their Prometheus histogram). It is per token only when one sequence runs at a time; "
+        "(their Prometheus histogram), shown for runs with one request at a time; "
         "ITL is per SSE chunk, and a chunk may carry several tokens while the detokenizer waits "
         "for a whole UTF-8 character.",
     ]
     summary["engine"] = rows
-    if t.max_token_overhead_ms is not None and rows:
-        worst = max(row["overhead_ms"] for row in rows.values())
+    overheads = [row["overhead_ms"] for row in rows.values() if row["overhead_ms"] is not None]
+    if t.max_token_overhead_ms is not None and overheads:
+        worst = max(overheads)
         ok = worst <= t.max_token_overhead_ms
         verdicts.append(
             f"per-token overhead {worst:.3f} ms at p50 (target <= {t.max_token_overhead_ms} ms): "
@@ -966,7 +988,7 @@ def measure(
         if side.name not in warmed:
             warm(ns, url)
             warmed.add(side.name)
-        before = scrape_decode_steps(metrics_urls)
+        before = scrape_engine(metrics_urls)
         if profiler is not None and side.name in runners:
             profiler.start(runners[side.name], f"{rate:g}")
         try:
@@ -975,9 +997,22 @@ def measure(
             if profiler is not None:
                 profiler.stop()
         if metrics_urls:
-            steps = EngineSteps.between(before, scrape_decode_steps(metrics_urls))
+            steps = EngineSteps.between(before, scrape_engine(metrics_urls))
+            # A disaggregated side whose prefill worker is not used (not registered, refused
+            # work) silently measures aggregated serving; say so instead of comparing.
+            done = result.metrics.completed
+            if side.prefill_workers and steps.remote_prefills < 0.9 * done:
+                steps.warning = (
+                    f"{side.name} @ {result.rate_label}: only {steps.remote_prefills} of {done} "
+                    "prompts were prefilled on prefill workers"
+                )
+                print(f"WARNING: {steps.warning}", flush=True)
             engine_steps[f"{side.name} @ {result.rate_label}"] = steps
-            print(f"engine: {steps.steps} decode steps, mean {steps.mean_ms:.2f} ms", flush=True)
+            print(
+                f"engine: {steps.steps} decode steps, mean {steps.mean_ms:.2f} ms; "
+                f"{steps.remote_prefills} remote prefills",
+                flush=True,
+            )
         print_summary(result)
         results.append(result)
         # Past this point a side only queues: higher rates would take ever longer to show

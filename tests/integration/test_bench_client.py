@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -360,7 +361,7 @@ def test_scenario_plan_pins_each_worker_to_its_own_cores() -> None:
 
 
 def test_engine_step_scrape_and_overhead_report() -> None:
-    """Decode-step times come from a real worker-style /metrics page (shared.metrics)."""
+    """Worker counters come from real worker-style /metrics pages (shared.metrics)."""
     from prometheus_client import CollectorRegistry, start_http_server
 
     from perf import scenarios
@@ -368,26 +369,35 @@ def test_engine_step_scrape_and_overhead_report() -> None:
     from perf.bench.report import RunResult
     from shared.metrics import WorkerMetrics
 
-    registry = CollectorRegistry()
-    metrics = WorkerMetrics(registry, "decode")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    def serve(role: str) -> tuple[WorkerMetrics, Any, Any, str]:
+        registry = CollectorRegistry()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        sock.close()
+        server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+        return WorkerMetrics(registry, role), server, thread, f"http://127.0.0.1:{port}/metrics"
+
+    decode, d_server, d_thread, d_url = serve("decode")
+    prefill, p_server, p_thread, p_url = serve("prefill")
     try:
-        urls = [f"http://127.0.0.1:{port}/metrics", "http://127.0.0.1:1/metrics"]  # one dead
+        urls = [d_url, p_url, "http://127.0.0.1:1/metrics"]  # the last one is dead
         for _ in range(3):
-            metrics.decode_step_time.observe(0.010)  # before the run: must not count
-        before = scenarios.scrape_decode_steps(urls)
-        assert before == pytest.approx((0.030, 3))
+            decode.decode_step_time.observe(0.010)  # before the run: must not count
+        before = scenarios.scrape_engine(urls)
+        assert (before.decode_step_seconds, before.decode_steps) == pytest.approx((0.030, 3))
         for _ in range(4):
-            metrics.decode_step_time.observe(0.002)
-        steps = scenarios.EngineSteps.between(before, scenarios.scrape_decode_steps(urls))
+            decode.decode_step_time.observe(0.002)
+        for _ in range(2):
+            prefill.prefill_time.observe(0.05)
+        decode.prefill_time.observe(0.05)  # a local prefill is not a remote one
+        steps = scenarios.EngineSteps.between(before, scenarios.scrape_engine(urls))
     finally:
-        server.shutdown()
-        thread.join(5)
-    assert steps.steps == 4 and steps.mean_ms == pytest.approx(2.0)
+        for server, thread in ((d_server, d_thread), (p_server, p_thread)):
+            server.shutdown()
+            thread.join(5)
+    assert (steps.steps, steps.remote_prefills) == (4, 2)
+    assert steps.mean_ms == pytest.approx(2.0)
 
     # one request, 5 tokens, 2.5 ms per token seen through HTTP -> 0.5 ms overhead per token
     rec = RequestRecord(0, 8, 5, success=True, ttft=0.01, itl=[0.0025] * 4)
@@ -398,3 +408,6 @@ def test_engine_step_scrape_and_overhead_report() -> None:
     assert summary["engine"]["side @ inf"]["overhead_ms"] == pytest.approx(0.5)
     assert summary["overhead_target_met"] is True
     assert "per-token overhead 0.500 ms at p50 (target <= 1.0 ms): met" in md
+    steps.warning = "side @ inf: only 0 of 1 prompts were prefilled on prefill workers"
+    md, _ = scenarios.scenario_report([run], scenario, 0.9, "", {"side @ inf": steps})
+    assert "WARNING: side @ inf: only 0 of 1 prompts" in md
