@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -59,7 +60,12 @@ def find_nats_server() -> str:
     )
 
 
-def _die_with_parent() -> None:
+def _own_group() -> None:
+    """preexec_fn: the child leads a new process group (stopped as a whole, not by Ctrl-C)."""
+    os.setpgrp()
+
+
+def _own_group_die_with_parent() -> None:
     """preexec_fn: new process group, and SIGTERM when the launcher dies (Linux)."""
     os.setpgrp()
     with contextlib.suppress(Exception):
@@ -120,7 +126,13 @@ def spawn(
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
-            preexec_fn=_die_with_parent,
+            # PR_SET_PDEATHSIG fires when the forking *thread* exits, so only children forked
+            # by the main thread (the launcher's case) may use it.
+            preexec_fn=(
+                _own_group_die_with_parent
+                if threading.current_thread() is threading.main_thread()
+                else _own_group
+            ),
         )
     finally:
         if out:

@@ -103,11 +103,18 @@ class TestGateway:
         return self.registry.get(worker)
 
     async def until_idle(self, *workers: str, timeout: float = 5.0) -> None:
-        """Every block of ``workers`` back on the free list (per their heartbeats)."""
+        """Every block of ``workers`` back on the free list, per heartbeats sent after this call
+        (an older heartbeat may predate the work being waited for)."""
+        since = time.time()
 
         def idle(w: str) -> bool:
             load = self.load(w)
-            return load is not None and load.free_blocks == load.total_blocks and not load.running
+            return (
+                load is not None
+                and load.ts >= since
+                and load.free_blocks == load.total_blocks
+                and not load.running
+            )
 
         deadline = time.monotonic() + timeout
         while not all(idle(w) for w in workers):
@@ -287,6 +294,20 @@ async def test_bad_bus_input_is_ignored(gw, expected) -> None:
     items = await gw.decode("d0", "after-junk", PROMPTS[1], [result.first_token], result.kv)
     assert [result.first_token] + tokens(items) == expected[1]
     assert gw.queue("sneaky").empty()
+
+
+async def test_workers_survive_a_nats_restart(gw, stack, expected) -> None:
+    nats = stack[0]
+    await asyncio.get_running_loop().run_in_executor(None, nats.restart, 1.0)
+    # everyone reconnects by themselves; the workers republish their load at once
+    deadline = time.monotonic() + 20
+    while not (gw.bus.stats.reconnects and all(gw.load(w) for w in ("p0", "d0", "d1"))):
+        assert time.monotonic() < deadline, [gw.load(w) for w in ("p0", "d0", "d1")]
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(0.5)  # subscriptions are restored with the reconnect
+    result = await gw.prefill("p0", "after-restart", PROMPTS[2])
+    items = await gw.decode("d0", "after-restart", PROMPTS[2], [result.first_token], result.kv)
+    assert [result.first_token] + tokens(items) == expected[2]
 
 
 async def test_sigterm_drains_then_deregisters(gw, stack) -> None:
