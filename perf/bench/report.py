@@ -182,6 +182,52 @@ def plot_latency_cdfs(runs: Sequence[RunResult], path: Path, title: str = "") ->
     plt.close(fig)
 
 
+def _activity(run: RunResult, bin_s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(bin start times, output tokens/s, requests in flight) over the run, from its records."""
+    ok = [r for r in run.records if r.success]
+    end = max((r.start_time + r.latency for r in ok), default=0.0)
+    bins = np.arange(0.0, end + bin_s, bin_s)
+    tokens = np.zeros(bins.size)
+    inflight = np.zeros(bins.size)
+    for r in ok:
+        times = r.start_time + r.ttft + np.concatenate([[0.0], np.cumsum(r.itl)])
+        # spread the server's token count over the chunks that carried it
+        weight = r.output_tokens / times.size
+        np.add.at(tokens, np.minimum((times / bin_s).astype(np.int64), bins.size - 1), weight)
+        first = int(r.start_time / bin_s)
+        last = int((r.start_time + r.latency) / bin_s)
+        inflight[first : last + 1] += 1
+    return bins, tokens / bin_s, inflight
+
+
+def plot_timeline(runs: Sequence[RunResult], path: Path, title: str = "", bin_s: float = 1.0):
+    """Output tokens/s and requests in flight over each run: queues building up show here."""
+    plt = _pyplot()
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    series = list(dict.fromkeys(r.series for r in runs))
+    rates = sorted({r.request_rate for r in runs})
+    fig, axes = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
+    for run in runs:
+        t, tok, inflight = _activity(run, bin_s)
+        style = {
+            "color": colors[series.index(run.series) % len(colors)],
+            "ls": LINESTYLES[rates.index(run.request_rate) % len(LINESTYLES)],
+            "label": f"{run.series} @ {run.rate_label} req/s",
+        }
+        axes[0].step(t, tok, where="post", **style)
+        axes[1].step(t, inflight, where="post", **style)
+    axes[0].set_ylabel(f"output tokens/s ({bin_s:g} s bins)")
+    axes[1].set_ylabel("requests in flight")
+    axes[1].set_xlabel("time since the first request (s)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title or "activity over time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _rate_positions(runs: Sequence[RunResult]) -> tuple[dict[float, float], float | None]:
     """x position per offered rate; an unbounded rate goes one step right of the largest."""
     finite = sorted({r.request_rate for r in runs if math.isfinite(r.request_rate)})
@@ -254,6 +300,9 @@ def write_outputs(
         paths["cdf"] = out_dir / f"{name}_latency_cdf.png"
         plot_latency_cdfs(runs, paths["cdf"], title=name)
         md.append(f"![latency CDFs]({paths['cdf'].name})")
+        paths["timeline"] = out_dir / f"{name}_timeline.png"
+        plot_timeline(runs, paths["timeline"], title=name)
+        md.append(f"![tokens/s and requests in flight over time]({paths['timeline'].name})")
         if len({r.request_rate for r in runs}) > 1:
             paths["sweep"] = out_dir / f"{name}_sweep.png"
             plot_sweep(runs, paths["sweep"], title=name)

@@ -275,3 +275,16 @@ def test_cli_module_stays_light() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_activity_timeline_conserves_tokens() -> None:
+    from perf.bench.report import RunResult, _activity
+
+    a = rec(0, 0.2, [0.5, 0.5], 6, start=0.0, usage=6)  # 3 chunks at 0.2, 0.7, 1.2 s: 2 each
+    b = rec(1, 0.1, [], 1, start=1.5)  # one chunk at 1.6 s
+    run = RunResult("s", 1.0, 1.0, None, compute_metrics([a, b, failed(2)], 2.0), [a, b, failed(2)])
+    t, tokens_per_s, inflight = _activity(run, bin_s=0.5)
+    assert t.tolist() == [0.0, 0.5, 1.0, 1.5, 2.0]
+    assert tokens_per_s.tolist() == [4.0, 4.0, 4.0, 2.0, 0.0]  # 2 tokens in a 0.5 s bin = 4/s
+    assert tokens_per_s.sum() * 0.5 == 7  # every output token lands in some bin
+    assert inflight.tolist() == [1, 1, 1, 1, 0]  # a: 0..1.2 s, b: 1.5..1.6 s
