@@ -189,6 +189,7 @@ class Dispatcher:
                     request_id, prompt_token_ids, sampling, headers, deadline, pending
                 )
                 if result is not None:
+                    _check_ending(result.finish_reason, result.worker_id)
                     if result.first_token is not None:
                         output.append(result.first_token)
                     yield TokenEvent(list(output), result.finish_reason, result.cached_tokens)
@@ -253,6 +254,7 @@ class Dispatcher:
                             kv = None
                             break
                         raise WorkerFailure(item.error, item.error_code)
+                    _check_ending(item.finish_reason, decode_worker)
                     streamed = True
                     yield TokenEvent(list(item.token_ids), item.finish_reason)
                     if item.finish_reason is not None:
@@ -344,6 +346,15 @@ class Dispatcher:
         for task in list(self._background):
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(task, 1.0)
+
+
+def _check_ending(finish_reason: str | None, worker_id: str) -> None:
+    """Only "stop" and "length" are a normal end; a worker-side abort or error without a
+    message must still reach the client as an error, never as a short successful answer."""
+    if finish_reason not in (None, "stop", "length"):
+        raise WorkerFailure(
+            f"worker {worker_id} ended the request ({finish_reason})", finish_reason
+        )
 
 
 def _log_failure(task: asyncio.Task) -> None:

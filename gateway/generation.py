@@ -94,6 +94,8 @@ def _fault(exc: Exception) -> APIError:
         return overloaded(f"{exc}; retry shortly", retry_after=1.0)
     if isinstance(exc, StageTimeout):
         return timeout_error(f"request timed out: {exc}")
+    if isinstance(exc, WorkerFailure) and exc.code == "deadline":
+        return timeout_error(f"request timed out on a worker: {exc}")
     if isinstance(exc, WorkerFailure):
         return APIError(
             502, f"worker error: {exc}", type="server_error", code=exc.code or "worker_error"

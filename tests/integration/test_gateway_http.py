@@ -49,6 +49,7 @@ MODEL = "tiny-gw"
 CONTEXT = 128
 SCRIPT_TEXT = "Hello world! Grüße 😀 日本語 END tail"
 FAIL_SEED = 666  # the scripted worker fails requests with this seed after two tokens
+ABORT_SEED = 444  # ... ends them with finish_reason "abort" and no error text
 DIE_SEED = 555  # ... dies (stops heartbeats and tokens) after two tokens
 SLOW_SEED = 777  # ... and streams these slowly (for disconnects and admission)
 
@@ -150,6 +151,8 @@ class ScriptedDecodeWorker:
                 return
             if req.sampling.seed == FAIL_SEED and i == 2:
                 item = TokenItem(req.request_id, [], "error", "injected failure", "internal")
+            elif req.sampling.seed == ABORT_SEED and i == 2:
+                item = TokenItem(req.request_id, [self.script[i]], "abort")  # no message
             else:
                 finish = "length" if i == n - 1 else None
                 item = TokenItem(req.request_id, [self.script[i]], finish)
@@ -514,8 +517,9 @@ async def test_disconnect_cancels_on_the_workers(gw: Harness):
     await wait_for(lambda: gw.app_state().in_flight == 0, "in-flight back to 0")
 
 
-async def test_worker_error_is_an_error_event_or_5xx(gw: Harness):
-    body = {**COMPLETION, "max_tokens": 10, "seed": FAIL_SEED}
+@pytest.mark.parametrize("seed", [FAIL_SEED, ABORT_SEED])
+async def test_worker_error_is_an_error_event_or_5xx(gw: Harness, seed):
+    body = {**COMPLETION, "max_tokens": 10, "seed": seed}
     status, events, _ = await gw.stream("/v1/completions", {**body, "stream": True})
     assert status == 200
     assert "error" in events[-2] and events[-1] == "[DONE]"
