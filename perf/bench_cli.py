@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import time
 from typing import Any
 
@@ -356,9 +357,16 @@ def run(ns: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
 
+    import aiohttp
+
     from perf.bench.report import write_outputs
 
-    results = asyncio.run(bench_sweep(ns))
+    try:
+        results = asyncio.run(bench_sweep(ns))
+    except (RuntimeError, aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+        # an unreachable or misconfigured endpoint: one clear line, not a traceback
+        print(f"pdserve bench: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
     name = ns.result_name or f"bench-{ns.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
     summary = sweep_summary(results, ns.slo_attainment_target)
     paths = write_outputs(

@@ -220,24 +220,19 @@ def test_cli_writes_consistent_outputs(server_url: str, tmp_path: Path) -> None:
         assert f"]({png})" in md
 
 
-def test_cli_fails_fast_on_bad_endpoint(server_url: str, tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError, match="warm-up request"):
-        cli_main(
-            [
-                "bench",
-                "--base-url",
-                server_url,
-                "--endpoint",
-                "/v1/nope",
-                "--model",
-                MODEL,
-                "--num-requests",
-                "2",
-                "--result-dir",
-                str(tmp_path),
-                "--no-progress",
-            ]
-        )
+def test_cli_fails_fast_on_bad_endpoint(
+    server_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = ["--num-requests", "2", "--result-dir", str(tmp_path), "--no-progress"]
+    wrong_path = ["bench", "--base-url", server_url, "--endpoint", "/v1/nope", "--model", MODEL]
+    assert cli_main([*wrong_path, *common]) == 2
+    assert "warm-up request" in capsys.readouterr().err
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now
+    assert cli_main(["bench", "--base-url", f"http://127.0.0.1:{port}", *common]) == 2
+    assert "Cannot connect" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
 
 
