@@ -85,8 +85,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     target.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
     target.add_argument(
         "--api-key",
-        default=os.environ.get("OPENAI_API_KEY"),
-        help="Bearer key [env OPENAI_API_KEY]",
+        # a local pdserve reads its accepted keys from PDSERVE_API_KEY (comma separated)
+        default=os.environ.get("OPENAI_API_KEY")
+        or (os.environ.get("PDSERVE_API_KEY") or "").split(",")[0].strip()
+        or None,
+        help="Bearer key [env OPENAI_API_KEY, else the first of PDSERVE_API_KEY]",
     )
     target.add_argument("--timeout", type=float, default=600.0, help="per-request limit, seconds")
     target.add_argument("--temperature", type=float, default=0.0)

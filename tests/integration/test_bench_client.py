@@ -40,8 +40,12 @@ def _chunk(text: str, finish: str | None, n_tokens: int) -> bytes:
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
-def make_app(ttft_s: float = TTFT_S, itl_s: float = ITL_S) -> web.Application:
+def make_app(
+    ttft_s: float = TTFT_S, itl_s: float = ITL_S, api_key: str | None = None
+) -> web.Application:
     async def completions(request: web.Request) -> web.StreamResponse:
+        if api_key is not None and request.headers.get("Authorization") != f"Bearer {api_key}":
+            return web.json_response({"error": {"message": "bad key"}}, status=401)
         body = await request.json()
         prompt = body["prompt"]
         if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
@@ -309,6 +313,17 @@ def test_scenario_skips_higher_rates_of_a_saturated_side(tmp_path: Path) -> None
     doc = json.loads((tmp_path / "sat" / "bench.json").read_text())
     # rates run in ascending order; after 0% attainment at 50 req/s, inf is not tried
     assert [(r["request_rate"], r["metrics"]["slo_attainment"]) for r in doc["runs"]] == [(50, 0)]
+
+
+def test_api_key_is_sent_as_bearer() -> None:
+    reqs = [BenchRequest([70, 71], 2)]
+    with serve_in_thread(make_app(0.001, 0.001, api_key="s3cret")) as url:
+        good = ClientConfig(base_url=url, model=MODEL, api_key="s3cret")
+        bad = ClientConfig(base_url=url, model=MODEL, api_key="nope")
+        ok = asyncio.run(run_benchmark(reqs, good, LoadConfig(), False)).records[0]
+        refused = asyncio.run(run_benchmark(reqs, bad, LoadConfig(), False)).records[0]
+    assert ok.success and ok.output_tokens == 2
+    assert not refused.success and refused.error.startswith("HTTP 401")
 
 
 def test_scenario_plan_pins_each_worker_to_its_own_cores() -> None:
