@@ -22,7 +22,7 @@ from gateway.detokenizer import IncrementalDetokenizer
 from gateway.dispatch import NoWorker, StageTimeout, TokenEvent, WorkerFailure
 from gateway.errors import APIError, overloaded, server_error, timeout_error
 from gateway.sse import SSEWriter
-from gateway.state import REQUEST_ID_KEY, Gateway
+from gateway.state import ARRIVED_KEY, REQUEST_ID_KEY, Gateway
 from gateway.stop import StopStringMatcher
 from gateway.tokenizer import ModelTokenizer
 from services.engine.sampling import SamplingParams
@@ -141,7 +141,7 @@ async def serve_generation(
     if params.seed is not None:
         root.set_attribute(tr.GEN_AI_REQUEST_SEED, params.seed)
 
-    progress = Progress(prompt_tokens=len(prompt_ids))
+    progress = Progress(prompt_tokens=len(prompt_ids), arrived=request[ARRIVED_KEY])
     gw.in_flight += 1
     gw.idle.clear()
     gw.metrics.in_flight.inc()

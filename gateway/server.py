@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -39,7 +40,7 @@ from gateway.errors import (
 )
 from gateway.generation import serve_generation
 from gateway.openapi import openapi_spec
-from gateway.state import GATEWAY_KEY, REQUEST_ID_KEY, Gateway, new_gateway_id
+from gateway.state import ARRIVED_KEY, GATEWAY_KEY, REQUEST_ID_KEY, Gateway, new_gateway_id
 from gateway.tokenizer import ModelTokenizer
 from shared import tracing as tr
 from shared.config import BusConfig, EngineConfig, GatewayConfig, build
@@ -60,6 +61,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @web.middleware
 async def request_id_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    request[ARRIVED_KEY] = time.monotonic()  # TTFT and E2E count from here
     rid = request.headers.get("x-request-id")
     if rid is None or rid == "":
         rid = uuid.uuid4().hex

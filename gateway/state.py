@@ -148,3 +148,4 @@ class Gateway:
 
 GATEWAY_KEY = web.AppKey("gateway", Gateway)
 REQUEST_ID_KEY = web.RequestKey("request_id", str)
+ARRIVED_KEY = web.RequestKey("arrived", float)  # time.monotonic() when the request came in
