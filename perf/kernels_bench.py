@@ -222,8 +222,9 @@ def bench_decode(
             DecodeConfig(block_n=128, num_splits=s, num_warps=4, num_stages=2),
             DecodeConfig(block_n=32, num_splits=s, num_warps=4, num_stages=3),
             DecodeConfig(block_n=64, num_splits=s, num_warps=8, num_stages=2),
-            DecodeConfig(block_n=64, num_splits=max(1, s // 4), num_warps=4, num_stages=2),
-            DecodeConfig(block_n=64, num_splits=2 * s, num_warps=4, num_stages=2),
+        ] + [
+            DecodeConfig(block_n=64, num_splits=n, num_warps=4, num_stages=2)
+            for n in sorted({1, 2, 4, max(1, s // 2), 2 * s} - {s})
         ]
         configs += [("triton_sweep", c) for c in candidates if c != chosen]
     for impl, config in configs:
