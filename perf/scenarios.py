@@ -60,7 +60,6 @@ from services.launcher import (
     NatsServer,
     find_nats_server,
     free_port,
-    http_ok,
     service_argv,
     service_env,
     spawn,
@@ -314,6 +313,24 @@ def _probe_completion(base_url: str, timeout: float = 30.0) -> bool:
         return False
 
 
+def registered_workers(base_url: str) -> dict[str, int]:
+    """Workers the gateway's registry holds, by role, from its re-exported load gauges."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    counts: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "pdserve_kv_cache_total_blocks":
+            for sample in family.samples:
+                role = sample.labels.get("role", "")
+                counts[role] = counts.get(role, 0) + 1
+    return counts
+
+
 def _model_or_default(base_url: str) -> str:
     try:
         return asyncio.run(discover_model(base_url, timeout=5))
@@ -370,7 +387,14 @@ class RunningSide:
                         f"{self.side.name}: {child.name} exited with {child.popen.returncode}\n"
                         f"{_log_tail(child)}"
                     )
-            if http_ok(self.base_url + "/health", 1.0) and _probe_completion(self.base_url):
+            # every worker registered, or a disaggregated side could start out aggregated
+            # (the gateway prefills locally while no prefill worker is known)
+            workers = registered_workers(self.base_url)
+            complete = (
+                workers.get("prefill", 0) >= self.side.prefill_workers
+                and workers.get("decode", 0) >= self.side.decode_workers
+            )
+            if complete and _probe_completion(self.base_url):
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.side.name} not serving after {timeout:.0f}s")
