@@ -400,6 +400,13 @@ async def test_request_id_is_honoured_and_validated(gw: Harness):
     code, payload, _ = await gw.post("/v1/completions", COMPLETION, headers={"x-request-id": "a b"})
     assert code == 400
     assert_openai_error(payload, "x-request-id")
+    # The id names the request on the bus, so two at once under one id cannot both run.
+    slow = {**COMPLETION, "max_tokens": 10, "seed": SLOW_SEED}
+    results = await asyncio.gather(
+        *(gw.post("/v1/completions", slow, headers={"x-request-id": "twin"}) for _ in range(2))
+    )
+    assert sorted(r[0] for r in results) == [200, 409]
+    assert_openai_error(next(r[1] for r in results if r[0] == 409), "x-request-id")
 
 
 # ----------------------------------------------------------------------------- auth, docs
