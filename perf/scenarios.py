@@ -14,6 +14,16 @@ series per side, comparison.md with the ratios against the scenario's targets, a
 process's log under logs/.
 
 `--external NAME=URL` benchmarks endpoints that are already running instead of starting any.
+With real models on GPUs, pass --no-interleave so only one side holds the weights at a time.
+
+Scenarios: disagg-vs-agg (1P1D against 2 decode workers prefilling locally, chat traffic with
+20% long prompts: p99 TTFT/TPOT and goodput side by side), prefix-cache (cache on/off on a
+shared-prefix workload), token-overhead (TPOT through HTTP minus the engine's own decode step),
+or all of them. Goodput SLOs default to multiples of an unloaded calibration run and the rate
+sweep to multiples of its serial capacity, so one command fits any machine; --goodput and
+--request-rate after `--` fix them instead. Every run also reads the workers' Prometheus
+counters: decode steps and their mean time, and how many prompts prefill workers prefilled
+(a disaggregated side that silently fell back to local prefill is flagged).
 """
 
 from __future__ import annotations
