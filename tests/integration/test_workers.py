@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 
@@ -25,7 +26,16 @@ from shared.protocol import (
     TokenItem,
     WorkerLoad,
 )
-from tests.integration.stack import log_text, start_nats, start_service, stop_all, wait_until
+from tests.integration.stack import (
+    Child,
+    NatsServer,
+    log_text,
+    start_nats,
+    start_service,
+    stop_all,
+    wait_until,
+)
+from tests.otlp_receiver import OtlpReceiver
 from tests.unit.test_engine import hf_greedy
 
 LEASE_SECONDS = 3.0
@@ -75,18 +85,25 @@ class TestGateway:
         return self.queues.setdefault(rid, asyncio.Queue())
 
     async def prefill(
-        self, worker: str, rid: str, prompt: list[int], sp: SamplingParams = GREEDY, **kw
+        self,
+        worker: str,
+        rid: str,
+        prompt: list[int],
+        sp: SamplingParams = GREEDY,
+        headers: dict[str, str] | None = None,
+        **kw,
     ) -> PrefillResult:
         req = PrefillRequest(rid, prompt, sp, self.inbox, time.time() + 30)
-        await self.bus.publish(self.bus.subjects.prefill(worker), replace(req, **kw))
+        await self.bus.publish(self.bus.subjects.prefill(worker), replace(req, **kw), headers)
         return await asyncio.wait_for(self.queue(rid).get(), 20)
 
     async def send_decode(
         self, worker: str, rid: str, prompt: list[int], output: list[int], kv, **kw
     ) -> None:
         sp = kw.pop("sampling", GREEDY)
+        headers = kw.pop("headers", None)
         req = DecodeRequest(rid, prompt, output, sp, kv, self.inbox, time.time() + 30)
-        await self.bus.publish(self.bus.subjects.decode(worker), replace(req, **kw))
+        await self.bus.publish(self.bus.subjects.decode(worker), replace(req, **kw), headers)
 
     async def items(self, rid: str, timeout: float = 20) -> list[TokenItem]:
         """Every item of one request up to and including the one with a finish reason."""
@@ -141,26 +158,40 @@ def stack(tmp_path_factory, llama_dir):
     """nats-server, prefill p0, decode d0 (kv failure: fail) and d1 (kv failure: recompute)."""
     logs = tmp_path_factory.mktemp("worker-logs")
     nats = start_nats(logs)
+    traces = OtlpReceiver()
+    traces.start_in_thread()
     opts = {**WORKER_OPTIONS, "model": str(llama_dir)}
+    env = traces.env()
     children = [
-        start_service("prefill", nats.url, logs, options={**opts, "worker_id": "p0"}),
-        start_service("decode", nats.url, logs, options={**opts, "worker_id": "d0"}),
+        start_service("prefill", nats.url, logs, env, {**opts, "worker_id": "p0"}),
+        start_service("decode", nats.url, logs, env, {**opts, "worker_id": "d0"}),
         start_service(
             "decode",
             nats.url,
             logs,
-            options={**opts, "worker_id": "d1", "kv_failure_policy": "recompute"},
+            env,
+            {**opts, "worker_id": "d1", "kv_failure_policy": "recompute"},
         ),
     ]
-    yield nats, children, logs, opts
+    yield Stack(nats, children, logs, opts, traces)
     stop_all(children)
     nats.stop()
+    traces.stop_in_thread()
+
+
+@dataclass
+class Stack:
+    nats: NatsServer
+    children: list[Child]
+    logs: Path
+    options: dict
+    traces: OtlpReceiver
 
 
 @pytest.fixture
 async def gw(stack):
-    nats, children, _, _ = stack
-    gateway = TestGateway(nats.url)
+    gateway = TestGateway(stack.nats.url)
+    children = stack.children
     await gateway.start()
     try:
         deadline = time.monotonic() + 120
@@ -198,6 +229,57 @@ async def test_disaggregated_greedy_matches_hf(gw, expected) -> None:
     assert all(len({it.request_id for it in b.items}) == len(b.items) for b in dis)
     # leases released by the decode side's ReleaseLease, well before they would expire
     await gw.until_idle("p0", "d0", timeout=LEASE_SECONDS - 1.0)
+
+
+async def test_one_trace_across_workers_with_phase_spans(gw, stack) -> None:
+    """The traceparent in NATS headers makes every worker phase a child of the caller's span;
+    prompts arriving together share a prefill forward pass."""
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    parent = "00f067aa0ba902b7"
+    headers = {"traceparent": f"00-{trace_id}-{parent}-01"}
+    prompts = [[20 + i] * (10 + 7 * i) for i in range(6)]
+    results = await asyncio.gather(
+        *(gw.prefill("p0", f"tr-{i}", p, headers=headers) for i, p in enumerate(prompts))
+    )
+    await asyncio.gather(
+        *(
+            gw.decode("d0", f"tr-{i}", p, [r.first_token], r.kv, headers=headers)
+            for i, (p, r) in enumerate(zip(prompts, results, strict=True))
+        )
+    )
+    phases = {"prefill.queue", "prefill.forward", "kv.transfer", "decode.queue", "decode.generate"}
+
+    def complete(spans) -> bool:
+        ours = [s for s in spans if s.trace_id == trace_id]
+        return all(
+            phases <= {s.name for s in ours if s.attributes.get("pdserve.request_id") == f"tr-{i}"}
+            for i in range(len(prompts))
+        )
+
+    spans = [s for s in await stack.traces.wait_for(complete, 20) if s.trace_id == trace_id]
+    assert all(s.parent_span_id == parent for s in spans)
+    assert {s.service for s in spans} == {"pdserve-prefill", "pdserve-decode"}
+    forwards = [s for s in spans if s.name == "prefill.forward"]
+    assert max(s.attributes["pdserve.batch_size"] for s in forwards) >= 2  # packed prompts
+    for s in forwards:
+        assert s.attributes["pdserve.batch_tokens"] >= 10
+    for i, r in enumerate(results):
+        (kv,) = [
+            s
+            for s in spans
+            if s.name == "kv.transfer" and s.attributes["pdserve.request_id"] == f"tr-{i}"
+        ]
+        assert kv.attributes["pdserve.kv.blocks"] == len(r.kv.block_ids)
+        assert (
+            kv.attributes["pdserve.kv.bytes"] > 0 and kv.attributes["pdserve.kv.transport"] == "ucx"
+        )
+        (gen,) = [
+            s
+            for s in spans
+            if s.name == "decode.generate" and s.attributes["pdserve.request_id"] == f"tr-{i}"
+        ]
+        assert gen.attributes["gen_ai.usage.output_tokens"] == MAX_TOKENS - 1
+    await gw.until_idle("p0", "d0")
 
 
 async def test_local_prefill_matches_hf(gw, expected) -> None:
@@ -297,8 +379,7 @@ async def test_bad_bus_input_is_ignored(gw, expected) -> None:
 
 
 async def test_workers_survive_a_nats_restart(gw, stack, expected) -> None:
-    nats = stack[0]
-    await asyncio.get_running_loop().run_in_executor(None, nats.restart, 1.0)
+    stack.nats.restart(down_seconds=1.0)  # blocks the loop: every client sees the outage
     # everyone reconnects by themselves; the workers republish their load at once
     deadline = time.monotonic() + 20
     while not (gw.bus.stats.reconnects and all(gw.load(w) for w in ("p0", "d0", "d1"))):
@@ -311,8 +392,9 @@ async def test_workers_survive_a_nats_restart(gw, stack, expected) -> None:
 
 
 async def test_sigterm_drains_then_deregisters(gw, stack) -> None:
-    nats, _, logs, opts = stack
-    worker = start_service("decode", nats.url, logs, options={**opts, "worker_id": "d-drain"})
+    worker = start_service(
+        "decode", stack.nats.url, stack.logs, options={**stack.options, "worker_id": "d-drain"}
+    )
     try:
         await asyncio.get_running_loop().run_in_executor(
             None, lambda: wait_until(lambda: gw.load("d-drain"), 120, "d-drain heartbeat")
