@@ -1,0 +1,174 @@
+"""Compile every Triton kernel for sm_90 (H100/H200) ahead of time, on a machine without a GPU.
+
+The interpreter runs the kernels' logic but never the compiler, so a construct the compiler
+rejects, a tile that overflows shared memory or a register spill would otherwise first show up on
+a GPU. Triton ships ptxas, so the whole pipeline down to a cubin runs on CPU. Run as a script
+(TRITON_INTERPRET must be unset): `python -m tests.kernels.compile_sm90`; prints one JSON line
+per kernel variant. tests/kernels/test_compile_sm90.py runs it in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+SM90_SHARED_MEMORY = 227 * 1024  # opt-in maximum per block
+
+# Pointer arguments by name; everything else not listed is bf16 activations/cache.
+_POINTER_TYPES = {
+    "block_tables_ptr": "*i32",
+    "context_lens_ptr": "*i32",
+    "cu_seqlens_q_ptr": "*i32",
+    "cu_seqlens_k_ptr": "*i32",
+    "slot_mapping_ptr": "*i64",
+    "positions_ptr": "*i64",
+    "cache_ptr": "*fp32",
+    "part_acc_ptr": "*fp32",
+    "part_max_ptr": "*fp32",
+    "part_sum_ptr": "*fp32",
+}
+_FLOAT_ARGS = {"eps", "scale_log2"}
+# Integer arguments that can be anything (no divisibility-by-16 hint).
+_ODD_INTS = {"group", "num_splits", "num_heads", "num_q_heads", "num_k_heads"}
+
+
+def _signature(kernel, constexprs: dict) -> tuple[dict, dict]:
+    signature, attrs = {}, {}
+    for i, param in enumerate(kernel.params):
+        name = param.name
+        if param.is_constexpr:
+            assert name in constexprs, f"{kernel.__name__}: give a value for {name}"
+            signature[name] = "constexpr"
+            continue
+        if name.endswith("_ptr"):
+            signature[name] = _POINTER_TYPES.get(name, "*bf16")
+        elif name in _FLOAT_ARGS:
+            signature[name] = "fp32"
+            continue
+        else:
+            signature[name] = "i32"
+            if name in _ODD_INTS:
+                continue
+        # What the launcher infers for aligned pointers and strides that are multiples of 16.
+        attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, attrs
+
+
+def _ptxas_usage(ptx: str) -> dict:
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        run = subprocess.run(
+            [get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", path + ".o"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    registers = re.search(r"Used (\d+) registers", run.stderr)
+    spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", run.stderr)
+    return {
+        "registers": int(registers.group(1)) if registers else None,
+        "spill_bytes": sum(int(s) for s in spills),
+    }
+
+
+def compile_variant(kernel, constexprs: dict, num_warps: int, num_stages: int) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+
+    signature, attrs = _signature(kernel, constexprs)
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    target = GPUTarget("cuda", 90, 32)
+    options = make_backend(target).parse_options({"num_warps": num_warps, "num_stages": num_stages})
+    compiled = triton.compile(source, target=target, options=options.__dict__)
+    return {"shared_bytes": compiled.metadata.shared, **_ptxas_usage(compiled.asm["ptx"])}
+
+
+def variants() -> list[tuple[str, object, dict, int, int]]:
+    """(label, kernel, constexprs, num_warps, num_stages): what production launches on an H200
+    for a Llama-3-8B-shaped model (head dim 128, GQA 4, page 16), bf16."""
+    from kernels.triton_cache import _store_kvcache_kernel
+    from kernels.triton_decode import (
+        DecodeConfig,
+        _decode_merge_kernel,
+        _decode_split_kernel,
+    )
+    from kernels.triton_norm import _rms_norm_kernel
+    from kernels.triton_prefill import _prefill_kernel, choose_prefill_config
+    from kernels.triton_rotary import _rotary_kernel
+
+    decode = DecodeConfig(block_n=64, num_splits=1)
+    prefill = choose_prefill_config(128, torch.device("cuda"))
+    out = [
+        ("rms_norm", _rms_norm_kernel, {"HAS_RESIDUAL": True, "BLOCK": 4096}, 16, 1),
+        ("rotary", _rotary_kernel, {"BLOCK_H": 32, "BLOCK_D": 64}, 4, 1),
+        ("store_kvcache", _store_kvcache_kernel, {"BLOCK_H": 8, "BLOCK_D": 128}, 4, 1),
+        (
+            "decode_merge",
+            _decode_merge_kernel,
+            {"HEAD_DIM": 128, "BLOCK_S": 32, "BLOCK_D": 128},
+            4,
+            1,
+        ),
+    ]
+    for single in (True, False):
+        out.append(
+            (
+                f"decode single_split={single}",
+                _decode_split_kernel,
+                {
+                    "block_size": 16,
+                    "HEAD_DIM": 128,
+                    "SINGLE_SPLIT": single,
+                    "BLOCK_G": 16,
+                    "BLOCK_N": decode.block_n,
+                    "BLOCK_D": 128,
+                    "PRECISION": "tf32",
+                },
+                decode.num_warps,
+                decode.num_stages,
+            )
+        )
+    for paged in (False, True):
+        out.append(
+            (
+                f"prefill paged={paged}",
+                _prefill_kernel,
+                {
+                    "block_size": 16 if paged else 1,
+                    "HEAD_DIM": 128,
+                    "PAGED": paged,
+                    "BLOCK_M": prefill.block_m,
+                    "BLOCK_N": prefill.block_n,
+                    "BLOCK_D": 128,
+                    "PRECISION": "tf32",
+                },
+                prefill.num_warps,
+                prefill.num_stages,
+            )
+        )
+    return out
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET: interpreted kernels cannot be compiled", file=sys.stderr)
+        return 2
+    for label, kernel, constexprs, num_warps, num_stages in variants():
+        usage = compile_variant(kernel, constexprs, num_warps, num_stages)
+        print(json.dumps({"kernel": label, **usage}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
