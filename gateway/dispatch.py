@@ -109,9 +109,6 @@ class Dispatcher:
     async def start(self) -> None:
         await self.bus.subscribe(self.inbox, self._on_message, (PrefillResult, TokenBatch))
 
-    def in_flight(self, request_id: str) -> bool:
-        return request_id in self._pending
-
     # -- incoming ----------------------------------------------------------------------------
 
     async def _on_message(self, msg: PrefillResult | TokenBatch, headers: dict[str, str]) -> None:

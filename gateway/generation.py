@@ -115,7 +115,7 @@ async def serve_generation(
         len(prompt_ids), params.max_tokens, gw.model.max_model_len, gw.config.max_prompt_tokens
     )
     sampling = gw.sampling_params(params, max_tokens)
-    if gw.dispatcher.in_flight(rid):
+    if rid in gw.active_ids:
         raise APIError(
             409,
             f"a request with x-request-id {rid} is already in flight",
@@ -143,6 +143,7 @@ async def serve_generation(
 
     progress = Progress(prompt_tokens=len(prompt_ids), arrived=request[ARRIVED_KEY])
     gw.in_flight += 1
+    gw.active_ids.add(rid)
     gw.idle.clear()
     gw.metrics.in_flight.inc()
     try:
@@ -155,6 +156,7 @@ async def serve_generation(
         raise
     finally:
         gw.in_flight -= 1
+        gw.active_ids.discard(rid)
         gw.metrics.in_flight.dec()
         if gw.in_flight == 0:
             gw.idle.set()

@@ -108,6 +108,7 @@ class Gateway:
             config.prefill_timeout,
         )
         self.in_flight = 0
+        self.active_ids: set[str] = set()  # request ids in flight (they name requests on the bus)
         self.idle = asyncio.Event()
         self.idle.set()
 
