@@ -60,6 +60,31 @@ def find_nats_server() -> str:
     )
 
 
+def visible_gpus(env: dict[str, str] | None = None) -> list[str]:
+    """GPU ids this launcher may hand out: CUDA_VISIBLE_DEVICES if set, else ``nvidia-smi -L``.
+
+    Found without importing torch, so ``pdserve up`` starts in a blink on any machine."""
+    env = os.environ if env is None else env
+    if "CUDA_VISIBLE_DEVICES" in env:
+        return [g.strip() for g in env["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+
+
+def gpu_for_worker(index: int, gpus: list[str]) -> str | None:
+    """Round-robin over the GPUs in start order (prefill workers first, then decode), so with
+    as many GPUs as workers prefill and decode never share one. None: leave placement alone."""
+    if len(gpus) < 2:
+        return None
+    return gpus[index % len(gpus)]
+
+
 def _own_group() -> None:
     """preexec_fn: the child leads a new process group (stopped as a whole, not by Ctrl-C)."""
     os.setpgrp()
@@ -243,6 +268,7 @@ class Launcher:
         self.worker = build(WorkerConfig, ns)
         self.bus = build(BusConfig, {**vars(ns), "nats_url": self.up.nats_url or "unset"})
         self.nats: NatsServer | None = None
+        self.gpus: list[str] = []
         self.children: list[Child] = []
         self.stopping = False
 
@@ -263,6 +289,7 @@ class Launcher:
             nats_url = self.nats.url
         bus = dataclasses.replace(self.bus, nats_url=nats_url)
         common = _values(bus, self.engine)
+        self.gpus = visible_gpus() if self.engine.device == "auto" else []
         for i in range(self.up.prefill_workers):
             self._start_worker("prefill", i, common)
         for i in range(self.up.decode_workers):
@@ -279,6 +306,11 @@ class Launcher:
         if worker.ucx_port:
             worker.ucx_port += index + (self.up.prefill_workers if role == "decode" else 0)
         env = service_env({**common, **_values(worker)})
+        gpu = gpu_for_worker(
+            index + (self.up.prefill_workers if role == "decode" else 0), self.gpus
+        )
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
         self.children.append(spawn(worker.worker_id, service_argv(role), env))
 
     def wait_ready(self) -> bool:

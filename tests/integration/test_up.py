@@ -359,3 +359,14 @@ def test_sigterm_stops_everything(up) -> None:
         10,
         "all children gone",
     )
+
+
+def test_gpu_placement_without_torch() -> None:
+    from services.launcher import gpu_for_worker, visible_gpus
+
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2, 5"}) == ["2", "5"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+    # 2 prefill + 2 decode on 4 GPUs: one each; on 2 GPUs prefill and decode alternate
+    assert [gpu_for_worker(i, ["0", "1", "2", "3"]) for i in range(4)] == ["0", "1", "2", "3"]
+    assert [gpu_for_worker(i, ["0", "1"]) for i in range(3)] == ["0", "1", "0"]
+    assert gpu_for_worker(0, ["0"]) is None  # one GPU (or none): the engine decides
