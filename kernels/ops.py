@@ -5,6 +5,9 @@ benchmarks can flip it: `auto` runs Triton on CUDA tensors (float64 excepted) an
 reference otherwise, `triton` forces Triton (on CPU tensors that needs `TRITON_INTERPRET=1`), `torch` forces
 the reference. The Triton modules are imported on first use, so CPU-only processes never
 compile anything.
+
+Triton launches on the *current* CUDA device: a process serving on cuda:N must call
+torch.cuda.set_device(N) once (or see only that GPU through CUDA_VISIBLE_DEVICES).
 """
 
 from __future__ import annotations

@@ -124,6 +124,7 @@ def naive_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, q_offset: int
 
 
 def cu_seqlens(lens: list[int], device: str = "cpu") -> Tensor:
+    """[B+1] int32 prefix sums of the sequence lengths, starting at 0."""
     out = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    out[1:] = torch.tensor(lens, dtype=torch.int32).cumsum(0) if lens else out[1:]
+    torch.cumsum(torch.tensor(lens, dtype=torch.int32), dim=0, out=out[1:])
     return out.to(device)
