@@ -348,10 +348,34 @@ async def test_killed_decode_worker_fails_only_its_streams(up) -> None:
     await used_blocks_zero(up.url, 10)
 
 
+async def test_killed_prefill_worker_requests_are_retried(up) -> None:
+    """Requests routed to a prefill worker that just died are retried on the other one (prefill
+    is idempotent) once it leaves the registry: they complete, late but without an error."""
+    import aiohttp
+
+    victim = pids_of(up, "prefill")[0]
+    os.kill(victim, signal.SIGKILL)
+    async with aiohttp.ClientSession() as session:
+        model = await model_id(session, up.url)
+
+        async def complete(i: int) -> list[dict]:
+            resp = await open_stream(session, up.url, model, 4, 200 + i)
+            events = []
+            while (event := await next_event(resp)) is not None:
+                events.append(event)
+            return events
+
+        results = await asyncio.wait_for(asyncio.gather(*(complete(i) for i in range(6))), 30)
+    for events in results:
+        assert not any("error" in e for e in events), events
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+    await used_blocks_zero(up.url, 10)
+
+
 def test_sigterm_stops_everything(up) -> None:
     family = descendants(up.proc.pid)
-    # nats-server, 2 prefill, 1 surviving decode worker, gateway
-    assert len(family) >= 5, family
+    # nats-server, the surviving prefill and decode workers, gateway
+    assert len(family) >= 4, family
     up.proc.send_signal(signal.SIGTERM)
     assert up.proc.wait(timeout=30) == 0
     wait_until(
