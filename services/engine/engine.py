@@ -76,6 +76,9 @@ class LLMEngine:
         self.model_name = config.served_model_name or self.model_dir.name
         self.model_config = cfg = ModelConfig.from_dir(self.model_dir)
         self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
+        if self.device.type == "cuda":
+            # Triton launches on the current device, not the tensors' one.
+            torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
         model = load_model(self.model_dir, cfg, self.device, self.dtype)
 

@@ -69,8 +69,7 @@ class Attention(nn.Module):
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        # split() gave views into qkv; rotary works in place, so give it its own storage
-        q, k = q.contiguous(), k.contiguous()
+        # q and k are strided views into qkv; rotary rotates them in place.
         ops.rotary_embedding(positions, q, k, cos_sin)
         ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         nd = meta.num_decodes
