@@ -685,6 +685,12 @@ def _comparison_section(
         f"DistServe goodput (highest rate with >= {target_attainment:.0%} SLO attainment, "
         f"tested rates only): {base_name} {gb}, {cand_name} {gc}, ratio {_fmt_ratio(ratio)}",
     ]
+    for name, value in ((base_name, gb), (cand_name, gc)):
+        if value is None:
+            lines.append(
+                f"- {name} met the SLOs for {target_attainment:.0%} of requests at no tested "
+                "rate: sweep lower rates (--rate-factors) or relax the SLOs to find its goodput."
+            )
     t = scenario.targets
     # judge TPOT at the highest rate both sides served, where interference is worst
     if rows and t.max_p99_tpot_ratio is not None:
