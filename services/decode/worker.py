@@ -83,8 +83,8 @@ class DecodeWorker(Worker):
         refusal = self._refusal(req)
         if refusal is not None:
             await self._fail_request(req.reply_to, req.request_id, *refusal)
-            if req.kv is not None:  # the prefill worker's blocks are of no use now
-                await self._release_lease(req)
+            if req.kv is not None and refusal[0] != "invalid":
+                await self._release_lease(req)  # the prefill worker's blocks are of no use now
             return
         state = DecodeState(
             req.request_id, req.reply_to, req.deadline, tracing.extract_context(headers)
