@@ -112,7 +112,7 @@ async def serve_generation(
 ) -> web.StreamResponse:
     rid: str = request[REQUEST_ID_KEY]
     max_tokens = check_length(
-        len(prompt_ids), params.max_tokens, gw.model.max_model_len, gw.config.max_prompt_tokens
+        len(prompt_ids), params.max_tokens, gw.context_limit(), gw.config.max_prompt_tokens
     )
     sampling = gw.sampling_params(params, max_tokens)
     if rid in gw.active_ids:

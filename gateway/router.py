@@ -32,7 +32,7 @@ class Router:
     model: str | None = None  # only workers serving this model qualify
     _sent: dict[str, list[_Sent]] = field(default_factory=dict)
 
-    def _live(self, role: str) -> list[WorkerLoad]:
+    def live(self, role: str) -> list[WorkerLoad]:
         return [
             w
             for w in self.loads(role)
@@ -55,13 +55,13 @@ class Router:
         return -(-num_tokens // size)
 
     def has_decode(self) -> bool:
-        return bool(self._live("decode"))
+        return bool(self.live("decode"))
 
     def has_prefill(self) -> bool:
-        return bool(self._live("prefill"))
+        return bool(self.live("prefill"))
 
     def pick_prefill(self, prompt_tokens: int, exclude: set[str] | None = None) -> str | None:
-        candidates = [w for w in self._live("prefill") if w.worker_id not in (exclude or set())]
+        candidates = [w for w in self.live("prefill") if w.worker_id not in (exclude or set())]
         if not candidates:
             return None
 
@@ -74,7 +74,7 @@ class Router:
         return best.worker_id
 
     def pick_decode(self, total_tokens: int, exclude: set[str] | None = None) -> str | None:
-        candidates = [w for w in self._live("decode") if w.worker_id not in (exclude or set())]
+        candidates = [w for w in self.live("decode") if w.worker_id not in (exclude or set())]
         if not candidates:
             return None
 
@@ -89,5 +89,5 @@ class Router:
 
     def local_prefill_threshold(self) -> int:
         """Prompts shorter than this go straight to a decode worker (the workers advertise it)."""
-        thresholds = [w.local_prefill_threshold for w in self._live("decode")]
+        thresholds = [w.local_prefill_threshold for w in self.live("decode")]
         return max(thresholds, default=0)

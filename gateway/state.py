@@ -134,6 +134,18 @@ class Gateway:
             return False, "no decode worker is alive"
         return True, "ok"
 
+    def context_limit(self) -> int:
+        """Longest prompt + output that can be served: the model's context, or less when even
+        the largest decode worker's whole KV cache cannot hold that many tokens."""
+        capacities = [
+            w.total_blocks * w.block_size
+            for w in self.router.live("decode")
+            if w.block_size > 0 and w.total_blocks > 0
+        ]
+        if not capacities:
+            return self.model.max_model_len
+        return min(self.model.max_model_len, max(capacities))
+
     def sampling_params(self, p: GenerationParams, max_tokens: int) -> SamplingParams:
         eos = [] if p.ignore_eos else list(self.model.tokenizer.eos_token_ids)
         return SamplingParams(

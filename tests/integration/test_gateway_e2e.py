@@ -68,7 +68,7 @@ def stack(tmp_path_factory, llama_dir):
             "gateway",
             nats_server.url,
             logs,
-            options={"model": str(llama_dir), "port": port, "worker_timeout": 2.0},
+            options={"model": str(llama_dir), "port": port, "worker_timeout": 3.0},
         )
     )
     base = f"http://127.0.0.1:{port}"

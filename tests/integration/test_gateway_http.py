@@ -48,6 +48,10 @@ from tests.unit.gateway_fixtures import train_byte_level, write_model_dir
 MODEL = "tiny-gw"
 CONTEXT = 128
 SCRIPT_TEXT = "Hello world! Grüße 😀 日本語 END tail"
+# Seconds without heartbeats before the gateway drops a worker: generous by default, since the
+# scripted workers share the test's event loop on a shared machine; short where a test kills one.
+WORKER_TIMEOUT = 10.0
+DEATH_TIMEOUT = 3.0
 FAIL_SEED = 666  # the scripted worker fails requests with this seed after two tokens
 ABORT_SEED = 444  # ... ends them with finish_reason "abort" and no error text
 DIE_SEED = 555  # ... dies (stops heartbeats and tokens) after two tokens
@@ -92,6 +96,7 @@ class ScriptedDecodeWorker:
         self.worker_id = worker_id
         self.refuse = refuse  # answer every request with an "overloaded" refusal
         self.free_blocks = free_blocks
+        self.block_size = 0  # unknown: the KV cache does not limit the context
         self.script = tokenizer.encode(SCRIPT_TEXT, add_special_tokens=False)
         self.requests: list[DecodeRequest] = []
         self.headers: list[dict[str, str]] = []
@@ -108,6 +113,7 @@ class ScriptedDecodeWorker:
             total_blocks=max(100, self.free_blocks),
             running=len(self.tasks),
             waiting=0,
+            block_size=self.block_size,
         )
 
     async def start(self) -> None:
@@ -279,7 +285,10 @@ async def start_harness(
     for w in extra_workers:
         await w.start()
     port = free_port()
-    config = GatewayConfig(host="127.0.0.1", port=port, worker_timeout=1.0, **gateway_options)
+    # The scripted workers share this event loop and the machine is shared: a heartbeat can be
+    # late by a second under load, so the registry timeout is not made tighter than this.
+    gateway_options.setdefault("worker_timeout", WORKER_TIMEOUT)
+    config = GatewayConfig(host="127.0.0.1", port=port, **gateway_options)
     app = create_app(
         config,
         EngineConfig(model=str(model_dir)),
@@ -370,6 +379,22 @@ async def test_bad_input_is_a_4xx_openai_error(gw: Harness):
     assert code == 400
     assert_openai_error(payload)
     assert (await gw.get("/health"))[0] == 200
+
+
+async def test_context_is_capped_by_the_decode_workers_kv_cache(gw: Harness):
+    gw.worker.block_size = 1  # 100 blocks of 1 token: smaller than the model's 128
+    capacity = 100
+    await wait_for(lambda: gw.app_state().context_limit() == capacity, "the new heartbeat")
+    prompt = [5, 6]
+    code, payload, _ = await gw.post(
+        "/v1/completions", {**COMPLETION, "prompt": prompt, "max_tokens": capacity - 1}
+    )
+    assert code == 400
+    assert_openai_error(payload, "max_tokens")
+    code, _, _ = await gw.post(
+        "/v1/completions", {**COMPLETION, "prompt": prompt, "max_tokens": capacity - 2}
+    )
+    assert code == 200
 
 
 async def test_oversized_body_is_413_with_the_configured_limit(gw: Harness):
@@ -627,6 +652,7 @@ async def test_prefill_retried_on_another_worker(nats_url, model_dir, tokenizer)
             (ScriptedPrefillWorker, {"worker_id": "p-busy", "mode": "overloaded", "waiting": 1}),
             (ScriptedPrefillWorker, {"worker_id": "p-ok", "waiting": 5}),
         ],
+        worker_timeout=DEATH_TIMEOUT,
     )  # fmt: skip
     try:
         started = time.monotonic()
@@ -635,7 +661,7 @@ async def test_prefill_retried_on_another_worker(nats_url, model_dir, tokenizer)
         assert payload["choices"][0]["text"] == tokenizer.decode(harness.worker.script[:5])
         assert [len(w.requests) for w in harness.extra] == [1, 1, 1]
         assert harness.worker.requests[-1].kv.worker_id == "p-ok"
-        assert time.monotonic() - started < 4.0  # worker_timeout is 1 s
+        assert time.monotonic() - started < DEATH_TIMEOUT + 5
     finally:
         await stop_harness(harness, runner)
 
@@ -676,15 +702,22 @@ async def test_prefill_deadline_is_a_504(nats_url, model_dir, tokenizer):
         await stop_harness(harness, runner)
 
 
-async def test_dead_decode_worker_ends_its_streams_with_an_error(gw: Harness):
-    body = {**COMPLETION, "max_tokens": 20, "stream": True, "seed": DIE_SEED}
-    started = time.monotonic()
-    status, events, _ = await gw.stream("/v1/completions", body)
-    assert status == 200 and events[-1] == "[DONE]"
-    assert_openai_error(events[-2])
-    assert "stopped" in events[-2]["error"]["message"]
-    assert time.monotonic() - started < 4.0  # worker_timeout is 1 s, not the request deadline
-    assert gw.app_state().in_flight == 0
+async def test_dead_decode_worker_ends_its_streams_with_an_error(nats_url, model_dir, tokenizer):
+    harness, runner = await start_harness(
+        nats_url, model_dir, tokenizer, "death", worker_timeout=DEATH_TIMEOUT
+    )
+    try:
+        body = {**COMPLETION, "max_tokens": 20, "stream": True, "seed": DIE_SEED}
+        started = time.monotonic()
+        status, events, _ = await harness.stream("/v1/completions", body)
+        assert status == 200 and events[-1] == "[DONE]"
+        assert_openai_error(events[-2])
+        assert "stopped" in events[-2]["error"]["message"]
+        # Within the registry timeout, not the request deadline (600 s).
+        assert time.monotonic() - started < DEATH_TIMEOUT + 5
+        assert harness.app_state().in_flight == 0
+    finally:
+        await stop_harness(harness, runner)
 
 
 async def test_nats_restart_recovers(tmp_path, model_dir, tokenizer):
@@ -727,7 +760,7 @@ async def test_pdserve_gateway_command_traces_and_stops(nats_url, model_dir, tok
             nats_url,
             tmp_path,
             env=rx.env(),
-            options={"namespace": "cli", "model": model_dir, "port": port, "worker_timeout": 1},
+            options={"namespace": "cli", "model": model_dir, "port": port},
         )
         session = aiohttp.ClientSession()
         try:
