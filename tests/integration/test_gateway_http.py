@@ -800,8 +800,15 @@ async def test_pdserve_gateway_command_traces_and_stops(nats_url, model_dir, tok
             traceparent = worker.headers[-1]["traceparent"]
             assert traceparent.split("-")[1:3] == [root.trace_id, root.span_id]
 
-            child.signal(signal.SIGTERM)
-            assert child.wait(15) == 0, log_text(child)
+            # SIGTERM with a stream in flight: the stream still completes, then the process exits.
+            slow = {**COMPLETION, "max_tokens": 20, "seed": SLOW_SEED, "stream": True}
+            async with session.post(base + "/v1/completions", json=slow) as r:
+                assert r.status == 200
+                await r.content.readline()
+                child.signal(signal.SIGTERM)
+                rest = (await r.content.read()).decode()
+            assert '"finish_reason": "length"' in rest and rest.rstrip().endswith("[DONE]")
+            assert await asyncio.to_thread(child.wait, 15) == 0, log_text(child)
         finally:
             await session.close()
             child.stop()
