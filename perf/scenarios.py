@@ -885,6 +885,12 @@ def make_parser_scenarios() -> argparse.ArgumentParser:
         help="a side whose SLO attainment drops below this skips the higher rates",
     )
     p.add_argument(
+        "--refine-steps",
+        type=int,
+        default=2,
+        help="extra runs per side bisecting its goodput knee between tested rates",
+    )
+    p.add_argument(
         "--py-spy", action="store_true", help="profile every service during each measured run"
     )
     p.add_argument("--py-spy-bin", default=None, help="py-spy executable (default: PATH)")
@@ -1019,8 +1025,10 @@ def measure(
     saturated: set[str] = set()
     warmed: set[str] = set()
 
-    def bench(side: Side, url: str, index: int, rate: float, slos: dict[str, float]) -> None:
-        if side.name in saturated:
+    def bench(
+        side: Side, url: str, index: int, rate: float, slos: dict[str, float], force: bool = False
+    ) -> None:
+        if side.name in saturated and not force:
             return
         # the same prompts for every side at this rate, other prompts at other rates
         reqs = requests if index == 0 else build_dataset(ns, seed_offset=index)
@@ -1068,6 +1076,19 @@ def measure(
     def url_of(side: Side) -> str:
         return side.base_url or runners[side.name].base_url
 
+    def refine(side: Side, slos: dict[str, float], first_index: int) -> None:
+        """Bisect between the highest rate that met the attainment target and the lowest one
+        above it that did not, so the DistServe goodput is not just the nearest tested rate."""
+        for k in range(args.refine_steps if slos else 0):
+            points = [
+                (r.request_rate, r.metrics.slo_attainment) for r in results if r.series == side.name
+            ]
+            rate = next_refine_rate(points, ns.slo_attainment_target)
+            if rate is None:
+                return  # every tested rate passes: the knee lies above the sweep
+            print(f"{side.name}: refining the goodput knee at {rate:g} req/s", flush=True)
+            bench(side, url_of(side), first_index + k, rate, slos, force=True)
+
     if args.interleave:
         with running(list(runners.values())):
             rates, slos = _rates_and_slos(
@@ -1076,6 +1097,8 @@ def measure(
             for i, rate in enumerate(rates):
                 for side in sides:
                     bench(side, url_of(side), i, rate, slos)
+            for side in sides:
+                refine(side, slos, len(rates))
         return results
     plan: tuple[list[float], dict[str, float]] | None = None
     for side in sides:
@@ -1084,7 +1107,19 @@ def measure(
                 plan = _rates_and_slos(args, ns, url_of(side), sides, user_rates, want_slos, config)
             for i, rate in enumerate(plan[0]):
                 bench(side, url_of(side), i, rate, plan[1])
+            refine(side, plan[1], len(plan[0]))
     return results
+
+
+def next_refine_rate(points: Sequence[tuple[float, float]], target: float) -> float | None:
+    """Midway between the highest rate meeting the attainment target and the lowest failing
+    one above it (from 0 if none passes); None when no tested rate fails."""
+    finite = [(rate, att) for rate, att in points if math.isfinite(rate)]
+    top = max((rate for rate, att in finite if att >= target), default=0.0)
+    failing = [rate for rate, att in finite if att < target and rate > top]
+    if not failing:
+        return None
+    return round((top + min(failing)) / 2, 4)
 
 
 def _rates_and_slos(

@@ -311,8 +311,10 @@ def test_scenario_skips_higher_rates_of_a_saturated_side(tmp_path: Path) -> None
         )
     assert rc == 0
     doc = json.loads((tmp_path / "sat" / "bench.json").read_text())
-    # rates run in ascending order; after 0% attainment at 50 req/s, inf is not tried
-    assert [(r["request_rate"], r["metrics"]["slo_attainment"]) for r in doc["runs"]] == [(50, 0)]
+    # rates run in ascending order; after 0% attainment at 50 req/s, inf is not tried, and
+    # the goodput search halves the rate twice looking for one that passes
+    runs = [(r["request_rate"], r["metrics"]["slo_attainment"]) for r in doc["runs"]]
+    assert runs == [(50, 0), (25, 0), (12.5, 0)]
 
 
 def test_api_key_is_sent_as_bearer() -> None:
@@ -324,6 +326,17 @@ def test_api_key_is_sent_as_bearer() -> None:
         refused = asyncio.run(run_benchmark(reqs, bad, LoadConfig(), False)).records[0]
     assert ok.success and ok.output_tokens == 2
     assert not refused.success and refused.error.startswith("HTTP 401")
+
+
+def test_goodput_knee_bisection() -> None:
+    from perf.scenarios import next_refine_rate
+
+    assert next_refine_rate([(1, 1.0), (2, 0.95), (4, 0.5), (8, 0.0)], 0.9) == 3.0
+    assert next_refine_rate([(1, 1.0), (2, 0.95), (3, 0.92), (4, 0.5)], 0.9) == 3.5
+    assert next_refine_rate([(4, 0.2)], 0.9) == 2.0  # nothing passes: look below
+    assert next_refine_rate([(1, 1.0), (2, 0.95), (math.inf, 0.0)], 0.9) is None
+    # a noisy dip below a passing rate does not pull the search down
+    assert next_refine_rate([(1, 0.5), (2, 0.95), (4, 0.1)], 0.9) == 3.0
 
 
 def test_scenario_plan_pins_each_worker_to_its_own_cores() -> None:
