@@ -233,6 +233,16 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+def registered_workers(base_url: str) -> int:
+    """Workers the gateway knows, from its re-export of their loads on /metrics."""
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=2.0) as resp:
+            text = resp.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError, ValueError):
+        return 0
+    return sum(1 for line in text.splitlines() if line.startswith("pdserve_kv_cache_total_blocks{"))
+
+
 def service_env(values: dict[str, object], base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment that hands option values to a child ``pdserve`` command."""
     env = dict(os.environ if base is None else base)
@@ -314,14 +324,18 @@ class Launcher:
         self.children.append(spawn(worker.worker_id, service_argv(role), env))
 
     def wait_ready(self) -> bool:
-        url = f"http://{self._http_host()}:{self.gateway.port}/health"
+        """Ready = /health is 200 and every worker is in the gateway's registry (/health alone
+        needs just one decode worker; requests would otherwise run aggregated until the
+        prefill workers have loaded)."""
+        base = f"http://{self._http_host()}:{self.gateway.port}"
+        expected = self.up.prefill_workers + self.up.decode_workers
         deadline = time.monotonic() + READY_TIMEOUT
         while not self.stopping and time.monotonic() < deadline:
             dead = self._dead_child()
             if dead is not None:
                 print(f"pdserve: {dead.name} exited with {dead.popen.returncode}", file=sys.stderr)
                 return False
-            if http_ok(url, timeout=1.0):
+            if http_ok(base + "/health", timeout=1.0) and registered_workers(base) >= expected:
                 return True
             time.sleep(0.2)
         return False
