@@ -17,6 +17,11 @@ The puller checks the layout fingerprint before it connects and the server check
 before any byte moves; the server also checks the lease's secret token and that every requested
 block belongs to that lease. Leased blocks are pinned while they are being sent, so a lease that
 expires mid-transfer is freed only after the last byte left.
+
+Exposure: ucxx has no bind-address parameter - its listener (and UCX's TCP transport) listen on
+every interface, whatever ``--ucx-host`` says; ``--ucx-host`` is only the address peers are told
+to use. What keeps others out is the per-lease secret, which travels only on the (authenticated)
+bus; on untrusted networks firewall the UCX ports as well.
 """
 
 from __future__ import annotations
@@ -227,7 +232,12 @@ class KVServer:
 
         # ucxx listens on every interface; the advertised host is what peers are told to use.
         self.listener = ucxx.create_listener(self._serve, port=self.requested_port or None)
-        log.info("KV transfer listening on port %d (advertised %s)", self.port, self.advertise_host)
+        log.info(
+            "KV transfer listening on port %d of every interface (ucxx cannot bind one); "
+            "advertised as %s; pulls need a lease token",
+            self.port,
+            self.advertise_host,
+        )
 
     async def stop(self) -> None:
         for ep in list(self._endpoints):
