@@ -105,6 +105,14 @@ class BenchMetrics:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> BenchMetrics:
+        """Inverse of to_dict (after a JSON round trip)."""
+        values = dict(d)
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+            values[key] = Distribution(**d[key])
+        return cls(**values)
+
     def vllm_flat(self) -> dict[str, float | int | None]:
         """The same numbers under the key names of `vllm bench serve`'s result JSON, so its
         tooling and dashboards read our files unchanged."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,11 +51,10 @@ def result_document(
     runs: Sequence[RunResult],
     config: dict[str, Any],
     summary: dict[str, Any] | None = None,
-    detailed: bool = True,
 ) -> dict[str, Any]:
-    doc_runs = []
-    for run in runs:
-        entry: dict[str, Any] = {
+    """Everything but the per-request records (those go to a JSONL file beside it)."""
+    doc_runs = [
+        {
             "series": run.series,
             "request_rate": run.request_rate,
             "burstiness": run.burstiness,
@@ -63,17 +62,48 @@ def result_document(
             "metrics": run.metrics.to_dict(),
             "vllm": run.metrics.vllm_flat(),
         }
-        if detailed:
-            entry["records"] = [
-                asdict(r) | {"output_tokens": r.output_tokens, "tpot": request_tpot(r)}
-                for r in run.records
-            ]
-        doc_runs.append(entry)
+        for run in runs
+    ]
     return _jsonable({"config": config, "summary": summary or {}, "runs": doc_runs})
+
+
+def record_lines(runs: Sequence[RunResult]) -> Iterator[str]:
+    """One compact JSON object per request, tagged with its run; times rounded to 1 us."""
+    for i, run in enumerate(runs):
+        for r in run.records:
+            row = asdict(r)
+            for key in ("start_time", "ttft", "latency"):
+                row[key] = round(row[key], 6)
+            row["itl"] = [round(gap, 6) for gap in r.itl]
+            row |= {"run": i, "series": run.series, "request_rate": run.request_rate}
+            row |= {"output_tokens": r.output_tokens, "tpot": request_tpot(r)}
+            yield json.dumps(_jsonable(row), separators=(",", ":"), allow_nan=False)
 
 
 def write_json(path: Path, document: dict[str, Any]) -> None:
     path.write_text(json.dumps(document, indent=1, allow_nan=False) + "\n")
+
+
+def load_runs(json_path: Path) -> tuple[list[RunResult], dict[str, Any]]:
+    """Runs back from <name>.json and its <name>.records.jsonl (if written), so a saved result
+    can be re-plotted, or merged with another, without a rerun."""
+    doc = json.loads(json_path.read_text())
+    records: dict[int, list[RequestRecord]] = {}
+    jsonl = json_path.with_suffix(".records.jsonl")
+    if jsonl.exists():
+        fields = set(RequestRecord.__dataclass_fields__)
+        for line in jsonl.read_text().splitlines():
+            row = json.loads(line)
+            records.setdefault(row["run"], []).append(
+                RequestRecord(**{k: v for k, v in row.items() if k in fields})
+            )
+    runs = []
+    for i, entry in enumerate(doc["runs"]):
+        metrics = BenchMetrics.from_dict(entry["metrics"])
+        recs = records.get(i, [])
+        rate, conc = float(entry["request_rate"]), entry["max_concurrency"]
+        runs.append(RunResult(entry["series"], rate, entry["burstiness"], conc, metrics, recs))
+    return runs, doc
 
 
 def _fmt(x: float) -> str:
@@ -289,23 +319,59 @@ def write_outputs(
     plots: bool = True,
     detailed: bool = True,
 ) -> dict[str, Path]:
-    """Write <name>.json, <name>.md and the PNGs; return what was written, by kind."""
+    """Write <name>.json (+ .records.jsonl), <name>.md and the PNGs; return the paths by kind."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out_dir / f"{name}.json", "markdown": out_dir / f"{name}.md"}
-    write_json(paths["json"], result_document(runs, config, summary, detailed))
+    paths = {"json": out_dir / f"{name}.json"}
+    write_json(paths["json"], result_document(runs, config, summary))
+    if detailed:
+        paths["records"] = out_dir / f"{name}.records.jsonl"
+        paths["records"].write_text("".join(line + "\n" for line in record_lines(runs)))
+    return paths | write_report(runs, out_dir, name, summary, plots)
+
+
+def write_report(
+    runs: Sequence[RunResult],
+    out_dir: Path,
+    name: str,
+    summary: dict[str, Any] | None = None,
+    plots: bool = True,
+) -> dict[str, Path]:
+    """<name>.md and the PNGs it shows."""
+    paths = {"markdown": out_dir / f"{name}.md"}
     md = [f"# {name}", "", markdown_table(runs)]
     if summary:
         md += ["", *(f"- {k}: {v}" for k, v in summary.items()), ""]
-    if plots:
+    if plots and any(r.records for r in runs):
         paths["cdf"] = out_dir / f"{name}_latency_cdf.png"
         plot_latency_cdfs(runs, paths["cdf"], title=name)
         md.append(f"![latency CDFs]({paths['cdf'].name})")
         paths["timeline"] = out_dir / f"{name}_timeline.png"
         plot_timeline(runs, paths["timeline"], title=name)
         md.append(f"![tokens/s and requests in flight over time]({paths['timeline'].name})")
-        if len({r.request_rate for r in runs}) > 1:
-            paths["sweep"] = out_dir / f"{name}_sweep.png"
-            plot_sweep(runs, paths["sweep"], title=name)
-            md.append(f"![throughput and goodput vs rate]({paths['sweep'].name})")
+    if plots and len({r.request_rate for r in runs}) > 1:
+        paths["sweep"] = out_dir / f"{name}_sweep.png"
+        plot_sweep(runs, paths["sweep"], title=name)
+        md.append(f"![throughput and goodput vs rate]({paths['sweep'].name})")
     paths["markdown"].write_text("\n".join(md) + "\n")
     return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Re-render the markdown and plots of a saved result (its data files stay untouched)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m perf.bench.report", description=main.__doc__)
+    p.add_argument("result", type=Path, help="a <name>.json written by pdserve bench")
+    p.add_argument("--out", type=Path, default=None, help="folder (default: the result's)")
+    args = p.parse_args(argv)
+    runs, doc = load_runs(args.result)
+    out = args.out or args.result.parent
+    out.mkdir(parents=True, exist_ok=True)
+    paths = write_report(runs, out, args.result.stem, doc["summary"])
+    for kind, path in paths.items():
+        print(f"{kind}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
