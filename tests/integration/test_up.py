@@ -1,6 +1,6 @@
 """``pdserve up`` end to end: its own nats-server, 2 prefill + 2 decode workers and the gateway as
-real processes; real HTTP with the official openai client; HF transformers as the oracle; and
-SIGTERM leaves no process behind."""
+real processes; real HTTP with the official openai client; HF transformers as the oracle; a dead
+worker does not take it down; and SIGTERM leaves no process behind."""
 
 from __future__ import annotations
 
@@ -194,35 +194,6 @@ async def test_streaming_matches_hf_via_openai_client(up, llama_dir) -> None:
     await client.close()
 
 
-async def test_32_concurrent_streams_complete(up) -> None:
-    import aiohttp
-
-    async def one(session: aiohttp.ClientSession, model: str, i: int) -> str | None:
-        body = {
-            "model": model,
-            "prompt": [5 + i, 6, 7, 8, 9, 10, 11][: 3 + i % 5],
-            "max_tokens": 6,
-            "temperature": 0.8,
-            "seed": i,
-            "stream": True,
-        }
-        reason = None
-        async with session.post(up.url + "/v1/completions", json=body) as resp:
-            assert resp.status == 200, await resp.text()
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if line.startswith("data: {"):
-                    choices = json.loads(line[6:]).get("choices") or [{}]
-                    reason = choices[0].get("finish_reason") or reason
-        return reason
-
-    async with aiohttp.ClientSession() as session:
-        async with session.get(up.url + "/v1/models") as resp:
-            model = (await resp.json())["data"][0]["id"]
-        reasons = await asyncio.gather(*(one(session, model, i) for i in range(32)))
-    assert all(r in ("length", "stop") for r in reasons), reasons
-
-
 def test_both_paths_were_used(up) -> None:
     """Disaggregated requests went through prefill workers and a UCX pull; short ones stayed
     local. Worker metrics ports are consecutive from --metrics-port."""
@@ -274,21 +245,6 @@ async def used_blocks_zero(url: str, timeout: float) -> None:
         await asyncio.sleep(0.1)
 
 
-async def test_client_disconnect_frees_blocks(up) -> None:
-    import aiohttp
-
-    async with aiohttp.ClientSession() as session:
-        model = await model_id(session, up.url)
-        streams = [await open_stream(session, up.url, model, 400, i) for i in range(4)]
-        for resp in streams:
-            assert (await next_event(resp))["choices"]
-        # (worker loads reach the gateway with the next heartbeat)
-        wait_until(lambda: metric(scrape(up.url), "pdserve_kv_cache_used_blocks{") > 0, 5, "load")
-        for resp in streams:
-            resp.close()  # the client goes away mid-stream
-    await used_blocks_zero(up.url, 10)
-
-
 def pids_of(up: Up, command: str) -> list[int]:
     out = []
     for pid in descendants(up.proc.pid):
@@ -301,49 +257,11 @@ def pids_of(up: Up, command: str) -> list[int]:
     return out
 
 
-async def test_killed_decode_worker_fails_only_its_streams(up) -> None:
-    import aiohttp
-
-    victim = pids_of(up, "decode")[0]
-    async with aiohttp.ClientSession() as session:
-        model = await model_id(session, up.url)
-        streams = [await open_stream(session, up.url, model, 300, i) for i in range(8)]
-        for resp in streams:
-            assert (await next_event(resp))["choices"]
-        os.kill(victim, signal.SIGKILL)
-        killed_at = time.monotonic()
-
-        async def outcome(resp) -> tuple[str, float]:
-            reason = None
-            while (event := await next_event(resp)) is not None:
-                if "error" in event:
-                    return "error", time.monotonic() - killed_at
-                reason = (
-                    event["choices"][0].get("finish_reason") or reason
-                    if event["choices"]
-                    else reason
-                )
-            return reason or "none", time.monotonic() - killed_at
-
-        outcomes = await asyncio.wait_for(asyncio.gather(*(outcome(r) for r in streams)), 60)
-        kinds = [kind for kind, _ in outcomes]
-        assert set(kinds) == {"error", "length"}, outcomes  # both workers had streams
-        # the dead worker's streams end explicitly, within the registry's 3 s ageing + slack
-        assert all(t < 8.0 for kind, t in outcomes if kind == "error"), outcomes
-        assert urllib.request.urlopen(up.url + "/health", timeout=5).status == 200
-        # new requests go to the survivor
-        for i in range(3):
-            resp = await open_stream(session, up.url, model, 4, 100 + i)
-            events = []
-            while (event := await next_event(resp)) is not None:
-                events.append(event)
-            assert not any("error" in e for e in events), events
-    await used_blocks_zero(up.url, 10)
-
-
 async def test_killed_prefill_worker_requests_are_retried(up) -> None:
-    """Requests routed to a prefill worker that just died are retried on the other one (prefill
-    is idempotent) once it leaves the registry: they complete, late but without an error."""
+    """A dead worker does not take ``pdserve up`` down, and requests routed to a prefill worker
+    that just died are retried on the other one (prefill is idempotent) once it leaves the
+    registry: they complete, late but without an error. (Killed decode workers, disconnects and
+    32 concurrent streams are covered behind ``pdserve gateway`` in test_gateway_e2e.)"""
     import aiohttp
 
     victim = pids_of(up, "prefill")[0]
@@ -363,12 +281,13 @@ async def test_killed_prefill_worker_requests_are_retried(up) -> None:
         assert not any("error" in e for e in events), events
         assert events[-1]["choices"][0]["finish_reason"] == "length"
     await used_blocks_zero(up.url, 10)
+    assert up.proc.poll() is None
 
 
 def test_sigterm_stops_everything(up) -> None:
     family = descendants(up.proc.pid)
-    # nats-server, the surviving prefill and decode workers, gateway
-    assert len(family) >= 4, family
+    # nats-server, 1 surviving prefill worker, 2 decode workers, gateway
+    assert len(family) >= 5, family
     up.proc.send_signal(signal.SIGTERM)
     assert up.proc.wait(timeout=30) == 0
     wait_until(
