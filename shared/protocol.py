@@ -50,6 +50,15 @@ _SUBJECT_RE = re.compile(r"^[A-Za-z0-9_\-:]+(\.[A-Za-z0-9_\-:]+)*$")
 
 ROLES = ("prefill", "decode")
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# error_code values workers send (free text on the wire, so a newer worker may add codes):
+ERROR_CODES = {
+    "overloaded": "the worker's queue is full (retry elsewhere)",
+    "draining": "the worker is shutting down (retry elsewhere)",
+    "deadline": "the request's deadline passed in this worker",
+    "invalid": "this model cannot serve the request (too long, token id out of range...)",
+    "kv_transfer": "the decode worker could not pull the KV (policy fail)",
+    "internal": "a bug or an unexpected fault",
+}
 
 
 class ProtocolError(ValueError):
@@ -138,8 +147,8 @@ class PrefillResult:
     kv: KVHandle | None = _f()
     error: str | None = text()
     cached_tokens: int = count(hi=MAX_TOKENS, default=0)
-    # machine-readable error kind ("overloaded", "draining", "deadline", "cancelled", "internal",
-    # "invalid"): the gateway retries elsewhere on overloaded/draining
+    # machine-readable error kind (see ERROR_CODES); the gateway retries elsewhere on
+    # "overloaded"/"draining"
     error_code: str | None = text(max_len=32, default=None)
 
 
@@ -157,11 +166,14 @@ class DecodeRequest:
 
 @dataclass
 class TokenItem:
+    """New tokens of one request; with ``error`` set it is the request's last item, has no
+    tokens and ``finish_reason == "error"``."""
+
     request_id: str = ident()
     token_ids: list[int] = tokens()
     finish_reason: str | None = text(max_len=16, choices=FINISH_REASONS, default=None)
     error: str | None = text(default=None)
-    error_code: str | None = text(max_len=32, default=None)
+    error_code: str | None = text(max_len=32, default=None)  # see ERROR_CODES
 
 
 @dataclass
