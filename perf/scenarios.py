@@ -30,22 +30,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import copy
 import dataclasses
 import json
 import math
 import os
-import platform
-import re
-import shlex
-import shutil
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,8 +46,22 @@ from typing import Any
 import numpy as np
 
 from perf.bench.client import ClientConfig, discover_model, warm_up
-from perf.bench.metrics import compute_metrics, max_goodput_rate, parse_goodput
+from perf.bench.compare import Targets, scenario_report
+from perf.bench.metrics import compute_metrics, parse_goodput
 from perf.bench.report import RunResult, write_outputs
+from perf.bench.topology import (
+    EngineSteps,
+    Profiler,
+    RunningSide,
+    Side,
+    allocate_worker_cores,
+    machine_description,
+    parse_cpu_list,
+    plan_side,
+    running,
+    scrape_engine,
+    slug,
+)
 from perf.bench_cli import (
     CALIBRATION_SEED_OFFSET,
     WARMUP_SEED_OFFSET,
@@ -65,41 +72,7 @@ from perf.bench_cli import (
     measure_rate,
     print_summary,
 )
-from services.launcher import (
-    Child,
-    NatsServer,
-    find_nats_server,
-    free_port,
-    service_argv,
-    service_env,
-    spawn,
-)
-
-READY_TIMEOUT = 600.0
-
-
-@dataclass
-class Side:
-    """One system under test: a topology to start, or an endpoint that already runs."""
-
-    name: str
-    prefill_workers: int = 0
-    decode_workers: int = 1
-    options: dict[str, object] = field(default_factory=dict)  # pdserve options for every service
-    base_url: str | None = None  # external endpoint: nothing is started
-
-    @property
-    def num_workers(self) -> int:
-        return self.prefill_workers + self.decode_workers
-
-
-@dataclass
-class Targets:
-    """What the candidate must achieve against the baseline (ratios candidate / baseline)."""
-
-    max_p99_tpot_ratio: float | None = None
-    min_goodput_ratio: float | None = None
-    max_token_overhead_ms: float | None = None  # TPOT p50 through HTTP minus engine step time
+from services.launcher import find_nats_server, free_port
 
 
 @dataclass
@@ -173,375 +146,6 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
-# -- placement ---------------------------------------------------------------------------------
-
-
-@dataclass
-class ProcSpec:
-    """One process of a topology as it will be started."""
-
-    name: str
-    role: str  # "nats", "gateway", "prefill", "decode" or "up"
-    cores: list[int]
-    argv: list[str] = field(default_factory=list)
-    options: dict[str, object] = field(default_factory=dict)  # PDSERVE_* values
-    env: dict[str, str] = field(default_factory=dict)  # other variables (threads, devices)
-
-    def command_line(self) -> str:
-        env = {**self.env, **service_env(self.options, base={})}
-        return " ".join(
-            [*(f"{k}={shlex.quote(v)}" for k, v in env.items()), *map(shlex.quote, self.argv)]
-        )
-
-
-def cpu_list(cores: Sequence[int]) -> str:
-    return ",".join(str(c) for c in cores)
-
-
-def parse_cpu_list(text: str) -> list[int]:
-    """`0,2-4` -> [0, 2, 3, 4] (taskset's list syntax)."""
-    cores: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        cores.extend(range(int(lo), int(hi or lo) + 1))
-    if not cores:
-        raise ValueError(f"empty cpu list {text!r}")
-    return cores
-
-
-def thread_env(cores: int, device: str | None) -> dict[str, str]:
-    env = {
-        # one compute thread per pinned core: more threads than cores only contend
-        "OMP_NUM_THREADS": str(cores),
-        "MKL_NUM_THREADS": str(cores),
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONUNBUFFERED": "1",
-    }
-    if device is not None:
-        env["CUDA_VISIBLE_DEVICES"] = device
-    return env
-
-
-def plan_side(
-    side: Side,
-    worker_cores: Sequence[Sequence[int]],
-    frontend_cores: Sequence[int],
-    port: int,
-    nats_port: int,
-    devices: Sequence[str] | None,
-    mode: str,
-) -> list[ProcSpec]:
-    """The processes of one side, each with its cores, options and environment."""
-    if len(worker_cores) < side.num_workers:
-        raise ValueError(f"{side.name}: {side.num_workers} workers but {len(worker_cores)} slots")
-    taskset = ["taskset", "-c"]
-    common = {**side.options, "nats_url": f"nats://127.0.0.1:{nats_port}"}
-    if mode == "up":
-        # `pdserve up` starts every service itself: the whole tree shares one core set
-        cores = sorted({c for cs in worker_cores[: side.num_workers] for c in cs})
-        cores = sorted(set(cores) | set(frontend_cores))
-        argv = [*taskset, cpu_list(cores), *service_argv("up")]
-        argv += ["--prefill-workers", str(side.prefill_workers)]
-        argv += ["--decode-workers", str(side.decode_workers), "--port", str(port)]
-        # no nats_url here: `up` would take it as "use that server" and start none
-        # workers get metrics ports base, base+1, ... (prefill first), as `up` numbers them
-        opts = {**side.options, "metrics_port": free_port()}
-        per_worker = max(1, len(cores) // max(1, side.num_workers))
-        return [ProcSpec("up", "up", cores, argv, opts, thread_env(per_worker, None))]
-    specs = [ProcSpec("nats", "nats", list(frontend_cores), options={"port": nats_port})]
-    roles = ["prefill"] * side.prefill_workers + ["decode"] * side.decode_workers
-    counts = {"prefill": 0, "decode": 0}
-    for i, role in enumerate(roles):
-        cores = list(worker_cores[i])
-        worker_id = f"{role}-{counts[role]}"
-        counts[role] += 1
-        device = devices[i % len(devices)] if devices else None
-        specs.append(
-            ProcSpec(
-                worker_id,
-                role,
-                cores,
-                [*taskset, cpu_list(cores), *service_argv(role)],
-                # a /metrics port of its own, so the harness can read the engine's step times
-                {**common, "worker_id": worker_id, "metrics_port": free_port()},
-                thread_env(len(cores), device),
-            )
-        )
-    gateway_opts = {**common, "port": port, "host": "127.0.0.1"}
-    specs.append(
-        ProcSpec(
-            "gateway",
-            "gateway",
-            list(frontend_cores),
-            [*taskset, cpu_list(frontend_cores), *service_argv("gateway")],
-            gateway_opts,
-            thread_env(len(frontend_cores), None),
-        )
-    )
-    return specs
-
-
-def allocate_worker_cores(first: int, per_worker: int, workers: int) -> list[list[int]]:
-    return [
-        list(range(first + i * per_worker, first + (i + 1) * per_worker)) for i in range(workers)
-    ]
-
-
-# -- running a topology ------------------------------------------------------------------------
-
-
-def _pin_all_threads(pid: int, cores: Sequence[int]) -> None:
-    # nats-server is started by the launcher helper without taskset; -a pins its threads too
-    subprocess.run(
-        ["taskset", "-a", "-p", "-c", cpu_list(cores), str(pid)],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-
-
-def _log_tail(child: Child, chars: int = 3000) -> str:
-    if child.log_path is None or not child.log_path.exists():
-        return ""
-    return child.log_path.read_text(errors="replace")[-chars:]
-
-
-def _probe_completion(base_url: str, timeout: float = 30.0) -> bool:
-    """One tiny completion: the gateway is healthy before any worker has registered."""
-    body = json.dumps(
-        {"model": _model_or_default(base_url), "prompt": [65, 66, 67], "max_tokens": 1}
-    ).encode()
-    req = urllib.request.Request(
-        base_url + "/v1/completions", body, {"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status == 200
-    except (OSError, ValueError):
-        return False
-
-
-def registered_workers(base_url: str) -> dict[str, int]:
-    """Workers the gateway's registry holds, by role, from its re-exported load gauges."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        with urllib.request.urlopen(base_url + "/metrics", timeout=5) as resp:
-            text = resp.read().decode()
-    except OSError:
-        return {}
-    counts: dict[str, int] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name == "pdserve_kv_cache_total_blocks":
-            for sample in family.samples:
-                role = sample.labels.get("role", "")
-                counts[role] = counts.get(role, 0) + 1
-    return counts
-
-
-def _model_or_default(base_url: str) -> str:
-    try:
-        return asyncio.run(discover_model(base_url, timeout=5))
-    except Exception:  # noqa: BLE001 - any failure just means "not ready yet"
-        return "default"
-
-
-class RunningSide:
-    """A started topology; `stop()` takes it down gateway first, workers drained, NATS last."""
-
-    def __init__(self, side: Side, specs: list[ProcSpec], log_dir: Path, port: int) -> None:
-        self.side = side
-        self.specs = specs
-        self.log_dir = log_dir
-        self.base_url = f"http://127.0.0.1:{port}"
-        self.nats: NatsServer | None = None
-        self.children: list[Child] = []
-
-    @property
-    def metrics_urls(self) -> list[str]:
-        ports = []
-        for spec in self.specs:
-            port = int(str(spec.options.get("metrics_port") or 0))
-            if port and spec.role in ("prefill", "decode"):
-                ports.append(port)
-            elif port and spec.role == "up":
-                ports.extend(port + i for i in range(self.side.num_workers))
-        return [f"http://127.0.0.1:{port}/metrics" for port in ports]
-
-    def start(self, timeout: float = READY_TIMEOUT) -> None:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        clean = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
-        for spec in self.specs:
-            if spec.role == "nats":
-                port = int(str(spec.options["port"]))
-                self.nats = NatsServer(
-                    port=port, log_path=self.log_dir / "nats.log", workdir=self.log_dir
-                )
-                self.nats.start()
-                assert self.nats.child is not None
-                _pin_all_threads(self.nats.child.pid, spec.cores)
-                continue
-            env = service_env(spec.options, {**clean, **spec.env})
-            log = self.log_dir / f"{spec.name}.log"
-            self.children.append(spawn(spec.name, spec.argv, env, log))
-        self.wait_ready(timeout)
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            for child in self.children:
-                if not child.alive():
-                    raise RuntimeError(
-                        f"{self.side.name}: {child.name} exited with {child.popen.returncode}\n"
-                        f"{_log_tail(child)}"
-                    )
-            # every worker registered, or a disaggregated side could start out aggregated
-            # (the gateway prefills locally while no prefill worker is known)
-            workers = registered_workers(self.base_url)
-            complete = (
-                workers.get("prefill", 0) >= self.side.prefill_workers
-                and workers.get("decode", 0) >= self.side.decode_workers
-            )
-            if complete and _probe_completion(self.base_url):
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.side.name} not serving after {timeout:.0f}s")
-            time.sleep(0.5)
-
-    def stop(self, drain: float = 10.0) -> None:
-        gateways = [c for c in self.children if c.name in ("gateway", "up")]
-        workers = [c for c in self.children if c not in gateways]
-        for child in gateways:
-            child.stop(drain + 5.0)
-        for child in workers:
-            child.signal(15)
-        for child in workers:
-            child.stop(drain)
-        if self.nats is not None:
-            self.nats.stop()
-
-
-@contextlib.contextmanager
-def running(sides: list[RunningSide]) -> Iterator[list[RunningSide]]:
-    started: list[RunningSide] = []
-    try:
-        for side in sides:
-            print(f"starting {side.side.name} ...", flush=True)
-            started.append(side)
-            side.start()
-            print(f"{side.side.name} serving at {side.base_url}", flush=True)
-        yield sides
-    finally:
-        for side in reversed(started):
-            side.stop()
-
-
-class Profiler:
-    """py-spy on every Python service of a side for exactly one measured run.
-
-    Sampling is non-blocking (the process is never paused), so the profile costs the server a
-    little CPU but no latency spikes. Flame graphs land in <run folder>/profiles/.
-    """
-
-    def __init__(self, binary: str, out_dir: Path, fmt: str = "flamegraph", rate: int = 100):
-        self.binary, self.out_dir, self.fmt, self.rate = binary, out_dir, fmt, rate
-        self.active: list[subprocess.Popen] = []
-        self.files: list[Path] = []
-
-    @staticmethod
-    def find(explicit: str | None) -> str:
-        for candidate in (explicit, str(Path(sys.executable).parent / "py-spy")):
-            if candidate and Path(candidate).exists():
-                return candidate
-        found = shutil.which("py-spy")
-        if found is None:
-            raise SystemExit("--py-spy needs py-spy: pip install py-spy, or pass --py-spy-bin")
-        return found
-
-    def start(self, runner: RunningSide, label: str) -> None:
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        ext = {"flamegraph": "svg", "speedscope": "json", "raw": "txt"}[self.fmt]
-        for child in runner.children:
-            out = self.out_dir / f"{_slug(runner.side.name)}-{_slug(label)}-{child.name}.{ext}"
-            argv = [self.binary, "record", "--nonblocking", "--rate", str(self.rate)]
-            argv += ["--format", self.fmt, "--output", str(out), "--pid", str(child.pid)]
-            if child.name == "up":
-                argv.append("--subprocesses")  # the services are the launcher's children
-            log = open(self.out_dir / "py-spy.log", "ab")  # noqa: SIM115 - the child owns it
-            self.active.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
-            log.close()
-            self.files.append(out)
-
-    def stop(self) -> None:
-        # SIGINT makes py-spy write what it sampled and exit
-        for proc in self.active:
-            proc.send_signal(signal.SIGINT)
-        for proc in self.active:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self.active.clear()
-
-
-# -- measuring ---------------------------------------------------------------------------------
-
-DECODE_STEP = "pdserve_worker_decode_step_seconds"
-PREFILL_TIME = "pdserve_worker_prefill_time_seconds"
-
-
-@dataclass
-class EngineCounters:
-    """Cumulative counters of a side's workers, read from their /metrics pages."""
-
-    decode_step_seconds: float = 0.0
-    decode_steps: float = 0.0
-    remote_prefills: float = 0.0  # prompts prefilled by prefill workers (not locally)
-
-
-def scrape_engine(urls: Sequence[str]) -> EngineCounters:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    c = EngineCounters()
-    for url in urls:
-        try:
-            with urllib.request.urlopen(url, timeout=5) as resp:
-                text = resp.read().decode()
-        except OSError:
-            continue  # a worker that is gone adds nothing; the run's own numbers will show it
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == DECODE_STEP + "_sum":
-                    c.decode_step_seconds += sample.value
-                elif sample.name == DECODE_STEP + "_count":
-                    c.decode_steps += sample.value
-                elif sample.name == PREFILL_TIME + "_count" and sample.labels.get("role") == (
-                    "prefill"
-                ):
-                    c.remote_prefills += sample.value
-    return c
-
-
-@dataclass
-class EngineSteps:
-    """What the workers did during one measured run."""
-
-    steps: int
-    mean_ms: float
-    remote_prefills: int = 0
-    warning: str = ""
-
-    @classmethod
-    def between(cls, before: EngineCounters, after: EngineCounters) -> EngineSteps:
-        steps = int(after.decode_steps - before.decode_steps)
-        seconds = after.decode_step_seconds - before.decode_step_seconds
-        remote = int(after.remote_prefills - before.remote_prefills)
-        return cls(steps, 1000.0 * seconds / steps if steps else 0.0, remote)
-
-
 def _client_config(ns: argparse.Namespace, base_url: str) -> ClientConfig:
     model = ns.model or asyncio.run(discover_model(base_url, ns.api_key))
     return client_config(ns, base_url, model)
@@ -596,219 +200,6 @@ def calibrate(ns: argparse.Namespace, base_url: str, count: int) -> Calibration:
     if m.completed == 0:
         raise RuntimeError("calibration requests all failed")
     return Calibration(m.ttft_ms.p(90), m.tpot_ms.p(90), m.e2el_ms.mean / 1000.0)
-
-
-def scenario_report(
-    results: list[RunResult],
-    scenario: Scenario,
-    target_attainment: float,
-    workload: str = "",
-    engine_steps: dict[str, EngineSteps] | None = None,
-) -> tuple[str, dict[str, Any]]:
-    """comparison.md and its numbers: candidate/baseline ratios per rate and overall, engine
-    step times against the latency seen through HTTP, each checked against the targets."""
-    base_name, cand_name = scenario.baseline, scenario.candidate
-    series = {r.series for r in results}
-    paired = base_name in series and cand_name in series
-    title = f"# {scenario.name}" + (f": {cand_name} vs {base_name}" if paired else "")
-    lines = [title, "", scenario.description, ""]
-    if workload:
-        lines += [f"Workload: {workload}.", ""]
-    summary: dict[str, Any] = {}
-    verdicts: list[str] = []
-    t = scenario.targets
-    if paired:
-        lines += _comparison_section(results, scenario, target_attainment, summary, verdicts)
-    if engine_steps:
-        lines += _engine_section(results, engine_steps, t, summary, verdicts)
-    if verdicts:
-        lines += ["", *(f"- {v}" for v in verdicts)]
-    return "\n".join(lines) + "\n", summary
-
-
-def _verdict(ok: bool) -> str:
-    return "met" if ok else "MISSED"
-
-
-def _comparison_section(
-    results: list[RunResult],
-    scenario: Scenario,
-    target_attainment: float,
-    summary: dict[str, Any],
-    verdicts: list[str],
-) -> list[str]:
-    base_name, cand_name = scenario.baseline, scenario.candidate
-    by = {(r.series, r.request_rate): r for r in results}
-    lines = [
-        "| rate (req/s) | p99 TTFT base | p99 TTFT cand | ratio | p99 TPOT base | p99 TPOT cand "
-        "| ratio | goodput base | goodput cand | ratio | attain. base | attain. cand |",
-        "|" + "---|" * 12,
-    ]
-    rows = []
-    for rate in sorted({r.request_rate for r in results}):
-        b, c = by.get((base_name, rate)), by.get((cand_name, rate))
-        if b is None or c is None:
-            continue
-        bm, cm = b.metrics, c.metrics
-        row = {
-            "rate": rate,
-            "ttft_p99_ratio": _ratio(cm.ttft_ms.p(99), bm.ttft_ms.p(99)),
-            "tpot_p99_ratio": _ratio(cm.tpot_ms.p(99), bm.tpot_ms.p(99)),
-            "goodput_ratio": _ratio(cm.request_goodput, bm.request_goodput),
-        }
-        rows.append(row)
-        lines.append(
-            f"| {b.rate_label} | {bm.ttft_ms.p(99):.1f} | {cm.ttft_ms.p(99):.1f} | "
-            f"{_fmt_ratio(row['ttft_p99_ratio'])} | {bm.tpot_ms.p(99):.2f} | "
-            f"{cm.tpot_ms.p(99):.2f} | {_fmt_ratio(row['tpot_p99_ratio'])} | "
-            f"{bm.request_goodput:.3f} | {cm.request_goodput:.3f} | "
-            f"{_fmt_ratio(row['goodput_ratio'])} | {100 * bm.slo_attainment:.0f}% | "
-            f"{100 * cm.slo_attainment:.0f}% |"
-        )
-
-    def max_rate(name: str | None) -> float | None:
-        pts = [(r.request_rate, r.metrics.slo_attainment) for r in results if r.series == name]
-        return max_goodput_rate(pts, target_attainment)
-
-    gb, gc = max_rate(base_name), max_rate(cand_name)
-    ratio = _ratio(gc, gb)
-    summary.update(
-        baseline=base_name,
-        candidate=cand_name,
-        per_rate=rows,
-        distserve_goodput_base=gb,
-        distserve_goodput_cand=gc,
-        distserve_goodput_ratio=ratio,
-    )
-    lines += [
-        "",
-        f"DistServe goodput (highest rate with >= {target_attainment:.0%} SLO attainment, "
-        f"tested rates only): {base_name} {gb}, {cand_name} {gc}, ratio {_fmt_ratio(ratio)}",
-    ]
-    for name, value in ((base_name, gb), (cand_name, gc)):
-        if value is None:
-            lines.append(
-                f"- {name} met the SLOs for {target_attainment:.0%} of requests at no tested "
-                "rate: sweep lower rates (--rate-factors) or relax the SLOs to find its goodput."
-            )
-    t = scenario.targets
-    # judge TPOT at the highest rate both sides served, where interference is worst
-    if rows and t.max_p99_tpot_ratio is not None:
-        r = rows[-1]["tpot_p99_ratio"]
-        ok = r is not None and r <= t.max_p99_tpot_ratio
-        verdicts.append(
-            f"p99 TPOT ratio at the highest rate {_fmt_ratio(r)} "
-            f"(target <= {t.max_p99_tpot_ratio}x): {_verdict(ok)}"
-        )
-        summary["tpot_target_met"] = ok
-    if t.min_goodput_ratio is not None:
-        ok = ratio is not None and ratio >= t.min_goodput_ratio
-        verdicts.append(
-            f"goodput ratio {_fmt_ratio(ratio)} (target >= {t.min_goodput_ratio}x): {_verdict(ok)}"
-        )
-        summary["goodput_target_met"] = ok
-    return lines
-
-
-def _engine_section(
-    results: list[RunResult],
-    engine_steps: dict[str, EngineSteps],
-    t: Targets,
-    summary: dict[str, Any],
-    verdicts: list[str],
-) -> list[str]:
-    """What the HTTP path adds per token: TPOT seen by the client minus the engine's step."""
-    lines = [
-        "",
-        "| run | p50 TPOT (HTTP) | p50 ITL (HTTP) | engine decode step mean | overhead per token "
-        "| decode steps | prompts prefilled remotely |",
-        "|" + "---|" * 7,
-    ]
-    rows = {}
-    for r in results:
-        key = f"{r.series} @ {r.rate_label}"
-        steps = engine_steps.get(key)
-        if steps is None or not steps.steps:
-            continue
-        # TPOT minus the step time is a per-token cost only when each step decodes this one
-        # request; with a batch, a step serves many requests and the difference means nothing
-        overhead = r.metrics.tpot_ms.median - steps.mean_ms if r.max_concurrency == 1 else None
-        rows[key] = {
-            "tpot_p50_ms": r.metrics.tpot_ms.median,
-            "itl_p50_ms": r.metrics.itl_ms.median,
-            "engine_step_mean_ms": steps.mean_ms,
-            "overhead_ms": overhead,
-            "decode_steps": steps.steps,
-            "remote_prefills": steps.remote_prefills,
-        }
-        lines.append(
-            f"| {key} | {r.metrics.tpot_ms.median:.3f} | {r.metrics.itl_ms.median:.3f} | "
-            f"{steps.mean_ms:.3f} | {'n/a' if overhead is None else f'{overhead:.3f}'} | "
-            f"{steps.steps} | {steps.remote_prefills} |"
-        )
-        if steps.warning:
-            verdicts.append(f"WARNING: {steps.warning}; this run does not measure what it says")
-    lines += [
-        "",
-        "Overhead = p50 TPOT through the API minus the mean decode step the workers timed "
-        "(their Prometheus histogram), shown for runs with one request at a time; "
-        "ITL is per SSE chunk, and a chunk may carry several tokens while the detokenizer waits "
-        "for a whole UTF-8 character.",
-    ]
-    summary["engine"] = rows
-    overheads = [row["overhead_ms"] for row in rows.values() if row["overhead_ms"] is not None]
-    if t.max_token_overhead_ms is not None and overheads:
-        worst = max(overheads)
-        ok = worst <= t.max_token_overhead_ms
-        verdicts.append(
-            f"per-token overhead {worst:.3f} ms at p50 (target <= {t.max_token_overhead_ms} ms): "
-            f"{_verdict(ok)}"
-        )
-        summary["overhead_target_met"] = ok
-    return lines
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
-
-
-def _fmt_ratio(r: float | None) -> str:
-    return "n/a" if r is None else f"{r:.2f}x"
-
-
-def machine_description() -> dict[str, Any]:
-    cpu = platform.processor()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    desc: dict[str, Any] = {
-        "host_cpus": os.cpu_count(),
-        "usable_cpus": sorted(os.sched_getaffinity(0)),
-        "cpu": cpu,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
-    with contextlib.suppress(OSError, ValueError):
-        kb = next(
-            int(x.split()[1])
-            for x in Path("/proc/meminfo").read_text().splitlines()
-            if x.startswith("MemTotal")
-        )
-        desc["memory_gib"] = round(kb / 2**20, 1)
-    with contextlib.suppress(Exception):
-        # versions from package metadata: importing torch here would cost seconds
-        from importlib.metadata import version
-
-        desc["torch"] = version("torch")
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        gpus = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
-        if gpus.returncode == 0:
-            desc["gpus"] = gpus.stdout.strip().splitlines()
-    return desc
 
 
 # -- command line ------------------------------------------------------------------------------
@@ -954,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         if side.base_url is None:
             port = args.port + len(runners) if args.port else free_port()
             specs = plan_side(side, slots, frontend, port, free_port(), devices, args.mode)
-            runners[side.name] = RunningSide(side, specs, out_dir / "logs" / _slug(side.name), port)
+            runners[side.name] = RunningSide(side, specs, out_dir / "logs" / slug(side.name), port)
 
     _print_plan(scenario, sides, list(runners.values()), ns, requests, slots, args)
     if args.dry_run:
@@ -1150,10 +541,6 @@ def _rates_and_slos(
         )
     config["slos_ms"], config["rates"] = slos, rates
     return rates, slos
-
-
-def _slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def describe_workload(ns: argparse.Namespace, requests: list[Any]) -> str:

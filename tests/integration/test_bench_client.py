@@ -365,13 +365,14 @@ def test_goodput_knee_bisection() -> None:
 
 def test_scenario_plan_pins_each_worker_to_its_own_cores() -> None:
     from perf import scenarios
+    from perf.bench import topology
 
-    assert scenarios.parse_cpu_list("0,2-4") == [0, 2, 3, 4]
-    slots = scenarios.allocate_worker_cores(first=1, per_worker=2, workers=2)
+    assert topology.parse_cpu_list("0,2-4") == [0, 2, 3, 4]
+    slots = topology.allocate_worker_cores(first=1, per_worker=2, workers=2)
     assert slots == [[1, 2], [3, 4]]
     disagg, agg = scenarios.SCENARIOS["disagg-vs-agg"].sides
     plans = {
-        side.name: scenarios.plan_side(side, slots, [0], 8100, 4222, None, "services")
+        side.name: topology.plan_side(side, slots, [0], 8100, 4222, None, "services")
         for side in (disagg, agg)
     }
     by_role = {name: [(p.role, p.cores) for p in plan] for name, plan in plans.items()}
@@ -399,12 +400,12 @@ def test_scenario_plan_pins_each_worker_to_its_own_cores() -> None:
         assert len({w.options["worker_id"] for w in workers}) == len(workers)
         gateway = plan[-1]
         assert gateway.argv[:3] == ["taskset", "-c", "0"] and gateway.options["port"] == 8100
-    up = scenarios.plan_side(disagg, slots, [0], 8100, 4222, None, "up")
+    up = topology.plan_side(disagg, slots, [0], 8100, 4222, None, "up")
     assert len(up) == 1 and up[0].argv[:3] == ["taskset", "-c", "0,1,2,3,4"]
     assert up[0].argv[-6:] == ["--prefill-workers", "1", "--decode-workers", "1", "--port", "8100"]
     assert "nats_url" not in up[0].options  # `up` must start its own NATS
     with pytest.raises(ValueError):
-        scenarios.plan_side(agg, slots[:1], [0], 8100, 4222, None, "services")
+        topology.plan_side(agg, slots[:1], [0], 8100, 4222, None, "services")
 
 
 def test_engine_step_scrape_and_overhead_report() -> None:
@@ -412,6 +413,8 @@ def test_engine_step_scrape_and_overhead_report() -> None:
     from prometheus_client import CollectorRegistry, start_http_server
 
     from perf import scenarios
+    from perf.bench import topology
+    from perf.bench.compare import scenario_report
     from perf.bench.metrics import compute_metrics
     from perf.bench.report import RunResult
     from shared.metrics import WorkerMetrics
@@ -431,14 +434,14 @@ def test_engine_step_scrape_and_overhead_report() -> None:
         urls = [d_url, p_url, "http://127.0.0.1:1/metrics"]  # the last one is dead
         for _ in range(3):
             decode.decode_step_time.observe(0.010)  # before the run: must not count
-        before = scenarios.scrape_engine(urls)
+        before = topology.scrape_engine(urls)
         assert (before.decode_step_seconds, before.decode_steps) == pytest.approx((0.030, 3))
         for _ in range(4):
             decode.decode_step_time.observe(0.002)
         for _ in range(2):
             prefill.prefill_time.observe(0.05)
         decode.prefill_time.observe(0.05)  # a local prefill is not a remote one
-        steps = scenarios.EngineSteps.between(before, scenarios.scrape_engine(urls))
+        steps = topology.EngineSteps.between(before, topology.scrape_engine(urls))
     finally:
         for server, thread in ((d_server, d_thread), (p_server, p_thread)):
             server.shutdown()
@@ -451,10 +454,10 @@ def test_engine_step_scrape_and_overhead_report() -> None:
     rec.latency, rec.usage_tokens = 0.02, 5
     run = RunResult("side", math.inf, 1.0, 1, compute_metrics([rec], 1.0), [rec])
     scenario = scenarios.SCENARIOS["token-overhead"]
-    md, summary = scenarios.scenario_report([run], scenario, 0.9, "", {"side @ inf": steps})
+    md, summary = scenario_report([run], scenario, 0.9, "", {"side @ inf": steps})
     assert summary["engine"]["side @ inf"]["overhead_ms"] == pytest.approx(0.5)
     assert summary["overhead_target_met"] is True
     assert "per-token overhead 0.500 ms at p50 (target <= 1.0 ms): met" in md
     steps.warning = "side @ inf: only 0 of 1 prompts were prefilled on prefill workers"
-    md, _ = scenarios.scenario_report([run], scenario, 0.9, "", {"side @ inf": steps})
+    md, _ = scenario_report([run], scenario, 0.9, "", {"side @ inf": steps})
     assert "WARNING: side @ inf: only 0 of 1 prompts" in md
