@@ -1,4 +1,6 @@
-"""Results on disk: one JSON file, a markdown table, and PNG plots.
+"""Results on disk: <name>.json (config, metrics, summary), <name>.records.jsonl (one line per
+request), <name>.md (a table per run) and PNG plots (latency CDFs, activity over time, and
+throughput/goodput/SLO attainment against request rate for sweeps).
 
 A result holds one or more runs; several runs are a sweep over request rates, and the
 scenario harness puts several labelled series (e.g. "disaggregated", "aggregated") side by side.
