@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +107,10 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         raise bad_request(f"Request body must be a JSON object, not {_json_type(body)}")
     if _depth(body) > MAX_NESTING:
         raise bad_request(f"Request body is nested deeper than {MAX_NESTING} levels")
+    if _has_lone_surrogate(body):
+        # JSON's \ud800-style escapes can encode half a character, which is not text: the
+        # tokenizer and UTF-8 output would both fail on it later.
+        raise bad_request("Request body contains an unpaired UTF-16 surrogate escape")
     return body
 
 
@@ -130,6 +135,24 @@ def _depth(value: Any) -> int:
             return deepest
         stack.extend((child, level + 1) for child in children)
     return deepest
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            if _SURROGATE.search(node):
+                return True
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
 
 
 def _json_type(value: Any) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
@@ -350,6 +350,8 @@ async def test_bad_input_is_a_4xx_openai_error(gw: Harness):
         ("/v1/completions", b"\xff\xfe\x00", 400, None),
         ("/v1/completions", b"[1,2,3]", 400, None),
         ("/v1/completions", b"[" * 20_000 + b"]" * 20_000, 400, None),
+        ("/v1/completions", b'{"model": "tiny-gw", "prompt": "a\\ud83d"}', 400, None),
+        ("/v1/completions", b'{"model": "\\udc00", "prompt": "a"}', 400, None),
         ("/v1/completions", {**COMPLETION, "logit_bias": {"1": 2}}, 400, "logit_bias"),
         ("/v1/completions", {**COMPLETION, "temperature": 3}, 400, "temperature"),
         ("/v1/completions", {**COMPLETION, "top_p": 0}, 400, "top_p"),
@@ -817,12 +819,15 @@ async def test_pdserve_gateway_command_traces_and_stops(nats_url, model_dir, tok
 
 # ----------------------------------------------------------------------------- fuzz
 
+# Any code point, lone surrogates included (json.dumps sends them as \udXXX escapes).
+any_text = st.text(alphabet=st.characters(exclude_categories=()), max_size=20)
 json_values = st.recursive(
     st.none()
     | st.booleans()
     | st.integers(min_value=-(2**70), max_value=2**70)
     | st.floats(allow_nan=False)
-    | st.text(max_size=20),
+    | st.text(max_size=20)
+    | any_text,
     lambda children: (
         st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
     ),
@@ -836,7 +841,9 @@ field_names = st.sampled_from(
 plausible = st.fixed_dictionaries(
     {"model": st.sampled_from([MODEL, "other", ""])},
     optional={
-        "prompt": st.one_of(st.text(max_size=30), st.lists(st.integers(-5, 400), max_size=6)),
+        "prompt": st.one_of(
+            st.text(max_size=30), any_text, st.lists(st.integers(-5, 400), max_size=6)
+        ),
         "messages": st.lists(
             st.fixed_dictionaries(
                 {"role": st.sampled_from(["user", "system", "assistant", "x"])},
@@ -857,20 +864,66 @@ bodies = st.one_of(
     json_values,
     st.binary(max_size=40),
 )
+# Valid requests with random optional parameters, so the fuzz also drives real generations.
+valid_options = {
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1),
+    "top_k": st.integers(-1, 50),
+    "seed": st.integers(0, 2**31),
+    "stop": st.one_of(
+        st.text(min_size=1, max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=3)
+    ),
+    "stream": st.booleans(),
+    "ignore_eos": st.booleans(),
+}
+valid_completion = st.fixed_dictionaries(
+    {
+        "model": st.just(MODEL),
+        "prompt": st.one_of(
+            st.text(min_size=1, max_size=30), st.lists(st.integers(0, 299), min_size=1, max_size=6)
+        ),
+        "max_tokens": st.integers(1, 8),
+    },
+    optional=valid_options,
+)
+valid_chat = st.fixed_dictionaries(
+    {
+        "model": st.just(MODEL),
+        "messages": st.lists(
+            st.fixed_dictionaries(
+                {
+                    "role": st.sampled_from(["user", "system", "assistant"]),
+                    "content": st.text(max_size=20),
+                }
+            ),
+            min_size=1,
+            max_size=3,
+        ),
+        "max_tokens": st.integers(1, 8),
+    },
+    optional=valid_options,
+)
+requests = st.one_of(
+    st.tuples(st.just("/v1/completions"), valid_completion),
+    st.tuples(st.just("/v1/chat/completions"), valid_chat),
+    st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]), bodies),
+)
 
 
 @settings(
-    max_examples=150,
+    max_examples=300,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@given(body=bodies, path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
-async def test_fuzz_never_5xx(gw: Harness, body, path):
+@given(case=requests)
+async def test_fuzz_never_5xx(gw: Harness, case):
+    path, body = case
     if isinstance(body, dict) and isinstance(body.get("max_tokens"), int):
         body["max_tokens"] = min(body["max_tokens"], 8)  # keep the run short
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     async with gw.session.post(gw.base + path, data=data) as r:
         payload = await r.read()
+        event(f"HTTP {r.status}")
         assert r.status < 500, (r.status, payload[:300])
         if r.status >= 400:
             assert_openai_error(json.loads(payload))

@@ -42,6 +42,8 @@ def error_of(fn, *args) -> APIError:
         b"[" * 100_000 + b"]" * 100_000,
         b'{"a":' * 40 + b"1" + b"}" * 40,
         b'{"max_tokens": ' + b"9" * 5000 + b"}",
+        b'{"prompt": "a\\ud800b"}',
+        b'{"messages": [{"\\udfff": 1}]}',
     ],
 )
 def test_bad_bodies(raw):
@@ -50,6 +52,8 @@ def test_bad_bodies(raw):
 
 
 def test_good_body():
+    # A surrogate pair escape is one real character, unlike a lone half.
+    assert parse_json_body(b'{"prompt": "\\ud83d\\ude00"}') == {"prompt": "\U0001f600"}
     assert parse_json_body('{"model": "m", "prompt": "é"}'.encode()) == {
         "model": "m",
         "prompt": "é",
