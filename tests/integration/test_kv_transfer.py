@@ -189,3 +189,21 @@ def test_lease_expiry_and_pinning() -> None:
     assert not leases.release("a")  # exactly once
     assert leases.release("c") and freed == ["a", "b", "c"]
     assert len(leases) == 0
+
+
+async def test_timed_out_pull_leaves_server_and_lease_usable() -> None:
+    async with Pair() as p:
+        warm = p.lease("r0", [31], 1)
+        await p.client.pull("r0", warm, [0])  # the endpoint exists: the timeout hits the pull
+        handle = p.lease("r1", list(range(16)), 16 * BLOCK)
+        with pytest.raises(KVTransferError, match="timed out"):
+            await p.client.pull("r1", handle, list(range(16, 32)), timeout=1e-4)
+        assert p.client._peers == {}  # the half-used endpoint is gone
+        # the server notices the dead endpoint; the lease is not left pinned
+        for _ in range(100):
+            if p.leases.leases["r1"].pins == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert p.leases.leases["r1"].pins == 0
+        await p.client.pull("r1", handle, list(range(16, 32)))
+        assert torch.equal(p.dst[16:32], p.src[0:16])
