@@ -210,6 +210,7 @@ def make_parser() -> argparse.ArgumentParser:
 # prefix cache can never answer a later run from an earlier one. Every side of a comparison
 # still gets the very same prompts for the same rate.
 WARMUP_SEED_OFFSET = 1_000_003
+CLIENT_BUSY = 0.7  # client CPU per wall second above which its numbers are suspect
 CALIBRATION_SEED_OFFSET = 2_000_003
 
 
@@ -296,6 +297,7 @@ async def measure_rate(
     load = LoadConfig(rate, ns.burstiness, conc, ns.seed + seed_offset)
     run = await run_benchmark(requests, cfg, load, ns.progress, desc=f"{series} @ {rate:g}/s")
     metrics = compute_metrics(run.records, run.duration, slos, ns.percentiles)
+    metrics.client_cpu_fraction = run.client_cpu_s / run.duration
     return RunResult(series, rate, ns.burstiness, conc, metrics, run.records)
 
 
@@ -333,6 +335,11 @@ def print_summary(result: Any) -> None:
     if m.goodput_slos_ms:
         lines.append(
             f"goodput: {m.request_goodput:.2f} req/s, SLO attainment {100 * m.slo_attainment:.1f}%"
+        )
+    if m.client_cpu_fraction > CLIENT_BUSY:
+        lines.append(
+            f"warning: the bench client used {m.client_cpu_fraction:.0%} of a core; it may be "
+            "the bottleneck (run it on its own cores, or lower the load)"
         )
     if m.output_len_mismatches:
         lines.append(f"warning: {m.output_len_mismatches} requests returned != max_tokens tokens")

@@ -81,6 +81,7 @@ class BenchRun:
     records: list[RequestRecord]
     duration: float  # from the first send to the last request's end
     load: LoadConfig
+    client_cpu_s: float = 0.0  # CPU time this process spent meanwhile (client saturation check)
 
 
 def completion_body(cfg: ClientConfig, req: BenchRequest) -> dict[str, Any]:
@@ -225,6 +226,7 @@ async def run_benchmark(
             bar.update(1)
             return rec
 
+        cpu_start = time.process_time()
         start = time.perf_counter()
         tasks = [
             asyncio.create_task(one(i, req, start))
@@ -232,5 +234,6 @@ async def run_benchmark(
         ]
         records = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - start
+        cpu = time.process_time() - cpu_start
     bar.close()
-    return BenchRun(records, duration, load)
+    return BenchRun(records, duration, load, cpu)

@@ -101,6 +101,9 @@ class BenchMetrics:
     good_requests: int = 0
     request_goodput: float = 0.0  # good requests / s
     slo_attainment: float = 0.0  # good requests / all requests
+    # CPU seconds the client itself used per second of run: near 1 it is one busy core, and
+    # its own event loop, not the server, may be setting the latencies
+    client_cpu_fraction: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)

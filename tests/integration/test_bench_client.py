@@ -145,6 +145,7 @@ def test_records_match_server_timings(server_url: str) -> None:
     assert paired.success and len(paired.itl) == 3
     assert paired.chunk_tokens == 4  # one text chunk counts one token without token ids...
     assert paired.output_tokens == 7  # ...so the usage chunk's count is the one used
+    assert 0 < run.client_cpu_s  # process CPU time, measured for the saturation warning
     cut = run.records[8]
     assert not cut.success and "without [DONE] after 2 tokens" in cut.error
     # all sent at once: the whole run takes about one request's time, not eight
@@ -222,6 +223,7 @@ def test_cli_writes_consistent_outputs(server_url: str, tmp_path: Path) -> None:
         # tpot SLO of 1 ms is impossible here, so no request is good
         assert m["good_requests"] == 0 and m["slo_attainment"] == 0.0
         assert m["goodput_slos_ms"] == {"ttft": 5000.0, "tpot": 1.0}
+        assert 0 < m["client_cpu_fraction"]
     assert not math.isnan(doc["runs"][0]["metrics"]["duration_s"])
     md = (tmp_path / "fake.md").read_text()
     assert "| pdserve | 200 | 10/0 |" in md and "| pdserve | inf | 10/0 |" in md
