@@ -281,8 +281,12 @@ class Launcher:
         self.gpus: list[str] = []
         self.children: list[Child] = []
         self.stopping = False
+        self.force = False
 
     def _on_signal(self, signum: int, frame: object) -> None:
+        if self.stopping:  # a second Ctrl-C: stop waiting for drains
+            self.force = True
+            print("pdserve: forcing shutdown", file=sys.stderr, flush=True)
         self.stopping = True
 
     def start(self) -> None:
@@ -370,18 +374,19 @@ class Launcher:
         return 0
 
     def stop(self) -> None:
-        """Gateway first (no new requests), then workers drain, NATS last (drain needs it)."""
+        """Gateway first: it refuses new requests and finishes its streams while the workers
+        still serve them. Then the workers drain, NATS last (draining needs it). A second
+        signal cuts every wait short."""
         gateways = [c for c in self.children if c.name == "gateway"]
         workers = [c for c in self.children if c.name != "gateway"]
-        for child in gateways:
-            child.stop(STOP_GRACE)
-        for child in workers:
-            child.signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.worker.drain_seconds + STOP_GRACE
-        for child in workers:
-            child.wait(deadline - time.monotonic())
-        for child in workers:
-            child.stop(0.0)
+        for group in (gateways, workers):
+            for child in group:
+                child.signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.worker.drain_seconds + STOP_GRACE
+            while any(c.alive() for c in group) and time.monotonic() < deadline and not self.force:
+                time.sleep(0.05)
+            for child in group:
+                child.stop(0.0)  # SIGKILL whatever is left, reap the group
         if self.nats is not None:
             self.nats.stop()
 
