@@ -20,6 +20,7 @@ MAX_NESTING = 32  # deeper JSON than this is never a legitimate request
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_SEED = 2**63 - 1
+MAX_TOP_K = 2**31 - 1  # the wire protocol's token-id bound
 ALLOWED_ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -40,7 +41,9 @@ SAMPLING_FIELDS: tuple[NumberField, ...] = (
     NumberField("max_tokens", "integer", "most tokens to generate", minimum=1),
     NumberField("temperature", "number", "sampling temperature; 0 is greedy", 0.0, 2.0),
     NumberField("top_p", "number", "nucleus sampling mass", 0.0, 1.0, exclusive_minimum=True),
-    NumberField("top_k", "integer", "sample among the k likeliest tokens; -1 or 0 is off", -1),
+    NumberField(
+        "top_k", "integer", "sample among the k likeliest tokens; -1 or 0 is off", -1, MAX_TOP_K
+    ),
     NumberField("seed", "integer", "per-request sampling seed", -MAX_SEED, MAX_SEED),
     NumberField("n", "integer", "number of choices; only 1 is supported", 1, 1),
 )

@@ -27,6 +27,7 @@ from opentelemetry.context import Context
 
 from gateway.router import Router
 from services.engine.sampling import SamplingParams
+from shared import protocol
 from shared.bus import Bus
 from shared.discovery import LEFT, WorkerRegistry
 from shared.protocol import (
@@ -52,6 +53,10 @@ TYPICAL_OUTPUT_TOKENS = 256
 
 class NoWorker(Exception):
     """No worker can take the request now (answer 503 with Retry-After)."""
+
+
+class NotSendable(Exception):
+    """The request does not fit the wire protocol (its bounds or the bus message size)."""
 
 
 class StageTimeout(Exception):
@@ -166,6 +171,7 @@ class Dispatcher:
         Raises NoWorker before anything was sent, StageTimeout or WorkerFailure on faults.
         Closing the generator early (client gone, stop string) cancels the request.
         """
+        self._check_wire(request_id, prompt_token_ids, sampling)
         pending = _Pending()
         self._pending[request_id] = pending
         headers = inject_headers(context=context)
@@ -263,6 +269,15 @@ class Dispatcher:
                 # Runs even while the handler is being cancelled (client gone), so it must not
                 # await anything that the cancellation could interrupt.
                 self._spawn(self.cancel(request_id))
+
+    def _check_wire(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> None:
+        """Refuse up front what a worker's decoder would drop: a dropped request would only
+        surface as a timeout much later."""
+        probe = DecodeRequest(request_id, prompt, [], sampling, None, self.inbox, time.time())
+        try:
+            protocol.decode(protocol.encode(probe), self.bus.max_bytes)
+        except protocol.ProtocolError as exc:
+            raise NotSendable(str(exc)) from None
 
     def _wants_prefill(self, prompt_len: int) -> bool:
         if not self.router.has_prefill():

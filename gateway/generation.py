@@ -19,7 +19,7 @@ from opentelemetry import trace
 
 from gateway.api_models import GenerationParams, check_length
 from gateway.detokenizer import IncrementalDetokenizer
-from gateway.dispatch import NoWorker, StageTimeout, TokenEvent, WorkerFailure
+from gateway.dispatch import NotSendable, NoWorker, StageTimeout, TokenEvent, WorkerFailure
 from gateway.errors import APIError, overloaded, server_error, timeout_error
 from gateway.sse import SSEWriter
 from gateway.state import ARRIVED_KEY, REQUEST_ID_KEY, Gateway
@@ -90,6 +90,8 @@ class Progress:
 
 
 def _fault(exc: Exception) -> APIError:
+    if isinstance(exc, NotSendable):
+        return APIError(400, f"The request cannot be sent to the workers: {exc}")
     if isinstance(exc, NoWorker):
         return overloaded(f"{exc}; retry shortly", retry_after=1.0)
     if isinstance(exc, StageTimeout):
@@ -218,7 +220,7 @@ async def _complete(
                     break  # closing the generator cancels the rest on the workers
                 if event.finish_reason is not None:
                     progress.finish_reason = event.finish_reason
-    except (NoWorker, StageTimeout, WorkerFailure) as exc:
+    except (NotSendable, NoWorker, StageTimeout, WorkerFailure) as exc:
         progress.finish_reason = "error"
         raise _fault(exc) from None
     pieces.append(out.finish())
@@ -302,7 +304,7 @@ async def _stream(
                     break
                 if event.finish_reason is not None:
                     progress.finish_reason = event.finish_reason
-    except (NoWorker, StageTimeout, WorkerFailure) as exc:
+    except (NotSendable, NoWorker, StageTimeout, WorkerFailure) as exc:
         progress.finish_reason = "error"
         err = _fault(exc)
         if writer is None:

@@ -399,6 +399,14 @@ async def test_context_is_capped_by_the_decode_workers_kv_cache(gw: Harness):
     assert code == 200
 
 
+async def test_request_that_does_not_fit_the_bus_is_a_400(gw: Harness):
+    gw.app_state().bus.max_bytes = 300  # as if --max-message-bytes were tiny
+    code, payload, _ = await gw.post("/v1/completions", {**COMPLETION, "prompt": list(range(100))})
+    assert code == 400
+    assert_openai_error(payload)
+    assert gw.worker.requests == []
+
+
 async def test_oversized_body_is_413_with_the_configured_limit(gw: Harness):
     small = {**COMPLETION, "user": "u" * 60_000}  # big body, short prompt
     assert (await gw.post("/v1/completions", small))[0] == 200

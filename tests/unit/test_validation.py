@@ -86,6 +86,7 @@ BASE = {"model": "m", "prompt": "hello"}
         ({"top_p": 0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -2}, "top_k"),
+        ({"top_k": 2**40}, "top_k"),
         ({"seed": 2**70}, "seed"),
         ({"n": 2}, "n"),
         ({"stop": 5}, "stop"),
