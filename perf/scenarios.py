@@ -227,6 +227,12 @@ def make_parser_scenarios() -> argparse.ArgumentParser:
     )
     p.add_argument("--frontend-cores", default="0", help="cores for NATS and the gateway")
     p.add_argument(
+        "--client-cores",
+        default="auto",
+        help="cores for the bench client (auto: the usable cores no service is pinned to; "
+        "none: leave it unpinned)",
+    )
+    p.add_argument(
         "--devices", default=None, help="CUDA_VISIBLE_DEVICES per worker, comma separated (cycled)"
     )
     p.add_argument("--port", type=int, default=0, help="first gateway port (default: free ones)")
@@ -347,10 +353,17 @@ def main(argv: list[str] | None = None) -> int:
             specs = plan_side(side, slots, frontend, port, free_port(), devices, args.mode)
             runners[side.name] = RunningSide(side, specs, out_dir / "logs" / slug(side.name), port)
 
+    # external endpoints run wherever they run: only a topology started here has cores to avoid
+    client = client_cores(args.client_cores, slots, frontend) if runners else []
     _print_plan(scenario, sides, list(runners.values()), ns, requests, slots, args)
+    print(f"bench client cores: {client or 'unpinned (no core is left over)'}")
     if args.dry_run:
         return _check_plan(list(runners.values()), slots, frontend)
     _check_plan(list(runners.values()), slots, frontend, strict=True)
+    if client:
+        # the client on cores of its own: sharing a worker's core would slow the server down
+        # and delay the client's own timestamps
+        os.sched_setaffinity(0, client)
 
     config = {
         "scenario": scenario.name,
@@ -500,6 +513,16 @@ def measure(
                 bench(side, url_of(side), i, rate, plan[1])
             refine(side, plan[1], len(plan[0]))
     return results
+
+
+def client_cores(spec: str, slots: Sequence[Sequence[int]], frontend: Sequence[int]) -> list[int]:
+    """Cores for the bench client: given, or every usable core no service is pinned to."""
+    if spec == "none":
+        return []
+    if spec != "auto":
+        return parse_cpu_list(spec)
+    taken = {c for cores in slots for c in cores} | set(frontend)
+    return sorted(set(os.sched_getaffinity(0)) - taken)
 
 
 def next_refine_rate(points: Sequence[tuple[float, float]], target: float) -> float | None:

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import socket
 import threading
 import time
@@ -284,6 +285,7 @@ def test_scenario_harness_compares_sides(tmp_path: Path) -> None:
     """The side-by-side harness on two running endpoints: one decodes 20x faster."""
     from perf import scenarios
 
+    affinity = os.sched_getaffinity(0)
     with (
         serve_in_thread(make_app(0.02, 0.002)) as fast,
         serve_in_thread(make_app(0.02, 0.040)) as slow,
@@ -298,6 +300,7 @@ def test_scenario_harness_compares_sides(tmp_path: Path) -> None:
             ]
         )
     assert rc == 0
+    assert os.sched_getaffinity(0) == affinity  # nothing started here, so no client pinning
     out = tmp_path / "cmp"
     doc = json.loads((out / "bench.json").read_text())
     # rates alternate between sides, so both see the same machine conditions
@@ -352,6 +355,16 @@ def test_api_key_is_sent_as_bearer() -> None:
         refused = asyncio.run(run_benchmark(reqs, bad, LoadConfig(), False)).records[0]
     assert ok.success and ok.output_tokens == 2
     assert not refused.success and refused.error.startswith("HTTP 401")
+
+
+def test_client_cores_avoid_the_services() -> None:
+    from perf.scenarios import client_cores
+
+    usable = sorted(os.sched_getaffinity(0))
+    assert client_cores("none", [[1]], [0]) == []
+    assert client_cores("3,5-6", [[1]], [0]) == [3, 5, 6]
+    assert client_cores("auto", [[usable[-1]]], []) == usable[:-1]
+    assert client_cores("auto", [[c] for c in usable], []) == []
 
 
 def test_goodput_knee_bisection() -> None:
