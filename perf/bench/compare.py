@@ -58,8 +58,14 @@ def scenario_report(
     return "\n".join(lines) + "\n", summary
 
 
-def _verdict(ok: bool) -> str:
-    return "met" if ok else "MISSED"
+def _verdict(value: float | None, target: float, at_most: bool) -> tuple[bool, str]:
+    """Whether `value` meets the target, and the words for it: "met", or by how much not."""
+    if value is None:
+        return False, "MISSED (not measured)"
+    ok = value <= target if at_most else value >= target
+    if ok:
+        return True, "met"
+    return False, f"MISSED by {abs(value - target) / target:.0%}"
 
 
 def _comparison_section(
@@ -127,16 +133,16 @@ def _comparison_section(
     # judge TPOT at the highest rate both sides served, where interference is worst
     if rows and t.max_p99_tpot_ratio is not None:
         r = rows[-1]["tpot_p99_ratio"]
-        ok = r is not None and r <= t.max_p99_tpot_ratio
+        ok, words = _verdict(r, t.max_p99_tpot_ratio, at_most=True)
         verdicts.append(
             f"p99 TPOT ratio at the highest rate {_fmt_ratio(r)} "
-            f"(target <= {t.max_p99_tpot_ratio}x): {_verdict(ok)}"
+            f"(target <= {t.max_p99_tpot_ratio}x): {words}"
         )
         summary["tpot_target_met"] = ok
     if t.min_goodput_ratio is not None:
-        ok = ratio is not None and ratio >= t.min_goodput_ratio
+        ok, words = _verdict(ratio, t.min_goodput_ratio, at_most=False)
         verdicts.append(
-            f"goodput ratio {_fmt_ratio(ratio)} (target >= {t.min_goodput_ratio}x): {_verdict(ok)}"
+            f"goodput ratio {_fmt_ratio(ratio)} (target >= {t.min_goodput_ratio}x): {words}"
         )
         summary["goodput_target_met"] = ok
     return lines
@@ -191,10 +197,10 @@ def _engine_section(
     overheads = [row["overhead_ms"] for row in rows.values() if row["overhead_ms"] is not None]
     if t.max_token_overhead_ms is not None and overheads:
         worst = max(overheads)
-        ok = worst <= t.max_token_overhead_ms
+        ok, words = _verdict(worst, t.max_token_overhead_ms, at_most=True)
         verdicts.append(
             f"per-token overhead {worst:.3f} ms at p50 (target <= {t.max_token_overhead_ms} ms): "
-            f"{_verdict(ok)}"
+            f"{words}"
         )
         summary["overhead_target_met"] = ok
     return lines
