@@ -284,12 +284,24 @@ async def test_killed_prefill_worker_requests_are_retried(up) -> None:
     assert up.proc.poll() is None
 
 
-def test_sigterm_stops_everything(up) -> None:
+async def test_sigterm_finishes_streams_then_stops_everything(up) -> None:
+    import aiohttp
+
     family = descendants(up.proc.pid)
     # nats-server, 1 surviving prefill worker, 2 decode workers, gateway
     assert len(family) >= 5, family
-    up.proc.send_signal(signal.SIGTERM)
-    assert up.proc.wait(timeout=30) == 0
+    async with aiohttp.ClientSession() as session:
+        model = await model_id(session, up.url)
+        resp = await open_stream(session, up.url, model, 300, 7)
+        assert (await next_event(resp))["choices"]
+        up.proc.send_signal(signal.SIGTERM)
+        # the stream in flight still ends properly: gateway first, workers after it
+        events = []
+        while (event := await next_event(resp)) is not None:
+            events.append(event)
+    assert not any("error" in e for e in events), events[-3:]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert await asyncio.get_running_loop().run_in_executor(None, up.proc.wait, 30) == 0
     wait_until(
         lambda: not any(still_running(pid, start) for pid, start in family.items()),
         10,
