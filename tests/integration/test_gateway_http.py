@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.router import Router
 from gateway.server import create_app
 from gateway.state import GATEWAY_KEY, Gateway
 from gateway.tokenizer import ModelTokenizer
@@ -611,6 +612,38 @@ async def test_admission_limit_and_metrics(nats_url, model_dir, tokenizer):
         assert gauge == 0
     finally:
         await stop_harness(harness, runner)
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+def test_router_choices_and_burst_spreading():
+    now = time.time()
+
+    def load(wid, role, free=100, waiting=0, running=0, **kw):
+        return WorkerLoad(
+            wid, role, kw.pop("model", MODEL), free, 100, running, waiting, ts=now, **kw
+        )
+
+    workers = [
+        load("p-busy", "prefill", waiting=3),
+        load("p-idle", "prefill"),
+        load("p-drain", "prefill", draining=True),
+        load("p-other", "prefill", model="other-model"),
+        load("d-full", "decode", free=10, local_prefill_threshold=4),
+        load("d-roomy", "decode", free=60, local_prefill_threshold=8),
+    ]
+    router = Router(lambda role: [w for w in workers if w.role == role], 16, model=MODEL)
+    assert router.local_prefill_threshold() == 8
+    # Least queued first; then, before any new heartbeat, what this gateway sent counts too.
+    assert [router.pick_prefill(10) for _ in range(4)] == ["p-idle", "p-idle", "p-idle", "p-busy"]
+    assert router.pick_prefill(10, exclude={"p-idle", "p-busy"}) is None
+    # Most free blocks first; 30 blocks per request fill d-roomy down below d-full.
+    assert [router.pick_decode(30 * 16) for _ in range(3)] == ["d-roomy", "d-roomy", "d-full"]
+    workers[:] = [w for w in workers if w.worker_id != "d-roomy"]
+    assert router.pick_decode(16) == "d-full"
+    workers[:] = [w for w in workers if w.role != "decode"]
+    assert router.pick_decode(16) is None and not router.has_decode()
 
 
 # ----------------------------------------------------------------------------- lifecycle
