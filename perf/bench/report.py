@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from perf.bench.client import RequestRecord
-from perf.bench.metrics import BenchMetrics, request_tpot
+from perf.bench.metrics import BenchMetrics, is_good, request_tpot
 
 LATENCY_METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
 TITLES = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2el_ms": "E2E latency"}
@@ -260,6 +260,50 @@ def plot_timeline(runs: Sequence[RunResult], path: Path, title: str = "", bin_s:
     plt.close(fig)
 
 
+def attainment_at_scales(
+    run: RunResult, slos_ms: dict[str, float], scales: Sequence[float]
+) -> list[float]:
+    """SLO attainment of a finished run had every SLO been `scale` times as loose: DistServe's
+    second view of goodput, computed from the records without running anything again."""
+    out = []
+    for scale in scales:
+        scaled = {k: v * scale for k, v in slos_ms.items()}
+        good = sum(is_good(r, scaled) for r in run.records)
+        out.append(good / len(run.records) if run.records else 0.0)
+    return out
+
+
+def plot_slo_scale(
+    runs: Sequence[RunResult], slos_ms: dict[str, float], path: Path, title: str = ""
+) -> None:
+    """SLO attainment against SLO scale (1 = the SLOs used), one line per run."""
+    plt = _pyplot()
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    series = list(dict.fromkeys(r.series for r in runs))
+    rates = sorted({r.request_rate for r in runs})
+    scales = np.round(np.arange(0.25, 3.01, 0.125), 3)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in runs:
+        ax.plot(
+            scales,
+            [100 * a for a in attainment_at_scales(run, slos_ms, scales)],
+            color=colors[series.index(run.series) % len(colors)],
+            ls=LINESTYLES[rates.index(run.request_rate) % len(LINESTYLES)],
+            label=f"{run.series} @ {run.rate_label} req/s",
+        )
+    ax.axhline(90, color="grey", ls="--", lw=0.8)
+    ax.axvline(1.0, color="grey", ls=":", lw=0.8)
+    ax.set_xlabel("SLO scale (x " + ", ".join(f"{k} {v:g} ms" for k, v in slos_ms.items()) + ")")
+    ax.set_ylabel("SLO attainment (%)")
+    ax.set_ylim(0, 101)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.suptitle(title or "SLO attainment vs SLO scale")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _rate_positions(runs: Sequence[RunResult]) -> tuple[dict[float, float], float | None]:
     """x position per offered rate; an unbounded rate goes one step right of the largest."""
     finite = sorted({r.request_rate for r in runs if math.isfinite(r.request_rate)})
@@ -350,6 +394,11 @@ def write_report(
         paths["timeline"] = out_dir / f"{name}_timeline.png"
         plot_timeline(runs, paths["timeline"], title=name)
         md.append(f"![tokens/s and requests in flight over time]({paths['timeline'].name})")
+    slos = next((r.metrics.goodput_slos_ms for r in runs if r.metrics.goodput_slos_ms), None)
+    if plots and slos and any(r.records for r in runs):
+        paths["slo_scale"] = out_dir / f"{name}_slo_scale.png"
+        plot_slo_scale(runs, slos, paths["slo_scale"], title=name)
+        md.append(f"![SLO attainment vs SLO scale]({paths['slo_scale'].name})")
     if plots and len({r.request_rate for r in runs}) > 1:
         paths["sweep"] = out_dir / f"{name}_sweep.png"
         plot_sweep(runs, paths["sweep"], title=name)

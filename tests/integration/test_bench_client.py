@@ -228,7 +228,8 @@ def test_cli_writes_consistent_outputs(server_url: str, tmp_path: Path) -> None:
     assert not math.isnan(doc["runs"][0]["metrics"]["duration_s"])
     md = (tmp_path / "fake.md").read_text()
     assert "| pdserve | 200 | 10/0 |" in md and "| pdserve | inf | 10/0 |" in md
-    for png in ("fake_latency_cdf.png", "fake_sweep.png", "fake_timeline.png"):
+    pngs = ("fake_latency_cdf.png", "fake_sweep.png", "fake_timeline.png", "fake_slo_scale.png")
+    for png in pngs:
         data = (tmp_path / png).read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 10_000
         assert f"]({png})" in md

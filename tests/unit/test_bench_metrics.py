@@ -288,3 +288,11 @@ def test_activity_timeline_conserves_tokens() -> None:
     assert tokens_per_s.tolist() == [4.0, 4.0, 4.0, 2.0, 0.0]  # 2 tokens in a 0.5 s bin = 4/s
     assert tokens_per_s.sum() * 0.5 == 7  # every output token lands in some bin
     assert inflight.tolist() == [1, 1, 1, 1, 0]  # a: 0..1.2 s, b: 1.5..1.6 s
+
+
+def test_attainment_at_slo_scales(records: list[RequestRecord]) -> None:
+    from perf.bench.report import RunResult, attainment_at_scales
+
+    run = RunResult("s", 1.0, 1.0, None, compute_metrics(records, 2.0), records)
+    # TTFTs 100..400 ms plus one failure; SLO 200 ms scaled by 0.5, 1, 2
+    assert attainment_at_scales(run, {"ttft": 200.0}, [0.5, 1.0, 2.0]) == [0.2, 0.4, 0.8]
