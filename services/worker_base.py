@@ -41,6 +41,10 @@ log = logging.getLogger("pdserve.worker")
 
 IDLE_WAIT = 0.05  # engine thread sleep when there is nothing to schedule (woken early on work)
 HOUSEKEEPING_SECONDS = 0.25  # deadline and lease checks
+# How long a cancel is remembered for a request not seen yet. The overtaking race takes
+# milliseconds; a short memory keeps a client that reuses its x-request-id for a retry safe.
+CANCEL_MEMORY_SECONDS = 2.0
+CANCEL_MEMORY = 100_000
 
 
 def default_worker_id(role: str) -> str:
@@ -149,6 +153,7 @@ class Worker:
         self._heartbeat: HeartbeatPublisher | None = None
         self._tasks: set[asyncio.Task] = set()
         self._preemptions_seen = 0
+        self._recent_cancels: dict[str, float] = {}  # request id -> when (insertion ordered)
 
     # -- hooks for subclasses -----------------------------------------------------------------
 
@@ -233,7 +238,20 @@ class Worker:
         return reply_to.startswith(self.subjects.gateway_prefix)
 
     async def _on_cancel(self, msg: Cancel, headers: dict[str, str]) -> None:
+        # Cancels and requests travel on different subscriptions, so a cancel can overtake the
+        # request it cancels: remember it for a while and drop that request when it arrives.
+        now = time.monotonic()
+        self._recent_cancels[msg.request_id] = now
+        while self._recent_cancels:
+            rid, at = next(iter(self._recent_cancels.items()))
+            if now - at < CANCEL_MEMORY_SECONDS and len(self._recent_cancels) <= CANCEL_MEMORY:
+                break
+            del self._recent_cancels[rid]
         await self.on_cancel(msg.request_id)
+
+    def was_cancelled(self, request_id: str) -> bool:
+        at = self._recent_cancels.get(request_id)
+        return at is not None and time.monotonic() - at < CANCEL_MEMORY_SECONDS
 
     async def _housekeeping_loop(self) -> None:
         while True:

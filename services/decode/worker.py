@@ -80,6 +80,10 @@ class DecodeWorker(Worker):
                 "dropping %s: reply subject %r is not a gateway inbox", req.request_id, req.reply_to
             )
             return
+        if self.was_cancelled(req.request_id):  # the gateway gave up on it already
+            if req.kv is not None:
+                await self._release_lease(req)
+            return
         refusal = self._refusal(req)
         if refusal is not None:
             await self._fail_request(req.reply_to, req.request_id, *refusal)

@@ -77,6 +77,8 @@ class PrefillWorker(Worker):
                 "dropping %s: reply subject %r is not a gateway inbox", req.request_id, req.reply_to
             )
             return
+        if self.was_cancelled(req.request_id):
+            return  # the gateway gave up on it already
         refusal = self._refusal(req)
         if refusal is not None:
             code, text = refusal

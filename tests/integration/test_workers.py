@@ -344,6 +344,19 @@ async def test_cancel_mid_stream_frees_blocks_on_both_workers(gw) -> None:
     await gw.until_idle("p0", timeout=LEASE_SECONDS - 1.0)
 
 
+async def test_cancel_that_overtakes_its_request(gw) -> None:
+    """A cancel can arrive before the request it cancels (separate subscriptions): the request
+    is then dropped instead of generating for nobody."""
+    await gw.bus.publish(gw.bus.subjects.cancel, Cancel("overtaken"))
+    await gw.bus.flush()
+    await asyncio.sleep(0.2)
+    await gw.send_decode("d0", "overtaken", PROMPTS[0], [], None)
+    probe = await gw.decode("d0", "probe", PROMPTS[1], [], None)  # handled after "overtaken"
+    assert probe[-1].finish_reason == "length"
+    await gw.until_idle("d0")
+    assert gw.queue("overtaken").empty()
+
+
 async def test_deadlines(gw) -> None:
     # already past: refused without touching the engine
     items = await gw.decode("d0", "late", PROMPTS[1], [], None, deadline=time.time() - 1)
