@@ -296,7 +296,7 @@ class Dispatcher:
         """Run the prefill stage; None means no prefill worker could take it (prefill locally)."""
         tried: set[str] = set()
         for _ in range(PREFILL_ATTEMPTS):
-            worker = self.router.pick_prefill(len(prompt), exclude=tried)
+            worker = self.router.pick_prefill(prompt, exclude=tried)
             if worker is None:
                 return None
             tried.add(worker)

@@ -223,6 +223,32 @@ async def test_chat_non_streaming_matches_hf(stack, llama_dir, hf_tokenizer):
     assert reply.usage.prompt_tokens == len(ids)
 
 
+async def test_repeated_prefix_hits_the_same_prefill_workers_cache(stack, spy):
+    base, _, _ = stack
+    system = "You are a careful assistant. Paged attention stores keys and values in blocks. "
+    async with aiohttp.ClientSession() as session:
+        model = await model_name(session, base)
+        cached, workers = [], []
+        for turn in range(3):
+            body = {
+                "model": model,
+                "prompt": system + f"Question number {turn}?",
+                "max_tokens": 2,
+                "ignore_eos": True,
+            }
+            rid = f"prefix-{turn}"
+            async with session.post(
+                base + "/v1/completions", json=body, headers={"x-request-id": rid}
+            ) as r:
+                payload = await r.json()
+            cached.append(payload["usage"]["prompt_tokens_details"]["cached_tokens"])
+            await until(lambda rid=rid: rid in spy.prefill, "the prefill request")
+            workers.append(spy.prefill[rid])
+    # One home worker for the shared prefix, and its cache serves the later turns.
+    assert len(set(workers)) == 1, workers
+    assert cached[0] == 0 and all(c >= WORKER_OPTIONS["block_size"] for c in cached[1:]), cached
+
+
 async def test_32_concurrent_streams_then_no_blocks_in_use(stack):
     base, _, _ = stack
     async with aiohttp.ClientSession() as session:

@@ -636,8 +636,21 @@ def test_router_choices_and_burst_spreading():
     router = Router(lambda role: [w for w in workers if w.role == role], 16, model=MODEL)
     assert router.local_prefill_threshold() == 8
     # Least queued first; then, before any new heartbeat, what this gateway sent counts too.
-    assert [router.pick_prefill(10) for _ in range(4)] == ["p-idle", "p-idle", "p-idle", "p-busy"]
-    assert router.pick_prefill(10, exclude={"p-idle", "p-busy"}) is None
+    short = list(range(10))  # under one block: no prefix affinity, least queued wins
+    assert [router.pick_prefill(short) for _ in range(4)] == ["p-idle"] * 3 + ["p-busy"]
+    assert router.pick_prefill(short, exclude={"p-idle", "p-busy"}) is None
+    # Prompts sharing their first block share a home worker while it is not much busier.
+    time.sleep(0.01)
+    for w in workers:  # fresh heartbeats: they include what was sent so far (here: nothing)
+        w.ts = time.time()
+    workers[0].waiting = 0  # p-busy is idle now too
+    chat = list(range(100, 116))
+    homes = [router.pick_prefill(chat + [i] * i) for i in range(1, 4)]
+    assert len(set(homes)) == 1
+    home = homes[0]
+    other = "p-idle" if home == "p-busy" else "p-busy"
+    # Three sent to the home (3 queued vs 0): over the slack, so the next goes elsewhere.
+    assert router.pick_prefill(chat + [7]) == other
     # Most free blocks first; 30 blocks per request fill d-roomy down below d-full.
     assert [router.pick_decode(30 * 16) for _ in range(3)] == ["d-roomy", "d-roomy", "d-full"]
     workers[:] = [w for w in workers if w.worker_id != "d-roomy"]
