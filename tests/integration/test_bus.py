@@ -115,7 +115,8 @@ async def test_user_password_auth(tmp_path) -> None:
 def make_cert(tmp: Path) -> tuple[Path, Path]:
     key, cert = tmp / "server.key", tmp / "server.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"]
+        + ["-nodes", "-days", "1"]
         + ["-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost"]
         + ["-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
         check=True,
