@@ -133,6 +133,7 @@ async def serve_generation(
             tr.GEN_AI_OPERATION_NAME: operation,
             tr.GEN_AI_SYSTEM: "pdserve",
             tr.GEN_AI_REQUEST_MODEL: params.model,
+            tr.GEN_AI_RESPONSE_MODEL: gw.model.name,
             tr.GEN_AI_REQUEST_MAX_TOKENS: max_tokens,
             tr.GEN_AI_REQUEST_TEMPERATURE: params.temperature,
             tr.GEN_AI_REQUEST_TOP_P: params.top_p,
