@@ -257,6 +257,21 @@ def openapi_spec(model: str) -> dict[str, Any]:
                     "responses": {"200": {"description": "model list"}, **_errors(401)},
                 }
             },
+            "/v1/models/{model}": {
+                "get": {
+                    "summary": "One model by name",
+                    "security": [{"bearer": []}, {}],
+                    "parameters": [
+                        {
+                            "name": "model",
+                            "in": "path",
+                            "required": True,
+                            "schema": {"type": "string"},
+                        }
+                    ],
+                    "responses": {"200": {"description": "model card"}, **_errors(401, 404)},
+                }
+            },
             "/health": {
                 "get": {
                     "summary": "200 while NATS is connected and a decode worker is alive",

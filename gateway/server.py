@@ -113,7 +113,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if exc.status < 400:
             raise
         kind = "not_found" if exc.status == 404 else "http_error"
-        return APIError(exc.status, exc.reason or "HTTP error", code=kind).response()
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return APIError(exc.status, exc.reason or "HTTP error", code=kind, headers=allow).response()
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
@@ -131,16 +132,24 @@ async def health(request: web.Request) -> web.Response:
     )
 
 
-async def models(request: web.Request) -> web.Response:
-    model = request.app[GATEWAY_KEY].model
-    card = {
-        "id": model.name,
+def _model_card(gw: Gateway) -> dict[str, Any]:
+    return {
+        "id": gw.model.name,
         "object": "model",
-        "created": model.created,
+        "created": gw.model.created,
         "owned_by": "pdserve",
-        "max_model_len": model.max_model_len,
+        "max_model_len": gw.context_limit(),
     }
-    return web.json_response({"object": "list", "data": [card]})
+
+
+async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request.app[GATEWAY_KEY])]})
+
+
+async def model(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY_KEY]
+    _check_model(gw, request.match_info["model"])
+    return web.json_response(_model_card(gw))
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -222,6 +231,7 @@ def create_app(
     app.router.add_get("/metrics", metrics_handler(gw.registry))
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
 

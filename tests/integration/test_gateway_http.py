@@ -482,6 +482,11 @@ async def test_openapi_and_models(gw: Harness):
     assert props["temperature"]["maximum"] == 2.0 and props["top_p"]["exclusiveMinimum"] == 0.0
     status, text = await gw.get("/v1/models")
     assert json.loads(text)["data"][0]["id"] == MODEL
+    status, text = await gw.get(f"/v1/models/{MODEL}")
+    assert status == 200 and json.loads(text)["id"] == MODEL
+    status, text = await gw.get("/v1/models/nope")
+    assert status == 404
+    assert_openai_error(json.loads(text), "model")
 
 
 # ----------------------------------------------------------------------------- serving
