@@ -231,7 +231,7 @@ def create_app(
     app.router.add_get("/metrics", metrics_handler(gw.registry))
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/v1/models", models)
-    app.router.add_get("/v1/models/{model}", model)
+    app.router.add_get("/v1/models/{model:.+}", model)  # names may hold "/"
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
 
