@@ -149,8 +149,9 @@ def test_records_match_server_timings(server_url: str) -> None:
     assert 0 < run.client_cpu_s  # process CPU time, measured for the saturation warning
     cut = run.records[8]
     assert not cut.success and "without [DONE] after 2 tokens" in cut.error
-    # all sent at once: the whole run takes about one request's time, not eight
-    assert run.duration < 8 * (TTFT_S + 5 * ITL_S)
+    # all sent at once: every request was on its way before the first one finished
+    ok = [r for r in run.records if r.success]
+    assert max(r.start_time for r in run.records) < min(r.start_time + r.latency for r in ok)
 
 
 def test_max_concurrency_serializes(server_url: str) -> None:
@@ -162,9 +163,10 @@ def test_max_concurrency_serializes(server_url: str) -> None:
     starts = sorted(r.start_time for r in run.records)
     # each starts only after the previous one ended, and its clock starts when it is sent
     assert all(b - a >= one * 0.9 for a, b in zip(starts, starts[1:], strict=False))
-    # a request's clock starts when it gets a slot, not when it arrived: queued behind three
-    # others, the last would show a TTFT over 3 * one if it counted its wait
-    assert all(r.ttft < 3 * one for r in run.records)
+    # a request's clock starts when it gets a slot, not when it arrived: the last one waited
+    # behind three others, and that wait is not part of its TTFT
+    last = max(run.records, key=lambda r: r.start_time)
+    assert last.ttft < last.start_time
 
 
 def test_cli_writes_consistent_outputs(server_url: str, tmp_path: Path) -> None:
@@ -279,7 +281,7 @@ def test_arrival_pacing_is_followed(server_url: str) -> None:
     starts = np.array([r.start_time for r in run.records])
     assert np.all(starts >= offsets - 1e-3)
     # sends are due at absolute times, so lateness does not pile up along the run
-    assert np.all(starts - offsets < 0.1)
+    assert np.all(starts - offsets < 0.25)
 
 
 def test_scenario_harness_compares_sides(tmp_path: Path) -> None:
