@@ -306,6 +306,9 @@ async def bench_sweep(ns: argparse.Namespace) -> list[Any]:
     from perf.bench.client import discover_model, warm_up
     from perf.bench.metrics import parse_goodput
 
+    if ns.endpoint.rstrip("/").endswith("chat/completions"):
+        # exact prompt lengths need token ids, which only the completions API accepts
+        raise RuntimeError("use a completions endpoint (/v1/completions): prompts are token ids")
     slos = parse_goodput(ns.goodput)
     model = ns.model or await discover_model(ns.base_url, ns.api_key)
     cfg = client_config(ns, ns.base_url, model)

@@ -266,6 +266,9 @@ def test_cli_fails_fast_on_bad_endpoint(
     closed.close()  # nothing listens there now
     assert cli_main(["bench", "--base-url", f"http://127.0.0.1:{port}", *common]) == 2
     assert "Cannot connect" in capsys.readouterr().err
+    chat = ["bench", "--base-url", server_url, "--endpoint", "/v1/chat/completions", *common]
+    assert cli_main(chat) == 2
+    assert "use a completions endpoint" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
 
 
