@@ -169,7 +169,8 @@ def latency_samples(run: RunResult, name: str) -> np.ndarray:
     return np.sort(np.asarray(values, dtype=np.float64) * 1000.0)
 
 
-LINESTYLES = ("-", "--", "-.", ":")
+# one dash pattern per request rate (colour tells the series); sweeps rarely exceed six rates
+LINESTYLES = ("-", "--", "-.", ":", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3)))
 
 
 def plot_latency_cdfs(runs: Sequence[RunResult], path: Path, title: str = "") -> None:
