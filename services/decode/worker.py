@@ -121,7 +121,7 @@ class DecodeWorker(Worker):
                     )
                     is None
                 ):
-                    self.admission.append((req, state))
+                    self._wait_for_blocks(req, state)
                     return
                 self.engine.recompute(req.request_id)
             else:
@@ -148,10 +148,15 @@ class DecodeWorker(Worker):
             self.spawn(self._release_lease(req))
             return
         if blocks is None:
-            self.admission.append((req, state))  # retried as blocks free up
+            self._wait_for_blocks(req, state)
             return
         state.pulling = True
         self.spawn(self._pull(req, state, blocks))
+
+    def _wait_for_blocks(self, req: DecodeRequest, state: DecodeState) -> None:
+        """No room in the cache now: queue (in order) until finished requests free blocks."""
+        log.info("%s waits for KV blocks (%d queued)", req.request_id, len(self.admission) + 1)
+        self.admission.append((req, state))
 
     def _retry_admissions(self) -> None:
         """Admit waiting requests in arrival order while their blocks fit."""

@@ -172,6 +172,10 @@ def stack(tmp_path_factory, llama_dir):
             env,
             {**opts, "worker_id": "d1", "kv_failure_policy": "recompute"},
         ),
+        # room for two of the test prompts at a time: the rest wait for blocks
+        start_service(
+            "decode", nats.url, logs, env, {**opts, "worker_id": "d-small", "num_kv_blocks": 6}
+        ),
     ]
     yield Stack(nats, children, logs, opts, traces)
     stop_all(children)
@@ -195,7 +199,7 @@ async def gw(stack):
     await gateway.start()
     try:
         deadline = time.monotonic() + 120
-        while not all(gateway.load(w) for w in ("p0", "d0", "d1")):
+        while not all(gateway.load(w) for w in ("p0", "d0", "d1", "d-small")):
             for child in children:
                 assert child.alive(), f"{child.name} died:\n{log_text(child)}"
             assert time.monotonic() < deadline, "workers did not come up"
@@ -289,6 +293,24 @@ async def test_local_prefill_matches_hf(gw, expected) -> None:
     )
     assert [tokens(items) for items in outputs] == expected
     await gw.until_idle("d1")
+
+
+async def test_full_cache_queues_pulls_until_blocks_free(gw, stack, expected) -> None:
+    """d-small has 6 blocks; each request needs 3 (40-token prompt + 8 tokens): the third waits
+    for blocks instead of failing, then pulls and generates the same tokens."""
+    prompt = PROMPTS[0]
+    results = [await gw.prefill("p0", f"small-{i}", prompt) for i in range(3)]
+    outputs = await asyncio.gather(
+        *(
+            gw.decode("d-small", f"small-{i}", prompt, [r.first_token], r.kv)
+            for i, r in enumerate(results)
+        )
+    )
+    for r, items in zip(results, outputs, strict=True):
+        assert [r.first_token] + tokens(items) == expected[0]
+    (small,) = [c for c in stack.children if c.name == "d-small"]
+    assert "small-2 waits for KV blocks" in log_text(small, tail=100_000)
+    await gw.until_idle("p0", "d-small", timeout=LEASE_SECONDS - 1.0)
 
 
 async def test_lease_expiry_frees_unpulled_kv(gw) -> None:
