@@ -213,9 +213,9 @@ class Dispatcher:
                 expected = len(prompt_token_ids) + min(sampling.max_tokens, TYPICAL_OUTPUT_TOKENS)
                 decode_worker = self.router.pick_decode(expected, exclude=tried)
                 if decode_worker is None:
-                    if output or tried:
+                    if output:  # the client has its first token: this is now a failure
                         raise WorkerFailure("no decode worker can take the request", "no_worker")
-                    raise NoWorker("no decode worker is available")
+                    raise NoWorker("no decode worker can take the request")
                 tried.add(decode_worker)
                 pending.workers = {decode_worker}
                 trace.get_current_span(context).set_attribute(

@@ -96,6 +96,8 @@ def _fault(exc: Exception) -> APIError:
         return overloaded(f"{exc}; retry shortly", retry_after=1.0)
     if isinstance(exc, StageTimeout):
         return timeout_error(f"request timed out: {exc}")
+    if isinstance(exc, WorkerFailure) and exc.code in ("overloaded", "draining"):
+        return overloaded(f"workers are busy: {exc}; retry shortly", retry_after=1.0)
     if isinstance(exc, WorkerFailure) and exc.code == "deadline":
         return timeout_error(f"request timed out on a worker: {exc}")
     if isinstance(exc, WorkerFailure):

@@ -300,8 +300,8 @@ async def start_harness(
     await web.TCPSite(runner, "127.0.0.1", port).start()
     harness = Harness(f"http://127.0.0.1:{port}", worker, app)
     harness.extra = extra_workers
-    if with_worker:
-        expected = 1 + len(extra_workers)
+    if with_worker or extra_workers:
+        expected = int(with_worker) + len(extra_workers)
         deadline = time.monotonic() + 5
         while (await harness.get("/health"))[0] != 200 or len(
             harness.app_state().workers.loads()
@@ -744,6 +744,23 @@ async def test_refusing_decode_worker_is_skipped(nats_url, model_dir, tokenizer)
         # The KV handle died with the refusal, so the next worker prefills locally.
         retried = harness.worker.requests[-1]
         assert retried.kv is None and retried.output_token_ids == [harness.worker.script[0]]
+    finally:
+        await stop_harness(harness, runner)
+
+
+async def test_every_decode_worker_refusing_is_a_503(nats_url, model_dir, tokenizer):
+    harness, runner = await start_harness(
+        nats_url, model_dir, tokenizer, "allfull", with_worker=False,
+        extra=[
+            (ScriptedDecodeWorker, {"worker_id": "d-full", "refuse": True}),
+            (ScriptedDecodeWorker, {"worker_id": "d-full2", "refuse": True}),
+        ],
+    )  # fmt: skip
+    try:
+        code, payload, headers = await harness.post("/v1/completions", COMPLETION)
+        assert code == 503 and int(headers["Retry-After"]) >= 1
+        assert_openai_error(payload)
+        assert [len(w.requests) for w in harness.extra] == [1, 1]
     finally:
         await stop_harness(harness, runner)
 
