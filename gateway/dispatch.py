@@ -197,12 +197,8 @@ class Dispatcher:
                         output.append(result.first_token)
                     yield TokenEvent(list(output), result.finish_reason, result.cached_tokens)
                     if result.finish_reason is not None:
-                        finished = True
-                        if result.kv is not None:
-                            await self._publish(
-                                self.bus.subjects.lease(result.kv.worker_id),
-                                ReleaseLease(request_id),
-                            )
+                        finished = True  # done at the first token (max_tokens=1, EOS, ...)
+                        self._spawn(self._release_stale(result))  # its KV is not needed
                         return
                     kv = result.kv
 
@@ -339,7 +335,7 @@ class Dispatcher:
         return None
 
     async def _release_stale(self, item: object) -> None:
-        """An earlier prefill worker answered after we moved on: free its blocks now."""
+        """Free the leased KV blocks of a prefill answer nobody will pull."""
         if isinstance(item, PrefillResult) and item.kv is not None:
             await self._publish(
                 self.bus.subjects.lease(item.kv.worker_id), ReleaseLease(item.request_id)
