@@ -48,7 +48,7 @@ import numpy as np
 from perf.bench.client import ClientConfig, discover_model, warm_up
 from perf.bench.compare import Targets, scenario_report
 from perf.bench.metrics import compute_metrics, parse_goodput
-from perf.bench.report import RunResult, write_outputs
+from perf.bench.report import RunResult, jsonable, write_outputs
 from perf.bench.topology import (
     EngineSteps,
     Profiler,
@@ -360,10 +360,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return _check_plan(list(runners.values()), slots, frontend)
     _check_plan(list(runners.values()), slots, frontend, strict=True)
+    affinity = os.sched_getaffinity(0)
     if client:
         # the client on cores of its own: sharing a worker's core would slow the server down
         # and delay the client's own timestamps
         os.sched_setaffinity(0, client)
+    try:
+        return _run(args, ns, scenario, sides, runners, requests, user_rates, out_dir)
+    finally:
+        os.sched_setaffinity(0, affinity)  # the next scenario of `all` plans from the full set
+
+
+def _run(
+    args: argparse.Namespace,
+    ns: argparse.Namespace,
+    scenario: Scenario,
+    sides: list[Side],
+    runners: dict[str, RunningSide],
+    requests: list[Any],
+    user_rates: bool,
+    out_dir: Path,
+) -> int:
+    """Measure every side, then write the comparison and the bench outputs."""
 
     config = {
         "scenario": scenario.name,
@@ -403,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         md += "".join(f"- [{f.name}]({f.relative_to(out_dir)})\n" for f in found)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "comparison.md").write_text(md)
-    (out_dir / "comparison.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (out_dir / "comparison.json").write_text(json.dumps(jsonable(summary), indent=1) + "\n")
     paths = write_outputs(
         results, out_dir, "bench", config, {"comparison": "comparison.md"}, ns.plots, ns.detailed
     )

@@ -38,14 +38,14 @@ class RunResult:
         return "inf" if math.isinf(self.request_rate) else f"{self.request_rate:g}"
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     """Standard JSON has no Infinity/NaN; write them as strings so any parser reads the file."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
+        return {k: jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     return value
 
 
@@ -66,7 +66,7 @@ def result_document(
         }
         for run in runs
     ]
-    return _jsonable({"config": config, "summary": summary or {}, "runs": doc_runs})
+    return jsonable({"config": config, "summary": summary or {}, "runs": doc_runs})
 
 
 def record_lines(runs: Sequence[RunResult]) -> Iterator[str]:
@@ -79,7 +79,7 @@ def record_lines(runs: Sequence[RunResult]) -> Iterator[str]:
             row["itl"] = [round(gap, 6) for gap in r.itl]
             row |= {"run": i, "series": run.series, "request_rate": run.request_rate}
             row |= {"output_tokens": r.output_tokens, "tpot": request_tpot(r)}
-            yield json.dumps(_jsonable(row), separators=(",", ":"), allow_nan=False)
+            yield json.dumps(jsonable(row), separators=(",", ":"), allow_nan=False)
 
 
 def write_json(path: Path, document: dict[str, Any]) -> None:

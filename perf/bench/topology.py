@@ -297,7 +297,7 @@ class RunningSide:
         for child in gateways:
             child.stop(drain + 5.0)
         for child in workers:
-            child.signal(15)
+            child.signal(signal.SIGTERM)  # all at once: they drain in parallel
         for child in workers:
             child.stop(drain)
         if self.nats is not None:
