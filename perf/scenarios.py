@@ -517,7 +517,8 @@ def measure(
                 args, ns, url_of(sides[-1]), sides, user_rates, want_slos, config
             )
             for i, rate in enumerate(rates):
-                for side in sides:
+                # ABBA order: neither side always goes first into a machine that drifts
+                for side in sides if i % 2 == 0 else reversed(sides):
                     bench(side, url_of(side), i, rate, slos)
             for side in sides:
                 refine(side, slos, len(rates))

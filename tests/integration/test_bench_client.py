@@ -309,9 +309,9 @@ def test_scenario_harness_compares_sides(tmp_path: Path) -> None:
     assert os.sched_getaffinity(0) == affinity  # nothing started here, so no client pinning
     out = tmp_path / "cmp"
     doc = json.loads((out / "bench.json").read_text())
-    # rates alternate between sides, so both see the same machine conditions
+    # rates alternate between sides (ABBA), so both see the same machine conditions
     order = [(r["series"], r["request_rate"]) for r in doc["runs"]]
-    assert order == [("fast", 100), ("slow", 100), ("fast", "inf"), ("slow", "inf")]
+    assert order == [("fast", 100), ("slow", 100), ("slow", "inf"), ("fast", "inf")]
     records = [json.loads(x) for x in (out / "bench.records.jsonl").read_text().splitlines()]
     prompts: dict[object, list[int]] = {}
     for i, run in enumerate(doc["runs"]):
