@@ -39,6 +39,9 @@ class TokenSpace:
     def __post_init__(self) -> None:
         if not 0 <= self.low < self.high:
             raise ValueError(f"empty token id range [{self.low}, {self.high})")
+        inside = {t for t in self.excluded if self.low <= t < self.high}
+        if len(inside) == self.high - self.low:  # sample() would redraw forever
+            raise ValueError(f"every id in [{self.low}, {self.high}) is excluded")
 
     def sample(self, rng: np.random.Generator, n: int) -> list[int]:
         ids = rng.integers(self.low, self.high, size=n)

@@ -241,6 +241,8 @@ def test_token_space_skips_special_tokens(tmp_path: Path) -> None:
     assert (space.low, space.high, space.excluded) == (0, 22, frozenset({20, 21}))
     ids = space.sample(np.random.default_rng(0), 5000)
     assert set(ids) == set(range(20))
+    with pytest.raises(ValueError):
+        ds.TokenSpace(20, 22, frozenset({20, 21}))  # nothing left to draw
 
 
 def test_cli_options_build_the_scenario_mix() -> None:
