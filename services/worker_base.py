@@ -179,8 +179,8 @@ class Worker:
     async def on_cancel(self, request_id: str) -> None:
         raise NotImplementedError
 
-    async def expire(self, state: RequestState) -> None:
-        """A request passed its deadline while in this worker."""
+    async def fail(self, state: RequestState, code: str, text: str) -> None:
+        """End a request here with an explicit error to its gateway (deadline, dead engine)."""
         raise NotImplementedError
 
     async def close_extra(self) -> None:
@@ -257,14 +257,19 @@ class Worker:
         while True:
             await asyncio.sleep(HOUSEKEEPING_SECONDS)
             if self._engine_thread is not None and self._engine_thread.error is not None:
-                log.error("engine thread died; stopping the worker")
+                log.error("engine thread died; failing %d requests and stopping", len(self.states))
+                error = f"the {self.role} worker's engine failed: {self._engine_thread.error!r}"
+                for state in list(self.states.values()):
+                    await self.fail(state, "internal", error[:500])
                 self._stop.set()
                 return
             now = time.time()
             for state in [s for s in self.states.values() if s.deadline < now]:
                 if self.states.get(state.request_id) is state:
                     log.warning("request %s passed its deadline", state.request_id)
-                    await self.expire(state)
+                    await self.fail(
+                        state, "deadline", f"request deadline passed during {self.role}"
+                    )
             await self.housekeeping()
             self.update_metrics()
 

@@ -347,11 +347,9 @@ class DecodeWorker(Worker):
         if self.admission:
             self._retry_admissions()
 
-    async def expire(self, state: RequestState) -> None:
+    async def fail(self, state: RequestState, code: str, text: str) -> None:
         await self.on_cancel(state.request_id)
-        await self._fail_request(
-            state.reply_to, state.request_id, "deadline", "request deadline passed during decode"
-        )
+        await self._fail_request(state.reply_to, state.request_id, code, text)
 
 
 def run(ns: argparse.Namespace) -> int:

@@ -224,22 +224,11 @@ class PrefillWorker(Worker):
         else:
             self.leases.release(request_id)
 
-    async def expire(self, state: RequestState) -> None:
+    async def fail(self, state: RequestState, code: str, text: str) -> None:
         self.states.pop(state.request_id, None)
         self.engine.abort(state.request_id)
-        await self._reply(
-            state.reply_to,
-            PrefillResult(
-                state.request_id,
-                self.worker_id,
-                None,
-                "error",
-                None,
-                "prefill deadline passed",
-                0,
-                "deadline",
-            ),
-        )
+        result = PrefillResult(state.request_id, self.worker_id, None, "error", None, text, 0, code)
+        await self._reply(state.reply_to, result)
 
     async def housekeeping(self) -> None:
         self.leases.expire()
