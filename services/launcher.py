@@ -299,6 +299,8 @@ class Launcher:
                 user=self.bus.nats_user,
                 password=self.bus.nats_password,
             )
+            # its chatter goes to a file; the services' logs stay readable on the terminal
+            self.nats.log_path = self.nats.workdir / "nats-server.log"
             self.nats.start()
             nats_url = self.nats.url
         bus = dataclasses.replace(self.bus, nats_url=nats_url)
@@ -403,7 +405,9 @@ def run(ns: argparse.Namespace) -> int:
             print(
                 f"pdserve ready at http://{launcher._http_host()}:{launcher.gateway.port} "
                 f"(prefill workers: {up.prefill_workers}, decode workers: {up.decode_workers}, "
-                f"nats: {launcher.nats.url if launcher.nats else up.nats_url})",
+                f"nats: {launcher.nats.url if launcher.nats else up.nats_url}"
+                + (f", log {launcher.nats.log_path}" if launcher.nats else "")
+                + ")",
                 flush=True,
             )
             rc = launcher.supervise()
