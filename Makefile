@@ -31,8 +31,12 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# Side-by-side comparisons; each writes its results under perf/results/.
 bench: setup
-	$(PY) -m perf.run_all $(ARGS)
+	$(PY) -m perf.engine_bench --json perf/results/engine_bench.json
+	$(PY) -m perf.kernels_bench
+	$(PY) -m perf.kv_bench --json perf/results/kv_bench.json
+	$(PY) -m perf.scenarios all $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -14,9 +14,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
 log = logging.getLogger(__name__)
 
 DEMO_NAME = "pdserve-demo-llama"
@@ -96,6 +93,11 @@ def ensure_demo_model() -> Path:
 
 
 def write_demo_model(out: Path, seed: int = 0) -> None:
+    # torch is imported here, not at the top: the gateway finds the demo model's tokenizer through
+    # this module and must stay torch-free.
+    import torch
+    from safetensors.torch import save_file
+
     cfg = DEMO_CONFIG
     gen = torch.Generator().manual_seed(seed)
 
