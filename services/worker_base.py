@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import re
+import secrets
 import signal
 import socket
 import sys
@@ -140,6 +141,7 @@ class Worker:
         self.engine_config = build(EngineConfig, ns)
         self.bus_config = build(BusConfig, ns)
         self.worker_id = self.config.worker_id or default_worker_id(self.role)
+        self.instance = secrets.token_hex(8)
         self.registry = CollectorRegistry()
         self.metrics = WorkerMetrics(self.registry, self.role)
         self.engine: LLMEngine | None = None
@@ -203,6 +205,7 @@ class Worker:
             metrics_url=self.metrics_url,
             block_size=engine.block_size,
             max_queue=self.config.max_queue,
+            instance=self.instance,
             **self.load_extra(),
         )
 

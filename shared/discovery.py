@@ -143,9 +143,15 @@ class WorkerRegistry:
                 log.info("%s worker %s left", msg.role, msg.worker_id)
                 self._notify(LEFT, entry.load)
             return
-        fresh = msg.worker_id not in self.entries
+        old = self.entries.get(msg.worker_id)
+        if old is not None and old.load.instance != msg.instance:
+            # restarted under the same id: its previous incarnation's requests are lost
+            log.warning("%s worker %s restarted", msg.role, msg.worker_id)
+            del self.entries[msg.worker_id]
+            self._notify(LEFT, old.load)
+            old = None
         self.entries[msg.worker_id] = Entry(msg, self.clock())
-        if fresh:
+        if old is None:
             log.info("%s worker %s joined", msg.role, msg.worker_id)
             self._notify(JOINED, msg)
 

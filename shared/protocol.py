@@ -217,6 +217,9 @@ class WorkerLoad:
     block_size: int = count(hi=1 << 16, default=0)
     # prefill workers: highest lease count they accept; 0 = unknown
     max_queue: int = count(default=0)
+    # random per process start: a worker restarted under the same id (compose restarts keep
+    # hostname and often pid) is a new incarnation, and whatever the old one held is gone
+    instance: str = text(max_len=64, default="")
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -213,7 +214,18 @@ async def test_heartbeats_registry_and_ageing_out(nats) -> None:
         await until(lambda: registry.get("d0").draining)
         assert registry.routable("decode") == [] and registry.get("d0") is not None
 
-        await clean.stop(gone=True)  # clean exit: gone at once
+        # killed and restarted under the same id before the timeout: a new incarnation, so
+        # the registry reports the old one gone (its requests are lost) and the new one joined
+        await clean.stop(gone=False)
+        events.clear()
+        restarted = HeartbeatPublisher(
+            worker_bus, lambda: replace(load_of("d0", "decode")(), instance="second"), 0.1
+        )
+        await restarted.start()
+        await until(lambda: registry.get("d0").instance == "second")
+        assert events == [(LEFT, "d0"), (JOINED, "d0")]
+
+        await restarted.stop(gone=True)  # clean exit: gone at once
         await until(lambda: registry.get("d0") is None, timeout=0.3)
         await crashy.stop(gone=False)  # like kill -9: ages out after the timeout
         assert registry.get("p0") is not None
