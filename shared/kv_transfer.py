@@ -362,18 +362,27 @@ class KVClient:
         runs = block_runs(handle.block_ids[:n], dst_block_ids[:n])
         key = (handle.address, handle.port)
         t0 = time.perf_counter()
-        try:
-            stats = await asyncio.wait_for(self._pull(key, request_id, handle, runs), timeout)
-        except asyncio.TimeoutError:
-            await self._drop(key)  # the stream's state is unknown now
-            raise KVTransferError(
-                f"KV pull from {handle.worker_id} timed out after {timeout}s"
-            ) from None
-        except KVTransferError:
-            raise
-        except Exception as exc:
-            await self._drop(key)
-            raise KVTransferError(f"KV pull from {handle.worker_id} failed: {exc!r}") from exc
+        deadline = time.monotonic() + timeout
+        while True:
+            reused = key in self._peers
+            try:
+                stats = await asyncio.wait_for(
+                    self._pull(key, request_id, handle, runs), deadline - time.monotonic()
+                )
+                break
+            except asyncio.TimeoutError:
+                await self._drop(key)  # the stream's state is unknown now
+                raise KVTransferError(
+                    f"KV pull from {handle.worker_id} timed out after {timeout}s"
+                ) from None
+            except KVTransferError:
+                raise
+            except Exception as exc:
+                await self._drop(key)
+                if reused:  # a kept endpoint went stale (peer restarted): one fresh try
+                    log.info("endpoint to %s was stale (%r); reconnecting", handle.worker_id, exc)
+                    continue
+                raise KVTransferError(f"KV pull from {handle.worker_id} failed: {exc!r}") from exc
         stats.seconds = time.perf_counter() - t0
         stats.num_blocks = n
         return stats

@@ -207,3 +207,15 @@ async def test_timed_out_pull_leaves_server_and_lease_usable() -> None:
         assert p.leases.leases["r1"].pins == 0
         await p.client.pull("r1", handle, list(range(16, 32)))
         assert torch.equal(p.dst[16:32], p.src[0:16])
+
+
+async def test_stale_endpoint_reconnects_once() -> None:
+    """The prefill side dropped the connection the puller keeps (restart, network blip): one
+    fresh connection is tried before the pull counts as failed."""
+    async with Pair() as p:
+        await p.client.pull("r0", p.lease("r0", [1], 1), [2])
+        for ep in list(p.server._endpoints):
+            ep.abort()
+        # no pause: the puller has not noticed yet and tries its kept endpoint first
+        await p.client.pull("r1", p.lease("r1", [3, 4], 2 * BLOCK), [5, 6])
+        assert torch.equal(p.dst[5:7], p.src[3:5])
