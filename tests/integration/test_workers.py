@@ -313,6 +313,21 @@ async def test_full_cache_queues_pulls_until_blocks_free(gw, stack, expected) ->
     await gw.until_idle("p0", "d-small", timeout=LEASE_SECONDS - 1.0)
 
 
+async def test_seeded_sampling_is_the_same_split_or_not(gw) -> None:
+    """Sampling noise depends on (seed, output index) only, so a seeded request samples the
+    same tokens whether prefill and decode run on one worker or on two."""
+    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
+    prompt = PROMPTS[1]
+    local = tokens(await gw.decode("d1", "seeded-local", prompt, [], None, sampling=sp))
+    result = await gw.prefill("p0", "seeded-split", prompt, sp)
+    split = await gw.decode(
+        "d0", "seeded-split", prompt, [result.first_token], result.kv, sampling=sp
+    )
+    assert [result.first_token] + tokens(split) == local
+    other = replace(sp, seed=4321)
+    assert tokens(await gw.decode("d1", "seeded-other", prompt, [], None, sampling=other)) != local
+
+
 async def test_lease_expiry_frees_unpulled_kv(gw) -> None:
     result = await gw.prefill("p0", "never-pulled", PROMPTS[0])
     assert result.kv is not None
