@@ -172,6 +172,7 @@ def stack(tmp_path_factory, llama_dir):
             env,
             {**opts, "worker_id": "d1", "kv_failure_policy": "recompute"},
         ),
+        start_service("prefill", nats.url, logs, env, {**opts, "worker_id": "p-drain"}),
         # room for two of the test prompts at a time: the rest wait for blocks
         start_service(
             "decode", nats.url, logs, env, {**opts, "worker_id": "d-small", "num_kv_blocks": 6}
@@ -195,11 +196,12 @@ class Stack:
 @pytest.fixture
 async def gw(stack):
     gateway = TestGateway(stack.nats.url)
-    children = stack.children
+    # p-drain leaves for good in its drain test
+    children = [c for c in stack.children if c.name != "p-drain" or c.popen.returncode is None]
     await gateway.start()
     try:
         deadline = time.monotonic() + 120
-        while not all(gateway.load(w) for w in ("p0", "d0", "d1", "d-small")):
+        while not all(gateway.load(c.name) for c in children):
             for child in children:
                 assert child.alive(), f"{child.name} died:\n{log_text(child)}"
             assert time.monotonic() < deadline, "workers did not come up"
@@ -208,7 +210,7 @@ async def gw(stack):
     finally:
         await gateway.close()
     for child in children:
-        assert child.alive(), f"{child.name} died:\n{log_text(child)}"
+        assert child.alive() or child.name == "p-drain", f"{child.name} died:\n{log_text(child)}"
 
 
 async def test_disaggregated_greedy_matches_hf(gw, expected) -> None:
@@ -439,6 +441,24 @@ async def test_workers_survive_a_nats_restart(gw, stack, expected) -> None:
     result = await gw.prefill("p0", "after-restart", PROMPTS[2])
     items = await gw.decode("d0", "after-restart", PROMPTS[2], [result.first_token], result.kv)
     assert [result.first_token] + tokens(items) == expected[2]
+
+
+async def test_prefill_sigterm_waits_for_its_leases(gw, stack, expected) -> None:
+    """A draining prefill worker refuses new prompts (retryable) but keeps serving the KV it
+    holds under lease; it leaves once that was pulled."""
+    (worker,) = [c for c in stack.children if c.name == "p-drain"]
+    result = await gw.prefill("p-drain", "leased-at-sigterm", PROMPTS[0])
+    worker.signal(signal.SIGTERM)
+    while not gw.load("p-drain").draining:
+        await asyncio.sleep(0.01)
+    refused = await gw.prefill("p-drain", "after-sigterm", PROMPTS[1])
+    assert refused.error_code == "draining" and refused.kv is None
+    await asyncio.sleep(0.5)
+    assert worker.alive()  # still holding a lease
+    items = await gw.decode("d0", "leased-at-sigterm", PROMPTS[0], [result.first_token], result.kv)
+    assert [result.first_token] + tokens(items) == expected[0]
+    assert await asyncio.get_running_loop().run_in_executor(None, worker.wait, 10) == 0
+    assert gw.load("p-drain") is None  # deregistered with WorkerGone
 
 
 async def test_sigterm_drains_then_deregisters(gw, stack) -> None:
