@@ -10,6 +10,7 @@ and logged (rate-limited), never raised into the subscription loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
 import time
@@ -21,6 +22,7 @@ import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.errors import AuthorizationError
 
 from shared.config import BusConfig
 from shared.protocol import Message, ProtocolError, Subjects, decode_as, encode
@@ -88,6 +90,7 @@ class Bus:
         self._subs: list[Subscription] = []
         self._on_reconnect: list[Callable[[], Awaitable[None]]] = []
         self._closing = False
+        self._auth_rejected: asyncio.Future | None = None
 
     # -- connection -------------------------------------------------------------------------
 
@@ -100,10 +103,23 @@ class Bus:
             reconnected_cb=self._reconnected_cb,
         )
         # With unlimited reconnects nats-py keeps trying the first connect forever too (in
-        # compose the bus may come up after us), so the overall wait is bounded here.
+        # compose the bus may come up after us), so the overall wait is bounded here - but
+        # rejected credentials will not fix themselves: those fail at once.
+        self._auth_rejected = asyncio.get_running_loop().create_future()
+        connecting = asyncio.ensure_future(nats.connect(**opts))
         try:
-            self.nc = await asyncio.wait_for(nats.connect(**opts), timeout)
-        except (asyncio.TimeoutError, Exception) as exc:
+            done, _ = await asyncio.wait(
+                {connecting, self._auth_rejected}, timeout=timeout, return_when="FIRST_COMPLETED"
+            )
+            if connecting not in done:
+                connecting.cancel()
+                with contextlib.suppress(BaseException):
+                    await connecting
+                if self._auth_rejected.done():
+                    raise PermissionError("NATS rejected our credentials (authorization violation)")
+                raise asyncio.TimeoutError(f"no NATS server answered within {timeout:.0f}s")
+            self.nc = connecting.result()
+        except Exception as exc:
             raise ConnectionError(
                 f"cannot connect to NATS at {self.config.nats_url}: {exc!r}"
             ) from exc
@@ -119,6 +135,11 @@ class Bus:
 
     async def _error_cb(self, exc: Exception) -> None:
         log.warning("NATS error: %s", exc)
+        rejected = (
+            isinstance(exc, AuthorizationError) or "authorization violation" in str(exc).lower()
+        )
+        if rejected and self._auth_rejected is not None and not self._auth_rejected.done():
+            self._auth_rejected.set_result(True)
 
     async def _disconnected_cb(self) -> None:
         self.stats.disconnects += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 from shared.bus import Bus
 from shared.config import BusConfig
 from shared.protocol import Cancel, ReleaseLease, WorkerLoad, encode
-from tests.integration.stack import NatsServer, start_nats
+from tests.integration.stack import NatsServer, free_port, start_nats
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +95,10 @@ async def test_token_auth(tmp_path) -> None:
         assert good.connected
         await good.close()
         bad = bus_for(server.url, nats_token="wrong")
-        with pytest.raises(ConnectionError):
-            await bad.connect(timeout=1.5)
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError, match="rejected our credentials"):
+            await bad.connect(timeout=30)
+        assert time.monotonic() - t0 < 5  # fails at once, not after the connect timeout
     finally:
         server.stop()
 
@@ -107,10 +110,15 @@ async def test_user_password_auth(tmp_path) -> None:
         await good.connect(timeout=5)
         assert good.connected
         await good.close()
-        with pytest.raises(ConnectionError):
-            await bus_for(server.url).connect(timeout=1.5)
+        with pytest.raises(ConnectionError, match="rejected our credentials"):
+            await bus_for(server.url, nats_user="pd", nats_password="nope").connect(timeout=30)
     finally:
         server.stop()
+
+
+async def test_nobody_listening_times_out(tmp_path) -> None:
+    with pytest.raises(ConnectionError, match="no NATS server answered"):
+        await bus_for(f"nats://127.0.0.1:{free_port()}").connect(timeout=1.0)
 
 
 def make_cert(tmp: Path) -> tuple[Path, Path]:
