@@ -159,9 +159,36 @@ def decode_attention(
     scale: float,
 ) -> Tensor:
     """One query per sequence over its context_lens[i] cached tokens. q/out: [B, Hq, D]."""
-    batch, num_q_heads, head_dim = q.shape
+    batch = q.shape[0]
     if batch == 0:
         return q.new_empty(q.shape)
+    # Gathering pages is the cost on CPU, and one padded gather pays for the longest context in
+    # the batch. Sequences sorted by length and cut into a few groups pad each group only to its
+    # own longest: a constant number of gathers, not a loop over sequences.
+    groups = min(DECODE_LENGTH_GROUPS, batch)
+    if groups == 1:
+        return _decode_group(q, k_cache, v_cache, block_tables, context_lens, scale)
+    out = q.new_empty(q.shape)
+    order = torch.argsort(context_lens)
+    for rows in order.tensor_split(groups):
+        out[rows] = _decode_group(
+            q[rows], k_cache, v_cache, block_tables[rows], context_lens[rows], scale
+        )
+    return out
+
+
+DECODE_LENGTH_GROUPS = 8
+
+
+def _decode_group(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    scale: float,
+) -> Tensor:
+    batch, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     max_len = int(context_lens.max())
