@@ -1,0 +1,81 @@
+"""Smoke runs of perf/kv_bench.py and perf/load_test.py at toy sizes (real processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from perf.load_test import Report, StreamResult, judge
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+
+
+def run_module(module: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_kv_bench_pulls_and_compares_both_patterns(tmp_path: Path) -> None:
+    out = tmp_path / "kv.json"
+    proc = run_module(
+        "perf.kv_bench", "--sizes-mib", "2", "--reps", "2", "--warmup", "0", "--json", str(out),
+        timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    cases = {c["pattern"]: c for c in report["cases"]}
+    assert set(cases) == {"contiguous", "fragmented"}
+    block = report["block_bytes"]
+    for case in cases.values():
+        assert case["num_bytes"] == case["num_blocks"] * block == 2 << 20
+        assert len(case["pull_seconds"]) == len(case["raw_seconds"]) == 2
+        assert case["ratio"] == case["raw_median_s"] / case["pull_median_s"] > 0
+    assert cases["contiguous"]["messages"] == 1
+    assert cases["fragmented"]["messages"] == cases["fragmented"]["num_blocks"]
+    assert "| 2 MiB | fragmented |" in proc.stdout
+
+
+def test_load_test_bounds_admission_and_leaves_no_blocks(tmp_path: Path) -> None:
+    out, md = tmp_path / "load.json", tmp_path / "load.md"
+    proc = run_module(
+        "perf.load_test", "--streams", "12", "--max-queue", "2", "--max-tokens", "4",
+        "--timeout", "60", "--json", str(out), "--md", str(md),
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["violations"] == []
+    outcomes = report["outcomes"]
+    assert outcomes.get("completed", 0) > 0 and outcomes.get("rejected_503", 0) > 0
+    assert outcomes["completed"] + outcomes["rejected_503"] == 12
+    assert set(report["used_blocks_after"].values()) == {0}
+    assert {m["name"] for m in report["memory"]} == {"gateway", "prefill", "decode"}
+    assert "**Verdict:** PASS" in md.read_text()
+
+
+def test_load_test_judges_hangs_errors_and_leaks_as_violations() -> None:
+    report = Report(streams=3, max_queue=1, max_tokens=4, request_timeout=1.0)
+    report.used_blocks_after = {"decode-0": 3.0, "prefill-0": 0.0}
+    report.in_flight_after = 1.0
+    results = [
+        StreamResult(0, outcome="completed", finish_reason="length", seconds=0.1),
+        StreamResult(1, outcome="timeout"),
+        StreamResult(2, outcome="error", detail="stream ended without [DONE]"),
+    ]
+    judge(report, results, workers=2, rss_growth_limit=100.0)
+    text = "\n".join(report.violations)
+    assert "1 streams ended as timeout" in text
+    assert "1 streams ended as error" in text
+    assert "decode-0 still holds 3 KV blocks" in text
+    assert "1 requests in flight" in text
+    assert [s.index for s in report.samples] == [1, 2]
