@@ -34,7 +34,7 @@ from services.engine.engine import LLMEngine, StepOutput, StepStats
 from shared import tracing
 from shared.bus import Bus
 from shared.config import BusConfig, EngineConfig, WorkerConfig, build
-from shared.discovery import HeartbeatPublisher, register_micro_service
+from shared.discovery import HeartbeatPublisher, KVEventPublisher, register_micro_service
 from shared.metrics import WorkerMetrics, start_metrics_server
 from shared.protocol import Cancel, WorkerLoad
 
@@ -128,6 +128,12 @@ class RequestState:
     arrival_ns: int = field(default_factory=time.time_ns)
     first_scheduled_ns: int | None = None
     num_prompt_tokens: int = 0
+    client_request_id: str | None = None  # the client's x-request-id, if the gateway sent it
+
+    @property
+    def public_id(self) -> str:
+        """The id spans carry: the one clients and operators know (their x-request-id)."""
+        return self.client_request_id or self.request_id
 
 
 class Worker:
@@ -153,8 +159,10 @@ class Worker:
         self._stop = asyncio.Event()
         self._engine_thread: EngineThread | None = None
         self._heartbeat: HeartbeatPublisher | None = None
+        self._kv_events: KVEventPublisher | None = None
         self._tasks: set[asyncio.Task] = set()
         self._preemptions_seen = 0
+        self._prefix_seen = (0, 0)  # block manager's (queries, hits) already counted
         self._recent_cancels: dict[str, float] = {}  # request id -> when (insertion ordered)
 
     # -- hooks for subclasses -----------------------------------------------------------------
@@ -235,6 +243,11 @@ class Worker:
         if preemptions > self._preemptions_seen:
             self.metrics.preemptions.inc(preemptions - self._preemptions_seen)
             self._preemptions_seen = preemptions
+        queries, hits = bm.prefix_queries, bm.prefix_hits
+        if (queries, hits) != self._prefix_seen:
+            self.metrics.prefix_cache_queries.inc(queries - self._prefix_seen[0])
+            self.metrics.prefix_cache_hits.inc(hits - self._prefix_seen[1])
+            self._prefix_seen = (queries, hits)
 
     def reply_ok(self, reply_to: str) -> bool:
         """Replies go only to gateway inboxes: a message cannot make us publish elsewhere."""
@@ -299,6 +312,18 @@ class Worker:
             self.metrics_url = f"http://{self.config.ucx_host}:{server.port}/metrics"
         self._heartbeat = HeartbeatPublisher(self.bus, self.load, self.config.heartbeat_seconds)
         await self._heartbeat.start()
+        if self.engine.block_manager.enable_prefix_cache:
+            # What this worker's prefix cache holds, for the gateway's KV-aware routing.
+            self._kv_events = KVEventPublisher(
+                self.bus,
+                self.worker_id,
+                self.instance,
+                self.engine.block_size,
+                self.engine.drain_kv_events,
+                self.engine.drain_kv_snapshot,
+                self.config.heartbeat_seconds,
+            )
+            await self._kv_events.start()
         micro = None
         with contextlib.suppress(Exception):  # optional: visibility for NATS tooling
             micro = await register_micro_service(self.bus, self.load)
@@ -316,6 +341,8 @@ class Worker:
         if self.busy():
             log.warning("drain time over with work left; exiting anyway")
         housekeeping.cancel()
+        if self._kv_events is not None:
+            await self._kv_events.stop()
         await self._heartbeat.stop(gone=True)
         if micro is not None:
             with contextlib.suppress(Exception):

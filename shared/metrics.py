@@ -169,6 +169,13 @@ class WorkerMetrics:
         self.preemptions = counter(
             "pdserve_worker_preemptions", "Sequences preempted because KV blocks ran out."
         )
+        # hit rate = hits / queries: both count full prompt blocks looked up in the prefix cache
+        self.prefix_cache_queries = counter(
+            "pdserve_worker_prefix_cache_queries", "Prompt blocks looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter(
+            "pdserve_worker_prefix_cache_hits", "Prompt blocks found in the prefix cache."
+        )
 
     def set_load(self, used_blocks: int, total_blocks: int, running: int, waiting: int) -> None:
         """Refresh the load gauges (call with each heartbeat or engine step)."""

@@ -12,6 +12,8 @@ Flow of one request (subjects from ``Subjects``):
   decode   -ReleaseLease->    {ns}.lease.{prefill}       after pulling the KV (or giving up)
   gateway  -Cancel->          {ns}.cancel                broadcast; every worker drops the request
   workers  -WorkerLoad->      {ns}.load.{role}.{worker}  heartbeats; WorkerGone when leaving
+  workers  -KVEvents->        {ns}.kv.{worker}           prefix-cache changes and snapshots
+  gateway  -(empty request)-> {ns}.ping.{worker}         answered with a WorkerLoad (liveness)
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ MAX_BATCH_ITEMS = 4096
 MAX_TOKEN_ID = (1 << 31) - 1
 INT64_MAX = (1 << 63) - 1
 MAX_DEPTH = 8
+# Block hashes per KVEvents message (9 msgpack bytes each: ~590 KB, under NATS's default 1 MB
+# payload limit); bigger changes and snapshots are split over several messages.
+MAX_KV_EVENT_HASHES = 1 << 16
+UINT64_MAX = (1 << 64) - 1  # block hashes are unsigned 64-bit (blake2b, 8 bytes)
 
 # Worker ids, request ids and gateway ids appear inside NATS subjects, so they must be one
 # subject token: no dots, no wildcards, no whitespace.
@@ -135,6 +141,9 @@ class PrefillRequest:
     sampling: SamplingParams = _f()
     reply_to: str = subject()
     deadline: float = seconds()
+    # the client's x-request-id: the bus id above is the gateway's own (unique), this one names
+    # the request on spans and in logs, where people look it up
+    client_request_id: str | None = ident(default=None)
 
 
 @dataclass
@@ -162,6 +171,7 @@ class DecodeRequest:
     kv: KVHandle | None = _f()  # None: the decode worker prefills locally
     reply_to: str = subject()
     deadline: float = seconds()
+    client_request_id: str | None = ident(default=None)  # as in PrefillRequest
 
 
 @dataclass
@@ -174,6 +184,9 @@ class TokenItem:
     finish_reason: str | None = text(max_len=16, choices=FINISH_REASONS, default=None)
     error: str | None = text(default=None)
     error_code: str | None = text(max_len=32, default=None)  # see ERROR_CODES
+    # on the first item of a request the decode worker prefilled itself: prompt tokens its
+    # prefix cache served (None otherwise: a prefill worker already reported them)
+    cached_tokens: int | None = count(hi=MAX_TOKENS, default=None)
 
 
 @dataclass
@@ -223,6 +236,35 @@ class WorkerLoad:
 
 
 @dataclass
+class KVEvents:
+    """What entered and left a worker's prefix cache, for the gateway's KV-aware router.
+
+    Deltas carry the net change since the worker's previous message: ``stored`` hashes are in
+    the cache now, ``removed`` ones are not (the two lists are disjoint, so their order does not
+    matter). Every few seconds the worker sends a snapshot instead - its whole cache, split over
+    ``parts`` messages under one ``seq`` - which replaces what a gateway knew, so a gateway that
+    joined late or lost a message converges. ``seq`` counts messages per worker incarnation.
+    """
+
+    TYPE: ClassVar[str] = "kv_events"
+    worker_id: str = ident()
+    instance: str = text(max_len=64)
+    block_size: int = count(lo=1, hi=1 << 16)
+    seq: int = count()
+    stored: list[int] = _f(lo=0, hi=UINT64_MAX, max_len=MAX_KV_EVENT_HASHES)
+    removed: list[int] = _f(lo=0, hi=UINT64_MAX, max_len=MAX_KV_EVENT_HASHES)
+    snapshot: bool = _f(default=False)
+    part: int = count(hi=1 << 16, default=0)  # snapshots: this message's index among parts
+    parts: int = count(lo=1, hi=1 << 16, default=1)
+
+    def __post_init__(self) -> None:
+        if self.part >= self.parts:
+            raise ValueError(f"part {self.part} of {self.parts}")
+        if not self.snapshot and self.parts != 1:
+            raise ValueError("a delta is one message")
+
+
+@dataclass
 class WorkerGone:
     """A worker's last word when it leaves cleanly (drain finished): drop it from registries."""
 
@@ -240,6 +282,7 @@ Message = (
     | Cancel
     | WorkerLoad
     | WorkerGone
+    | KVEvents
 )
 MESSAGE_TYPES: dict[str, type] = {
     cls.TYPE: cls
@@ -252,6 +295,7 @@ MESSAGE_TYPES: dict[str, type] = {
         Cancel,
         WorkerLoad,
         WorkerGone,
+        KVEvents,
     )
 }
 _NESTED = (KVHandle, TokenItem, SamplingParams)
@@ -501,6 +545,16 @@ class Subjects:
     @property
     def all_loads(self) -> str:
         return self._join("load") + ".>"
+
+    def kv(self, worker_id: str) -> str:
+        return self._join("kv", worker_id)
+
+    @property
+    def all_kv(self) -> str:
+        return self._join("kv") + ".>"
+
+    def ping(self, worker_id: str) -> str:
+        return self._join("ping", worker_id)
 
     def gateway(self, gateway_id: str) -> str:
         return self._join("gw", gateway_id)

@@ -154,7 +154,12 @@ class BlockManager:
                 self.removed_events.append(h)
 
     def drain_events(self) -> tuple[list[int], list[int]]:
-        """(stored, removed) block hashes since the last call."""
-        stored, removed = self.stored_events, self.removed_events
+        """The net change of the prefix cache since the last call: (stored, removed) hashes.
+
+        A hash stored and evicted (or evicted and stored again) within one interval appears
+        once, on the side that is true now, so a receiver can apply the two lists in any order.
+        """
+        stored = [h for h in dict.fromkeys(self.stored_events) if h in self.cached]
+        removed = [h for h in dict.fromkeys(self.removed_events) if h not in self.cached]
         self.stored_events, self.removed_events = [], []
         return stored, removed

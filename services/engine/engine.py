@@ -242,6 +242,13 @@ class LLMEngine:
         with self.lock:
             return self.block_manager.drain_events()
 
+    def drain_kv_snapshot(self) -> list[int]:
+        """Every cached block hash now, and forget the pending events: taken under one lock, so
+        the next ``drain_kv_events`` is exactly the change since this snapshot."""
+        with self.lock:
+            self.block_manager.drain_events()
+            return list(self.block_manager.cached)
+
     def cached_block_hashes(self) -> list[int]:
         """Every block hash in the prefix cache now (a snapshot for late-joining routers)."""
         with self.lock:

@@ -102,3 +102,18 @@ def test_cache_events_report_stores_and_evictions():
     stored, removed = bm.drain_events()
     assert stored == [] and sorted(removed) == sorted(prefix_block_hashes(list(range(8)), 4))
     assert bm.drain_events() == ([], [])
+
+
+def test_cache_events_are_net_changes_per_interval():
+    bm = BlockManager(num_blocks=1, block_size=4)
+    first = prefix_block_hashes([1, 2, 3, 4], 4)[0]
+    a = computed(bm, seq("a", [1, 2, 3, 4]))
+    bm.free_sequence(a)
+    b = computed(bm, seq("b", [5, 6, 7, 8]))  # evicts a's block within the same interval
+    second = prefix_block_hashes([5, 6, 7, 8], 4)[0]
+    # a's block came and went: only its removal is reported, so the order of applying the two
+    # lists cannot resurrect it on the receiving side
+    assert bm.drain_events() == ([second], [first])
+    bm.free_sequence(b)
+    computed(bm, seq("c", [1, 2, 3, 4]))  # evict b's, store a's hash again
+    assert bm.drain_events() == ([first], [second])

@@ -13,6 +13,9 @@ from shared.protocol import (
     PROTOCOL_VERSION,
     Cancel,
     DecodeRequest,
+    MAX_KV_EVENT_HASHES,
+    UINT64_MAX,
+    KVEvents,
     KVHandle,
     PrefillRequest,
     PrefillResult,
@@ -63,6 +66,11 @@ SAMPLES = [
     Cancel("req-1"),
     WorkerLoad("decode-0", "decode", "tiny", 10, 64, 2, 1, False, "127.0.0.1", 4000, None, 1.5),
     WorkerGone("decode-0", "decode"),
+    # appended, so the index-based tests above keep their samples
+    KVEvents("prefill-0", "a1b2", 16, 7, [0, 5, UINT64_MAX], [1 << 63]),
+    KVEvents("prefill-0", "a1b2", 16, 8, [9, 10], [], snapshot=True, part=1, parts=3),
+    PrefillRequest("bus-1", [1], SamplingParams(), "pdserve.gw.g1", 1.0, "client:7"),
+    TokenBatch([TokenItem("req-3", [7], None, cached_tokens=32)]),
 ]
 
 
@@ -183,8 +191,56 @@ def test_subjects() -> None:
     assert s.all_loads == "acme.load.>"
     assert s.gateway("g1") == "acme.gw.g1"
     assert s.gateway("g1").startswith(s.gateway_prefix)
+    assert s.kv("p0") == "acme.kv.p0" and s.all_kv == "acme.kv.>"
+    assert s.ping("p0") == "acme.ping.p0"
     for bad in ("a.b", "*", ">", "", "a b"):
         with pytest.raises(ValueError):
             s.prefill(bad)
     with pytest.raises(ValueError):
         Subjects("bad ns")
+
+
+def kv_body(**changes) -> dict:
+    b = body(KVEvents("prefill-0", "a1b2", 16, 1, [1, 2], [3]))
+    b.update(changes)
+    return b
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"stored": [-1]}, "ints in"),  # hashes are unsigned 64-bit
+        ({"removed": [True]}, "ints in"),
+        ({"stored": [1.5]}, "ints in"),
+        ({"stored": list(range(MAX_KV_EVENT_HASHES + 1))}, "more than"),
+        ({"removed": list(range(MAX_KV_EVENT_HASHES + 1))}, "more than"),
+        ({"block_size": 0}, "outside"),
+        ({"worker_id": "p.0"}, "identifier"),
+        ({"instance": "x" * 65}, "longer"),
+        ({"snapshot": True, "part": 3, "parts": 3}, "part 3 of 3"),
+        ({"parts": 2}, "a delta is one message"),
+        ({"parts": 0}, "outside"),
+    ],
+)
+def test_kv_events_are_bounded(changes, match) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        decode(pack(kv_body(**changes)))
+
+
+def test_kv_events_at_the_size_limit_fit_a_nats_payload() -> None:
+    full = KVEvents("p0", "i", 16, 1, [UINT64_MAX] * MAX_KV_EVENT_HASHES, [])
+    data = encode(full)
+    assert len(data) < 1024 * 1024  # NATS's default max_payload
+    assert decode(data) == full
+
+
+def test_client_request_id_is_optional_and_checked() -> None:
+    b = body(SAMPLES[0])
+    assert b["client_request_id"] is None and decode(pack(b)) == SAMPLES[0]
+    b["client_request_id"] = "a.b"  # could not name a subject token either
+    with pytest.raises(ProtocolError, match="identifier"):
+        decode(pack(b))
+    b = body(SAMPLES[5])
+    b["items"][0]["cached_tokens"] = -1
+    with pytest.raises(ProtocolError, match="outside"):
+        decode(pack(b))
