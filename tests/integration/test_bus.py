@@ -238,7 +238,47 @@ async def test_heartbeats_registry_and_ageing_out(nats) -> None:
         await crashy.stop(gone=False)  # like kill -9: ages out after the timeout
         assert registry.get("p0") is not None
         await until(lambda: registry.get("p0") is None, timeout=3.0)
-        assert (LEFT, "d0") in events and (LEFT, "p0") in events
+        # reported gone once a ping found nobody answering (no responders: at once)
+        await until(lambda: (LEFT, "p0") in events, timeout=0.5)
+        assert (LEFT, "d0") in events
+    finally:
+        await registry.stop()
+        await worker_bus.close()
+        await gw_bus.close()
+
+
+async def test_silent_worker_that_answers_pings_is_not_reported_gone(nats) -> None:
+    """A live worker whose heartbeats are late (a starved event loop) stops being routable
+    while silent, but keeps its requests: the registry pings before it reports a departure."""
+    from shared.discovery import LEFT, HeartbeatPublisher, WorkerRegistry
+
+    worker_bus, gw_bus = bus_for(nats.url), bus_for(nats.url)
+    await worker_bus.connect()
+    await gw_bus.connect()
+    registry = WorkerRegistry(gw_bus, timeout=0.3)
+    events: list[tuple[str, str]] = []
+    registry.add_listener(lambda event, load: events.append((event, load.worker_id)))
+    await registry.start()
+    await gw_bus.flush()
+    # one beat, then silence far beyond the timeout; the ping subscription stays
+    quiet = HeartbeatPublisher(
+        worker_bus, lambda: WorkerLoad("d9", "decode", "m", 7, 8, 1, 0), interval=100.0
+    )
+    try:
+        await quiet.start()
+        for _ in range(100):
+            if registry.get("d9") is not None:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(1.5)  # five timeouts, each answered by a ping
+        assert registry.get("d9") is not None or "d9" in registry.suspects
+        assert (LEFT, "d9") not in events
+        await quiet.stop(gone=False)  # now it dies for real (no ping answers)
+        for _ in range(50):
+            if (LEFT, "d9") in events:
+                break
+            await asyncio.sleep(0.02)
+        assert (LEFT, "d9") in events
     finally:
         await registry.stop()
         await worker_bus.close()
