@@ -35,6 +35,7 @@ class DecodeState(RequestState):
     first_step_ns: int | None = None  # first decode step (start of decode.generate)
     pulling: bool = False
     cancelled: bool = False  # cancel/deadline while the pull writes into our blocks
+    local_prefill: bool = False  # prefilled here: its first item reports the cached tokens
 
 
 class DecodeWorker(Worker):
@@ -94,6 +95,7 @@ class DecodeWorker(Worker):
             req.request_id, req.reply_to, req.deadline, tracing.extract_context(headers)
         )
         state.num_prompt_tokens = len(req.prompt_token_ids)
+        state.client_request_id = req.client_request_id
         self.states[req.request_id] = state
         if req.kv is None:
             self._prefill_locally(req, state)
@@ -112,6 +114,7 @@ class DecodeWorker(Worker):
         return None
 
     def _prefill_locally(self, req: DecodeRequest, state: DecodeState) -> None:
+        state.local_prefill = True
         try:
             if req.output_token_ids:
                 # already has output (e.g. a first token from elsewhere): compute its KV too
@@ -197,7 +200,7 @@ class DecodeWorker(Worker):
             context=state.context,
             attributes={
                 **tracing.kv_transfer_attributes(
-                    req.request_id, stats.num_bytes, stats.num_blocks, stats.seconds, "ucx"
+                    state.public_id, stats.num_bytes, stats.num_blocks, stats.seconds, "ucx"
                 ),
                 tracing.ATTR_WORKER_ID: self.worker_id,
                 "pdserve.kv.messages": stats.num_messages,
@@ -268,17 +271,19 @@ class DecodeWorker(Worker):
                 self._record_queue(state, rid, step.start_ns)
                 self.metrics.queue_time.observe((step.start_ns - state.arrival_ns) / 1e9)
             if state is not None:
+                seq = self.engine.seqs.get(rid)
                 tracing.record_span(
                     tracing.SPAN_PREFILL_FORWARD,
                     step.start_ns,
                     step.end_ns,
                     context=state.context,
                     attributes={
-                        tracing.ATTR_REQUEST_ID: rid,
+                        tracing.ATTR_REQUEST_ID: state.public_id,
                         tracing.ATTR_WORKER_ID: self.worker_id,
                         tracing.ATTR_BATCH_SIZE: stats.num_seqs,
                         tracing.ATTR_BATCH_TOKENS: stats.num_tokens,
                         tracing.ATTR_KV_TRANSPORT: "local",
+                        tracing.ATTR_CACHED_TOKENS: seq.num_cached_tokens if seq else 0,
                     },
                 )
         batches: dict[str, list[TokenItem]] = {}
@@ -291,10 +296,11 @@ class DecodeWorker(Worker):
                 if state.first_scheduled_ns is None:  # pulled KV: queued until this step
                     state.first_scheduled_ns = step.start_ns
                     self._record_queue(state, out.request_id, step.start_ns)
+            item = TokenItem(out.request_id, list(out.new_token_ids), out.finish_reason)
+            if state.local_prefill and state.num_output_tokens == 0:
+                item.cached_tokens = out.num_cached_tokens
             state.num_output_tokens += len(out.new_token_ids)
-            batches.setdefault(state.reply_to, []).append(
-                TokenItem(out.request_id, list(out.new_token_ids), out.finish_reason)
-            )
+            batches.setdefault(state.reply_to, []).append(item)
             if out.finish_reason is not None:
                 self.states.pop(out.request_id, None)
                 self._record_generate(state, out.request_id, out.finish_reason, step.end_ns)
@@ -310,7 +316,10 @@ class DecodeWorker(Worker):
             state.arrival_ns,
             end_ns,
             context=state.context,
-            attributes={tracing.ATTR_REQUEST_ID: rid, tracing.ATTR_WORKER_ID: self.worker_id},
+            attributes={
+                tracing.ATTR_REQUEST_ID: state.public_id,
+                tracing.ATTR_WORKER_ID: self.worker_id,
+            },
         )
 
     def _record_generate(self, state: DecodeState, rid: str, reason: str, end_ns: int) -> None:
@@ -323,7 +332,7 @@ class DecodeWorker(Worker):
             end_ns,
             context=state.context,
             attributes={
-                tracing.ATTR_REQUEST_ID: rid,
+                tracing.ATTR_REQUEST_ID: state.public_id,
                 tracing.ATTR_WORKER_ID: self.worker_id,
                 tracing.GEN_AI_USAGE_OUTPUT_TOKENS: n,
                 tracing.ATTR_TPOT_MS: tpot_ms,

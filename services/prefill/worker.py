@@ -91,6 +91,7 @@ class PrefillWorker(Worker):
             req.request_id, req.reply_to, req.deadline, tracing.extract_context(headers)
         )
         state.num_prompt_tokens = len(req.prompt_token_ids)
+        state.client_request_id = req.client_request_id
         try:
             self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling)
         except ValueError as exc:  # invalid for this model (too long, token id out of range...)
@@ -188,7 +189,7 @@ class PrefillWorker(Worker):
                     step.start_ns,
                     context=state.context,
                     attributes={
-                        tracing.ATTR_REQUEST_ID: rid,
+                        tracing.ATTR_REQUEST_ID: state.public_id,
                         tracing.ATTR_WORKER_ID: self.worker_id,
                     },
                 )
@@ -199,7 +200,7 @@ class PrefillWorker(Worker):
                 step.end_ns,
                 context=state.context,
                 attributes={
-                    tracing.ATTR_REQUEST_ID: rid,
+                    tracing.ATTR_REQUEST_ID: state.public_id,
                     tracing.ATTR_WORKER_ID: self.worker_id,
                     tracing.ATTR_BATCH_SIZE: stats.num_seqs,
                     tracing.ATTR_BATCH_TOKENS: stats.num_tokens,
