@@ -317,7 +317,8 @@ async def measure(
 
 def markdown(results: list[CaseResult], reps: int) -> str:
     lines = [
-        f"KV pull vs raw ucxx (median of {reps} interleaved repetitions; target >= {TARGET_RATIO}x)",
+        f"KV pull vs raw ucxx (median of {reps} interleaved repetitions; "
+        f"target >= {TARGET_RATIO}x)",
         "",
         "| size | pattern | blocks | messages | pull GB/s | raw GB/s | ratio | target |",
         "|---:|---|---:|---:|---:|---:|---:|---|",

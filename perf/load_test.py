@@ -68,6 +68,7 @@ class ProcessMemory:
     rss_before_mib: float = 0.0
     rss_peak_mib: float = 0.0
     rss_after_mib: float = 0.0
+    rss_after_wave_mib: list[float] = field(default_factory=list)
 
     @property
     def growth_mib(self) -> float:
@@ -75,20 +76,29 @@ class ProcessMemory:
 
 
 @dataclass
+class Wave:
+    """One burst of streams and the state the stack settled to afterwards."""
+
+    seconds: float = 0.0
+    outcomes: dict[str, int] = field(default_factory=dict)
+    used_blocks_after: dict[str, float] = field(default_factory=dict)
+    in_flight_after: float | None = None
+    settle_seconds: float | None = None
+
+
+@dataclass
 class Report:
     streams: int
+    waves: int
     max_queue: int
     max_tokens: int
     request_timeout: float
-    seconds: float = 0.0
     outcomes: dict[str, int] = field(default_factory=dict)
     finish_reasons: dict[str, int] = field(default_factory=dict)
     e2e_p50_s: float | None = None
     e2e_max_s: float | None = None
     memory: list[ProcessMemory] = field(default_factory=list)
-    used_blocks_after: dict[str, float] = field(default_factory=dict)
-    in_flight_after: float | None = None
-    settle_seconds: float | None = None
+    wave_log: list[Wave] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
     samples: list[StreamResult] = field(default_factory=list)  # first few non-completed ones
 
@@ -307,7 +317,7 @@ def gauges(url: str) -> tuple[dict[str, float], float | None]:
     return used, in_flight
 
 
-def wait_settled(url: str, workers: int, report: Report) -> None:
+def wait_settled(url: str, workers: int, wave: Wave) -> None:
     """Poll the gateway until every worker's KV gauge and the in-flight gauge read 0 on two
     reads a heartbeat apart (or SETTLE_TIMEOUT passes); record what was last seen."""
     t0 = time.monotonic()
@@ -315,11 +325,11 @@ def wait_settled(url: str, workers: int, report: Report) -> None:
     zero_reads = 0
     while zero_reads < 2 and time.monotonic() - t0 < SETTLE_TIMEOUT:
         used, in_flight = gauges(url)
-        report.used_blocks_after, report.in_flight_after = used, in_flight
+        wave.used_blocks_after, wave.in_flight_after = used, in_flight
         zero = len(used) == workers and not any(used.values()) and not in_flight
         zero_reads = zero_reads + 1 if zero else 0
         time.sleep(HEARTBEAT)
-    report.settle_seconds = time.monotonic() - t0
+    wave.settle_seconds = time.monotonic() - t0
 
 
 def judge(
@@ -337,23 +347,29 @@ def judge(
             report.violations.append(f"{report.outcomes[outcome]} streams ended as {outcome}")
     if not done:
         report.violations.append("no stream completed")
-    used = report.used_blocks_after
-    if len(used) != workers:
-        report.violations.append(f"{len(used)} workers on /metrics after the run, not {workers}")
-    for worker, blocks in used.items():
-        if blocks:
+    for n, wave in enumerate(report.wave_log, 1):
+        used = wave.used_blocks_after
+        if len(used) != workers:
+            report.violations.append(f"wave {n}: {len(used)} workers on /metrics, not {workers}")
+        for worker, blocks in used.items():
+            if blocks:
+                report.violations.append(
+                    f"wave {n}: {worker} still holds {blocks:g} KV blocks "
+                    f"{wave.settle_seconds:.0f}s after the wave"
+                )
+        if wave.in_flight_after:
             report.violations.append(
-                f"{worker} still holds {blocks:g} KV blocks {SETTLE_TIMEOUT:.0f}s after the run"
+                f"wave {n}: gateway reports {wave.in_flight_after:g} requests in flight after it"
             )
-    if report.in_flight_after:
-        report.violations.append(
-            f"gateway reports {report.in_flight_after:g} requests in flight after the run"
-        )
     for m in report.memory:
         if m.growth_mib > rss_growth_limit:
             report.violations.append(
                 f"{m.name} RSS grew {m.growth_mib:.0f} MiB (limit {rss_growth_limit:.0f} MiB)"
             )
+
+
+def counts(c: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
 
 
 def markdown(report: Report, command: str) -> str:
@@ -364,10 +380,10 @@ def markdown(report: Report, command: str) -> str:
         "",
         f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
         f"{platform.python_version()}",
-        f"- {report.streams} streams fired at once, `--max-queue {report.max_queue}`, up to "
-        f"{report.max_tokens} output tokens each, client timeout {report.request_timeout:.0f} s",
-        f"- wall time of the load: {report.seconds:.1f} s",
-        f"- outcomes: {', '.join(f'{k} {v}' for k, v in sorted(report.outcomes.items()))}",
+        f"- {report.waves} waves of {report.streams} streams fired at once, "
+        f"`--max-queue {report.max_queue}`, up to {report.max_tokens} output tokens each, "
+        f"client timeout {report.request_timeout:.0f} s",
+        f"- outcomes (all waves): {counts(report.outcomes)}",
         f"- finish reasons: {', '.join(f'{k} {v}' for k, v in report.finish_reasons.items())}",
     ]
     if report.e2e_p50_s is not None:
@@ -376,17 +392,26 @@ def markdown(report: Report, command: str) -> str:
             f"max {report.e2e_max_s:.2f} s"
         )
     lines += [
-        f"- after the run ({report.settle_seconds:.1f} s to settle): KV blocks in use "
-        + ", ".join(f"{w} {v:g}" for w, v in report.used_blocks_after.items())
-        + f"; gateway requests in flight {report.in_flight_after}",
         "",
-        "| process | pid | RSS before (MiB) | peak (MiB) | after (MiB) | growth (MiB) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| wave | wall s | outcomes | KV blocks in use after | in flight after | settled in s |",
+        "|---:|---:|---|---|---:|---:|",
+    ]
+    for n, w in enumerate(report.wave_log, 1):
+        used = ", ".join(f"{k} {v:g}" for k, v in w.used_blocks_after.items())
+        lines.append(
+            f"| {n} | {w.seconds:.1f} | {counts(w.outcomes)} | {used} | {w.in_flight_after} "
+            f"| {w.settle_seconds:.1f} |"
+        )
+    lines += [
+        "",
+        "| process | pid | RSS before (MiB) | peak | after each wave | growth |",
+        "|---|---:|---:|---:|---|---:|",
     ]
     for m in report.memory:
+        waves = " / ".join(f"{v:.0f}" for v in m.rss_after_wave_mib)
         lines.append(
             f"| {m.name} | {m.pid} | {m.rss_before_mib:.0f} | {m.rss_peak_mib:.0f} "
-            f"| {m.rss_after_mib:.0f} | {m.growth_mib:+.0f} |"
+            f"| {waves} | {m.growth_mib:+.0f} |"
         )
     lines += ["", "**Verdict:** " + ("PASS" if not report.violations else "FAIL")]
     lines += [f"- {v}" for v in report.violations]
@@ -397,7 +422,7 @@ def markdown(report: Report, command: str) -> str:
 
 
 def run(args: argparse.Namespace, command: str) -> Report:
-    report = Report(args.streams, args.max_queue, args.max_tokens, args.timeout)
+    report = Report(args.streams, args.waves, args.max_queue, args.max_tokens, args.timeout)
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-load-"))
     # the server's own deadline comes first: a stream it gives up on must end with an explicit
     # error the client sees, so the client's timeout only catches real hangs
@@ -410,7 +435,7 @@ def run(args: argparse.Namespace, command: str) -> Report:
         (warm,) = asyncio.run(fire(stack.url, model, 1, 4, args.timeout, args.seed + 1))
         if warm.outcome != "completed":
             raise RuntimeError(f"warm-up request ended as {warm.outcome}: {warm.detail}")
-        wait_settled(stack.url, WORKERS, report)
+        wait_settled(stack.url, WORKERS, Wave())
         pids = service_pids(stack.popen.pid)
         report.memory = [
             ProcessMemory(name, pid) for name, pid in sorted(pids.items()) if name != "nats"
@@ -419,16 +444,24 @@ def run(args: argparse.Namespace, command: str) -> Report:
             m.rss_before_mib = m.rss_peak_mib = rss_mib(m.pid)
         sampler = RssSampler(report.memory)
         sampler.start()
-        t0 = time.perf_counter()
-        results = asyncio.run(
-            fire(stack.url, model, args.streams, args.max_tokens, args.timeout, args.seed)
-        )
-        report.seconds = time.perf_counter() - t0
+        results: list[StreamResult] = []
+        for n in range(args.waves):
+            wave = Wave()
+            t0 = time.perf_counter()
+            burst = asyncio.run(
+                fire(stack.url, model, args.streams, args.max_tokens, args.timeout, args.seed + n)
+            )
+            wave.seconds = time.perf_counter() - t0
+            wave.outcomes = dict(Counter(r.outcome for r in burst))
+            results += burst
+            wait_settled(stack.url, WORKERS, wave)
+            report.wave_log.append(wave)
+            for m in report.memory:
+                m.rss_after_mib = rss_mib(m.pid)
+                m.rss_after_wave_mib.append(m.rss_after_mib)
+            print(f"wave {n + 1}: {counts(wave.outcomes)}", file=sys.stderr, flush=True)
         sampler.done.set()
         sampler.join()
-        wait_settled(stack.url, WORKERS, report)
-        for m in report.memory:
-            m.rss_after_mib = rss_mib(m.pid)
         judge(report, results, WORKERS, args.rss_growth_mib)
     except Exception as exc:
         report.violations.append(f"load run failed: {exc!r}")
@@ -444,6 +477,7 @@ def run(args: argparse.Namespace, command: str) -> Report:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m perf.load_test", description=__doc__.split("\n")[0])
     p.add_argument("--streams", type=int, default=500, help="concurrent streaming requests")
+    p.add_argument("--waves", type=int, default=3, help="bursts of --streams, one after another")
     p.add_argument("--max-queue", type=int, default=256, help="gateway/worker admission bound")
     p.add_argument("--max-tokens", type=int, default=32, help="largest max_tokens of a request")
     p.add_argument("--timeout", type=float, default=300.0, help="per-request deadline, seconds")

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from perf.load_test import Report, StreamResult, judge
+from perf.load_test import Report, StreamResult, Wave, judge
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "UCX_WARN_UNUSED_ENV_VARS": "n"}
@@ -48,8 +48,8 @@ def test_kv_bench_pulls_and_compares_both_patterns(tmp_path: Path) -> None:
 def test_load_test_bounds_admission_and_leaves_no_blocks(tmp_path: Path) -> None:
     out, md = tmp_path / "load.json", tmp_path / "load.md"
     proc = run_module(
-        "perf.load_test", "--streams", "12", "--max-queue", "2", "--max-tokens", "4",
-        "--timeout", "60", "--json", str(out), "--md", str(md),
+        "perf.load_test", "--streams", "12", "--waves", "2", "--max-queue", "2",
+        "--max-tokens", "4", "--timeout", "60", "--json", str(out), "--md", str(md),
         timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -57,16 +57,25 @@ def test_load_test_bounds_admission_and_leaves_no_blocks(tmp_path: Path) -> None
     assert report["violations"] == []
     outcomes = report["outcomes"]
     assert outcomes.get("completed", 0) > 0 and outcomes.get("rejected_503", 0) > 0
-    assert outcomes["completed"] + outcomes["rejected_503"] == 12
-    assert set(report["used_blocks_after"].values()) == {0}
+    assert outcomes["completed"] + outcomes["rejected_503"] == 24
+    assert len(report["wave_log"]) == 2
+    for wave in report["wave_log"]:
+        assert sum(wave["outcomes"].values()) == 12
+        assert len(wave["used_blocks_after"]) == 2
+        assert set(wave["used_blocks_after"].values()) == {0}
     assert {m["name"] for m in report["memory"]} == {"gateway", "prefill", "decode"}
+    assert all(len(m["rss_after_wave_mib"]) == 2 for m in report["memory"])
     assert "**Verdict:** PASS" in md.read_text()
 
 
 def test_load_test_judges_hangs_errors_and_leaks_as_violations() -> None:
-    report = Report(streams=3, max_queue=1, max_tokens=4, request_timeout=1.0)
-    report.used_blocks_after = {"decode-0": 3.0, "prefill-0": 0.0}
-    report.in_flight_after = 1.0
+    report = Report(streams=3, waves=1, max_queue=1, max_tokens=4, request_timeout=1.0)
+    leaky = Wave(
+        used_blocks_after={"decode-0": 3.0, "prefill-0": 0.0},
+        in_flight_after=1.0,
+        settle_seconds=60.0,
+    )
+    report.wave_log = [leaky]
     results = [
         StreamResult(0, outcome="completed", finish_reason="length", seconds=0.1),
         StreamResult(1, outcome="timeout"),
