@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -49,6 +50,15 @@ PREFILL_ATTEMPTS = 3  # prefill is idempotent: a dead or overloaded worker's req
 DECODE_ATTEMPTS = 3  # a decode worker that refuses a request before its first token
 RETRYABLE_CODES = ("overloaded", "draining")
 TYPICAL_OUTPUT_TOKENS = 256
+BUS_ID_SUFFIX = 16  # hex digits of randomness in a request's bus id
+
+
+def new_bus_id(client_request_id: str) -> str:
+    """A request's id on the bus: the client's x-request-id (readable in worker logs) plus a
+    random suffix. Clients reuse ids (retries, two tabs, two gateways behind one balancer), and
+    a shared bus id would let one request's cancel or tokens reach the other."""
+    keep = protocol.MAX_ID_CHARS - BUS_ID_SUFFIX - 1
+    return f"{client_request_id[:keep]}-{secrets.token_hex(BUS_ID_SUFFIX // 2)}"
 
 
 class NoWorker(Exception):
@@ -133,6 +143,8 @@ class Dispatcher:
             self._spawn(self._release_stale(item))
 
     def _on_registry_event(self, event: str, load: WorkerLoad) -> None:
+        # LEFT means gone for sure: a clean WorkerGone, a restart, or missed heartbeats that a
+        # ping confirmed (a slow but live worker answers it and keeps its requests).
         if event != LEFT:
             return
         for pending in self._pending.values():
@@ -168,9 +180,13 @@ class Dispatcher:
     ) -> AsyncIterator[TokenEvent]:
         """Yield the request's tokens as they arrive; the last event has a finish reason.
 
+        ``request_id`` is the client's x-request-id: it names the request on spans; on the bus
+        the request travels under a unique id of its own (``new_bus_id``).
+
         Raises NoWorker before anything was sent, StageTimeout or WorkerFailure on faults.
         Closing the generator early (client gone, stop string) cancels the request.
         """
+        client_id, request_id = request_id, new_bus_id(request_id)
         self._check_wire(request_id, prompt_token_ids, sampling)
         pending = _Pending()
         self._pending[request_id] = pending
@@ -179,7 +195,8 @@ class Dispatcher:
         finished = False
         try:
             with _tracer.start_as_current_span(SPAN_ROUTE, context=context) as span:
-                span.set_attribute(ATTR_REQUEST_ID, request_id)
+                span.set_attribute(ATTR_REQUEST_ID, client_id)
+                span.set_attribute("pdserve.bus_request_id", request_id)
                 use_prefill = self._wants_prefill(len(prompt_token_ids))
                 span.set_attribute("pdserve.route.prefill", use_prefill)
                 if not use_prefill and not self.router.has_decode():
@@ -189,7 +206,7 @@ class Dispatcher:
             kv = None
             if use_prefill:
                 result = await self._prefill(
-                    request_id, prompt_token_ids, sampling, headers, deadline, pending
+                    request_id, client_id, prompt_token_ids, sampling, headers, deadline, pending
                 )
                 if result is not None:
                     _check_ending(result.finish_reason, result.worker_id)
@@ -227,6 +244,7 @@ class Dispatcher:
                         kv=kv,
                         reply_to=self.inbox,
                         deadline=deadline,
+                        client_request_id=client_id,
                     ),
                     headers,
                 )
@@ -255,12 +273,14 @@ class Dispatcher:
                         raise WorkerFailure(item.error, item.error_code)
                     _check_ending(item.finish_reason, decode_worker)
                     streamed = True
-                    yield TokenEvent(list(item.token_ids), item.finish_reason)
+                    # cached_tokens is set when this decode worker prefilled the prompt itself
+                    yield TokenEvent(list(item.token_ids), item.finish_reason, item.cached_tokens)
                     if item.finish_reason is not None:
                         finished = True
                         return
         finally:
             self._pending.pop(request_id, None)
+            self.router.prefill_done(request_id)
             if not finished:
                 # Runs even while the handler is being cancelled (client gone), so it must not
                 # await anything that the cancellation could interrupt.
@@ -283,6 +303,7 @@ class Dispatcher:
     async def _prefill(
         self,
         request_id: str,
+        client_id: str,
         prompt: list[int],
         sampling: SamplingParams,
         headers: dict[str, str],
@@ -292,7 +313,7 @@ class Dispatcher:
         """Run the prefill stage; None means no prefill worker could take it (prefill locally)."""
         tried: set[str] = set()
         for _ in range(PREFILL_ATTEMPTS):
-            worker = self.router.pick_prefill(prompt, exclude=tried)
+            worker = self.router.pick_prefill(prompt, exclude=tried, request_id=request_id)
             if worker is None:
                 return None
             tried.add(worker)
@@ -307,22 +328,26 @@ class Dispatcher:
                     sampling=sampling,
                     reply_to=self.inbox,
                     deadline=stage_deadline,
+                    client_request_id=client_id,
                 ),
                 headers,
             )
-            while True:
-                item = await self._next(pending, stage_deadline, "prefill")
-                if isinstance(item, _WorkerLeft):
-                    if item.worker_id != worker:
-                        continue
-                    log.warning("prefill worker %s left; retrying %s", worker, request_id)
-                    result = None
-                    break
-                if isinstance(item, PrefillResult) and item.worker_id == worker:
-                    result = item
-                    break
-                await self._release_stale(item)
-            pending.workers.discard(worker)
+            try:
+                while True:
+                    item = await self._next(pending, stage_deadline, "prefill")
+                    if isinstance(item, _WorkerLeft):
+                        if item.worker_id != worker:
+                            continue
+                        log.warning("prefill worker %s left; retrying %s", worker, request_id)
+                        result = None
+                        break
+                    if isinstance(item, PrefillResult) and item.worker_id == worker:
+                        result = item
+                        break
+                    await self._release_stale(item)
+            finally:
+                pending.workers.discard(worker)
+                self.router.prefill_done(request_id)  # no longer queued work on that worker
             if result is None:
                 continue
             if result.error is None:

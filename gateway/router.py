@@ -1,8 +1,23 @@
-"""Choosing workers for a request from the live registry's load reports.
+"""Choosing workers for a request from the live registry's load reports and cache contents.
 
-Prefill goes to the worker likely to hold the prompt's prefix in its cache (by a hash of the first
-block), unless that worker is clearly busier than the least loaded one. Decode goes to the worker
-with the most free KV blocks.
+Prefill goes to the worker with the lowest estimated cost, in blocks of prefill work::
+
+    cost = PREFIX_WEIGHT * (prompt blocks it would still have to compute) + (work queued there)
+
+The first term comes from the workers' own prefix caches: they publish the chained hashes of the
+blocks they store and evict (``KVEvents``), the registry keeps one set per worker, and the router
+hashes the prompt the same way (``prefix_block_hashes``, with that worker's block size) and counts
+the leading blocks the worker holds. Because those events lag by up to a heartbeat, the router
+also counts the blocks of prompts *it* sent a worker in the last few seconds as held there: the
+second turn of a chat, sent right after the first, still finds the first turn's worker.
+
+The second term keeps one hot prefix (a system prompt every worker holds) from herding every
+request onto one worker: equal prefix terms leave the load to decide. Work queued is the reported
+queue times the typical prompt's blocks, plus the blocks this router sent since that report. Exact
+ties go to the prompt's rendezvous "home" (a hash of its first block and the worker id), so
+gateways agree where a new prefix should land, and only a joining or leaving worker's share moves.
+
+Decode goes to the worker with the most free KV blocks.
 
 Load reports arrive every ~0.5 s, which is long enough for a burst of requests to all pick the
 same "least loaded" worker. So the router also remembers what *this* gateway sent each worker
@@ -12,18 +27,29 @@ includes it, so the remembered part is dropped then).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from services.engine.block_manager import prefix_block_hashes
 from shared.protocol import WorkerLoad
 
 MAX_REMEMBER_SECONDS = 2.0  # a few heartbeat intervals
-# A prompt goes to its prefix-cache "home" prefill worker unless that one has more than this
-# many requests queued beyond the least loaded worker: a cache hit is not worth a long wait.
-AFFINITY_SLACK = 2
+# Cost of one prompt block a worker must compute, relative to one block of work queued there.
+# Above 1 because the load side is coarse and lags: a report taken while a request ran still
+# counts it for up to a heartbeat after it finished, and each queued request counts as a typical
+# prompt. A cache holder should lose a request only to a clearly emptier worker; equal prefix
+# terms (a system prompt every worker holds) still leave the choice to the load alone.
+PREFIX_WEIGHT = 2.0
+# How long a prompt's blocks count as held by the worker it was sent to before that worker's own
+# events say so (they lag by a heartbeat, a long queue by more).
+EXPECT_SECONDS = 10.0
+MAX_EXPECTED_BLOCKS = 1 << 16  # per worker; the oldest expectations go first
+TYPICAL_DECAY = 0.1  # moving average of the prefill blocks per routed prompt
 
 
 def _rendezvous(key: bytes, worker_id: str) -> int:
@@ -38,13 +64,29 @@ class _Sent:
 
 
 @dataclass
+class _Cost:
+    worker: WorkerLoad
+    cost: float
+    hashes: list[int]  # the prompt's block hashes at this worker's block size
+    new_blocks: int  # prompt blocks it would compute
+
+
+@dataclass
 class Router:
-    """Picks a prefill worker (least queued work) and a decode worker (most free KV blocks)."""
+    """Picks a prefill worker (cheapest: cached prefix vs queued work) and a decode worker (most
+    free KV blocks)."""
 
     loads: Callable[[str], Iterable[WorkerLoad]]  # role -> live, non-expired worker loads
     block_size: int
     model: str | None = None  # only workers serving this model qualify
+    # (worker id, prompt block hashes) -> leading blocks its prefix cache holds (its KV events)
+    cached_hits: Callable[[str, list[int]], int] = lambda worker_id, hashes: 0
+    prefix_weight: float = PREFIX_WEIGHT
     _sent: dict[str, list[_Sent]] = field(default_factory=dict)
+    # worker id -> block hash -> when this router sent it a prompt with that block
+    _expected: dict[str, OrderedDict[int, float]] = field(default_factory=dict)
+    _typical_blocks: float = 0.0
+    _in_prefill: dict[str, tuple[str, _Sent]] = field(default_factory=dict)  # request -> sent
 
     def live(self, role: str) -> list[WorkerLoad]:
         return [
@@ -64,8 +106,8 @@ class Router:
     def _remember(self, worker_id: str, blocks: int) -> None:
         self._sent.setdefault(worker_id, []).append(_Sent(time.time(), blocks))
 
-    def blocks_for(self, num_tokens: int) -> int:
-        size = self.block_size if self.block_size > 0 else 16
+    def blocks_for(self, num_tokens: int, block_size: int | None = None) -> int:
+        size = block_size or (self.block_size if self.block_size > 0 else 16)
         return -(-num_tokens // size)
 
     def has_decode(self) -> bool:
@@ -74,31 +116,87 @@ class Router:
     def has_prefill(self) -> bool:
         return bool(self.live("prefill"))
 
-    def pick_prefill(self, prompt: list[int], exclude: set[str] | None = None) -> str | None:
-        """The worker that most likely has this prompt's prefix cached, unless it is clearly
-        busier than the least loaded one; otherwise the least loaded.
+    # -- prefill: KV-aware ---------------------------------------------------------------------
 
-        Affinity is a rendezvous hash of the prompt's first KV block, so the turns of one chat
-        (and prompts sharing a system prompt) keep landing where their prefix blocks already are,
-        and only the prompts of a worker that joins or leaves move.
+    def cached_blocks(self, worker: WorkerLoad, hashes: list[int]) -> int:
+        """Leading prompt blocks the worker holds: what its events say, or what this router
+        sent it moments ago (not in its events yet), whichever reaches further."""
+        reported = self.cached_hits(worker.worker_id, hashes)
+        expected = self._expected.get(worker.worker_id)
+        if not expected:
+            return reported
+        now = time.monotonic()
+        while expected and next(iter(expected.values())) < now - EXPECT_SECONDS:
+            expected.popitem(last=False)
+        sent = 0
+        for h in hashes:
+            if h not in expected:
+                break
+            sent += 1
+        return max(reported, sent)
+
+    def _expect(self, worker_id: str, hashes: list[int]) -> None:
+        expected = self._expected.setdefault(worker_id, OrderedDict())
+        now = time.monotonic()
+        for h in hashes:
+            expected[h] = now
+            expected.move_to_end(h)
+        while len(expected) > MAX_EXPECTED_BLOCKS:
+            expected.popitem(last=False)
+
+    def prefill_costs(self, prompt: list[int]) -> dict[str, float]:
+        """Every live prefill worker's cost for this prompt (for inspection and tests)."""
+        return {c.worker.worker_id: c.cost for c in self._costs(prompt, self.live("prefill"))}
+
+    def _costs(self, prompt: list[int], candidates: list[WorkerLoad]) -> list[_Cost]:
+        typical = self._typical_blocks or self.blocks_for(len(prompt))
+        by_size: dict[int, list[int]] = {}
+        out = []
+        for w in candidates:
+            size = w.block_size or self.block_size or 16
+            if size not in by_size:
+                by_size[size] = prefix_block_hashes(prompt, size)
+            hashes = by_size[size]
+            # The worker computes at least the last prompt token (it needs its logits), so it
+            # reuses at most the full blocks before that token.
+            held = min(self.cached_blocks(w, hashes), (len(prompt) - 1) // size)
+            new_blocks = self.blocks_for(len(prompt), size) - held
+            queued = (w.waiting + w.running) * typical + sum(s.blocks for s in self._recent(w))
+            out.append(_Cost(w, self.prefix_weight * new_blocks + queued, hashes, new_blocks))
+        return out
+
+    def pick_prefill(
+        self, prompt: list[int], exclude: set[str] | None = None, request_id: str | None = None
+    ) -> str | None:
+        """The prefill worker with the lowest cost for this prompt (see the module docstring).
+
+        With ``request_id``, call ``prefill_done(request_id)`` when its prefill answer arrives:
+        its work then stops counting as queued at once, not only at the worker's next report.
         """
         candidates = [w for w in self.live("prefill") if w.worker_id not in (exclude or set())]
         if not candidates:
             return None
+        key = array("q", prompt[: self.block_size or 16]).tobytes()
+        best = min(
+            self._costs(prompt, candidates),
+            key=lambda c: (c.cost, -_rendezvous(key, c.worker.worker_id)),
+        )
+        worker_id = best.worker.worker_id
+        t = self._typical_blocks
+        self._typical_blocks = (
+            best.new_blocks if not t else t + TYPICAL_DECAY * (best.new_blocks - t)
+        )
+        self._remember(worker_id, best.new_blocks)
+        if request_id is not None:
+            self._in_prefill[request_id] = (worker_id, self._sent[worker_id][-1])
+        self._expect(worker_id, best.hashes)
+        return worker_id
 
-        def queued(w: WorkerLoad) -> int:
-            return w.waiting + w.running + len(self._recent(w))
-
-        least = min(candidates, key=lambda w: (queued(w), -w.free_blocks))
-        best = least
-        size = self.block_size if self.block_size > 0 else 16
-        if len(prompt) >= size:
-            key = array("q", prompt[:size]).tobytes()
-            home = max(candidates, key=lambda w: _rendezvous(key, w.worker_id))
-            if queued(home) <= queued(least) + AFFINITY_SLACK:
-                best = home
-        self._remember(best.worker_id, self.blocks_for(len(prompt)))
-        return best.worker_id
+    def prefill_done(self, request_id: str) -> None:
+        worker_id, sent = self._in_prefill.pop(request_id, (None, None))
+        if worker_id is not None:
+            with contextlib.suppress(ValueError):
+                self._sent.get(worker_id, []).remove(sent)
 
     def pick_decode(self, total_tokens: int, exclude: set[str] | None = None) -> str | None:
         candidates = [w for w in self.live("decode") if w.worker_id not in (exclude or set())]

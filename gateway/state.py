@@ -98,7 +98,12 @@ class Gateway:
         self.bus = Bus(bus_config, self.gateway_id)
         self.workers = WorkerRegistry(self.bus, config.worker_timeout)
         self.registry.register(WorkerLoadCollector(self.workers.loads))
-        self.router = Router(self.workers.loads, engine.block_size, model=self.model.name)
+        self.router = Router(
+            self.workers.loads,
+            engine.block_size,
+            model=self.model.name,
+            cached_hits=self.workers.prefix_hits,
+        )
         self.dispatcher = Dispatcher(
             self.bus,
             self.workers,
@@ -108,7 +113,8 @@ class Gateway:
             config.prefill_timeout,
         )
         self.in_flight = 0
-        self.active_ids: set[str] = set()  # request ids in flight (they name requests on the bus)
+        # x-request-ids in flight (the bus names requests by the dispatcher's own unique ids)
+        self.active_ids: set[str] = set()
         self.idle = asyncio.Event()
         self.idle.set()
 

@@ -374,15 +374,15 @@ class WorkerRegistry:
         """Ping a silent worker: an answer makes it live again; none means it is gone."""
         load = entry.load
         answer = await self.ping(load.worker_id, self.confirm_timeout)
+        if self._confirming.get(load.worker_id) is asyncio.current_task():
+            del self._confirming[load.worker_id]
         if self.suspects.get(load.worker_id) is not entry:
             return  # a heartbeat or WorkerGone settled it meanwhile
         if answer is not None and answer.instance == load.instance:
             log.info("%s worker %s answered a ping: still alive", load.role, load.worker_id)
-            self._confirming.pop(load.worker_id, None)
             self._heard(answer)
             return
         del self.suspects[load.worker_id]
-        self._confirming.pop(load.worker_id, None)
         log.warning("%s worker %s is gone", load.role, load.worker_id)
         self._left(load)
 

@@ -1,0 +1,179 @@
+"""KV-aware prefill routing: the router's cost model over real prefix hashes and a real
+registry's cache sets (fed with the KVEvents workers publish)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+from gateway.router import Router
+from services.engine.block_manager import BlockManager, prefix_block_hashes
+from services.engine.sampling import SamplingParams
+from services.engine.sequence import Sequence
+from shared.discovery import KVEventPublisher, WorkerRegistry
+from shared.protocol import KVEvents, WorkerLoad
+
+BS = 16
+MODEL = "m"
+
+
+def load(wid: str, waiting: int = 0, running: int = 0, instance: str = "i1") -> WorkerLoad:
+    return WorkerLoad(
+        wid, "prefill", MODEL, 100, 100, running, waiting, ts=time.time(), block_size=BS,
+        instance=instance,
+    )  # fmt: skip
+
+
+def router_over(workers: list[WorkerLoad], cached: dict[str, set[int]]) -> Router:
+    def hits(worker_id: str, hashes: list[int]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in cached.get(worker_id, set()):
+                break
+            n += 1
+        return n
+
+    return Router(lambda role: list(workers), BS, model=MODEL, cached_hits=hits)
+
+
+def test_picks_the_worker_holding_the_prefix():
+    system = list(range(1000, 1000 + 8 * BS))  # 8 blocks
+    workers = [load("p0"), load("p1"), load("p2")]
+    cached = {"p1": set(prefix_block_hashes(system, BS))}
+    router = router_over(workers, cached)
+    prompt = system + [7, 8, 9]
+    costs = router.prefill_costs(prompt)
+    assert costs["p1"] < costs["p0"] == costs["p2"]
+    assert router.pick_prefill(prompt, request_id="r1") == "p1"
+    router.prefill_done("r1")
+    # held prefix beats a little queued work ...
+    workers[1].waiting = 1
+    assert router.pick_prefill(system + [4], request_id="r2") == "p1"
+    router.prefill_done("r2")
+    # ... but not a long queue: a cache hit is not worth waiting behind many prompts
+    workers[1].waiting = 20
+    assert router.pick_prefill(system + [5]) != "p1"
+
+
+def test_only_leading_blocks_count_and_partial_blocks_never():
+    prompt = list(range(3 * BS + 5))
+    hashes = prefix_block_hashes(prompt, BS)
+    workers = [load("p0"), load("p1")]
+    # p0 holds blocks 2 and 3 but not the first: useless (the chain breaks at a miss)
+    router = router_over(workers, {"p0": set(hashes[1:]), "p1": {hashes[0]}})
+    costs = router.prefill_costs(prompt)
+    assert costs["p1"] == costs["p0"] - 1 * router.prefix_weight
+    # a fully cached prompt still computes its last block (the worker needs its logits)
+    exact = list(range(2 * BS))
+    full = router_over(workers, {"p0": set(prefix_block_hashes(exact, BS))})
+    assert full.prefill_costs(exact)["p0"] == full.prefill_costs(exact)["p1"] - 1 * 2.0
+
+
+def test_a_prefix_every_worker_holds_does_not_herd():
+    system = list(range(5000, 5000 + 10 * BS))
+    workers = [load("p0"), load("p1"), load("p2")]
+    everywhere = set(prefix_block_hashes(system, BS))
+    router = router_over(workers, {w.worker_id: everywhere for w in workers})
+    # a burst between two heartbeats: only what this router sent tells the workers apart
+    picks = Counter(router.pick_prefill(system + [i, i + 1, i + 2]) for i in range(30))
+    assert set(picks) == {"p0", "p1", "p2"} and max(picks.values()) - min(picks.values()) <= 1
+    # and a reported queue moves work away from a busy holder
+    for w in workers:
+        w.ts = time.time() + 1  # fresh reports: this router's sends are in them now
+    workers[0].waiting = 5
+    picks = Counter(router.pick_prefill(system + [i]) for i in range(4))
+    assert "p0" not in picks
+
+
+def test_a_prefix_just_sent_counts_before_the_workers_events_arrive():
+    chat = list(range(300, 300 + 6 * BS))
+    workers = [load("p0"), load("p1")]
+    router = router_over(workers, {})
+    first = router.pick_prefill(chat + [1], request_id="turn-1")
+    router.prefill_done("turn-1")
+    # the worker's report still shows the finished prefill as running (it lags a heartbeat)
+    next(w for w in workers if w.worker_id == first).running = 1
+    assert router.pick_prefill(chat + [1, 50, 51, 52], request_id="turn-2") == first
+
+
+class _Sink:
+    """Stands in for the bus: hands published KVEvents straight to a registry."""
+
+    def __init__(self, registry: WorkerRegistry) -> None:
+        self.registry = registry
+        self.sent: list[KVEvents] = []
+
+    async def publish(self, subject: str, msg: KVEvents) -> None:
+        self.sent.append(msg)
+        await self.registry._on_kv_events(msg, {})
+
+
+async def test_events_and_evictions_reach_the_registry_and_the_router():
+    registry = WorkerRegistry(bus=None, timeout=60.0)  # type: ignore[arg-type]
+    for wid in ("p0", "p1"):
+        await registry._on_message(load(wid), {})
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    sink = _Sink(registry)
+    pub = KVEventPublisher(sink, "p0", "i1", BS, bm.drain_events, lambda: list(bm.cached), 1.0)
+    router = Router(lambda role: registry.routable(role), BS, cached_hits=registry.prefix_hits)
+
+    prompt = list(range(3 * BS))
+    seq = Sequence("a", prompt, SamplingParams(), 0, 0.0)
+    bm.allocate(seq, len(prompt))
+    seq.num_computed_tokens = len(prompt)
+    bm.commit(seq)
+    bm.free_sequence(seq)
+    await _publish(pub, snapshot=False)
+    assert registry.prefix_hits("p0", prefix_block_hashes(prompt, BS)) == 3
+    assert router.pick_prefill(prompt + [1]) == "p0"
+
+    # memory pressure: another prompt needs every block, so the cached ones are evicted
+    other = Sequence("b", list(range(900, 900 + 4 * BS)), SamplingParams(), 0, 0.0)
+    bm.allocate(other, 4 * BS)
+    await _publish(pub, snapshot=False)
+    assert registry.prefix_hits("p0", prefix_block_hashes(prompt, BS)) == 0
+    assert sink.sent[-1].removed and not sink.sent[-1].stored
+
+    # a late gateway that missed everything converges on the next snapshot
+    registry.cached.clear()
+    other.num_computed_tokens = 4 * BS
+    bm.commit(other)
+    bm.drain_events()  # this delta is lost
+    await _publish(pub, snapshot=True)
+    assert registry.prefix_hits("p0", prefix_block_hashes(other.token_ids, BS)) == 4
+
+    # a restarted worker (new instance) starts from nothing; its old events are ignored
+    await registry._on_message(load("p0", instance="i2"), {})
+    assert registry.cached_blocks("p0") is None
+    await _publish(pub, snapshot=True)  # still the old instance's id
+    assert registry.cached_blocks("p0") is None
+
+
+async def test_snapshots_split_over_parts_apply_only_when_complete(monkeypatch):
+    import shared.discovery as discovery
+
+    monkeypatch.setattr(discovery, "MAX_KV_EVENT_HASHES", 3)
+    registry = WorkerRegistry(bus=None, timeout=60.0)  # type: ignore[arg-type]
+    await registry._on_message(load("p0"), {})
+    sink = _Sink(registry)
+    hashes = list(range(10, 18))
+    pub = KVEventPublisher(sink, "p0", "i1", BS, lambda: ([], []), lambda: hashes, 1.0)
+    parts = pub.messages(snapshot=True)
+    assert [m.parts for m in parts] == [3, 3, 3] and [m.part for m in parts] == [0, 1, 2]
+    for msg in parts[:2]:
+        await registry._on_kv_events(msg, {})
+    assert registry.cached_blocks("p0").hashes == set()  # incomplete: not applied yet
+    await registry._on_kv_events(parts[2], {})
+    assert registry.cached_blocks("p0").hashes == set(hashes)
+    # a lost part leaves the previous set in place
+    hashes[:] = [1, 2, 3, 4]
+    lost = pub.messages(snapshot=True)
+    await registry._on_kv_events(lost[1], {})
+    assert registry.cached_blocks("p0").hashes == set(range(10, 18))
+
+
+async def _publish(pub: KVEventPublisher, snapshot: bool) -> None:
+    for msg in pub.messages(snapshot):
+        await pub.bus.publish("unused", msg)
+    await asyncio.sleep(0)
