@@ -115,7 +115,8 @@ async def wait_all_blocks_free(base: str, timeout: float = 10.0, workers=WORKERS
 
 
 class BusSpy:
-    """Records the request ids sent to each worker subject (a plain NATS wildcard listener)."""
+    """Records the client request ids sent to each worker subject (a plain NATS wildcard
+    listener)."""
 
     def __init__(self) -> None:
         self.prefill: dict[str, str] = {}  # request id -> prefill worker
@@ -128,10 +129,12 @@ class BusSpy:
         async def on_msg(msg) -> None:
             worker = msg.subject.rsplit(".", 1)[1]
             body = decode(msg.data)
+            # the client's x-request-id (the bus id is the gateway's own, unique one)
+            rid = body.client_request_id or body.request_id
             if isinstance(body, PrefillRequest):
-                self.prefill[body.request_id] = worker
+                self.prefill[rid] = worker
             elif isinstance(body, DecodeRequest):
-                self.decode[body.request_id] = (worker, body.kv is not None)
+                self.decode[rid] = (worker, body.kv is not None)
 
         await self.nc.subscribe("pdserve.prefill.*", cb=on_msg)
         await self.nc.subscribe("pdserve.decode.*", cb=on_msg)
@@ -223,17 +226,28 @@ async def test_chat_non_streaming_matches_hf(stack, llama_dir, hf_tokenizer):
     assert reply.usage.prompt_tokens == len(ids)
 
 
-async def test_repeated_prefix_hits_the_same_prefill_workers_cache(stack, spy):
+async def test_repeated_prefix_goes_to_its_cache_and_matches_hf(
+    stack, spy, llama_dir, hf_tokenizer
+):
+    """Turns sharing a long prefix land on the prefill worker whose cache holds it (the KV-aware
+    router), reuse every full block of it, and still generate exactly what HF does."""
     base, _, _ = stack
-    system = "You are a careful assistant. Paged attention stores keys and values in blocks. "
+    system = "You are a careful assistant. Paged attention stores keys and values in blocks. " * 2
+    prompts = [system + f"Question number {turn}?" for turn in range(3)]
+    prompt_ids = [hf_tokenizer.encode(p) for p in prompts]
+    common = next(i for i, (a, b) in enumerate(zip(*prompt_ids[:2], strict=False)) if a != b)
+    block = WORKER_OPTIONS["block_size"]
+    assert common >= 8 * block  # a long shared prefix
+    expected = expected_text(llama_dir, hf_tokenizer, prompt_ids)
     async with aiohttp.ClientSession() as session:
         model = await model_name(session, base)
-        cached, workers = [], []
-        for turn in range(3):
+        cached, workers, texts = [], [], []
+        for turn, prompt in enumerate(prompts):
             body = {
                 "model": model,
-                "prompt": system + f"Question number {turn}?",
-                "max_tokens": 2,
+                "prompt": prompt,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
                 "ignore_eos": True,
             }
             rid = f"prefix-{turn}"
@@ -241,12 +255,15 @@ async def test_repeated_prefix_hits_the_same_prefill_workers_cache(stack, spy):
                 base + "/v1/completions", json=body, headers={"x-request-id": rid}
             ) as r:
                 payload = await r.json()
+            texts.append(payload["choices"][0]["text"])
             cached.append(payload["usage"]["prompt_tokens_details"]["cached_tokens"])
             await until(lambda rid=rid: rid in spy.prefill, "the prefill request")
             workers.append(spy.prefill[rid])
-    # One home worker for the shared prefix, and its cache serves the later turns.
+    assert texts == expected
+    # One home worker for the shared prefix, and its cache serves the later turns: every full
+    # block of the shared prefix, nothing of the differing tail.
     assert len(set(workers)) == 1, workers
-    assert cached[0] == 0 and all(c >= WORKER_OPTIONS["block_size"] for c in cached[1:]), cached
+    assert cached == [0] + [common // block * block] * 2, (cached, common)
 
 
 async def test_32_concurrent_streams_then_no_blocks_in_use(stack):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from services.engine.block_manager import prefix_block_hashes
 from services.engine.sampling import SamplingParams
 from shared.bus import Bus
 from shared.config import BusConfig
@@ -295,6 +296,33 @@ async def test_local_prefill_matches_hf(gw, expected) -> None:
     )
     assert [tokens(items) for items in outputs] == expected
     await gw.until_idle("d1")
+
+
+async def test_prefix_cache_hits_are_reported_and_published(gw, expected) -> None:
+    """A prompt seen before reuses its full blocks, on a prefill worker and on a decode worker
+    prefilling locally: the first answer says how many prompt tokens came from the cache, the
+    tokens stay HF's, and the worker's KV events tell the registry (the router's signal)."""
+    prompt = PROMPTS[0]  # 40 tokens: two full blocks are reusable (the last token never is)
+    hashes = prefix_block_hashes(prompt, 16)
+    one = replace(GREEDY, max_tokens=1)  # done at the first token: no lease to wait for
+    await gw.prefill("p0", "pc-0", prompt, one)
+    again = await gw.prefill("p0", "pc-1", prompt, one)
+    assert again.cached_tokens == 32 and again.first_token == expected[0][0]
+    for rid in ("pc-2", "pc-3"):
+        items = await gw.decode("d1", rid, prompt, [], None)
+        assert tokens(items) == expected[0]
+    assert items[0].cached_tokens == 32
+    assert all(item.cached_tokens is None for item in items[1:])
+    for worker in ("p0", "d1"):
+        await until(lambda w=worker: gw.registry.prefix_hits(w, hashes) == 2, f"{worker}'s events")
+    await gw.until_idle("p0", "d1")
+
+
+async def until(predicate, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
 
 
 async def test_full_cache_queues_pulls_until_blocks_free(gw, stack, expected) -> None:
