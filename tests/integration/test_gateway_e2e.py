@@ -232,7 +232,7 @@ async def test_repeated_prefix_goes_to_its_cache_and_matches_hf(
     """Turns sharing a long prefix land on the prefill worker whose cache holds it (the KV-aware
     router), reuse every full block of it, and still generate exactly what HF does."""
     base, _, _ = stack
-    system = "You are a careful assistant. Paged attention stores keys and values in blocks. " * 2
+    system = "You are a careful assistant. Paged attention stores keys and values in blocks. " * 4
     prompts = [system + f"Question number {turn}?" for turn in range(3)]
     prompt_ids = [hf_tokenizer.encode(p) for p in prompts]
     common = next(i for i, (a, b) in enumerate(zip(*prompt_ids[:2], strict=False)) if a != b)
