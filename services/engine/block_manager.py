@@ -87,6 +87,7 @@ class BlockManager:
             if self.cached.get(old) == block_id:
                 del self.cached[old]
                 self.removed_events.append(old)
+                self._bound_events()
             self.block_hash[block_id] = None
         self.ref_counts[block_id] = 1
         return block_id
@@ -135,6 +136,7 @@ class BlockManager:
                 self.cached[parent] = block_id
                 self.block_hash[block_id] = parent
                 self.stored_events.append(parent)
+                self._bound_events()
 
     def free_sequence(self, seq: Sequence) -> None:
         """Drop the sequence's references; cached blocks stay reusable until evicted."""
@@ -153,13 +155,28 @@ class BlockManager:
                 self.block_hash[block_id] = None
                 self.removed_events.append(h)
 
+    def _bound_events(self) -> None:
+        """Keep undrained events bounded when nobody drains them (an engine without a worker
+        around it): fold them into their net effect, and past that forget the oldest removals
+        (a consumer then believes a few evicted blocks are still cached until its next
+        snapshot - a routing miss, never a wrong answer)."""
+        limit = 4 * self.num_blocks + 1024
+        if len(self.stored_events) + len(self.removed_events) <= limit:
+            return
+        stored, removed = self._net_events()
+        self.stored_events, self.removed_events = stored, removed[-(limit // 2) :]
+
+    def _net_events(self) -> tuple[list[int], list[int]]:
+        stored = [h for h in dict.fromkeys(self.stored_events) if h in self.cached]
+        removed = [h for h in dict.fromkeys(self.removed_events) if h not in self.cached]
+        return stored, removed
+
     def drain_events(self) -> tuple[list[int], list[int]]:
         """The net change of the prefix cache since the last call: (stored, removed) hashes.
 
         A hash stored and evicted (or evicted and stored again) within one interval appears
         once, on the side that is true now, so a receiver can apply the two lists in any order.
         """
-        stored = [h for h in dict.fromkeys(self.stored_events) if h in self.cached]
-        removed = [h for h in dict.fromkeys(self.removed_events) if h not in self.cached]
+        stored, removed = self._net_events()
         self.stored_events, self.removed_events = [], []
         return stored, removed

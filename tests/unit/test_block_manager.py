@@ -117,3 +117,13 @@ def test_cache_events_are_net_changes_per_interval():
     bm.free_sequence(b)
     computed(bm, seq("c", [1, 2, 3, 4]))  # evict b's, store a's hash again
     assert bm.drain_events() == ([first], [second])
+
+
+def test_undrained_events_stay_bounded():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    for i in range(5000):  # an engine nobody drains: every block stored, then evicted
+        s = computed(bm, seq(f"s{i}", [i, i, i, i]))
+        bm.free_sequence(s)
+    assert len(bm.stored_events) + len(bm.removed_events) <= 4 * 2 + 1024
+    stored, removed = bm.drain_events()
+    assert set(stored) == set(bm.cached) and not set(removed) & set(bm.cached)
