@@ -74,6 +74,15 @@ class ProcessMemory:
     def growth_mib(self) -> float:
         return self.rss_after_mib - self.rss_before_mib
 
+    def late_growth_kib_per_request(self, streams: int) -> float | None:
+        """RSS growth per request fired over the second half of the waves, when allocator
+        arenas and caches have warmed up: a steady leak shows here, a one-off step does not."""
+        after = self.rss_after_wave_mib
+        if len(after) < 3:
+            return None
+        mid = (len(after) - 1) // 2
+        return (after[-1] - after[mid]) * 1024 / ((len(after) - 1 - mid) * streams)
+
 
 @dataclass
 class Wave:
@@ -141,14 +150,21 @@ def service_pids(launcher_pid: int) -> dict[str, int]:
 class Stack:
     """``pdserve up`` 1P1D as a child process, output to a log file, stopped by its pid."""
 
-    def __init__(self, port: int, max_queue: int, request_timeout: float, log_path: Path) -> None:
+    def __init__(
+        self,
+        port: int,
+        max_queue: int,
+        request_timeout: float,
+        log_path: Path,
+        extra: list[str] | None = None,
+    ) -> None:
         self.port = port
         self.log_path = log_path
         argv = [
             sys.executable, "-m", "shared.cli", "up",
             "--prefill-workers", "1", "--decode-workers", "1",
             "--port", str(port), "--max-queue", str(max_queue),
-            "--request-timeout", str(request_timeout),
+            "--request-timeout", str(request_timeout), *(extra or []),
         ]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
         # one torch thread per service: the load, not intra-op threads, should fill the cores
@@ -333,7 +349,11 @@ def wait_settled(url: str, workers: int, wave: Wave) -> None:
 
 
 def judge(
-    report: Report, results: list[StreamResult], workers: int, rss_growth_limit: float
+    report: Report,
+    results: list[StreamResult],
+    workers: int,
+    rss_growth_limit: float,
+    leak_limit_kib: float,
 ) -> None:
     report.outcomes = dict(Counter(r.outcome for r in results))
     report.finish_reasons = dict(Counter(r.finish_reason for r in results if r.finish_reason))
@@ -365,6 +385,12 @@ def judge(
         if m.growth_mib > rss_growth_limit:
             report.violations.append(
                 f"{m.name} RSS grew {m.growth_mib:.0f} MiB (limit {rss_growth_limit:.0f} MiB)"
+            )
+        late = m.late_growth_kib_per_request(report.streams)
+        if late is not None and late > leak_limit_kib:
+            report.violations.append(
+                f"{m.name} RSS keeps growing: {late:.1f} KiB per request over the later waves "
+                f"(limit {leak_limit_kib:g} KiB)"
             )
 
 
@@ -404,14 +430,16 @@ def markdown(report: Report, command: str) -> str:
         )
     lines += [
         "",
-        "| process | pid | RSS before (MiB) | peak | after each wave | growth |",
-        "|---|---:|---:|---:|---|---:|",
+        "| process | pid | RSS before (MiB) | peak | after each wave | growth "
+        "| later waves, KiB/request |",
+        "|---|---:|---:|---:|---|---:|---:|",
     ]
     for m in report.memory:
         waves = " / ".join(f"{v:.0f}" for v in m.rss_after_wave_mib)
+        late = m.late_growth_kib_per_request(report.streams)
         lines.append(
             f"| {m.name} | {m.pid} | {m.rss_before_mib:.0f} | {m.rss_peak_mib:.0f} "
-            f"| {waves} | {m.growth_mib:+.0f} |"
+            f"| {waves} | {m.growth_mib:+.0f} | {'-' if late is None else f'{late:.2f}'} |"
         )
     lines += ["", "**Verdict:** " + ("PASS" if not report.violations else "FAIL")]
     lines += [f"- {v}" for v in report.violations]
@@ -427,7 +455,7 @@ def run(args: argparse.Namespace, command: str) -> Report:
     # the server's own deadline comes first: a stream it gives up on must end with an explicit
     # error the client sees, so the client's timeout only catches real hangs
     server_deadline = 0.8 * args.timeout
-    stack = Stack(free_port(), args.max_queue, server_deadline, log_dir / "up.log")
+    stack = Stack(free_port(), args.max_queue, server_deadline, log_dir / "up.log", args.up_args)
     try:
         stack.wait_ready()
         model = served_model(stack.url)
@@ -462,7 +490,7 @@ def run(args: argparse.Namespace, command: str) -> Report:
             print(f"wave {n + 1}: {counts(wave.outcomes)}", file=sys.stderr, flush=True)
         sampler.done.set()
         sampler.join()
-        judge(report, results, WORKERS, args.rss_growth_mib)
+        judge(report, results, WORKERS, args.rss_growth_mib, args.leak_kib_per_request)
     except Exception as exc:
         report.violations.append(f"load run failed: {exc!r}")
         print(stack.tail(), file=sys.stderr)
@@ -477,14 +505,23 @@ def run(args: argparse.Namespace, command: str) -> Report:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m perf.load_test", description=__doc__.split("\n")[0])
     p.add_argument("--streams", type=int, default=500, help="concurrent streaming requests")
-    p.add_argument("--waves", type=int, default=3, help="bursts of --streams, one after another")
+    p.add_argument("--waves", type=int, default=5, help="bursts of --streams, one after another")
     p.add_argument("--max-queue", type=int, default=256, help="gateway/worker admission bound")
     p.add_argument("--max-tokens", type=int, default=32, help="largest max_tokens of a request")
     p.add_argument("--timeout", type=float, default=300.0, help="per-request deadline, seconds")
     p.add_argument("--rss-growth-mib", type=float, default=256.0, help="allowed RSS growth")
+    p.add_argument(
+        "--leak-kib-per-request",
+        type=float,
+        default=2.0,
+        help="allowed RSS growth per request over the later waves (needs 3+ waves)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the result JSON here")
     p.add_argument("--md", type=Path, help="write the markdown summary here")
+    p.add_argument(
+        "up_args", nargs="*", help="more `pdserve up` options, after --, e.g. -- --no-prefix-cache"
+    )
     args = p.parse_args(argv)
     command = "python -m perf.load_test " + " ".join(sys.argv[1:] if argv is None else argv)
 
@@ -497,6 +534,7 @@ def main(argv: list[str] | None = None) -> int:
         data["command"] = command
         for m, d in zip(report.memory, data["memory"], strict=True):
             d["growth_mib"] = m.growth_mib
+            d["late_growth_kib_per_request"] = m.late_growth_kib_per_request(report.streams)
         args.json.write_text(json.dumps(data, indent=2) + "\n")
     if args.md:
         args.md.parent.mkdir(parents=True, exist_ok=True)

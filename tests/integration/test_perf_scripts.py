@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from perf.load_test import Report, StreamResult, Wave, judge
+from perf.load_test import ProcessMemory, Report, StreamResult, Wave, judge
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "UCX_WARN_UNUSED_ENV_VARS": "n"}
@@ -81,10 +81,16 @@ def test_load_test_judges_hangs_errors_and_leaks_as_violations() -> None:
         StreamResult(1, outcome="timeout"),
         StreamResult(2, outcome="error", detail="stream ended without [DONE]"),
     ]
-    judge(report, results, workers=2, rss_growth_limit=100.0)
+    leaky_gateway = ProcessMemory("gateway", 1, 50.0, 60.0, 60.0, [52.0, 54.0, 56.0, 58.0, 60.0])
+    steady_worker = ProcessMemory("decode", 2, 900.0, 990.0, 980.0, [970.0, 985.0, 980.0, 980.0])
+    report.memory = [leaky_gateway, steady_worker]
+    judge(report, results, workers=2, rss_growth_limit=100.0, leak_limit_kib=2.0)
     text = "\n".join(report.violations)
     assert "1 streams ended as timeout" in text
     assert "1 streams ended as error" in text
     assert "decode-0 still holds 3 KV blocks" in text
     assert "1 requests in flight" in text
     assert [s.index for s in report.samples] == [1, 2]
+    # 2 MiB per 3-request wave over waves 3..5: a steady leak; the worker's warm-up step is not
+    assert "gateway RSS keeps growing: 682.7 KiB per request" in text
+    assert "decode RSS" not in text
