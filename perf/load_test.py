@@ -75,13 +75,14 @@ class ProcessMemory:
         return self.rss_after_mib - self.rss_before_mib
 
     def late_growth_kib_per_request(self, streams: int) -> float | None:
-        """RSS growth per request fired over the second half of the waves, when allocator
-        arenas and caches have warmed up: a steady leak shows here, a one-off step does not."""
-        after = self.rss_after_wave_mib
-        if len(after) < 3:
+        """RSS growth per request fired: the least-squares slope over the second half of the
+        waves, when allocator arenas and caches have warmed up. A steady leak shows here, a
+        one-off step in RSS much less."""
+        late = self.rss_after_wave_mib[(len(self.rss_after_wave_mib) - 1) // 2 :]
+        if len(late) < 3:
             return None
-        mid = (len(after) - 1) // 2
-        return (after[-1] - after[mid]) * 1024 / ((len(after) - 1 - mid) * streams)
+        mib_per_wave = statistics.linear_regression(range(len(late)), late).slope
+        return mib_per_wave * 1024 / streams
 
 
 @dataclass
@@ -505,7 +506,7 @@ def run(args: argparse.Namespace, command: str) -> Report:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m perf.load_test", description=__doc__.split("\n")[0])
     p.add_argument("--streams", type=int, default=500, help="concurrent streaming requests")
-    p.add_argument("--waves", type=int, default=5, help="bursts of --streams, one after another")
+    p.add_argument("--waves", type=int, default=8, help="bursts of --streams, one after another")
     p.add_argument("--max-queue", type=int, default=256, help="gateway/worker admission bound")
     p.add_argument("--max-tokens", type=int, default=32, help="largest max_tokens of a request")
     p.add_argument("--timeout", type=float, default=300.0, help="per-request deadline, seconds")
@@ -514,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         "--leak-kib-per-request",
         type=float,
         default=2.0,
-        help="allowed RSS growth per request over the later waves (needs 3+ waves)",
+        help="allowed RSS growth per request over the later waves (needs 5+ waves)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the result JSON here")

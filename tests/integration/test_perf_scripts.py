@@ -82,7 +82,9 @@ def test_load_test_judges_hangs_errors_and_leaks_as_violations() -> None:
         StreamResult(2, outcome="error", detail="stream ended without [DONE]"),
     ]
     leaky_gateway = ProcessMemory("gateway", 1, 50.0, 60.0, 60.0, [52.0, 54.0, 56.0, 58.0, 60.0])
-    steady_worker = ProcessMemory("decode", 2, 900.0, 990.0, 980.0, [970.0, 985.0, 980.0, 980.0])
+    steady_worker = ProcessMemory(
+        "decode", 2, 900.0, 990.0, 980.0, [970.0, 985.0, 980.0, 981.0, 980.0]
+    )
     report.memory = [leaky_gateway, steady_worker]
     judge(report, results, workers=2, rss_growth_limit=100.0, leak_limit_kib=2.0)
     text = "\n".join(report.violations)
