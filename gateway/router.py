@@ -173,7 +173,10 @@ class Router:
         With ``request_id``, call ``prefill_done(request_id)`` when its prefill answer arrives:
         its work then stops counting as queued at once, not only at the worker's next report.
         """
-        candidates = [w for w in self.live("prefill") if w.worker_id not in (exclude or set())]
+        live = self.live("prefill")
+        for gone in self._expected.keys() - {w.worker_id for w in live}:
+            del self._expected[gone]  # left (or restarted under a new id): its cache is gone
+        candidates = [w for w in live if w.worker_id not in (exclude or set())]
         if not candidates:
             return None
         key = array("q", prompt[: self.block_size or 16]).tobytes()

@@ -264,6 +264,7 @@ class DecodeWorker(Worker):
         stats = step.stats
         if stats.num_decodes:
             self.metrics.decode_step_time.observe(stats.seconds)
+        finished = {out.request_id: out.num_cached_tokens for out in step.outputs}
         for rid in stats.prefill_seqs:  # local prefills
             state = self.states.get(rid)
             if state is not None and state.first_scheduled_ns is None:
@@ -283,7 +284,9 @@ class DecodeWorker(Worker):
                         tracing.ATTR_BATCH_SIZE: stats.num_seqs,
                         tracing.ATTR_BATCH_TOKENS: stats.num_tokens,
                         tracing.ATTR_KV_TRANSPORT: "local",
-                        tracing.ATTR_CACHED_TOKENS: seq.num_cached_tokens if seq else 0,
+                        tracing.ATTR_CACHED_TOKENS: (
+                            seq.num_cached_tokens if seq else finished.get(rid, 0)
+                        ),
                     },
                 )
         batches: dict[str, list[TokenItem]] = {}

@@ -176,6 +176,8 @@ class PrefillWorker(Worker):
     def _record_forward(self, step: Step) -> None:
         """prefill.queue once per request, prefill.forward per forward pass it took part in."""
         stats = step.stats
+        # a sequence that finished in this step (e.g. max_tokens=1) is gone from the engine
+        finished = {out.request_id: out.num_cached_tokens for out in step.outputs}
         for rid in stats.prefill_seqs:
             state = self.states.get(rid)
             if state is None:
@@ -204,7 +206,9 @@ class PrefillWorker(Worker):
                     tracing.ATTR_WORKER_ID: self.worker_id,
                     tracing.ATTR_BATCH_SIZE: stats.num_seqs,
                     tracing.ATTR_BATCH_TOKENS: stats.num_tokens,
-                    tracing.ATTR_CACHED_TOKENS: seq.num_cached_tokens if seq else 0,
+                    tracing.ATTR_CACHED_TOKENS: (
+                        seq.num_cached_tokens if seq else finished.get(rid, 0)
+                    ),
                 },
             )
 

@@ -298,7 +298,7 @@ async def test_local_prefill_matches_hf(gw, expected) -> None:
     await gw.until_idle("d1")
 
 
-async def test_prefix_cache_hits_are_reported_and_published(gw, expected) -> None:
+async def test_prefix_cache_hits_are_reported_and_published(gw, stack, expected) -> None:
     """A prompt seen before reuses its full blocks, on a prefill worker and on a decode worker
     prefilling locally: the first answer says how many prompt tokens came from the cache, the
     tokens stay HF's, and the worker's KV events tell the registry (the router's signal)."""
@@ -315,6 +315,20 @@ async def test_prefix_cache_hits_are_reported_and_published(gw, expected) -> Non
     assert all(item.cached_tokens is None for item in items[1:])
     for worker in ("p0", "d1"):
         await until(lambda w=worker: gw.registry.prefix_hits(w, hashes) == 2, f"{worker}'s events")
+    # the prefill.forward spans say how much of the prompt came from the cache
+    wanted = {"pc-1", "pc-3"}
+
+    def forwards(spans) -> dict:
+        return {
+            s.attributes["pdserve.request_id"]: s.attributes["pdserve.cached_tokens"]
+            for s in spans
+            if s.name == "prefill.forward" and s.attributes.get("pdserve.request_id") in wanted
+        }
+
+    assert forwards(await stack.traces.wait_for(lambda s: set(forwards(s)) == wanted, 20)) == {
+        "pc-1": 32,
+        "pc-3": 32,
+    }
     await gw.until_idle("p0", "d1")
 
 

@@ -160,6 +160,8 @@ def test_worker_metrics_server_serves_its_registry() -> None:
     m.kv_transfer_seconds.observe(0.0021)
     m.kv_transfer_bytes.inc(3 << 20)
     m.preemptions.inc()
+    m.prefix_cache_queries.inc(10)
+    m.prefix_cache_hits.inc(6)
     m.set_load(used_blocks=120, total_blocks=512, running=7, waiting=2)
 
     server = metrics.start_metrics_server(0, registry, addr="127.0.0.1")
@@ -177,6 +179,8 @@ def test_worker_metrics_server_serves_its_registry() -> None:
     assert s[("pdserve_kv_transfer_seconds_count", role)] == 1
     assert s[("pdserve_kv_transfer_bytes_total", role)] == 3 << 20
     assert s[("pdserve_worker_preemptions_total", role)] == 1
+    assert s[("pdserve_worker_prefix_cache_queries_total", role)] == 10
+    assert s[("pdserve_worker_prefix_cache_hits_total", role)] == 6
     assert s[("pdserve_worker_kv_cache_used_blocks", role)] == 120
     assert s[("pdserve_worker_kv_cache_total_blocks", role)] == 512
     assert s[("pdserve_worker_running_requests", role)] == 7
