@@ -57,6 +57,7 @@ DEATH_TIMEOUT = 3.0
 FAIL_SEED = 666  # the scripted worker fails requests with this seed after two tokens
 ABORT_SEED = 444  # ... ends them with finish_reason "abort" and no error text
 DIE_SEED = 555  # ... dies (stops heartbeats and tokens) after two tokens
+STALL_SEED = 556  # ... goes silent (no heartbeats, no tokens) for a while, answering pings
 SLOW_SEED = 777  # ... and streams these slowly (for disconnects and admission)
 
 
@@ -162,6 +163,12 @@ class ScriptedDecodeWorker:
             if req.sampling.seed == DIE_SEED and i == start + 2:
                 await self.heartbeat.stop(gone=False)  # as if kill -9: no goodbye, no tokens
                 return
+            if req.sampling.seed == STALL_SEED and i == start + 2:
+                # a busy worker whose event loop is starved: heartbeats stop past the registry
+                # timeout, but the process (and its NATS subscriptions) is alive
+                self.heartbeat._task.cancel()
+                await asyncio.sleep(DEATH_TIMEOUT + 2.0)
+                self.heartbeat._task = asyncio.create_task(self.heartbeat._loop())
             if req.sampling.seed == FAIL_SEED and i == 2:
                 item = TokenItem(req.request_id, [], "error", "injected failure", "internal")
             elif req.sampling.seed == ABORT_SEED and i == 2:
@@ -793,6 +800,25 @@ async def test_dead_decode_worker_ends_its_streams_with_an_error(nats_url, model
         # Within the registry timeout, not the request deadline (600 s).
         assert time.monotonic() - started < DEATH_TIMEOUT + 5
         assert harness.app_state().in_flight == 0
+    finally:
+        await stop_harness(harness, runner)
+
+
+async def test_late_heartbeats_of_a_live_worker_do_not_fail_its_streams(
+    nats_url, model_dir, tokenizer
+):
+    harness, runner = await start_harness(
+        nats_url, model_dir, tokenizer, "stall", worker_timeout=DEATH_TIMEOUT
+    )
+    try:
+        body = {**COMPLETION, "max_tokens": 8, "stream": True, "seed": STALL_SEED}
+        started = time.monotonic()
+        status, events, _ = await harness.stream("/v1/completions", body)
+        assert time.monotonic() - started > DEATH_TIMEOUT  # it did go silent past the timeout
+        assert status == 200 and events[-1] == "[DONE]"
+        assert not any("error" in e for e in events[:-1]), events
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        assert harness.app_state().workers.get("scripted-d0") is not None
     finally:
         await stop_harness(harness, runner)
 
