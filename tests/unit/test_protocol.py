@@ -9,12 +9,12 @@ import pytest
 
 from services.engine.sampling import SamplingParams
 from shared.protocol import (
+    MAX_KV_EVENT_HASHES,
     MAX_TOKEN_ID,
     PROTOCOL_VERSION,
+    UINT64_MAX,
     Cancel,
     DecodeRequest,
-    MAX_KV_EVENT_HASHES,
-    UINT64_MAX,
     KVEvents,
     KVHandle,
     PrefillRequest,
