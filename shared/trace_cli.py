@@ -34,6 +34,9 @@ PHASES: dict[str, tuple[str, ...]] = {
     "kv transfer": (tracing.SPAN_KV_TRANSFER,),
     "decode": (tracing.SPAN_DECODE_GENERATE,),
 }
+# Phase spans may nest (the decode worker's queue span contains its KV pull), so each instant is
+# credited to one phase only, the first of this order that covers it: shares then add up to 100%.
+PRIORITY = ("kv transfer", "prefill", "decode", "queue")
 DEFAULT_LAST = 10
 HTTP_TIMEOUT_S = 15.0
 
@@ -144,14 +147,16 @@ def breakdown(trace: dict[str, Any]) -> Breakdown:
     root = roots[0]
     lo, hi = int(root["startTime"]), int(root["startTime"]) + int(root["duration"])
 
-    phases: dict[str, int] = {}
-    every_range: list[tuple[int, int]] = []
-    for phase, names in PHASES.items():
-        ranges = [_clip(s, lo, hi) for s in spans if s["operationName"] in names]
+    found: dict[str, int] = {}
+    claimed: list[tuple[int, int]] = []
+    for phase in PRIORITY:
+        ranges = [_clip(s, lo, hi) for s in spans if s["operationName"] in PHASES[phase]]
         if ranges:
-            phases[phase] = _union_us(ranges)
-            every_range.extend(ranges)
-    other = (hi - lo) - _union_us(every_range)
+            before = _union_us(claimed)
+            claimed.extend(ranges)
+            found[phase] = _union_us(claimed) - before
+    phases = {phase: found[phase] for phase in PHASES if phase in found}
+    other = (hi - lo) - _union_us(claimed)
 
     def merged_tags(name: str) -> dict[str, Any]:
         out: dict[str, Any] = {}
