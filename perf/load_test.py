@@ -3,19 +3,22 @@
 pdserve promises that every accepted request completes or ends with an explicit error within its
 deadline, that admission is bounded (``--max-queue``: beyond it a 503 with ``Retry-After``), and
 that no KV block leaks. This script starts ``pdserve up`` (demo model, one prefill and one decode
-worker), fires ``--streams`` streaming completions at once, and checks:
+worker), fires ``--streams`` streaming completions at once, ``--waves`` times over, and checks:
 
 - every stream either completes (a chunk with ``finish_reason``, then ``data: [DONE]``) or is
   refused with a 503 that carries ``Retry-After``; nothing else, and at least one completes;
 - none hangs: each has its own client timeout, and a timed-out stream is a violation;
-- memory stays bounded: RSS of the gateway and of each worker before, at peak and after; growth
-  after the run beyond ``--rss-growth-mib`` is a violation;
-- no leak: afterwards ``pdserve_kv_cache_used_blocks`` on the gateway's ``/metrics`` returns to 0
-  for every worker, and ``pdserve_requests_in_flight`` to 0.
+- memory stays bounded: RSS of the gateway and of each worker before, at peak and after each
+  wave; total growth beyond ``--rss-growth-mib`` is a violation, and so is RSS still climbing
+  over the later half of the waves by more than ``--leak-kib-per-request``. The gateway's RSS
+  climbs for ~20 waves of 500 (caches, allocator) before it levels off, so fewer waves cannot
+  tell warm-up from a leak;
+- no leak: after every wave ``pdserve_kv_cache_used_blocks`` on the gateway's ``/metrics``
+  returns to 0 for every worker, and ``pdserve_requests_in_flight`` to 0.
 
 Writes a JSON result and a markdown summary; exits 1 on any violation.
 
-    python -m perf.load_test [--streams 500] [--max-queue 256] [--json PATH] [--md PATH]
+    python -m perf.load_test [--streams 500] [--waves 30] [--max-queue 256] [--json PATH] [--md PATH]
 """
 
 from __future__ import annotations
@@ -506,7 +509,7 @@ def run(args: argparse.Namespace, command: str) -> Report:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m perf.load_test", description=__doc__.split("\n")[0])
     p.add_argument("--streams", type=int, default=500, help="concurrent streaming requests")
-    p.add_argument("--waves", type=int, default=8, help="bursts of --streams, one after another")
+    p.add_argument("--waves", type=int, default=30, help="bursts of --streams, one after another")
     p.add_argument("--max-queue", type=int, default=256, help="gateway/worker admission bound")
     p.add_argument("--max-tokens", type=int, default=32, help="largest max_tokens of a request")
     p.add_argument("--timeout", type=float, default=300.0, help="per-request deadline, seconds")
