@@ -18,7 +18,8 @@ worker), fires ``--streams`` streaming completions at once, ``--waves`` times ov
 
 Writes a JSON result and a markdown summary; exits 1 on any violation.
 
-    python -m perf.load_test [--streams 500] [--waves 30] [--max-queue 256] [--json PATH] [--md PATH]
+    python -m perf.load_test [--streams 500] [--waves 30] [--max-queue 256]
+                             [--json PATH] [--md PATH] [-- more pdserve up options]
 """
 
 from __future__ import annotations
