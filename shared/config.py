@@ -69,7 +69,12 @@ class EngineConfig:
 @dataclass
 class WorkerConfig:
     worker_id: str | None = opt(None, "unique worker name (default: role-host-pid)")
-    ucx_host: str = opt("127.0.0.1", "address the KV-transfer listener binds and advertises")
+    # ucxx listeners take no bind address, so this is only what decode workers are told to dial;
+    # each KV lease carries a secret token, and a firewall keeps the port off untrusted networks.
+    ucx_host: str = opt(
+        "127.0.0.1",
+        "address decode workers dial for KV pulls (advertised; the listener serves every interface)",
+    )
     ucx_port: int = opt(0, "KV-transfer listener port; 0 picks a free one")
     metrics_port: int = opt(0, "Prometheus /metrics port; 0 disables it")
     heartbeat_seconds: float = opt(0.5, "how often load is published")
