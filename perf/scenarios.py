@@ -117,8 +117,8 @@ SCENARIOS: dict[str, Scenario] = {
             "long system prompts, so with the cache on most prefill work is a cache hit."
         ),
         sides=[
-            Side("prefix cache on", 1, 1, options={"enable_prefix_cache": True}),
-            Side("prefix cache off", 1, 1, options={"enable_prefix_cache": False}),
+            Side("prefix cache on", 1, 1, options={"prefix_cache": True}),
+            Side("prefix cache off", 1, 1, options={"prefix_cache": False}),
         ],
         bench_defaults=[
             *("--dataset", "shared-prefix", "--num-prefixes", "4", "--prefix-len", "1536"),

@@ -49,6 +49,15 @@ class Side:
     options: dict[str, object] = field(default_factory=dict)  # pdserve options for every service
     base_url: str | None = None  # external endpoint: nothing is started
 
+    def __post_init__(self) -> None:
+        # A misspelt option would travel as an env var nobody reads, and silently compare a
+        # setup against itself.
+        from shared.config import all_option_names
+
+        unknown = sorted(set(self.options) - set(all_option_names()))
+        if unknown:
+            raise ValueError(f"side {self.name!r}: unknown pdserve options {unknown}")
+
     @property
     def num_workers(self) -> int:
         return self.prefill_workers + self.decode_workers

@@ -495,3 +495,11 @@ def test_engine_step_scrape_and_overhead_report() -> None:
     steps.warning = "side @ inf: only 0 of 1 prompts were prefilled on prefill workers"
     md, _ = scenario_report([run], scenario, 0.9, "", {"side @ inf": steps})
     assert "WARNING: side @ inf: only 0 of 1 prompts" in md
+
+
+def test_sides_refuse_unknown_pdserve_options():
+    from perf.bench.topology import Side
+
+    with pytest.raises(ValueError, match="unknown pdserve options"):
+        Side("typo", options={"enable_prefix_cache": False})
+    assert Side("ok", options={"prefix_cache": False}).options == {"prefix_cache": False}
