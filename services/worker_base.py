@@ -395,3 +395,25 @@ def exit_now(rc: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)
+
+
+def record_prefill_forward(
+    worker: Worker, state: RequestState, rid: str, step: Step, finished: dict[str, int], **extra
+) -> None:
+    """The ``prefill.forward`` span of one sequence in a step, on either kind of worker."""
+    seq = worker.engine.seqs.get(rid)
+    tracing.record_span(
+        tracing.SPAN_PREFILL_FORWARD,
+        step.start_ns,
+        step.end_ns,
+        context=state.context,
+        attributes={
+            tracing.ATTR_REQUEST_ID: state.public_id,
+            tracing.ATTR_WORKER_ID: worker.worker_id,
+            tracing.ATTR_BATCH_SIZE: step.stats.num_seqs,
+            tracing.ATTR_BATCH_TOKENS: step.stats.num_tokens,
+            # a sequence that finished in this step is gone from the engine: its output says
+            tracing.ATTR_CACHED_TOKENS: seq.num_cached_tokens if seq else finished.get(rid, 0),
+            **extra,
+        },
+    )

@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from services.engine.engine import LLMEngine
-from services.worker_base import RequestState, Step, Worker, exit_now
+from services.worker_base import RequestState, Step, Worker, exit_now, record_prefill_forward
 from shared import tracing
 from shared.kv_transfer import KVClient, KVTransferError
 from shared.protocol import DecodeRequest, ReleaseLease, TokenBatch, TokenItem
@@ -272,22 +272,8 @@ class DecodeWorker(Worker):
                 self._record_queue(state, rid, step.start_ns)
                 self.metrics.queue_time.observe((step.start_ns - state.arrival_ns) / 1e9)
             if state is not None:
-                seq = self.engine.seqs.get(rid)
-                tracing.record_span(
-                    tracing.SPAN_PREFILL_FORWARD,
-                    step.start_ns,
-                    step.end_ns,
-                    context=state.context,
-                    attributes={
-                        tracing.ATTR_REQUEST_ID: state.public_id,
-                        tracing.ATTR_WORKER_ID: self.worker_id,
-                        tracing.ATTR_BATCH_SIZE: stats.num_seqs,
-                        tracing.ATTR_BATCH_TOKENS: stats.num_tokens,
-                        tracing.ATTR_KV_TRANSPORT: "local",
-                        tracing.ATTR_CACHED_TOKENS: (
-                            seq.num_cached_tokens if seq else finished.get(rid, 0)
-                        ),
-                    },
+                record_prefill_forward(
+                    self, state, rid, step, finished, **{tracing.ATTR_KV_TRANSPORT: "local"}
                 )
         batches: dict[str, list[TokenItem]] = {}
         for out in step.outputs:

@@ -17,7 +17,7 @@ import logging
 import time
 
 from services.engine.engine import LLMEngine
-from services.worker_base import RequestState, Step, Worker, exit_now
+from services.worker_base import RequestState, Step, Worker, exit_now, record_prefill_forward
 from shared import tracing
 from shared.kv_transfer import KVServer, LeaseTable
 from shared.protocol import KVHandle, PrefillRequest, PrefillResult, ReleaseLease
@@ -195,22 +195,7 @@ class PrefillWorker(Worker):
                         tracing.ATTR_WORKER_ID: self.worker_id,
                     },
                 )
-            seq = self.engine.seqs.get(rid)
-            tracing.record_span(
-                tracing.SPAN_PREFILL_FORWARD,
-                step.start_ns,
-                step.end_ns,
-                context=state.context,
-                attributes={
-                    tracing.ATTR_REQUEST_ID: state.public_id,
-                    tracing.ATTR_WORKER_ID: self.worker_id,
-                    tracing.ATTR_BATCH_SIZE: stats.num_seqs,
-                    tracing.ATTR_BATCH_TOKENS: stats.num_tokens,
-                    tracing.ATTR_CACHED_TOKENS: (
-                        seq.num_cached_tokens if seq else finished.get(rid, 0)
-                    ),
-                },
-            )
+            record_prefill_forward(self, state, rid, step, finished)
 
     # -- leases, cancel, deadlines ---------------------------------------------------------------
 
