@@ -82,6 +82,9 @@ class Router:
     # (worker id, prompt block hashes) -> leading blocks its prefix cache holds (its KV events)
     cached_hits: Callable[[str, list[int]], int] = lambda worker_id, hashes: 0
     prefix_weight: float = PREFIX_WEIGHT
+    # "kv": the cost above; "round-robin": cache-blind rotation, the baseline it is measured against
+    prefill_policy: str = "kv"
+    _turn: int = 0
     _sent: dict[str, list[_Sent]] = field(default_factory=dict)
     # worker id -> block hash -> when this router sent it a prompt with that block
     _expected: dict[str, OrderedDict[int, float]] = field(default_factory=dict)
@@ -179,11 +182,14 @@ class Router:
         candidates = [w for w in live if w.worker_id not in (exclude or set())]
         if not candidates:
             return None
-        key = array("q", prompt[: self.block_size or 16]).tobytes()
-        best = min(
-            self._costs(prompt, candidates),
-            key=lambda c: (c.cost, -_rendezvous(key, c.worker.worker_id)),
-        )
+        costs = self._costs(prompt, candidates)
+        if self.prefill_policy == "round-robin":
+            costs.sort(key=lambda c: c.worker.worker_id)
+            best = costs[self._turn % len(costs)]
+            self._turn += 1
+        else:
+            key = array("q", prompt[: self.block_size or 16]).tobytes()
+            best = min(costs, key=lambda c: (c.cost, -_rendezvous(key, c.worker.worker_id)))
         worker_id = best.worker.worker_id
         t = self._typical_blocks
         self._typical_blocks = (

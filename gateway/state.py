@@ -103,6 +103,7 @@ class Gateway:
             engine.block_size,
             model=self.model.name,
             cached_hits=self.workers.prefix_hits,
+            prefill_policy=config.prefill_routing,
         )
         self.dispatcher = Dispatcher(
             self.bus,

@@ -105,6 +105,11 @@ class GatewayConfig:
     )
     prefill_timeout: float = opt(60.0, "deadline for the prefill stage, seconds")
     max_queue: int = opt(1024, "in-flight requests beyond which new ones get 503")
+    prefill_routing: str = opt(
+        "kv",
+        "kv: cheapest prefill worker given its cached prefix and load; round-robin: cache-blind (a baseline)",
+        choices=("kv", "round-robin"),
+    )
     worker_timeout: float = opt(
         3.0, "seconds without a heartbeat before a worker leaves the registry"
     )

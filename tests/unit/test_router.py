@@ -177,3 +177,12 @@ async def _publish(pub: KVEventPublisher, snapshot: bool) -> None:
     for msg in pub.messages(snapshot):
         await pub.bus.publish("unused", msg)
     await asyncio.sleep(0)
+
+
+def test_round_robin_baseline_ignores_the_cache():
+    system = list(range(1000, 1000 + 8 * BS))
+    workers = [load("p0"), load("p1")]
+    router = router_over(workers, {"p1": set(prefix_block_hashes(system, BS))})
+    router.prefill_policy = "round-robin"
+    picks = [router.pick_prefill(system + [i]) for i in range(4)]
+    assert picks == ["p0", "p1", "p0", "p1"]
