@@ -72,7 +72,8 @@ async def test_bad_input_is_dropped_and_counted(nats) -> None:
         load = WorkerLoad("x", "decode", "m" * 200, 1, 1, 0, 0)
         assert len(encode(load)) < 1024
         await nc.publish(subject, encode(ReleaseLease("ok")))
-        msg, _ = await asyncio.wait_for(got.get(), 5)
+        await sender.flush()  # all four are on the server before the wait starts
+        msg, _ = await asyncio.wait_for(got.get(), 15)
         assert msg == ReleaseLease("ok")
         assert got.empty()
         assert receiver.stats.rejected == 3
