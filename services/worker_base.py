@@ -198,6 +198,23 @@ class Worker:
 
     # -- shared machinery ---------------------------------------------------------------------
 
+    def mark_scheduled(self, state: RequestState, queue_span: str, start_ns: int) -> None:
+        """The request's first engine step: it ends its queue span and its queue-time sample."""
+        if state.first_scheduled_ns is not None:
+            return
+        state.first_scheduled_ns = start_ns
+        self.metrics.queue_time.observe((start_ns - state.arrival_ns) / 1e9)
+        tracing.record_span(
+            queue_span,
+            state.arrival_ns,
+            start_ns,
+            context=state.context,
+            attributes={
+                tracing.ATTR_REQUEST_ID: state.public_id,
+                tracing.ATTR_WORKER_ID: self.worker_id,
+            },
+        )
+
     def load(self) -> WorkerLoad:
         engine = self.engine
         bm = engine.block_manager

@@ -267,11 +267,8 @@ class DecodeWorker(Worker):
         finished = {out.request_id: out.num_cached_tokens for out in step.outputs}
         for rid in stats.prefill_seqs:  # local prefills
             state = self.states.get(rid)
-            if state is not None and state.first_scheduled_ns is None:
-                state.first_scheduled_ns = step.start_ns
-                self._record_queue(state, rid, step.start_ns)
-                self.metrics.queue_time.observe((step.start_ns - state.arrival_ns) / 1e9)
             if state is not None:
+                self.mark_scheduled(state, tracing.SPAN_DECODE_QUEUE, step.start_ns)
                 record_prefill_forward(
                     self, state, rid, step, finished, **{tracing.ATTR_KV_TRANSPORT: "local"}
                 )
@@ -282,9 +279,8 @@ class DecodeWorker(Worker):
                 continue
             if state.first_step_ns is None:
                 state.first_step_ns = step.start_ns
-                if state.first_scheduled_ns is None:  # pulled KV: queued until this step
-                    state.first_scheduled_ns = step.start_ns
-                    self._record_queue(state, out.request_id, step.start_ns)
+                # pulled KV: queued (the pull included) until this step
+                self.mark_scheduled(state, tracing.SPAN_DECODE_QUEUE, step.start_ns)
             item = TokenItem(out.request_id, list(out.new_token_ids), out.finish_reason)
             if state.local_prefill and state.num_output_tokens == 0:
                 item.cached_tokens = out.num_cached_tokens
@@ -298,18 +294,6 @@ class DecodeWorker(Worker):
         if self.admission:
             self._retry_admissions()
         self.update_metrics()
-
-    def _record_queue(self, state: DecodeState, rid: str, end_ns: int) -> None:
-        tracing.record_span(
-            tracing.SPAN_DECODE_QUEUE,
-            state.arrival_ns,
-            end_ns,
-            context=state.context,
-            attributes={
-                tracing.ATTR_REQUEST_ID: state.public_id,
-                tracing.ATTR_WORKER_ID: self.worker_id,
-            },
-        )
 
     def _record_generate(self, state: DecodeState, rid: str, reason: str, end_ns: int) -> None:
         start = state.first_step_ns or end_ns

@@ -182,19 +182,7 @@ class PrefillWorker(Worker):
             state = self.states.get(rid)
             if state is None:
                 continue
-            if state.first_scheduled_ns is None:
-                state.first_scheduled_ns = step.start_ns
-                self.metrics.queue_time.observe((step.start_ns - state.arrival_ns) / 1e9)
-                tracing.record_span(
-                    tracing.SPAN_PREFILL_QUEUE,
-                    state.arrival_ns,
-                    step.start_ns,
-                    context=state.context,
-                    attributes={
-                        tracing.ATTR_REQUEST_ID: state.public_id,
-                        tracing.ATTR_WORKER_ID: self.worker_id,
-                    },
-                )
+            self.mark_scheduled(state, tracing.SPAN_PREFILL_QUEUE, step.start_ns)
             record_prefill_forward(self, state, rid, step, finished)
 
     # -- leases, cancel, deadlines ---------------------------------------------------------------
