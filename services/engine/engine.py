@@ -214,9 +214,10 @@ class LLMEngine:
             seq = self.seqs[request_id]
             seq.num_computed_tokens = seq.num_prompt_tokens
             self.block_manager.commit(seq)
-            if self._finished_reason(seq) is not None:
+            reason = self._finished_reason(seq)
+            if reason is not None:
                 # e.g. max_tokens already reached by the first token: nothing left to decode
-                self._finish(seq, self._finished_reason(seq))
+                self._finish(seq, reason)
                 return
             self.scheduler.add_running(seq)
 

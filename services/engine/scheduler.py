@@ -84,10 +84,8 @@ class Scheduler:
                 seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
             n = min(seq.num_uncomputed_tokens, budget)
             needed = self.bm.blocks_needed(seq, seq.num_computed_tokens + n)
-            if needed + self.watermark_blocks > self.bm.num_free_blocks and self.running:
-                self._unmatch(seq)
-                break
-            if needed > self.bm.num_free_blocks:
+            headroom = self.watermark_blocks if self.running else 0
+            if needed + headroom > self.bm.num_free_blocks:
                 self._unmatch(seq)
                 break
             self.waiting.popleft()
