@@ -9,9 +9,10 @@ compared:
 
 - **pull**: ``KVClient.pull`` of N blocks, control round trip, lease and fingerprint checks, one
   UCX message per run of blocks consecutive on both sides - exactly what a decode worker does.
-- **raw**: a u64 request, then one ``ep.recv`` of the same number of bytes sent by one
-  ``ep.send`` straight from the prefill cache into the decode cache. The best ucxx can do with
-  those bytes; the request round trip is what any pull needs to start.
+- **raw**: over the same kind of endpoints (UCX worker addresses, fixed tags), a 16-byte
+  request, then one receive of the same number of bytes, sent by one ``ep.send`` straight from
+  the prefill cache into the decode cache. The best ucxx can do with those bytes; the request
+  round trip is what any pull needs to start.
 
 Patterns: ``contiguous`` (blocks 0..N-1 on both sides: one message) and ``fragmented`` (a random
 permutation of 0..N-1 on each side, as a block manager hands out blocks after churn: about one
@@ -40,13 +41,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared.kv_transfer import KVClient, KVServer, LeaseTable, block_runs
+from shared.kv_transfer import KVClient, KVServer, LeaseTable, block_runs, parse_address
 from shared.protocol import KVHandle
 
 TARGET_RATIO = 0.8
 LEASE_ID = "kv-bench"
 PATTERNS = ("contiguous", "fragmented")
 READY_PREFIX = "kv-bench ready "
+RAW_TAG = 0x7261_7700_0000_0000  # the raw baseline's requests (and +1: the hello)
+RAW_REPLY_TAG = 0x7261_7700_0000_0010
 
 
 @dataclass
@@ -100,6 +103,7 @@ def flat_bytes(cache: torch.Tensor, num_bytes: int) -> np.ndarray:
 
 async def serve(geometry: Geometry, num_blocks: int, token: str) -> None:
     import ucxx
+    from ucxx._lib.libucxx import UCXAddress
 
     cache = geometry.empty_cache(num_blocks)
     # block b holds the word b everywhere, so the puller can check which block landed where
@@ -110,22 +114,23 @@ async def serve(geometry: Geometry, num_blocks: int, token: str) -> None:
     server = KVServer(cache, geometry.fingerprint(), leases)
     await server.start()
 
-    async def raw_sender(ep: Any) -> None:
-        header = np.empty(1, dtype=np.uint64)
+    async def raw_sender() -> None:
+        # hello: the decode side's worker address; then [bytes wanted, reply tag] per request
+        size = np.empty(1, dtype=np.uint64)
+        await ucxx.recv(size, tag=RAW_TAG)
+        address = np.empty(int(size[0]), dtype=np.uint8)
+        await ucxx.recv(address, tag=RAW_TAG + 1)
+        ep = await ucxx.create_endpoint_from_worker_address(UCXAddress.create_from_buffer(address))
+        header = np.empty(2, dtype=np.uint64)
         while True:
-            try:
-                await ep.recv(header)
-            except Exception:  # puller closed its endpoint
-                return
-            await ep.send(flat_bytes(cache, int(header[0])))
+            await ucxx.recv(header, tag=RAW_TAG)
+            await ep.send(flat_bytes(cache, int(header[0])), tag=int(header[1]), force_tag=True)
 
-    raw_listener = ucxx.create_listener(raw_sender)
-    ports = {"pull_port": server.port, "raw_port": raw_listener.port}
-    print(READY_PREFIX + json.dumps(ports), flush=True)
+    raw = asyncio.create_task(raw_sender())
+    print(READY_PREFIX + json.dumps({"pull_address": server.address}), flush=True)
     # run until the parent closes our stdin (or kills us)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-    await asyncio.sleep(0.2)  # let the handlers see their endpoints close
-    raw_listener.close()
+    raw.cancel()
     await server.stop()
 
 
@@ -189,24 +194,30 @@ def block_ids(pattern: str, n: int, rng: random.Random) -> tuple[list[int], list
 
 
 class DecodeSide:
-    def __init__(self, geometry: Geometry, num_blocks: int, token: str, ports: dict) -> None:
+    def __init__(self, geometry: Geometry, num_blocks: int, token: str, ready: dict) -> None:
         self.geometry = geometry
         self.token = token
-        self.ports = ports
+        self.address = ready["pull_address"]
         self.cache = geometry.empty_cache(num_blocks)
         self.client = KVClient(self.cache, geometry.fingerprint(), geometry.block_size)
         self.raw_ep: Any = None
 
     async def connect(self) -> None:
         import ucxx
+        from ucxx._lib.libucxx import UCXAddress
 
-        self.raw_ep = await ucxx.create_endpoint("127.0.0.1", self.ports["raw_port"])
+        _, server = parse_address(self.address)
+        self.raw_ep = await ucxx.create_endpoint_from_worker_address(
+            UCXAddress.create_from_buffer(np.frombuffer(server, dtype=np.uint8).copy())
+        )
+        mine = np.frombuffer(self.client.own_address(), dtype=np.uint8)
+        await self.raw_ep.send(np.array([mine.size], dtype=np.uint64), tag=RAW_TAG, force_tag=True)
+        await self.raw_ep.send(mine, tag=RAW_TAG + 1, force_tag=True)
 
     async def pull(self, src: list[int], dst: list[int]) -> float:
         handle = KVHandle(
             worker_id="prefill-bench",
-            address="127.0.0.1",
-            port=self.ports["pull_port"],
+            ucx_address=self.address,
             block_ids=src,
             num_tokens=len(src) * self.geometry.block_size,
             fingerprint=self.geometry.fingerprint(),
@@ -219,8 +230,12 @@ class DecodeSide:
 
     async def raw(self, num_bytes: int) -> float:
         t0 = time.perf_counter()
-        await self.raw_ep.send(np.array([num_bytes], dtype=np.uint64))
-        await self.raw_ep.recv(flat_bytes(self.cache, num_bytes))
+        got = asyncio.ensure_future(
+            self.raw_ep.recv(flat_bytes(self.cache, num_bytes), tag=RAW_REPLY_TAG, force_tag=True)
+        )
+        header = np.array([num_bytes, RAW_REPLY_TAG], dtype=np.uint64)
+        await self.raw_ep.send(header, tag=RAW_TAG, force_tag=True)
+        await got
         return time.perf_counter() - t0
 
     def check_pulled(self, src: list[int], dst: list[int]) -> None:
@@ -261,10 +276,10 @@ class DecodeSide:
     async def close(self) -> None:
         await self.client.close()
         if self.raw_ep is not None:
-            await asyncio.wait_for(self.raw_ep.close(), 2.0)
+            self.raw_ep.abort()
 
 
-def read_ports(child: subprocess.Popen) -> dict:
+def read_ready(child: subprocess.Popen) -> dict:
     """The prefill side's ready line (other libraries may print before it)."""
     assert child.stdout is not None
     for line in child.stdout:
@@ -287,7 +302,7 @@ async def measure(
         text=True,
     )  # fmt: skip
     try:
-        side = DecodeSide(geometry, num_blocks, token, read_ports(child))
+        side = DecodeSide(geometry, num_blocks, token, read_ready(child))
         await side.connect()
         rng = random.Random(seed)
         results = []

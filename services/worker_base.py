@@ -325,7 +325,10 @@ class Worker:
         await self.subscribe()
         await self.bus.subscribe(self.subjects.cancel, self._on_cancel, (Cancel,))
         if self.config.metrics_port:
-            server = start_metrics_server(self.config.metrics_port, self.registry)
+            # on the worker's own address, like KV transfer (0.0.0.0 serves every interface)
+            server = start_metrics_server(
+                self.config.metrics_port, self.registry, addr=self.config.ucx_host or "0.0.0.0"
+            )
             self.metrics_url = f"http://{self.config.ucx_host}:{server.port}/metrics"
         self._heartbeat = HeartbeatPublisher(self.bus, self.load, self.config.heartbeat_seconds)
         await self._heartbeat.start()

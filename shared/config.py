@@ -69,13 +69,14 @@ class EngineConfig:
 @dataclass
 class WorkerConfig:
     worker_id: str | None = opt(None, "unique worker name (default: role-host-pid)")
-    # ucxx listeners take no bind address, so this is only what decode workers are told to dial;
-    # each KV lease carries a secret token, and a firewall keeps the port off untrusted networks.
+    # Both KV-transfer ends listen (the prefill side for requests, the decode side for the data),
+    # through UCX's TCP transport on this address's interface only; see shared/ucx_config.py.
     ucx_host: str = opt(
         "127.0.0.1",
-        "address decode workers dial for KV pulls (advertised; the listener serves every interface)",
+        "this worker's address: KV transfer (UCX TCP) and /metrics listen only there; "
+        "0.0.0.0 = every interface",
     )
-    ucx_port: int = opt(0, "KV-transfer listener port; 0 picks a free one")
+    ucx_port: int = opt(0, "TCP port KV transfer listens on; 0 picks a free one")
     metrics_port: int = opt(0, "Prometheus /metrics port; 0 disables it")
     heartbeat_seconds: float = opt(0.5, "how often load is published")
     lease_seconds: float = opt(

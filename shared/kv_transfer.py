@@ -6,32 +6,39 @@ head_dim]``, so a run of consecutive block ids is one contiguous byte range on e
 pairs source and destination ids, cuts the pairs into runs that are consecutive on *both* sides,
 and moves each run as a single UCX message - no per-layer or per-token chatter.
 
-One pull on an endpoint (the decode worker keeps one per prefill worker, used by one pull at a
-time)::
+Both ends connect by UCX *worker address* (``KVServer.address``, published on the bus), never
+through a sockaddr listener: ucxx's listener can only bind the wildcard address, while the worker
+address path listens only where ``shared.ucx_config`` lets UCX's transports listen
+(``--ucx-host``/``--ucx-port``). Tags are 64-bit; every pull draws a fresh random tag ``T``, so
+pulls on one endpoint run concurrently and never see each other's messages::
 
-    decode -> prefill   u64 length + msgpack {request_id, token, fingerprint, runs: [[src, n]..]}
-    prefill -> decode   u64 length + msgpack {ok, error}
-    prefill -> decode   one message per run, straight from / into the cache tensors
+    decode -> prefill   on the server's control tag: u64 [body length, T]
+    decode -> prefill   on T:   msgpack {request_id, token, fingerprint, runs: [[src, n]..],
+                                         reply_to: the decode worker's UCX address}
+    prefill -> decode   on T+1: one fixed-size reply (ok, or the reason for a refusal)
+    prefill -> decode   on T+2: one message per run, straight from / into the cache tensors
 
-The puller checks the layout fingerprint before it connects and the server checks it again
-before any byte moves; the server also checks the lease's secret token and that every requested
-block belongs to that lease. Leased blocks are pinned while they are being sent, so a lease that
+The puller posts its receives for the reply and every run *before* it sends the request, on its
+endpoint to the server: the data lands without an extra wake-up, and aborting that endpoint (on a
+refusal, a timeout or the server's death) cancels every receive still pointing into its blocks,
+so no late byte can reach blocks that were given to another request.
+
+The server checks the lease's secret token before anything else - until then it does not even
+connect back to the address in the request - then the layout fingerprint and that every requested
+block belongs to the lease. Leased blocks are pinned while they are being sent, so a lease that
 expires mid-transfer is freed only after the last byte left.
-
-Exposure: ucxx has no bind-address parameter - its listener (and UCX's TCP transport) listen on
-every interface, whatever ``--ucx-host`` says; ``--ucx-host`` is only the address peers are told
-to use. What keeps others out is the per-lease secret, which travels only on the (authenticated)
-bus; on untrusted networks firewall the UCX ports as well.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hmac
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,11 +47,19 @@ import msgpack
 import numpy as np
 import torch
 
+from shared import ucx_config
 from shared.protocol import KVHandle
 
 log = logging.getLogger("pdserve.kv")
 
 MAX_CONTROL_BYTES = 1 << 20  # a pull request lists runs, never data
+MAX_ADDRESS_BYTES = 8192  # a UCX worker address: a few hundred bytes, more with many RDMA ports
+REPLY_BYTES = 512
+MAX_PENDING_REQUESTS = 256  # request bodies the server waits for at once
+MAX_PEERS = 1024  # peers whose idle endpoints are kept
+ORPHAN_GRACE = 2.0  # seconds a transfer may run on after its puller let the lease go
+BODY_TIMEOUT = 5.0  # seconds between a request's header and its body
+ADDRESS_PREFIX = "ucx1"
 
 
 class KVTransferError(RuntimeError):
@@ -99,26 +114,136 @@ def _fingerprint_diff(ours: dict, theirs: dict) -> str:
     )
 
 
-async def _send_control(ep: Any, body: dict) -> None:
-    data = np.frombuffer(msgpack.packb(body, use_bin_type=True), dtype=np.uint8)
-    await ep.send(np.array([data.size], dtype=np.uint64))
-    await ep.send(data)
+def _pull_tag() -> int:
+    # top bit clear: never equal to a control tag, which has it set; T+2 cannot overflow
+    return secrets.randbits(62) << 1
 
 
-async def _recv_control(ep: Any) -> dict:
-    size = np.empty(1, dtype=np.uint64)
-    await ep.recv(size)
-    n = int(size[0])
-    if not 0 < n <= MAX_CONTROL_BYTES:
-        raise KVTransferError(f"control message of {n} bytes")
-    data = np.empty(n, dtype=np.uint8)
-    await ep.recv(data)
+def _control_tag() -> int:
+    return (1 << 63) | secrets.randbits(63)
+
+
+def format_address(control_tag: int, worker_address: bytes) -> str:
+    """The text a server publishes: control tag and UCX worker address, opaque to everyone else."""
+    return f"{ADDRESS_PREFIX}:{control_tag:016x}:{base64.b64encode(worker_address).decode()}"
+
+
+def parse_address(text: str) -> tuple[int, bytes]:
+    try:
+        prefix, tag, addr = text.split(":", 2)
+        if prefix != ADDRESS_PREFIX:
+            raise ValueError(prefix)
+        raw = base64.b64decode(addr, validate=True)
+        if not 0 < len(raw) <= MAX_ADDRESS_BYTES:
+            raise ValueError(len(raw))
+        return int(tag, 16), raw
+    except ValueError:
+        raise KVTransferError(f"not a KV transfer address: {text[:40]!r}") from None
+
+
+def _ucx_address(raw: bytes) -> Any:
+    from ucxx._lib.libucxx import UCXAddress
+
+    return UCXAddress.create_from_buffer(np.frombuffer(raw, dtype=np.uint8).copy())
+
+
+def _own_address() -> bytes:
+    import ucxx
+
+    return bytes(ucxx.get_worker_address().tobytes())
+
+
+def _unpack_request(data: np.ndarray) -> dict:
     body = msgpack.unpackb(
-        data.tobytes(), raw=False, max_bin_len=0, max_ext_len=0, max_map_len=16, strict_map_key=True
+        data.tobytes(),
+        raw=False,
+        max_bin_len=MAX_ADDRESS_BYTES,
+        max_ext_len=0,
+        max_map_len=16,
+        strict_map_key=True,
     )
     if type(body) is not dict:
-        raise KVTransferError("control message is not a map")
+        raise ValueError("not a map")
     return body
+
+
+def _pack_reply(error: str | None) -> np.ndarray:
+    out = np.zeros(REPLY_BYTES, dtype=np.uint8)
+    if error is None:
+        out[0] = 1
+    else:
+        text = error.encode()[: REPLY_BYTES - 1]
+        out[1 : 1 + len(text)] = np.frombuffer(text, dtype=np.uint8)
+    return out
+
+
+def _unpack_reply(reply: np.ndarray) -> str | None:
+    if reply[0] == 1:
+        return None
+    return reply[1:].tobytes().rstrip(b"\0").decode(errors="replace") or "refused"
+
+
+class _EndpointPool:
+    """Idle UCX endpoints by peer address. A transfer holds one endpoint alone, so that aborting
+    it (which cancels everything posted on it) never touches another transfer."""
+
+    def __init__(self, per_peer: int = 16, peers: int = MAX_PEERS) -> None:
+        self.per_peer = per_peer
+        self.peers = peers
+        self.idle: OrderedDict[bytes, list[Any]] = OrderedDict()
+        self.busy: set[Any] = set()
+
+    def __len__(self) -> int:
+        return sum(map(len, self.idle.values())) + len(self.busy)
+
+    async def acquire(self, raw: bytes) -> tuple[Any, bool]:
+        """An endpoint to ``raw`` for one transfer, and whether it was used before."""
+        import ucxx
+
+        idle = self.idle.get(raw, [])
+        while idle:
+            ep = idle.pop()
+            if not ep.closed:
+                self.busy.add(ep)
+                return ep, True
+        ep = await ucxx.create_endpoint_from_worker_address(_ucx_address(raw))
+        self.busy.add(ep)
+        return ep, False
+
+    def release(self, raw: bytes, ep: Any) -> None:
+        """Back to the pool after a transfer that ended cleanly."""
+        self.busy.discard(ep)
+        idle = self.idle.setdefault(raw, [])
+        self.idle.move_to_end(raw)
+        if ep.closed or len(idle) >= self.per_peer:
+            _abort(ep)
+        else:
+            idle.append(ep)
+        while len(self.idle) > self.peers:
+            for old in self.idle.popitem(last=False)[1]:
+                _abort(old)
+
+    def discard(self, ep: Any) -> None:
+        """Abort an endpoint whose transfer failed: its posted operations are cancelled."""
+        self.busy.discard(ep)
+        _abort(ep)
+
+    def clear(self) -> None:
+        for ep in [*self.busy, *(ep for eps in self.idle.values() for ep in eps)]:
+            _abort(ep)
+        self.busy.clear()
+        self.idle.clear()
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    """Mark an abandoned operation's outcome as seen (an aborted endpoint cancels them all)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+def _abort(ep: Any) -> None:
+    with contextlib.suppress(Exception):
+        ep.abort()  # also cancels every receive still posted on it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,20 +259,29 @@ class Lease:
     token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     pins: int = 0  # transfers reading the blocks right now
     dropped: bool = False  # released or expired while pinned: free after the last transfer
+    on_drop: list[Callable[[], None]] = field(default_factory=list)  # transfers waiting on it
 
 
 class LeaseTable:
     """Blocks a prefill worker holds for decode workers to pull.
 
     ``on_free(request_id)`` is called exactly once per lease, when it is released or expired and
-    no transfer is reading it; the worker then returns the blocks to its engine. Used from one
-    event loop only.
+    no transfer is reading it; the worker then returns the blocks to its engine. The tokens of
+    the last ``remember`` dropped leases are kept, so a late puller can be told its lease is gone
+    without answering anyone who never held a token. Used from one event loop only.
     """
 
-    def __init__(self, on_free: Callable[[str], None], clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        on_free: Callable[[str], None],
+        clock: Callable[[], float] = time.time,
+        remember: int = 4096,
+    ):
         self.on_free = on_free
         self.clock = clock
         self.leases: dict[str, Lease] = {}
+        self.remember = remember
+        self.dropped_tokens: OrderedDict[str, str] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self.leases)
@@ -163,12 +297,19 @@ class LeaseTable:
         lease = self.leases.get(request_id)
         return None if lease is None or lease.dropped else lease
 
+    def token_of(self, request_id: str) -> str | None:
+        """The secret of a live or recently dropped lease."""
+        lease = self.leases.get(request_id)
+        return lease.token if lease is not None else self.dropped_tokens.get(request_id)
+
     def release(self, request_id: str) -> bool:
         """Drop a lease (pull done, cancel). False if there was none."""
         lease = self.leases.get(request_id)
         if lease is None or lease.dropped:
             return False
         lease.dropped = True
+        for callback in list(lease.on_drop):
+            callback()
         if lease.pins == 0:
             self._free(lease)
         return True
@@ -194,6 +335,9 @@ class LeaseTable:
 
     def _free(self, lease: Lease) -> None:
         if self.leases.pop(lease.request_id, None) is not None:
+            self.dropped_tokens[lease.request_id] = lease.token
+            while len(self.dropped_tokens) > self.remember:
+                self.dropped_tokens.popitem(last=False)
             self.on_free(lease.request_id)
 
 
@@ -202,99 +346,169 @@ class LeaseTable:
 
 
 class KVServer:
-    """Serves leased blocks of ``kv_cache`` to pullers over a ucxx listener."""
+    """Serves leased blocks of ``kv_cache`` to pullers that show the lease's token."""
 
     def __init__(
         self,
         kv_cache: torch.Tensor,
         fingerprint: dict,
         leases: LeaseTable,
-        advertise_host: str = "127.0.0.1",
+        host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
         self.kv_cache = kv_cache
         self.fingerprint = dict(fingerprint)
         self.leases = leases
-        self.advertise_host = advertise_host
-        self.requested_port = port
-        self.listener: Any = None
-        self._endpoints: set[Any] = set()
+        self.host = host
+        self.port = port
+        self.control_tag = _control_tag()
+        self.address = ""  # set by start(): what decode workers are told
+        self.endpoints = _EndpointPool()
+        self._accept_task: asyncio.Task | None = None
+        self._requests: set[asyncio.Task] = set()
         self.bytes_served = 0
         self.pulls_served = 0
-        self.pulls_refused = 0
-
-    @property
-    def port(self) -> int:
-        return self.listener.port if self.listener is not None else 0
+        self.pulls_refused = 0  # answered with a reason
+        self.requests_dropped = 0  # malformed, unauthenticated or over the limit: not answered
 
     async def start(self) -> None:
-        import ucxx
-
-        # ucxx listens on every interface; the advertised host is what peers are told to use.
-        self.listener = ucxx.create_listener(self._serve, port=self.requested_port or None)
-        log.info(
-            "KV transfer listening on port %d of every interface (ucxx cannot bind one); "
-            "advertised as %s; pulls need a lease token",
-            self.port,
-            self.advertise_host,
-        )
+        ucx_config.configure(self.host, self.port)
+        self.address = format_address(self.control_tag, _own_address())
+        self._accept_task = asyncio.create_task(self._accept())
+        log.info("KV transfer serving on UCX (%s); pulls need a lease token", self.host)
 
     async def stop(self) -> None:
-        for ep in list(self._endpoints):
-            with contextlib.suppress(Exception):
-                ep.abort()
-        # let the aborted handlers unwind before the listener goes
-        for _ in range(100):
-            if not self._endpoints:
-                break
-            await asyncio.sleep(0.01)
-        if self.listener is not None:
-            self.listener.close()
-            self.listener = None
+        tasks = [t for t in (self._accept_task, *self._requests) if t is not None]
+        for task in tasks:
+            task.cancel()
+        self.endpoints.clear()  # aborts sends in flight
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._accept_task = None
 
-    async def _serve(self, ep: Any) -> None:
-        self._endpoints.add(ep)
+    async def _accept(self) -> None:
+        import ucxx
+
+        header = np.empty(2, dtype=np.uint64)
+        while True:
+            try:
+                await ucxx.recv(header, tag=self.control_tag)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # e.g. a message longer than a header: not ours
+                self.requests_dropped += 1
+                log.warning("dropped a malformed KV pull header: %r", exc)
+                continue
+            size, tag = int(header[0]), int(header[1])
+            if (
+                not 0 < size <= MAX_CONTROL_BYTES
+                or tag >> 63  # pull tags have the top bit clear (T+2 must fit in 64 bits)
+                or len(self._requests) >= MAX_PENDING_REQUESTS
+            ):
+                self.requests_dropped += 1
+                log.warning(
+                    "dropped a KV pull request of %d bytes (%d pending)", size, len(self._requests)
+                )
+                continue
+            task = asyncio.create_task(self._serve(size, tag))
+            self._requests.add(task)
+            task.add_done_callback(self._requests.discard)
+
+    async def _serve(self, size: int, tag: int) -> None:
+        import ucxx
+
+        body = np.empty(size, dtype=np.uint8)
         try:
-            while True:
-                try:
-                    req = await _recv_control(ep)
-                except Exception:  # peer closed or sent junk: drop the connection
-                    return
-                lease, error = self._admit(req)
-                if lease is None:
-                    self.pulls_refused += 1
-                    await _send_control(ep, {"ok": False, "error": error})
-                    continue
-                self.leases.pin(lease)
-                try:
-                    await _send_control(ep, {"ok": True, "error": None})
-                    views = [self.kv_cache[start : start + count] for start, count in req["runs"]]
-                    # all runs in flight at once: UCX pipelines them (tags keep their order)
-                    await asyncio.gather(*(ep.send(_buffer(v)) for v in views))
-                    self.bytes_served += sum(v.numel() * v.element_size() for v in views)
-                    self.pulls_served += 1
-                except Exception as exc:  # the puller went away mid-transfer
-                    log.info("KV pull of %s aborted: %r", lease.request_id, exc)
-                    return
-                finally:
-                    self.leases.unpin(lease)
+            # the receive outlives a timeout, harmlessly: a fresh buffer under a one-off tag
+            await asyncio.wait_for(ucxx.recv(body, tag=tag), BODY_TIMEOUT)
+            req = _unpack_request(body)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.requests_dropped += 1
+            log.warning("dropped a KV pull request: %r", exc)
+            return
+        rid, reply_to = req.get("request_id"), req.get("reply_to")
+        if not self._authentic(req):
+            self.requests_dropped += 1
+            log.warning("dropped a KV pull for %r without a valid lease token", str(rid)[:64])
+            return
+        lease, error = self._admit(req)
+        ep = None
+        clean = False
+        try:
+            ep, _ = await self.endpoints.acquire(reply_to)
+            if lease is None:
+                self.pulls_refused += 1
+                await asyncio.wait_for(
+                    ep.send(_pack_reply(error), tag=tag + 1, force_tag=True), BODY_TIMEOUT
+                )
+                clean = True
+                return
+            self.leases.pin(lease)
+            try:
+                views = [self.kv_cache[start : start + count] for start, count in req["runs"]]
+                sends = [ep.send(_pack_reply(None), tag=tag + 1, force_tag=True)]
+                # every run in flight at once: UCX pipelines them, one tag keeps their order
+                sends += [ep.send(_buffer(v), tag=tag + 2, force_tag=True) for v in views]
+                await self._send_all(asyncio.gather(*sends), lease)
+            finally:
+                self.leases.unpin(lease)
+            self.bytes_served += sum(v.numel() * v.element_size() for v in views)
+            self.pulls_served += 1
+            clean = True
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the puller went away or gave up mid-transfer
+            log.info("KV pull of %s aborted: %r", rid, exc)
         finally:
-            self._endpoints.discard(ep)
-            with contextlib.suppress(Exception):
-                await ep.close()
+            if ep is not None:
+                if clean:
+                    self.endpoints.release(reply_to, ep)
+                else:
+                    self.endpoints.discard(ep)  # cancels whatever is still being sent
+
+    async def _send_all(self, sends: asyncio.Future, lease: Lease) -> None:
+        """Wait for a transfer's sends. A puller that gave up has cancelled its receives, so our
+        sends would wait forever and pin the lease: once the lease is let go (or long expired),
+        a short grace later the transfer counts as abandoned."""
+        dropped = asyncio.Event()
+        lease.on_drop.append(dropped.set)
+        if lease.dropped:
+            dropped.set()
+        watch = asyncio.ensure_future(dropped.wait())
+        try:
+            expiry = max(0.0, lease.expires - self.leases.clock()) + ORPHAN_GRACE
+            done, _ = await asyncio.wait(
+                {sends, watch}, timeout=expiry, return_when=asyncio.FIRST_COMPLETED
+            )
+            if watch in done and sends not in done:
+                await asyncio.wait({sends}, timeout=ORPHAN_GRACE)
+            if not sends.done():
+                sends.add_done_callback(_retrieve)  # cancelled with the endpoint, unread
+                raise KVTransferError("the puller stopped receiving")
+            sends.result()
+        finally:
+            watch.cancel()
+            lease.on_drop.remove(dropped.set)
+
+    def _authentic(self, req: dict) -> bool:
+        """Whether the request shows the token of a live or recently dropped lease."""
+        rid, token, reply_to = (req.get(k) for k in ("request_id", "token", "reply_to"))
+        if type(rid) is not str or type(token) is not str or type(reply_to) is not bytes:
+            return False
+        expected = self.leases.token_of(rid)
+        return expected is not None and hmac.compare_digest(expected, token)
 
     def _admit(self, req: dict) -> tuple[Lease | None, str | None]:
-        """Check a pull request completely before any KV byte moves."""
-        rid, token, fp, runs = (req.get(k) for k in ("request_id", "token", "fingerprint", "runs"))
-        if type(rid) is not str or type(token) is not str or type(fp) is not dict:
+        """Check an authentic pull request completely before any KV byte moves."""
+        rid, fp, runs = (req.get(k) for k in ("request_id", "fingerprint", "runs"))
+        if type(fp) is not dict:
             return None, "malformed pull request"
         if fp != self.fingerprint:
             return None, f"KV layout mismatch ({_fingerprint_diff(self.fingerprint, fp)})"
         lease = self.leases.get(rid)
         if lease is None:
             return None, f"no lease for {rid} (expired or released)"
-        if not hmac.compare_digest(lease.token, token):
-            return None, "wrong lease token"
         if type(runs) is not list or not runs:
             return None, "malformed runs"
         leased = set(lease.block_ids)
@@ -314,12 +528,6 @@ class KVServer:
 # client (decode side)
 
 
-@dataclass
-class _Peer:
-    ep: Any
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-
 class KVClient:
     """Pulls KV handles into ``kv_cache``; keeps one endpoint per prefill worker."""
 
@@ -328,14 +536,16 @@ class KVClient:
         kv_cache: torch.Tensor,
         fingerprint: dict,
         block_size: int,
-        connect_timeout: float = 5.0,
+        host: str = "127.0.0.1",
+        port: int = 0,
     ) -> None:
         self.kv_cache = kv_cache
-        self.connect_timeout = connect_timeout
         self.fingerprint = dict(fingerprint)
         self.block_size = block_size
-        self._peers: dict[tuple[str, int], _Peer] = {}
-        self._connecting: dict[tuple[str, int], asyncio.Lock] = {}
+        self.host = host
+        self.port = port
+        self.endpoints = _EndpointPool()
+        self._address: bytes | None = None
 
     def check(self, handle: KVHandle) -> None:
         """Raise FingerprintMismatch unless ``handle``'s layout equals ours."""
@@ -344,6 +554,20 @@ class KVClient:
                 f"KV layout of {handle.worker_id} differs "
                 f"({_fingerprint_diff(self.fingerprint, handle.fingerprint)})"
             )
+
+    def own_address(self) -> bytes:
+        """Our UCX worker address, where servers send the KV (configures UCX on first use)."""
+        if self._address is None:
+            ucx_config.configure(self.host, self.port)
+            self._address = _own_address()
+        return self._address
+
+    async def connect(self, address: str) -> None:
+        """Set up the endpoint to a server ahead of its first pull (a worker joined)."""
+        self.own_address()
+        _, raw = parse_address(address)
+        ep, _ = await self.endpoints.acquire(raw)
+        self.endpoints.release(raw, ep)
 
     async def pull(
         self, request_id: str, handle: KVHandle, dst_block_ids: list[int], timeout: float = 30.0
@@ -359,27 +583,32 @@ class KVClient:
         num_blocks = self.kv_cache.shape[0]
         if not all(0 <= b < num_blocks for b in dst_block_ids[:n]):
             raise KVTransferError("destination block id out of range")
+        control_tag, raw = parse_address(handle.ucx_address)
         runs = block_runs(handle.block_ids[:n], dst_block_ids[:n])
-        key = (handle.address, handle.port)
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         while True:
-            reused = key in self._peers
+            ep, reused = await self.endpoints.acquire(raw)
             try:
                 stats = await asyncio.wait_for(
-                    self._pull(key, request_id, handle, runs), deadline - time.monotonic()
+                    self._pull(ep, control_tag, request_id, handle, runs),
+                    deadline - time.monotonic(),
                 )
+                self.endpoints.release(raw, ep)
                 break
             except asyncio.TimeoutError:
-                await self._drop(key)  # the stream's state is unknown now
+                self.endpoints.discard(ep)  # cancels the receives into our blocks
                 raise KVTransferError(
                     f"KV pull from {handle.worker_id} timed out after {timeout}s"
                 ) from None
             except KVTransferError:
+                self.endpoints.discard(ep)
                 raise
-            except Exception as exc:
-                await self._drop(key)
-                if reused:  # a kept endpoint went stale (peer restarted): one fresh try
+            except BaseException as exc:
+                self.endpoints.discard(ep)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                if reused and time.monotonic() < deadline:  # a kept endpoint went stale: retry
                     log.info("endpoint to %s was stale (%r); reconnecting", handle.worker_id, exc)
                     continue
                 raise KVTransferError(f"KV pull from {handle.worker_id} failed: {exc!r}") from exc
@@ -389,54 +618,48 @@ class KVClient:
 
     async def _pull(
         self,
-        key: tuple[str, int],
+        ep: Any,
+        control_tag: int,
         request_id: str,
         handle: KVHandle,
         runs: list[tuple[int, int, int]],
     ) -> TransferStats:
-        peer = await self._peer(key)
-        stats = TransferStats()
-        async with peer.lock:
-            await _send_control(
-                peer.ep,
-                {
-                    "request_id": request_id,
-                    "token": handle.token,
-                    "fingerprint": handle.fingerprint,
-                    "runs": [[s, n] for s, _, n in runs],
-                },
+        tag = _pull_tag()
+        body = msgpack.packb(
+            {
+                "request_id": request_id,
+                "token": handle.token,
+                "fingerprint": handle.fingerprint,
+                "runs": [[s, n] for s, _, n in runs],
+                "reply_to": self.own_address(),
+            },
+            use_bin_type=True,
+        )
+        reply = np.zeros(REPLY_BYTES, dtype=np.uint8)
+        views = [self.kv_cache[dst : dst + count] for _, dst, count in runs]
+        # posted on our endpoint before asking: aborting it cancels them (see module doc)
+        got_reply = asyncio.ensure_future(ep.recv(reply, tag=tag + 1, force_tag=True))
+        got_data = [
+            asyncio.ensure_future(ep.recv(_buffer(v), tag=tag + 2, force_tag=True)) for v in views
+        ]
+        try:
+            await ep.send(
+                np.array([len(body), tag], dtype=np.uint64), tag=control_tag, force_tag=True
             )
-            reply = await _recv_control(peer.ep)
-            if reply.get("ok") is not True:
-                raise KVTransferError(f"{handle.worker_id} refused the pull: {reply.get('error')}")
-            views = [self.kv_cache[dst : dst + count] for _, dst, count in runs]
-            # receives are posted in run order, and messages of one tag match in send order
-            await asyncio.gather(*(peer.ep.recv(_buffer(v)) for v in views))
-            stats.num_bytes = sum(v.numel() * v.element_size() for v in views)
-            stats.num_messages = len(views)
-        return stats
-
-    async def _peer(self, key: tuple[str, int]) -> _Peer:
-        import ucxx
-
-        lock = self._connecting.setdefault(key, asyncio.Lock())
-        async with lock:
-            peer = self._peers.get(key)
-            if peer is None or peer.ep.closed:
-                ep = await ucxx.create_endpoint(
-                    key[0], key[1], connect_timeout=self.connect_timeout
-                )
-                peer = self._peers[key] = _Peer(ep)
-            return peer
-
-    async def _drop(self, key: tuple[str, int]) -> None:
-        peer = self._peers.pop(key, None)
-        if peer is not None:
-            with contextlib.suppress(Exception):
-                peer.ep.abort()
+            await ep.send(np.frombuffer(body, dtype=np.uint8), tag=tag, force_tag=True)
+            await got_reply
+            error = _unpack_reply(reply)
+            if error is not None:
+                raise KVTransferError(f"{handle.worker_id} refused the pull: {error}")
+            await asyncio.gather(*got_data)
+        finally:
+            for fut in (got_reply, *got_data):
+                if not fut.done():
+                    fut.cancel()
+                fut.add_done_callback(_retrieve)
+        return TransferStats(
+            num_bytes=sum(v.numel() * v.element_size() for v in views), num_messages=len(views)
+        )
 
     async def close(self) -> None:
-        for key in list(self._peers):
-            peer = self._peers.pop(key)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(peer.ep.close(), 2.0)
+        self.endpoints.clear()

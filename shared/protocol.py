@@ -30,12 +30,13 @@ import msgpack
 
 from services.engine.sampling import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: KV handles carry a UCX worker address, not host:port
 
 # Bounds that hold for any sane deployment; the bus also caps whole messages (max_message_bytes).
 MAX_ID_CHARS = 128
 MAX_SUBJECT_CHARS = 256
 MAX_TEXT_CHARS = 4096
+MAX_UCX_ADDRESS_CHARS = 12000  # base64 of a UCX worker address (<= 8 KiB) and a tag
 MAX_TOKENS = 1 << 20  # prompt/output token lists
 MAX_BLOCKS = 1 << 20
 MAX_STOP_TOKENS = 1024
@@ -121,15 +122,15 @@ class KVHandle:
     """Where a prefilled request's KV blocks wait to be pulled, and under which lease."""
 
     worker_id: str = ident()
-    address: str = text(max_len=255)  # host the prefill worker's UCX listener advertises
-    port: int = count(lo=1, hi=65535)
+    # the prefill worker's KVServer.address: its UCX worker address and control tag, opaque
+    ucx_address: str = text(max_len=MAX_UCX_ADDRESS_CHARS)
     block_ids: list[int] = _f(lo=0, hi=MAX_TOKEN_ID, max_len=MAX_BLOCKS)
     num_tokens: int = count(lo=1, hi=MAX_TOKENS)
     # model, dtype, block_size, num_layers, num_kv_heads, head_dim: must equal the puller's
     fingerprint: dict[str, Any] = _f(max_len=32)
     lease_expires: float = seconds()
-    # Per-lease secret: the UCX listener serves blocks only to whoever shows it, so a peer that
-    # can reach the port but did not read the PrefillResult off the bus gets nothing.
+    # Per-lease secret: the KV server answers only whoever shows it, so a peer that can reach
+    # UCX but did not read the PrefillResult off the bus gets nothing, not even a reply.
     token: str = text(max_len=64, default="")
 
 
@@ -220,8 +221,7 @@ class WorkerLoad:
     running: int = count()
     waiting: int = count()
     draining: bool = _f(default=False)
-    ucx_address: str = text(max_len=255, default="")
-    ucx_port: int = count(hi=65535, default=0)
+    ucx_address: str = text(max_len=MAX_UCX_ADDRESS_CHARS, default="")  # prefill: KV server
     metrics_url: str | None = text(max_len=512, default=None)
     ts: float = seconds(default=0.0)
     # decode workers prefill prompts shorter than this themselves: the gateway then skips the

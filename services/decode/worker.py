@@ -53,8 +53,13 @@ class DecodeWorker(Worker):
 
     async def start_extra(self) -> None:
         self.kv_client = KVClient(
-            self.engine.kv_cache, self.engine.layout_fingerprint(), self.engine.block_size
+            self.engine.kv_cache,
+            self.engine.layout_fingerprint(),
+            self.engine.block_size,
+            host=self.config.ucx_host,
+            port=self.config.ucx_port,
         )
+        self.kv_client.own_address()  # configure UCX now: a bad --ucx-host fails at start-up
 
     async def close_extra(self) -> None:
         if self.kv_client is not None:

@@ -42,7 +42,7 @@ class PrefillWorker(Worker):
             self.engine.kv_cache,
             self.engine.layout_fingerprint(),
             self.leases,
-            advertise_host=self.config.ucx_host,
+            host=self.config.ucx_host,
             port=self.config.ucx_port,
         )
         await self.kv_server.start()
@@ -61,10 +61,7 @@ class PrefillWorker(Worker):
         )
 
     def load_extra(self) -> dict:
-        return {
-            "ucx_address": self.config.ucx_host,
-            "ucx_port": self.kv_server.port if self.kv_server else 0,
-        }
+        return {"ucx_address": self.kv_server.address if self.kv_server else ""}
 
     def busy(self) -> bool:
         return bool(self.states) or len(self.leases) > 0
@@ -164,8 +161,7 @@ class PrefillWorker(Worker):
         lease = self.leases.add(request_id, block_ids, num_tokens, self.config.lease_seconds)
         return KVHandle(
             worker_id=self.worker_id,
-            address=self.config.ucx_host,
-            port=self.kv_server.port,
+            ucx_address=self.kv_server.address,
             block_ids=block_ids,
             num_tokens=num_tokens,
             fingerprint=self.engine.layout_fingerprint(),

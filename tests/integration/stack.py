@@ -25,8 +25,10 @@ API:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -45,6 +47,7 @@ __all__ = [
     "Child",
     "NatsServer",
     "free_port",
+    "listening_sockets",
     "log_text",
     "start_nats",
     "start_service",
@@ -127,3 +130,27 @@ def stop_all(children: Iterable[Child], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     for child in reversed(children):
         child.stop(max(0.0, deadline - time.monotonic()))
+
+
+def listening_sockets(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket ``pid`` listens on, read from /proc (no ``ss``)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = set()
+    for table, width in (("tcp", 4), ("tcp6", 16)):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                cols = line.split()
+                if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
+                    continue
+                addr_hex, port_hex = cols[1].split(":")
+                raw = bytes.fromhex(addr_hex)
+                # /proc prints each 32-bit word in host (little-endian) order
+                words = b"".join(raw[i : i + 4][::-1] for i in range(0, width, 4))
+                family = socket.AF_INET if width == 4 else socket.AF_INET6
+                found.add((socket.inet_ntop(family, words), int(port_hex, 16)))
+    return found

@@ -237,8 +237,7 @@ class ScriptedPrefillWorker:
         else:
             kv = KVHandle(
                 worker_id=self.worker_id,
-                address="127.0.0.1",
-                port=1,
+                ucx_address="ucx1:8000000000000001:AAAA",  # never dialled: decode is fake too
                 block_ids=[0],
                 num_tokens=len(req.prompt_token_ids),
                 fingerprint={"model": MODEL},

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.stack import free_port, wait_until
+from tests.integration.stack import free_port, listening_sockets, wait_until
 from tests.unit.test_engine import hf_greedy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -159,6 +159,15 @@ def metric(text: str, name: str) -> float:
 def test_ready_line(up) -> None:
     lines = [line for line in up.output().splitlines() if line.startswith("pdserve ready at")]
     assert len(lines) == 1 and lines[0].startswith(f"pdserve ready at {up.url}")
+
+
+def test_everything_listens_on_loopback_only(up) -> None:
+    """pdserve up's defaults: NATS, gateway, worker metrics and both KV-transfer ends (UCX's TCP
+    transport, --ucx-host) listen on loopback, never on a wildcard or outward address."""
+    sockets = {pid: listening_sockets(pid) for pid in [up.proc.pid, *descendants(up.proc.pid)]}
+    listened = {addr for socks in sockets.values() for addr, _ in socks}
+    assert listened and listened <= {"127.0.0.1", "::1"}, sockets
+    assert sum(1 for socks in sockets.values() if socks) >= 6  # nats, gateway, 4 workers
 
 
 async def test_streaming_matches_hf_via_openai_client(up, llama_dir) -> None:

@@ -42,7 +42,8 @@ FINGERPRINT = {
 
 
 def handle() -> KVHandle:
-    return KVHandle("prefill-0", "127.0.0.1", 40123, [3, 4, 5, 9], 57, FINGERPRINT, 1e9, "s3cr3t")
+    address = "ucx1:8000000000000001:" + "QUJD" * 100  # a UCX worker address is binary: base64
+    return KVHandle("prefill-0", address, [3, 4, 5, 9], 57, FINGERPRINT, 1e9, "s3cr3t")
 
 
 SAMPLES = [
@@ -64,7 +65,7 @@ SAMPLES = [
     ),
     ReleaseLease("req-1"),
     Cancel("req-1"),
-    WorkerLoad("decode-0", "decode", "tiny", 10, 64, 2, 1, False, "127.0.0.1", 4000, None, 1.5),
+    WorkerLoad("decode-0", "decode", "tiny", 10, 64, 2, 1, False, "", None, 1.5),
     WorkerGone("decode-0", "decode"),
     # appended, so the index-based tests above keep their samples
     KVEvents("prefill-0", "a1b2", 16, 7, [0, 5, UINT64_MAX], [1 << 63]),
@@ -121,7 +122,9 @@ def test_decode_as_rejects_other_types() -> None:
         (lambda b: b.update(deadline=math.inf), "not finite"),
         (lambda b: b.update(deadline="soon"), "expected number"),
         (lambda b: b.update(kv=[1, 2]), "expected map"),
-        (lambda b: b["kv"].update(port=70000), "outside"),
+        (lambda b: b["kv"].update(block_ids=[1, -1]), "ints in"),
+        (lambda b: b["kv"].update(ucx_address="x" * 20000), "longer than"),
+        (lambda b: b["kv"].update(ucx_address=7), "expected str"),
         (lambda b: b["kv"].update(block_ids=None), "null"),
         (lambda b: b["kv"].update(fingerprint={"model": [1]}), "scalars"),
         (lambda b: b["sampling"].update(temperature=5.0), "outside"),

@@ -1,0 +1,115 @@
+"""Where UCX may listen: the TCP transport on one interface (``--ucx-host``) and, optionally, one
+port (``--ucx-port``).
+
+KV transfer connects by UCX worker address, never through a sockaddr listener (ucxx's listener
+always binds the wildcard address). What then listens for TCP is UCX's TCP transport, once per
+network device it uses; ``UCX_NET_DEVICES`` picks those devices and ``UCX_TCP_PORT_RANGE`` their
+port. UCX reads both when its context is created, so ``configure`` must run before this process
+makes its first ucxx call. RDMA devices (``/sys/class/infiniband``) stay enabled: they open no
+IP socket, and dropping them would cost a GPU cluster its fast path.
+
+A user's own ``UCX_NET_DEVICES`` / ``UCX_TCP_PORT_RANGE`` win over the flags.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import ipaddress
+import logging
+import os
+import socket
+import struct
+from pathlib import Path
+
+log = logging.getLogger("pdserve.ucx")
+
+ALL_INTERFACES = ("", "0.0.0.0", "*")
+_SIOCGIFADDR = 0x8915
+_applied: dict[str, str] | None = None
+
+
+class UCXConfigError(ValueError):
+    """``--ucx-host`` names no interface of this machine."""
+
+
+def interface_addresses() -> dict[str, str]:
+    """IPv4 address of each network interface that has one, by interface name."""
+    out: dict[str, str] = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            req = struct.pack("256s", name.encode()[:15])
+            with contextlib.suppress(OSError):  # no IPv4 address on this one
+                out[name] = socket.inet_ntoa(fcntl.ioctl(s.fileno(), _SIOCGIFADDR, req)[20:24])
+    return out
+
+
+def interface_for(host: str) -> str | None:
+    """The interface holding ``host``'s address; None for "every interface"."""
+    if host in ALL_INTERFACES:
+        return None
+    try:
+        ip = ipaddress.ip_address(socket.gethostbyname(host))
+    except (OSError, UnicodeError) as exc:
+        raise UCXConfigError(f"--ucx-host {host!r} does not resolve: {exc}") from None
+    addresses = {name: ipaddress.ip_address(a) for name, a in interface_addresses().items()}
+    for name, addr in addresses.items():
+        # 127.0.0.0/8 is all on the loopback device, whatever single address it reports
+        if addr == ip or (ip.is_loopback and addr.is_loopback):
+            return name
+    known = ", ".join(f"{n}={a}" for n, a in sorted(addresses.items())) or "none"
+    raise UCXConfigError(
+        f"--ucx-host {host!r} ({ip}) is not an address of this machine (interfaces: {known}); "
+        "give this host's own address, or 0.0.0.0 for every interface"
+    )
+
+
+def rdma_devices(root: Path = Path("/sys/class/infiniband")) -> list[str]:
+    """UCX names (``mlx5_0:1``) of the RDMA ports on this machine."""
+    if not root.is_dir():
+        return []
+    return sorted(
+        f"{dev.name}:{port.name}" for dev in root.iterdir() for port in (dev / "ports").glob("*")
+    )
+
+
+def ucx_environment(host: str, port: int = 0) -> dict[str, str]:
+    """The UCX variables that keep its TCP listening sockets on ``host`` (and ``port``)."""
+    env: dict[str, str] = {}
+    device = interface_for(host)
+    if device is not None:
+        env["UCX_NET_DEVICES"] = ",".join([device, *rdma_devices()])
+    if port:
+        env["UCX_TCP_PORT_RANGE"] = f"{port}-{port}"
+    return env
+
+
+def configure(host: str, port: int = 0) -> dict[str, str]:
+    """Set this process's UCX variables for ``host``/``port``; returns what is in force.
+
+    Runs once per process: UCX has read its variables by the time a second caller (a test
+    with both transfer ends in one process) comes, so that one is only told what holds.
+    """
+    global _applied
+    wanted = ucx_environment(host, port)
+    if _applied is None:
+        for key, value in wanted.items():
+            if key in os.environ and os.environ[key] != value:
+                log.info("%s=%s from the environment wins over %s", key, os.environ[key], value)
+            else:
+                os.environ[key] = value
+        _applied = {
+            k: os.environ[k] for k in ("UCX_NET_DEVICES", "UCX_TCP_PORT_RANGE") if k in os.environ
+        }
+        log.info(
+            "UCX TCP transport listens on %s",
+            _applied.get("UCX_NET_DEVICES", "every interface")
+            + (
+                f" port {_applied['UCX_TCP_PORT_RANGE']}"
+                if "UCX_TCP_PORT_RANGE" in _applied
+                else ""
+            ),
+        )
+    elif any(_applied.get(k) != v for k, v in wanted.items()):
+        log.warning("UCX is already configured (%s); ignoring %s", _applied, wanted)
+    return dict(_applied)
