@@ -542,6 +542,9 @@ class Subjects:
     def load(self, role: str, worker_id: str) -> str:
         return self._join("load", role, worker_id)
 
+    def loads_of(self, role: str) -> str:
+        return self._join("load", role) + ".*"
+
     @property
     def all_loads(self) -> str:
         return self._join("load") + ".>"

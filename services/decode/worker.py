@@ -22,7 +22,7 @@ from services.engine.engine import LLMEngine
 from services.worker_base import RequestState, Step, Worker, exit_now, record_prefill_forward
 from shared import tracing
 from shared.kv_transfer import KVClient, KVTransferError
-from shared.protocol import DecodeRequest, ReleaseLease, TokenBatch, TokenItem
+from shared.protocol import DecodeRequest, ReleaseLease, TokenBatch, TokenItem, WorkerLoad
 
 log = logging.getLogger("pdserve.decode")
 
@@ -45,6 +45,7 @@ class DecodeWorker(Worker):
     def __init__(self, ns: argparse.Namespace | dict) -> None:
         super().__init__(ns)
         self.kv_client: KVClient | None = None
+        self.known_kv_servers: set[str] = set()  # KV addresses already connected to
         # requests whose blocks could not be reserved yet (cache full), oldest first
         self.admission: deque[tuple[DecodeRequest, DecodeState]] = deque()
 
@@ -69,6 +70,22 @@ class DecodeWorker(Worker):
         await self.bus.subscribe(
             self.subjects.decode(self.worker_id), self._on_request, (DecodeRequest,)
         )
+        await self.bus.subscribe(
+            self.subjects.loads_of("prefill"), self._on_prefill_load, (WorkerLoad,)
+        )
+
+    async def _on_prefill_load(self, load: WorkerLoad, headers: dict[str, str]) -> None:
+        """Connect to a prefill worker when it first shows up, so the first pull does not pay
+        for the endpoint (tens of ms)."""
+        if load.ucx_address and load.ucx_address not in self.known_kv_servers:
+            self.known_kv_servers.add(load.ucx_address)
+            self.spawn(self._connect(load.worker_id, load.ucx_address))
+
+    async def _connect(self, worker_id: str, address: str) -> None:
+        try:
+            await self.kv_client.connect(address)
+        except Exception as exc:  # the pull will try again and report properly
+            log.info("could not pre-connect to %s: %r", worker_id, exc)
 
     def load_extra(self) -> dict:
         return {"local_prefill_threshold": self.config.local_prefill_threshold}
