@@ -233,6 +233,7 @@ class DecodeSide:
         got = asyncio.ensure_future(
             self.raw_ep.recv(flat_bytes(self.cache, num_bytes), tag=RAW_REPLY_TAG, force_tag=True)
         )
+        await asyncio.sleep(0)  # the receive is posted before the request, as in a pull
         header = np.array([num_bytes, RAW_REPLY_TAG], dtype=np.uint64)
         await self.raw_ep.send(header, tag=RAW_TAG, force_tag=True)
         await got

@@ -12,9 +12,9 @@ address path listens only where ``shared.ucx_config`` lets UCX's transports list
 (``--ucx-host``/``--ucx-port``). Tags are 64-bit; every pull draws a fresh random tag ``T``, so
 pulls on one endpoint run concurrently and never see each other's messages::
 
-    decode -> prefill   on the server's control tag: u64 [body length, T]
-    decode -> prefill   on T:   msgpack {request_id, token, fingerprint, runs: [[src, n]..],
-                                         reply_to: the decode worker's UCX address}
+    decode -> prefill   on the server's control tag: u32 length + msgpack {request_id, token,
+                        fingerprint, runs: [[src, n]..], reply_to: the decode worker's UCX
+                        address, tag: T}
     prefill -> decode   on T+1: one fixed-size reply (ok, or the reason for a refusal)
     prefill -> decode   on T+2: one message per run, straight from / into the cache tensors
 
@@ -55,10 +55,10 @@ log = logging.getLogger("pdserve.kv")
 MAX_CONTROL_BYTES = 1 << 20  # a pull request lists runs, never data
 MAX_ADDRESS_BYTES = 8192  # a UCX worker address: a few hundred bytes, more with many RDMA ports
 REPLY_BYTES = 512
-MAX_PENDING_REQUESTS = 256  # request bodies the server waits for at once
+MAX_PENDING_REQUESTS = 256  # requests a server works on at once
 MAX_PEERS = 1024  # peers whose idle endpoints are kept
 ORPHAN_GRACE = 2.0  # seconds a transfer may run on after its puller let the lease go
-BODY_TIMEOUT = 5.0  # seconds between a request's header and its body
+REPLY_TIMEOUT = 5.0  # seconds a refusal may take to send
 ADDRESS_PREFIX = "ucx1"
 
 
@@ -153,9 +153,9 @@ def _own_address() -> bytes:
     return bytes(ucxx.get_worker_address().tobytes())
 
 
-def _unpack_request(data: np.ndarray) -> dict:
+def _unpack_request(data: bytes) -> dict:
     body = msgpack.unpackb(
-        data.tobytes(),
+        data,
         raw=False,
         max_bin_len=MAX_ADDRESS_BYTES,
         max_ext_len=0,
@@ -388,49 +388,50 @@ class KVServer:
     async def _accept(self) -> None:
         import ucxx
 
-        header = np.empty(2, dtype=np.uint64)
+        # One buffer for every request: a message may be shorter than the buffer, so each one
+        # says its length, and the bytes it used are zeroed afterwards - a message that claims
+        # more than it sent must never read what an earlier request (its token) left behind.
+        buf = np.zeros(MAX_CONTROL_BYTES, dtype=np.uint8)
         while True:
             try:
-                await ucxx.recv(header, tag=self.control_tag)
+                await ucxx.recv(buf, tag=self.control_tag)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # e.g. a message longer than a header: not ours
-                self.requests_dropped += 1
-                log.warning("dropped a malformed KV pull header: %r", exc)
+            except Exception as exc:  # e.g. a message longer than the buffer: not ours
+                self._drop(f"malformed request ({exc!r})")
+                buf[:] = 0
                 continue
-            size, tag = int(header[0]), int(header[1])
-            if (
-                not 0 < size <= MAX_CONTROL_BYTES
-                or tag >> 63  # pull tags have the top bit clear (T+2 must fit in 64 bits)
-                or len(self._requests) >= MAX_PENDING_REQUESTS
-            ):
-                self.requests_dropped += 1
-                log.warning(
-                    "dropped a KV pull request of %d bytes (%d pending)", size, len(self._requests)
-                )
+            size = int.from_bytes(buf[:4].tobytes(), "little")
+            if not 0 < size <= MAX_CONTROL_BYTES - 4:
+                self._drop(f"request claims {size} bytes")
+                buf[:] = 0
                 continue
-            task = asyncio.create_task(self._serve(size, tag))
+            body = buf[4 : 4 + size].tobytes()
+            buf[: 4 + size] = 0
+            if len(self._requests) >= MAX_PENDING_REQUESTS:
+                self._drop(f"{len(self._requests)} requests in progress")
+                continue
+            task = asyncio.create_task(self._serve(body))
             self._requests.add(task)
             task.add_done_callback(self._requests.discard)
 
-    async def _serve(self, size: int, tag: int) -> None:
-        import ucxx
+    def _drop(self, why: str) -> None:
+        self.requests_dropped += 1
+        log.warning("dropped a KV pull request: %s", why)
 
-        body = np.empty(size, dtype=np.uint8)
+    async def _serve(self, body: bytes) -> None:
         try:
-            # the receive outlives a timeout, harmlessly: a fresh buffer under a one-off tag
-            await asyncio.wait_for(ucxx.recv(body, tag=tag), BODY_TIMEOUT)
             req = _unpack_request(body)
-        except asyncio.CancelledError:
-            raise
         except Exception as exc:
-            self.requests_dropped += 1
-            log.warning("dropped a KV pull request: %r", exc)
+            self._drop(repr(exc))
+            return
+        tag = req.get("tag")
+        if type(tag) is not int or not 0 <= tag < 1 << 63:  # T+2 must fit in 64 bits
+            self._drop("bad tag")
             return
         rid, reply_to = req.get("request_id"), req.get("reply_to")
         if not self._authentic(req):
-            self.requests_dropped += 1
-            log.warning("dropped a KV pull for %r without a valid lease token", str(rid)[:64])
+            self._drop(f"no valid lease token for {str(rid)[:64]!r}")
             return
         lease, error = self._admit(req)
         ep = None
@@ -440,7 +441,7 @@ class KVServer:
             if lease is None:
                 self.pulls_refused += 1
                 await asyncio.wait_for(
-                    ep.send(_pack_reply(error), tag=tag + 1, force_tag=True), BODY_TIMEOUT
+                    ep.send(_pack_reply(error), tag=tag + 1, force_tag=True), REPLY_TIMEOUT
                 )
                 clean = True
                 return
@@ -471,25 +472,28 @@ class KVServer:
         """Wait for a transfer's sends. A puller that gave up has cancelled its receives, so our
         sends would wait forever and pin the lease: once the lease is let go (or long expired),
         a short grace later the transfer counts as abandoned."""
-        dropped = asyncio.Event()
-        lease.on_drop.append(dropped.set)
+        dropped = asyncio.get_running_loop().create_future()
+
+        def on_drop() -> None:
+            if not dropped.done():
+                dropped.set_result(None)
+
+        lease.on_drop.append(on_drop)
         if lease.dropped:
-            dropped.set()
-        watch = asyncio.ensure_future(dropped.wait())
+            on_drop()
         try:
             expiry = max(0.0, lease.expires - self.leases.clock()) + ORPHAN_GRACE
             done, _ = await asyncio.wait(
-                {sends, watch}, timeout=expiry, return_when=asyncio.FIRST_COMPLETED
+                {sends, dropped}, timeout=expiry, return_when=asyncio.FIRST_COMPLETED
             )
-            if watch in done and sends not in done:
+            if sends not in done and dropped in done:
                 await asyncio.wait({sends}, timeout=ORPHAN_GRACE)
             if not sends.done():
                 sends.add_done_callback(_retrieve)  # cancelled with the endpoint, unread
                 raise KVTransferError("the puller stopped receiving")
             sends.result()
         finally:
-            watch.cancel()
-            lease.on_drop.remove(dropped.set)
+            lease.on_drop.remove(on_drop)
 
     def _authentic(self, req: dict) -> bool:
         """Whether the request shows the token of a live or recently dropped lease."""
@@ -632,9 +636,13 @@ class KVClient:
                 "fingerprint": handle.fingerprint,
                 "runs": [[s, n] for s, _, n in runs],
                 "reply_to": self.own_address(),
+                "tag": tag,
             },
             use_bin_type=True,
         )
+        if len(body) > MAX_CONTROL_BYTES - 4:
+            raise KVTransferError(f"pull request of {len(body)} bytes is too large")
+        message = np.frombuffer(len(body).to_bytes(4, "little") + body, dtype=np.uint8)
         reply = np.zeros(REPLY_BYTES, dtype=np.uint8)
         views = [self.kv_cache[dst : dst + count] for _, dst, count in runs]
         # posted on our endpoint before asking: aborting it cancels them (see module doc)
@@ -643,11 +651,8 @@ class KVClient:
             asyncio.ensure_future(ep.recv(_buffer(v), tag=tag + 2, force_tag=True)) for v in views
         ]
         try:
-            await ep.send(
-                np.array([len(body), tag], dtype=np.uint64), tag=control_tag, force_tag=True
-            )
-            await ep.send(np.frombuffer(body, dtype=np.uint8), tag=tag, force_tag=True)
-            await got_reply
+            await asyncio.sleep(0)  # let those tasks post their receives before we ask
+            await asyncio.gather(ep.send(message, tag=control_tag, force_tag=True), got_reply)
             error = _unpack_reply(reply)
             if error is not None:
                 raise KVTransferError(f"{handle.worker_id} refused the pull: {error}")
