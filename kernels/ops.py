@@ -124,6 +124,15 @@ def prefill_attention(
     )
 
 
+def decode_plan(block_tables: Tensor, context_lens: Tensor) -> object | None:
+    """Per-step work that every layer's decode_attention shares (the CPU twin's length groups,
+    gather indices and masks): make it once per forward pass and hand it to each layer's call.
+    None where the backend needs none (the Triton kernel reads pages in place)."""
+    if backend_for(block_tables) == "triton":
+        return None
+    return reference.DecodePlan(block_tables, context_lens)
+
+
 def decode_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -131,6 +140,10 @@ def decode_attention(
     block_tables: Tensor,
     context_lens: Tensor,
     scale: float,
+    plan: object | None = None,
 ) -> Tensor:
-    """One query per sequence, q [B,Hq,D], over context_lens[i] cached tokens -> [B,Hq,D]."""
-    return _impl("decode_attention", q)(q, k_cache, v_cache, block_tables, context_lens, scale)
+    """One query per sequence, q [B,Hq,D], over context_lens[i] cached tokens -> [B,Hq,D].
+    ``plan``: decode_plan(block_tables, context_lens) of this step, or None."""
+    return _impl("decode_attention", q)(
+        q, k_cache, v_cache, block_tables, context_lens, scale, plan
+    )

@@ -9,6 +9,7 @@ Math runs in at least fp32 (fp64 stays fp64) and results are cast back to the in
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -137,17 +138,82 @@ def store_kvcache(
 
 def _gather_paged(cache: Tensor, block_tables: Tensor, num_blocks: int) -> Tensor:
     """[B, num_blocks*block_size, Hk, D] copy of each sequence's first num_blocks cache blocks."""
-    table = block_tables[:, :num_blocks].long()
-    # Table slots past a sequence's end may hold padding (-1, stale ids); they are masked later,
-    # but must still index something real.
-    table = table.clamp(0, cache.shape[0] - 1)
-    batch, block_size = table.shape[0], cache.shape[1]
+    table = _clamped_table(cache, block_tables, num_blocks)
+    shape = (table.shape[0], num_blocks * cache.shape[1], *cache.shape[2:])
     rows = _token_rows(cache)
     if rows is not None:
-        view, per_block = rows
-        index = (table * per_block)[:, :, None] + torch.arange(block_size, device=table.device)
-        return view[index.reshape(-1)].view(batch, num_blocks * block_size, *cache.shape[2:])
-    return cache[table].reshape(batch, num_blocks * block_size, *cache.shape[2:])
+        return rows[0][_row_index(table, rows[1], cache.shape[1])].view(shape)
+    return cache[table].reshape(shape)
+
+
+def _clamped_table(cache: Tensor, block_tables: Tensor, num_blocks: int) -> Tensor:
+    # Table slots past a sequence's end may hold padding (-1, stale ids); they are masked later,
+    # but must still index something real.
+    return block_tables[:, :num_blocks].long().clamp(0, cache.shape[0] - 1)
+
+
+def _row_index(table: Tensor, per_block: int, block_size: int) -> Tensor:
+    """Flat ``_token_rows`` indices of every token slot of ``table``'s blocks, in order."""
+    offsets = torch.arange(block_size, device=table.device)
+    return ((table * per_block)[:, :, None] + offsets).reshape(-1)
+
+
+class DecodePlan:
+    """What every layer's decode attention shares within one forward pass: the length groups,
+    each group's gather indices and masks. ``kernels.ops.decode_plan`` makes one per step and
+    the model passes it to every layer, so this work runs once, not once per layer.
+
+    Sequences are sorted by context length and cut into ``DECODE_LENGTH_GROUPS`` groups, each
+    padded only to its own longest context: gathering pages is the cost on CPU, and one padded
+    gather would pay for the longest context in the batch. A constant number of groups, not a
+    loop over sequences.
+    """
+
+    def __init__(self, block_tables: Tensor, context_lens: Tensor) -> None:
+        self.block_tables = block_tables
+        self.context_lens = context_lens
+        self._groups: list[_DecodeGroup] | None = None
+        self._geometry: tuple[int, ...] | None = None
+
+    def groups(self, cache: Tensor) -> list[_DecodeGroup]:
+        rows = _token_rows(cache)
+        geometry = (*cache.shape, rows[1] if rows is not None else -1)
+        if self._groups is None or geometry != self._geometry:
+            self._groups = self._plan(cache, rows)
+            self._geometry = geometry
+        return self._groups
+
+    def _plan(self, cache: Tensor, rows: tuple[Tensor, int] | None) -> list[_DecodeGroup]:
+        lens = self.context_lens
+        batch, block_size = lens.shape[0], cache.shape[1]
+        count = min(DECODE_LENGTH_GROUPS, batch)
+        members = [None] if count == 1 else list(torch.argsort(lens).tensor_split(count))
+        groups = []
+        for member in members:
+            glens = lens if member is None else lens[member]
+            tables = self.block_tables if member is None else self.block_tables[member]
+            num_blocks = max(1, -(-int(glens.max()) // block_size))
+            table = _clamped_table(cache, tables, num_blocks)
+            token = torch.arange(num_blocks * block_size, device=lens.device)
+            valid = token[None, :] < glens[:, None].to(token.dtype)  # [b, S]
+            groups.append(
+                _DecodeGroup(
+                    members=member,
+                    table=table,
+                    index=None if rows is None else _row_index(table, rows[1], block_size),
+                    mask=valid[:, None, None, :],
+                    empty=None if bool((glens > 0).all()) else (glens == 0).view(-1, 1, 1, 1),
+                )
+            )
+        return groups
+
+
+class _DecodeGroup(NamedTuple):
+    members: Tensor | None  # rows of the batch; None: all of them
+    table: Tensor  # [b, num_blocks] block ids, clamped
+    index: Tensor | None  # flat token-row indices for the gather (None: layout has no rows view)
+    mask: Tensor  # [b, 1, 1, S] valid keys
+    empty: Tensor | None  # [b, 1, 1, 1] sequences with no context (their output is zeros)
 
 
 def decode_attention(
@@ -157,55 +223,55 @@ def decode_attention(
     block_tables: Tensor,
     context_lens: Tensor,
     scale: float,
+    plan: DecodePlan | None = None,
 ) -> Tensor:
-    """One query per sequence over its context_lens[i] cached tokens. q/out: [B, Hq, D]."""
-    batch = q.shape[0]
-    if batch == 0:
+    """One query per sequence over its context_lens[i] cached tokens. q/out: [B, Hq, D].
+
+    ``plan`` (from ``kernels.ops.decode_plan`` for these tables and lengths) skips re-planning.
+    """
+    if q.shape[0] == 0:
         return q.new_empty(q.shape)
-    # Gathering pages is the cost on CPU, and one padded gather pays for the longest context in
-    # the batch. Sequences sorted by length and cut into a few groups pad each group only to its
-    # own longest: a constant number of gathers, not a loop over sequences.
-    groups = min(DECODE_LENGTH_GROUPS, batch)
-    if groups == 1:
-        return _decode_group(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if plan is None:
+        plan = DecodePlan(block_tables, context_lens)
+    groups = plan.groups(k_cache)
+    if len(groups) == 1:
+        return _decode_group(q, k_cache, v_cache, groups[0], scale)
     out = q.new_empty(q.shape)
-    order = torch.argsort(context_lens)
-    for rows in order.tensor_split(groups):
-        out[rows] = _decode_group(
-            q[rows], k_cache, v_cache, block_tables[rows], context_lens[rows], scale
-        )
+    for group in groups:
+        out[group.members] = _decode_group(q[group.members], k_cache, v_cache, group, scale)
     return out
 
 
 DECODE_LENGTH_GROUPS = 8
 
 
+def _gather_group(cache: Tensor, group: _DecodeGroup) -> Tensor:
+    """[b, Hk, S, D] keys or values of the group's sequences (padded to its longest)."""
+    batch, num_blocks = group.table.shape
+    shape = (batch, num_blocks * cache.shape[1], *cache.shape[2:])
+    if group.index is not None:
+        rows = _token_rows(cache)
+        assert rows is not None
+        dense = rows[0][group.index].view(shape)
+    else:
+        dense = cache[group.table].reshape(shape)
+    return dense.transpose(1, 2)
+
+
 def _decode_group(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    context_lens: Tensor,
-    scale: float,
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, group: _DecodeGroup, scale: float
 ) -> Tensor:
     batch, num_q_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    max_len = int(context_lens.max())
-    num_blocks = max(1, -(-max_len // block_size))
+    num_kv_heads = k_cache.shape[2]
     cdt = _compute_dtype(q.dtype)
-    keys = _gather_paged(k_cache, block_tables, num_blocks).to(cdt).transpose(1, 2)  # [B,Hk,S,D]
-    values = _gather_paged(v_cache, block_tables, num_blocks).to(cdt).transpose(1, 2)
+    keys = _gather_group(k_cache, group).to(cdt)
+    values = _gather_group(v_cache, group).to(cdt)
     # GQA without repeating K/V: the `group` query heads of one kv head act as `group` query
     # rows that all see the same keys (nothing is causal inside a decode step).
-    qg = q.to(cdt).reshape(batch, num_kv_heads, group, head_dim)
-    token = torch.arange(keys.shape[2], device=q.device)
-    valid = token[None, :] < context_lens[:, None].to(token.dtype)  # [B, S]
-    out = F.scaled_dot_product_attention(
-        qg, keys, values, attn_mask=valid[:, None, None, :], scale=scale
-    )
-    # An empty context has nothing to attend: zeros, not NaN.
-    out = torch.where((context_lens > 0).view(batch, 1, 1, 1), out, 0.0)
+    qg = q.to(cdt).reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=group.mask, scale=scale)
+    if group.empty is not None:  # an empty context has nothing to attend: zeros, not NaN
+        out = out.masked_fill(group.empty, 0.0)
     return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
 
 

@@ -291,8 +291,9 @@ def decode_attention(
     block_tables: Tensor,
     context_lens: Tensor,
     scale: float,
+    plan: object | None = None,
 ) -> Tensor:
-    """See kernels.ops.decode_attention."""
+    """See kernels.ops.decode_attention. The kernel reads pages in place: it needs no plan."""
     config = choose_decode_config(
         q.shape[0],
         k_cache.shape[2],

@@ -23,6 +23,8 @@ class AttentionMetadata:
     num_decodes: int
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
     decode_context_lens: torch.Tensor  # [num_decodes]
+    # ops.decode_plan of the two above: made once per forward pass, shared by every layer
+    decode_plan: object | None
     cu_seqlens_q: torch.Tensor  # [num_prefills + 1], prefill part only
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int
@@ -83,6 +85,7 @@ class Attention(nn.Module):
                     meta.decode_block_tables,
                     meta.decode_context_lens,
                     self.scale,
+                    meta.decode_plan,
                 )
             )
         if q.shape[0] > nd:

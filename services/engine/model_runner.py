@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import ops
 from services.engine.model import AttentionMetadata, LlamaForCausalLM
 from services.engine.sampler import SamplingTensors, sample
 from services.engine.scheduler import ScheduledBatch
@@ -55,11 +56,13 @@ class ModelRunner:
         pre_q = q_lens[nd:]
         pre_k = ctx_lens[nd:]
         has_prefix = bool((starts[nd:] > 0).any()) if len(seqs) > nd else False
+        decode_tables, decode_lens = block_tables[:nd], ctx_lens[:nd].to(torch.int32)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             num_decodes=nd,
-            decode_block_tables=block_tables[:nd],
-            decode_context_lens=ctx_lens[:nd].to(torch.int32),
+            decode_block_tables=decode_tables,
+            decode_context_lens=decode_lens,
+            decode_plan=ops.decode_plan(decode_tables, decode_lens) if nd else None,
             cu_seqlens_q=_cumsum0(pre_q),
             cu_seqlens_k=_cumsum0(pre_k),
             max_seqlen_q=int(pre_q.max()) if len(pre_q) else 0,
