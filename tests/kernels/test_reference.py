@@ -175,6 +175,34 @@ def test_decode_attention_matches_naive(
         assert_close(out[i : i + 1], expected, dtype)
 
 
+def test_one_decode_plan_serves_every_layer() -> None:
+    """The model plans once per step and reuses it in every layer: each layer's result must
+    equal an unplanned call on that layer, whatever the batch order, with empty contexts too."""
+    lens = [0, 7, 1, 40, 16, 33, 0, 90, 17, 2, 64, 5, 128, 3]  # more sequences than groups
+    paged = make_paged_kv(lens, 16, 2, 32, torch.float32, num_layers=3)
+    q = torch.randn(len(lens), 4, 32)
+    tables, ctx = paged.block_tables, paged.context_lens()
+    plan = ops.decode_plan(tables, ctx)
+    assert isinstance(plan, reference.DecodePlan)
+    for layer in range(3):
+        k_cache, v_cache = paged.kv_cache[:, layer, 0], paged.kv_cache[:, layer, 1]
+        planned = ops.decode_attention(q, k_cache, v_cache, tables, ctx, 0.2, plan)
+        alone = ops.decode_attention(q, k_cache, v_cache, tables, ctx, 0.2)
+        assert torch.equal(planned, alone)
+        assert (planned[[0, 6]] == 0).all()  # nothing to attend: zeros, not NaN
+        for i, n in enumerate(lens):
+            if n:
+                k = k_cache[tables[i, : -(-n // 16)].long()].reshape(-1, 2, 32)[:n]
+                v = v_cache[tables[i, : -(-n // 16)].long()].reshape(-1, 2, 32)[:n]
+                expected = naive_attention(q[i : i + 1], k, v, 0.2, q_offset=n - 1)
+                assert_close(planned[i : i + 1], expected, torch.float32)
+    # a plan follows the cache it meets: another cache layout (rows per block) is re-planned
+    other = make_paged_kv(lens, 16, 2, 32, torch.float32, num_layers=1, layer=0, spare_blocks=9)
+    k_cache, v_cache = other.k_cache, other.v_cache
+    planned = ops.decode_attention(q, k_cache, v_cache, tables, ctx, 0.2, plan)
+    assert torch.equal(planned, ops.decode_attention(q, k_cache, v_cache, tables, ctx, 0.2))
+
+
 def test_decode_attention_empty_batch() -> None:
     paged = make_paged_kv([5], 16, 2, 64, torch.float32)
     q = torch.randn(0, 4, 64)
