@@ -112,6 +112,16 @@ def _token_rows(cache: Tensor) -> tuple[Tensor, int] | None:
     return torch.as_strided(cache, (rows, s_tok), (s_tok, 1)), per_block
 
 
+def _block_rows(cache: Tensor) -> Tensor | None:
+    """A [num_blocks, block_size*Hk*D] view: one row per block, for the same layouts as
+    ``_token_rows``. Gathering whole blocks (one contiguous 2-32 KiB row each) with
+    ``index_select`` is about twice as fast on CPU as gathering token rows."""
+    num_blocks, block_size, heads, dim = cache.shape
+    if _token_rows(cache) is None:
+        return None
+    return torch.as_strided(cache, (num_blocks, block_size * heads * dim), (cache.stride(0), 1))
+
+
 def store_kvcache(
     key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
 ) -> None:
@@ -139,10 +149,15 @@ def store_kvcache(
 def _gather_paged(cache: Tensor, block_tables: Tensor, num_blocks: int) -> Tensor:
     """[B, num_blocks*block_size, Hk, D] copy of each sequence's first num_blocks cache blocks."""
     table = _clamped_table(cache, block_tables, num_blocks)
-    shape = (table.shape[0], num_blocks * cache.shape[1], *cache.shape[2:])
-    rows = _token_rows(cache)
+    return _gather_blocks(cache, table)
+
+
+def _gather_blocks(cache: Tensor, table: Tensor) -> Tensor:
+    """[B, num_blocks*block_size, Hk, D] copy of the blocks ``table`` [B, num_blocks] names."""
+    shape = (table.shape[0], table.shape[1] * cache.shape[1], *cache.shape[2:])
+    rows = _block_rows(cache)
     if rows is not None:
-        return rows[0][_row_index(table, rows[1], cache.shape[1])].view(shape)
+        return rows.index_select(0, table.reshape(-1)).view(shape)
     return cache[table].reshape(shape)
 
 
@@ -150,12 +165,6 @@ def _clamped_table(cache: Tensor, block_tables: Tensor, num_blocks: int) -> Tens
     # Table slots past a sequence's end may hold padding (-1, stale ids); they are masked later,
     # but must still index something real.
     return block_tables[:, :num_blocks].long().clamp(0, cache.shape[0] - 1)
-
-
-def _row_index(table: Tensor, per_block: int, block_size: int) -> Tensor:
-    """Flat ``_token_rows`` indices of every token slot of ``table``'s blocks, in order."""
-    offsets = torch.arange(block_size, device=table.device)
-    return ((table * per_block)[:, :, None] + offsets).reshape(-1)
 
 
 class DecodePlan:
@@ -176,14 +185,14 @@ class DecodePlan:
         self._geometry: tuple[int, ...] | None = None
 
     def groups(self, cache: Tensor) -> list[_DecodeGroup]:
-        rows = _token_rows(cache)
-        geometry = (*cache.shape, rows[1] if rows is not None else -1)
+        # block ids are clamped to the cache and padded to its block size: other caches differ
+        geometry = tuple(cache.shape[:2])
         if self._groups is None or geometry != self._geometry:
-            self._groups = self._plan(cache, rows)
+            self._groups = self._plan(cache)
             self._geometry = geometry
         return self._groups
 
-    def _plan(self, cache: Tensor, rows: tuple[Tensor, int] | None) -> list[_DecodeGroup]:
+    def _plan(self, cache: Tensor) -> list[_DecodeGroup]:
         lens = self.context_lens
         batch, block_size = lens.shape[0], cache.shape[1]
         count = min(DECODE_LENGTH_GROUPS, batch)
@@ -200,7 +209,6 @@ class DecodePlan:
                 _DecodeGroup(
                     members=member,
                     table=table,
-                    index=None if rows is None else _row_index(table, rows[1], block_size),
                     mask=valid[:, None, None, :],
                     empty=None if bool((glens > 0).all()) else (glens == 0).view(-1, 1, 1, 1),
                 )
@@ -211,7 +219,6 @@ class DecodePlan:
 class _DecodeGroup(NamedTuple):
     members: Tensor | None  # rows of the batch; None: all of them
     table: Tensor  # [b, num_blocks] block ids, clamped
-    index: Tensor | None  # flat token-row indices for the gather (None: layout has no rows view)
     mask: Tensor  # [b, 1, 1, S] valid keys
     empty: Tensor | None  # [b, 1, 1, 1] sequences with no context (their output is zeros)
 
@@ -245,27 +252,14 @@ def decode_attention(
 DECODE_LENGTH_GROUPS = 8
 
 
-def _gather_group(cache: Tensor, group: _DecodeGroup) -> Tensor:
-    """[b, Hk, S, D] keys or values of the group's sequences (padded to its longest)."""
-    batch, num_blocks = group.table.shape
-    shape = (batch, num_blocks * cache.shape[1], *cache.shape[2:])
-    if group.index is not None:
-        rows = _token_rows(cache)
-        assert rows is not None
-        dense = rows[0][group.index].view(shape)
-    else:
-        dense = cache[group.table].reshape(shape)
-    return dense.transpose(1, 2)
-
-
 def _decode_group(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, group: _DecodeGroup, scale: float
 ) -> Tensor:
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     cdt = _compute_dtype(q.dtype)
-    keys = _gather_group(k_cache, group).to(cdt)
-    values = _gather_group(v_cache, group).to(cdt)
+    keys = _gather_blocks(k_cache, group.table).to(cdt).transpose(1, 2)  # [b, Hk, S, D]
+    values = _gather_blocks(v_cache, group.table).to(cdt).transpose(1, 2)
     # GQA without repeating K/V: the `group` query heads of one kv head act as `group` query
     # rows that all see the same keys (nothing is causal inside a decode step).
     qg = q.to(cdt).reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
