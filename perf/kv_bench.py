@@ -206,11 +206,11 @@ class DecodeSide:
         import ucxx
         from ucxx._lib.libucxx import UCXAddress
 
+        mine = np.frombuffer(self.client.own_address(), dtype=np.uint8)  # configures UCX first
         _, server = parse_address(self.address)
         self.raw_ep = await ucxx.create_endpoint_from_worker_address(
             UCXAddress.create_from_buffer(np.frombuffer(server, dtype=np.uint8).copy())
         )
-        mine = np.frombuffer(self.client.own_address(), dtype=np.uint8)
         await self.raw_ep.send(np.array([mine.size], dtype=np.uint64), tag=RAW_TAG, force_tag=True)
         await self.raw_ep.send(mine, tag=RAW_TAG + 1, force_tag=True)
 

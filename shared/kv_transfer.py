@@ -18,10 +18,11 @@ pulls on one endpoint run concurrently and never see each other's messages::
     prefill -> decode   on T+1: one fixed-size reply (ok, or the reason for a refusal)
     prefill -> decode   on T+2: one message per run, straight from / into the cache tensors
 
-The puller posts its receives for the reply and every run *before* it sends the request, on its
-endpoint to the server: the data lands without an extra wake-up, and aborting that endpoint (on a
-refusal, a timeout or the server's death) cancels every receive still pointing into its blocks,
-so no late byte can reach blocks that were given to another request.
+The puller posts the receive for the reply before it sends the request, and its receives into
+its blocks once the reply says yes, all on its endpoint to the server. If the data does not come
+in time the puller aborts that endpoint, which cancels every receive still pointing into its
+blocks (so no late byte can reach blocks given to another request) and, UCX pairing the two
+peers' endpoints, also fails the server's sends at once; a refusal leaves nothing posted.
 
 The server checks the lease's secret token before anything else - until then it does not even
 connect back to the address in the request - then the layout fingerprint and that every requested
@@ -183,56 +184,47 @@ def _unpack_reply(reply: np.ndarray) -> str | None:
     return reply[1:].tobytes().rstrip(b"\0").decode(errors="replace") or "refused"
 
 
-class _EndpointPool:
-    """Idle UCX endpoints by peer address. A transfer holds one endpoint alone, so that aborting
-    it (which cancels everything posted on it) never touches another transfer."""
+class _Endpoints:
+    """One UCX endpoint per peer, least recently used dropped first.
 
-    def __init__(self, per_peer: int = 16, peers: int = MAX_PEERS) -> None:
-        self.per_peer = per_peer
-        self.peers = peers
-        self.idle: OrderedDict[bytes, list[Any]] = OrderedDict()
-        self.busy: set[Any] = set()
+    One, not a pool: UCX pairs the n-th endpoint a worker opens to a peer with the n-th the
+    peer opens back, into one connection, so aborting an endpoint also ends its twin on the
+    other side. With one endpoint per direction those twins are the same pair: a puller that
+    aborts (to cancel its receives) thereby fails the server's sends to it at once.
+    """
+
+    def __init__(self, limit: int = MAX_PEERS) -> None:
+        self.limit = limit
+        self.eps: OrderedDict[bytes, Any] = OrderedDict()
 
     def __len__(self) -> int:
-        return sum(map(len, self.idle.values())) + len(self.busy)
+        return len(self.eps)
 
-    async def acquire(self, raw: bytes) -> tuple[Any, bool]:
-        """An endpoint to ``raw`` for one transfer, and whether it was used before."""
+    async def get(self, raw: bytes) -> tuple[Any, bool]:
+        """The endpoint to ``raw`` and whether it already existed."""
         import ucxx
 
-        idle = self.idle.get(raw, [])
-        while idle:
-            ep = idle.pop()
-            if not ep.closed:
-                self.busy.add(ep)
-                return ep, True
+        ucxx.continuous_ucx_progress()  # this event loop makes UCX progress (once per loop)
+        ep = self.eps.get(raw)
+        if ep is not None and not ep.closed:
+            self.eps.move_to_end(raw)
+            return ep, True
         ep = await ucxx.create_endpoint_from_worker_address(_ucx_address(raw))
-        self.busy.add(ep)
+        self.eps[raw] = ep
+        self.eps.move_to_end(raw)
+        while len(self.eps) > self.limit:
+            _abort(self.eps.popitem(last=False)[1])
         return ep, False
 
-    def release(self, raw: bytes, ep: Any) -> None:
-        """Back to the pool after a transfer that ended cleanly."""
-        self.busy.discard(ep)
-        idle = self.idle.setdefault(raw, [])
-        self.idle.move_to_end(raw)
-        if ep.closed or len(idle) >= self.per_peer:
-            _abort(ep)
-        else:
-            idle.append(ep)
-        while len(self.idle) > self.peers:
-            for old in self.idle.popitem(last=False)[1]:
-                _abort(old)
-
-    def discard(self, ep: Any) -> None:
-        """Abort an endpoint whose transfer failed: its posted operations are cancelled."""
-        self.busy.discard(ep)
+    def drop(self, raw: bytes, ep: Any) -> None:
+        """Abort ``ep``: everything still posted on it is cancelled."""
+        if self.eps.get(raw) is ep:
+            del self.eps[raw]
         _abort(ep)
 
     def clear(self) -> None:
-        for ep in [*self.busy, *(ep for eps in self.idle.values() for ep in eps)]:
-            _abort(ep)
-        self.busy.clear()
-        self.idle.clear()
+        while self.eps:
+            _abort(self.eps.popitem()[1])
 
 
 def _retrieve(fut: asyncio.Future) -> None:
@@ -363,7 +355,7 @@ class KVServer:
         self.port = port
         self.control_tag = _control_tag()
         self.address = ""  # set by start(): what decode workers are told
-        self.endpoints = _EndpointPool()
+        self.endpoints = _Endpoints()
         self._accept_task: asyncio.Task | None = None
         self._requests: set[asyncio.Task] = set()
         self.bytes_served = 0
@@ -372,8 +364,11 @@ class KVServer:
         self.requests_dropped = 0  # malformed, unauthenticated or over the limit: not answered
 
     async def start(self) -> None:
+        import ucxx
+
         ucx_config.configure(self.host, self.port)
         self.address = format_address(self.control_tag, _own_address())
+        ucxx.continuous_ucx_progress()  # requests arrive on this loop before any endpoint exists
         self._accept_task = asyncio.create_task(self._accept())
         log.info("KV transfer serving on UCX (%s); pulls need a lease token", self.host)
 
@@ -435,15 +430,13 @@ class KVServer:
             return
         lease, error = self._admit(req)
         ep = None
-        clean = False
         try:
-            ep, _ = await self.endpoints.acquire(reply_to)
+            ep, _ = await self.endpoints.get(reply_to)
             if lease is None:
                 self.pulls_refused += 1
                 await asyncio.wait_for(
                     ep.send(_pack_reply(error), tag=tag + 1, force_tag=True), REPLY_TIMEOUT
                 )
-                clean = True
                 return
             self.leases.pin(lease)
             try:
@@ -456,17 +449,12 @@ class KVServer:
                 self.leases.unpin(lease)
             self.bytes_served += sum(v.numel() * v.element_size() for v in views)
             self.pulls_served += 1
-            clean = True
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the puller went away or gave up mid-transfer
             log.info("KV pull of %s aborted: %r", rid, exc)
-        finally:
             if ep is not None:
-                if clean:
-                    self.endpoints.release(reply_to, ep)
-                else:
-                    self.endpoints.discard(ep)  # cancels whatever is still being sent
+                self.endpoints.drop(reply_to, ep)  # cancels whatever is still being sent
 
     async def _send_all(self, sends: asyncio.Future, lease: Lease) -> None:
         """Wait for a transfer's sends. A puller that gave up has cancelled its receives, so our
@@ -532,6 +520,12 @@ class KVServer:
 # client (decode side)
 
 
+@dataclass
+class _Pull:
+    ep: Any
+    receiving: bool = False  # receives into our blocks are posted and not all done
+
+
 class KVClient:
     """Pulls KV handles into ``kv_cache``; keeps one endpoint per prefill worker."""
 
@@ -548,7 +542,7 @@ class KVClient:
         self.block_size = block_size
         self.host = host
         self.port = port
-        self.endpoints = _EndpointPool()
+        self.endpoints = _Endpoints()
         self._address: bytes | None = None
 
     def check(self, handle: KVHandle) -> None:
@@ -570,8 +564,7 @@ class KVClient:
         """Set up the endpoint to a server ahead of its first pull (a worker joined)."""
         self.own_address()
         _, raw = parse_address(address)
-        ep, _ = await self.endpoints.acquire(raw)
-        self.endpoints.release(raw, ep)
+        await self.endpoints.get(raw)
 
     async def pull(
         self, request_id: str, handle: KVHandle, dst_block_ids: list[int], timeout: float = 30.0
@@ -592,24 +585,24 @@ class KVClient:
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         while True:
-            ep, reused = await self.endpoints.acquire(raw)
+            ep, reused = await self.endpoints.get(raw)
+            pull = _Pull(ep)
             try:
                 stats = await asyncio.wait_for(
-                    self._pull(ep, control_tag, request_id, handle, runs),
+                    self._pull(pull, control_tag, request_id, handle, runs),
                     deadline - time.monotonic(),
                 )
-                self.endpoints.release(raw, ep)
                 break
             except asyncio.TimeoutError:
-                self.endpoints.discard(ep)  # cancels the receives into our blocks
+                if pull.receiving:  # receives point into our blocks: only an abort cancels them
+                    self.endpoints.drop(raw, ep)
                 raise KVTransferError(
                     f"KV pull from {handle.worker_id} timed out after {timeout}s"
                 ) from None
-            except KVTransferError:
-                self.endpoints.discard(ep)
+            except KVTransferError:  # refused: nothing of ours is left posted
                 raise
             except BaseException as exc:
-                self.endpoints.discard(ep)
+                self.endpoints.drop(raw, ep)
                 if isinstance(exc, asyncio.CancelledError):
                     raise
                 if reused and time.monotonic() < deadline:  # a kept endpoint went stale: retry
@@ -622,13 +615,13 @@ class KVClient:
 
     async def _pull(
         self,
-        ep: Any,
+        pull: _Pull,
         control_tag: int,
         request_id: str,
         handle: KVHandle,
         runs: list[tuple[int, int, int]],
     ) -> TransferStats:
-        tag = _pull_tag()
+        ep, tag = pull.ep, _pull_tag()
         body = msgpack.packb(
             {
                 "request_id": request_id,
@@ -643,25 +636,25 @@ class KVClient:
         if len(body) > MAX_CONTROL_BYTES - 4:
             raise KVTransferError(f"pull request of {len(body)} bytes is too large")
         message = np.frombuffer(len(body).to_bytes(4, "little") + body, dtype=np.uint8)
+        # The reply lands in a buffer of its own, so its receive may outlive a failed pull.
         reply = np.zeros(REPLY_BYTES, dtype=np.uint8)
-        views = [self.kv_cache[dst : dst + count] for _, dst, count in runs]
-        # posted on our endpoint before asking: aborting it cancels them (see module doc)
         got_reply = asyncio.ensure_future(ep.recv(reply, tag=tag + 1, force_tag=True))
-        got_data = [
+        got_reply.add_done_callback(_retrieve)
+        await asyncio.sleep(0)  # let it post its receive before we ask
+        await asyncio.gather(ep.send(message, tag=control_tag, force_tag=True), got_reply)
+        error = _unpack_reply(reply)
+        if error is not None:
+            raise KVTransferError(f"{handle.worker_id} refused the pull: {error}")
+        # Only now receive into our blocks: a refusal leaves nothing posted that points there.
+        views = [self.kv_cache[dst : dst + count] for _, dst, count in runs]
+        pull.receiving = True
+        received = [
             asyncio.ensure_future(ep.recv(_buffer(v), tag=tag + 2, force_tag=True)) for v in views
         ]
-        try:
-            await asyncio.sleep(0)  # let those tasks post their receives before we ask
-            await asyncio.gather(ep.send(message, tag=control_tag, force_tag=True), got_reply)
-            error = _unpack_reply(reply)
-            if error is not None:
-                raise KVTransferError(f"{handle.worker_id} refused the pull: {error}")
-            await asyncio.gather(*got_data)
-        finally:
-            for fut in (got_reply, *got_data):
-                if not fut.done():
-                    fut.cancel()
-                fut.add_done_callback(_retrieve)
+        for fut in received:
+            fut.add_done_callback(_retrieve)
+        await asyncio.gather(*received)
+        pull.receiving = False
         return TransferStats(
             num_bytes=sum(v.numel() * v.element_size() for v in views), num_messages=len(views)
         )

@@ -57,10 +57,15 @@ def test_rdma_ports_stay_enabled(tmp_path: Path) -> None:
 def test_configure_sets_the_process_environment_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ucx_config, "_applied", None)
     monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    monkeypatch.delenv("UCXPY_PROGRESS_MODE", raising=False)
     monkeypatch.setenv("UCX_TCP_PORT_RANGE", "5000-5010")  # the user's own setting wins
     monkeypatch.setattr(ucx_config, "rdma_devices", lambda: [])
     applied = ucx_config.configure("127.0.0.1", 47000)
     lo = interface_for("127.0.0.1")
-    assert applied == {"UCX_NET_DEVICES": lo, "UCX_TCP_PORT_RANGE": "5000-5010"}
+    assert applied == {
+        "UCX_NET_DEVICES": lo,
+        "UCX_TCP_PORT_RANGE": "5000-5010",
+        "UCXPY_PROGRESS_MODE": "blocking",
+    }
     # UCX has read its variables by now: a second, different call changes nothing
     assert ucx_config.configure("0.0.0.0") == applied
