@@ -14,7 +14,9 @@ import contextlib
 import json
 import signal
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -331,16 +333,26 @@ async def stop_harness(harness: Harness, runner: web.AppRunner) -> None:
             await w.stop()
 
 
+@contextlib.asynccontextmanager
+async def running_harness(*args: Any, **kwargs: Any) -> AsyncIterator[Harness]:
+    """``start_harness`` for the length of an ``async with`` block, stopped however it ends."""
+    harness, runner = await start_harness(*args, **kwargs)
+    try:
+        yield harness
+    finally:
+        await stop_harness(harness, runner)
+
+
 _namespace_counter = iter(range(10**6))
 
 
 @pytest.fixture
 async def gw(nats_url, model_dir, tokenizer):
-    harness, runner = await start_harness(
-        nats_url, model_dir, tokenizer, f"t{next(_namespace_counter)}", max_body_bytes=64 * 1024
-    )
-    yield harness
-    await stop_harness(harness, runner)
+    namespace = f"t{next(_namespace_counter)}"
+    async with running_harness(
+        nats_url, model_dir, tokenizer, namespace, max_body_bytes=64 * 1024
+    ) as harness:
+        yield harness
 
 
 def assert_openai_error(payload: dict, param: str | None = None) -> None:
@@ -464,10 +476,9 @@ async def test_request_id_is_honoured_and_validated(gw: Harness):
 
 
 async def test_api_keys(nats_url, model_dir, tokenizer):
-    harness, runner = await start_harness(
+    async with running_harness(
         nats_url, model_dir, tokenizer, "auth", api_key=["key-one", "key-two"]
-    )
-    try:
+    ) as harness:
         for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": "key-one"}):
             code, payload, resp_headers = await harness.post("/v1/completions", COMPLETION, headers)
             assert code == 401
@@ -481,8 +492,6 @@ async def test_api_keys(nats_url, model_dir, tokenizer):
         status, _ = await harness.get("/v1/models")
         assert status == 401
         assert (await harness.get("/health"))[0] == 200
-    finally:
-        await stop_harness(harness, runner)
 
 
 async def test_openapi_and_models(gw: Harness):
@@ -594,21 +603,17 @@ async def test_worker_error_is_an_error_event_or_5xx(gw: Harness, seed):
 
 
 async def test_no_decode_worker_is_503_with_retry_after(nats_url, model_dir, tokenizer):
-    harness, runner = await start_harness(
+    async with running_harness(
         nats_url, model_dir, tokenizer, "empty", with_worker=False
-    )
-    try:
+    ) as harness:
         assert (await harness.get("/health"))[0] == 503
         code, payload, headers = await harness.post("/v1/completions", COMPLETION)
         assert code == 503 and int(headers["Retry-After"]) >= 1
         assert_openai_error(payload)
-    finally:
-        await stop_harness(harness, runner)
 
 
 async def test_admission_limit_and_metrics(nats_url, model_dir, tokenizer):
-    harness, runner = await start_harness(nats_url, model_dir, tokenizer, "adm", max_queue=2)
-    try:
+    async with running_harness(nats_url, model_dir, tokenizer, "adm", max_queue=2) as harness:
         slow = {**COMPLETION, "max_tokens": 10, "seed": SLOW_SEED}
         results = await asyncio.gather(*(harness.post("/v1/completions", slow) for _ in range(5)))
         codes = sorted(r[0] for r in results)
@@ -630,8 +635,6 @@ async def test_admission_limit_and_metrics(nats_url, model_dir, tokenizer):
         assert [(s.labels["worker"], s.value) for s in used] == [("scripted-d0", 100.0)]
         gauge = families["pdserve_requests_in_flight"].samples[0].value
         assert gauge == 0
-    finally:
-        await stop_harness(harness, runner)
 
 
 # ----------------------------------------------------------------------------- routing
@@ -673,11 +676,10 @@ def test_router_choices_and_burst_spreading():
 
 
 async def test_prefill_first_then_decode_with_kv(nats_url, model_dir, tokenizer):
-    harness, runner = await start_harness(
+    async with running_harness(
         nats_url, model_dir, tokenizer, "pd",
         extra=[(ScriptedPrefillWorker, {"worker_id": "p0"})],
-    )  # fmt: skip
-    try:
+    ) as harness:  # fmt: skip
         body = {
             **COMPLETION,
             "max_tokens": 12,
@@ -705,13 +707,11 @@ async def test_prefill_first_then_decode_with_kv(nats_url, model_dir, tokenizer)
         assert payload["choices"][0]["text"] == tokenizer.decode(script[:1])
         await wait_for(lambda: "pd2" in harness.extra[0].released, "lease release")
         assert len(harness.worker.requests) == 1
-    finally:
-        await stop_harness(harness, runner)
 
 
 async def test_prefill_retried_on_another_worker(nats_url, model_dir, tokenizer):
     # The crashing and the refusing workers look least loaded, so they are tried first.
-    harness, runner = await start_harness(
+    async with running_harness(
         nats_url, model_dir, tokenizer, "retry",
         extra=[
             (ScriptedPrefillWorker, {"worker_id": "p-crash", "mode": "crash"}),
@@ -719,8 +719,7 @@ async def test_prefill_retried_on_another_worker(nats_url, model_dir, tokenizer)
             (ScriptedPrefillWorker, {"worker_id": "p-ok", "waiting": 5}),
         ],
         worker_timeout=DEATH_TIMEOUT,
-    )  # fmt: skip
-    try:
+    ) as harness:  # fmt: skip
         started = time.monotonic()
         code, payload, _ = await harness.post("/v1/completions", {**COMPLETION, "max_tokens": 5})
         assert code == 200, payload
@@ -728,19 +727,16 @@ async def test_prefill_retried_on_another_worker(nats_url, model_dir, tokenizer)
         assert [len(w.requests) for w in harness.extra] == [1, 1, 1]
         assert harness.worker.requests[-1].kv.worker_id == "p-ok"
         assert time.monotonic() - started < DEATH_TIMEOUT + 5
-    finally:
-        await stop_harness(harness, runner)
 
 
 async def test_refusing_decode_worker_is_skipped(nats_url, model_dir, tokenizer):
-    harness, runner = await start_harness(
+    async with running_harness(
         nats_url, model_dir, tokenizer, "refuse",
         extra=[
             (ScriptedPrefillWorker, {"worker_id": "p0"}),
             (ScriptedDecodeWorker, {"worker_id": "d-full", "refuse": True, "free_blocks": 999}),
         ],
-    )  # fmt: skip
-    try:
+    ) as harness:  # fmt: skip
         code, payload, _ = await harness.post("/v1/completions", {**COMPLETION, "max_tokens": 6})
         assert code == 200, payload
         assert payload["choices"][0]["text"] == tokenizer.decode(harness.worker.script[:6])
@@ -749,47 +745,38 @@ async def test_refusing_decode_worker_is_skipped(nats_url, model_dir, tokenizer)
         # The KV handle died with the refusal, so the next worker prefills locally.
         retried = harness.worker.requests[-1]
         assert retried.kv is None and retried.output_token_ids == [harness.worker.script[0]]
-    finally:
-        await stop_harness(harness, runner)
 
 
 async def test_every_decode_worker_refusing_is_a_503(nats_url, model_dir, tokenizer):
-    harness, runner = await start_harness(
+    async with running_harness(
         nats_url, model_dir, tokenizer, "allfull", with_worker=False,
         extra=[
             (ScriptedDecodeWorker, {"worker_id": "d-full", "refuse": True}),
             (ScriptedDecodeWorker, {"worker_id": "d-full2", "refuse": True}),
         ],
-    )  # fmt: skip
-    try:
+    ) as harness:  # fmt: skip
         code, payload, headers = await harness.post("/v1/completions", COMPLETION)
         assert code == 503 and int(headers["Retry-After"]) >= 1
         assert_openai_error(payload)
         assert [len(w.requests) for w in harness.extra] == [1, 1]
-    finally:
-        await stop_harness(harness, runner)
 
 
 async def test_prefill_deadline_is_a_504(nats_url, model_dir, tokenizer):
-    harness, runner = await start_harness(
+    async with running_harness(
         nats_url, model_dir, tokenizer, "slow",
         extra=[(ScriptedPrefillWorker, {"worker_id": "p-silent", "mode": "silent"})],
         prefill_timeout=0.5,
-    )  # fmt: skip
-    try:
+    ) as harness:  # fmt: skip
         code, payload, _ = await harness.post("/v1/completions", COMPLETION, {"x-request-id": "t1"})
         assert code == 504
         assert_openai_error(payload)
         await wait_for(lambda: "t1" in harness.worker.cancelled, "cancel after the deadline")
-    finally:
-        await stop_harness(harness, runner)
 
 
 async def test_dead_decode_worker_ends_its_streams_with_an_error(nats_url, model_dir, tokenizer):
-    harness, runner = await start_harness(
+    async with running_harness(
         nats_url, model_dir, tokenizer, "death", worker_timeout=DEATH_TIMEOUT
-    )
-    try:
+    ) as harness:
         body = {**COMPLETION, "max_tokens": 20, "stream": True, "seed": DIE_SEED}
         started = time.monotonic()
         status, events, _ = await harness.stream("/v1/completions", body)
@@ -799,17 +786,14 @@ async def test_dead_decode_worker_ends_its_streams_with_an_error(nats_url, model
         # Within the registry timeout, not the request deadline (600 s).
         assert time.monotonic() - started < DEATH_TIMEOUT + 5
         assert harness.app_state().in_flight == 0
-    finally:
-        await stop_harness(harness, runner)
 
 
 async def test_late_heartbeats_of_a_live_worker_do_not_fail_its_streams(
     nats_url, model_dir, tokenizer
 ):
-    harness, runner = await start_harness(
+    async with running_harness(
         nats_url, model_dir, tokenizer, "stall", worker_timeout=DEATH_TIMEOUT
-    )
-    try:
+    ) as harness:
         body = {**COMPLETION, "max_tokens": 8, "stream": True, "seed": STALL_SEED}
         started = time.monotonic()
         status, events, _ = await harness.stream("/v1/completions", body)
@@ -818,14 +802,11 @@ async def test_late_heartbeats_of_a_live_worker_do_not_fail_its_streams(
         assert not any("error" in e for e in events[:-1]), events
         assert events[-2]["choices"][0]["finish_reason"] == "length"
         assert harness.app_state().workers.get("scripted-d0") is not None
-    finally:
-        await stop_harness(harness, runner)
 
 
 async def test_nats_restart_recovers(tmp_path, model_dir, tokenizer):
     nats = start_nats(tmp_path)
-    harness, runner = await start_harness(nats.url, model_dir, tokenizer, "restart")
-    try:
+    async with running_harness(nats.url, model_dir, tokenizer, "restart") as harness:
         assert (await harness.post("/v1/completions", COMPLETION))[0] == 200
         await asyncio.to_thread(nats.stop)
         await wait_until_status(harness, "/health", 503, "health to drop with NATS")
@@ -835,8 +816,6 @@ async def test_nats_restart_recovers(tmp_path, model_dir, tokenizer):
         code, payload, _ = await harness.post("/v1/completions", COMPLETION)
         assert code == 200, payload
         assert time.monotonic() - started < 10
-    finally:
-        await stop_harness(harness, runner)
         nats.stop()
 
 
