@@ -153,6 +153,13 @@ def _pyplot():
     return plt
 
 
+def _save(plt: Any, fig: Any, path: Path, title: str) -> None:
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def latency_samples(run: RunResult, name: str) -> np.ndarray:
     """The per-request (or, for ITL, pooled per-gap) values behind one distribution, in ms."""
     ok = [r for r in run.records if r.success]
@@ -209,10 +216,7 @@ def plot_latency_cdfs(runs: Sequence[RunResult], path: Path, title: str = "") ->
         ax.set_ylim(0, 1.01)
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=7, loc="lower right")
-    fig.suptitle(title or "latency CDFs")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path, title or "latency CDFs")
 
 
 def _activity(run: RunResult, bin_s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -255,10 +259,7 @@ def plot_timeline(runs: Sequence[RunResult], path: Path, title: str = "", bin_s:
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle(title or "activity over time")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path, title or "activity over time")
 
 
 def attainment_at_scales(
@@ -299,10 +300,7 @@ def plot_slo_scale(
     ax.set_ylim(0, 101)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.suptitle(title or "SLO attainment vs SLO scale")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path, title or "SLO attainment vs SLO scale")
 
 
 def _rate_positions(runs: Sequence[RunResult]) -> tuple[dict[float, float], float | None]:
@@ -351,10 +349,7 @@ def plot_sweep(runs: Sequence[RunResult], path: Path, title: str = "") -> None:
         ax.set_xlabel("offered request rate (req/s)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(title or "throughput and goodput vs request rate")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path, title or "throughput and goodput vs request rate")
 
 
 def write_outputs(
