@@ -4,8 +4,10 @@ TLS, and surviving a server restart."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import pytest
 
 from shared.bus import Bus
 from shared.config import BusConfig
+from shared.discovery import WorkerRegistry
 from shared.protocol import Cancel, ReleaseLease, WorkerLoad, encode
 from tests.integration.stack import NatsServer, free_port, start_nats
 
@@ -195,35 +198,48 @@ async def test_survives_server_restart(tmp_path) -> None:
 # -- discovery over the same server -------------------------------------------------------------
 
 
-async def test_heartbeats_registry_and_ageing_out(nats) -> None:
-    from shared.discovery import JOINED, LEFT, HeartbeatPublisher, WorkerRegistry
+async def until(pred: Callable[[], object], timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.05)):
+        if pred():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not reached")
 
-    worker_bus, gw_bus = bus_for(nats.url), bus_for(nats.url)
+
+@contextlib.asynccontextmanager
+async def watched_registry(
+    url: str, timeout: float
+) -> AsyncIterator[tuple[Bus, WorkerRegistry, list[tuple[str, str]]]]:
+    """A worker-side bus, and a gateway-side registry that logs (event, worker id) as it goes."""
+    worker_bus, gw_bus = bus_for(url), bus_for(url)
     await worker_bus.connect()
     await gw_bus.connect()
-    registry = WorkerRegistry(gw_bus, timeout=0.6)
+    registry = WorkerRegistry(gw_bus, timeout=timeout)
     events: list[tuple[str, str]] = []
     registry.add_listener(lambda event, load: events.append((event, load.worker_id)))
-    await registry.start()
-    await settle(gw_bus)
-
-    state = {"draining": False}
-
-    def load_of(worker_id: str, role: str):
-        return lambda: WorkerLoad(worker_id, role, "m", 7, 8, 1, 0, state["draining"])
-
-    clean = HeartbeatPublisher(worker_bus, load_of("d0", "decode"), interval=0.1)
-    crashy = HeartbeatPublisher(worker_bus, load_of("p0", "prefill"), interval=0.1)
     try:
+        await registry.start()
+        await settle(gw_bus)
+        yield worker_bus, registry, events
+    finally:
+        await registry.stop()
+        await worker_bus.close()
+        await gw_bus.close()
+
+
+async def test_heartbeats_registry_and_ageing_out(nats) -> None:
+    from shared.discovery import JOINED, LEFT, HeartbeatPublisher
+
+    async with watched_registry(nats.url, timeout=0.6) as (worker_bus, registry, events):
+        state = {"draining": False}
+
+        def load_of(worker_id: str, role: str):
+            return lambda: WorkerLoad(worker_id, role, "m", 7, 8, 1, 0, state["draining"])
+
+        clean = HeartbeatPublisher(worker_bus, load_of("d0", "decode"), interval=0.1)
+        crashy = HeartbeatPublisher(worker_bus, load_of("p0", "prefill"), interval=0.1)
         await clean.start()
         await crashy.start()
-
-        async def until(pred, timeout=5.0):
-            for _ in range(int(timeout / 0.05)):
-                if pred():
-                    return
-                await asyncio.sleep(0.05)
-            raise AssertionError("condition not reached")
 
         await until(lambda: len(registry.loads()) == 2)
         assert [w.worker_id for w in registry.routable("decode")] == ["d0"]
@@ -253,48 +269,25 @@ async def test_heartbeats_registry_and_ageing_out(nats) -> None:
         # reported gone once a ping found nobody answering (no responders: at once)
         await until(lambda: (LEFT, "p0") in events, timeout=0.5)
         assert (LEFT, "d0") in events
-    finally:
-        await registry.stop()
-        await worker_bus.close()
-        await gw_bus.close()
 
 
 async def test_silent_worker_that_answers_pings_is_not_reported_gone(nats) -> None:
     """A live worker whose heartbeats are late (a starved event loop) stops being routable
     while silent, but keeps its requests: the registry pings before it reports a departure."""
-    from shared.discovery import LEFT, HeartbeatPublisher, WorkerRegistry
+    from shared.discovery import LEFT, HeartbeatPublisher
 
-    worker_bus, gw_bus = bus_for(nats.url), bus_for(nats.url)
-    await worker_bus.connect()
-    await gw_bus.connect()
-    registry = WorkerRegistry(gw_bus, timeout=0.3)
-    events: list[tuple[str, str]] = []
-    registry.add_listener(lambda event, load: events.append((event, load.worker_id)))
-    await registry.start()
-    await settle(gw_bus)
-    # one beat, then silence far beyond the timeout; the ping subscription stays
-    quiet = HeartbeatPublisher(
-        worker_bus, lambda: WorkerLoad("d9", "decode", "m", 7, 8, 1, 0), interval=100.0
-    )
-    try:
+    async with watched_registry(nats.url, timeout=0.3) as (worker_bus, registry, events):
+        # one beat, then silence far beyond the timeout; the ping subscription stays
+        quiet = HeartbeatPublisher(
+            worker_bus, lambda: WorkerLoad("d9", "decode", "m", 7, 8, 1, 0), interval=100.0
+        )
         await quiet.start()
-        for _ in range(100):
-            if registry.get("d9") is not None:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: registry.get("d9") is not None, timeout=2.0)
         await asyncio.sleep(1.5)  # five timeouts, each answered by a ping
         assert registry.get("d9") is not None or "d9" in registry.suspects
         assert (LEFT, "d9") not in events
         await quiet.stop(gone=False)  # now it dies for real (no ping answers)
-        for _ in range(50):
-            if (LEFT, "d9") in events:
-                break
-            await asyncio.sleep(0.02)
-        assert (LEFT, "d9") in events
-    finally:
-        await registry.stop()
-        await worker_bus.close()
-        await gw_bus.close()
+        await until(lambda: (LEFT, "d9") in events, timeout=1.0)
 
 
 async def test_micro_service_registration(nats) -> None:
