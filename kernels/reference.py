@@ -96,6 +96,13 @@ def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Ten
         x.copy_(rotated)
 
 
+def _contiguous_blocks(cache: Tensor) -> bool:
+    """Whether each block of ``cache`` [num_blocks, block_size, Hk, D] is one contiguous run."""
+    _, _, heads, dim = cache.shape
+    _, s_tok, s_head, s_dim = cache.stride()
+    return s_dim == 1 and s_head == dim and s_tok == heads * dim
+
+
 def _token_rows(cache: Tensor) -> tuple[Tensor, int] | None:
     """A [rows, Hk*D] view of a paged cache whose blocks keep (block_size, Hk, D) contiguous.
 
@@ -103,9 +110,9 @@ def _token_rows(cache: Tensor) -> tuple[Tensor, int] | None:
     plain contiguous one. Single-index copies and gathers on this view are far faster on CPU than
     two-index advanced indexing through the strided per-layer view.
     """
-    num_blocks, block_size, heads, dim = cache.shape
-    s_block, s_tok, s_head, s_dim = cache.stride()
-    if num_blocks == 0 or s_dim != 1 or s_head != dim or s_tok != heads * dim or s_block % s_tok:
+    num_blocks, block_size, _, _ = cache.shape
+    s_block, s_tok = cache.stride()[:2]
+    if num_blocks == 0 or not _contiguous_blocks(cache) or s_block % s_tok:
         return None
     per_block = s_block // s_tok
     rows = (num_blocks - 1) * per_block + block_size
@@ -113,11 +120,11 @@ def _token_rows(cache: Tensor) -> tuple[Tensor, int] | None:
 
 
 def _block_rows(cache: Tensor) -> Tensor | None:
-    """A [num_blocks, block_size*Hk*D] view: one row per block, for the same layouts as
-    ``_token_rows``. Gathering whole blocks (one contiguous 2-32 KiB row each) with
-    ``index_select`` is about twice as fast on CPU as gathering token rows."""
+    """A [num_blocks, block_size*Hk*D] view: one row per block. Gathering whole blocks (one
+    contiguous 2-32 KiB row each) with ``index_select`` is about twice as fast on CPU as
+    gathering token rows."""
     num_blocks, block_size, heads, dim = cache.shape
-    if _token_rows(cache) is None:
+    if not _contiguous_blocks(cache):
         return None
     return torch.as_strided(cache, (num_blocks, block_size * heads * dim), (cache.stride(0), 1))
 
