@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry
 
 from services.engine.engine import LLMEngine, StepOutput, StepStats
-from shared import tracing
+from shared import tracing, ucx_config
 from shared.bus import Bus
 from shared.config import BusConfig, EngineConfig, WorkerConfig, build
 from shared.discovery import HeartbeatPublisher, KVEventPublisher, register_micro_service
@@ -325,10 +325,10 @@ class Worker:
         await self.subscribe()
         await self.bus.subscribe(self.subjects.cancel, self._on_cancel, (Cancel,))
         if self.config.metrics_port:
-            # on the worker's own address, like KV transfer (0.0.0.0 serves every interface)
-            server = start_metrics_server(
-                self.config.metrics_port, self.registry, addr=self.config.ucx_host or "0.0.0.0"
-            )
+            # on the worker's own address, like KV transfer
+            host = self.config.ucx_host
+            addr = "0.0.0.0" if host in ucx_config.ALL_INTERFACES else host
+            server = start_metrics_server(self.config.metrics_port, self.registry, addr=addr)
             self.metrics_url = f"http://{self.config.ucx_host}:{server.port}/metrics"
         self._heartbeat = HeartbeatPublisher(self.bus, self.load, self.config.heartbeat_seconds)
         await self._heartbeat.start()
