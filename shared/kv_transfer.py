@@ -48,7 +48,7 @@ import msgpack
 import numpy as np
 import torch
 
-from shared import ucx_config
+from shared import ucx_config, ucx_progress
 from shared.protocol import KVHandle
 
 log = logging.getLogger("pdserve.kv")
@@ -204,7 +204,7 @@ class _Endpoints:
         """The endpoint to ``raw`` and whether it already existed."""
         import ucxx
 
-        ucxx.continuous_ucx_progress()  # this event loop makes UCX progress (once per loop)
+        ucx_progress.driver()  # this event loop makes UCX progress (once per loop)
         ep = self.eps.get(raw)
         if ep is not None and not ep.closed:
             self.eps.move_to_end(raw)
@@ -364,11 +364,9 @@ class KVServer:
         self.requests_dropped = 0  # malformed, unauthenticated or over the limit: not answered
 
     async def start(self) -> None:
-        import ucxx
-
         ucx_config.configure(self.host, self.port)
         self.address = format_address(self.control_tag, _own_address())
-        ucxx.continuous_ucx_progress()  # requests arrive on this loop before any endpoint exists
+        ucx_progress.driver()  # requests arrive on this loop before any endpoint exists
         self._accept_task = asyncio.create_task(self._accept())
         log.info("KV transfer serving on UCX (%s); pulls need a lease token", self.host)
 
@@ -381,15 +379,13 @@ class KVServer:
         self._accept_task = None
 
     async def _accept(self) -> None:
-        import ucxx
-
         # One buffer for every request: a message may be shorter than the buffer, so each one
         # says its length, and the bytes it used are zeroed afterwards - a message that claims
         # more than it sent must never read what an earlier request (its token) left behind.
         buf = np.zeros(MAX_CONTROL_BYTES, dtype=np.uint8)
         while True:
             try:
-                await ucxx.recv(buf, tag=self.control_tag)
+                await ucx_progress.worker_recv(buf, self.control_tag)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # e.g. a message longer than the buffer: not ours
@@ -435,15 +431,15 @@ class KVServer:
             if lease is None:
                 self.pulls_refused += 1
                 await asyncio.wait_for(
-                    ep.send(_pack_reply(error), tag=tag + 1, force_tag=True), REPLY_TIMEOUT
+                    ucx_progress.send(ep, _pack_reply(error), tag + 1), REPLY_TIMEOUT
                 )
                 return
             self.leases.pin(lease)
             try:
                 views = [self.kv_cache[start : start + count] for start, count in req["runs"]]
-                sends = [ep.send(_pack_reply(None), tag=tag + 1, force_tag=True)]
+                sends = [ucx_progress.send(ep, _pack_reply(None), tag + 1)]
                 # every run in flight at once: UCX pipelines them, one tag keeps their order
-                sends += [ep.send(_buffer(v), tag=tag + 2, force_tag=True) for v in views]
+                sends += [ucx_progress.send(ep, _buffer(v), tag + 2) for v in views]
                 await self._send_all(asyncio.gather(*sends), lease)
             finally:
                 self.leases.unpin(lease)
@@ -638,10 +634,10 @@ class KVClient:
         message = np.frombuffer(len(body).to_bytes(4, "little") + body, dtype=np.uint8)
         # The reply lands in a buffer of its own, so its receive may outlive a failed pull.
         reply = np.zeros(REPLY_BYTES, dtype=np.uint8)
-        got_reply = asyncio.ensure_future(ep.recv(reply, tag=tag + 1, force_tag=True))
+        got_reply = asyncio.ensure_future(ucx_progress.recv(ep, reply, tag + 1))
         got_reply.add_done_callback(_retrieve)
         await asyncio.sleep(0)  # let it post its receive before we ask
-        await asyncio.gather(ep.send(message, tag=control_tag, force_tag=True), got_reply)
+        await asyncio.gather(ucx_progress.send(ep, message, control_tag), got_reply)
         error = _unpack_reply(reply)
         if error is not None:
             raise KVTransferError(f"{handle.worker_id} refused the pull: {error}")
@@ -649,7 +645,7 @@ class KVClient:
         views = [self.kv_cache[dst : dst + count] for _, dst, count in runs]
         pull.receiving = True
         received = [
-            asyncio.ensure_future(ep.recv(_buffer(v), tag=tag + 2, force_tag=True)) for v in views
+            asyncio.ensure_future(ucx_progress.recv(ep, _buffer(v), tag + 2)) for v in views
         ]
         for fut in received:
             fut.add_done_callback(_retrieve)

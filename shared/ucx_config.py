@@ -10,11 +10,11 @@ IP socket, and dropping them would cost a GPU cluster its fast path.
 
 A user's own ``UCX_NET_DEVICES`` / ``UCX_TCP_PORT_RANGE`` win over the flags.
 
-ucxx is also set to progress in ``blocking`` mode (``UCXPY_PROGRESS_MODE``, unless set): the
-event loop waits on UCX's own file descriptor instead of a progress thread handing every
-completion over. On 2 cores that doubled a 1 MiB pull's bandwidth (0.45 -> 1.1 GB/s,
+ucxx is also set to progress in ``blocking`` mode (``UCXPY_PROGRESS_MODE``): the event loop
+waits on UCX's own file descriptor instead of a progress thread handing every completion over. On 2 cores that doubled a 1 MiB pull's bandwidth (0.45 -> 1.1 GB/s,
 ``perf/kv_bench.py``); ``polling`` was as fast but keeps a core busy, which a worker's engine
-needs.
+needs. ucxx's own ``blocking`` mode never re-arms the worker and spins once UCX has seen an
+event; ``shared.ucx_progress`` replaces it with one that does.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import os
 import socket
 import struct
 from pathlib import Path
+
+from shared import ucx_progress
 
 log = logging.getLogger("pdserve.ucx")
 
@@ -100,13 +102,17 @@ def configure(host: str, port: int = 0) -> dict[str, str]:
     global _applied
     wanted = ucx_environment(host, port)
     if _applied is None:
-        os.environ.setdefault("UCXPY_PROGRESS_MODE", "blocking")
+        mode = os.environ.get("UCXPY_PROGRESS_MODE", "blocking")
+        if mode != "blocking":
+            log.warning("UCXPY_PROGRESS_MODE=%s ignored: KV transfer needs blocking mode", mode)
+        os.environ["UCXPY_PROGRESS_MODE"] = "blocking"
         for key, value in wanted.items():
             if key in os.environ and os.environ[key] != value:
                 log.info("%s=%s from the environment wins over %s", key, os.environ[key], value)
             else:
                 os.environ[key] = value
         _applied = {k: os.environ[k] for k in _VARIABLES if k in os.environ}
+        ucx_progress.install()
         port_range = _applied.get("UCX_TCP_PORT_RANGE")
         log.info(
             "UCX TCP transport listens on %s%s; ucxx progress: %s",
