@@ -224,7 +224,7 @@ class Dispatcher:
                 # Most requests stop long before max_tokens (which for chat defaults to the whole
                 # context), so the load estimate counts only a typical output length.
                 expected = len(prompt_token_ids) + min(sampling.max_tokens, TYPICAL_OUTPUT_TOKENS)
-                decode_worker = self.router.pick_decode(expected, exclude=tried)
+                decode_worker = self.router.pick_decode(expected, tried, request_id)
                 if decode_worker is None:
                     if output:  # the client has its first token: this is now a failure
                         raise WorkerFailure("no decode worker can take the request", "no_worker")
@@ -281,6 +281,7 @@ class Dispatcher:
         finally:
             self._pending.pop(request_id, None)
             self.router.prefill_done(request_id)
+            self.router.decode_done(request_id)
             if not finished:
                 # Runs even while the handler is being cancelled (client gone), so it must not
                 # await anything that the cancellation could interrupt.

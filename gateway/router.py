@@ -17,12 +17,16 @@ queue times the typical prompt's blocks, plus the blocks this router sent since 
 ties go to the prompt's rendezvous "home" (a hash of its first block and the worker id), so
 gateways agree where a new prefix should land, and only a joining or leaving worker's share moves.
 
-Decode goes to the worker with the most free KV blocks.
+Decode goes to the worker with the fewest requests among those with room for the request's
+blocks, then the most free KV blocks.
 
 Load reports arrive every ~0.5 s, which is long enough for a burst of requests to all pick the
-same "least loaded" worker. So the router also remembers what *this* gateway sent each worker
-since that worker's last report and adds it to the reported load (the next report already
-includes it, so the remembered part is dropped then).
+same "least loaded" worker (8 streams once split 7:1). So the router also counts what *this*
+gateway has in flight on each decode worker, from the pick until the request ends, and takes
+the larger of that and the worker's reported running + waiting: the count is exact and current
+for this gateway's own requests, the report covers other gateways' with a heartbeat's lag. It
+likewise remembers the blocks it sent each worker since that worker's last report and takes
+them off the reported free blocks (the next report already includes them).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import contextlib
 import hashlib
 import time
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -90,6 +94,8 @@ class Router:
     _expected: dict[str, OrderedDict[int, float]] = field(default_factory=dict)
     _typical_blocks: float = 0.0
     _in_prefill: dict[str, tuple[str, _Sent]] = field(default_factory=dict)  # request -> sent
+    _in_decode: dict[str, str] = field(default_factory=dict)  # request -> decode worker
+    _decoding: Counter[str] = field(default_factory=Counter)  # decode worker -> our requests
 
     def live(self, role: str) -> list[WorkerLoad]:
         return [
@@ -207,19 +213,37 @@ class Router:
             with contextlib.suppress(ValueError):
                 self._sent.get(worker_id, []).remove(sent)
 
-    def pick_decode(self, total_tokens: int, exclude: set[str] | None = None) -> str | None:
+    def pick_decode(
+        self, total_tokens: int, exclude: set[str] | None = None, request_id: str | None = None
+    ) -> str | None:
+        """The decode worker with the fewest requests (see the module docstring), then the most
+        free blocks. With ``request_id``, the request counts there until ``decode_done``."""
         candidates = [w for w in self.live("decode") if w.worker_id not in (exclude or set())]
         if not candidates:
             return None
+        if request_id is not None:
+            self.decode_done(request_id)  # a retry moves it
 
-        def room(w: WorkerLoad) -> tuple[int, int]:
-            recent = self._recent(w)
-            free = w.free_blocks - sum(s.blocks for s in recent)
-            return (free, -(w.running + w.waiting + len(recent)))
+        blocks = self.blocks_for(total_tokens)
 
-        best = max(candidates, key=room)
-        self._remember(best.worker_id, self.blocks_for(total_tokens))
-        return best.worker_id
+        def busy(w: WorkerLoad) -> tuple[bool, int, int]:
+            free = w.free_blocks - sum(s.blocks for s in self._recent(w))
+            requests = max(w.running + w.waiting, self._decoding[w.worker_id])
+            return (free < blocks, requests, -free)  # a worker with room first
+
+        best = min(candidates, key=busy).worker_id
+        self._remember(best, blocks)
+        if request_id is not None:
+            self._in_decode[request_id] = best
+            self._decoding[best] += 1
+        return best
+
+    def decode_done(self, request_id: str) -> None:
+        worker_id = self._in_decode.pop(request_id, None)
+        if worker_id is not None:
+            self._decoding[worker_id] -= 1
+            if not self._decoding[worker_id]:
+                del self._decoding[worker_id]
 
     def local_prefill_threshold(self) -> int:
         """Prompts shorter than this go straight to a decode worker (the workers advertise it)."""

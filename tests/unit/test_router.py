@@ -186,3 +186,38 @@ def test_round_robin_baseline_ignores_the_cache():
     router.prefill_policy = "round-robin"
     picks = [router.pick_prefill(system + [i]) for i in range(4)]
     assert picks == ["p0", "p1", "p0", "p1"]
+
+
+def decode_load(wid: str, running: int = 0, free: int = 1000) -> WorkerLoad:
+    return WorkerLoad(wid, "decode", MODEL, free, 1000, running, 0, ts=time.time(), block_size=BS)
+
+
+def test_a_decode_burst_splits_evenly_between_heartbeats():
+    """Reports lag a heartbeat: what this gateway has in flight on each worker decides a burst
+    (it once split 8 streams 7:1), and requests leave the count when they end."""
+    for burst in (8, 16, 32):
+        workers = [decode_load("d0"), decode_load("d1", free=990)]
+        router = Router(lambda role, ws=workers: ws, BS, model=MODEL)
+        picks = Counter(router.pick_decode(200, request_id=f"r{i}") for i in range(burst))
+        assert abs(picks["d0"] - picks["d1"]) <= 1, (burst, picks)
+    # d0's requests end: the next ones go there, even though no report says so yet
+    for i in range(0, 32, 2):
+        if router._in_decode.get(f"r{i}") == "d0":
+            router.decode_done(f"r{i}")
+    assert {router.pick_decode(200, request_id=f"s{i}") for i in range(4)} == {"d0"}
+    # a retry moves the request: it no longer counts where it was refused
+    first = router.pick_decode(200, request_id="moved")
+    counted = router._decoding[first]
+    again = router.pick_decode(200, exclude={first}, request_id="moved")
+    assert router._in_decode["moved"] == again != first
+    assert router._decoding[first] == counted - 1
+
+
+def test_decode_reports_of_other_gateways_still_count():
+    # another gateway's 5 requests on d0 show only in d0's report: d1 takes the next ones
+    workers = [decode_load("d0", running=5), decode_load("d1")]
+    router = Router(lambda role: workers, BS, model=MODEL)
+    assert [router.pick_decode(100, request_id=f"r{i}") for i in range(5)] == ["d1"] * 5
+    # a worker without room for the request loses to one that has it, however busy
+    workers[1] = decode_load("d1", free=2)
+    assert router.pick_decode(100, request_id="big") == "d0"
