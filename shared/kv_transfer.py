@@ -562,6 +562,13 @@ class KVClient:
         _, raw = parse_address(address)
         await self.endpoints.get(raw)
 
+    def disconnect(self, address: str) -> None:
+        """Drop the endpoint to a server that left (nothing of ours may be posted on it)."""
+        _, raw = parse_address(address)
+        ep = self.endpoints.eps.get(raw)
+        if ep is not None:
+            self.endpoints.drop(raw, ep)
+
     async def pull(
         self, request_id: str, handle: KVHandle, dst_block_ids: list[int], timeout: float = 30.0
     ) -> TransferStats:

@@ -22,7 +22,14 @@ from services.engine.engine import LLMEngine
 from services.worker_base import RequestState, Step, Worker, exit_now, record_prefill_forward
 from shared import tracing
 from shared.kv_transfer import KVClient, KVTransferError
-from shared.protocol import DecodeRequest, ReleaseLease, TokenBatch, TokenItem, WorkerLoad
+from shared.protocol import (
+    DecodeRequest,
+    ReleaseLease,
+    TokenBatch,
+    TokenItem,
+    WorkerGone,
+    WorkerLoad,
+)
 
 log = logging.getLogger("pdserve.decode")
 
@@ -45,7 +52,7 @@ class DecodeWorker(Worker):
     def __init__(self, ns: argparse.Namespace | dict) -> None:
         super().__init__(ns)
         self.kv_client: KVClient | None = None
-        self.known_kv_servers: set[str] = set()  # KV addresses already connected to
+        self.kv_servers: dict[str, str] = {}  # prefill worker id -> KV address connected to
         # requests whose blocks could not be reserved yet (cache full), oldest first
         self.admission: deque[tuple[DecodeRequest, DecodeState]] = deque()
 
@@ -71,14 +78,21 @@ class DecodeWorker(Worker):
             self.subjects.decode(self.worker_id), self._on_request, (DecodeRequest,)
         )
         await self.bus.subscribe(
-            self.subjects.loads_of("prefill"), self._on_prefill_load, (WorkerLoad,)
+            self.subjects.loads_of("prefill"), self._on_prefill_load, (WorkerLoad, WorkerGone)
         )
 
-    async def _on_prefill_load(self, load: WorkerLoad, headers: dict[str, str]) -> None:
+    async def _on_prefill_load(
+        self, load: WorkerLoad | WorkerGone, headers: dict[str, str]
+    ) -> None:
         """Connect to a prefill worker when it first shows up, so the first pull does not pay
-        for the endpoint (tens of ms)."""
-        if load.ucx_address and load.ucx_address not in self.known_kv_servers:
-            self.known_kv_servers.add(load.ucx_address)
+        for the endpoint (tens of ms); let the endpoint go when the worker says it left."""
+        if isinstance(load, WorkerGone):
+            address = self.kv_servers.pop(load.worker_id, None)
+            if address is not None:
+                self.kv_client.disconnect(address)
+            return
+        if load.ucx_address and self.kv_servers.get(load.worker_id) != load.ucx_address:
+            self.kv_servers[load.worker_id] = load.ucx_address
             self.spawn(self._connect(load.worker_id, load.ucx_address))
 
     async def _connect(self, worker_id: str, address: str) -> None:
