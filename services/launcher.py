@@ -5,6 +5,12 @@ exactly as compose runs them, so local runs exercise the real wiring. Options re
 as ``PDSERVE_*`` environment variables (secrets stay out of ``ps``). Children get SIGTERM from the
 kernel if the launcher itself dies (PR_SET_PDEATHSIG), and on Ctrl-C/SIGTERM the launcher stops
 the gateway, lets workers drain, then stops NATS: nothing is left behind.
+
+CPUs: with at least as many CPUs as workers, each worker runs on a share of its own
+(``cpu_shares``, sched affinity) and sizes its torch thread pool to that share, so two workers'
+GEMMs never preempt each other (on 2 cores, 1P1D: one core each). With fewer CPUs, the workers
+share them all and split the thread count instead. The gateway and NATS, light and mostly
+waiting, float. ``--no-split-cpus`` and ``--torch-threads`` override both.
 """
 
 from __future__ import annotations
@@ -136,13 +142,41 @@ class Child:
         return self.popen.returncode
 
 
+def cpu_shares(cpus: list[int], workers: int) -> list[list[int]] | None:
+    """Split ``cpus`` into one contiguous share per worker (prefill workers, which start first,
+    take the remainder: prefill is the compute-bound phase); None when there are fewer CPUs than
+    workers, which then share them all."""
+    if workers < 1 or len(cpus) < workers:
+        return None
+    size, extra = divmod(len(cpus), workers)
+    shares, start = [], 0
+    for i in range(workers):
+        end = start + size + (1 if i < extra else 0)
+        shares.append(cpus[start:end])
+        start = end
+    return shares
+
+
 def spawn(
     name: str,
     argv: list[str],
     env: dict[str, str] | None = None,
     log_path: Path | None = None,
+    cpus: list[int] | None = None,
 ) -> Child:
-    """Start ``argv`` in its own process group, output to ``log_path`` (or inherited)."""
+    """Start ``argv`` in its own process group, output to ``log_path`` (or inherited), on
+    ``cpus`` only if given (set before it starts, so every thread it makes inherits them)."""
+    group = (
+        _own_group_die_with_parent
+        if threading.current_thread() is threading.main_thread()
+        else _own_group
+    )
+
+    def preexec() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        group()
+
     out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - owned by the child
     try:
         popen = subprocess.Popen(
@@ -153,11 +187,7 @@ def spawn(
             stderr=subprocess.STDOUT if out else None,
             # PR_SET_PDEATHSIG fires when the forking *thread* exits, so only children forked
             # by the main thread (the launcher's case) may use it.
-            preexec_fn=(
-                _own_group_die_with_parent
-                if threading.current_thread() is threading.main_thread()
-                else _own_group
-            ),
+            preexec_fn=preexec,
         )
     finally:
         if out:
@@ -280,6 +310,7 @@ class Launcher:
         self.nats: NatsServer | None = None
         self.gpus: list[str] = []
         self.children: list[Child] = []
+        self.cpu_shares: list[list[int]] | None = None  # per worker, in start order
         self.stopping = False
         self.force = False
 
@@ -306,10 +337,22 @@ class Launcher:
         bus = dataclasses.replace(self.bus, nats_url=nats_url)
         common = _values(bus, self.engine)
         self.gpus = visible_gpus() if self.engine.device == "auto" else []
+        cpus = sorted(os.sched_getaffinity(0))
+        workers = self.up.prefill_workers + self.up.decode_workers
+        self.cpu_shares = cpu_shares(cpus, workers) if self.up.split_cpus else None
+        if self.cpu_shares is None and not self.engine.torch_threads and workers:
+            # sharing every CPU: together the workers' torch threads still fill them once
+            common["torch_threads"] = max(1, len(cpus) // workers)
         for i in range(self.up.prefill_workers):
             self._start_worker("prefill", i, common)
         for i in range(self.up.decode_workers):
             self._start_worker("decode", i, common)
+        if self.cpu_shares:
+            placed = ", ".join(
+                f"{c.name}: {','.join(map(str, cs))}"
+                for c, cs in zip(self.children, self.cpu_shares, strict=True)
+            )
+            print(f"pdserve: worker CPUs ({placed})", flush=True)
         env = service_env({**common, **_values(self.gateway)})
         self.children.append(spawn("gateway", service_argv("gateway"), env))
 
@@ -322,12 +365,12 @@ class Launcher:
         if worker.ucx_port:
             worker.ucx_port += index + (self.up.prefill_workers if role == "decode" else 0)
         env = service_env({**common, **_values(worker)})
-        gpu = gpu_for_worker(
-            index + (self.up.prefill_workers if role == "decode" else 0), self.gpus
-        )
+        slot = index + (self.up.prefill_workers if role == "decode" else 0)
+        gpu = gpu_for_worker(slot, self.gpus)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
-        self.children.append(spawn(worker.worker_id, service_argv(role), env))
+        cpus = self.cpu_shares[slot] if self.cpu_shares else None
+        self.children.append(spawn(worker.worker_id, service_argv(role), env, cpus=cpus))
 
     def wait_ready(self) -> bool:
         """Ready = /health is 200 and every worker is in the gateway's registry (/health alone

@@ -388,20 +388,36 @@ class Worker:
         )
         tracing.setup_tracing(self.service_name, self.worker_id)
         try:
+            threads = set_torch_threads(self.engine_config.torch_threads)
             self.engine = self.make_engine()
             log.info(
-                "%s worker %s: model %s, %d KV blocks of %d tokens on %s",
+                "%s worker %s: model %s, %d KV blocks of %d tokens on %s, %s torch threads",
                 self.role,
                 self.worker_id,
                 self.engine.model_name,
                 self.engine.block_manager.num_blocks,
                 self.engine.block_size,
                 self.engine.device,
+                threads,
             )
             asyncio.run(self.serve())
         finally:
             tracing.shutdown_tracing()
         return 1 if self._engine_thread is not None and self._engine_thread.error else 0
+
+
+def set_torch_threads(requested: int) -> int:
+    """Size torch's CPU thread pool: ``requested``, else ``OMP_NUM_THREADS`` if set, else one
+    thread per CPU this process may run on. Its affinity, not the machine's CPU count: ``pdserve
+    up`` gives each worker its own CPUs, and two workers each running a thread per machine CPU
+    on the same cores only preempt each other mid-GEMM."""
+    import torch
+
+    if requested > 0:
+        torch.set_num_threads(requested)
+    elif not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+    return torch.get_num_threads()
 
 
 def exit_now(rc: int) -> None:

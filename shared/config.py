@@ -64,6 +64,9 @@ class EngineConfig:
         True, "reuse cached KV blocks of shared prompt prefixes (--no-prefix-cache turns it off)"
     )
     seed: int = opt(0, "seed for weights of the demo model and for unseeded sampling")
+    torch_threads: int = opt(
+        0, "torch CPU threads of a worker; 0 = one per CPU the process may run on (its affinity)"
+    )
 
 
 @dataclass
@@ -118,8 +121,15 @@ class GatewayConfig:
 
 @dataclass
 class UpConfig:
-    prefill_workers: int = opt(0, "prefill worker processes (0 serves aggregated)")
+    prefill_workers: int = opt(
+        1, "prefill worker processes (default 1: disaggregated; 0 serves aggregated)"
+    )
     decode_workers: int = opt(1, "decode worker processes")
+    split_cpus: bool = opt(
+        True,
+        "give each worker its own share of the CPUs pdserve up may use, when there are at least "
+        "as many as workers (--no-split-cpus: share them all)",
+    )
     nats_url: str | None = opt(None, "use this NATS server instead of starting one")
 
 
