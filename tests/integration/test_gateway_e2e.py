@@ -13,6 +13,7 @@ import asyncio
 import json
 import signal
 import time
+from collections import Counter
 
 import aiohttp
 import nats
@@ -295,6 +296,39 @@ async def test_32_concurrent_streams_then_no_blocks_in_use(stack):
 
         results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(32))), 120)
     assert results == [("length", True)] * 32
+    await wait_all_blocks_free(base)
+
+
+@pytest.mark.parametrize("path", ["pulled", "local"])
+async def test_decode_bursts_split_evenly(stack, spy, path):
+    """Bursts of 8, 16 and 32 concurrent streams split within one of even between the two
+    decode workers, whether they pull the KV (long prompts) or prefill it themselves (short
+    ones): load reports lag a heartbeat, so the gateway counts what it has in flight."""
+    base, _, _ = stack
+    async with aiohttp.ClientSession() as session:
+        model = await model_name(session, base)
+
+        async def one(rid: str, prompt: str) -> None:
+            body = {"model": model, "prompt": prompt, "max_tokens": 24, "ignore_eos": True}
+            body["stream"] = True
+            async with session.post(
+                base + "/v1/completions", json=body, headers={"x-request-id": rid}
+            ) as r:
+                assert r.status == 200, await r.text()
+                async for _ in r.content:
+                    pass
+
+        for burst in (8, 16, 32):
+            rids = [f"{path}-{burst}-{i}" for i in range(burst)]
+            prompts = [
+                f"Burst {burst}, stream {i}: paged attention blocks" if path == "pulled" else "Hi"
+                for i in range(burst)
+            ]
+            await asyncio.wait_for(asyncio.gather(*map(one, rids, prompts)), 120)
+            await until(lambda rids=rids: all(r in spy.decode for r in rids), "every decode")
+            where = Counter(spy.decode[r][0] for r in rids)
+            assert {spy.decode[r][1] for r in rids} == {path == "pulled"}
+            assert abs(where["d0"] - where["d1"]) <= 1, (burst, where)
     await wait_all_blocks_free(base)
 
 
