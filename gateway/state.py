@@ -40,21 +40,19 @@ class ServedModel:
 
     @classmethod
     def load(cls, engine: EngineConfig) -> ServedModel:
-        if engine.model:
-            model_dir = Path(engine.model).expanduser()
-            if not model_dir.is_dir():
-                raise SystemExit(f"--model {engine.model}: not a directory")
-        else:
-            # Imported only here: making the demo model needs torch, which the gateway avoids.
-            from services.engine.model_dir import resolve_model
+        # Imported only here, and light: the same resolution as the workers', so the name the
+        # gateway serves is the name the workers register (a GGUF converts without torch; only
+        # the demo model's first creation needs it).
+        from services.engine.model_resolve import resolve
 
-            model_dir = resolve_model(None)
+        model = resolve(engine.model)
+        model_dir = model.path
         tok = ModelTokenizer.from_dir(model_dir)
         chat = None
         if tok.chat_template is not None:
             chat = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
         return cls(
-            name=engine.served_model_name or model_dir.name,
+            name=engine.served_model_name or model.name,
             tokenizer=tok,
             chat=chat,
             max_model_len=engine.max_model_len or _context_length(model_dir),

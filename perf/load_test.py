@@ -166,7 +166,7 @@ class Stack:
         self.port = port
         self.log_path = log_path
         argv = [
-            sys.executable, "-m", "shared.cli", "up",
+            sys.executable, "-m", "shared.cli", "up", "--model", "demo",
             "--prefill-workers", "1", "--decode-workers", "1",
             "--port", str(port), "--max-queue", str(max_queue),
             "--request-timeout", str(request_timeout), *(extra or []),

@@ -61,8 +61,8 @@ def start_stack(policy: str, port: int, log: Path) -> subprocess.Popen:
         "MKL_NUM_THREADS": "1",
         "PDSERVE_PREFILL_ROUTING": policy,
     }
-    argv = [sys.executable, "-m", "shared.cli", "up", "--prefill-workers", "2", "--decode-workers", "1",
-            "--port", str(port)]  # fmt: skip
+    argv = [sys.executable, "-m", "shared.cli", "up", "--model", "demo",
+            "--prefill-workers", "2", "--decode-workers", "1", "--port", str(port)]  # fmt: skip
     return subprocess.Popen(
         argv, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
     )

@@ -308,6 +308,7 @@ class Launcher:
         self.worker = build(WorkerConfig, ns)
         self.bus = build(BusConfig, {**vars(ns), "nats_url": self.up.nats_url or "unset"})
         self.nats: NatsServer | None = None
+        self.model = None  # model_resolve.ResolvedModel, set by start()
         self.gpus: list[str] = []
         self.children: list[Child] = []
         self.cpu_shares: list[list[int]] | None = None  # per worker, in start order
@@ -321,6 +322,11 @@ class Launcher:
         self.stopping = True
 
     def start(self) -> None:
+        # Resolve (and on first use convert) the model once, here, so the workers and the
+        # gateway start from the cache instead of all converting a GGUF at the same time.
+        from services.engine.model_resolve import resolve
+
+        self.model = resolve(self.engine.model)
         if self.up.nats_url:
             nats_url = self.up.nats_url
         else:
@@ -389,6 +395,18 @@ class Launcher:
             time.sleep(0.2)
         return False
 
+    def model_banner(self) -> str:
+        from services.engine.model_resolve import describe
+
+        dtype = self.engine.dtype
+        if dtype == "auto":  # the engine's rule, decided without importing torch here
+            gpu = self.engine.device.startswith("cuda") or (
+                self.engine.device == "auto" and bool(self.gpus)
+            )
+            dtype = "bfloat16" if gpu else "float32"
+        name = self.engine.served_model_name
+        return describe(self.model) + (f", served as {name}" if name else "") + f", in {dtype}"
+
     def _http_host(self) -> str:
         host = self.gateway.host
         return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
@@ -453,6 +471,7 @@ def run(ns: argparse.Namespace) -> int:
                 + ")",
                 flush=True,
             )
+            print(f"pdserve model: {launcher.model_banner()}", flush=True)
             rc = launcher.supervise()
         elif launcher.stopping:
             rc = 0

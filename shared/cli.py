@@ -16,6 +16,7 @@ from shared.config import (
     WorkerConfig,
     add_options,
 )
+from shared.errors import StartupError
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     module_name, func_name = COMMANDS[args.command].target.split(":")
     func = getattr(importlib.import_module(module_name), func_name)
-    return int(func(args) or 0)
+    try:
+        return int(func(args) or 0)
+    except StartupError as exc:  # a bad --model and the like: one line, not a traceback
+        print(f"pdserve {args.command}: {exc}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

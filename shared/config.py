@@ -45,9 +45,13 @@ class BusConfig:
 @dataclass
 class EngineConfig:
     model: str | None = opt(
-        None, "local Hugging Face model directory (default: the built-in demo model)"
+        "smollm2-135m-instruct",
+        "a built-in model (smollm2-135m-instruct; demo = random weights for tests), a .gguf file "
+        "or a local Hugging Face model directory",
     )
-    served_model_name: str | None = opt(None, "model name in the API (default: directory name)")
+    served_model_name: str | None = opt(
+        None, "model name in the API (default: the built-in name, file stem or directory name)"
+    )
     device: str = opt("auto", "auto, cpu or cuda[:N]")
     dtype: str = opt(
         "auto",

@@ -24,7 +24,7 @@ import torch
 from services.engine.block_manager import BlockManager
 from services.engine.loader import load_model
 from services.engine.model_config import ModelConfig
-from services.engine.model_dir import is_demo_model, resolve_model
+from services.engine.model_resolve import describe, resolve
 from services.engine.model_runner import ModelRunner
 from services.engine.sampling import SamplingParams
 from services.engine.scheduler import Scheduler
@@ -71,9 +71,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, prefill_only: bool = False) -> None:
         self.config = config
         self.prefill_only = prefill_only
-        self.model_dir = resolve_model(config.model)
-        self.is_demo = is_demo_model(self.model_dir)
-        self.model_name = config.served_model_name or self.model_dir.name
+        self.resolved = resolve(config.model)
+        self.model_dir = self.resolved.path
+        self.is_demo = self.resolved.is_demo
+        self.model_name = config.served_model_name or self.resolved.name
         self.model_config = cfg = ModelConfig.from_dir(self.model_dir)
         self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
         if self.device.type == "cuda":
@@ -103,6 +104,8 @@ class LLMEngine:
         self._in_forward: set[str] = set()
         self._seed_rng = random.Random(config.seed)
         self.last_step = StepStats()
+        log.info("model %s, served as %s in %s", describe(self.resolved), self.model_name,
+                 str(self.dtype).removeprefix("torch."))  # fmt: skip
         if self.is_demo:
             log.warning(
                 "serving the DEMO model (random weights, byte tokenizer): its text is noise"

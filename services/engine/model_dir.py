@@ -1,4 +1,7 @@
-"""Where model directories come from: a user's local Hugging Face directory, or the demo model.
+"""The pdserve cache directory, and the demo model that lives in it.
+
+Which model a ``--model`` value means (a built-in name, a .gguf file, a directory) is decided in
+model_resolve.py; ``resolve_model`` below is its short form for callers that need only the path.
 
 The demo model is a small Llama with random weights and a byte-level tokenizer, generated
 deterministically on first use. It exists so ``pdserve`` runs anywhere with no download; its text
@@ -57,15 +60,10 @@ def cache_dir() -> Path:
 
 
 def resolve_model(path: str | os.PathLike | None) -> Path:
-    """A local model directory: ``path`` itself, or the demo model (created if missing)."""
-    if path:
-        model_dir = Path(path).expanduser()
-        if not model_dir.is_dir():
-            raise FileNotFoundError(
-                f"--model {path}: not a directory (pdserve never downloads weights)"
-            )
-        return model_dir
-    return ensure_demo_model()
+    """The local HF-style directory ``path`` names (see model_resolve.resolve)."""
+    from services.engine.model_resolve import resolve
+
+    return resolve(None if path is None else str(path)).path
 
 
 def is_demo_model(model_dir: Path) -> bool:
@@ -150,7 +148,7 @@ def byte_level_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    byte_to_char = _bytes_to_unicode()
+    byte_to_char = bytes_to_unicode()
     vocab = {byte_to_char[b]: b for b in range(256)}
     assert set(vocab) == set(alphabet)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -160,7 +158,7 @@ def byte_level_tokenizer():
     return tok
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     # GPT-2's reversible byte -> printable-character map, which the ByteLevel pre-tokenizer uses.
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
     printable += list(range(ord("®"), ord("ÿ") + 1))

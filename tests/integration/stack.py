@@ -17,7 +17,7 @@ API:
 - ``start_service(command, nats_url, log_dir, env=None, options=None) -> Child``: runs
   ``python -m shared.cli <command>`` in its own process group. ``options`` maps option names
   (``{"num_kv_blocks": 64}``) to values; they travel as ``PDSERVE_*`` env like ``pdserve up``
-  does. ``Child``: ``.pid``, ``.alive()``, ``.signal(sig)``, ``.wait(t)``, ``.stop(t)`` (SIGTERM
+  does; ``model`` defaults to ``"demo"``. ``Child``: ``.pid``, ``.alive()``, ``.signal(sig)``, ``.wait(t)``, ``.stop(t)`` (SIGTERM
   then SIGKILL of the group), ``.log_text()`` for failure messages.
 - ``wait_until(predicate, timeout, what)``; ``wait_http(url, timeout, child=None)``.
 - ``stop_all(children)``: SIGTERM every child's process group at once, wait, SIGKILL leftovers.
@@ -83,7 +83,11 @@ def start_service(
     base = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     base.update(QUIET_ENV)
     base.update(env or {})
-    full_env = service_env({"nats_url": nats_url, **(options or {})}, base)
+    options = dict(options or {})
+    if "model" not in options and "PDSERVE_MODEL" not in base:
+        # the random-weight demo model unless a test asks for another: small and fast
+        options["model"] = "demo"
+    full_env = service_env({"nats_url": nats_url, **options}, base)
     name = name or full_env.get("PDSERVE_WORKER_ID") or command
     log_path = Path(log_dir) / f"{name}.log"
     return spawn(name, service_argv(command), full_env, log_path)
