@@ -67,7 +67,7 @@ class ModelTokenizer:
         for candidate in (
             _ids(gen_cfg.get("eos_token_id")),
             _ids(model_cfg.get("eos_token_id")),
-            [i for i in [tok.token_to_id(eos)] if eos is not None and i is not None],
+            [] if eos is None else [i for i in [tok.token_to_id(eos)] if i is not None],
         ):
             eos_ids.extend(i for i in candidate if i not in eos_ids)
 
