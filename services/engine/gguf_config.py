@@ -129,29 +129,41 @@ def rope_scaling(f: GGUFFile, arch: str, head_dim: int) -> dict[str, Any] | None
 
 def _llama3_from_freq_factors(f: GGUFFile, arch: str, head_dim: int) -> dict[str, Any] | None:
     """Llama 3.1+ files store llama3 rope scaling only as per-frequency divisors
-    (``rope_freqs.weight``). The engine implements llama3 scaling from its four parameters, so
-    find the parameters that reproduce these divisors; refuse rather than guess if none do."""
+    (``rope_freqs.weight``). The engine implements llama3 scaling from its parameters, so find
+    parameters that reproduce these divisors exactly; refuse rather than guess if none do."""
     import numpy as np
 
     from services.engine.gguf_weights import dequantized
 
-    factors = dequantized(f.tensors["rope_freqs.weight"]).reshape(-1).astype(np.float64)
-    if np.allclose(factors, 1.0):
+    divisors = dequantized(f.tensors["rope_freqs.weight"]).reshape(-1).astype(np.float64)
+    if np.allclose(divisors, 1.0):
         return None
     base = f.number(f"{arch}.rope.freq_base", 10000.0)
     inv_freq = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    factor = float(factors.max())
-    for original in (8192, 4096, 2048, 16384, 32768, 65536):
-        for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0), (2.0, 4.0)):
-            guess = _llama3_divisors(inv_freq, factor, low, high, original)
-            if guess.shape == factors.shape and np.allclose(guess, factors, rtol=1e-4):
-                return {
-                    "rope_type": "llama3",
-                    "factor": factor,
-                    "low_freq_factor": low,
-                    "high_freq_factor": high,
-                    "original_max_position_embeddings": original,
-                }
+    factor = float(divisors.max())
+    candidates = [(8192.0, 1.0, 4.0)]  # Llama 3.1/3.2/3.3's values
+    # Between the unchanged and the fully divided frequencies the blend weight is linear in
+    # 1/wavelength: smooth = a/wavelen + b with a = original/(high-low), b = -low/(high-low).
+    # Only a and b shape the divisors, so any (original, low, high) with the same a, b is exact;
+    # fit them and take low = 1.
+    blend = (divisors > 1 + 1e-6) & (divisors < factor - 1e-6)
+    if blend.sum() >= 2 and factor > 1:
+        smooth = (1 / divisors[blend] - 1 / factor) / (1 - 1 / factor)
+        a, b = np.polyfit(inv_freq[blend] / (2 * math.pi), smooth, 1)
+        if b < 0:  # rounded: the file's float32 divisors carry a little noise
+            candidates.insert(0, (round(float(-a / b), 2), 1.0, round(float(1 - 1 / b), 5)))
+    for original, low, high in candidates:
+        guess = _llama3_divisors(inv_freq, factor, low, high, original)
+        if guess.shape == divisors.shape and np.allclose(guess, divisors, rtol=1e-4):
+            return {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": int(original)
+                if original.is_integer()
+                else original,
+            }
     raise ModelLoadError(
         f"{f.path}: tensor 'rope_freqs.weight' holds rope frequency factors that match no llama3 "
         "scaling; not supported"
