@@ -40,9 +40,7 @@ class GGUFFile:
         try:
             reader = gguf.GGUFReader(path)
         except Exception as exc:  # the reader raises ValueError, IndexError, KeyError...
-            raise ModelLoadError(
-                f"{path}: not a readable GGUF file (truncated or corrupt?): {_short(exc)}"
-            ) from None
+            raise ModelLoadError(f"{path}: {_diagnose(exc)}") from None
         self._reader = reader
         self.tensors: dict[str, GGUFTensor] = {}
         for t in reader.tensors:
@@ -119,6 +117,16 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def _diagnose(exc: BaseException) -> str:
+    # The reader maps the file and slices it where the header says: past the end of a cut file a
+    # slice comes back short, which shows as a failed reshape or an index into an empty array.
+    if isinstance(exc, IndexError) or (isinstance(exc, ValueError) and "reshape" in str(exc)):
+        return (
+            "truncated: the file ends before the data its header describes (incomplete download?)"
+        )
+    return f"not a readable GGUF file (corrupt?): {_short(exc)}"
 
 
 def _short(exc: BaseException) -> str:
