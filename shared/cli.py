@@ -34,6 +34,12 @@ def _trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--service", default="pdserve-gateway", help="service whose traces are listed")
 
 
+def _doctor_args(p: argparse.ArgumentParser) -> None:
+    from shared.doctor import add_arguments
+
+    add_arguments(p)
+
+
 def _bench_args(p: argparse.ArgumentParser) -> None:
     from perf.bench_cli import add_arguments
 
@@ -61,6 +67,11 @@ COMMANDS: dict[str, Command] = {
     ),
     "bench": Command(
         "benchmark an OpenAI-compatible endpoint", "perf.bench_cli:run", extra=_bench_args
+    ),
+    "doctor": Command(
+        "check the KV transfer path: UCX transports, pull vs raw bandwidth, a running stack",
+        "shared.doctor:run",
+        extra=_doctor_args,
     ),
     "trace": Command(
         "per-phase breakdown of request traces from Jaeger",

@@ -14,6 +14,7 @@ Flow of one request (subjects from ``Subjects``):
   workers  -WorkerLoad->      {ns}.load.{role}.{worker}  heartbeats; WorkerGone when leaving
   workers  -KVEvents->        {ns}.kv.{worker}           prefix-cache changes and snapshots
   gateway  -(empty request)-> {ns}.ping.{worker}         answered with a WorkerLoad (liveness)
+  doctor   -Probe*Request->   {ns}.probe.{worker}        request/reply, types in shared/kv_probe.py
 """
 
 from __future__ import annotations

@@ -19,8 +19,10 @@ from collections import deque
 from dataclasses import dataclass
 
 from services.engine.engine import LLMEngine
+from services.probe import pull_probe
 from services.worker_base import RequestState, Step, Worker, exit_now, record_prefill_forward
-from shared import tracing
+from shared import tracing, ucx_check
+from shared.kv_probe import ProbePullRequest, answer_probes
 from shared.kv_transfer import KVClient, KVTransferError
 from shared.protocol import (
     DecodeRequest,
@@ -68,6 +70,7 @@ class DecodeWorker(Worker):
             port=self.config.ucx_port,
         )
         self.kv_client.own_address()  # configure UCX now: a bad --ucx-host fails at start-up
+        ucx_check.warn_at_startup(self.role)  # RDMA/GPUs UCX cannot use: TCP would carry KV
 
     async def close_extra(self) -> None:
         if self.kv_client is not None:
@@ -79,6 +82,9 @@ class DecodeWorker(Worker):
         )
         await self.bus.subscribe(
             self.subjects.loads_of("prefill"), self._on_prefill_load, (WorkerLoad, WorkerGone)
+        )
+        await answer_probes(
+            self.bus, self.worker_id, (ProbePullRequest,), lambda req: pull_probe(self, req)
         )
 
     async def _on_prefill_load(

@@ -17,9 +17,11 @@ import logging
 import time
 
 from services.engine.engine import LLMEngine
+from services.probe import lease_probe
 from services.worker_base import RequestState, Step, Worker, exit_now, record_prefill_forward
-from shared import tracing
-from shared.kv_transfer import KVServer, LeaseTable
+from shared import tracing, ucx_check
+from shared.kv_probe import ProbeLeaseRequest, answer_probes
+from shared.kv_transfer import KVServer, Lease, LeaseTable
 from shared.protocol import KVHandle, PrefillRequest, PrefillResult, ReleaseLease
 
 log = logging.getLogger("pdserve.prefill")
@@ -46,6 +48,7 @@ class PrefillWorker(Worker):
             port=self.config.ucx_port,
         )
         await self.kv_server.start()
+        ucx_check.warn_at_startup(self.role)  # RDMA/GPUs UCX cannot use: TCP would carry KV
 
     async def close_extra(self) -> None:
         if self.kv_server is not None:
@@ -58,6 +61,9 @@ class PrefillWorker(Worker):
         )
         await self.bus.subscribe(
             self.subjects.lease(self.worker_id), self._on_release, (ReleaseLease,)
+        )
+        await answer_probes(
+            self.bus, self.worker_id, (ProbeLeaseRequest,), lambda req: lease_probe(self, req)
         )
 
     def load_extra(self) -> dict:
@@ -159,11 +165,15 @@ class PrefillWorker(Worker):
         except KeyError:
             return None
         lease = self.leases.add(request_id, block_ids, num_tokens, self.config.lease_seconds)
+        return self.make_handle(lease)
+
+    def make_handle(self, lease: Lease) -> KVHandle:
+        """What a decode worker needs to pull ``lease``'s blocks (requests and doctor probes)."""
         return KVHandle(
             worker_id=self.worker_id,
             ucx_address=self.kv_server.address,
-            block_ids=block_ids,
-            num_tokens=num_tokens,
+            block_ids=list(lease.block_ids),
+            num_tokens=lease.num_tokens,
             fingerprint=self.engine.layout_fingerprint(),
             lease_expires=lease.expires,
             token=lease.token,

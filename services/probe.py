@@ -1,0 +1,130 @@
+"""The workers' side of ``pdserve doctor``'s stack check (messages: ``shared/kv_probe.py``).
+
+A probe moves one KV block through the real transfer path without touching serving: it uses a
+block from the free list (``engine.reserve``), never one a sequence holds, and gives it back as
+soon as it is done (the prefill side when its lease is released or expires, the decode side
+right after the pull). Whenever the block might be missed - no block free, requests queued for
+blocks, the worker draining - the probe is refused instead, and the doctor reports "busy".
+
+The probe's sequence id is the probe id itself, so it cannot collide with a request's (those are
+gateway ids) and shows up under that name in logs if anything goes wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from services.engine.sampling import SamplingParams
+from shared import ucx_check
+from shared.kv_probe import (
+    MAX_PROBE_TTL,
+    ProbeLeaseReply,
+    ProbeLeaseRequest,
+    ProbePullReply,
+    ProbePullRequest,
+)
+from shared.kv_transfer import KVTransferError
+
+if TYPE_CHECKING:
+    from services.decode.worker import DecodeWorker
+    from services.prefill.worker import PrefillWorker
+
+log = logging.getLogger("pdserve.probe")
+
+_PROBE_SAMPLING = SamplingParams(max_tokens=1)
+
+
+def probe_pattern(num_bytes: int, probe_id: str) -> torch.Tensor:
+    """The bytes a probe block carries: different for every probe, so a stale block fails."""
+    salt = int.from_bytes(hashlib.blake2b(probe_id.encode(), digest_size=2).digest(), "little")
+    return ((torch.arange(num_bytes, dtype=torch.int64) * 131 + salt) % 251).to(torch.uint8)
+
+
+def block_bytes(block: torch.Tensor) -> torch.Tensor:
+    return block.reshape(-1).view(torch.uint8)
+
+
+def fill_block(block: torch.Tensor, probe_id: str) -> None:
+    flat = block_bytes(block)
+    flat.copy_(probe_pattern(flat.numel(), probe_id).to(flat.device))
+
+
+def block_matches(block: torch.Tensor, probe_id: str) -> bool:
+    flat = block_bytes(block)
+    return bool(torch.equal(flat.cpu(), probe_pattern(flat.numel(), probe_id)))
+
+
+def _busy(worker: PrefillWorker | DecodeWorker, waiting: int) -> str | None:
+    """Why the worker cannot spare a block right now (None: it can)."""
+    if worker.draining:
+        return f"{worker.worker_id} is draining"
+    if waiting:
+        return f"busy: {waiting} request(s) waiting; no block is taken from them"
+    if worker.engine.block_manager.num_free_blocks < 1:
+        return "busy: no free KV block"
+    return None
+
+
+def _reserve_block(worker: PrefillWorker | DecodeWorker, probe_id: str) -> int | None:
+    if probe_id in worker.engine.seqs:
+        return None
+    blocks = worker.engine.reserve(probe_id, [0], [], _PROBE_SAMPLING)
+    return blocks[0] if blocks else None
+
+
+async def lease_probe(worker: PrefillWorker, req: ProbeLeaseRequest) -> ProbeLeaseReply:
+    """Lease one block filled with the probe's pattern, as a prefill result leases its KV."""
+    reply = ProbeLeaseReply(req.probe_id, worker.worker_id, "refused")
+    reply.warnings = ucx_check.transport_warnings()
+    reply.error = _busy(worker, worker.engine.num_waiting)
+    if reply.error is None and worker.leases.token_of(req.probe_id) is not None:
+        reply.error = f"probe {req.probe_id} exists"
+    block = None if reply.error else _reserve_block(worker, req.probe_id)
+    if block is None:
+        reply.error = reply.error or "busy: no free KV block"
+        return reply
+    try:
+        await asyncio.to_thread(fill_block, worker.engine.kv_cache[block], req.probe_id)
+    except BaseException:
+        worker.engine.release(req.probe_id)
+        raise
+    ttl = min(max(req.ttl, 0.1), MAX_PROBE_TTL)
+    # from here the lease owns the block: released by the doctor, or freed on expiry
+    reply.kv = worker.make_handle(worker.leases.add(req.probe_id, [block], 1, ttl))
+    reply.status, reply.error = "ok", None
+    return reply
+
+
+async def pull_probe(worker: DecodeWorker, req: ProbePullRequest) -> ProbePullReply:
+    """Pull the probe's block ``req.pulls`` times into a free block, check it, free it."""
+    reply = ProbePullReply(req.probe_id, worker.worker_id, "refused")
+    reply.warnings = ucx_check.transport_warnings()
+    reply.error = _busy(worker, len(worker.admission))
+    block = None if reply.error else _reserve_block(worker, req.probe_id)
+    if block is None:
+        reply.error = reply.error or "busy: no free KV block"
+        return reply
+    try:
+        for _ in range(req.pulls):
+            stats = await worker.kv_client.pull(
+                req.probe_id, req.kv, [block], timeout=max(0.1, req.timeout)
+            )
+            reply.pull_seconds.append(stats.seconds)
+            reply.num_bytes = stats.num_bytes
+        cache = worker.engine.kv_cache
+        reply.verified = await asyncio.to_thread(block_matches, cache[block], req.probe_id)
+        reply.status = "ok" if reply.verified else "failed"
+        reply.error = None if reply.verified else "the pulled block does not hold the probe bytes"
+    except KVTransferError as exc:  # fingerprint mismatch, refusal, timeout, unreachable
+        reply.status, reply.error = "failed", str(exc)[:1000]
+    finally:
+        # a failed pull aborted its endpoint, so nothing writes into the block any more
+        worker.engine.release(req.probe_id)
+        worker.wake_engine()
+    log.info("probe %s from %s: %s", req.probe_id, req.kv.worker_id, reply.error or "ok")
+    return reply

@@ -1,0 +1,179 @@
+"""The doctor against a running stack: can every decode worker pull from every prefill worker?
+
+Workers are found by their heartbeats on the bus. Each prefill worker is asked for a probe lease
+of one block, each decode worker pulls every such lease a few times and reports how long each
+pull took and whether the bytes were right, then the leases are released (see
+``shared/kv_probe.py``; the workers' side is ``services/probe.py``). The first pull of a pair
+includes setting up its UCX endpoint unless the decode worker had already connected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import socket
+import statistics
+import time
+from urllib.parse import urlsplit
+
+from nats.errors import NoRespondersError
+
+from shared.bus import Bus
+from shared.config import BusConfig
+from shared.doctor_report import FAIL, INFO, OK, WARN, DoctorInputError, Report
+from shared.kv_probe import (
+    ProbeLeaseReply,
+    ProbeLeaseRequest,
+    ProbePullReply,
+    ProbePullRequest,
+    probe_subject,
+    request,
+)
+from shared.protocol import ReleaseLease, WorkerGone, WorkerLoad
+
+PROBE_PULLS = 3
+PROBE_TTL = 15.0
+
+
+def reachable(nats_url: str, timeout: float) -> None:
+    """Fail fast, with the reason, when no NATS server of ``nats_url`` accepts a TCP connection
+    (nats-py itself would retry until the timeout and then say little)."""
+    reasons = []
+    for server in (s.strip() for s in nats_url.split(",") if s.strip()):
+        parts = urlsplit(server if "://" in server else f"nats://{server}")
+        try:
+            host, port = parts.hostname or "127.0.0.1", parts.port or 4222
+        except ValueError as exc:
+            raise DoctorInputError(f"bad NATS URL {server!r}: {exc}") from None
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            return
+        except OSError as exc:
+            reasons.append(f"{host}:{port} ({exc.strerror or exc})")
+    raise DoctorInputError(f"cannot reach NATS at {nats_url}: {'; '.join(reasons)}")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+class StackCheck:
+    """One doctor's session with a running stack."""
+
+    def __init__(self, config: BusConfig, timeout: float) -> None:
+        self.config = config
+        self.timeout = timeout
+        self.bus = Bus(config, f"doctor-{os.getpid()}")
+        self.loads: dict[str, WorkerLoad] = {}
+        self.listening_since = 0.0
+
+    async def connect(self) -> None:
+        """Connect and start listening for heartbeats (raises DoctorInputError if unreachable)."""
+        reachable(self.config.nats_url, self.timeout)
+        try:
+            await self.bus.connect(timeout=self.timeout)
+        except (ConnectionError, PermissionError) as exc:
+            raise DoctorInputError(str(exc)) from None
+        await self.bus.subscribe(
+            self.bus.subjects.all_loads, self._on_load, (WorkerLoad, WorkerGone)
+        )
+        self.listening_since = time.monotonic()
+
+    async def _on_load(self, msg: WorkerLoad | WorkerGone, headers: dict[str, str]) -> None:
+        if isinstance(msg, WorkerGone) or msg.draining:
+            self.loads.pop(msg.worker_id, None)
+        else:
+            self.loads[msg.worker_id] = msg
+
+    async def close(self) -> None:
+        await self.bus.close()
+
+    async def run(self, report: Report, discover_seconds: float) -> None:
+        await asyncio.sleep(max(0.0, self.listening_since + discover_seconds - time.monotonic()))
+        prefill = sorted(w for w, ld in self.loads.items() if ld.role == "prefill")
+        decode = sorted(w for w, ld in self.loads.items() if ld.role == "decode")
+        where = f"{self.config.nats_url} (namespace {self.config.namespace})"
+        details = [
+            f"{w}: {ld.role}, model {ld.model}, {ld.free_blocks}/{ld.total_blocks} blocks free, "
+            f"{ld.running} running, {ld.waiting} waiting"
+            for w, ld in sorted(self.loads.items())
+        ]
+        if not decode:
+            report.add("stack", FAIL, f"no decode worker heard in {discover_seconds:g}s on {where}",
+                       details)  # fmt: skip
+            return
+        report.add("stack", OK, f"{len(prefill)} prefill, {len(decode)} decode worker(s) on {where}",
+                   details)  # fmt: skip
+        if not prefill:
+            report.add("KV pulls", INFO, "no prefill worker: aggregated serving, no KV transfer")
+            return
+        leases = await self._lease_probes(report, prefill)
+        try:
+            await self._pull_probes(report, decode, leases)
+        finally:
+            for worker_id, lease in leases.items():
+                with contextlib.suppress(Exception):
+                    await self.bus.publish(
+                        self.bus.subjects.lease(worker_id), ReleaseLease(lease.probe_id)
+                    )
+            with contextlib.suppress(Exception):
+                await self.bus.flush()
+
+    async def _ask(self, worker_id: str, msg: object, reply_type: type, timeout: float):
+        """A worker's reply, or the reason there is none."""
+        try:
+            subject = probe_subject(self.bus.subjects, worker_id)
+            return await request(self.bus, subject, msg, reply_type, timeout)
+        except NoRespondersError:
+            return f"{worker_id} does not answer probes (a pdserve without doctor support?)"
+        except asyncio.TimeoutError:
+            return f"{worker_id} did not answer within {timeout:g}s"
+        except Exception as exc:
+            return f"{worker_id}: {type(exc).__name__}: {exc}"
+
+    async def _lease_probes(self, report: Report, prefill: list[str]) -> dict[str, ProbeLeaseReply]:
+        leases: dict[str, ProbeLeaseReply] = {}
+        tag = secrets.token_hex(4)
+        for i, worker_id in enumerate(prefill):
+            ask = ProbeLeaseRequest(f"doctor-{tag}-{i}", ttl=PROBE_TTL)
+            reply = await self._ask(worker_id, ask, ProbeLeaseReply, self.timeout)
+            if isinstance(reply, str):
+                report.add("probe lease", FAIL, reply)
+            elif reply.status != "ok" or reply.kv is None:
+                status = WARN if reply.status == "refused" else FAIL
+                report.add("probe lease", status, f"{worker_id} refused: {reply.error}")
+            else:
+                leases[worker_id] = reply
+            if not isinstance(reply, str) and reply.warnings:
+                report.add("worker UCX", WARN, f"!! {worker_id}", reply.warnings)
+        return leases
+
+    async def _pull_probes(
+        self, report: Report, decode: list[str], leases: dict[str, ProbeLeaseReply]
+    ) -> None:
+        warned: set[str] = set()
+        for worker_id in decode:
+            for source, lease in leases.items():
+                ask = ProbePullRequest(lease.probe_id, lease.kv, PROBE_PULLS, self.timeout)
+                wait = PROBE_PULLS * self.timeout + self.timeout
+                reply = await self._ask(worker_id, ask, ProbePullReply, wait)
+                pair = f"{worker_id} <- {source}"
+                if isinstance(reply, str):
+                    report.add("KV pull", FAIL, f"{pair}: {reply}")
+                    continue
+                if reply.warnings and worker_id not in warned:
+                    warned.add(worker_id)
+                    report.add("worker UCX", WARN, f"!! {worker_id}", reply.warnings)
+                if reply.status != "ok":
+                    status = WARN if reply.status == "refused" else FAIL
+                    report.add("KV pull", status, f"{pair}: {reply.status}: {reply.error}")
+                    continue
+                first, rest = reply.pull_seconds[0], reply.pull_seconds[1:] or reply.pull_seconds
+                report.add(
+                    "KV pull",
+                    OK,
+                    f"{pair}: first {_ms(first)}, then {_ms(statistics.median(rest))} "
+                    f"(median of {len(rest)}), 1 block of {reply.num_bytes} bytes, bytes verified",
+                )
