@@ -26,6 +26,7 @@ from shared.doctor_report import FAIL, INFO, OK, WARN, Report
 from shared.ucx_check import is_cuda, is_rdma
 
 TARGET_RATIO = 0.8  # perf/kv_bench's target: below it the doctor warns
+BANDWIDTH_BOUND_MIB = 8.0  # pulls from this size on are judged against --min-ratio/--min-gbps
 _LOG_PREFIX = re.compile(r"^\[[\d.]+\]\s+\[[^\]]*\]\s?(.*)$")
 _TABLE_TITLE = re.compile(r"^\S+\s+(intra-node|inter-node)\s+cfg#\d+$")
 _LANE = re.compile(r"\b([a-z][a-z0-9_]*)/([A-Za-z0-9_.:\-]+)")
@@ -194,6 +195,11 @@ def add_peer_check(
         report.add("peer test", FAIL, f"no transfer completed over {host}: {why}", tail)
         return
     details = [f"{'size':>9} {'pull GB/s':>10} {'raw GB/s':>9} {'pull/raw':>9}"]
+    # Small pulls are latency-bound: a round trip more than raw UCX costs them a visible share
+    # and jitters with the machine's load, so only bandwidth-bound sizes can fail.
+    judged = {id(c) for c in cases if c["size_mib"] >= BANDWIDTH_BOUND_MIB} or {
+        id(max(cases, key=lambda c: c["size_mib"]))
+    }
     failed, warned = [], []
     for c in cases:
         details.append(
@@ -201,9 +207,9 @@ def add_peer_check(
             f"{c['ratio']:>8.2f}x"
         )
         label = f"{c['size_mib']:g} MiB"
-        if c["ratio"] < min_ratio:
-            failed.append(f"{label}: pull/raw {c['ratio']:.2f} < {min_ratio:g}")
-        elif c["pull_gbps"] < min_gbps:
+        if id(c) in judged and c["ratio"] < min_ratio:
+            failed.append(f"{label}: pull/raw {c['ratio']:.2f} < --min-ratio {min_ratio:g}")
+        elif id(c) in judged and c["pull_gbps"] < min_gbps:
             failed.append(f"{label}: {c['pull_gbps']:.3f} GB/s < --min-gbps {min_gbps:g}")
         elif c["ratio"] < TARGET_RATIO:
             warned.append(f"{label}: pull/raw {c['ratio']:.2f} < {TARGET_RATIO}")

@@ -192,8 +192,11 @@ def case(size: float, pull: float, raw: float) -> dict:
     [
         ([case(1, 0.9, 1.0), case(64, 1.0, 1.0)], 0.0, OK),
         ([case(1, 0.7, 1.0), case(64, 1.0, 1.0)], 0.0, WARN),
-        ([case(1, 0.4, 1.0), case(64, 1.0, 1.0)], 0.0, FAIL),
+        ([case(1, 0.4, 1.0), case(64, 1.0, 1.0)], 0.0, WARN),  # 1 MiB: latency-bound
+        ([case(1, 1.0, 1.0), case(64, 0.4, 1.0)], 0.0, FAIL),
+        ([case(1, 0.4, 1.0)], 0.0, FAIL),  # the largest size is always judged
         ([case(1, 0.9, 1.0)], 5.0, FAIL),
+        ([case(1, 0.1, 0.1), case(8, 6.0, 6.0)], 5.0, OK),
     ],
 )
 def test_peer_test_verdict(cases: list[dict], min_gbps: float, status: str) -> None:

@@ -1,0 +1,132 @@
+"""``pdserve doctor`` as a user runs it: a subprocess, locally over tcp/lo, against a real 1P1D
+stack, and with bad input (one line, exit 2, never a traceback). Sizes stay at 1 MiB."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shared.bus import Bus
+from shared.config import BusConfig
+from shared.protocol import WorkerLoad
+from shared.ucx_config import interface_addresses
+from tests.integration.stack import QUIET_ENV, free_port, start_nats, start_service, stop_all
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICK = ["--sizes-mib", "1", "--reps", "2"]
+
+
+def doctor(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    return subprocess.run(
+        [sys.executable, "-m", "shared.cli", "doctor", *args],
+        cwd=ROOT,
+        env={**env, **QUIET_ENV},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def checks(report: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in report["checks"]}
+
+
+def test_local_check_reports_transports_and_fails_below_the_floor(tmp_path: Path) -> None:
+    out = tmp_path / "doctor.json"
+    proc = doctor(*QUICK, "--min-ratio", "0", "--min-gbps", "1000", "--json", str(out))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1].startswith("FAILED: 1 failed") and lines[-1].endswith("-> exit 1")
+    assert any(line.startswith("UCX 1.") for line in lines)  # version in the header
+    report = json.loads(out.read_text())
+    found = checks(report)
+    assert found["peer test"]["status"] == "fail" and "--min-gbps 1000" in proc.stdout
+    # the lanes UCX chose for the endpoint between the two processes, by message size
+    selected = found["selected"]
+    assert selected["status"] == "ok" and "ucp_tag_send" in selected["details"][0]
+    assert all(len(row.split()) >= 3 for row in selected["details"][1:])
+    assert found["RDMA"]["status"] in ("ok", "warn", "fail")  # whatever this host has
+    (case,) = report["peer_test"]["cases"]
+    assert case["num_bytes"] == 1 << 20 and case["pull_gbps"] > 0 and case["raw_gbps"] > 0
+    assert report["peer_test"]["ucx"]["resources"]
+
+
+def test_unreachable_nats_is_one_line_and_exit_2() -> None:
+    proc = doctor("--nats-url", f"nats://127.0.0.1:{free_port()}", timeout=60)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("pdserve doctor: cannot reach NATS at nats://127.0.0.1:")
+
+
+def test_ucx_host_not_on_this_machine_is_one_line_and_exit_2() -> None:
+    host = "203.0.113.77"  # TEST-NET-3: never a real interface
+    assert host not in interface_addresses().values()
+    proc = doctor("--ucx-host", host, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    (line,) = proc.stderr.strip().splitlines()
+    assert (
+        line.startswith("pdserve doctor: --ucx-host") and "not an address of this machine" in line
+    )
+
+
+async def loads(url: str, want: set[str], until, timeout: float = 60) -> dict[str, WorkerLoad]:
+    """The latest heartbeat of each worker in ``want``, once ``until(loads)`` holds."""
+    bus = Bus(BusConfig(nats_url=url), "doctor-test")
+    await bus.connect()
+    seen: dict[str, WorkerLoad] = {}
+
+    async def on_load(msg: WorkerLoad, headers) -> None:
+        seen[msg.worker_id] = msg
+
+    await bus.subscribe(bus.subjects.all_loads, on_load, (WorkerLoad,))
+    try:
+        async with asyncio.timeout(timeout):
+            while not (want <= set(seen) and until(seen)):
+                await asyncio.sleep(0.1)
+    finally:
+        await bus.close()
+    return seen
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("doctor-stack")
+    nats = start_nats(logs)
+    opts = {"model": "demo", "num_kv_blocks": 16, "heartbeat_seconds": 0.25}
+    children = [
+        start_service("prefill", nats.url, logs, None, {**opts, "worker_id": "p0"}),
+        start_service("decode", nats.url, logs, None, {**opts, "worker_id": "d0"}),
+    ]
+    yield nats, children
+    stop_all(children)
+    nats.stop()
+
+
+async def test_running_stack_every_decode_worker_pulls_from_every_prefill_worker(stack) -> None:
+    nats, children = stack
+    await loads(nats.url, {"p0", "d0"}, lambda seen: True)  # both up
+    args = ["--nats-url", nats.url, *QUICK, "--min-ratio", "0", "--discover-seconds", "1"]
+    proc = await asyncio.to_thread(doctor, *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    text = proc.stdout
+    assert "1 prefill, 1 decode worker(s)" in text
+    pull = next(line for line in text.splitlines() if "d0 <- p0" in line)
+    assert pull.startswith("[ OK ] KV pull") and "bytes verified" in pull, text
+    assert "peer test" in text and text.strip().splitlines()[-1].endswith("-> exit 0")
+    # the probe's blocks went back on both sides
+    await loads(
+        nats.url,
+        {"p0", "d0"},
+        lambda seen: all(ld.free_blocks == ld.total_blocks for ld in seen.values()),
+        timeout=10,
+    )
