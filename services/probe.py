@@ -22,7 +22,9 @@ import torch
 from services.engine.sampling import SamplingParams
 from shared import ucx_check
 from shared.kv_probe import (
+    MAX_PROBE_LEASES,
     MAX_PROBE_TTL,
+    PROBE_PREFIX,
     ProbeLeaseReply,
     ProbeLeaseRequest,
     ProbePullReply,
@@ -70,6 +72,16 @@ def _busy(worker: PrefillWorker | DecodeWorker, waiting: int) -> str | None:
     return None
 
 
+def _bad_probe(worker: PrefillWorker, probe_id: str) -> str | None:
+    if not probe_id.startswith(PROBE_PREFIX):
+        return f"probe ids start with {PROBE_PREFIX!r}"
+    if worker.leases.token_of(probe_id) is not None:
+        return f"probe {probe_id} exists"
+    if sum(rid.startswith(PROBE_PREFIX) for rid in worker.leases.leases) >= MAX_PROBE_LEASES:
+        return f"busy: {MAX_PROBE_LEASES} probe leases held already"
+    return None
+
+
 def _reserve_block(worker: PrefillWorker | DecodeWorker, probe_id: str) -> int | None:
     if probe_id in worker.engine.seqs:
         return None
@@ -81,9 +93,7 @@ async def lease_probe(worker: PrefillWorker, req: ProbeLeaseRequest) -> ProbeLea
     """Lease one block filled with the probe's pattern, as a prefill result leases its KV."""
     reply = ProbeLeaseReply(req.probe_id, worker.worker_id, "refused")
     reply.warnings = ucx_check.transport_warnings()
-    reply.error = _busy(worker, worker.engine.num_waiting)
-    if reply.error is None and worker.leases.token_of(req.probe_id) is not None:
-        reply.error = f"probe {req.probe_id} exists"
+    reply.error = _busy(worker, worker.engine.num_waiting) or _bad_probe(worker, req.probe_id)
     block = None if reply.error else _reserve_block(worker, req.probe_id)
     if block is None:
         reply.error = reply.error or "busy: no free KV block"

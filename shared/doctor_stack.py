@@ -24,6 +24,7 @@ from shared.bus import Bus
 from shared.config import BusConfig
 from shared.doctor_report import FAIL, INFO, OK, WARN, DoctorInputError, Report
 from shared.kv_probe import (
+    PROBE_PREFIX,
     ProbeLeaseReply,
     ProbeLeaseRequest,
     ProbePullReply,
@@ -137,7 +138,7 @@ class StackCheck:
         leases: dict[str, ProbeLeaseReply] = {}
         tag = secrets.token_hex(4)
         for i, worker_id in enumerate(prefill):
-            ask = ProbeLeaseRequest(f"doctor-{tag}-{i}", ttl=PROBE_TTL)
+            ask = ProbeLeaseRequest(f"{PROBE_PREFIX}{tag}-{i}", ttl=PROBE_TTL)
             reply = await self._ask(worker_id, ask, ProbeLeaseReply, self.timeout)
             if isinstance(reply, str):
                 report.add("probe lease", FAIL, reply)

@@ -40,6 +40,8 @@ from shared.protocol import (
 log = logging.getLogger("pdserve.probe")
 
 MAX_PROBE_TTL = 30.0  # seconds a probe lease may live if the doctor never releases it
+MAX_PROBE_LEASES = 4  # probe leases one prefill worker holds at once: probes never hoard blocks
+PROBE_PREFIX = "doctor-"  # every probe id starts with it, so a worker can count its probes
 MAX_PROBE_PULLS = 10
 PROBE_STATUSES = ("ok", "refused", "failed")
 

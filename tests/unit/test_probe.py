@@ -12,10 +12,10 @@ from services.engine.sampling import SamplingParams
 from services.prefill.worker import PrefillWorker
 from services.probe import block_matches, lease_probe, pull_probe
 from shared.config import EngineConfig
-from shared.kv_probe import ProbeLeaseRequest, ProbePullRequest
+from shared.kv_probe import MAX_PROBE_LEASES, ProbeLeaseRequest, ProbePullRequest
 from shared.kv_transfer import KVTransferError, LeaseTable, TransferStats
 
-BLOCKS = 3
+BLOCKS = MAX_PROBE_LEASES + 1
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +112,13 @@ async def test_probes_are_refused_when_a_block_may_be_missed(engines) -> None:
     reply = await lease_probe(p, ProbeLeaseRequest("doctor-e"))
     assert reply.status == "refused" and "no free KV block" in reply.error
     prefill.release("held")
+    for i in range(MAX_PROBE_LEASES):
+        assert (await lease_probe(p, ProbeLeaseRequest(f"doctor-h{i}"))).status == "ok"
+    reply = await lease_probe(p, ProbeLeaseRequest("doctor-i"))
+    assert reply.status == "refused" and "probe leases held" in reply.error
+    for i in range(MAX_PROBE_LEASES):
+        p.leases.release(f"doctor-h{i}")
+    assert "start with" in (await lease_probe(p, ProbeLeaseRequest("req-1"))).error
     p.draining = True
     assert "draining" in (await lease_probe(p, ProbeLeaseRequest("doctor-f"))).error
     d = decode_worker(decode, CopyClient(prefill))
