@@ -36,6 +36,8 @@ from shared.protocol import ReleaseLease, WorkerGone, WorkerLoad
 
 PROBE_PULLS = 3
 PROBE_TTL = 15.0
+MAX_PAIR_LINES = 4  # beyond this many worker pairs, successful pulls share one line
+MAX_WORKER_LINES = 8
 
 
 def reachable(nats_url: str, timeout: float) -> None:
@@ -68,6 +70,7 @@ class StackCheck:
         self.timeout = timeout
         self.bus = Bus(config, f"doctor-{os.getpid()}")
         self.loads: dict[str, WorkerLoad] = {}
+        self.warnings: dict[str, tuple[str, ...]] = {}  # worker id -> its transport warnings
         self.listening_since = 0.0
 
     async def connect(self) -> None:
@@ -101,6 +104,10 @@ class StackCheck:
             f"{ld.running} running, {ld.waiting} waiting"
             for w, ld in sorted(self.loads.items())
         ]
+        if len(details) > MAX_WORKER_LINES:
+            details[MAX_WORKER_LINES - 1 :] = [
+                f"... and {len(details) - MAX_WORKER_LINES + 1} more"
+            ]
         if not decode:
             report.add("stack", FAIL, f"no decode worker heard in {discover_seconds:g}s on {where}",
                        details)  # fmt: skip
@@ -113,6 +120,7 @@ class StackCheck:
         leases = await self._lease_probes(report, prefill)
         try:
             await self._pull_probes(report, decode, leases)
+            self.add_worker_warnings(report)
         finally:
             for worker_id, lease in leases.items():
                 with contextlib.suppress(Exception):
@@ -142,19 +150,19 @@ class StackCheck:
             reply = await self._ask(worker_id, ask, ProbeLeaseReply, self.timeout)
             if isinstance(reply, str):
                 report.add("probe lease", FAIL, reply)
-            elif reply.status != "ok" or reply.kv is None:
+                continue
+            self.warnings[worker_id] = tuple(reply.warnings)
+            if reply.status != "ok" or reply.kv is None:
                 status = WARN if reply.status == "refused" else FAIL
                 report.add("probe lease", status, f"{worker_id} refused: {reply.error}")
             else:
                 leases[worker_id] = reply
-            if not isinstance(reply, str) and reply.warnings:
-                report.add("worker UCX", WARN, f"!! {worker_id}", reply.warnings)
         return leases
 
     async def _pull_probes(
         self, report: Report, decode: list[str], leases: dict[str, ProbeLeaseReply]
     ) -> None:
-        warned: set[str] = set()
+        fine: list[tuple[str, ProbePullReply]] = []
         for worker_id in decode:
             for source, lease in leases.items():
                 ask = ProbePullRequest(lease.probe_id, lease.kv, PROBE_PULLS, self.timeout)
@@ -164,17 +172,47 @@ class StackCheck:
                 if isinstance(reply, str):
                     report.add("KV pull", FAIL, f"{pair}: {reply}")
                     continue
-                if reply.warnings and worker_id not in warned:
-                    warned.add(worker_id)
-                    report.add("worker UCX", WARN, f"!! {worker_id}", reply.warnings)
+                self.warnings[worker_id] = tuple(reply.warnings)
                 if reply.status != "ok":
                     status = WARN if reply.status == "refused" else FAIL
                     report.add("KV pull", status, f"{pair}: {reply.status}: {reply.error}")
-                    continue
-                first, rest = reply.pull_seconds[0], reply.pull_seconds[1:] or reply.pull_seconds
+                else:
+                    fine.append((pair, reply))
+        if len(fine) <= MAX_PAIR_LINES:
+            for pair, reply in fine:
+                first, then = _times(reply)
                 report.add(
                     "KV pull",
                     OK,
-                    f"{pair}: first {_ms(first)}, then {_ms(statistics.median(rest))} "
-                    f"(median of {len(rest)}), 1 block of {reply.num_bytes} bytes, bytes verified",
+                    f"{pair}: first {_ms(first)}, then {_ms(then)} (median), "
+                    f"1 block of {reply.num_bytes} bytes, bytes verified",
                 )
+        elif fine:
+            firsts, thens = zip(*(_times(reply) for _, reply in fine), strict=True)
+            report.add(
+                "KV pull",
+                OK,
+                f"{len(fine)} worker pairs, bytes verified: first pull {_ms(min(firsts))}-"
+                f"{_ms(max(firsts))}, then {_ms(min(thens))}-{_ms(max(thens))}",
+            )
+
+    def add_worker_warnings(self, report: Report) -> None:
+        """Transport warnings workers sent along, once per distinct set (a cluster built from
+        one image repeats the same ones on every worker)."""
+        groups: dict[tuple[str, ...], list[str]] = {}
+        for worker_id, found in sorted(self.warnings.items()):
+            if found:
+                groups.setdefault(found, []).append(worker_id)
+        for found, workers in groups.items():
+            report.add("worker UCX", WARN, f"!! on {_few(workers)}", list(found))
+
+
+def _times(reply: ProbePullReply) -> tuple[float, float]:
+    """The first pull (it may set up the endpoint) and the median of the rest."""
+    rest = reply.pull_seconds[1:] or reply.pull_seconds
+    return reply.pull_seconds[0], statistics.median(rest)
+
+
+def _few(names: list[str], limit: int = 6) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

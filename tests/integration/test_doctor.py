@@ -130,3 +130,11 @@ async def test_running_stack_every_decode_worker_pulls_from_every_prefill_worker
         lambda seen: all(ld.free_blocks == ld.total_blocks for ld in seen.values()),
         timeout=10,
     )
+
+
+def test_a_stack_without_workers_fails(stack) -> None:
+    nats, _ = stack
+    args = ["--nats-url", nats.url, "--namespace", "nobody-here", "--no-peer-test"]
+    proc = doctor(*args, "--discover-seconds", "0.5", timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "[FAIL] stack" in proc.stdout and "no decode worker heard" in proc.stdout

@@ -260,3 +260,43 @@ def test_probe_messages_round_trip_and_are_checked() -> None:
     assert probe_subject(Subjects("ns"), "d0") == "ns.probe.d0"
     with pytest.raises(ValueError):
         probe_subject(Subjects("ns"), "d0.>")
+
+
+# -- the stack check's verdicts, with canned worker replies --------------------------------------
+
+
+async def test_stack_check_summarises_many_pairs_and_lists_each_failure() -> None:
+    from shared.config import BusConfig
+    from shared.doctor_stack import StackCheck
+    from shared.kv_probe import ProbeLeaseRequest
+    from shared.protocol import WorkerLoad
+
+    check = StackCheck(BusConfig(), timeout=1.0)  # never connected: releases are best effort
+    decode = [f"d{i}" for i in range(8)]
+    for worker_id, role in [("p0", "prefill"), *((d, "decode") for d in decode)]:
+        check.loads[worker_id] = WorkerLoad(worker_id, role, "m", 10, 10, 0, 0)
+    rdma = ["RDMA devices present (mlx5_0:1) but ..."]
+
+    async def ask(worker_id: str, msg, reply_type, timeout):
+        if isinstance(msg, ProbeLeaseRequest):
+            return ProbeLeaseReply(msg.probe_id, worker_id, "ok", handle(), warnings=rdma)
+        if worker_id == "d3":
+            return ProbePullReply(msg.probe_id, worker_id, "failed", error="timed out")
+        if worker_id == "d5":
+            return "d5 did not answer within 1s"
+        return ProbePullReply(
+            msg.probe_id, worker_id, "ok", [0.02, 0.001, 0.003], 64, True, None, rdma
+        )
+
+    check._ask = ask  # type: ignore[method-assign]
+    report = Report()
+    await check.run(report, discover_seconds=0)
+    lines = [(c.name, c.status, c.summary) for c in report.checks]
+    assert lines[0][:2] == ("stack", OK) and "1 prefill, 8 decode" in lines[0][2]
+    failed = [s for n, st, s in lines if st == FAIL]
+    assert failed == ["d3 <- p0: failed: timed out", "d5 <- p0: d5 did not answer within 1s"]
+    (pulls,) = [s for n, st, s in lines if n == "KV pull" and st == OK]
+    assert pulls.startswith("6 worker pairs, bytes verified: first pull 20.0 ms-20.0 ms")
+    (warned,) = [c for c in report.checks if c.name == "worker UCX"]  # one line for all
+    assert warned.status == WARN and "d0, d1" in warned.summary and "1 more" in warned.summary
+    assert warned.details == rdma
