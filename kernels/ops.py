@@ -1,9 +1,9 @@
 """The one dispatch point per kernel. The engine calls only these (`from kernels import ops`).
 
-`PDSERVE_KERNELS=auto|triton|torch` picks the implementation, read on every call so tests and
-benchmarks can flip it: `auto` runs Triton on CUDA tensors (float64 excepted) and the plain-torch
-reference otherwise, `triton` forces Triton (on CPU tensors that needs `TRITON_INTERPRET=1`), `torch` forces
-the reference. The Triton modules are imported on first use, so CPU-only processes never
+`PDSERVE_KERNELS=auto|triton|torch` picks the implementation, read once when this module is
+imported (a bad value fails there); tests and benchmarks switch with `set_backend`. `auto` runs
+Triton on CUDA tensors (float64 excepted) and the plain-torch reference otherwise, `triton`
+forces Triton (on CPU tensors that needs `TRITON_INTERPRET=1`), `torch` forces the reference. The Triton modules are imported on first use, so CPU-only processes never
 compile anything.
 
 Triton launches on the *current* CUDA device: a process serving on cuda:N must call
@@ -34,11 +34,26 @@ _TRITON_MODULES = {
 }
 
 
-def backend_for(tensor: Tensor) -> str:
-    """ "triton" or "torch": what a call with this tensor runs under the current environment."""
-    mode = os.environ.get("PDSERVE_KERNELS", "auto").strip().lower() or "auto"
+def _parse(mode: str) -> str:
+    mode = mode.strip().lower() or "auto"
     if mode not in BACKENDS:
         raise ValueError(f"PDSERVE_KERNELS={mode!r}; expected one of {', '.join(BACKENDS)}")
+    return mode
+
+
+_mode = _parse(os.environ.get("PDSERVE_KERNELS", "auto"))
+
+
+def set_backend(mode: str) -> str:
+    """Switch every op to ``mode`` (auto, triton or torch); returns the previous mode."""
+    global _mode
+    previous, _mode = _mode, _parse(mode)
+    return previous
+
+
+def backend_for(tensor: Tensor) -> str:
+    """ "triton" or "torch": what a call with this tensor runs under the selected backend."""
+    mode = _mode
     if mode == "auto":
         # The Triton kernels accumulate in fp32; float64 (a debugging dtype) stays on the twin.
         return "triton" if tensor.is_cuda and tensor.dtype != torch.float64 else "torch"

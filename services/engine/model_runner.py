@@ -1,5 +1,10 @@
 """Turns a scheduled batch into tensors, runs the model and samples, all without per-sequence
-Python work beyond gathering each sequence's token ids and block table."""
+Python work beyond gathering each sequence's token ids and block table.
+
+A step makes one device-to-host sync: reading the sampled tokens. Everything the host needs to
+know (which sequences have cached prefixes, the longest query and key) comes from the host
+lists the batch is built from, never from device tensors, and step inputs go up from pinned
+buffers with non-blocking copies so the host keeps building while they travel."""
 
 from __future__ import annotations
 
@@ -19,10 +24,14 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
+        self.pinned = device.type == "cuda"
         model.bind_kv_cache(kv_cache)
 
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype, device=self.device)
+        if not self.pinned:
+            return torch.tensor(data, dtype=dtype)
+        host = torch.tensor(data, dtype=dtype, pin_memory=True)
+        return host.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
@@ -41,7 +50,9 @@ class ModelRunner:
         num_tokens = len(input_ids)
         cu_q = torch.zeros(len(seqs) + 1, dtype=torch.int64, device=self.device)
         cu_q[1:] = q_lens.cumsum(0)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs), device=self.device), q_lens)
+        seq_of_token = torch.repeat_interleave(
+            torch.arange(len(seqs), device=self.device), q_lens, output_size=num_tokens
+        )
         positions = (
             starts[seq_of_token] + torch.arange(num_tokens, device=self.device) - cu_q[seq_of_token]
         )
@@ -55,7 +66,7 @@ class ModelRunner:
 
         pre_q = q_lens[nd:]
         pre_k = ctx_lens[nd:]
-        has_prefix = bool((starts[nd:] > 0).any()) if len(seqs) > nd else False
+        has_prefix = any(st > 0 for st in starts_list[nd:])
         decode_tables, decode_lens = block_tables[:nd], ctx_lens[:nd].to(torch.int32)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
@@ -65,8 +76,10 @@ class ModelRunner:
             decode_plan=ops.decode_plan(decode_tables, decode_lens) if nd else None,
             cu_seqlens_q=_cumsum0(pre_q),
             cu_seqlens_k=_cumsum0(pre_k),
-            max_seqlen_q=int(pre_q.max()) if len(pre_q) else 0,
-            max_seqlen_k=int(pre_k.max()) if len(pre_k) else 0,
+            max_seqlen_q=max(counts[nd:], default=0),
+            max_seqlen_k=max(
+                (st + c for st, c in zip(starts_list[nd:], counts[nd:], strict=True)), default=0
+            ),
             prefill_block_tables=block_tables[nd:] if has_prefix else None,
         )
         sampling_rows = [

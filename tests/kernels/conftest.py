@@ -13,3 +13,16 @@ if os.environ.get("PDSERVE_KERNEL_TEST_DEVICE", "cpu") == "cpu":
     if already and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(f"{already} imported before TRITON_INTERPRET=1 could be set")
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def kernel_backend():
+    """Select ``kernels.ops``' backend for one test: ``kernel_backend("triton")``."""
+    from kernels import ops
+
+    previous = ops.set_backend("auto")
+    yield ops.set_backend
+    ops.set_backend(previous)

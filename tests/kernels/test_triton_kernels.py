@@ -195,7 +195,7 @@ def test_decode_attention_long_context_splits() -> None:
 
 
 @uses_dot
-def test_decode_attention_empty_batch_and_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decode_attention_empty_batch_and_dispatch(kernel_backend) -> None:
     paged = make_paged_kv([3], 16, 2, 64, DT, device=DEV)
     q = randn(0, 4, 64)
     out = decode_attention(
@@ -203,7 +203,7 @@ def test_decode_attention_empty_batch_and_dispatch(monkeypatch: pytest.MonkeyPat
     )
     assert out.shape == (0, 4, 64)
     # The engine's entry point reaches this very kernel when Triton is selected.
-    monkeypatch.setenv("PDSERVE_KERNELS", "triton")
+    kernel_backend("triton")
     q = randn(1, 4, 64)
     via_ops = ops.decode_attention(
         q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens(), 0.1
@@ -213,7 +213,7 @@ def test_decode_attention_empty_batch_and_dispatch(monkeypatch: pytest.MonkeyPat
     )
     assert torch.equal(via_ops, direct)
     assert ops.backend_for(q) == "triton"
-    monkeypatch.setenv("PDSERVE_KERNELS", "auto")
+    kernel_backend("auto")
     assert ops.backend_for(q) == ("triton" if DEV == "cuda" else "torch")
 
 
