@@ -79,6 +79,7 @@ def ensure_converted(path: Path) -> Path:
             convert(path, tmp, digest)
             if entry.exists():  # an incomplete entry from an older layout: replace it
                 shutil.rmtree(entry)
+            tmp.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache from other users
             tmp.rename(entry)
             log.info("converted %s in %.1f s", path.name, time.monotonic() - started)
         finally:

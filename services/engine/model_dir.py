@@ -1,7 +1,7 @@
 """The pdserve cache directory, and the demo model that lives in it.
 
 Which model a ``--model`` value means (a built-in name, a .gguf file, a directory) is decided in
-model_resolve.py; ``resolve_model`` below is its short form for callers that need only the path.
+model_resolve.py.
 
 The demo model is a small Llama with random weights and a byte-level tokenizer, generated
 deterministically on first use. It exists so ``pdserve`` runs anywhere with no download; its text
@@ -57,17 +57,6 @@ CHAT_TEMPLATE = (
 
 def cache_dir() -> Path:
     return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
-
-
-def resolve_model(path: str | os.PathLike | None) -> Path:
-    """The local HF-style directory ``path`` names (see model_resolve.resolve)."""
-    from services.engine.model_resolve import resolve
-
-    return resolve(None if path is None else str(path)).path
-
-
-def is_demo_model(model_dir: Path) -> bool:
-    return model_dir.name == f"{DEMO_NAME}-v{DEMO_VERSION}"
 
 
 def ensure_demo_model() -> Path:
