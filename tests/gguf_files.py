@@ -64,6 +64,7 @@ def write_gguf(
     arch: str | None = None,
     drop: tuple[str, ...] = (),
     types: dict[str, str] | None = None,
+    add_bos: bool = False,
     seed: int = 0,
 ) -> Path:
     """A GGUF of the HF checkpoint in ``ckpt``; matrices in ``qtype`` unless ``types`` names
@@ -94,7 +95,7 @@ def write_gguf(
     w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
     w.add_vocab_size(cfg["vocab_size"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    _add_tokenizer(w, ckpt, pre)
+    _add_tokenizer(w, ckpt, pre, add_bos)
 
     if rope.get("rope_type") == "llama3" or (cfg.get("rope_scaling") or {}).get("rope_type"):
         w.add_tensor("rope_freqs.weight", _llama3_divisors(rope, head_dim))
@@ -143,7 +144,7 @@ def random_blocks(shape: tuple[int, ...], kind: str, rng: np.random.Generator) -
     return raw.reshape(rows, -1)
 
 
-def _add_tokenizer(w, ckpt: Path, pre: str) -> None:
+def _add_tokenizer(w, ckpt: Path, pre: str, add_bos: bool) -> None:
     tok = json.loads((ckpt / "tokenizer.json").read_text())
     tok_cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
     vocab: dict[str, int] = dict(tok["model"]["vocab"])
@@ -159,7 +160,7 @@ def _add_tokenizer(w, ckpt: Path, pre: str) -> None:
     w.add_token_merges(merges)
     w.add_bos_token_id(vocab[tok_cfg["bos_token"]])
     w.add_eos_token_id(vocab[tok_cfg["eos_token"]])
-    w.add_add_bos_token(False)
+    w.add_add_bos_token(add_bos)
     w.add_chat_template(tok_cfg["chat_template"])
 
 

@@ -161,3 +161,23 @@ def test_tokenizer_and_template_match_hf(gguf_dir, checkpoints) -> None:
     assert ours.chat_template == hf.chat_template
     assert (ours.bos_token, ours.eos_token) == ("<s>", "</s>")
     assert ours.eos_token_ids == [1]
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
+def test_pre_tokenizers_and_bos_match_hf(tmp_path, checkpoints, pre) -> None:
+    """Llama 3's and Qwen2's splits (digits in threes, one by one) and a file that asks for BOS."""
+    from transformers import AutoTokenizer
+
+    from gateway.tokenizer import ModelTokenizer
+
+    path = write_gguf(
+        checkpoints["llama-gqa"], tmp_path / f"{pre}.gguf", "F16", pre=pre, add_bos=True
+    )
+    ours = ModelTokenizer.from_dir(resolve(str(path)).path)
+    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    texts = ["1234567 and 89", "  spaced   out\n\n 42\t7", "naïve 日本語 🚀", "it's 'll 'VE", ""]
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids[0] == 0  # <s>
+        assert ids == hf(text)["input_ids"], text
+        assert ours.encode(text, add_special_tokens=False) == ids[1:]
