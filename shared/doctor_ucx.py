@@ -18,10 +18,11 @@ import re
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared import ucx_check
 from shared.doctor_report import FAIL, INFO, OK, WARN, Report
 from shared.ucx_check import is_cuda, is_rdma
 
@@ -128,6 +129,8 @@ async def run_peer_test(
 
 
 def header_lines(ucx: dict[str, Any]) -> list[str]:
+    if "version" not in ucx:
+        return ["UCX: did not start in the test processes (UCX log and peer test below)"]
     flags = " ".join(_BUILD_FLAG.findall(ucx.get("configured_with", ""))) or "unknown"
     shown = {k: v for k, v in ucx.get("env", {}).items() if k not in DOCTOR_ONLY_ENV}
     env = " ".join(f"{k}={v}" for k, v in shown.items()) or "none"
@@ -141,12 +144,14 @@ def header_lines(ucx: dict[str, Any]) -> list[str]:
 
 def add_transport_checks(report: Report, run: PeerRun) -> None:
     """Resources, selected lanes, and RDMA/CUDA hardware that UCX left unused."""
-    ucx = run.outcome.get("ucx", {})
+    ucx = run.outcome.get("ucx") or _facts_without_ucx()
     resources: list[str] = ucx.get("resources", [])
     report.add("resources", INFO, " ".join(resources) or "unknown (UCX did not start)")
     sends = tag_send_tables(run.tables)
     selected = sorted({lane for t in run.tables for lane in t.lanes()})
-    if sends:
+    if not resources:
+        report.add("selected", WARN, "unknown: the test processes never got an endpoint")
+    elif sends:
         details = []
         for t in sends:
             details.append(f"{t.operation} ({t.scope}):")
@@ -182,6 +187,18 @@ def add_transport_checks(report: Report, run: PeerRun) -> None:
                        + ("" if kind == "rdma" else " (the test moved host memory)"))  # fmt: skip
     if run.problems:
         report.add("UCX log", WARN, f"{len(run.problems)} warning(s) from UCX", run.problems[:5])
+
+
+def _facts_without_ucx() -> dict[str, Any]:
+    """The hardware half of ``ucx_facts``, read here when the test processes could not start
+    UCX (so their report is missing): what the host has is known all the same."""
+    devices = ucx_check.host_devices()
+    findings = ucx_check.transport_findings(devices=devices)
+    return {
+        "rdma_devices": devices.rdma,
+        "cuda_devices": devices.cuda,
+        "findings": [asdict(f) for f in findings],
+    }
 
 
 def add_peer_check(

@@ -300,3 +300,12 @@ async def test_stack_check_summarises_many_pairs_and_lists_each_failure() -> Non
     (warned,) = [c for c in report.checks if c.name == "worker UCX"]  # one line for all
     assert warned.status == WARN and "d0, d1" in warned.summary and "1 more" in warned.summary
     assert warned.details == rdma
+
+
+def test_hardware_is_still_judged_when_ucx_did_not_start(monkeypatch) -> None:
+    monkeypatch.setattr(ucx_check, "host_devices", lambda: RDMA_HOST)
+    monkeypatch.setattr(ucx_check, "uct_modules", lambda lib_dir: ["cma"])
+    report = Report()
+    doctor_ucx.add_transport_checks(report, PeerRun({"error": "no device"}, [], [], 1.0, ""))
+    assert statuses(report) == {"resources": INFO, "selected": WARN, "RDMA": FAIL, "CUDA": OK}
+    assert doctor_ucx.header_lines({})[0].startswith("UCX: did not start")
