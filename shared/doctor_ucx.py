@@ -105,6 +105,9 @@ async def run_peer_test(
             "UCX_WARN_UNUSED_ENV_VARS": "n",
             "OMP_NUM_THREADS": "1",
         }
+        # a fixed port (a worker's --ucx-port exported to UCX) would be taken by the worker
+        # itself, or by the first of the two test processes
+        env.pop("UCX_TCP_PORT_RANGE", None)
         argv = [sys.executable, "-m", PEER_MODULE, "--measure", "--result", str(result),
                 "--host", host, "--reps", str(reps), "--warmup", str(warmup),
                 "--sizes-mib", *(f"{s:g}" for s in sizes_mib)]  # fmt: skip
