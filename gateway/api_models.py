@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.errors import APIError, bad_request, unsupported_parameter
+from shared.sampling import BOUNDS
 
 MAX_NESTING = 32  # deeper JSON than this is never a legitimate request
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
-MAX_SEED = 2**63 - 1
-MAX_TOP_K = 2**31 - 1  # the wire protocol's token-id bound
 ALLOWED_ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -39,12 +38,31 @@ class NumberField:
 
 SAMPLING_FIELDS: tuple[NumberField, ...] = (
     NumberField("max_tokens", "integer", "most tokens to generate", minimum=1),
-    NumberField("temperature", "number", "sampling temperature; 0 is greedy", 0.0, 2.0),
-    NumberField("top_p", "number", "nucleus sampling mass", 0.0, 1.0, exclusive_minimum=True),
     NumberField(
-        "top_k", "integer", "sample among the k likeliest tokens; -1 or 0 is off", -1, MAX_TOP_K
+        "temperature",
+        "number",
+        "sampling temperature; 0 is greedy",
+        BOUNDS["temperature"].lo,
+        BOUNDS["temperature"].hi,
     ),
-    NumberField("seed", "integer", "per-request sampling seed", -MAX_SEED, MAX_SEED),
+    NumberField(
+        "top_p",
+        "number",
+        "nucleus sampling mass",
+        BOUNDS["top_p"].lo,
+        BOUNDS["top_p"].hi,
+        exclusive_minimum=BOUNDS["top_p"].lo_open,
+    ),
+    NumberField(
+        "top_k",
+        "integer",
+        "sample among the k likeliest tokens; -1 or 0 is off",
+        BOUNDS["top_k"].lo,
+        BOUNDS["top_k"].hi,
+    ),
+    NumberField(
+        "seed", "integer", "per-request sampling seed", BOUNDS["seed"].lo, BOUNDS["seed"].hi
+    ),
     NumberField("n", "integer", "number of choices; only 1 is supported", 1, 1),
 )
 _FIELDS_BY_NAME = {f.name: f for f in SAMPLING_FIELDS}

@@ -27,7 +27,6 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from gateway.router import Router
-from services.engine.sampling import SamplingParams
 from shared import protocol
 from shared.bus import Bus
 from shared.discovery import LEFT, WorkerRegistry
@@ -41,6 +40,7 @@ from shared.protocol import (
     TokenItem,
     WorkerLoad,
 )
+from shared.sampling import SamplingParams
 from shared.tracing import ATTR_REQUEST_ID, SPAN_ROUTE, inject_headers, tracer
 
 log = logging.getLogger("pdserve.gateway.dispatch")

@@ -25,8 +25,8 @@ from gateway.sse import SSEWriter
 from gateway.state import ARRIVED_KEY, REQUEST_ID_KEY, Gateway
 from gateway.stop import StopStringMatcher
 from gateway.tokenizer import ModelTokenizer
-from services.engine.sampling import SamplingParams
 from shared import tracing as tr
+from shared.sampling import SamplingParams
 
 log = logging.getLogger("pdserve.gateway")
 

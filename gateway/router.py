@@ -39,7 +39,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from services.engine.block_manager import prefix_block_hashes
+from shared.block_hash import prefix_block_hashes
 from shared.protocol import WorkerLoad
 
 MAX_REMEMBER_SECONDS = 2.0  # a few heartbeat intervals

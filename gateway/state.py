@@ -21,11 +21,11 @@ from gateway.chat_template import ChatTemplate
 from gateway.dispatch import Dispatcher
 from gateway.router import Router
 from gateway.tokenizer import ModelTokenizer
-from services.engine.sampling import SamplingParams
 from shared.bus import Bus
 from shared.config import BusConfig, EngineConfig, GatewayConfig
 from shared.discovery import WorkerRegistry
 from shared.metrics import GatewayMetrics, WorkerLoadCollector
+from shared.sampling import SamplingParams
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -43,7 +43,7 @@ class ServedModel:
         # Imported only here, and light: the same resolution as the workers', so the name the
         # gateway serves is the name the workers register (a GGUF converts without torch; only
         # the demo model's first creation needs it).
-        from services.engine.model_resolve import resolve
+        from shared.models.resolve import resolve
 
         model = resolve(engine.model)
         model_dir = model.path

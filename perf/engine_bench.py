@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from services.engine.engine import LLMEngine
-from services.engine.sampling import SamplingParams
 from shared.config import EngineConfig
+from shared.sampling import SamplingParams
 
 
 @dataclass

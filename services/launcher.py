@@ -324,7 +324,7 @@ class Launcher:
     def start(self) -> None:
         # Resolve (and on first use convert) the model once, here, so the workers and the
         # gateway start from the cache instead of all converting a GGUF at the same time.
-        from services.engine.model_resolve import resolve
+        from shared.models.resolve import resolve
 
         self.model = resolve(self.engine.model)
         if self.up.nats_url:
@@ -396,7 +396,7 @@ class Launcher:
         return False
 
     def model_banner(self) -> str:
-        from services.engine.model_resolve import describe
+        from shared.models.resolve import describe
 
         dtype = self.engine.dtype
         if dtype == "auto":  # the engine's rule, decided without importing torch here

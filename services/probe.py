@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.engine.sampling import SamplingParams
 from shared import ucx_check
 from shared.kv_probe import (
     MAX_PROBE_LEASES,
@@ -31,6 +30,7 @@ from shared.kv_probe import (
     ProbePullRequest,
 )
 from shared.kv_transfer import KVTransferError
+from shared.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from services.decode.worker import DecodeWorker

@@ -22,28 +22,16 @@ from shared.errors import StartupError
 @dataclass(frozen=True)
 class Command:
     help: str
-    target: str  # "module:function", imported only when the command runs, to keep start-up fast
+    # "module:function" strings, imported only when needed: start-up stays fast, and this module
+    # (in shared/) never imports the tools above it (perf/).
+    target: str
     options: tuple[type, ...] = ()
-    extra: Callable[[argparse.ArgumentParser], None] | None = None
+    extra: str | None = None  # adds the command's own arguments to its parser
 
 
-def _trace_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--jaeger", default="http://127.0.0.1:16686", help="Jaeger query base URL")
-    p.add_argument("request_id", nargs="?", help="request id (x-request-id) to show")
-    p.add_argument("--last", type=int, default=0, help="show the last N requests instead")
-    p.add_argument("--service", default="pdserve-gateway", help="service whose traces are listed")
-
-
-def _doctor_args(p: argparse.ArgumentParser) -> None:
-    from shared.doctor import add_arguments
-
-    add_arguments(p)
-
-
-def _bench_args(p: argparse.ArgumentParser) -> None:
-    from perf.bench_cli import add_arguments
-
-    add_arguments(p)
+def _load(spec: str) -> Callable:
+    module_name, func_name = spec.split(":")
+    return getattr(importlib.import_module(module_name), func_name)
 
 
 COMMANDS: dict[str, Command] = {
@@ -66,17 +54,19 @@ COMMANDS: dict[str, Command] = {
         "run a decode worker", "services.decode.worker:run", (WorkerConfig, EngineConfig, BusConfig)
     ),
     "bench": Command(
-        "benchmark an OpenAI-compatible endpoint", "perf.bench_cli:run", extra=_bench_args
+        "benchmark an OpenAI-compatible endpoint",
+        "perf.bench_cli:run",
+        extra="perf.bench_cli:add_arguments",
     ),
     "doctor": Command(
         "check the KV transfer path: UCX transports, pull vs raw bandwidth, a running stack",
         "shared.doctor:run",
-        extra=_doctor_args,
+        extra="shared.doctor:add_arguments",
     ),
     "trace": Command(
         "per-phase breakdown of request traces from Jaeger",
-        "shared.trace_cli:run",
-        extra=_trace_args,
+        "perf.trace_cli:run",
+        extra="perf.trace_cli:add_arguments",
     ),
 }
 
@@ -90,14 +80,13 @@ def make_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=cmd.help, description=cmd.help)
         add_options(p, *cmd.options)
         if cmd.extra:
-            cmd.extra(p)
+            _load(cmd.extra)(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
-    module_name, func_name = COMMANDS[args.command].target.split(":")
-    func = getattr(importlib.import_module(module_name), func_name)
+    func = _load(COMMANDS[args.command].target)
     try:
         return int(func(args) or 0)
     except StartupError as exc:  # a bad --model and the like: one line, not a traceback

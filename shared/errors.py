@@ -11,3 +11,7 @@ from __future__ import annotations
 class StartupError(RuntimeError):
     """Bad start-up input: a model path that is not a model, a corrupt weights file, a missing
     package. The message must say what is wrong and, where it can, how to fix it."""
+
+
+class ModelLoadError(StartupError):
+    """A model that cannot be served; the message names the file (and the tensor, if one)."""

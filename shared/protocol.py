@@ -29,7 +29,8 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from services.engine.sampling import SamplingParams
+from shared.sampling import BOUNDS as SAMPLING_BOUNDS
+from shared.sampling import MAX_STOP_TOKEN_IDS, SamplingParams
 
 PROTOCOL_VERSION = 2  # 2: KV handles carry a UCX worker address, not host:port
 
@@ -302,13 +303,11 @@ MESSAGE_TYPES: dict[str, type] = {
 _NESTED = (KVHandle, TokenItem, SamplingParams)
 
 # SamplingParams belongs to the engine, so its wire bounds are declared here.
+# SamplingParams' bounds are written once, in shared.sampling; the class itself refuses what
+# its bounds' open ends and special values (top_k 0) exclude.
 _SAMPLING_BOUNDS: dict[str, dict[str, Any]] = {
-    "temperature": {"lo": 0.0, "hi": 2.0},
-    "top_p": {"lo": 0.0, "hi": 1.0},
-    "top_k": {"lo": -1, "hi": MAX_TOKEN_ID},
-    "seed": {"lo": -INT64_MAX, "hi": INT64_MAX},
-    "max_tokens": {"lo": 1, "hi": MAX_TOKENS},
-    "stop_token_ids": {"lo": 0, "hi": MAX_TOKEN_ID, "max_len": MAX_STOP_TOKENS},
+    **{name: {"lo": b.lo, "hi": b.hi} for name, b in SAMPLING_BOUNDS.items()},
+    "stop_token_ids": {"lo": 0, "hi": MAX_TOKEN_ID, "max_len": MAX_STOP_TOKEN_IDS},
     "ignore_eos": {},
 }
 

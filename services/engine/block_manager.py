@@ -12,29 +12,10 @@ ordered least-recently-freed first, so allocation evicts the coldest cached bloc
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict
-from collections.abc import Sequence as Seq
 
 from services.engine.sequence import Sequence
-
-ROOT_HASH = 0
-
-
-def hash_block(parent_hash: int, token_ids: Seq[int]) -> int:
-    data = struct.pack(f"<Q{len(token_ids)}I", parent_hash, *token_ids)
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
-
-
-def prefix_block_hashes(token_ids: Seq[int], block_size: int) -> list[int]:
-    """Chained hashes of every full block of ``token_ids``."""
-    hashes: list[int] = []
-    parent = ROOT_HASH
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size])
-        hashes.append(parent)
-    return hashes
+from shared.block_hash import ROOT_HASH, hash_block, prefix_block_hashes
 
 
 class BlockManager:

@@ -24,12 +24,12 @@ import torch
 from services.engine.block_manager import BlockManager
 from services.engine.loader import load_model
 from services.engine.model_config import ModelConfig
-from services.engine.model_resolve import describe, resolve
 from services.engine.model_runner import ModelRunner
-from services.engine.sampling import SamplingParams
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import Sequence, SequenceStatus
 from shared.config import EngineConfig
+from shared.models.resolve import describe, resolve
+from shared.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,8 @@ import torch
 from safetensors import safe_open
 
 from services.engine.model import LlamaForCausalLM
-from services.engine.model_config import ModelConfig, ModelLoadError
+from services.engine.model_config import ModelConfig
+from shared.errors import ModelLoadError
 
 
 class CheckpointFiles:

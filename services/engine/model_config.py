@@ -7,14 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.errors import StartupError
+from shared.errors import ModelLoadError
 
 # model_type -> whether q/k/v projections carry a bias regardless of config flags
 SUPPORTED_MODEL_TYPES = {"llama": False, "qwen2": True, "mistral": False}
-
-
-class ModelLoadError(StartupError):
-    """A model that cannot be served; the message names the file (and the tensor, if one)."""
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
-from services.engine.sampling import SamplingParams
+from shared.sampling import SamplingParams
 
 
 class SequenceStatus(Enum):

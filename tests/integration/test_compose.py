@@ -609,7 +609,7 @@ def cpu_profile_stack(tmp_path_factory) -> Iterator[LocalStack]:
                 worker_ids[command[1]] = env["PDSERVE_WORKER_ID"]
             if not env.get("PDSERVE_MODEL"):
                 # Made once here, so three processes do not race to generate the demo model.
-                from services.engine.model_dir import ensure_demo_model
+                from shared.models.demo import ensure_demo_model
 
                 ensure_demo_model()
             full_env = {**base, **env}

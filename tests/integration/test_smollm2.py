@@ -51,7 +51,7 @@ COMPLETIONS = ["The three laws of thermodynamics are", "def fibonacci(n):\n"]
 
 @pytest.fixture(scope="module")
 def model():
-    from services.engine.model_resolve import resolve
+    from shared.models.resolve import resolve
 
     return resolve(NAME)
 

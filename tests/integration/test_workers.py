@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.block_manager import prefix_block_hashes
-from services.engine.sampling import SamplingParams
+from shared.block_hash import prefix_block_hashes
 from shared.bus import Bus
 from shared.config import BusConfig
 from shared.discovery import WorkerRegistry
@@ -27,6 +26,7 @@ from shared.protocol import (
     TokenItem,
     WorkerLoad,
 )
+from shared.sampling import SamplingParams
 from tests.integration.stack import (
     Child,
     NatsServer,

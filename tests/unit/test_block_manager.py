@@ -3,9 +3,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from services.engine.block_manager import BlockManager, prefix_block_hashes
-from services.engine.sampling import SamplingParams
+from services.engine.block_manager import BlockManager
 from services.engine.sequence import Sequence
+from shared.block_hash import prefix_block_hashes
+from shared.sampling import SamplingParams
 
 
 def seq(rid: str, tokens: list[int]) -> Sequence:
@@ -22,7 +23,7 @@ def computed(bm: BlockManager, s: Sequence, n: int | None = None) -> Sequence:
 def test_hashes_are_stable_across_processes():
     tokens = list(range(100))
     here = prefix_block_hashes(tokens, 16)
-    code = "from services.engine.block_manager import prefix_block_hashes as h; print(h(list(range(100)), 16))"
+    code = "from shared.block_hash import prefix_block_hashes as h; print(h(list(range(100)), 16))"
     there = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout

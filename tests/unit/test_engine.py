@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from services.engine.engine import LLMEngine
-from services.engine.model_config import ModelLoadError
-from services.engine.sampling import SamplingParams
 from shared.config import EngineConfig
+from shared.errors import ModelLoadError
+from shared.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -244,7 +244,7 @@ def test_sharded_checkpoint_loads(llama_dir, tmp_path):
 
 
 def test_demo_model_is_deterministic(tmp_path, monkeypatch):
-    from services.engine.model_dir import write_demo_model
+    from shared.models.demo import write_demo_model
 
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from services.engine import model_runner
-from services.engine.model_resolve import resolve
-from services.engine.sampling import SamplingParams
+from shared.models.resolve import resolve
+from shared.sampling import SamplingParams
 from tests.gguf_files import tiny_llama_256, write_gguf
 from tests.unit.test_engine import hf_greedy, make_engine, random_prompts
 

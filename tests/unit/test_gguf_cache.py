@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from services.engine import gguf_convert, model_resolve
-from services.engine.model_config import ModelLoadError
-from services.engine.model_resolve import resolve
+from shared.errors import ModelLoadError
+from shared.models import gguf_convert
+from shared.models import resolve as model_resolve
+from shared.models.resolve import resolve
 from tests.gguf_files import tiny_llama_256, write_gguf
 
 REPO = Path(__file__).resolve().parents[2]
@@ -149,7 +150,7 @@ def test_half_written_entries_are_never_used(own_cache, good, monkeypatch) -> No
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr("services.engine.gguf_weights.write_safetensors", crash)
+    monkeypatch.setattr("shared.models.gguf_weights.write_safetensors", crash)
     with pytest.raises(ModelLoadError, match="disk full"):
         resolve(str(good))
     root = own_cache / "gguf"
@@ -169,7 +170,7 @@ def test_half_written_entries_are_never_used(own_cache, good, monkeypatch) -> No
 def test_processes_starting_together_convert_once(tmp_path, good) -> None:
     code = (
         "import logging, sys; logging.basicConfig(level=logging.INFO);"
-        "from services.engine.model_resolve import resolve; print(resolve(sys.argv[1]).path)"
+        "from shared.models.resolve import resolve; print(resolve(sys.argv[1]).path)"
     )
     env = {**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path / "shared-cache")}
     procs = [

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-from services.engine.sampling import SamplingParams
+from shared.sampling import SamplingParams
 from tests.unit.test_engine import make_engine
 
 ENGINE_DIR = str(Path(__file__).resolve().parents[2] / "services" / "engine")

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import pytest
 
 from services.engine.engine import LLMEngine
-from services.engine.sampling import SamplingParams
 from services.prefill.worker import PrefillWorker
 from services.probe import block_matches, lease_probe, pull_probe
 from shared.config import EngineConfig
 from shared.kv_probe import MAX_PROBE_LEASES, ProbeLeaseRequest, ProbePullRequest
 from shared.kv_transfer import KVTransferError, LeaseTable, TransferStats
+from shared.sampling import SamplingParams
 
 BLOCKS = MAX_PROBE_LEASES + 1
 

@@ -7,7 +7,6 @@ import math
 import msgpack
 import pytest
 
-from services.engine.sampling import SamplingParams
 from shared.protocol import (
     MAX_KV_EVENT_HASHES,
     MAX_TOKEN_ID,
@@ -30,6 +29,7 @@ from shared.protocol import (
     decode_as,
     encode,
 )
+from shared.sampling import SamplingParams
 
 FINGERPRINT = {
     "model": "tiny",

@@ -8,11 +8,12 @@ import time
 from collections import Counter
 
 from gateway.router import Router
-from services.engine.block_manager import BlockManager, prefix_block_hashes
-from services.engine.sampling import SamplingParams
+from services.engine.block_manager import BlockManager
 from services.engine.sequence import Sequence
+from shared.block_hash import prefix_block_hashes
 from shared.discovery import KVEventPublisher, WorkerRegistry
 from shared.protocol import KVEvents, WorkerLoad
+from shared.sampling import SamplingParams
 
 BS = 16
 MODEL = "m"

@@ -69,6 +69,13 @@ class Breakdown:
 # --- Jaeger query API --------------------------------------------------------------------------
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--jaeger", default="http://127.0.0.1:16686", help="Jaeger query base URL")
+    p.add_argument("request_id", nargs="?", help="request id (x-request-id) to show")
+    p.add_argument("--last", type=int, default=0, help="show the last N requests instead")
+    p.add_argument("--service", default="pdserve-gateway", help="service whose traces are listed")
+
+
 def _get_json(url: str) -> dict[str, Any]:
     try:
         with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as resp:
