@@ -1,0 +1,58 @@
+"""KV-cache transfer over UCX (ucxx): the decode worker pulls a prefill worker's leased blocks
+straight into blocks it allocated in its own cache.
+
+The engine's cache is one block-major tensor ``[num_blocks, layers, 2, block_size, kv_heads,
+head_dim]``, so a run of consecutive block ids is one contiguous byte range on either side. A pull
+pairs source and destination ids, cuts the pairs into runs that are consecutive on *both* sides,
+and moves each run as a single UCX message - no per-layer or per-token chatter.
+
+Both ends connect by UCX *worker address* (``KVServer.address``, published on the bus), never
+through a sockaddr listener: ucxx's listener can only bind the wildcard address, while the worker
+address path listens only where ``shared.ucx_config`` lets UCX's transports listen
+(``--ucx-host``/``--ucx-port``). Tags are 64-bit; every pull draws a fresh random tag ``T``, so
+pulls on one endpoint run concurrently and never see each other's messages::
+
+    decode -> prefill   on the server's control tag: u32 length + msgpack {request_id, token,
+                        fingerprint, runs: [[src, n]..], reply_to: the decode worker's UCX
+                        address, tag: T}
+    prefill -> decode   on T+1: one fixed-size reply (ok, or the reason for a refusal)
+    prefill -> decode   on T+2: one message per run, straight from / into the cache tensors
+
+The puller posts the receive for the reply before it sends the request, and its receives into
+its blocks once the reply says yes, all on its endpoint to the server. If the data does not come
+in time the puller aborts that endpoint, which cancels every receive still pointing into its
+blocks (so no late byte can reach blocks given to another request) and, UCX pairing the two
+peers' endpoints, also fails the server's sends at once; a refusal leaves nothing posted.
+
+The server checks the lease's secret token before anything else - until then it does not even
+connect back to the address in the request - then the layout fingerprint and that every requested
+block belongs to the lease. Leased blocks are pinned while they are being sent, so a lease that
+expires mid-transfer is freed only after the last byte left.
+"""
+
+from shared.kv_transfer.client import KVClient
+from shared.kv_transfer.lease import Lease, LeaseTable
+from shared.kv_transfer.server import KVServer
+from shared.kv_transfer.wire import (
+    FingerprintMismatch,
+    KVTransferError,
+    TransferStats,
+    block_runs,
+    blocks_for_tokens,
+    format_address,
+    parse_address,
+)
+
+__all__ = [
+    "FingerprintMismatch",
+    "KVClient",
+    "KVServer",
+    "KVTransferError",
+    "Lease",
+    "LeaseTable",
+    "TransferStats",
+    "block_runs",
+    "blocks_for_tokens",
+    "format_address",
+    "parse_address",
+]

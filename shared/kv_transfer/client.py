@@ -1,0 +1,183 @@
+"""The decode side: pulls a KV handle's blocks straight into blocks of its own cache."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+
+from shared import ucx_config, ucx_progress
+from shared.kv_transfer.wire import (
+    MAX_CONTROL_BYTES,
+    REPLY_BYTES,
+    Endpoints,
+    FingerprintMismatch,
+    KVTransferError,
+    TransferStats,
+    block_runs,
+    blocks_for_tokens,
+    buffer,
+    fingerprint_diff,
+    own_address,
+    parse_address,
+    pull_tag,
+    retrieve,
+    unpack_reply,
+)
+from shared.protocol import KVHandle
+
+log = logging.getLogger("pdserve.kv")
+
+
+@dataclass
+class _Pull:
+    ep: Any
+    receiving: bool = False  # receives into our blocks are posted and not all done
+
+
+class KVClient:
+    """Pulls KV handles into ``kv_cache``; keeps one endpoint per prefill worker."""
+
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        fingerprint: dict,
+        block_size: int,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.fingerprint = dict(fingerprint)
+        self.block_size = block_size
+        self.host = host
+        self.port = port
+        self.endpoints = Endpoints()
+        self._address: bytes | None = None
+
+    def check(self, handle: KVHandle) -> None:
+        """Raise FingerprintMismatch unless ``handle``'s layout equals ours."""
+        if handle.fingerprint != self.fingerprint:
+            raise FingerprintMismatch(
+                f"KV layout of {handle.worker_id} differs "
+                f"({fingerprint_diff(self.fingerprint, handle.fingerprint)})"
+            )
+
+    def own_address(self) -> bytes:
+        """Our UCX worker address, where servers send the KV (configures UCX on first use)."""
+        if self._address is None:
+            ucx_config.configure(self.host, self.port)
+            self._address = own_address()
+        return self._address
+
+    async def connect(self, address: str) -> None:
+        """Set up the endpoint to a server ahead of its first pull (a worker joined)."""
+        self.own_address()
+        _, raw = parse_address(address)
+        await self.endpoints.get(raw)
+
+    def disconnect(self, address: str) -> None:
+        """Drop the endpoint to a server that left (nothing of ours may be posted on it)."""
+        _, raw = parse_address(address)
+        ep = self.endpoints.eps.get(raw)
+        if ep is not None:
+            self.endpoints.drop(raw, ep)
+
+    async def pull(
+        self, request_id: str, handle: KVHandle, dst_block_ids: list[int], timeout: float = 30.0
+    ) -> TransferStats:
+        """Copy the handle's first ``ceil(num_tokens / block_size)`` blocks into ``dst_block_ids``."""
+        self.check(handle)
+        n = blocks_for_tokens(handle.num_tokens, self.block_size)
+        if len(handle.block_ids) < n or len(dst_block_ids) < n:
+            raise KVTransferError(
+                f"{n} blocks needed for {handle.num_tokens} tokens; handle has "
+                f"{len(handle.block_ids)}, destination {len(dst_block_ids)}"
+            )
+        num_blocks = self.kv_cache.shape[0]
+        if not all(0 <= b < num_blocks for b in dst_block_ids[:n]):
+            raise KVTransferError("destination block id out of range")
+        control_tag, raw = parse_address(handle.ucx_address)
+        runs = block_runs(handle.block_ids[:n], dst_block_ids[:n])
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        while True:
+            ep, reused = await self.endpoints.get(raw)
+            pull = _Pull(ep)
+            try:
+                stats = await asyncio.wait_for(
+                    self._pull(pull, control_tag, request_id, handle, runs),
+                    deadline - time.monotonic(),
+                )
+                break
+            except asyncio.TimeoutError:
+                if pull.receiving:  # receives point into our blocks: only an abort cancels them
+                    self.endpoints.drop(raw, ep)
+                raise KVTransferError(
+                    f"KV pull from {handle.worker_id} timed out after {timeout}s"
+                ) from None
+            except KVTransferError:  # refused: nothing of ours is left posted
+                raise
+            except BaseException as exc:
+                self.endpoints.drop(raw, ep)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                if reused and time.monotonic() < deadline:  # a kept endpoint went stale: retry
+                    log.info("endpoint to %s was stale (%r); reconnecting", handle.worker_id, exc)
+                    continue
+                raise KVTransferError(f"KV pull from {handle.worker_id} failed: {exc!r}") from exc
+        stats.seconds = time.perf_counter() - t0
+        stats.num_blocks = n
+        return stats
+
+    async def _pull(
+        self,
+        pull: _Pull,
+        control_tag: int,
+        request_id: str,
+        handle: KVHandle,
+        runs: list[tuple[int, int, int]],
+    ) -> TransferStats:
+        ep, tag = pull.ep, pull_tag()
+        body = msgpack.packb(
+            {
+                "request_id": request_id,
+                "token": handle.token,
+                "fingerprint": handle.fingerprint,
+                "runs": [[s, n] for s, _, n in runs],
+                "reply_to": self.own_address(),
+                "tag": tag,
+            },
+            use_bin_type=True,
+        )
+        if len(body) > MAX_CONTROL_BYTES - 4:
+            raise KVTransferError(f"pull request of {len(body)} bytes is too large")
+        message = np.frombuffer(len(body).to_bytes(4, "little") + body, dtype=np.uint8)
+        # The reply lands in a buffer of its own, so its receive may outlive a failed pull.
+        reply = np.zeros(REPLY_BYTES, dtype=np.uint8)
+        got_reply = asyncio.ensure_future(ucx_progress.recv(ep, reply, tag + 1))
+        got_reply.add_done_callback(retrieve)
+        await asyncio.sleep(0)  # let it post its receive before we ask
+        await asyncio.gather(ucx_progress.send(ep, message, control_tag), got_reply)
+        error = unpack_reply(reply)
+        if error is not None:
+            raise KVTransferError(f"{handle.worker_id} refused the pull: {error}")
+        # Only now receive into our blocks: a refusal leaves nothing posted that points there.
+        views = [self.kv_cache[dst : dst + count] for _, dst, count in runs]
+        pull.receiving = True
+        received = [asyncio.ensure_future(ucx_progress.recv(ep, buffer(v), tag + 2)) for v in views]
+        for fut in received:
+            fut.add_done_callback(retrieve)
+        await asyncio.gather(*received)
+        pull.receiving = False
+        return TransferStats(
+            num_bytes=sum(v.numel() * v.element_size() for v in views), num_messages=len(views)
+        )
+
+    async def close(self) -> None:
+        self.endpoints.clear()

@@ -1,0 +1,104 @@
+"""Leases: the blocks a prefill worker holds for decode workers to pull (pure bookkeeping, no
+UCX)."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger("pdserve.kv")
+
+
+@dataclass
+class Lease:
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+    expires: float  # unix seconds
+    token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    pins: int = 0  # transfers reading the blocks right now
+    dropped: bool = False  # released or expired while pinned: free after the last transfer
+    on_drop: list[Callable[[], None]] = field(default_factory=list)  # transfers waiting on it
+
+
+class LeaseTable:
+    """Blocks a prefill worker holds for decode workers to pull.
+
+    ``on_free(request_id)`` is called exactly once per lease, when it is released or expired and
+    no transfer is reading it; the worker then returns the blocks to its engine. The tokens of
+    the last ``remember`` dropped leases are kept, so a late puller can be told its lease is gone
+    without answering anyone who never held a token. Used from one event loop only.
+    """
+
+    def __init__(
+        self,
+        on_free: Callable[[str], None],
+        clock: Callable[[], float] = time.time,
+        remember: int = 4096,
+    ):
+        self.on_free = on_free
+        self.clock = clock
+        self.leases: dict[str, Lease] = {}
+        self.remember = remember
+        self.dropped_tokens: OrderedDict[str, str] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.leases)
+
+    def add(self, request_id: str, block_ids: list[int], num_tokens: int, ttl: float) -> Lease:
+        if request_id in self.leases:
+            raise ValueError(f"lease for {request_id!r} exists")
+        lease = Lease(request_id, list(block_ids), num_tokens, self.clock() + ttl)
+        self.leases[request_id] = lease
+        return lease
+
+    def get(self, request_id: str) -> Lease | None:
+        lease = self.leases.get(request_id)
+        return None if lease is None or lease.dropped else lease
+
+    def token_of(self, request_id: str) -> str | None:
+        """The secret of a live or recently dropped lease."""
+        lease = self.leases.get(request_id)
+        return lease.token if lease is not None else self.dropped_tokens.get(request_id)
+
+    def release(self, request_id: str) -> bool:
+        """Drop a lease (pull done, cancel). False if there was none."""
+        lease = self.leases.get(request_id)
+        if lease is None or lease.dropped:
+            return False
+        lease.dropped = True
+        for callback in list(lease.on_drop):
+            callback()
+        if lease.pins == 0:
+            self._free(lease)
+        return True
+
+    def expire(self) -> list[str]:
+        """Release every lease past its expiry; returns their request ids."""
+        now = self.clock()
+        gone = [
+            rid for rid, lease in self.leases.items() if not lease.dropped and lease.expires < now
+        ]
+        for rid in gone:
+            log.info("lease of %s expired unpulled; freeing its blocks", rid)
+            self.release(rid)
+        return gone
+
+    def pin(self, lease: Lease) -> None:
+        lease.pins += 1
+
+    def unpin(self, lease: Lease) -> None:
+        lease.pins -= 1
+        if lease.pins == 0 and lease.dropped:
+            self._free(lease)
+
+    def _free(self, lease: Lease) -> None:
+        if self.leases.pop(lease.request_id, None) is not None:
+            self.dropped_tokens[lease.request_id] = lease.token
+            while len(self.dropped_tokens) > self.remember:
+                self.dropped_tokens.popitem(last=False)
+            self.on_free(lease.request_id)

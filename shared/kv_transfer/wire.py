@@ -1,0 +1,202 @@
+"""What both ends of a KV pull agree on: tags, addresses, the request and reply formats, block
+runs, and the endpoints kept per peer. See the package docstring for the exchange itself."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import secrets
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+
+from shared import ucx_progress
+
+MAX_CONTROL_BYTES = 1 << 20  # a pull request lists runs, never data
+MAX_ADDRESS_BYTES = 8192  # a UCX worker address: a few hundred bytes, more with many RDMA ports
+REPLY_BYTES = 512
+MAX_PENDING_REQUESTS = 256  # requests a server works on at once
+MAX_PEERS = 1024  # peers whose endpoints are kept
+ORPHAN_GRACE = 2.0  # seconds a transfer may run on after its puller let the lease go
+REPLY_TIMEOUT = 5.0  # seconds a refusal may take to send
+ADDRESS_PREFIX = "ucx1"
+
+
+class KVTransferError(RuntimeError):
+    """A pull that did not deliver the KV (the request must fail or be recomputed)."""
+
+
+class FingerprintMismatch(KVTransferError):
+    """The two engines' KV layouts differ: copying bytes would corrupt the cache."""
+
+
+@dataclass
+class TransferStats:
+    num_bytes: int = 0
+    num_blocks: int = 0
+    num_messages: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """``(src_start, dst_start, count)`` runs, consecutive in both lists, covering every pair."""
+    if len(src) != len(dst):
+        raise ValueError("source and destination block lists differ in length")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def buffer(t: torch.Tensor) -> Any:
+    """A UCX-sendable view sharing ``t``'s memory (numpy on CPU, CUDA array interface on GPU)."""
+    flat = t.reshape(-1).view(torch.uint8)  # contiguous: reshape is a view, never a copy
+    return flat if flat.is_cuda else flat.numpy()
+
+
+def fingerprint_diff(ours: dict, theirs: dict) -> str:
+    keys = sorted(set(ours) | set(theirs))
+    return ", ".join(
+        f"{k}: {theirs.get(k)!r} vs {ours.get(k)!r}" for k in keys if ours.get(k) != theirs.get(k)
+    )
+
+
+def pull_tag() -> int:
+    # top bit clear: never equal to a control tag, which has it set; T+2 cannot overflow
+    return secrets.randbits(62) << 1
+
+
+def control_tag() -> int:
+    return (1 << 63) | secrets.randbits(63)
+
+
+def format_address(control_tag: int, worker_address: bytes) -> str:
+    """The text a server publishes: control tag and UCX worker address, opaque to everyone else."""
+    return f"{ADDRESS_PREFIX}:{control_tag:016x}:{base64.b64encode(worker_address).decode()}"
+
+
+def parse_address(text: str) -> tuple[int, bytes]:
+    try:
+        prefix, tag, addr = text.split(":", 2)
+        if prefix != ADDRESS_PREFIX:
+            raise ValueError(prefix)
+        raw = base64.b64decode(addr, validate=True)
+        if not 0 < len(raw) <= MAX_ADDRESS_BYTES:
+            raise ValueError(len(raw))
+        return int(tag, 16), raw
+    except ValueError:
+        raise KVTransferError(f"not a KV transfer address: {text[:40]!r}") from None
+
+
+def ucx_address(raw: bytes) -> Any:
+    from ucxx._lib.libucxx import UCXAddress
+
+    return UCXAddress.create_from_buffer(np.frombuffer(raw, dtype=np.uint8).copy())
+
+
+def own_address() -> bytes:
+    import ucxx
+
+    return bytes(ucxx.get_worker_address().tobytes())
+
+
+def unpack_request(data: bytes) -> dict:
+    body = msgpack.unpackb(
+        data,
+        raw=False,
+        max_bin_len=MAX_ADDRESS_BYTES,
+        max_ext_len=0,
+        max_map_len=16,
+        strict_map_key=True,
+    )
+    if type(body) is not dict:
+        raise ValueError("not a map")
+    return body
+
+
+def pack_reply(error: str | None) -> np.ndarray:
+    out = np.zeros(REPLY_BYTES, dtype=np.uint8)
+    if error is None:
+        out[0] = 1
+    else:
+        text = error.encode()[: REPLY_BYTES - 1]
+        out[1 : 1 + len(text)] = np.frombuffer(text, dtype=np.uint8)
+    return out
+
+
+def unpack_reply(reply: np.ndarray) -> str | None:
+    if reply[0] == 1:
+        return None
+    return reply[1:].tobytes().rstrip(b"\0").decode(errors="replace") or "refused"
+
+
+class Endpoints:
+    """One UCX endpoint per peer, least recently used dropped first.
+
+    One, not a pool: UCX pairs the n-th endpoint a worker opens to a peer with the n-th the
+    peer opens back, into one connection, so aborting an endpoint also ends its twin on the
+    other side. With one endpoint per direction those twins are the same pair: a puller that
+    aborts (to cancel its receives) thereby fails the server's sends to it at once.
+    """
+
+    def __init__(self, limit: int = MAX_PEERS) -> None:
+        self.limit = limit
+        self.eps: OrderedDict[bytes, Any] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.eps)
+
+    async def get(self, raw: bytes) -> tuple[Any, bool]:
+        """The endpoint to ``raw`` and whether it already existed."""
+        import ucxx
+
+        ucx_progress.driver()  # this event loop makes UCX progress (once per loop)
+        ep = self.eps.get(raw)
+        if ep is not None and not ep.closed:
+            self.eps.move_to_end(raw)
+            return ep, True
+        ep = await ucxx.create_endpoint_from_worker_address(ucx_address(raw))
+        self.eps[raw] = ep
+        self.eps.move_to_end(raw)
+        while len(self.eps) > self.limit:
+            abort(self.eps.popitem(last=False)[1])
+        return ep, False
+
+    def drop(self, raw: bytes, ep: Any) -> None:
+        """Abort ``ep``: everything still posted on it is cancelled."""
+        if self.eps.get(raw) is ep:
+            del self.eps[raw]
+        abort(ep)
+
+    def clear(self) -> None:
+        while self.eps:
+            abort(self.eps.popitem()[1])
+
+
+def retrieve(fut: asyncio.Future) -> None:
+    """Mark an abandoned operation's outcome as seen (an aborted endpoint cancels them all)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+def abort(ep: Any) -> None:
+    with contextlib.suppress(Exception):
+        ep.abort()  # also cancels every receive still posted on it
