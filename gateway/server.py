@@ -45,7 +45,7 @@ from gateway.tokenizer import ModelTokenizer
 from shared import tracing as tr
 from shared.config import BusConfig, EngineConfig, GatewayConfig, build
 from shared.metrics import metrics_handler
-from shared.protocol import is_subject_token
+from shared.subjects import is_subject_token
 
 log = logging.getLogger("pdserve.gateway")
 _tracer = tr.tracer(__name__)

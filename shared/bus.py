@@ -25,7 +25,8 @@ from nats.aio.subscription import Subscription
 from nats.errors import AuthorizationError
 
 from shared.config import BusConfig
-from shared.protocol import Message, ProtocolError, Subjects, decode_as, encode
+from shared.protocol import Message, ProtocolError, decode_as, encode
+from shared.subjects import Subjects
 
 log = logging.getLogger("pdserve.bus")
 

@@ -27,15 +27,14 @@ from shared.protocol import (
     MESSAGE_TYPES,
     KVHandle,
     ProtocolError,
-    Subjects,
     count,
     decode_as,
     encode,
     ident,
-    is_subject_token,
     seconds,
     text,
 )
+from shared.subjects import Subjects, is_subject_token
 
 log = logging.getLogger("pdserve.probe")
 

@@ -20,10 +20,6 @@ Flow of one request (subjects from ``Subjects``):
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -31,11 +27,12 @@ import msgpack
 
 from shared.sampling import BOUNDS as SAMPLING_BOUNDS
 from shared.sampling import MAX_STOP_TOKEN_IDS, SamplingParams
+from shared.subjects import MAX_ID_CHARS, SUBJECT_RE, TOKEN_RE
+from shared.wire_check import INT64_MAX, Checker, ProtocolError
 
 PROTOCOL_VERSION = 2  # 2: KV handles carry a UCX worker address, not host:port
 
 # Bounds that hold for any sane deployment; the bus also caps whole messages (max_message_bytes).
-MAX_ID_CHARS = 128
 MAX_SUBJECT_CHARS = 256
 MAX_TEXT_CHARS = 4096
 MAX_UCX_ADDRESS_CHARS = 12000  # base64 of a UCX worker address (<= 8 KiB) and a tag
@@ -44,18 +41,11 @@ MAX_BLOCKS = 1 << 20
 MAX_STOP_TOKENS = 1024
 MAX_BATCH_ITEMS = 4096
 MAX_TOKEN_ID = (1 << 31) - 1
-INT64_MAX = (1 << 63) - 1
 MAX_DEPTH = 8
 # Block hashes per KVEvents message (9 msgpack bytes each: ~590 KB, under NATS's default 1 MB
 # payload limit); bigger changes and snapshots are split over several messages.
 MAX_KV_EVENT_HASHES = 1 << 16
 UINT64_MAX = (1 << 64) - 1  # block hashes are unsigned 64-bit (blake2b, 8 bytes)
-
-# Worker ids, request ids and gateway ids appear inside NATS subjects, so they must be one
-# subject token: no dots, no wildcards, no whitespace.
-_TOKEN_RE = re.compile(r"^[A-Za-z0-9_\-:]+$")
-# A full subject: dot-separated tokens, no wildcards (we only ever publish to it).
-_SUBJECT_RE = re.compile(r"^[A-Za-z0-9_\-:]+(\.[A-Za-z0-9_\-:]+)*$")
 
 ROLES = ("prefill", "decode")
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -70,14 +60,6 @@ ERROR_CODES = {
 }
 
 
-class ProtocolError(ValueError):
-    """A bus message that does not fit the protocol."""
-
-
-def is_subject_token(text: str) -> bool:
-    return bool(_TOKEN_RE.match(text)) and len(text) <= MAX_ID_CHARS
-
-
 # ---------------------------------------------------------------------------------------------
 # field helpers: bounds live in dataclass field metadata, read by the generic checker below
 
@@ -90,13 +72,11 @@ def _f(default: Any = dataclasses.MISSING, **bounds: Any) -> Any:
 
 def ident(**kw: Any) -> Any:
     """A request/worker id: one NATS subject token."""
-    return _f(kw.pop("default", dataclasses.MISSING), pattern=_TOKEN_RE, max_len=MAX_ID_CHARS)
+    return _f(kw.pop("default", dataclasses.MISSING), pattern=TOKEN_RE, max_len=MAX_ID_CHARS)
 
 
 def subject(**kw: Any) -> Any:
-    return _f(
-        kw.pop("default", dataclasses.MISSING), pattern=_SUBJECT_RE, max_len=MAX_SUBJECT_CHARS
-    )
+    return _f(kw.pop("default", dataclasses.MISSING), pattern=SUBJECT_RE, max_len=MAX_SUBJECT_CHARS)
 
 
 def text(max_len: int = MAX_TEXT_CHARS, **kw: Any) -> Any:
@@ -302,7 +282,6 @@ MESSAGE_TYPES: dict[str, type] = {
 }
 _NESTED = (KVHandle, TokenItem, SamplingParams)
 
-# SamplingParams belongs to the engine, so its wire bounds are declared here.
 # SamplingParams' bounds are written once, in shared.sampling; the class itself refuses what
 # its bounds' open ends and special values (top_k 0) exclude.
 _SAMPLING_BOUNDS: dict[str, dict[str, Any]] = {
@@ -311,13 +290,13 @@ _SAMPLING_BOUNDS: dict[str, dict[str, Any]] = {
     "ignore_eos": {},
 }
 
-_HINTS: dict[type, dict[str, Any]] = {}
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINTS:
-        _HINTS[cls] = typing.get_type_hints(cls)
-    return _HINTS[cls]
+_CHECKER = Checker(
+    nested=(KVHandle, TokenItem, SamplingParams),
+    bounds={SamplingParams: _SAMPLING_BOUNDS},
+    max_depth=MAX_DEPTH,
+    max_text=MAX_TEXT_CHARS,
+    max_list=MAX_TOKENS,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,128 +321,7 @@ def encode(msg: Message) -> bytes:
 
 
 # ---------------------------------------------------------------------------------------------
-# decoding and checking
-
-
-def _fail(path: str, why: str) -> typing.NoReturn:
-    raise ProtocolError(f"{path}: {why}")
-
-
-def _check_int(value: Any, path: str, bounds: dict[str, Any]) -> int:
-    if type(value) is not int:  # bool is an int subclass: reject it explicitly
-        _fail(path, f"expected int, got {type(value).__name__}")
-    lo, hi = bounds.get("lo", -INT64_MAX), bounds.get("hi", INT64_MAX)
-    if not lo <= value <= hi:
-        _fail(path, f"{value} outside [{lo}, {hi}]")
-    return value
-
-
-def _check_float(value: Any, path: str, bounds: dict[str, Any]) -> float:
-    if type(value) not in (int, float):
-        _fail(path, f"expected number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value):
-        _fail(path, "not finite")
-    lo, hi = bounds.get("lo", -math.inf), bounds.get("hi", math.inf)
-    if not lo <= value <= hi:
-        _fail(path, f"{value} outside [{lo}, {hi}]")
-    return value
-
-
-def _check_str(value: Any, path: str, bounds: dict[str, Any]) -> str:
-    if type(value) is not str:
-        _fail(path, f"expected str, got {type(value).__name__}")
-    if len(value) > bounds.get("max_len", MAX_TEXT_CHARS):
-        _fail(path, f"longer than {bounds.get('max_len', MAX_TEXT_CHARS)} chars")
-    pattern = bounds.get("pattern")
-    if pattern is not None and not pattern.match(value):
-        _fail(path, f"{value[:40]!r} is not a valid identifier")
-    choices = bounds.get("choices")
-    if choices is not None and value not in choices:
-        _fail(path, f"{value[:40]!r} not one of {choices}")
-    return value
-
-
-def _check_scalar_dict(value: Any, path: str, bounds: dict[str, Any]) -> dict[str, Any]:
-    """A flat map of short strings to scalars (the KV layout fingerprint)."""
-    if type(value) is not dict:
-        _fail(path, f"expected map, got {type(value).__name__}")
-    if len(value) > bounds.get("max_len", 32):
-        _fail(path, "too many entries")
-    for k, v in value.items():
-        if type(k) is not str or len(k) > 64:
-            _fail(path, "keys must be short strings")
-        if type(v) not in (str, int, float, bool) or (type(v) is str and len(v) > 256):
-            _fail(f"{path}.{k}", "values must be short scalars")
-    return dict(value)
-
-
-def _check(value: Any, tp: Any, path: str, bounds: dict[str, Any], depth: int) -> Any:
-    if depth > MAX_DEPTH:
-        _fail(path, "nested too deeply")
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None:
-            if type(None) in args:
-                return None
-            _fail(path, "must not be null")
-        (inner,) = [a for a in args if a is not type(None)]
-        return _check(value, inner, path, bounds, depth)
-    if value is None:
-        _fail(path, "must not be null")
-    if origin is list:
-        if type(value) is not list:
-            _fail(path, f"expected list, got {type(value).__name__}")
-        max_len = bounds.get("max_len", MAX_TOKENS)
-        if len(value) > max_len:
-            _fail(path, f"more than {max_len} items")
-        (item_tp,) = typing.get_args(tp)
-        if item_tp is int:  # the hot case (token ids): one pass, no per-item path strings
-            lo, hi = bounds.get("lo", -INT64_MAX), bounds.get("hi", INT64_MAX)
-            for v in value:
-                if type(v) is not int or not lo <= v <= hi:
-                    _fail(path, f"items must be ints in [{lo}, {hi}]")
-            return value
-        return [_check(v, item_tp, f"{path}[{i}]", {}, depth + 1) for i, v in enumerate(value)]
-    if origin is dict:
-        return _check_scalar_dict(value, path, bounds)
-    if tp is bool:
-        if type(value) is not bool:
-            _fail(path, f"expected bool, got {type(value).__name__}")
-        return value
-    if tp is int:
-        return _check_int(value, path, bounds)
-    if tp is float:
-        return _check_float(value, path, bounds)
-    if tp is str:
-        return _check_str(value, path, bounds)
-    if tp in _NESTED:
-        return _build(tp, value, path, depth + 1)
-    raise TypeError(f"protocol has no checker for {tp!r}")  # a bug here, not bad input
-
-
-def _build(cls: type, body: Any, path: str, depth: int, skip: tuple[str, ...] = ()) -> Any:
-    if type(body) is not dict:
-        _fail(path, f"expected map, got {type(body).__name__}")
-    hints = _hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = set(body) - set(fields) - set(skip)
-    if unknown:
-        _fail(path, f"unknown fields {sorted(map(str, unknown))[:5]}")
-    kwargs: dict[str, Any] = {}
-    for name, f in fields.items():
-        if name not in body:
-            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-            if required:
-                _fail(f"{path}.{name}", "missing")
-            continue
-        bounds = _SAMPLING_BOUNDS[name] if cls is SamplingParams else dict(f.metadata)
-        kwargs[name] = _check(body[name], hints[name], f"{path}.{name}", bounds, depth)
-    try:
-        return cls(**kwargs)
-    except (ValueError, TypeError) as exc:  # the class's own invariants (SamplingParams)
-        raise ProtocolError(f"{path}: {exc}") from None
+# decoding and checking (shared.wire_check)
 
 
 def decode(data: bytes, max_bytes: int = 8 * 1024 * 1024) -> Message:
@@ -494,7 +352,7 @@ def decode(data: bytes, max_bytes: int = 8 * 1024 * 1024) -> Message:
     cls = MESSAGE_TYPES.get(kind) if type(kind) is str else None
     if cls is None:
         raise ProtocolError(f"unknown message type {str(kind)[:40]!r}")
-    return _build(cls, body, cls.TYPE, 0, skip=("v", "type"))
+    return _CHECKER.build(cls, body, cls.TYPE, 0, skip=("v", "type"))
 
 
 def decode_as(data: bytes, *classes: type, max_bytes: int = 8 * 1024 * 1024) -> Any:
@@ -504,65 +362,3 @@ def decode_as(data: bytes, *classes: type, max_bytes: int = 8 * 1024 * 1024) -> 
         names = ", ".join(c.TYPE for c in classes)
         raise ProtocolError(f"expected {names}, got {msg.TYPE}")
     return msg
-
-
-# ---------------------------------------------------------------------------------------------
-# subjects
-
-
-@dataclass(frozen=True)
-class Subjects:
-    """Every NATS subject pdserve uses, under one namespace."""
-
-    namespace: str = "pdserve"
-
-    def __post_init__(self) -> None:
-        if not _SUBJECT_RE.match(self.namespace):
-            raise ValueError(f"invalid namespace {self.namespace!r}")
-
-    def _join(self, *parts: str) -> str:
-        for part in parts:
-            if not is_subject_token(part):
-                raise ValueError(f"{part!r} is not a valid subject token")
-        return ".".join((self.namespace, *parts))
-
-    def prefill(self, worker_id: str) -> str:
-        return self._join("prefill", worker_id)
-
-    def decode(self, worker_id: str) -> str:
-        return self._join("decode", worker_id)
-
-    def lease(self, worker_id: str) -> str:
-        return self._join("lease", worker_id)
-
-    @property
-    def cancel(self) -> str:
-        return self._join("cancel")
-
-    def load(self, role: str, worker_id: str) -> str:
-        return self._join("load", role, worker_id)
-
-    def loads_of(self, role: str) -> str:
-        return self._join("load", role) + ".*"
-
-    @property
-    def all_loads(self) -> str:
-        return self._join("load") + ".>"
-
-    def kv(self, worker_id: str) -> str:
-        return self._join("kv", worker_id)
-
-    @property
-    def all_kv(self) -> str:
-        return self._join("kv") + ".>"
-
-    def ping(self, worker_id: str) -> str:
-        return self._join("ping", worker_id)
-
-    def gateway(self, gateway_id: str) -> str:
-        return self._join("gw", gateway_id)
-
-    @property
-    def gateway_prefix(self) -> str:
-        """Workers publish replies only under this prefix (reply_to is checked against it)."""
-        return f"{self.namespace}.gw."

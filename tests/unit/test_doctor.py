@@ -17,7 +17,8 @@ from shared.kv_probe import (
     ProbePullRequest,
     probe_subject,
 )
-from shared.protocol import KVHandle, ProtocolError, Subjects, decode, encode
+from shared.protocol import KVHandle, ProtocolError, decode, encode
+from shared.subjects import Subjects
 from shared.ucx_check import HostDevices, transport_findings
 
 RDMA_HOST = HostDevices(rdma=["mlx5_0:1"])

@@ -20,7 +20,6 @@ from shared.protocol import (
     PrefillResult,
     ProtocolError,
     ReleaseLease,
-    Subjects,
     TokenBatch,
     TokenItem,
     WorkerGone,
@@ -30,6 +29,7 @@ from shared.protocol import (
     encode,
 )
 from shared.sampling import SamplingParams
+from shared.subjects import Subjects
 
 FINGERPRINT = {
     "model": "tiny",
