@@ -23,13 +23,11 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from gateway.router import Router
 from opentelemetry import trace
 from opentelemetry.context import Context
-
-from gateway.router import Router
 from shared import protocol
 from shared.bus import Bus
-from shared.discovery import LEFT, WorkerRegistry
 from shared.protocol import (
     Cancel,
     DecodeRequest,
@@ -42,6 +40,7 @@ from shared.protocol import (
 )
 from shared.sampling import SamplingParams
 from shared.tracing import ATTR_REQUEST_ID, SPAN_ROUTE, inject_headers, tracer
+from shared.worker_registry import LEFT, WorkerRegistry
 
 log = logging.getLogger("pdserve.gateway.dispatch")
 _tracer = tracer(__name__)

@@ -29,12 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
-
 from services.engine.engine import LLMEngine, StepOutput, StepStats
 from shared import tracing, ucx_config
+from shared.announce import HeartbeatPublisher, KVEventPublisher, register_micro_service
 from shared.bus import Bus
 from shared.config import BusConfig, EngineConfig, WorkerConfig, build
-from shared.discovery import HeartbeatPublisher, KVEventPublisher, register_micro_service
 from shared.metrics import WorkerMetrics, start_metrics_server
 from shared.protocol import Cancel, WorkerLoad
 

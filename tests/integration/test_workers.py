@@ -11,11 +11,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
-
 from shared.block_hash import prefix_block_hashes
 from shared.bus import Bus
 from shared.config import BusConfig
-from shared.discovery import WorkerRegistry
 from shared.protocol import (
     Cancel,
     DecodeRequest,
@@ -27,6 +25,7 @@ from shared.protocol import (
     WorkerLoad,
 )
 from shared.sampling import SamplingParams
+from shared.worker_registry import WorkerRegistry
 from tests.integration.stack import (
     Child,
     NatsServer,

@@ -10,10 +10,11 @@ from collections import Counter
 from gateway.router import Router
 from services.engine.block_manager import BlockManager
 from services.engine.sequence import Sequence
+from shared.announce import KVEventPublisher
 from shared.block_hash import prefix_block_hashes
-from shared.discovery import KVEventPublisher, WorkerRegistry
 from shared.protocol import KVEvents, WorkerLoad
 from shared.sampling import SamplingParams
+from shared.worker_registry import WorkerRegistry
 
 BS = 16
 MODEL = "m"
@@ -152,9 +153,9 @@ async def test_events_and_evictions_reach_the_registry_and_the_router():
 
 
 async def test_snapshots_split_over_parts_apply_only_when_complete(monkeypatch):
-    import shared.discovery as discovery
+    import shared.announce as announce
 
-    monkeypatch.setattr(discovery, "MAX_KV_EVENT_HASHES", 3)
+    monkeypatch.setattr(announce, "MAX_KV_EVENT_HASHES", 3)
     registry = WorkerRegistry(bus=None, timeout=60.0)  # type: ignore[arg-type]
     await registry._on_message(load("p0"), {})
     sink = _Sink(registry)
