@@ -23,9 +23,10 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from gateway.router import Router
 from opentelemetry import trace
 from opentelemetry.context import Context
+
+from gateway.router import Router
 from shared import protocol
 from shared.bus import Bus
 from shared.protocol import (

@@ -14,18 +14,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry
+
 from gateway.api_models import GenerationParams
 from gateway.chat_template import ChatTemplate
+from gateway.dispatch import Dispatcher
 from gateway.router import Router
 from gateway.tokenizer import ModelTokenizer
-from prometheus_client import CollectorRegistry
 from shared.bus import Bus
 from shared.config import BusConfig, EngineConfig, GatewayConfig
 from shared.metrics import GatewayMetrics, WorkerLoadCollector
 from shared.sampling import SamplingParams
 from shared.worker_registry import WorkerRegistry
-
-from gateway.dispatch import Dispatcher
 
 log = logging.getLogger("pdserve.gateway")
 

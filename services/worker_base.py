@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
+
 from services.engine.engine import LLMEngine, StepOutput, StepStats
 from shared import tracing, ucx_config
 from shared.announce import HeartbeatPublisher, KVEventPublisher, register_micro_service

@@ -21,13 +21,16 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from gateway.router import Router
-from gateway.server import create_app
-from gateway.tokenizer import ModelTokenizer
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.dispatch import BUS_ID_SUFFIX
+from gateway.router import Router
+from gateway.server import create_app
+from gateway.state import GATEWAY_KEY, Gateway
+from gateway.tokenizer import ModelTokenizer
 from shared.announce import HeartbeatPublisher
 from shared.bus import Bus
 from shared.config import BusConfig, EngineConfig, GatewayConfig
@@ -45,9 +48,6 @@ from shared.protocol import (
 from tests.integration.stack import free_port, log_text, start_nats, start_service
 from tests.otlp_receiver import OtlpReceiver
 from tests.unit.gateway_fixtures import train_byte_level, write_model_dir
-
-from gateway.dispatch import BUS_ID_SUFFIX
-from gateway.state import GATEWAY_KEY, Gateway
 
 MODEL = "tiny-gw"
 CONTEXT = 128

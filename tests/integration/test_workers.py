@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
+
 from shared.block_hash import prefix_block_hashes
 from shared.bus import Bus
 from shared.config import BusConfig
