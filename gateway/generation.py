@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,8 +20,8 @@ from opentelemetry import trace
 
 from gateway.api_models import GenerationParams, check_length
 from gateway.detokenizer import IncrementalDetokenizer
-from gateway.dispatch import NotSendable, NoWorker, StageTimeout, TokenEvent, WorkerFailure
 from gateway.errors import APIError, overloaded, server_error, timeout_error
+from gateway.inflight import NotSendable, NoWorker, StageTimeout, TokenEvent, WorkerFailure
 from gateway.sse import SSEWriter
 from gateway.state import ARRIVED_KEY, REQUEST_ID_KEY, Gateway
 from gateway.stop import StopStringMatcher
@@ -89,6 +90,9 @@ class Progress:
         }
 
 
+FAULTS = (NotSendable, NoWorker, StageTimeout, WorkerFailure)
+
+
 def _fault(exc: Exception) -> APIError:
     if isinstance(exc, NotSendable):
         return APIError(400, f"The request cannot be sent to the workers: {exc}")
@@ -119,60 +123,48 @@ async def serve_generation(
         len(prompt_ids), params.max_tokens, gw.context_limit(), gw.config.max_prompt_tokens
     )
     sampling = gw.sampling_params(params, max_tokens)
-    if rid in gw.active_ids:
-        raise APIError(
-            409,
-            f"a request with x-request-id {rid} is already in flight",
-            param="x-request-id",
-            code="duplicate_request_id",
+    with gw.requests.admit(rid):
+        root = trace.get_current_span()
+        root.set_attributes(
+            {
+                tr.GEN_AI_OPERATION_NAME: operation,
+                tr.GEN_AI_SYSTEM: "pdserve",
+                tr.GEN_AI_REQUEST_MODEL: params.model,
+                tr.GEN_AI_RESPONSE_MODEL: gw.model.name,
+                tr.GEN_AI_REQUEST_MAX_TOKENS: max_tokens,
+                tr.GEN_AI_REQUEST_TEMPERATURE: params.temperature,
+                tr.GEN_AI_REQUEST_TOP_P: params.top_p,
+                tr.GEN_AI_REQUEST_TOP_K: params.top_k,
+                tr.GEN_AI_USAGE_INPUT_TOKENS: len(prompt_ids),
+            }
         )
-    if gw.in_flight >= gw.config.max_queue:
-        raise overloaded(f"the gateway has {gw.in_flight} requests in flight", retry_after=1.0)
-
-    root = trace.get_current_span()
-    root.set_attributes(
-        {
-            tr.GEN_AI_OPERATION_NAME: operation,
-            tr.GEN_AI_SYSTEM: "pdserve",
-            tr.GEN_AI_REQUEST_MODEL: params.model,
-            tr.GEN_AI_RESPONSE_MODEL: gw.model.name,
-            tr.GEN_AI_REQUEST_MAX_TOKENS: max_tokens,
-            tr.GEN_AI_REQUEST_TEMPERATURE: params.temperature,
-            tr.GEN_AI_REQUEST_TOP_P: params.top_p,
-            tr.GEN_AI_REQUEST_TOP_K: params.top_k,
-            tr.GEN_AI_USAGE_INPUT_TOKENS: len(prompt_ids),
-        }
-    )
-    if params.seed is not None:
-        root.set_attribute(tr.GEN_AI_REQUEST_SEED, params.seed)
-
-    progress = Progress(prompt_tokens=len(prompt_ids), arrived=request[ARRIVED_KEY])
-    gw.in_flight += 1
-    gw.active_ids.add(rid)
-    gw.idle.clear()
-    gw.metrics.in_flight.inc()
-    try:
-        if params.stream:
-            return await _stream(request, gw, operation, params, prompt_ids, sampling, progress)
-        return await _complete(gw, operation, params, prompt_ids, sampling, progress, rid)
-    except BaseException:
-        if progress.finish_reason is None:
-            progress.finish_reason = "abort"  # client gone (cancelled) or an unexpected fault
-        raise
-    finally:
-        gw.in_flight -= 1
-        gw.active_ids.discard(rid)
-        gw.metrics.in_flight.dec()
-        if gw.in_flight == 0:
-            gw.idle.set()
-        e2e = time.monotonic() - progress.arrived
-        gw.metrics.request_finished(
-            progress.finish_reason or "abort",
-            progress.prompt_tokens,
-            progress.completion_tokens,
-            e2e,
+        if params.seed is not None:
+            root.set_attribute(tr.GEN_AI_REQUEST_SEED, params.seed)
+        gen = Generation(
+            gw,
+            operation,
+            params,
+            prompt_ids,
+            sampling,
+            rid,
+            Progress(prompt_tokens=len(prompt_ids), arrived=request[ARRIVED_KEY]),
         )
-        _finish_span(root, progress, rid, e2e)
+        try:
+            return await (_stream(request, gen) if params.stream else _complete(gen))
+        except BaseException:
+            if gen.progress.finish_reason is None:
+                gen.progress.finish_reason = "abort"  # client gone or an unexpected fault
+            raise
+        finally:
+            progress = gen.progress
+            e2e = time.monotonic() - progress.arrived
+            gw.metrics.request_finished(
+                progress.finish_reason or "abort",
+                progress.prompt_tokens,
+                progress.completion_tokens,
+                e2e,
+            )
+            _finish_span(root, progress, rid, e2e)
 
 
 def _finish_span(span: trace.Span, progress: Progress, rid: str, e2e: float) -> None:
@@ -193,52 +185,74 @@ def _finish_span(span: trace.Span, progress: Progress, rid: str, e2e: float) -> 
         )
 
 
-def _response_id(operation: str, rid: str) -> str:
-    return ("chatcmpl-" if operation == "chat" else "cmpl-") + rid
+@dataclass
+class Generation:
+    """One admitted generation request and what it produced so far."""
+
+    gw: Gateway
+    operation: str
+    params: GenerationParams
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    rid: str
+    progress: Progress
+
+    @property
+    def chat(self) -> bool:
+        return self.operation == "chat"
+
+    @property
+    def response_id(self) -> str:
+        return ("chatcmpl-" if self.chat else "cmpl-") + self.rid
+
+    async def texts(self) -> AsyncIterator[tuple[str, str | None]]:
+        """The response text as it is generated: ``(text, None)`` per token event (the text
+        may be empty), then one last ``(tail, finish_reason)``. Usage and latency go into
+        ``progress`` on the way. Raises the dispatcher's faults (``FAULTS``)."""
+        progress = self.progress
+        out = OutputText(self.gw.model.tokenizer, self.params.stop)
+        context = trace.set_span_in_context(trace.get_current_span())
+        events = self.gw.dispatcher.generate(self.rid, self.prompt_ids, self.sampling, context)
+        try:
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    progress.tokens(self.gw, event)
+                    text = out.add(event.token_ids)
+                    if out.stopped:
+                        progress.finish_reason = "stop"
+                    elif event.finish_reason is not None:
+                        progress.finish_reason = event.finish_reason
+                    yield text, None
+                    if out.stopped:
+                        break  # closing the generator cancels the rest on the workers
+        except FAULTS:
+            progress.finish_reason = "error"
+            raise
+        tail = out.finish()
+        if out.stopped:
+            progress.finish_reason = "stop"
+        yield tail, progress.finish_reason or "stop"
 
 
-def _events(gw: Gateway, rid: str, prompt_ids: list[int], sampling: SamplingParams):
-    context = trace.set_span_in_context(trace.get_current_span())
-    return gw.dispatcher.generate(rid, prompt_ids, sampling, context)
-
-
-async def _complete(
-    gw: Gateway,
-    operation: str,
-    params: GenerationParams,
-    prompt_ids: list[int],
-    sampling: SamplingParams,
-    progress: Progress,
-    rid: str,
-) -> web.Response:
-    out = OutputText(gw.model.tokenizer, params.stop)
+async def _complete(gen: Generation) -> web.Response:
     pieces: list[str] = []
+    finish = "stop"
     try:
-        async with contextlib.aclosing(_events(gw, rid, prompt_ids, sampling)) as events:
-            async for event in events:
-                progress.tokens(gw, event)
-                pieces.append(out.add(event.token_ids))
-                if out.stopped:
-                    progress.finish_reason = "stop"
-                    break  # closing the generator cancels the rest on the workers
-                if event.finish_reason is not None:
-                    progress.finish_reason = event.finish_reason
-    except (NotSendable, NoWorker, StageTimeout, WorkerFailure) as exc:
-        progress.finish_reason = "error"
+        async with contextlib.aclosing(gen.texts()) as texts:
+            async for piece, ending in texts:
+                pieces.append(piece)
+                finish = ending or finish
+    except FAULTS as exc:
         raise _fault(exc) from None
-    pieces.append(out.finish())
-    if out.stopped:
-        progress.finish_reason = "stop"
     text = "".join(pieces)
-    finish = progress.finish_reason or "stop"
     body: dict[str, Any] = {
-        "id": _response_id(operation, rid),
-        "object": "chat.completion" if operation == "chat" else "text_completion",
+        "id": gen.response_id,
+        "object": "chat.completion" if gen.chat else "text_completion",
         "created": int(time.time()),
-        "model": params.model,
-        "usage": progress.usage(),
+        "model": gen.params.model,
+        "usage": gen.progress.usage(),
     }
-    if operation == "chat":
+    if gen.chat:
         message = {"role": "assistant", "content": text}
         body["choices"] = [
             {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
@@ -252,67 +266,61 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False)
 
 
-async def _stream(
-    request: web.Request,
-    gw: Gateway,
-    operation: str,
-    params: GenerationParams,
-    prompt_ids: list[int],
-    sampling: SamplingParams,
-    progress: Progress,
-) -> web.StreamResponse:
-    rid: str = request[REQUEST_ID_KEY]
-    chat = operation == "chat"
-    base = {
-        "id": _response_id(operation, rid),
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": params.model,
-    }
+class _Chunks:
+    """The SSE chunks of one streamed response."""
 
-    def chunk(text: str | None, finish: str | None, usage: dict | None = None) -> dict[str, Any]:
-        if chat:
+    def __init__(self, gen: Generation) -> None:
+        self.gen = gen
+        self.base = {
+            "id": gen.response_id,
+            "object": "chat.completion.chunk" if gen.chat else "text_completion",
+            "created": int(time.time()),
+            "model": gen.params.model,
+        }
+
+    def __call__(
+        self, text: str | None, finish: str | None, usage: dict | None = None
+    ) -> dict[str, Any]:
+        if self.gen.chat:
             delta: dict[str, Any] = {} if text is None else {"content": text}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        payload = {**base, "choices": [choice]}
-        if params.include_usage:
+        payload = {**self.base, "choices": [choice]}
+        if self.gen.params.include_usage:
             payload["usage"] = usage
         return payload
 
-    out = OutputText(gw.model.tokenizer, params.stop)
-    writer: SSEWriter | None = None
-
-    async def open_stream() -> SSEWriter:
+    async def open(self, request: web.Request) -> SSEWriter:
         # Opened at the first token, not before: faults until then still get a real HTTP status.
-        w = await SSEWriter.open(request, {"x-request-id": rid})
-        if chat:
-            first = chunk(None, None)
+        w = await SSEWriter.open(request, {"x-request-id": self.gen.rid})
+        if self.gen.chat:
+            first = self(None, None)
             first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
             await w.send(first)
         return w
 
+
+async def _stream(request: web.Request, gen: Generation) -> web.StreamResponse:
+    chunk = _Chunks(gen)
+    progress = gen.progress
+    writer: SSEWriter | None = None
+    tail, finish = "", "stop"
     try:
-        async with contextlib.aclosing(_events(gw, rid, prompt_ids, sampling)) as events:
-            async for event in events:
-                progress.tokens(gw, event)
-                text = out.add(event.token_ids)
+        async with contextlib.aclosing(gen.texts()) as texts:
+            async for text, ending in texts:
+                if ending is not None:
+                    tail, finish = text, ending
+                    break
                 if writer is None:
-                    writer = await open_stream()
+                    writer = await chunk.open(request)
                 if text:
                     await writer.send(chunk(text, None))
-                if out.stopped:
-                    progress.finish_reason = "stop"
-                    break
-                if event.finish_reason is not None:
-                    progress.finish_reason = event.finish_reason
-    except (NotSendable, NoWorker, StageTimeout, WorkerFailure) as exc:
-        progress.finish_reason = "error"
+    except FAULTS as exc:
         err = _fault(exc)
         if writer is None:
             raise err from None
-        log.warning("request %s failed mid-stream: %s", rid, exc)
+        log.warning("request %s failed mid-stream: %s", gen.rid, exc)
         await writer.send(err.body())
         await writer.done()
         return writer.response
@@ -321,21 +329,17 @@ async def _stream(
         raise
     except Exception:
         # A bug must not look like a short but successful stream: end it with an error event.
-        log.exception("request %s failed", rid)
+        log.exception("request %s failed", gen.rid)
         progress.finish_reason = "error"
         if writer is None:
             raise
         await writer.send(server_error("internal server error").body())
         await writer.done()
         return writer.response
-    tail = out.finish()
-    if out.stopped:
-        progress.finish_reason = "stop"
     if writer is None:
-        writer = await open_stream()
+        writer = await chunk.open(request)
     if tail:
         await writer.send(chunk(tail, None))
-    final = chunk(None if chat else "", progress.finish_reason or "stop", progress.usage())
-    await writer.send(final)
+    await writer.send(chunk(None if gen.chat else "", finish, progress.usage()))
     await writer.done()
     return writer.response

@@ -80,7 +80,8 @@ class Router:
     """Picks a prefill worker (cheapest: cached prefix vs queued work) and a decode worker (most
     free KV blocks)."""
 
-    loads: Callable[[str], Iterable[WorkerLoad]]  # role -> live, non-expired worker loads
+    # role -> live workers that take new requests: the worker registry's ``routable``
+    routable: Callable[[str], Iterable[WorkerLoad]]
     block_size: int
     model: str | None = None  # only workers serving this model qualify
     # (worker id, prompt block hashes) -> leading blocks its prefix cache holds (its KV events)
@@ -97,12 +98,9 @@ class Router:
     _in_decode: dict[str, str] = field(default_factory=dict)  # request -> decode worker
     _decoding: Counter[str] = field(default_factory=Counter)  # decode worker -> our requests
 
-    def live(self, role: str) -> list[WorkerLoad]:
-        return [
-            w
-            for w in self.loads(role)
-            if not w.draining and (self.model is None or w.model == self.model)
-        ]
+    def workers(self, role: str) -> list[WorkerLoad]:
+        """The routable workers of ``role`` that serve this router's model."""
+        return [w for w in self.routable(role) if self.model is None or w.model == self.model]
 
     def _recent(self, worker: WorkerLoad) -> list[_Sent]:
         # Keep only what the worker's last report cannot have counted yet; the age cap bounds
@@ -120,10 +118,10 @@ class Router:
         return -(-num_tokens // size)
 
     def has_decode(self) -> bool:
-        return bool(self.live("decode"))
+        return bool(self.workers("decode"))
 
     def has_prefill(self) -> bool:
-        return bool(self.live("prefill"))
+        return bool(self.workers("prefill"))
 
     # -- prefill: KV-aware ---------------------------------------------------------------------
 
@@ -155,7 +153,7 @@ class Router:
 
     def prefill_costs(self, prompt: list[int]) -> dict[str, float]:
         """Every live prefill worker's cost for this prompt (for inspection and tests)."""
-        return {c.worker.worker_id: c.cost for c in self._costs(prompt, self.live("prefill"))}
+        return {c.worker.worker_id: c.cost for c in self._costs(prompt, self.workers("prefill"))}
 
     def _costs(self, prompt: list[int], candidates: list[WorkerLoad]) -> list[_Cost]:
         typical = self._typical_blocks or self.blocks_for(len(prompt))
@@ -182,7 +180,7 @@ class Router:
         With ``request_id``, call ``prefill_done(request_id)`` when its prefill answer arrives:
         its work then stops counting as queued at once, not only at the worker's next report.
         """
-        live = self.live("prefill")
+        live = self.workers("prefill")
         for gone in self._expected.keys() - {w.worker_id for w in live}:
             del self._expected[gone]  # left (or restarted under a new id): its cache is gone
         candidates = [w for w in live if w.worker_id not in (exclude or set())]
@@ -218,7 +216,7 @@ class Router:
     ) -> str | None:
         """The decode worker with the fewest requests (see the module docstring), then the most
         free blocks. With ``request_id``, the request counts there until ``decode_done``."""
-        candidates = [w for w in self.live("decode") if w.worker_id not in (exclude or set())]
+        candidates = [w for w in self.workers("decode") if w.worker_id not in (exclude or set())]
         if not candidates:
             return None
         if request_id is not None:
@@ -247,5 +245,5 @@ class Router:
 
     def local_prefill_threshold(self) -> int:
         """Prompts shorter than this go straight to a decode worker (the workers advertise it)."""
-        thresholds = [w.local_prefill_threshold for w in self.live("decode")]
+        thresholds = [w.local_prefill_threshold for w in self.workers("decode")]
         return max(thresholds, default=0)

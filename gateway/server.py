@@ -228,7 +228,7 @@ def create_app(
     )
     app[GATEWAY_KEY] = gw
     app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics_handler(gw.registry))
+    app.router.add_get("/metrics", metrics_handler(gw.metrics_registry))
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model:.+}", model)  # names may hold "/"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -10,15 +11,17 @@ import re
 import secrets
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from gateway.api_models import GenerationParams
 from gateway.chat_template import ChatTemplate
 from gateway.dispatch import Dispatcher
+from gateway.errors import APIError, overloaded
 from gateway.router import Router
 from gateway.tokenizer import ModelTokenizer
 from shared.bus import Bus
@@ -76,6 +79,47 @@ def new_gateway_id() -> str:
 # ----------------------------------------------------------------------------- state
 
 
+class InFlightRequests:
+    """The generation requests in flight, by x-request-id (the bus names them by the
+    dispatcher's own unique ids). ``admit`` is the one way in and out."""
+
+    def __init__(self, limit: int, gauge: Gauge) -> None:
+        self.limit = limit
+        self._gauge = gauge
+        self._ids: set[str] = set()
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    @contextlib.contextmanager
+    def admit(self, rid: str) -> Iterator[None]:
+        """Hold ``rid`` in flight for the block; refuse a duplicate id (409) or a full gateway
+        (429)."""
+        if rid in self._ids:
+            raise APIError(
+                409,
+                f"a request with x-request-id {rid} is already in flight",
+                param="x-request-id",
+                code="duplicate_request_id",
+            )
+        if len(self._ids) >= self.limit:
+            raise overloaded(
+                f"the gateway has {len(self._ids)} requests in flight", retry_after=1.0
+            )
+        self._ids.add(rid)
+        self.idle.clear()
+        self._gauge.inc()
+        try:
+            yield
+        finally:
+            self._ids.discard(rid)
+            self._gauge.dec()
+            if not self._ids:
+                self.idle.set()
+
+
 class Gateway:
     """Everything the handlers share: config, model, bus side, metrics."""
 
@@ -91,13 +135,13 @@ class Gateway:
         self.gateway_id = gateway_id or new_gateway_id()
         self.model = ServedModel.load(engine)
         self.block_size = engine.block_size
-        self.registry = CollectorRegistry()
-        self.metrics = GatewayMetrics(self.registry)
+        self.metrics_registry = CollectorRegistry()
+        self.metrics = GatewayMetrics(self.metrics_registry)
         self.bus = Bus(bus_config, self.gateway_id)
         self.workers = WorkerRegistry(self.bus, config.worker_timeout)
-        self.registry.register(WorkerLoadCollector(self.workers.loads))
+        self.metrics_registry.register(WorkerLoadCollector(self.workers.loads))
         self.router = Router(
-            self.workers.loads,
+            self.workers.routable,
             engine.block_size,
             model=self.model.name,
             cached_hits=self.workers.prefix_hits,
@@ -111,11 +155,16 @@ class Gateway:
             config.request_timeout,
             config.prefill_timeout,
         )
-        self.in_flight = 0
-        # x-request-ids in flight (the bus names requests by the dispatcher's own unique ids)
-        self.active_ids: set[str] = set()
-        self.idle = asyncio.Event()
-        self.idle.set()
+        self.requests = InFlightRequests(config.max_queue, self.metrics.in_flight)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.requests)
+
+    @property
+    def idle(self) -> asyncio.Event:
+        """Set while no request is in flight (a draining gateway waits for it)."""
+        return self.requests.idle
 
     async def start(self) -> None:
         await self.bus.connect()
@@ -144,7 +193,7 @@ class Gateway:
         the largest decode worker's whole KV cache cannot hold that many tokens."""
         capacities = [
             w.total_blocks * w.block_size
-            for w in self.router.live("decode")
+            for w in self.router.workers("decode")
             if w.block_size > 0 and w.total_blocks > 0
         ]
         if not capacities:

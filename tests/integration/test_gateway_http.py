@@ -656,7 +656,11 @@ def test_router_choices_and_burst_spreading():
         load("d-full", "decode", free=10, local_prefill_threshold=4),
         load("d-roomy", "decode", free=60, local_prefill_threshold=8),
     ]
-    router = Router(lambda role: [w for w in workers if w.role == role], 16, model=MODEL)
+
+    def routable(role: str) -> list[WorkerLoad]:  # as the registry's: live, not draining
+        return [w for w in workers if w.role == role and not w.draining]
+
+    router = Router(routable, 16, model=MODEL)
     assert router.local_prefill_threshold() == 8
     # Nothing cached anywhere: least queued first; then, before any new heartbeat, what this
     # gateway sent counts too. (KV-aware choices: tests/unit/test_router.py.)
