@@ -143,6 +143,11 @@ class PrefillResult:
     # "overloaded"/"draining"
     error_code: str | None = text(max_len=32, default=None)
 
+    @classmethod
+    def failure(cls, request_id: str, worker_id: str, code: str, error: str) -> PrefillResult:
+        """The prefill of ``request_id`` ended with an error (``code``: see ERROR_CODES)."""
+        return cls(request_id, worker_id, None, "error", None, error, 0, code)
+
 
 @dataclass
 class DecodeRequest:
