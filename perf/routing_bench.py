@@ -24,7 +24,7 @@ from pathlib import Path
 
 import aiohttp
 
-from services.launcher import free_port
+from services.processes import free_port
 
 POLICIES = ("kv", "round-robin")
 

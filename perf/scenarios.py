@@ -72,7 +72,7 @@ from perf.bench_cli import (
     measure_rate,
     print_summary,
 )
-from services.launcher import find_nats_server, free_port
+from services.processes import find_nats_server, free_port
 
 
 @dataclass

@@ -26,7 +26,7 @@ from pathlib import Path
 import aiohttp
 
 from perf.engine_bench import Workload, make_model, make_workload, run_hf
-from services.launcher import free_port
+from services.processes import free_port
 
 READY_TIMEOUT = 300.0
 STACK_OPTIONS = {

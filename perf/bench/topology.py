@@ -27,14 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from perf.bench.client import discover_model
-from services.launcher import (
-    Child,
-    NatsServer,
-    free_port,
-    service_argv,
-    service_env,
-    spawn,
-)
+from services.launcher import service_argv, service_env
+from services.processes import Child, NatsServer, free_port, spawn
 
 READY_TIMEOUT = 600.0
 

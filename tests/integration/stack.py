@@ -33,15 +33,8 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from services.launcher import (
-    Child,
-    NatsServer,
-    free_port,
-    http_ok,
-    service_argv,
-    service_env,
-    spawn,
-)
+from services.launcher import service_argv, service_env
+from services.processes import Child, NatsServer, free_port, http_ok, spawn
 
 __all__ = [
     "Child",

