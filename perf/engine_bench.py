@@ -50,6 +50,34 @@ class Result:
     threads: int
     gemm_bound_seconds: float = 0.0
     ceiling_speedup: float = 0.0
+    model: str = ""
+    batch1: BatchOne | None = None
+
+
+BATCH1_PROMPT = 16
+BATCH1_OUTPUT = 128
+
+
+@dataclass
+class BatchOne:
+    """One request alone: decode speed where nothing can be batched (memory-bound)."""
+
+    hf_tokens_per_s: float
+    engine_tokens_per_s: float
+    speedup: float
+
+
+def batch_one(model_dir: Path, vocab: int) -> BatchOne:
+    wl = make_workload(1, vocab, seed=1)
+    wl = Workload([wl.prompts[0][:BATCH1_PROMPT]], [BATCH1_OUTPUT])
+    run_engine(model_dir, wl)  # warm-up: first-call allocations and kernel choices
+    engine_s, _ = run_engine(model_dir, wl)
+    hf_s = run_hf(model_dir, wl, batch_size=1)
+    return BatchOne(
+        round(BATCH1_OUTPUT / hf_s, 1),
+        round(BATCH1_OUTPUT / engine_s, 1),
+        round(hf_s / engine_s, 2),
+    )
 
 
 @dataclass
@@ -70,11 +98,32 @@ class GemmBound:
         )
 
 
-def weight_shapes(layers: int, hidden: int, vocab: int) -> list[tuple[int, int, int]]:
-    """(in, out, count) of every matrix a token goes through, lm_head last (MHA, SwiGLU)."""
-    inter = hidden * 11 // 4
-    per_layer = [(hidden, 3 * hidden), (hidden, hidden), (hidden, 2 * inter), (inter, hidden)]
-    return [(i, o, layers) for i, o in per_layer] + [(hidden, vocab, 1)]
+@dataclass
+class Shape:
+    """The matrix sizes of a Llama (SwiGLU MLP, GQA attention)."""
+
+    layers: int
+    hidden: int
+    vocab: int
+    inter: int
+    kv_dim: int  # kv heads * head dim
+
+    @classmethod
+    def of(cls, model_dir: Path) -> Shape:
+        cfg = json.loads((model_dir / "config.json").read_text())
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        return cls(
+            cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"],
+            cfg["intermediate_size"], cfg.get("num_key_value_heads", heads) * head_dim,
+        )  # fmt: skip
+
+
+def weight_shapes(shape: Shape) -> list[tuple[int, int, int]]:
+    """(in, out, count) of every matrix a token goes through, lm_head last."""
+    h, inter = shape.hidden, shape.inter
+    per_layer = [(h, h + 2 * shape.kv_dim), (h, h), (h, 2 * inter), (inter, h)]
+    return [(i, o, shape.layers) for i, o in per_layer] + [(h, shape.vocab, 1)]
 
 
 def gemm_rate(shapes: list[tuple[int, int, int]], rows: int, reps: int = 5) -> float:
@@ -95,13 +144,13 @@ def _timed_mm(a: torch.Tensor, b: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def gemm_bound(wl: Workload, layers: int, hidden: int, vocab: int, chunk: int) -> GemmBound:
+def gemm_bound(wl: Workload, shape: Shape, chunk: int) -> GemmBound:
     """Prefill: every prompt token through every layer, lm_head once per prompt (the first
     token); decode: every further output token through everything. Attention is left out."""
-    shapes = weight_shapes(layers, hidden, vocab)
+    shapes = weight_shapes(shape)
     body, head = shapes[:-1], shapes[-1:]
     per_token = sum(2 * i * o * c for i, o, c in body) / 1e9
-    head_gflop = 2 * hidden * vocab / 1e9
+    head_gflop = 2 * shape.hidden * shape.vocab / 1e9
     prompt_tokens = sum(map(len, wl.prompts))
     decode_tokens = wl.output_tokens - len(wl.prompts)
     # continuous batching: on average this many sequences share a decode step
@@ -188,20 +237,33 @@ def main(argv: list[str] | None = None) -> Result:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument(
+        "--model",
+        help="a real model instead of the random bench model (any --model pdserve serves, e.g. "
+        "smollm2-135m-instruct); adds a batch-1 decode comparison",
+    )
     ap.add_argument("--json", type=Path, help="also write the result here")
     args = ap.parse_args(argv)
-    wl = make_workload(args.requests, args.vocab)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_model(Path(tmp) / "llama", args.layers, args.hidden, args.vocab)
+        if args.model:
+            from shared.models.resolve import resolve
+
+            model_dir = resolve(args.model).path
+        else:
+            model_dir = make_model(Path(tmp) / "llama", args.layers, args.hidden, args.vocab)
+        shape = Shape.of(model_dir)
+        wl = make_workload(args.requests, shape.vocab)
         engine_s, util = run_engine(model_dir, wl)
         hf_s = run_hf(model_dir, wl)
-    bound = gemm_bound(wl, args.layers, args.hidden, args.vocab, chunk=2048)
+        batch1 = batch_one(model_dir, shape.vocab) if args.model else None
+    bound = gemm_bound(wl, shape, chunk=2048)
     tokens = wl.output_tokens
     res = Result(
         requests=args.requests, output_tokens=tokens, hf_seconds=round(hf_s, 2), engine_seconds=round(engine_s, 2),
         hf_tokens_per_s=round(tokens / hf_s, 1), engine_tokens_per_s=round(tokens / engine_s, 1),
         speedup=round(hf_s / engine_s, 2), peak_kv_utilisation=round(util, 4), threads=torch.get_num_threads(),
         gemm_bound_seconds=round(bound.seconds, 2), ceiling_speedup=round(hf_s / bound.seconds, 2),
+        model=args.model or "random bench model", batch1=batch1,
     )  # fmt: skip
     print(
         f"HF generate (static batches of 8): {res.hf_tokens_per_s:8.1f} output tok/s ({hf_s:.1f} s)"
@@ -218,6 +280,12 @@ def main(argv: list[str] | None = None) -> Result:
         f"decode {bound.decode_gflop:.0f} GFLOP at {bound.decode_gflops_per_s:.0f} GFLOP/s, "
         f"batch {bound.decode_batch}) -> no engine can exceed {res.ceiling_speedup:.1f}x HF here"
     )
+    if batch1 is not None:
+        print(
+            f"batch 1 ({BATCH1_PROMPT} prompt + {BATCH1_OUTPUT} output tokens): "
+            f"HF {batch1.hf_tokens_per_s:.1f} tok/s, pdserve engine "
+            f"{batch1.engine_tokens_per_s:.1f} tok/s ({batch1.speedup:.2f}x)"
+        )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(asdict(res), indent=2))

@@ -1,4 +1,4 @@
-"""Smoke runs of perf/kv_bench.py and perf/load_test.py at toy sizes (real processes)."""
+"""Smoke runs of the perf scripts (kv_bench, load_test, engine_bench, stack_bench) at toy sizes (real processes)."""
 
 from __future__ import annotations
 
@@ -96,3 +96,20 @@ def test_load_test_judges_hangs_errors_and_leaks_as_violations() -> None:
     # 2 MiB per 3-request wave over waves 3..5: a steady leak; the worker's warm-up step is not
     assert "gateway RSS keeps growing: 682.7 KiB per request" in text
     assert "decode RSS" not in text
+
+
+def test_engine_and_stack_benches_compare_against_hf(tmp_path: Path) -> None:
+    """Toy sizes: the engine bench and the whole-stack bench (real ``pdserve up`` 1P1D and
+    aggregated) run, serve every requested token and report ratios against HF."""
+    toy = ["--requests", "3", "--layers", "1", "--hidden", "64", "--vocab", "300"]
+    engine_out, stack_out = tmp_path / "engine.json", tmp_path / "stack.json"
+    proc = run_module("perf.engine_bench", *toy, "--json", str(engine_out), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    engine = json.loads(engine_out.read_text())
+    assert engine["speedup"] > 0 and engine["ceiling_speedup"] > 0 and engine["batch1"] is None
+    proc = run_module("perf.stack_bench", *toy, "--json", str(stack_out), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    stack = json.loads(stack_out.read_text())
+    assert [s["prefill_workers"] for s in stack["stacks"]] == [1, 0]
+    assert all(s["vs_hf"] > 0 for s in stack["stacks"])
+    assert stack["output_tokens"] == engine["output_tokens"]
