@@ -223,7 +223,7 @@ class Dispatcher:
             span.set_attribute("pdserve.bus_request_id", request.bus_id)
             use_prefill = self._wants_prefill(len(request.prompt))
             span.set_attribute("pdserve.route.prefill", use_prefill)
-            if not use_prefill and not self.router.has_decode():
+            if not self.router.has_decode():  # even with a prefill worker: none could decode
                 raise NoWorker("no decode worker is available")
         return use_prefill
 
