@@ -98,7 +98,7 @@ class Router:
     _in_decode: dict[str, str] = field(default_factory=dict)  # request -> decode worker
     _decoding: Counter[str] = field(default_factory=Counter)  # decode worker -> our requests
 
-    def workers(self, role: str) -> list[WorkerLoad]:
+    def serving(self, role: str) -> list[WorkerLoad]:
         """The routable workers of ``role`` that serve this router's model."""
         return [w for w in self.routable(role) if self.model is None or w.model == self.model]
 
@@ -118,10 +118,10 @@ class Router:
         return -(-num_tokens // size)
 
     def has_decode(self) -> bool:
-        return bool(self.workers("decode"))
+        return bool(self.serving("decode"))
 
     def has_prefill(self) -> bool:
-        return bool(self.workers("prefill"))
+        return bool(self.serving("prefill"))
 
     # -- prefill: KV-aware ---------------------------------------------------------------------
 
@@ -153,7 +153,7 @@ class Router:
 
     def prefill_costs(self, prompt: list[int]) -> dict[str, float]:
         """Every live prefill worker's cost for this prompt (for inspection and tests)."""
-        return {c.worker.worker_id: c.cost for c in self._costs(prompt, self.workers("prefill"))}
+        return {c.worker.worker_id: c.cost for c in self._costs(prompt, self.serving("prefill"))}
 
     def _costs(self, prompt: list[int], candidates: list[WorkerLoad]) -> list[_Cost]:
         typical = self._typical_blocks or self.blocks_for(len(prompt))
@@ -180,7 +180,7 @@ class Router:
         With ``request_id``, call ``prefill_done(request_id)`` when its prefill answer arrives:
         its work then stops counting as queued at once, not only at the worker's next report.
         """
-        live = self.workers("prefill")
+        live = self.serving("prefill")
         for gone in self._expected.keys() - {w.worker_id for w in live}:
             del self._expected[gone]  # left (or restarted under a new id): its cache is gone
         candidates = [w for w in live if w.worker_id not in (exclude or set())]
@@ -216,7 +216,7 @@ class Router:
     ) -> str | None:
         """The decode worker with the fewest requests (see the module docstring), then the most
         free blocks. With ``request_id``, the request counts there until ``decode_done``."""
-        candidates = [w for w in self.workers("decode") if w.worker_id not in (exclude or set())]
+        candidates = [w for w in self.serving("decode") if w.worker_id not in (exclude or set())]
         if not candidates:
             return None
         if request_id is not None:
@@ -245,5 +245,5 @@ class Router:
 
     def local_prefill_threshold(self) -> int:
         """Prompts shorter than this go straight to a decode worker (the workers advertise it)."""
-        thresholds = [w.local_prefill_threshold for w in self.workers("decode")]
+        thresholds = [w.local_prefill_threshold for w in self.serving("decode")]
         return max(thresholds, default=0)

@@ -193,7 +193,7 @@ class Gateway:
         the largest decode worker's whole KV cache cannot hold that many tokens."""
         capacities = [
             w.total_blocks * w.block_size
-            for w in self.router.workers("decode")
+            for w in self.router.serving("decode")
             if w.block_size > 0 and w.total_blocks > 0
         ]
         if not capacities:

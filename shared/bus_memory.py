@@ -19,6 +19,8 @@ queue and one task that runs its callback for one message at a time. Nothing pol
 
 ``await bus.nc.crash()`` drops a connection without a word (as kill -9 does), and
 ``await bus.nc.reconnect()`` runs the bus's reconnect callbacks as a NATS reconnect would.
+NATS micro services are not emulated: ``register_micro_service`` fails at once on this bus (the
+workers treat that registration as optional).
 """
 
 from __future__ import annotations

@@ -311,7 +311,7 @@ async def test_registry_joins_leaves_restarts_and_drains(net) -> None:
     p0 = await FakeWorker(net, "prefill", "p0").start()
     await settle()
     assert events == [("joined", "d0"), ("joined", "p0")]
-    assert [w.worker_id for w in gw.router.workers("decode")] == ["d0"]
+    assert [w.worker_id for w in gw.router.serving("decode")] == ["d0"]
     await d0.beat(draining=True)
     await settle()
     assert gw.workers.routable("decode") == [] and not gw.router.has_decode()
