@@ -29,8 +29,10 @@ import contextlib
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from services.launcher import service_argv, service_env
@@ -38,6 +40,8 @@ from services.processes import Child, NatsServer, free_port, http_ok, spawn
 
 __all__ = [
     "Child",
+    "descendants",
+    "pdserve_up",
     "NatsServer",
     "free_port",
     "listening_sockets",
@@ -151,3 +155,71 @@ def listening_sockets(pid: int) -> set[tuple[str, int]]:
                 family = socket.AF_INET if width == 4 else socket.AF_INET6
                 found.add((socket.inet_ntop(family, words), int(port_hex, 16)))
     return found
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """pid -> /proc start time of every live descendant of ``pid``."""
+    parent_of: dict[int, int] = {}
+    start_of: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        parent_of[int(entry)] = int(fields[1])
+        start_of[int(entry)] = fields[19]
+    found: dict[int, str] = {}
+    frontier = [pid]
+    while frontier:
+        p = frontier.pop()
+        for child, parent in parent_of.items():
+            if parent == p and child not in found:
+                found[child] = start_of[child]
+                frontier.append(child)
+    return found
+
+
+@contextlib.contextmanager
+def pdserve_up(
+    args: list[str],
+    log: Path,
+    env: dict[str, str] | None = None,
+    ready_text: str = "pdserve ready at",
+    timeout: float = 180.0,
+) -> Iterator[subprocess.Popen]:
+    """A real ``pdserve up ARGS`` (no inherited ``PDSERVE_*`` variables, quiet environment,
+    ``env`` on top), yielded once ``ready_text`` is in its log. Afterwards it gets SIGTERM and
+    30 s to stop, then every process it left gets SIGKILL."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    full_env.update(QUIET_ENV)
+    full_env.pop("OMP_NUM_THREADS", None)  # pdserve up sizes its workers' threads itself
+    full_env.pop("MKL_NUM_THREADS", None)
+    full_env.update(env or {})
+    argv = [sys.executable, "-m", "shared.cli", "up", *args]
+    repo = Path(__file__).resolve().parents[2]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, cwd=repo, env=full_env, stdout=out, stderr=subprocess.STDOUT)
+
+    def ready() -> bool:
+        text = log.read_text(errors="replace")
+        assert proc.poll() is None, f"pdserve up exited:\n{text[-4000:]}"
+        return ready_text in text
+
+    try:
+        wait_until(ready, timeout, f"{ready_text!r} in the log of pdserve up")
+        yield proc
+    finally:
+        family = descendants(proc.pid)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(30)
+        for pid in family:
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -9,15 +9,14 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.integration.stack import free_port, wait_until
-from tests.integration.test_up import descendants, metric, scrape
+from tests.integration.stack import descendants, free_port, pdserve_up, wait_until
+from tests.integration.test_up import metric, scrape
 
 REPO = Path(__file__).resolve().parents[2]
 IDLE_SECONDS = 5.0
@@ -48,39 +47,11 @@ def complete(url: str, prompt: list[int]) -> None:
 def up_default(tmp_path_factory, llama_dir):
     port = free_port()
     log = tmp_path_factory.mktemp("idle") / "up.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
-    env.update(
-        TOKENIZERS_PARALLELISM="false",
-        UCX_WARN_UNUSED_ENV_VARS="n",
-        PYTHONUNBUFFERED="1",
-        PDSERVE_NUM_KV_BLOCKS="64",
-        PDSERVE_DRAIN_SECONDS="5",
-        PDSERVE_SERVED_MODEL_NAME="m",
-    )
-    env.pop("OMP_NUM_THREADS", None)  # the launcher sizes the workers' threads itself
+    env = {"PDSERVE_NUM_KV_BLOCKS": "64", "PDSERVE_DRAIN_SECONDS": "5"}
+    env["PDSERVE_SERVED_MODEL_NAME"] = "m"
     # no topology flags: the default is what is under test
-    argv = [sys.executable, "-m", "shared.cli", "up", "--model", str(llama_dir)]
-    argv += ["--port", str(port)]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        assert proc.poll() is None, log.read_text(errors="replace")[-4000:]
-        return "pdserve ready at" in log.read_text(errors="replace")
-
-    try:
-        wait_until(ready, 180, "the ready line")
-        yield proc, url, log
-    finally:
-        if proc.poll() is None:
-            for pid in descendants(proc.pid):
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            proc.kill()
-            proc.wait()
+    with pdserve_up(["--model", str(llama_dir), "--port", str(port)], log, env) as proc:
+        yield proc, f"http://127.0.0.1:{port}", log
 
 
 def workers(proc: subprocess.Popen) -> dict[str, int]:

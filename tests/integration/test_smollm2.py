@@ -18,10 +18,8 @@ import json
 import os
 import random
 import re
-import signal
-import subprocess
-import sys
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -194,28 +192,19 @@ def post(url: str, body: dict) -> dict:
 
 @pytest.mark.slow
 def test_pdserve_up_1p1d_answers_like_hf(model, hf_tokenizer, tmp_path) -> None:
-    from tests.integration.stack import QUIET_ENV, free_port, wait_until
-    from tests.integration.test_up import descendants, free_port_range, metric, scrape
+    from tests.integration.stack import free_port, pdserve_up
+    from tests.integration.test_up import free_port_range, metric, scrape
 
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
-    env.update(QUIET_ENV, PDSERVE_CACHE_DIR=os.environ["PDSERVE_CACHE_DIR"])
-    log = tmp_path / "up.log"
-    argv = [sys.executable, "-m", "shared.cli", "up", "--port", str(port)]
-    argv += ["--prefill-workers", "1", "--decode-workers", "1"]  # no --model: the default
+    env = {"PDSERVE_CACHE_DIR": os.environ["PDSERVE_CACHE_DIR"]}
+    args = ["--port", str(port), "--prefill-workers", "1", "--decode-workers", "1"]  # no --model
     metrics = free_port_range(2)  # prefill-0's /metrics, then decode-0's
-    argv += ["--metrics-port", str(metrics)]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    args += ["--metrics-port", str(metrics)]
     base = f"http://127.0.0.1:{port}"
-    try:
-        expected = hf_answers(model, hf_tokenizer)  # while the stack starts
-
-        def ready() -> bool:
-            assert proc.poll() is None, log.read_text(errors="replace")[-4000:]
-            return "pdserve model:" in log.read_text(errors="replace")
-
-        wait_until(ready, 240, "pdserve up to be ready")
+    pool = ThreadPoolExecutor(1)
+    expected_soon = pool.submit(hf_answers, model, hf_tokenizer)  # while the stack starts
+    with pdserve_up(args, tmp_path / "up.log", env, "pdserve model:", 240):
+        log = tmp_path / "up.log"
         banner = [x for x in log.read_text().splitlines() if x.startswith("pdserve model:")][0]
         assert f"{NAME} from {model.source}" in banner
         assert "Q4_1 GGUF, 98 MB, 135M parameters" in banner and "in float32" in banner
@@ -241,22 +230,11 @@ def test_pdserve_up_1p1d_answers_like_hf(model, hf_tokenizer, tmp_path) -> None:
             answers.append(
                 (choice["text"], r["usage"]["completion_tokens"], choice["finish_reason"])
             )
+        expected = expected_soon.result()
+        pool.shutdown()
         assert answers == expected
         assert "Paris" in answers[0][0]
         # disaggregated: every prompt was prefilled by the prefill worker, its KV pulled over UCX
         prefill, decode = (scrape(f"http://127.0.0.1:{metrics + i}") for i in range(2))
         assert metric(prefill, "pdserve_worker_prefill_time_seconds_count") >= len(expected)
         assert metric(decode, "pdserve_kv_transfer_bytes_total") > 0
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                for pid in descendants(proc.pid):
-                    try:
-                        os.killpg(pid, signal.SIGKILL)
-                    except OSError:
-                        pass
-                proc.kill()
-                proc.wait()

@@ -10,7 +10,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -18,8 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.stack import free_port, listening_sockets, wait_until
-from tests.unit.test_engine import hf_greedy
+from tests.integration.stack import (
+    descendants,
+    free_port,
+    listening_sockets,
+    pdserve_up,
+    wait_until,
+)
+from tests.oracle import hf_greedy
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 8
@@ -51,31 +56,6 @@ def free_port_range(n: int) -> int:
     raise RuntimeError("no free port range")
 
 
-def descendants(pid: int) -> dict[int, str]:
-    """pid -> /proc start time of every live descendant of ``pid``."""
-    parent_of: dict[int, int] = {}
-    start_of: dict[int, str] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        parent_of[int(entry)] = int(fields[1])
-        start_of[int(entry)] = fields[19]
-    found: dict[int, str] = {}
-    frontier = [pid]
-    while frontier:
-        p = frontier.pop()
-        for child, parent in parent_of.items():
-            if parent == p and child not in found:
-                found[child] = start_of[child]
-                frontier.append(child)
-    return found
-
-
 def still_running(pid: int, start: str) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -101,43 +81,21 @@ def up(tmp_path_factory, llama_dir):
     port = free_port()
     metrics_base = free_port_range(4)
     log = tmp_path_factory.mktemp("up") / "up.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
-    env.update(
+    env = dict(
         OMP_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-        UCX_WARN_UNUSED_ENV_VARS="n",
-        PYTHONUNBUFFERED="1",
         PDSERVE_DTYPE="float64",
         PDSERVE_NUM_KV_BLOCKS="64",
         PDSERVE_HEARTBEAT_SECONDS="0.2",
         PDSERVE_DRAIN_SECONDS="5",
     )
-    argv = [sys.executable, "-m", "shared.cli", "up", "--model", str(llama_dir)]
-    argv += ["--prefill-workers", "2", "--decode-workers", "2", "--port", str(port)]
-    argv += ["--local-prefill-threshold", str(LOCAL_THRESHOLD)]
-    argv += ["--metrics-port", str(metrics_base)]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    handle = Up(proc, f"http://127.0.0.1:{port}", log, metrics_base)
-
-    def ready() -> bool:
-        assert proc.poll() is None, f"pdserve up exited:\n{handle.output()[-4000:]}"
-        return "pdserve ready at http://127.0.0.1:" in handle.output()
-
-    try:
-        wait_until(ready, 180, "the ready line")
+    args = ["--model", str(llama_dir), "--prefill-workers", "2", "--decode-workers", "2"]
+    args += ["--port", str(port), "--local-prefill-threshold", str(LOCAL_THRESHOLD)]
+    args += ["--metrics-port", str(metrics_base)]
+    with pdserve_up(args, log, env) as proc:
+        handle = Up(proc, f"http://127.0.0.1:{port}", log, metrics_base)
         # "ready" means every worker is registered, not just the one /health needs
         assert scrape(handle.url).count("pdserve_kv_cache_total_blocks{") == 4
         yield handle
-    finally:
-        if proc.poll() is None:
-            for pid in descendants(proc.pid):
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            proc.kill()
-            proc.wait()
 
 
 def scrape(url: str) -> str:
