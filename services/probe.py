@@ -1,10 +1,12 @@
 """The workers' side of ``pdserve doctor``'s stack check (messages: ``shared/kv_probe.py``).
 
-A probe moves one KV block through the real transfer path without touching serving: it uses a
-block from the free list (``engine.reserve``), never one a sequence holds, and gives it back as
-soon as it is done (the prefill side when its lease is released or expires, the decode side
-right after the pull). Whenever the block might be missed - no block free, requests queued for
-blocks, the worker draining - the probe is refused instead, and the doctor reports "busy".
+A probe moves one KV block through the real transfer path without touching serving: it asks the
+engine for a block from the free list (``engine.hold_block``), never one a sequence holds, and
+gives it back as soon as it is done (the prefill side when its lease is released or expires, the
+decode side right after the pull). Whenever the block might be missed - requests queued, no
+block to spare under the engine's admission policy, the worker draining - the probe is refused
+instead, and the doctor reports "busy". The engine decides that on its own thread, so the
+answer and the block are taken at one moment.
 
 The probe's sequence id is the probe id itself, so it cannot collide with a request's (those are
 gateway ids) and shows up under that name in logs if anything goes wrong.
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from services.engine.commands import BlockHoldRefused
 from shared import ucx_check
 from shared.kv_probe import (
     MAX_PROBE_LEASES,
@@ -30,15 +33,12 @@ from shared.kv_probe import (
     ProbePullRequest,
 )
 from shared.kv_transfer import KVTransferError
-from shared.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from services.decode.worker import DecodeWorker
     from services.prefill.worker import PrefillWorker
 
 log = logging.getLogger("pdserve.probe")
-
-_PROBE_SAMPLING = SamplingParams(max_tokens=1)
 
 
 def probe_pattern(num_bytes: int, probe_id: str) -> torch.Tensor:
@@ -61,17 +61,6 @@ def block_matches(block: torch.Tensor, probe_id: str) -> bool:
     return bool(torch.equal(flat.cpu(), probe_pattern(flat.numel(), probe_id)))
 
 
-def _busy(worker: PrefillWorker | DecodeWorker, waiting: int) -> str | None:
-    """Why the worker cannot spare a block right now (None: it can)."""
-    if worker.draining:
-        return f"{worker.worker_id} is draining"
-    if waiting:
-        return f"busy: {waiting} request(s) waiting; no block is taken from them"
-    if worker.engine.block_manager.num_free_blocks < 1:
-        return "busy: no free KV block"
-    return None
-
-
 def _bad_probe(worker: PrefillWorker, probe_id: str) -> str | None:
     if not probe_id.startswith(PROBE_PREFIX):
         return f"probe ids start with {PROBE_PREFIX!r}"
@@ -82,21 +71,28 @@ def _bad_probe(worker: PrefillWorker, probe_id: str) -> str | None:
     return None
 
 
-def _reserve_block(worker: PrefillWorker | DecodeWorker, probe_id: str) -> int | None:
-    if probe_id in worker.engine.seqs:
-        return None
-    blocks = worker.engine.reserve(probe_id, [0], [], _PROBE_SAMPLING)
-    return blocks[0] if blocks else None
+async def _hold_block(worker: PrefillWorker | DecodeWorker, probe_id: str) -> int | str:
+    """A free block held under the probe's id, or why there is none to spare."""
+    if worker.draining:
+        return f"{worker.worker_id} is draining"
+    held = worker.engine.hold_block(probe_id)
+    try:
+        return await asyncio.wrap_future(held)
+    except BlockHoldRefused as exc:
+        return str(exc)
+    except asyncio.CancelledError:
+        worker.engine.release(probe_id)  # applied after the hold: a block taken goes back
+        raise
 
 
 async def lease_probe(worker: PrefillWorker, req: ProbeLeaseRequest) -> ProbeLeaseReply:
     """Lease one block filled with the probe's pattern, as a prefill result leases its KV."""
     reply = ProbeLeaseReply(req.probe_id, worker.worker_id, "refused")
     reply.warnings = ucx_check.transport_warnings()
-    reply.error = _busy(worker, worker.engine.num_waiting) or _bad_probe(worker, req.probe_id)
-    block = None if reply.error else _reserve_block(worker, req.probe_id)
-    if block is None:
-        reply.error = reply.error or "busy: no free KV block"
+    reply.error = _bad_probe(worker, req.probe_id)
+    block = reply.error or await _hold_block(worker, req.probe_id)
+    if isinstance(block, str):
+        reply.error = block
         return reply
     try:
         await asyncio.to_thread(fill_block, worker.engine.kv_cache[block], req.probe_id)
@@ -114,10 +110,9 @@ async def pull_probe(worker: DecodeWorker, req: ProbePullRequest) -> ProbePullRe
     """Pull the probe's block ``req.pulls`` times into a free block, check it, free it."""
     reply = ProbePullReply(req.probe_id, worker.worker_id, "refused")
     reply.warnings = ucx_check.transport_warnings()
-    reply.error = _busy(worker, len(worker.admission))
-    block = None if reply.error else _reserve_block(worker, req.probe_id)
-    if block is None:
-        reply.error = reply.error or "busy: no free KV block"
+    block = await _hold_block(worker, req.probe_id)
+    if isinstance(block, str):
+        reply.error = block
         return reply
     try:
         for _ in range(req.pulls):
@@ -135,6 +130,5 @@ async def pull_probe(worker: DecodeWorker, req: ProbePullRequest) -> ProbePullRe
     finally:
         # a failed pull aborted its endpoint, so nothing writes into the block any more
         worker.engine.release(req.probe_id)
-        worker.wake_engine()
     log.info("probe %s from %s: %s", req.probe_id, req.kv.worker_id, reply.error or "ok")
     return reply

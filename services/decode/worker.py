@@ -1,13 +1,38 @@
 """The decode worker: pulls a prefilled request's KV, then generates in the continuous batch.
 
-For a ``DecodeRequest`` with a KV handle the worker reserves blocks in its own cache, pulls the
-prefill worker's blocks straight into them over UCX, tells the prefill worker to drop its lease,
-and activates the sequence in the running batch. Without a handle (short prompt, no prefill
-worker alive, aggregated mode) it prefills locally. After every engine step it publishes one
-``TokenBatch`` per gateway inbox with every token that step produced for that inbox.
+A request's life, here and in the engine (``SequenceStatus``). Only the engine thread changes
+it: the worker posts commands (``add_request``, ``kv_ready``, ``kv_failed``, ``abort``) and acts
+on what each step returns (tokens, and ``KVPull``s for blocks just reserved)::
 
-A failed pull follows ``--kv-failure-policy``: ``fail`` ends the request with an error item (never
-text), ``recompute`` prefills it here instead.
+    DecodeRequest with a KV handle             DecodeRequest without one (local prefill: short
+      add_request(remote_kv=True)              prompt, no prefill worker alive, aggregated mode)
+                 |                               add_request()
+                 v                                    |
+              WAITING  <------------------------------'
+                 |   one queue in arrival order; admission (Scheduler.fits) takes the head when
+                 |   its blocks fit, else everyone behind it waits too. A local request goes
+                 |   straight to RUNNING; a remote one gets its blocks reserved and is handed
+                 v   to the worker as a KVPull in that step's result
+    WAITING_FOR_REMOTE_KV
+                 |   the worker pulls the prefill worker's blocks over UCX straight into the
+                 |   reserved ones, releases the prefill worker's lease, and answers once:
+                 |-- kv_ready ------------------------------> RUNNING
+                 |-- kv_failed, --kv-failure-policy recompute -> WAITING (at the front; the
+                 |                                               prompt is computed here)
+                 '-- kv_failed, --kv-failure-policy fail ----> FINISHED "error" (an error item,
+                                                                never text)
+              RUNNING  --- one token per step for every running sequence
+                 |-- out of blocks: the newest is preempted --> PREEMPTED -> (re-admitted) RUNNING
+                 '-- stop token / max_tokens / context full --> FINISHED "stop" / "length"
+
+    abort (cancel, deadline, engine failure): FINISHED at once from any status but
+    WAITING_FOR_REMOTE_KV, whose blocks the pull is still writing: it finishes when the pull
+    answers. A pull handed out for a request the worker has already dropped is answered with
+    kv_failed without pulling.
+
+After every engine step the worker publishes one ``TokenBatch`` per gateway inbox with every token
+that step produced for that inbox. The lease on the prefill worker's blocks is this worker's to
+release, exactly once: after the pull, or at once when the request ends without one.
 """
 
 from __future__ import annotations
@@ -15,17 +40,21 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from services.engine.engine import LLMEngine
+from services.engine.outputs import KVPull, StepOutput, StepResult
 from services.probe import pull_probe
-from services.worker_base import RequestState, Step, Worker, exit_now, record_prefill_forward
+from services.request_state import RequestState, record_prefill_forward
+from services.worker_base import Worker
+from services.worker_process import exit_now
 from shared import tracing, ucx_check
+from shared.bus import Bus
 from shared.kv_probe import ProbePullRequest, answer_probes
 from shared.kv_transfer import KVClient, KVTransferError
 from shared.protocol import (
     DecodeRequest,
+    KVHandle,
     ReleaseLease,
     TokenBatch,
     TokenItem,
@@ -42,24 +71,21 @@ PULL_TIMEOUT = 30.0  # one request's KV pull, beyond which it counts as failed
 class DecodeState(RequestState):
     num_output_tokens: int = 0
     first_step_ns: int | None = None  # first decode step (start of decode.generate)
-    pulling: bool = False
-    cancelled: bool = False  # cancel/deadline while the pull writes into our blocks
     local_prefill: bool = False  # prefilled here: its first item reports the cached tokens
+    lease: KVHandle | None = None  # prefill worker's KV whose lease is ours to release still
 
 
 class DecodeWorker(Worker):
     role = "decode"
     service_name = tracing.SERVICE_DECODE
 
-    def __init__(self, ns: argparse.Namespace | dict) -> None:
-        super().__init__(ns)
+    def __init__(self, ns: argparse.Namespace | dict, bus: Bus | None = None) -> None:
+        super().__init__(ns, bus)
         self.kv_client: KVClient | None = None
         self.kv_servers: dict[str, str] = {}  # prefill worker id -> KV address connected to
-        # requests whose blocks could not be reserved yet (cache full), oldest first
-        self.admission: deque[tuple[DecodeRequest, DecodeState]] = deque()
 
     def make_engine(self) -> LLMEngine:
-        return LLMEngine(self.engine_config)
+        return LLMEngine(self.engine_config, kv_failure_policy=self.config.kv_failure_policy)
 
     async def start_extra(self) -> None:
         self.kv_client = KVClient(
@@ -110,11 +136,6 @@ class DecodeWorker(Worker):
     def load_extra(self) -> dict:
         return {"local_prefill_threshold": self.config.local_prefill_threshold}
 
-    def load(self):
-        load = super().load()
-        load.waiting += len(self.admission)
-        return load
-
     # -- requests ------------------------------------------------------------------------------
 
     async def _on_request(self, req: DecodeRequest, headers: dict[str, str]) -> None:
@@ -125,24 +146,35 @@ class DecodeWorker(Worker):
             return
         if self.was_cancelled(req.request_id):  # the gateway gave up on it already
             if req.kv is not None:
-                await self._release_lease(req)
+                await self._release_lease(req.request_id, req.kv)
             return
         refusal = self._refusal(req)
         if refusal is not None:
             await self._fail_request(req.reply_to, req.request_id, *refusal)
             if req.kv is not None and refusal[0] != "invalid":
-                await self._release_lease(req)  # the prefill worker's blocks are of no use now
+                await self._release_lease(req.request_id, req.kv)  # its KV is of no use now
             return
         state = DecodeState(
             req.request_id, req.reply_to, req.deadline, tracing.extract_context(headers)
         )
         state.num_prompt_tokens = len(req.prompt_token_ids)
         state.client_request_id = req.client_request_id
+        state.local_prefill = req.kv is None
+        state.lease = req.kv
+        try:
+            self.engine.add_request(
+                req.request_id,
+                req.prompt_token_ids,
+                req.sampling,
+                req.output_token_ids,
+                remote_kv=req.kv is not None,
+            )
+        except ValueError as exc:  # invalid for this model (too long, token id out of range...)
+            await self._fail_request(req.reply_to, req.request_id, "invalid", str(exc))
+            if req.kv is not None:
+                await self._release_lease(req.request_id, req.kv)
+            return
         self.states[req.request_id] = state
-        if req.kv is None:
-            self._prefill_locally(req, state)
-        else:
-            self._admit_pull(req, state)
 
     def _refusal(self, req: DecodeRequest) -> tuple[str, str] | None:
         if self.draining:
@@ -155,90 +187,37 @@ class DecodeWorker(Worker):
             return "overloaded", f"decode worker {self.worker_id} is full"
         return None
 
-    def _prefill_locally(self, req: DecodeRequest, state: DecodeState) -> None:
-        state.local_prefill = True
-        try:
-            if req.output_token_ids:
-                # already has output (e.g. a first token from elsewhere): compute its KV too
-                if (
-                    self.engine.reserve(
-                        req.request_id, req.prompt_token_ids, req.output_token_ids, req.sampling
-                    )
-                    is None
-                ):
-                    self._wait_for_blocks(req, state)
-                    return
-                self.engine.recompute(req.request_id)
-            else:
-                self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling)
-        except ValueError as exc:
-            self.states.pop(req.request_id, None)
-            self.spawn(self._fail_request(req.reply_to, req.request_id, "invalid", str(exc)))
+    def _start_pull(self, pull: KVPull) -> None:
+        """The engine reserved blocks for a request's KV: pull into them, or say why not."""
+        state = self.states.get(pull.request_id)
+        if state is None or state.lease is None:  # dropped meanwhile (its lease went with it)
+            self.engine.kv_failed(pull.request_id, "the request ended before its pull")
             return
-        self.wake_engine()
+        handle, state.lease = state.lease, None  # the pull releases the lease when done
+        self.spawn(self._pull(state, handle, pull.block_ids))
 
-    def _admit_pull(self, req: DecodeRequest, state: DecodeState) -> None:
-        try:
-            self.kv_client.check(req.kv)  # layout mismatch: fail before reserving anything
-            blocks = self.engine.reserve(
-                req.request_id, req.prompt_token_ids, req.output_token_ids, req.sampling
-            )
-        except KVTransferError as exc:
-            self.spawn(self._release_lease(req))
-            self.spawn(self._pull_failed(req, state, exc, reserved=False))
-            return
-        except ValueError as exc:
-            self.states.pop(req.request_id, None)
-            self.spawn(self._fail_request(req.reply_to, req.request_id, "invalid", str(exc)))
-            self.spawn(self._release_lease(req))
-            return
-        if blocks is None:
-            self._wait_for_blocks(req, state)
-            return
-        state.pulling = True
-        self.spawn(self._pull(req, state, blocks))
-
-    def _wait_for_blocks(self, req: DecodeRequest, state: DecodeState) -> None:
-        """No room in the cache now: queue (in order) until finished requests free blocks."""
-        log.info("%s waits for KV blocks (%d queued)", req.request_id, len(self.admission) + 1)
-        self.admission.append((req, state))
-
-    def _retry_admissions(self) -> None:
-        """Admit waiting requests in arrival order while their blocks fit."""
-        while self.admission:
-            req, state = self.admission[0]
-            if self.states.get(req.request_id) is not state:  # cancelled or expired meanwhile
-                self.admission.popleft()
-                if req.kv is not None:
-                    self.spawn(self._release_lease(req))
-                continue
-            if not self.engine.block_manager.can_fit(len(req.prompt_token_ids)):
-                break
-            self.admission.popleft()
-            if req.kv is None:
-                self._prefill_locally(req, state)
-            else:
-                self._admit_pull(req, state)
-
-    async def _pull(self, req: DecodeRequest, state: DecodeState, blocks: list[int]) -> None:
+    async def _pull(self, state: DecodeState, handle: KVHandle, blocks: list[int]) -> None:
+        rid = state.request_id
         start_ns = time.time_ns()
-        timeout = max(0.1, min(PULL_TIMEOUT, req.deadline - time.time()))
+        timeout = max(0.1, min(PULL_TIMEOUT, state.deadline - time.time()))
         try:
-            stats = await self.kv_client.pull(req.request_id, req.kv, blocks, timeout=timeout)
+            stats = await self.kv_client.pull(rid, handle, blocks, timeout=timeout)
         except KVTransferError as exc:
-            state.pulling = False
-            await self._pull_failed(req, state, exc, reserved=True)
+            log.warning("KV pull for %s from %s failed: %s", rid, handle.worker_id, exc)
+            self.engine.kv_failed(rid, str(exc))
             return
+        except BaseException as exc:  # e.g. cancelled at shutdown: the engine must still know
+            self.engine.kv_failed(rid, f"pull interrupted: {exc!r}")
+            raise
         finally:
-            await self._release_lease(req)
-        state.pulling = False
-        end_ns = time.time_ns()
+            await self._release_lease(rid, handle)
+        self.engine.kv_ready(rid)
         self.metrics.kv_transfer_seconds.observe(stats.seconds)
         self.metrics.kv_transfer_bytes.inc(stats.num_bytes)
         tracing.record_span(
             tracing.SPAN_KV_TRANSFER,
             start_ns,
-            end_ns,
+            time.time_ns(),
             context=state.context,
             attributes={
                 **tracing.kv_transfer_attributes(
@@ -246,50 +225,22 @@ class DecodeWorker(Worker):
                 ),
                 tracing.ATTR_WORKER_ID: self.worker_id,
                 "pdserve.kv.messages": stats.num_messages,
-                "pdserve.prefill_worker": req.kv.worker_id,
+                "pdserve.prefill_worker": handle.worker_id,
             },
         )
-        if state.cancelled or self.states.get(req.request_id) is not state:
-            self.engine.abort(req.request_id)  # safe now: no transfer writes into its blocks
-            return
-        seq = self.engine.seqs.get(req.request_id)
-        self.engine.activate(req.request_id)
-        if req.request_id not in self.engine.seqs:  # nothing left to generate
-            self.states.pop(req.request_id, None)
-            reason = seq.finish_reason if seq is not None else "length"
-            await self._publish_batch(state.reply_to, [TokenItem(req.request_id, [], reason)])
-            return
-        self.wake_engine()
 
-    async def _pull_failed(
-        self, req: DecodeRequest, state: DecodeState, exc: Exception, reserved: bool
-    ) -> None:
-        log.warning("KV pull for %s from %s failed: %s", req.request_id, req.kv.worker_id, exc)
-        if state.cancelled or self.states.get(req.request_id) is not state:
-            self.engine.abort(req.request_id)
-            return
-        if self.config.kv_failure_policy == "recompute":
-            log.info("recomputing the prefill of %s locally", req.request_id)
-            if reserved:
-                self.engine.recompute(req.request_id)
-                self.wake_engine()
-            else:
-                self._prefill_locally(req, state)
-            return
-        if reserved:
-            self.engine.abort(req.request_id)
-        self.states.pop(req.request_id, None)
-        await self._fail_request(
-            req.reply_to, req.request_id, "kv_transfer", f"KV transfer failed: {exc}"
-        )
-
-    async def _release_lease(self, req: DecodeRequest) -> None:
+    async def _release_lease(self, request_id: str, handle: KVHandle) -> None:
         try:
-            await self.bus.publish(
-                self.subjects.lease(req.kv.worker_id), ReleaseLease(req.request_id)
-            )
+            await self.bus.publish(self.subjects.lease(handle.worker_id), ReleaseLease(request_id))
         except Exception as exc:  # the lease expires on its own
-            log.info("could not release the lease of %s: %s", req.request_id, exc)
+            log.info("could not release the lease of %s: %s", request_id, exc)
+
+    def _end(self, state: DecodeState) -> None:
+        """The request leaves this worker (finished, failed, cancelled)."""
+        self.states.pop(state.request_id, None)
+        if state.lease is not None:  # never pulled: the prefill worker can free it now
+            self.spawn(self._release_lease(state.request_id, state.lease))
+            state.lease = None
 
     async def _fail_request(self, reply_to: str, request_id: str, code: str, text: str) -> None:
         await self._publish_batch(reply_to, [TokenItem(request_id, [], "error", text, code)])
@@ -302,42 +253,48 @@ class DecodeWorker(Worker):
 
     # -- engine outputs ------------------------------------------------------------------------
 
-    def on_step(self, step: Step) -> None:
+    def on_step(self, step: StepResult) -> None:
         stats = step.stats
         if stats.num_decodes:
             self.metrics.decode_step_time.observe(stats.seconds)
-        finished = {out.request_id: out.num_cached_tokens for out in step.outputs}
         for rid in stats.prefill_seqs:  # local prefills
             state = self.states.get(rid)
             if state is not None:
                 self.mark_scheduled(state, tracing.SPAN_DECODE_QUEUE, step.start_ns)
                 record_prefill_forward(
-                    self, state, rid, step, finished, **{tracing.ATTR_KV_TRANSPORT: "local"}
+                    state, self.worker_id, step, **{tracing.ATTR_KV_TRANSPORT: "local"}
                 )
+        for pull in step.pulls:
+            self._start_pull(pull)
         batches: dict[str, list[TokenItem]] = {}
         for out in step.outputs:
             state = self.states.get(out.request_id)
-            if state is None or out.finish_reason == "abort":
-                continue
-            if state.first_step_ns is None:
-                state.first_step_ns = step.start_ns
-                # pulled KV: queued (the pull included) until this step
-                self.mark_scheduled(state, tracing.SPAN_DECODE_QUEUE, step.start_ns)
-            item = TokenItem(out.request_id, list(out.new_token_ids), out.finish_reason)
-            if state.local_prefill and state.num_output_tokens == 0:
-                item.cached_tokens = out.num_cached_tokens
-            state.num_output_tokens += len(out.new_token_ids)
-            batches.setdefault(state.reply_to, []).append(item)
-            if out.finish_reason is not None:
-                self.states.pop(out.request_id, None)
-                self._record_generate(state, out.request_id, out.finish_reason, step.end_ns)
+            if state is not None:
+                item = self._item(state, out, step)
+                batches.setdefault(state.reply_to, []).append(item)
         for reply_to, items in batches.items():
             self.spawn(self._publish_batch(reply_to, items))
-        if self.admission:
-            self._retry_admissions()
         self.update_metrics()
 
-    def _record_generate(self, state: DecodeState, rid: str, reason: str, end_ns: int) -> None:
+    def _item(self, state: DecodeState, out: StepOutput, step: StepResult) -> TokenItem:
+        rid = out.request_id
+        if out.finish_reason == "error":  # the pull failed under the fail policy
+            self._end(state)
+            return TokenItem(rid, [], "error", out.error, "kv_transfer")
+        if state.first_step_ns is None:
+            state.first_step_ns = step.start_ns
+            # pulled KV: queued (the pull included) until this step
+            self.mark_scheduled(state, tracing.SPAN_DECODE_QUEUE, step.start_ns)
+        item = TokenItem(rid, list(out.new_token_ids), out.finish_reason)
+        if state.local_prefill and state.num_output_tokens == 0:
+            item.cached_tokens = out.num_prefix_hit_tokens
+        state.num_output_tokens += len(out.new_token_ids)
+        if out.finish_reason is not None:
+            self._end(state)
+            self._record_generate(state, out.finish_reason, step.end_ns)
+        return item
+
+    def _record_generate(self, state: DecodeState, reason: str, end_ns: int) -> None:
         start = state.first_step_ns or end_ns
         n = state.num_output_tokens
         tpot_ms = (end_ns - start) / 1e6 / max(1, n - 1) if n > 1 else 0.0
@@ -347,8 +304,7 @@ class DecodeWorker(Worker):
             end_ns,
             context=state.context,
             attributes={
-                tracing.ATTR_REQUEST_ID: state.public_id,
-                tracing.ATTR_WORKER_ID: self.worker_id,
+                **state.attributes(self.worker_id),
                 tracing.GEN_AI_USAGE_OUTPUT_TOKENS: n,
                 tracing.ATTR_TPOT_MS: tpot_ms,
                 tracing.GEN_AI_RESPONSE_FINISH_REASONS: [reason],
@@ -358,18 +314,11 @@ class DecodeWorker(Worker):
     # -- cancel, deadlines ---------------------------------------------------------------------
 
     async def on_cancel(self, request_id: str) -> None:
-        state = self.states.pop(request_id, None)
+        state = self.states.get(request_id)
         if state is None:
             return
-        if isinstance(state, DecodeState) and state.pulling:
-            state.cancelled = True  # freed when the transfer stops writing into the blocks
-            return
-        self.engine.abort(request_id)
-        self.wake_engine()
-
-    async def housekeeping(self) -> None:
-        if self.admission:
-            self._retry_admissions()
+        self._end(state)
+        self.engine.abort(request_id)  # mid-pull: freed once the pull stops writing
 
     async def fail(self, state: RequestState, code: str, text: str) -> None:
         await self.on_cancel(state.request_id)

@@ -27,7 +27,8 @@ class BlockManager:
         self.enable_prefix_cache = enable_prefix_cache
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        # the prefix cache: block hash -> id of the block holding that KV (in use or free)
+        self.hash_to_block: dict[int, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         # per-sequence: hashes of its blocks registered so far (prefix of block_table)
         self.seq_hashes: dict[str, list[int]] = {}
@@ -52,10 +53,6 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         return self.blocks_needed(seq, num_tokens) <= len(self.free)
 
-    def can_fit(self, num_tokens: int) -> bool:
-        """Whether a new sequence of ``num_tokens`` tokens would get its blocks now."""
-        return -(-num_tokens // self.block_size) <= len(self.free)
-
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow ``seq.block_table`` so it covers ``num_tokens`` tokens."""
         for _ in range(self.blocks_needed(seq, num_tokens)):
@@ -65,8 +62,8 @@ class BlockManager:
         block_id, _ = self.free.popitem(last=False)
         old = self.block_hash[block_id]
         if old is not None:  # evict: its cached content is about to be overwritten
-            if self.cached.get(old) == block_id:
-                del self.cached[old]
+            if self.hash_to_block.get(old) == block_id:
+                del self.hash_to_block[old]
                 self.removed_events.append(old)
                 self._bound_events()
             self.block_hash[block_id] = None
@@ -88,7 +85,7 @@ class BlockManager:
         self.prefix_queries += len(hashes)
         matched: list[int] = []
         for h in hashes:
-            block_id = self.cached.get(h)
+            block_id = self.hash_to_block.get(h)
             if block_id is None:
                 break
             matched.append(h)
@@ -113,14 +110,15 @@ class BlockManager:
             hashes.append(parent)
             block_id = seq.block_table[i]
             # First writer wins; a duplicate block computed concurrently stays private.
-            if parent not in self.cached:
-                self.cached[parent] = block_id
+            if parent not in self.hash_to_block:
+                self.hash_to_block[parent] = block_id
                 self.block_hash[block_id] = parent
                 self.stored_events.append(parent)
                 self._bound_events()
 
     def free_sequence(self, seq: Sequence) -> None:
-        """Drop the sequence's references; cached blocks stay reusable until evicted."""
+        """Drop the sequence's references; blocks in the prefix cache stay reusable (free but
+        evictable) until their space is needed."""
         # Tail blocks first, so the end of a chain is evicted before its prefix.
         for block_id in reversed(seq.block_table):
             self.ref_counts[block_id] -= 1
@@ -128,13 +126,6 @@ class BlockManager:
                 self.free[block_id] = None
         seq.block_table = []
         self.seq_hashes.pop(seq.request_id, None)
-
-    def reset_prefix_cache(self) -> None:
-        for h, block_id in list(self.cached.items()):
-            if self.ref_counts[block_id] == 0:
-                del self.cached[h]
-                self.block_hash[block_id] = None
-                self.removed_events.append(h)
 
     def _bound_events(self) -> None:
         """Keep undrained events bounded when nobody drains them (an engine without a worker
@@ -148,8 +139,8 @@ class BlockManager:
         self.stored_events, self.removed_events = stored, removed[-(limit // 2) :]
 
     def _net_events(self) -> tuple[list[int], list[int]]:
-        stored = [h for h in dict.fromkeys(self.stored_events) if h in self.cached]
-        removed = [h for h in dict.fromkeys(self.removed_events) if h not in self.cached]
+        stored = [h for h in dict.fromkeys(self.stored_events) if h in self.hash_to_block]
+        removed = [h for h in dict.fromkeys(self.removed_events) if h not in self.hash_to_block]
         return stored, removed
 
     def drain_events(self) -> tuple[list[int], list[int]]:

@@ -1,14 +1,17 @@
 """The in-process engine: prefill and decode with continuous batching over a paged KV cache.
 
-The aggregated baseline runs this engine alone. Disaggregated workers run it too: a prefill worker
-with ``prefill_only=True`` (sequences are parked with their blocks after the first token, until the
-decode side has pulled them), a decode worker with ``reserve``/``activate`` for sequences whose KV
-arrives over the network.
+The engine owns every request's lifecycle, a status machine (``SequenceStatus``) written out
+once, in the decode worker's module docstring (``services/decode/worker.py``).
 
-Threading: ``step()`` runs on one thread. The other methods may be called from any thread; they
-take ``lock``, which ``step()`` holds only while scheduling and book-keeping, never during the
-forward pass. Aborts of sequences inside the running forward are applied after it, because their
-blocks are still being written.
+The aggregated baseline runs this engine alone. Disaggregated workers run it too: a prefill worker
+with ``prefill_only=True``, a decode worker adding requests with ``remote_kv=True`` and answering
+each ``KVPull`` of a step's result with ``kv_ready`` or ``kv_failed`` (``kv_failure_policy``
+decides between local recompute and an error); the decode worker's docstring tells that story.
+
+Threading: one thread changes engine state, the one that calls ``step()``. Every other method
+posts a command (``services/engine/commands.py``) that the next ``step()`` applies before it
+schedules, so there is no lock. ``EngineThread`` steps a worker's engine; tests and benchmarks
+call ``step()`` in their own thread. ``stats()`` is a snapshot taken at the end of each step.
 """
 
 from __future__ import annotations
@@ -17,15 +20,28 @@ import logging
 import random
 import threading
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from concurrent.futures import Future
 
 import torch
 
 from services.engine.block_manager import BlockManager
-from services.engine.loader import load_model
+from services.engine.commands import (
+    Abort,
+    AddRequest,
+    BlockHoldRefused,
+    Command,
+    HoldBlock,
+    KVEventFeed,
+    KVFailed,
+    KVReady,
+    Release,
+)
+from services.engine.loader import load_model, resolve_device_dtype
 from services.engine.model_config import ModelConfig
 from services.engine.model_runner import ModelRunner
-from services.engine.scheduler import Scheduler
+from services.engine.outputs import EngineStats, KVPull, StepOutput, StepResult, StepStats
+from services.engine.scheduler import ScheduledBatch, Scheduler
 from services.engine.sequence import Sequence, SequenceStatus
 from shared.config import EngineConfig
 from shared.models.resolve import describe, resolve
@@ -33,44 +49,19 @@ from shared.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
-}
-
-
-@dataclass
-class StepOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
-    num_cached_tokens: int = 0
-
-
-@dataclass
-class StepStats:
-    num_seqs: int = 0
-    num_decodes: int = 0
-    num_tokens: int = 0
-    seconds: float = 0.0
-    prefill_seqs: list[str] = field(default_factory=list)
-
-
-def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dtype == "auto":
-        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
-    return dev, DTYPES[dtype]
+KV_FAILURE_POLICIES = ("fail", "recompute")
+_HOLD_SAMPLING = SamplingParams(max_tokens=1)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, prefill_only: bool = False) -> None:
+    def __init__(
+        self, config: EngineConfig, prefill_only: bool = False, kv_failure_policy: str = "fail"
+    ) -> None:
+        if kv_failure_policy not in KV_FAILURE_POLICIES:
+            raise ValueError(f"kv_failure_policy must be one of {KV_FAILURE_POLICIES}")
         self.config = config
         self.prefill_only = prefill_only
+        self.kv_failure_policy = kv_failure_policy
         self.resolved = resolve(config.model)
         self.model_dir = self.resolved.path
         self.is_demo = self.resolved.is_demo
@@ -84,26 +75,29 @@ class LLMEngine:
         model = load_model(self.model_dir, cfg, self.device, self.dtype)
 
         self.block_size = config.block_size
-        num_blocks = config.num_kv_blocks or self._blocks_for_memory(config.kv_cache_gib)
+        self.num_blocks = config.num_kv_blocks or self._blocks_for_memory(config.kv_cache_gib)
         self.kv_cache = torch.zeros(
-            num_blocks, cfg.num_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim,
+            self.num_blocks, cfg.num_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim,
             dtype=self.dtype, device=self.device,
         )  # fmt: skip
-        capacity = num_blocks * self.block_size
+        capacity = self.num_blocks * self.block_size
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, capacity)
         model.init_rope(self.max_model_len, self.device)
 
-        self.block_manager = BlockManager(num_blocks, self.block_size, config.prefix_cache)
+        # Engine-thread state: only ``step()`` and what it calls touch these.
+        self.block_manager = BlockManager(self.num_blocks, self.block_size, config.prefix_cache)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
         self.runner = ModelRunner(model, self.kv_cache, self.block_size, self.device)
-        self.lock = threading.Lock()
         self.seqs: dict[str, Sequence] = {}
-        self._pending_aborts: set[str] = set()
-        self._in_forward: set[str] = set()
         self._seed_rng = random.Random(config.seed)
-        self.last_step = StepStats()
+        # Crossing threads: commands in (a deque's append/popleft are atomic), a wake-up event,
+        # and the latest stats snapshot and prefix-cache events out.
+        self._commands: deque[Command] = deque()
+        self._wakeup = threading.Event()
+        self._kv_feed: KVEventFeed | None = None
+        self._stats = EngineStats(self.num_blocks, self.num_blocks)
         log.info("model %s, served as %s in %s", describe(self.resolved), self.model_name,
                  str(self.dtype).removeprefix("torch."))  # fmt: skip
         if self.is_demo:
@@ -134,7 +128,7 @@ class LLMEngine:
             "head_dim": cfg.head_dim,
         }
 
-    # ---- requests ----------------------------------------------------------------------------
+    # ---- commands: any thread ----------------------------------------------------------------
 
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         if not prompt_token_ids:
@@ -149,166 +143,226 @@ class LLMEngine:
                 f"exceeds the context length {self.max_model_len}"
             )
 
-    def _new_sequence(
-        self, request_id: str, prompt: list[int], sampling: SamplingParams
-    ) -> Sequence:
-        if request_id in self.seqs:
-            raise ValueError(f"duplicate request id {request_id!r}")
-        self.validate(prompt, sampling)
-        seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(63)
-        seq = Sequence(request_id, prompt, sampling, seed, time.monotonic())
-        self.seqs[request_id] = seq
-        return seq
-
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
-    ) -> None:
-        with self.lock:
-            self.scheduler.add(self._new_sequence(request_id, prompt_token_ids, sampling))
-
-    def abort(self, request_id: str) -> bool:
-        """Drop a request wherever it is; its blocks return to the free list. False if unknown."""
-        with self.lock:
-            seq = self.seqs.get(request_id)
-            if seq is None:
-                return False
-            if request_id in self._in_forward:
-                self._pending_aborts.add(request_id)
-            else:
-                self._finish(seq, "abort")
-            return True
-
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
-
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
-
-    # ---- disaggregation hooks ----------------------------------------------------------------
-
-    def reserve(
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        output_token_ids: list[int],
         sampling: SamplingParams,
-    ) -> list[int] | None:
-        """Decode side: allocate blocks for a prompt whose KV will arrive from elsewhere.
+        output_token_ids: list[int] | tuple[int, ...] = (),
+        remote_kv: bool = False,
+    ) -> None:
+        """Queue a request (ValueError at once if this model cannot serve it). With
+        ``output_token_ids`` (e.g. a first token sampled by a prefill worker) it continues after
+        them; with ``remote_kv`` its prompt's KV is pulled into blocks the engine reserves."""
+        self.validate(prompt_token_ids, sampling)
+        self._post(
+            AddRequest(
+                request_id, list(prompt_token_ids), sampling, tuple(output_token_ids), remote_kv
+            )
+        )
 
-        Returns the block ids to fill (in order), or None when the cache has no room now.
-        """
-        with self.lock:
-            if not self.block_manager.can_fit(len(prompt_token_ids)):
-                return None
-            seq = self._new_sequence(request_id, prompt_token_ids, sampling)
-            seq.token_ids.extend(output_token_ids)
-            self.block_manager.allocate(seq, len(prompt_token_ids))
-            seq.status = SequenceStatus.PREFILLED
-            return list(seq.block_table)
+    def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is; its blocks return to the free list (after its pull,
+        if KV is being pulled into them). Unknown ids are ignored."""
+        self._post(Abort(request_id))
 
-    def activate(self, request_id: str) -> None:
-        """Decode side: the reserved blocks now hold the prompt's KV; join the running batch."""
-        with self.lock:
-            seq = self.seqs[request_id]
-            seq.num_computed_tokens = seq.num_prompt_tokens
-            self.block_manager.commit(seq)
-            reason = self._finished_reason(seq)
-            if reason is not None:
-                # e.g. max_tokens already reached by the first token: nothing left to decode
-                self._finish(seq, reason)
-                return
-            self.scheduler.add_running(seq)
+    def release(self, request_id: str) -> None:
+        """Free a parked (prefill-only) sequence's blocks, or a block from ``hold_block``."""
+        self._post(Release(request_id))
 
-    def recompute(self, request_id: str) -> None:
-        """Decode side: the KV pull failed; compute the prefill here instead."""
-        with self.lock:
-            seq = self.seqs[request_id]
-            self.block_manager.free_sequence(seq)
-            seq.num_computed_tokens = 0
-            self.scheduler.add(seq)
+    def kv_ready(self, request_id: str) -> None:
+        """The pull of a ``KVPull`` completed: the sequence joins the running batch."""
+        self._post(KVReady(request_id))
 
-    def release(self, request_id: str) -> bool:
-        """Free a parked (prefill worker) or reserved (decode worker) sequence's blocks."""
-        with self.lock:
-            seq = self.seqs.get(request_id)
-            if seq is None or seq.status is not SequenceStatus.PREFILLED:
-                return False
-            self._finish(seq, None)
-            return True
+    def kv_failed(self, request_id: str, error: str) -> None:
+        """The pull of a ``KVPull`` failed (or was not attempted): ``kv_failure_policy`` decides
+        between computing the prompt here and finishing with an error output."""
+        self._post(KVFailed(request_id, error))
 
-    def drain_kv_events(self) -> tuple[list[int], list[int]]:
-        """Prefix-cache block hashes (stored, removed) since the last call, for KV-aware routing."""
-        with self.lock:
-            return self.block_manager.drain_events()
+    def hold_block(self, hold_id: str) -> Future:
+        """One free block under ``hold_id`` until ``release`` (the doctor's probes). Refused
+        (``BlockHoldRefused``) while requests wait or when admission could not spare it."""
+        reply: Future = Future()
+        self._post(HoldBlock(hold_id, reply))
+        return reply
 
-    def drain_kv_snapshot(self) -> list[int]:
-        """Every cached block hash now, and forget the pending events: taken under one lock, so
-        the next ``drain_kv_events`` is exactly the change since this snapshot."""
-        with self.lock:
-            self.block_manager.drain_events()
-            return list(self.block_manager.cached)
+    def _post(self, command: Command) -> None:
+        self._commands.append(command)
+        self._wakeup.set()
 
-    def cached_block_hashes(self) -> list[int]:
-        """Every block hash in the prefix cache now (a snapshot for late-joining routers)."""
-        with self.lock:
-            return list(self.block_manager.cached)
+    def wake(self) -> None:
+        """End a ``wait_for_work`` now (e.g. to stop the thread)."""
+        self._wakeup.set()
 
-    def blocks_of(self, request_id: str) -> tuple[list[int], int]:
-        """Block ids and the number of tokens whose KV they hold, for a parked sequence."""
-        seq = self.seqs[request_id]
-        return list(seq.block_table), seq.num_computed_tokens
+    def wait_for_work(self, timeout: float) -> None:
+        """Sleep until a command is posted (or ``timeout``): the engine thread at rest."""
+        if not self._commands:
+            self._wakeup.wait(timeout)
+        self._wakeup.clear()
 
-    # ---- the step ----------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        return self._stats
 
-    def step(self) -> list[StepOutput]:
-        with self.lock:
-            batch = self.scheduler.schedule()
-            if batch is None:
-                return []
-            self._in_forward = {s.request_id for s in batch.seqs}
+    def kv_event_feed(self) -> KVEventFeed:
+        """Start handing out the prefix cache's changes (to one consumer thread)."""
+        if self._kv_feed is None:
+            self._kv_feed = KVEventFeed()
+        return self._kv_feed
+
+    def has_unfinished(self) -> bool:
+        """Work queued or in flight (for callers that step the engine themselves)."""
+        return bool(self._commands) or self.scheduler.has_work()
+
+    # ---- the step: the engine thread ---------------------------------------------------------
+
+    def step(self) -> StepResult | None:
+        """Apply posted commands, schedule, run one forward pass. None when nothing happened."""
+        start_ns = time.time_ns()
+        outputs: list[StepOutput] = []
+        while self._commands:
+            self._apply(self._commands.popleft(), outputs)
+        batch = self.scheduler.schedule()
+        stats = StepStats()
+        pulls: list[KVPull] = []
+        if batch is not None:
+            pulls = [KVPull(s.request_id, list(s.block_table)) for s in batch.pulls]
+            if batch.seqs:
+                stats = self._forward(batch, outputs)
+        self._publish()
+        if not (outputs or pulls or stats.num_seqs):
+            return None
+        return StepResult(outputs, pulls, stats, start_ns, time.time_ns())
+
+    def _forward(self, batch: ScheduledBatch, outputs: list[StepOutput]) -> StepStats:
         t0 = time.perf_counter()
         tokens, rows = self.runner.run(batch)
         elapsed = time.perf_counter() - t0
-        outputs: list[StepOutput] = []
-        with self.lock:
-            self._in_forward = set()
-            sampled = dict(zip(rows, tokens.tolist(), strict=True))
-            for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
-                if seq.status is not SequenceStatus.RUNNING:
-                    continue  # finished or preempted meanwhile
-                seq.num_computed_tokens += n
-                self.block_manager.commit(seq)
-                if seq.request_id in self._pending_aborts:
-                    self._finish(seq, "abort")
-                    continue
-                if i not in sampled:
-                    continue
-                seq.token_ids.append(sampled[i])
-                reason = self._finished_reason(seq)
-                outputs.append(
-                    StepOutput(seq.request_id, [sampled[i]], reason, seq.num_cached_tokens)
-                )
-                if reason is not None:
-                    self._finish(seq, reason)
-                elif self.prefill_only:
-                    self.scheduler.park(seq)
-            for rid in self._pending_aborts:
-                if rid in self.seqs:
-                    self._finish(self.seqs[rid], "abort")
-            self._pending_aborts.clear()
-            self.last_step = StepStats(
-                num_seqs=len(batch.seqs),
-                num_decodes=batch.num_decodes,
-                num_tokens=batch.num_tokens,
-                seconds=elapsed,
-                prefill_seqs=[s.request_id for s in batch.seqs[batch.num_decodes :]],
-            )
-        return outputs
+        sampled = dict(zip(rows, tokens.tolist(), strict=True))
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            seq.num_computed_tokens += n
+            self.block_manager.commit(seq)
+            token = sampled.get(i)
+            if token is None:  # a prompt chunk that is not the last
+                continue
+            seq.token_ids.append(token)
+            reason = self._finished_reason(seq)
+            out = StepOutput(seq.request_id, [token], reason, seq.num_prefix_hit_tokens)
+            if reason is not None:
+                self._finish(seq, reason)
+            elif self.prefill_only:
+                self.scheduler.park(seq)
+                out.kv_block_ids, out.num_kv_tokens = list(seq.block_table), seq.num_computed_tokens
+            outputs.append(out)
+        prefills = batch.seqs[batch.num_decodes :]
+        return StepStats(
+            num_seqs=len(batch.seqs),
+            num_decodes=batch.num_decodes,
+            num_tokens=batch.num_tokens,
+            seconds=elapsed,
+            prefill_seqs={s.request_id: s.num_prefix_hit_tokens for s in prefills},
+        )
+
+    def _publish(self) -> None:
+        bm, sch = self.block_manager, self.scheduler
+        self._stats = EngineStats(
+            total_blocks=bm.num_blocks,
+            free_blocks=bm.num_free_blocks,
+            running=len(sch.running),
+            waiting=len(sch.waiting),
+            pulling=len(sch.pulling),
+            preemptions=sch.num_preemptions,
+            prefix_queries=bm.prefix_queries,
+            prefix_hits=bm.prefix_hits,
+        )
+        if self._kv_feed is not None:
+            stored, removed = bm.drain_events()
+            if stored or removed:
+                self._kv_feed.push(stored, removed)
+
+    # ---- applying commands -------------------------------------------------------------------
+
+    def _apply(self, cmd: Command, outputs: list[StepOutput]) -> None:
+        if isinstance(cmd, AddRequest):
+            self._add(cmd, outputs)
+        elif isinstance(cmd, HoldBlock):
+            self._hold(cmd)
+        else:
+            seq = self.seqs.get(cmd.request_id)
+            if seq is None:
+                return  # finished or aborted meanwhile
+            if isinstance(cmd, Abort):
+                self._abort(seq)
+            elif isinstance(cmd, Release):
+                if seq.status is SequenceStatus.PREFILLED:
+                    self._finish(seq, None)
+            elif seq.status is not SequenceStatus.WAITING_FOR_REMOTE_KV:
+                log.warning("%s for %s, which is %s", type(cmd).__name__, seq, seq.status.name)
+            elif seq.finish_reason is not None:  # aborted during its pull: blocks are safe now
+                self._finish(seq, seq.finish_reason)
+            elif isinstance(cmd, KVReady):
+                self._kv_ready(seq)
+            else:
+                self._kv_failed(seq, cmd.error, outputs)
+
+    def _add(self, cmd: AddRequest, outputs: list[StepOutput]) -> None:
+        rid = cmd.request_id
+        if rid in self.seqs:
+            log.error("dropping a second request with id %r", rid)
+            return
+        sp = cmd.sampling
+        seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
+        seq = Sequence(rid, cmd.prompt_token_ids, sp, seed, time.monotonic())
+        seq.token_ids.extend(cmd.output_token_ids)
+        seq.remote_kv = cmd.remote_kv
+        self.seqs[rid] = seq
+        self.scheduler.add(seq)
+        reason = self._finished_reason(seq)
+        if reason is not None:  # e.g. max_tokens reached by the first token: nothing to do
+            self._finish(seq, reason)
+            outputs.append(StepOutput(rid, [], reason))
+
+    def _abort(self, seq: Sequence) -> None:
+        if seq.status is SequenceStatus.WAITING_FOR_REMOTE_KV:
+            seq.finish_reason = "abort"  # a pull writes into its blocks until it answers
+        else:
+            self._finish(seq, "abort")
+
+    def _kv_ready(self, seq: Sequence) -> None:
+        seq.remote_kv = False
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.commit(seq)
+        self.scheduler.start_running(seq)
+
+    def _kv_failed(self, seq: Sequence, error: str, outputs: list[StepOutput]) -> None:
+        if self.kv_failure_policy == "fail":
+            self._finish(seq, "error")
+            text = f"KV transfer failed: {error}"
+            outputs.append(StepOutput(seq.request_id, [], "error", error=text))
+            return
+        log.info("recomputing the prefill of %s here: %s", seq.request_id, error)
+        self.scheduler.remove(seq)  # frees its blocks: the pull is over
+        seq.remote_kv = False
+        seq.num_computed_tokens = 0
+        self.scheduler.requeue_first(seq)
+
+    def _hold(self, cmd: HoldBlock) -> None:
+        if not cmd.reply.set_running_or_notify_cancel():
+            return  # the asker gave up
+        waiting = len(self.scheduler.waiting)
+        if cmd.hold_id in self.seqs:
+            refusal = f"{cmd.hold_id} exists"
+        elif waiting:
+            refusal = f"busy: {waiting} request(s) waiting; no block is taken from them"
+        elif not self.scheduler.fits(1):
+            refusal = "busy: no free KV block"
+        else:
+            seq = Sequence(cmd.hold_id, [0], _HOLD_SAMPLING, 0, time.monotonic())
+            self.block_manager.allocate(seq, 1)
+            seq.status = SequenceStatus.PREFILLED
+            self.seqs[cmd.hold_id] = seq
+            cmd.reply.set_result(seq.block_table[0])
+            return
+        cmd.reply.set_exception(BlockHoldRefused(refusal))
 
     def _finished_reason(self, seq: Sequence) -> str | None:
         if seq.num_output_tokens == 0:
@@ -341,6 +395,7 @@ class LLMEngine:
             self.add_request(rid, prompt, sp)
         outputs: dict[str, list[int]] = {rid: [] for rid in ids}
         while self.has_unfinished():
-            for out in self.step():
+            result = self.step()
+            for out in result.outputs if result else ():
                 outputs[out.request_id].extend(out.new_token_ids)
         return [outputs[rid] for rid in ids]

@@ -12,6 +12,22 @@ from services.engine.model import LlamaForCausalLM
 from services.engine.model_config import ModelConfig
 from shared.errors import ModelLoadError
 
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+
+
+def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dtype == "auto":
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return dev, DTYPES[dtype]
+
 
 class CheckpointFiles:
     """Maps tensor names to the safetensors file that holds them (single file or sharded)."""

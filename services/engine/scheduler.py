@@ -1,18 +1,25 @@
 """Continuous batching with a token budget per step, chunked prefill and preemption.
 
 Each step first serves running sequences oldest-first (one token for a decode, the next chunk for
-a prompt still being prefilled), then admits waiting ones while budget, sequence slots and blocks
-last. When a running sequence cannot get a block, the newest running sequence is preempted: its
-blocks are freed and it goes back to the front of the queue to be recomputed later.
+a prompt still being prefilled), then admits waiting ones in arrival order while sequence slots,
+budget and blocks last. Admission has one policy, ``fits``: the blocks a sequence needs, plus a
+little headroom once others are running, must be free. A sequence whose prompt KV comes from a
+prefill worker (``remote_kv``) is admitted by the same policy: its blocks are reserved and it is
+handed out as a pull (``ScheduledBatch.pulls``) instead of being computed; it costs no token
+budget. When a running sequence cannot get a block, the newest running sequence is preempted:
+its blocks are freed and it goes back to the front of the queue to be recomputed later.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager
 from services.engine.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -20,6 +27,7 @@ class ScheduledBatch:
     seqs: list[Sequence]  # decodes (one new token each) first, then prefill chunks
     num_new_tokens: list[int]
     num_decodes: int
+    pulls: list[Sequence] = field(default_factory=list)  # blocks just reserved for remote KV
 
     @property
     def num_tokens(self) -> int:
@@ -38,25 +46,39 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.pulling: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KV, by request id
         self.num_preemptions = 0
         # Admission keeps a little headroom so running decodes can grow without instant preemption.
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
+        self._blocked: Sequence | None = None  # head of the queue last logged as not fitting
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A sequence whose blocks and KV are already in place (e.g. pulled from a prefill worker)."""
+    def requeue_first(self, seq: Sequence) -> None:
+        """Back to the front of the queue, to be computed here (a failed pull to recompute)."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def start_running(self, seq: Sequence) -> None:
+        """A pulled sequence: its KV is in its blocks now; it joins the batch."""
+        del self.pulling[seq.request_id]
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.pulling)
+
+    def fits(self, num_blocks: int) -> bool:
+        """The admission policy: may a new sequence take ``num_blocks`` free blocks now?"""
+        busy = self.running or self.pulling
+        return num_blocks + (self.watermark_blocks if busy else 0) <= self.bm.num_free_blocks
 
     def schedule(self) -> ScheduledBatch | None:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
+        pulls: list[Sequence] = []
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -76,17 +98,25 @@ class Scheduler:
             i += 1
 
         while (
-            not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+            not preempted
+            and self.waiting
+            and len(self.running) + len(self.pulling) < self.max_num_seqs
         ):
             seq = self.waiting[0]
+            if seq.remote_kv:
+                if not self._admit_pull(seq):
+                    break
+                pulls.append(seq)
+                continue
+            if budget <= 0:
+                break
             if not seq.block_table:
                 seq.num_computed_tokens = self.bm.match_prefix(seq)
-                seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+                seq.num_prefix_hit_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
             n = min(seq.num_uncomputed_tokens, budget)
-            needed = self.bm.blocks_needed(seq, seq.num_computed_tokens + n)
-            headroom = self.watermark_blocks if self.running else 0
-            if needed + headroom > self.bm.num_free_blocks:
+            if not self.fits(self.bm.blocks_needed(seq, seq.num_computed_tokens + n)):
                 self._unmatch(seq)
+                self._log_blocked(seq)
                 break
             self.waiting.popleft()
             self.bm.allocate(seq, seq.num_computed_tokens + n)
@@ -95,23 +125,41 @@ class Scheduler:
             scheduled.append((seq, n))
             budget -= n
 
-        if not scheduled:
+        if not scheduled and not pulls:
             return None
         # Decode attention serves q_len == 1 rows; order them first.
         scheduled.sort(key=lambda item: item[1] != 1)
         num_decodes = sum(1 for _, n in scheduled if n == 1)
-        return ScheduledBatch([s for s, _ in scheduled], [n for _, n in scheduled], num_decodes)
+        return ScheduledBatch(
+            [s for s, _ in scheduled], [n for _, n in scheduled], num_decodes, pulls
+        )
+
+    def _admit_pull(self, seq: Sequence) -> bool:
+        """Reserve blocks for the prompt a prefill worker computed; False when they do not fit."""
+        if not self.fits(self.bm.blocks_needed(seq, seq.num_prompt_tokens)):
+            self._log_blocked(seq)
+            return False
+        self.waiting.popleft()
+        self.bm.allocate(seq, seq.num_prompt_tokens)
+        seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
+        self.pulling[seq.request_id] = seq
+        return True
+
+    def _log_blocked(self, seq: Sequence) -> None:
+        if self._blocked is not seq:
+            self._blocked = seq
+            log.info("%s waits for KV blocks (%d queued)", seq.request_id, len(self.waiting))
 
     def _unmatch(self, seq: Sequence) -> None:
         self.bm.free_sequence(seq)
         seq.num_computed_tokens = 0
-        seq.num_cached_tokens = 0
+        seq.num_prefix_hit_tokens = 0
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.free_sequence(seq)
         seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
+        seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
@@ -121,9 +169,11 @@ class Scheduler:
         seq.status = SequenceStatus.PREFILLED
 
     def remove(self, seq: Sequence) -> None:
-        """Take a sequence out of the queues (finished, aborted or parked) and free its blocks."""
-        if seq in self.running:
+        """Take a sequence out of the queues and free its blocks (it finished, or was released)."""
+        if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq in self.waiting:
+        elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.WAITING_FOR_REMOTE_KV:
+            del self.pulling[seq.request_id]
         self.bm.free_sequence(seq)

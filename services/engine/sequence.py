@@ -1,4 +1,6 @@
-"""A request's state inside the engine: its tokens, its blocks and how far its KV is computed."""
+"""A request's state inside the engine: its tokens, its blocks, how far its KV is computed, and
+where it is in its lifecycle (``SequenceStatus``; the transitions are described in
+``services/decode/worker.py`` and ``services/engine/engine.py``)."""
 
 from __future__ import annotations
 
@@ -8,10 +10,12 @@ from shared.sampling import SamplingParams
 
 
 class SequenceStatus(Enum):
-    WAITING = auto()
-    RUNNING = auto()
-    PREFILLED = auto()  # prefill-only engines park sequences here, blocks held, until released
-    FINISHED = auto()
+    WAITING = auto()  # queued for admission (blocks not reserved yet)
+    WAITING_FOR_REMOTE_KV = auto()  # blocks reserved, the prompt's KV is being pulled into them
+    RUNNING = auto()  # in the continuous batch
+    PREEMPTED = auto()  # blocks taken back; queued at the front to be recomputed
+    PREFILLED = auto()  # holds its blocks, not scheduled: a prefill-only engine's parked KV
+    FINISHED = auto()  # blocks freed; ``finish_reason`` says why
 
 
 class Sequence:
@@ -32,9 +36,14 @@ class Sequence:
         self.seed = seed
         self.arrival = arrival
         self.status = SequenceStatus.WAITING
+        # The prompt's KV comes from a prefill worker: admission reserves blocks for it and the
+        # worker pulls into them instead of the engine computing it.
+        self.remote_kv = False
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.num_prefix_hit_tokens = 0  # prompt tokens whose KV was reused from the prefix cache
         self.block_table: list[int] = []
+        # Set when the sequence ends - or, while a pull writes into its blocks, when it is told to
+        # end (abort): it finishes with this reason once the pull is over.
         self.finish_reason: str | None = None
 
     @property

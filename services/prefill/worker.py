@@ -17,9 +17,13 @@ import logging
 import time
 
 from services.engine.engine import LLMEngine
+from services.engine.outputs import StepResult
 from services.probe import lease_probe
-from services.worker_base import RequestState, Step, Worker, exit_now, record_prefill_forward
+from services.request_state import RequestState, record_prefill_forward
+from services.worker_base import Worker
+from services.worker_process import exit_now
 from shared import tracing, ucx_check
+from shared.bus import Bus
 from shared.kv_probe import ProbeLeaseRequest, answer_probes
 from shared.kv_transfer import KVServer, Lease, LeaseTable
 from shared.protocol import KVHandle, PrefillRequest, PrefillResult, ReleaseLease
@@ -31,8 +35,8 @@ class PrefillWorker(Worker):
     role = "prefill"
     service_name = tracing.SERVICE_PREFILL
 
-    def __init__(self, ns: argparse.Namespace | dict) -> None:
-        super().__init__(ns)
+    def __init__(self, ns: argparse.Namespace | dict, bus: Bus | None = None) -> None:
+        super().__init__(ns, bus)
         self.leases = LeaseTable(self._free_lease)
         self.kv_server: KVServer | None = None
 
@@ -86,8 +90,7 @@ class PrefillWorker(Worker):
         if refusal is not None:
             code, text = refusal
             await self._reply(
-                req.reply_to,
-                PrefillResult(req.request_id, self.worker_id, None, "error", None, text, 0, code),
+                req.reply_to, PrefillResult.failure(req.request_id, self.worker_id, code, text)
             )
             return
         state = RequestState(
@@ -100,13 +103,10 @@ class PrefillWorker(Worker):
         except ValueError as exc:  # invalid for this model (too long, token id out of range...)
             await self._reply(
                 req.reply_to,
-                PrefillResult(
-                    req.request_id, self.worker_id, None, "error", None, str(exc), 0, "invalid"
-                ),
+                PrefillResult.failure(req.request_id, self.worker_id, "invalid", str(exc)),
             )
             return
         self.states[req.request_id] = state
-        self.wake_engine()
 
     def _refusal(self, req: PrefillRequest) -> tuple[str, str] | None:
         if self.draining:
@@ -129,7 +129,7 @@ class PrefillWorker(Worker):
 
     # -- engine outputs ------------------------------------------------------------------------
 
-    def on_step(self, step: Step) -> None:
+    def on_step(self, step: StepResult) -> None:
         self._record_forward(step)
         for out in step.outputs:
             state = self.states.pop(out.request_id, None)
@@ -141,10 +141,11 @@ class PrefillWorker(Worker):
             )
             token = out.new_token_ids[0] if out.new_token_ids else None
             kv = None
-            if out.finish_reason is None:
-                kv = self._lease(out.request_id)
-                if kv is None:
-                    continue
+            if out.kv_block_ids is not None:  # parked: its blocks go under a lease
+                lease = self.leases.add(
+                    out.request_id, out.kv_block_ids, out.num_kv_tokens, self.config.lease_seconds
+                )
+                kv = self.make_handle(lease)
             result = PrefillResult(
                 request_id=out.request_id,
                 worker_id=self.worker_id,
@@ -152,20 +153,12 @@ class PrefillWorker(Worker):
                 finish_reason=out.finish_reason,
                 kv=kv,
                 error=None,
-                cached_tokens=out.num_cached_tokens,
+                cached_tokens=out.num_prefix_hit_tokens,
             )
             self.spawn(
                 self._reply(state.reply_to, result, tracing.inject_headers(context=state.context))
             )
         self.update_metrics()
-
-    def _lease(self, request_id: str) -> KVHandle | None:
-        try:
-            block_ids, num_tokens = self.engine.blocks_of(request_id)
-        except KeyError:
-            return None
-        lease = self.leases.add(request_id, block_ids, num_tokens, self.config.lease_seconds)
-        return self.make_handle(lease)
 
     def make_handle(self, lease: Lease) -> KVHandle:
         """What a decode worker needs to pull ``lease``'s blocks (requests and doctor probes)."""
@@ -179,23 +172,19 @@ class PrefillWorker(Worker):
             token=lease.token,
         )
 
-    def _record_forward(self, step: Step) -> None:
+    def _record_forward(self, step: StepResult) -> None:
         """prefill.queue once per request, prefill.forward per forward pass it took part in."""
-        stats = step.stats
-        # a sequence that finished in this step (e.g. max_tokens=1) is gone from the engine
-        finished = {out.request_id: out.num_cached_tokens for out in step.outputs}
-        for rid in stats.prefill_seqs:
+        for rid in step.stats.prefill_seqs:
             state = self.states.get(rid)
             if state is None:
                 continue
             self.mark_scheduled(state, tracing.SPAN_PREFILL_QUEUE, step.start_ns)
-            record_prefill_forward(self, state, rid, step, finished)
+            record_prefill_forward(state, self.worker_id, step)
 
     # -- leases, cancel, deadlines ---------------------------------------------------------------
 
     def _free_lease(self, request_id: str) -> None:
-        self.engine.release(request_id)
-        self.wake_engine()  # waiting prompts may fit now
+        self.engine.release(request_id)  # waiting prompts may fit now
 
     async def _on_release(self, msg: ReleaseLease, headers: dict[str, str]) -> None:
         self.leases.release(msg.request_id)
@@ -204,14 +193,13 @@ class PrefillWorker(Worker):
     async def on_cancel(self, request_id: str) -> None:
         if self.states.pop(request_id, None) is not None:
             self.engine.abort(request_id)
-            self.wake_engine()
         else:
             self.leases.release(request_id)
 
     async def fail(self, state: RequestState, code: str, text: str) -> None:
         self.states.pop(state.request_id, None)
         self.engine.abort(state.request_id)
-        result = PrefillResult(state.request_id, self.worker_id, None, "error", None, text, 0, code)
+        result = PrefillResult.failure(state.request_id, self.worker_id, code, text)
         await self._reply(state.reply_to, result)
 
     async def housekeeping(self) -> None:

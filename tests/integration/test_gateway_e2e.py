@@ -24,7 +24,7 @@ from transformers import PreTrainedTokenizerFast
 
 from shared.protocol import DecodeRequest, PrefillRequest, decode
 from tests.integration.stack import free_port, log_text, start_nats, start_service, stop_all
-from tests.unit.test_engine import hf_greedy
+from tests.oracle import hf_greedy
 
 LOCAL_PREFILL_THRESHOLD = 6  # prompts shorter than this skip the prefill workers
 MAX_TOKENS = 8

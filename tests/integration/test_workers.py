@@ -36,8 +36,8 @@ from tests.integration.stack import (
     stop_all,
     wait_until,
 )
+from tests.oracle import hf_greedy
 from tests.otlp_receiver import OtlpReceiver
-from tests.unit.test_engine import hf_greedy
 
 LEASE_SECONDS = 3.0
 MAX_TOKENS = 8

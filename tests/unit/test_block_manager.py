@@ -66,11 +66,11 @@ def test_lru_eviction_only_when_space_is_needed():
     new = computed(bm, seq("new", list(range(100, 109))))
     bm.free_sequence(old)
     bm.free_sequence(new)
-    assert len(bm.cached) == 4
+    assert len(bm.hash_to_block) == 4
     # two blocks: old's uncached partial tail, then its least recently freed cached block
     fresh = seq("fresh", [1000] * 5)
     bm.allocate(fresh, 5)
-    assert len(bm.cached) == 3
+    assert len(bm.hash_to_block) == 3
     assert bm.match_prefix(seq("probe_old", list(range(9)))) == 4  # old's first block survived
     bm.free_sequence(fresh)
 
@@ -81,7 +81,7 @@ def test_eviction_under_pressure_keeps_outputs_consistent():
     bm.free_sequence(a)
     b = seq("b", list(range(50, 62)))
     bm.allocate(b, 12)  # needs every block: all of a's cached blocks are evicted
-    assert bm.cached == {}
+    assert bm.hash_to_block == {}
     assert bm.match_prefix(seq("c", list(range(9)))) == 0
 
 
@@ -89,7 +89,7 @@ def test_disabled_cache_never_matches():
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_cache=False)
     computed(bm, seq("a", list(range(12))))
     assert bm.match_prefix(seq("b", list(range(12)))) == 0
-    assert bm.cached == {}
+    assert bm.hash_to_block == {}
 
 
 def test_cache_events_report_stores_and_evictions():
@@ -127,4 +127,4 @@ def test_undrained_events_stay_bounded():
         bm.free_sequence(s)
     assert len(bm.stored_events) + len(bm.removed_events) <= 4 * 2 + 1024
     stored, removed = bm.drain_events()
-    assert set(stored) == set(bm.cached) and not set(removed) & set(bm.cached)
+    assert set(stored) == set(bm.hash_to_block) and not set(removed) & set(bm.hash_to_block)

@@ -3,69 +3,22 @@
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
-from services.engine.engine import LLMEngine
-from shared.config import EngineConfig
 from shared.errors import ModelLoadError
 from shared.sampling import SamplingParams
+from tests.engine_support import make_engine, random_prompts, run_staggered, step_outputs
+from tests.oracle import hf_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def make_engine(model_dir: Path, **overrides) -> LLMEngine:
-    cfg = dict(
-        model=str(model_dir),
-        dtype="float64",
-        num_kv_blocks=64,
-        block_size=16,
-        max_num_batched_tokens=64,
-    )
-    cfg.update(overrides)
-    return LLMEngine(EngineConfig(**cfg))
-
-
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    import transformers
-
-    # A plain greedy loop over HF's full forward: generate()'s min_new_tokens would mask EOS,
-    # which the engine's ignore_eos deliberately does not do.
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            out: list[int] = []
-            for _ in range(max_tokens):
-                logits = hf(input_ids=torch.tensor([p + out]), use_cache=False).logits
-                out.append(int(logits[0, -1].argmax()))
-            outs.append(out)
-    return outs
-
-
-def random_prompts(n: int, seed: int, vocab: int = 380, max_len: int = 40) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(5, vocab) for _ in range(rng.randint(1, max_len))] for _ in range(n)]
-
-
-def run_staggered(
-    engine: LLMEngine, prompts: list[list[int]], sampling: SamplingParams
-) -> list[list[int]]:
-    """Request i joins at step i, so sequences enter and leave a batch that is already running."""
-    outputs: dict[str, list[int]] = {}
-    pending = list(enumerate(prompts))
-    while pending or engine.has_unfinished():
-        if pending:
-            i, p = pending.pop(0)
-            engine.add_request(f"r{i}", p, sampling)
-            outputs[f"r{i}"] = []
-        for out in engine.step():
-            outputs[out.request_id].extend(out.new_token_ids)
-    return [outputs[f"r{i}"] for i in range(len(prompts))]
+def assert_all_blocks_free(engine) -> None:
+    stats = engine.stats()
+    assert stats.free_blocks == stats.total_blocks and not (stats.running or stats.waiting)
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "llama-mha-tied", "qwen2-bias"])
@@ -76,7 +29,7 @@ def test_greedy_matches_hf(checkpoints, variant):
     engine = make_engine(model_dir)
     assert engine.generate(prompts[:1], GREEDY) == expected[:1]
     assert run_staggered(engine, prompts, GREEDY) == expected
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert_all_blocks_free(engine)
 
 
 def test_preemption_keeps_outputs_identical(checkpoints):
@@ -86,8 +39,8 @@ def test_preemption_keeps_outputs_identical(checkpoints):
     sampling = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     engine = make_engine(model_dir, num_kv_blocks=8, prefix_cache=False)
     assert run_staggered(engine, prompts, sampling) == expected
-    assert engine.scheduler.num_preemptions > 0
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.stats().preemptions > 0
+    assert_all_blocks_free(engine)
 
 
 def test_chunked_prefill_and_prefix_cache_match_hf(checkpoints):
@@ -100,8 +53,8 @@ def test_chunked_prefill_and_prefix_cache_match_hf(checkpoints):
     engine = make_engine(model_dir, max_num_batched_tokens=24)
     assert engine.generate(prompts[:1], sampling) == expected[:1]
     assert run_staggered(engine, prompts[1:], sampling) == expected[1:]
-    assert engine.block_manager.prefix_hits >= 2 * 4  # two full shared blocks per later prompt
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.stats().prefix_hits >= 2 * 4  # two full shared blocks per later prompt
+    assert_all_blocks_free(engine)
 
 
 def test_seeded_sampling_is_reproducible(llama_dir):
@@ -131,7 +84,7 @@ def test_stop_tokens_and_max_tokens(llama_dir):
     )
     outs = []
     while engine.has_unfinished():
-        outs.extend(engine.step())
+        outs.extend(step_outputs(engine))
     tokens = [t for o in outs for t in o.new_token_ids]
     assert tokens == free_run[: free_run.index(stop_at) + 1]
     assert outs[-1].finish_reason == "stop"
@@ -160,9 +113,10 @@ def test_abort_frees_blocks(llama_dir):
     engine.step()
     engine.step()
     for i in range(4):
-        assert engine.abort(f"a{i}")
+        engine.abort(f"a{i}")
+    assert step_outputs(engine) == []  # aborted sequences say nothing more
     assert not engine.has_unfinished()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert_all_blocks_free(engine)
 
 
 def test_rejects_prompts_beyond_context(llama_dir):

@@ -18,8 +18,9 @@ from safetensors.torch import load_file
 from services.engine import model_runner
 from shared.models.resolve import resolve
 from shared.sampling import SamplingParams
+from tests.engine_support import make_engine, random_prompts
 from tests.gguf_files import tiny_llama_256, write_gguf
-from tests.unit.test_engine import hf_greedy, make_engine, random_prompts
+from tests.oracle import hf_greedy
 
 MAIN_TYPES = ["F32", "F16", "Q8_0", "Q4_0"]
 OTHER_TYPES = ["BF16", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]

@@ -11,7 +11,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from shared.sampling import SamplingParams
-from tests.unit.test_engine import make_engine
+from tests.engine_support import make_engine
 
 ENGINE_DIR = str(Path(__file__).resolve().parents[2] / "services" / "engine")
 SYNCING = {

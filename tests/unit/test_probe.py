@@ -3,11 +3,14 @@ takes one free block, never one a request needs, and always gives it back."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from services.engine.engine import LLMEngine
+from services.engine.engine_thread import EngineThread
 from services.prefill.worker import PrefillWorker
 from services.probe import block_matches, lease_probe, pull_probe
 from shared.config import EngineConfig
@@ -19,9 +22,34 @@ BLOCKS = MAX_PROBE_LEASES + 1
 
 
 @pytest.fixture(scope="module")
-def engines() -> tuple[LLMEngine, LLMEngine]:
+def engine_pair() -> tuple[LLMEngine, LLMEngine]:
     cfg = EngineConfig(model="demo", num_kv_blocks=BLOCKS, block_size=4)
     return LLMEngine(cfg, prefill_only=True), LLMEngine(cfg)
+
+
+@pytest.fixture
+async def engines(engine_pair):
+    """Both engines stepped by their own threads, as in a worker (step results are dropped)."""
+    loop = asyncio.get_running_loop()
+    threads = [EngineThread(e, loop, lambda result: None) for e in engine_pair]
+    for t in threads:
+        t.start()
+    yield engine_pair
+    for t in threads:
+        t.stop()
+        assert t.error is None
+
+
+async def until(predicate, timeout: float = 10.0) -> None:
+    """Commands apply on the engine thread: wait until ``predicate`` sees their effect."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def free(engine: LLMEngine) -> int:
+    return engine.stats().free_blocks
 
 
 def prefill_worker(engine: LLMEngine) -> SimpleNamespace:
@@ -60,9 +88,7 @@ def decode_worker(engine: LLMEngine, client: CopyClient) -> SimpleNamespace:
         worker_id="d0",
         draining=False,
         engine=engine,
-        admission=[],
         kv_client=client,
-        wake_engine=lambda: None,
     )
 
 
@@ -71,15 +97,15 @@ async def test_probe_round_trip_returns_every_block(engines) -> None:
     p = prefill_worker(prefill)
     lease = await lease_probe(p, ProbeLeaseRequest("doctor-a", ttl=5))
     assert lease.status == "ok" and lease.kv is not None and lease.kv.num_tokens == 1
-    assert prefill.block_manager.num_free_blocks == BLOCKS - 1
+    await until(lambda: free(prefill) == BLOCKS - 1)
     assert block_matches(prefill.kv_cache[lease.kv.block_ids[0]], "doctor-a")
     client = CopyClient(prefill)
     reply = await pull_probe(decode_worker(decode, client), ProbePullRequest("doctor-a", lease.kv))
     assert reply.status == "ok" and reply.verified and reply.error is None
     assert client.pulls == 3 and len(reply.pull_seconds) == 3 and reply.num_bytes > 0
-    assert decode.block_manager.num_free_blocks == BLOCKS and not decode.seqs
+    await until(lambda: free(decode) == BLOCKS)
     p.leases.release("doctor-a")  # what the doctor's ReleaseLease does
-    assert prefill.block_manager.num_free_blocks == BLOCKS and not prefill.seqs
+    await until(lambda: free(prefill) == BLOCKS)
 
 
 async def test_a_stale_block_or_a_failed_pull_fails_and_frees_the_block(engines) -> None:
@@ -95,23 +121,27 @@ async def test_a_stale_block_or_a_failed_pull_fails_and_frees_the_block(engines)
         ProbePullRequest("doctor-b", lease.kv),
     )
     assert reply.status == "failed" and "unreachable" in reply.error
-    assert decode.block_manager.num_free_blocks == BLOCKS and not decode.seqs
+    await until(lambda: free(decode) == BLOCKS)
     p.leases.release("doctor-b")
-    assert prefill.block_manager.num_free_blocks == BLOCKS
+    await until(lambda: free(prefill) == BLOCKS)
 
 
 async def test_probes_are_refused_when_a_block_may_be_missed(engines) -> None:
     prefill, decode = engines
     p = prefill_worker(prefill)
-    prefill.add_request("waiting-1", [1, 2, 3], SamplingParams(max_tokens=1))
+    one = SamplingParams(max_tokens=2, ignore_eos=True)
+    # a parked prefill holds every block, and a request waits behind it
+    prefill.add_request("held", list(range(1, BLOCKS * 4 - 2)), one)
+    await until(lambda: free(prefill) == 0)
+    reply = await lease_probe(p, ProbeLeaseRequest("doctor-e"))
+    assert reply.status == "refused" and "no free KV block" in reply.error
+    prefill.add_request("waiting-1", [1, 2, 3], one)
+    await until(lambda: prefill.stats().waiting == 1)
     reply = await lease_probe(p, ProbeLeaseRequest("doctor-d"))
     assert reply.status == "refused" and "waiting" in reply.error
     prefill.abort("waiting-1")
-    held = prefill.reserve("held", list(range(BLOCKS * 4 - 1)), [], SamplingParams(max_tokens=1))
-    assert held is not None and prefill.block_manager.num_free_blocks == 0
-    reply = await lease_probe(p, ProbeLeaseRequest("doctor-e"))
-    assert reply.status == "refused" and "no free KV block" in reply.error
     prefill.release("held")
+    await until(lambda: free(prefill) == BLOCKS and not prefill.stats().waiting)
     for i in range(MAX_PROBE_LEASES):
         assert (await lease_probe(p, ProbeLeaseRequest(f"doctor-h{i}"))).status == "ok"
     reply = await lease_probe(p, ProbeLeaseRequest("doctor-i"))
@@ -121,11 +151,18 @@ async def test_probes_are_refused_when_a_block_may_be_missed(engines) -> None:
     assert "start with" in (await lease_probe(p, ProbeLeaseRequest("req-1"))).error
     p.draining = True
     assert "draining" in (await lease_probe(p, ProbeLeaseRequest("doctor-f"))).error
+    # decode: one request's blocks are reserved for its pull, another waits for blocks
     d = decode_worker(decode, CopyClient(prefill))
-    d.admission.append(object())  # a request waits for blocks: the probe must not take one
-    reply = await pull_probe(
-        d, ProbePullRequest("doctor-g", p.make_handle(p.leases.add("x", [0], 1, 5)))
-    )
+    decode.add_request("pulling", list(range(1, BLOCKS * 4 - 2)), one, [7], remote_kv=True)
+    decode.add_request("queued", [1, 2, 3], one, [7], remote_kv=True)
+    await until(lambda: decode.stats().pulling == 1 and decode.stats().waiting == 1)
+    handle = p.make_handle(p.leases.add("x", [0], 1, 5))
+    reply = await pull_probe(d, ProbePullRequest("doctor-g", handle))
     assert reply.status == "refused" and "waiting" in reply.error
-    assert prefill.block_manager.num_free_blocks == BLOCKS
-    assert decode.block_manager.num_free_blocks == BLOCKS
+    decode.abort("queued")
+    await until(lambda: not decode.stats().waiting)
+    reply = await pull_probe(d, ProbePullRequest("doctor-g", handle))
+    assert reply.status == "refused" and "no free KV block" in reply.error
+    decode.kv_failed("pulling", "never pulled")  # the fail policy: finished with an error
+    p.leases.release("x")
+    await until(lambda: free(prefill) == BLOCKS and free(decode) == BLOCKS)

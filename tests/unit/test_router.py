@@ -117,7 +117,9 @@ async def test_events_and_evictions_reach_the_registry_and_the_router():
         await registry._on_message(load(wid), {})
     bm = BlockManager(num_blocks=4, block_size=BS)
     sink = _Sink(registry)
-    pub = KVEventPublisher(sink, "p0", "i1", BS, bm.drain_events, lambda: list(bm.cached), 1.0)
+    pub = KVEventPublisher(
+        sink, "p0", "i1", BS, bm.drain_events, lambda: list(bm.hash_to_block), 1.0
+    )
     router = Router(lambda role: registry.routable(role), BS, cached_hits=registry.prefix_hits)
 
     prompt = list(range(3 * BS))

@@ -1,0 +1,67 @@
+"""What the engine hands out: each step's result, and a snapshot of its load for workers and
+metrics. Both are plain values, made on the engine thread and read anywhere."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    # "stop", "length", "error" (e.g. a failed KV pull under the fail policy), or None while
+    # the sequence goes on. Aborted sequences produce no output.
+    finish_reason: str | None
+    num_prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    error: str | None = None  # with finish_reason "error"
+    # prefill-only engine: the sequence is parked holding these blocks, which hold the KV of
+    # ``num_kv_tokens`` tokens, until ``release``
+    kv_block_ids: list[int] | None = None
+    num_kv_tokens: int = 0
+
+
+@dataclass
+class StepStats:
+    num_seqs: int = 0  # 0: no forward pass ran (the step only applied commands or reserved)
+    num_decodes: int = 0
+    num_tokens: int = 0
+    seconds: float = 0.0
+    # the sequences that prefilled (a chunk) in this forward -> their prefix-cache hit tokens
+    prefill_seqs: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class KVPull:
+    """The engine reserved ``block_ids`` for a sequence whose prompt KV a prefill worker holds:
+    the worker pulls into them and answers ``kv_ready`` or ``kv_failed`` (exactly once)."""
+
+    request_id: str
+    block_ids: list[int]
+
+
+@dataclass
+class StepResult:
+    outputs: list[StepOutput]
+    pulls: list[KVPull]
+    stats: StepStats
+    start_ns: int  # wall clock, for spans
+    end_ns: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's load after its latest step: for heartbeats, metrics and probes."""
+
+    total_blocks: int
+    free_blocks: int
+    running: int = 0
+    waiting: int = 0  # queued for admission (including requests whose KV will be pulled)
+    pulling: int = 0  # blocks reserved, KV being pulled
+    preemptions: int = 0  # since start
+    prefix_queries: int = 0  # full prompt blocks looked up in the prefix cache, since start
+    prefix_hits: int = 0  # ... and found there
+
+    @property
+    def used_blocks(self) -> int:
+        return self.total_blocks - self.free_blocks

@@ -1,0 +1,52 @@
+"""Building and driving an in-process engine in tests (no thread: ``step()`` in the caller's)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from services.engine.engine import LLMEngine
+from services.engine.outputs import StepOutput
+from shared.config import EngineConfig
+from shared.sampling import SamplingParams
+
+
+def make_engine(model_dir: Path, **overrides) -> LLMEngine:
+    cfg = dict(
+        model=str(model_dir),
+        dtype="float64",
+        num_kv_blocks=64,
+        block_size=16,
+        max_num_batched_tokens=64,
+    )
+    kv_failure_policy = overrides.pop("kv_failure_policy", "fail")
+    prefill_only = overrides.pop("prefill_only", False)
+    cfg.update(overrides)
+    return LLMEngine(EngineConfig(**cfg), prefill_only, kv_failure_policy)
+
+
+def random_prompts(n: int, seed: int, vocab: int = 380, max_len: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, vocab) for _ in range(rng.randint(1, max_len))] for _ in range(n)]
+
+
+def step_outputs(engine: LLMEngine) -> list[StepOutput]:
+    """One step; its outputs (none when nothing happened)."""
+    result = engine.step()
+    return result.outputs if result is not None else []
+
+
+def run_staggered(
+    engine: LLMEngine, prompts: list[list[int]], sampling: SamplingParams
+) -> list[list[int]]:
+    """Request i joins at step i, so sequences enter and leave a batch that is already running."""
+    outputs: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    while pending or engine.has_unfinished():
+        if pending:
+            i, p = pending.pop(0)
+            engine.add_request(f"r{i}", p, sampling)
+            outputs[f"r{i}"] = []
+        for out in step_outputs(engine):
+            outputs[out.request_id].extend(out.new_token_ids)
+    return [outputs[f"r{i}"] for i in range(len(prompts))]
