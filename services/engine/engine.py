@@ -365,17 +365,7 @@ class LLMEngine:
         cmd.reply.set_exception(BlockHoldRefused(refusal))
 
     def _finished_reason(self, seq: Sequence) -> str | None:
-        if seq.num_output_tokens == 0:
-            return None
-        sp = seq.sampling
-        last = seq.last_token
-        if last in sp.stop_token_ids or (
-            not sp.ignore_eos and last in self.model_config.eos_token_ids
-        ):
-            return "stop"
-        if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        return seq.ended_by(self.model_config.eos_token_ids, self.max_model_len)
 
     def _finish(self, seq: Sequence, reason: str | None) -> None:
         self.scheduler.remove(seq)

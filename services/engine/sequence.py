@@ -66,6 +66,18 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
+    def ended_by(self, eos_token_ids: tuple[int, ...], max_model_len: int) -> str | None:
+        """Why the sequence is done after its last token ("stop", "length"), or None."""
+        if self.num_output_tokens == 0:
+            return None
+        sp = self.sampling
+        last = self.last_token
+        if last in sp.stop_token_ids or (not sp.ignore_eos and last in eos_token_ids):
+            return "stop"
+        if self.num_output_tokens >= sp.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None
+
     def __repr__(self) -> str:
         return (
             f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "
