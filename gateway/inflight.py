@@ -75,10 +75,6 @@ class WorkerLeft:
     worker_id: str
 
 
-class _Refused(Exception):
-    """A decode worker refused the request before its first token: try another one."""
-
-
 Item = PrefillResult | TokenItem | WorkerLeft
 
 
@@ -124,6 +120,8 @@ class InFlight:
         try:
             if remaining <= 0:
                 raise asyncio.TimeoutError
+            if not self.queue.empty():  # already here: no timer and no task to wait
+                return self.queue.get_nowait()
             return await asyncio.wait_for(self.queue.get(), remaining)
         except asyncio.TimeoutError:
             raise StageTimeout(f"the {self.stage} stage passed its deadline") from None
@@ -201,29 +199,52 @@ class InFlight:
     # -- decode ------------------------------------------------------------------------------
 
     async def decode(self) -> AsyncIterator[TokenEvent]:
-        """Yield the tokens of a decode worker until the request finishes."""
+        """Yield the tokens of a decode worker until the request finishes. A worker that
+        refuses before its first token (full or draining) hands the request to another."""
         self.stage = "decode"
         tried: set[str] = set()
+        worker = await self._send_decode(tried)
+        streamed = False
+        while not self.finished:
+            item = await self._next(self.deadline)
+            if isinstance(item, WorkerLeft):
+                if item.worker_id not in self.watching:
+                    continue  # a prefill worker that left after it answered
+                raise WorkerFailure(
+                    f"decode worker {worker} stopped while serving the request", "worker_lost"
+                )
+            if isinstance(item, PrefillResult):
+                await self.d.release_stale(item)  # a late answer of a retried prefill
+                continue
+            if item.error is not None:
+                if (
+                    streamed
+                    or len(tried) >= DECODE_ATTEMPTS
+                    or item.error_code not in RETRYABLE_CODES
+                ):
+                    raise WorkerFailure(item.error, item.error_code)
+                # The refusing worker dropped any KV lease, so the next one prefills locally.
+                log.info("decode worker %s refused %s", worker, self.bus_id)
+                self.kv = None
+                worker = await self._send_decode(tried)
+                continue
+            _check_ending(item.finish_reason, worker)
+            streamed = True
+            self.finished = item.finish_reason is not None
+            # cached_tokens is set when this decode worker prefilled the prompt itself
+            yield TokenEvent(list(item.token_ids), item.finish_reason, item.cached_tokens)
+
+    async def _send_decode(self, tried: set[str]) -> str:
+        """Send the request to a decode worker not in ``tried`` (and add it there)."""
         # Most requests stop long before max_tokens (which for chat defaults to the whole
         # context), so the load estimate counts only a typical output length.
         expected = len(self.prompt) + min(self.sampling.max_tokens, TYPICAL_OUTPUT_TOKENS)
-        while not self.finished:
-            worker = self.d.router.pick_decode(expected, tried, self.bus_id)
-            if worker is None:
-                if self.output:  # the client has its first token: this is now a failure
-                    raise WorkerFailure("no decode worker can take the request", "no_worker")
-                raise NoWorker("no decode worker can take the request")
-            tried.add(worker)
-            try:
-                async for event in self._decode_on(worker, may_retry=len(tried) < DECODE_ATTEMPTS):
-                    yield event
-            except _Refused:
-                # Refused before it started (full or draining). The refusing worker dropped any
-                # KV lease, so the next one prefills locally.
-                log.info("decode worker %s refused %s", worker, self.bus_id)
-                self.kv = None
-
-    async def _decode_on(self, worker: str, may_retry: bool) -> AsyncIterator[TokenEvent]:
+        worker = self.d.router.pick_decode(expected, tried, self.bus_id)
+        if worker is None:
+            if self.output:  # the client has its first token: this is now a failure
+                raise WorkerFailure("no decode worker can take the request", "no_worker")
+            raise NoWorker("no decode worker can take the request")
+        tried.add(worker)
         self.watching = {worker}
         self._annotate("pdserve.decode_worker", worker)
         await self.d.send_decode(
@@ -240,27 +261,7 @@ class InFlight:
             ),
             self.headers,
         )
-        streamed = False
-        while not self.finished:
-            item = await self._next(self.deadline)
-            if isinstance(item, WorkerLeft):
-                if item.worker_id not in self.watching:
-                    continue  # a prefill worker that left after it answered
-                raise WorkerFailure(
-                    f"decode worker {worker} stopped while serving the request", "worker_lost"
-                )
-            if isinstance(item, PrefillResult):
-                await self.d.release_stale(item)  # a late answer of a retried prefill
-                continue
-            if item.error is not None:
-                if not streamed and may_retry and item.error_code in RETRYABLE_CODES:
-                    raise _Refused
-                raise WorkerFailure(item.error, item.error_code)
-            _check_ending(item.finish_reason, worker)
-            streamed = True
-            self.finished = item.finish_reason is not None
-            # cached_tokens is set when this decode worker prefilled the prompt itself
-            yield TokenEvent(list(item.token_ids), item.finish_reason, item.cached_tokens)
+        return worker
 
 
 def _check_ending(finish_reason: str | None, worker_id: str) -> None:
