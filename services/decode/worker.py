@@ -16,19 +16,25 @@ on what each step returns (tokens, and ``KVPull``s for blocks just reserved)::
     WAITING_FOR_REMOTE_KV
                  |   the worker pulls the prefill worker's blocks over UCX straight into the
                  |   reserved ones, releases the prefill worker's lease, and answers once:
-                 |-- kv_ready ------------------------------> RUNNING
-                 |-- kv_failed, --kv-failure-policy recompute -> WAITING (at the front; the
-                 |                                               prompt is computed here)
-                 '-- kv_failed, --kv-failure-policy fail ----> FINISHED "error" (an error item,
-                                                                never text)
+                 |-- kv_ready ----------------------------------> RUNNING
+                 |-- kv_failed, --kv-failure-policy recompute --> WAITING (at the front: the
+                 |                                                 prompt is computed here)
+                 '-- kv_failed, --kv-failure-policy fail -------> FINISHED "error" (an error
+                                                                   item, never text)
               RUNNING  --- one token per step for every running sequence
-                 |-- out of blocks: the newest is preempted --> PREEMPTED -> (re-admitted) RUNNING
-                 '-- stop token / max_tokens / context full --> FINISHED "stop" / "length"
+                 |-- out of blocks: the newest is preempted ---> PREEMPTED -> WAITING's front,
+                 |                                                re-admitted and recomputed
+                 '-- stop token / max_tokens / context full ---> FINISHED "stop" / "length"
 
     abort (cancel, deadline, engine failure): FINISHED at once from any status but
     WAITING_FOR_REMOTE_KV, whose blocks the pull is still writing: it finishes when the pull
     answers. A pull handed out for a request the worker has already dropped is answered with
-    kv_failed without pulling.
+    kv_failed without pulling. A request whose first token already ends it finishes when it
+    is added: nothing is pulled.
+
+On a prefill worker (``prefill_only``) the same engine runs WAITING -> RUNNING (prompt chunks)
+-> PREFILLED: parked with its blocks, which the worker leases for the pull, until ``release``
+(pulled, cancelled, lease expired) -> FINISHED. A doctor probe's block is held the same way.
 
 After every engine step the worker publishes one ``TokenBatch`` per gateway inbox with every token
 that step produced for that inbox. The lease on the prefill worker's blocks is this worker's to
