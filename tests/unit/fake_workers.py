@@ -159,9 +159,7 @@ class FakeWorker:
 
     async def refuse(self, request: Any, code: str = "overloaded", error: str = "full") -> None:
         if isinstance(request, PrefillRequest):
-            msg: Any = PrefillResult(
-                request.request_id, self.worker_id, None, "error", None, error, 0, code
-            )
+            msg: Any = PrefillResult.failure(request.request_id, self.worker_id, code, error)
         else:
             item = TokenItem(request.request_id, [], "error", error, code)
             msg = TokenBatch([item])

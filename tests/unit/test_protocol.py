@@ -55,7 +55,7 @@ SAMPLES = [
         1.7e9,
     ),
     PrefillResult("req-1", "prefill-0", 42, None, handle(), None, 16),
-    PrefillResult("req-1", "prefill-0", None, "error", None, "boom", 0, "internal"),
+    PrefillResult.failure("req-1", "prefill-0", "internal", "boom"),
     DecodeRequest(
         "req-1", [1, 2, 3], [42], SamplingParams(temperature=0.0), handle(), "pdserve.gw.g1", 1.0
     ),

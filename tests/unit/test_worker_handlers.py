@@ -264,16 +264,26 @@ async def test_late_duplicates_do_not_disturb_the_original(stack, expected) -> N
     await stack.idle("p0", "d0")
 
 
-async def test_deadlines(stack) -> None:
+async def test_deadlines(stack, engines, monkeypatch) -> None:
     gw = stack.gw
     late = await gw.prefill("late-p", PROMPTS[1], deadline=time.time() - 1)
     assert late.error_code == "deadline" and late.kv is None
     items = await gw.decode("d0", "late-d", PROMPTS[1], [], None, deadline=time.time() - 1)
     assert [i.error_code for i in items] == ["deadline"]
+    # A deadline that passes mid-generation. The tiny model can make 200 tokens before the
+    # worker's next deadline check on a quiet machine, so its steps are slowed to >= 10 ms.
+    step = engines["d0"].step
+
+    def slow_step():
+        time.sleep(0.01)
+        return step()
+
+    monkeypatch.setattr(engines["d0"], "step", slow_step)
     long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     t0 = time.time()
     items = await gw.decode("d0", "slow", PROMPTS[1], [], None, sp=long, deadline=t0 + 0.3)
     assert items[-1].error_code == "deadline" and len(tokens(items)) < 200
+    monkeypatch.undo()
     # a deadline that passes while the pull is in flight: error now, blocks after the pull
     result = await gw.prefill("slow-pull", PROMPTS[0])
     client = stack.kv["d0"]
