@@ -27,7 +27,6 @@ from gateway.api_models import (
     check_token_ids,
     parse_chat,
     parse_completion,
-    parse_json_body,
 )
 from gateway.auth import api_key_middleware
 from gateway.chat_template import TemplateFailure, TemplateInputError
@@ -39,6 +38,7 @@ from gateway.errors import (
     server_error,
 )
 from gateway.generation import serve_generation
+from gateway.json_body import parse_json_body
 from gateway.openapi import openapi_spec
 from gateway.state import ARRIVED_KEY, GATEWAY_KEY, REQUEST_ID_KEY, Gateway, new_gateway_id
 from gateway.tokenizer import ModelTokenizer

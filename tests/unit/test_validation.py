@@ -11,9 +11,9 @@ from gateway.api_models import (
     check_token_ids,
     parse_chat,
     parse_completion,
-    parse_json_body,
 )
 from gateway.errors import APIError
+from gateway.json_body import parse_json_body
 
 
 def error_of(fn, *args) -> APIError:
