@@ -33,12 +33,11 @@ import json
 import os
 import random
 import secrets
-import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +45,7 @@ import numpy as np
 import torch
 
 from shared import ucx_progress
+from shared.kv_peer_result import CaseResult
 from shared.kv_transfer import KVClient, KVServer, LeaseTable, block_runs, parse_address
 from shared.protocol import KVHandle
 
@@ -150,48 +150,6 @@ async def serve(geometry: Geometry, num_blocks: int, token: str, host: str) -> N
 
 # ---------------------------------------------------------------------------------------------
 # decode side (the calling process)
-
-
-@dataclass
-class CaseResult:
-    size_mib: float
-    pattern: str
-    num_blocks: int
-    num_bytes: int
-    messages: int
-    pull_seconds: list[float] = field(default_factory=list)
-    raw_seconds: list[float] = field(default_factory=list)
-
-    @property
-    def pull_median(self) -> float:
-        return statistics.median(self.pull_seconds)
-
-    @property
-    def raw_median(self) -> float:
-        return statistics.median(self.raw_seconds)
-
-    @property
-    def pull_gbps(self) -> float:
-        return self.num_bytes / self.pull_median / 1e9
-
-    @property
-    def raw_gbps(self) -> float:
-        return self.num_bytes / self.raw_median / 1e9
-
-    @property
-    def ratio(self) -> float:
-        """Pull throughput as a fraction of raw UCX's (1.0: the pull costs nothing extra)."""
-        return self.raw_median / self.pull_median
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            **asdict(self),
-            "pull_median_s": self.pull_median,
-            "raw_median_s": self.raw_median,
-            "pull_gbps": self.pull_gbps,
-            "raw_gbps": self.raw_gbps,
-            "ratio": self.ratio,
-        }
 
 
 def block_ids(pattern: str, n: int, rng: random.Random) -> tuple[list[int], list[int]]:
