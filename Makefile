@@ -39,6 +39,8 @@ format: setup
 # Side-by-side comparisons; each writes its results under perf/results/.
 bench: setup
 	$(PY) -m perf.engine_bench --json perf/results/engine_bench.json
+	$(PY) -m perf.engine_bench --model smollm2-135m-instruct --json perf/results/engine_bench_smollm2.json
+	$(PY) -m perf.stack_bench --json perf/results/stack_bench.json
 	$(PY) -m perf.kernels_bench
 	$(PY) -m perf.kv_bench --json perf/results/kv_bench.json
 	$(PY) -m perf.scenarios all $(ARGS)
