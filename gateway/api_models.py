@@ -3,34 +3,25 @@
 The body is parsed strictly (UTF-8, JSON, bounded nesting) and every field is checked by hand
 against the table below; the same table feeds ``/openapi.json`` so docs and checks cannot drift.
 Anything a client sends that we do not support is refused with a 400 naming it, rather than
-silently ignored, so nobody believes a parameter took effect when it did not.
+silently ignored, so nobody believes a parameter took effect when it did not. The exceptions are
+fields that change nothing (``neutral_fields.py``: ``user``, ``metadata``, penalties at 0, ...),
+accepted so clients that always send them work, and type-checked all the same.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.errors import APIError, bad_request, unsupported_parameter
+from gateway.neutral_fields import check_neutral_fields, neutral_names
+from gateway.number_fields import NumberField, check_number
+from gateway.stream_options import parse_stream_options
 from shared.sampling import BOUNDS
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 ALLOWED_ROLES = ("system", "developer", "user", "assistant")
-
-
-@dataclass(frozen=True)
-class NumberField:
-    """One numeric sampling field: its JSON type, bounds and meaning."""
-
-    name: str
-    kind: str  # "integer" or "number"
-    description: str
-    minimum: float | None = None
-    maximum: float | None = None
-    exclusive_minimum: bool = False
-    nullable: bool = True
 
 
 SAMPLING_FIELDS: tuple[NumberField, ...] = (
@@ -65,10 +56,11 @@ SAMPLING_FIELDS: tuple[NumberField, ...] = (
 _FIELDS_BY_NAME = {f.name: f for f in SAMPLING_FIELDS}
 
 COMMON_KEYS = frozenset(
-    ["model", "stream", "stream_options", "stop", "ignore_eos", "user"] + list(_FIELDS_BY_NAME)
+    ["model", "stream", "stream_options", "stop", "ignore_eos"] + list(_FIELDS_BY_NAME)
 )
-COMPLETION_KEYS = COMMON_KEYS | {"prompt"}
-CHAT_KEYS = COMMON_KEYS | {"messages", "max_completion_tokens"}
+# Fields that change nothing (gateway/neutral_fields.py) are accepted and type-checked.
+COMPLETION_KEYS = COMMON_KEYS | neutral_names(chat=False) | {"prompt"}
+CHAT_KEYS = COMMON_KEYS | neutral_names(chat=True) | {"messages", "max_completion_tokens"}
 
 
 @dataclass
@@ -82,7 +74,8 @@ class GenerationParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     stream: bool = False
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with "choices": [] and the usage
+    continuous_usage: bool = False  # the usage so far on every chunk (vLLM's extension)
 
 
 @dataclass
@@ -117,32 +110,6 @@ def _check_keys(body: dict[str, Any], allowed: frozenset[str]) -> None:
 def _number(body: dict[str, Any], name: str) -> float | int | None:
     spec = _FIELDS_BY_NAME[name]
     return check_number(body.get(name), spec, name)
-
-
-def check_number(value: Any, spec: NumberField, param: str) -> float | int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad_request(f"'{param}' must be {_article(spec.kind)}", param, "invalid_type")
-    if spec.kind == "integer":
-        if isinstance(value, float):
-            if not value.is_integer():
-                raise bad_request(f"'{param}' must be an integer", param, "invalid_type")
-            value = int(value)
-    elif math.isnan(value) or math.isinf(value):
-        raise bad_request(f"'{param}' must be a finite number", param, "invalid_value")
-    if spec.minimum is not None:
-        if spec.exclusive_minimum and value <= spec.minimum:
-            raise bad_request(f"'{param}' must be > {spec.minimum}", param, "invalid_value")
-        if not spec.exclusive_minimum and value < spec.minimum:
-            raise bad_request(f"'{param}' must be >= {spec.minimum}", param, "invalid_value")
-    if spec.maximum is not None and value > spec.maximum:
-        raise bad_request(f"'{param}' must be <= {spec.maximum}", param, "invalid_value")
-    return value
-
-
-def _article(kind: str) -> str:
-    return "an integer" if kind == "integer" else "a number"
 
 
 def _bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
@@ -180,40 +147,9 @@ def _stop(body: dict[str, Any]) -> list[str]:
     return list(dict.fromkeys(items))
 
 
-def _include_usage(body: dict[str, Any], stream: bool) -> bool:
-    options = body.get("stream_options")
-    if options is None:
-        return False
-    if not stream:
-        raise bad_request(
-            "'stream_options' is only allowed when 'stream' is true", "stream_options"
-        )
-    if not isinstance(options, dict):
-        raise bad_request("'stream_options' must be an object", "stream_options", "invalid_type")
-    for key, value in options.items():
-        if key != "include_usage" and value is not None:
-            raise unsupported_parameter(f"stream_options.{key}")
-    value = options.get("include_usage")
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise bad_request(
-            "'stream_options.include_usage' must be a boolean",
-            "stream_options.include_usage",
-            "invalid_type",
-        )
-    return value
-
-
-def _user(body: dict[str, Any]) -> None:
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise bad_request("'user' must be a string", "user", "invalid_type")
-
-
 def _params(body: dict[str, Any], max_tokens: int | None) -> GenerationParams:
-    _user(body)
     stream = _bool(body, "stream")
+    stream_options = parse_stream_options(body, stream)
     top_k = _number(body, "top_k")
     temperature = _number(body, "temperature")
     top_p = _number(body, "top_p")
@@ -228,7 +164,8 @@ def _params(body: dict[str, Any], max_tokens: int | None) -> GenerationParams:
         stop=_stop(body),
         ignore_eos=_bool(body, "ignore_eos"),
         stream=stream,
-        include_usage=_include_usage(body, stream),
+        include_usage=stream_options.include_usage,
+        continuous_usage=stream_options.continuous_usage,
     )
 
 
@@ -237,6 +174,7 @@ def _params(body: dict[str, Any], max_tokens: int | None) -> GenerationParams:
 
 def parse_completion(body: dict[str, Any]) -> CompletionRequest:
     _check_keys(body, COMPLETION_KEYS)
+    check_neutral_fields(body, chat=False)
     max_tokens = _number(body, "max_tokens")
     # OpenAI's legacy completions default to 16 new tokens.
     params = _params(body, 16 if max_tokens is None else int(max_tokens))
@@ -265,6 +203,7 @@ def _prompt(value: Any) -> str | list[int]:
 
 def parse_chat(body: dict[str, Any]) -> ChatRequest:
     _check_keys(body, CHAT_KEYS)
+    check_neutral_fields(body, chat=True)
     max_tokens = _number(body, "max_tokens")
     max_completion = check_number(
         body.get("max_completion_tokens"), _FIELDS_BY_NAME["max_tokens"], "max_completion_tokens"

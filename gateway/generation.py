@@ -83,10 +83,16 @@ class Progress:
 
     def usage(self) -> dict[str, Any]:
         return {
+            **self.running_usage(),
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+    def running_usage(self) -> dict[str, Any]:
+        """The usage so far, in the shape vLLM's continuous_usage_stats puts on every chunk."""
+        return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
 
@@ -267,7 +273,9 @@ def _dumps(obj: Any) -> str:
 
 
 class _Chunks:
-    """The SSE chunks of one streamed response."""
+    """The SSE chunks of one streamed response. With include_usage every chunk has a "usage"
+    key, null (as OpenAI sends it) or with continuous_usage_stats the usage so far (as vLLM
+    does), and ``usage_chunk`` is the extra last one with "choices": [] and the final usage."""
 
     def __init__(self, gen: Generation) -> None:
         self.gen = gen
@@ -278,18 +286,22 @@ class _Chunks:
             "model": gen.params.model,
         }
 
-    def __call__(
-        self, text: str | None, finish: str | None, usage: dict | None = None
-    ) -> dict[str, Any]:
+    def __call__(self, text: str | None, finish: str | None) -> dict[str, Any]:
         if self.gen.chat:
             delta: dict[str, Any] = {} if text is None else {"content": text}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
         payload = {**self.base, "choices": [choice]}
-        if self.gen.params.include_usage:
-            payload["usage"] = usage
+        params = self.gen.params
+        if params.include_usage:
+            payload["usage"] = (
+                self.gen.progress.running_usage() if params.continuous_usage else None
+            )
         return payload
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {**self.base, "choices": [], "usage": self.gen.progress.usage()}
 
     async def open(self, request: web.Request) -> SSEWriter:
         # Opened at the first token, not before: faults until then still get a real HTTP status.
@@ -297,6 +309,10 @@ class _Chunks:
         if self.gen.chat:
             first = self(None, None)
             first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+            if self.gen.params.continuous_usage:
+                # The role comes before any generated text: none counted yet, as in vLLM.
+                prompt = self.gen.progress.prompt_tokens
+                first["usage"] = {**first["usage"], "completion_tokens": 0, "total_tokens": prompt}
             await w.send(first)
         return w
 
@@ -340,6 +356,8 @@ async def _stream(request: web.Request, gen: Generation) -> web.StreamResponse:
         writer = await chunk.open(request)
     if tail:
         await writer.send(chunk(tail, None))
-    await writer.send(chunk(None if gen.chat else "", finish, progress.usage()))
+    await writer.send(chunk(None if gen.chat else "", finish))
+    if gen.params.include_usage:
+        await writer.send(chunk.usage_chunk())
     await writer.done()
     return writer.response

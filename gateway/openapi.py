@@ -1,35 +1,26 @@
 """The gateway's OpenAPI 3.1 description, served at ``/openapi.json``.
 
-Sampling fields come from the same table the validator uses (``api_models.SAMPLING_FIELDS``),
-and ``additionalProperties: false`` states that unsupported parameters are refused.
+Sampling fields, the fields accepted because they change nothing, and ``stream_options`` come
+from the same tables the validator uses (``api_models.SAMPLING_FIELDS``, ``neutral_fields``,
+``stream_options``), and ``additionalProperties: false`` states that unsupported parameters are
+refused.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from gateway.api_models import ALLOWED_ROLES, MAX_STOP_STRINGS, SAMPLING_FIELDS, NumberField
+from gateway.api_models import ALLOWED_ROLES, MAX_STOP_STRINGS, SAMPLING_FIELDS
+from gateway.neutral_fields import neutral_schemas
+from gateway.number_fields import number_schema
+from gateway.stream_options import stream_options_schema
 
 
-def _number_schema(f: NumberField) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": [f.kind, "null"], "description": f.description}
-    if f.minimum is not None:
-        schema["exclusiveMinimum" if f.exclusive_minimum else "minimum"] = f.minimum
-    if f.maximum is not None:
-        schema["maximum"] = f.maximum
-    return schema
-
-
-def _common_properties(model: str) -> dict[str, Any]:
+def _common_properties(model: str, chat: bool) -> dict[str, Any]:
     props: dict[str, Any] = {
         "model": {"type": "string", "description": "served model name", "examples": [model]},
         "stream": {"type": ["boolean", "null"], "default": False},
-        "stream_options": {
-            "type": ["object", "null"],
-            "properties": {"include_usage": {"type": "boolean"}},
-            "additionalProperties": False,
-            "description": "only with stream=true; include_usage puts usage on the last chunk",
-        },
+        "stream_options": stream_options_schema(),
         "stop": {
             "description": "stop strings, matched on the generated text and not returned",
             "anyOf": [
@@ -43,10 +34,10 @@ def _common_properties(model: str) -> dict[str, Any]:
             ],
         },
         "ignore_eos": {"type": ["boolean", "null"], "description": "keep going past EOS"},
-        "user": {"type": ["string", "null"], "description": "accepted and ignored"},
     }
     for f in SAMPLING_FIELDS:
-        props[f.name] = _number_schema(f)
+        props[f.name] = number_schema(f)
+    props.update(neutral_schemas(chat))
     return props
 
 
@@ -79,6 +70,7 @@ def _usage_schema() -> dict[str, Any]:
             "prompt_tokens_details": {
                 "type": "object",
                 "properties": {"cached_tokens": {"type": "integer"}},
+                "description": "not in the running usage of continuous_usage_stats",
             },
         },
     }
@@ -120,7 +112,8 @@ def _generation_op(summary: str, request_ref: str, response_ref: str) -> dict[st
             "responses": {
                 "200": {
                     "description": "the completion, or with stream=true server-sent events "
-                    "ending in 'data: [DONE]'",
+                    "ending in 'data: [DONE]' (with stream_options.include_usage, the chunk "
+                    "before it has 'choices': [] and the usage)",
                     "content": {
                         "application/json": {"schema": {"$ref": response_ref}},
                         "text/event-stream": {"schema": {"type": "string"}},
@@ -133,13 +126,12 @@ def _generation_op(summary: str, request_ref: str, response_ref: str) -> dict[st
 
 
 def openapi_spec(model: str) -> dict[str, Any]:
-    common = _common_properties(model)
     completion_request = {
         "type": "object",
         "required": ["model", "prompt"],
         "additionalProperties": False,
         "properties": {
-            **common,
+            **_common_properties(model, chat=False),
             "prompt": {
                 "description": "text, or a list of token ids",
                 "anyOf": [
@@ -178,9 +170,9 @@ def openapi_spec(model: str) -> dict[str, Any]:
         "required": ["model", "messages"],
         "additionalProperties": False,
         "properties": {
-            **common,
+            **_common_properties(model, chat=True),
             "messages": {"type": "array", "minItems": 1, "items": message},
-            "max_completion_tokens": _number_schema(SAMPLING_FIELDS[0]),
+            "max_completion_tokens": number_schema(SAMPLING_FIELDS[0]),
         },
     }
     finish = {"enum": ["stop", "length", "abort", "error"]}

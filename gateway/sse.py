@@ -15,8 +15,17 @@ from aiohttp import web
 DONE = b"data: [DONE]\n\n"
 
 
+# Line readers that follow str.splitlines (httpx's aiter_lines, which guidellm reads streams
+# with) also end a line at NEL, LINE SEPARATOR and PARAGRAPH SEPARATOR. JSON may carry them raw
+# inside strings, so they are escaped; a string escape means the same character, and JSON puts
+# them nowhere else. The other splitlines breaks (\n \r \v \f \x1c-\x1e) are control
+# characters, which json.dumps always escapes. The rest of the text stays UTF-8, not \u escapes.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def encode_event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n"
+    text = json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS)
+    return b"data: " + text.encode("utf-8") + b"\n\n"
 
 
 class SSEWriter:

@@ -527,20 +527,22 @@ async def test_streaming_completion(gw: Harness, tokenizer):
     assert status == 200 and headers["x-request-id"] == "s1"
     assert headers["Content-Type"].startswith("text/event-stream")
     assert events[-1] == "[DONE]"
-    chunks = events[:-1]
+    # With include_usage, as OpenAI: the usage comes in one more chunk with no choices.
+    *chunks, usage_chunk = events[:-1]
     script = gw.worker.script[:30]
     text = "".join(c["choices"][0]["text"] for c in chunks)
     assert text == tokenizer.decode(script)
     assert all("\ufffd" not in c["choices"][0]["text"] for c in chunks)
     last = chunks[-1]
     assert last["choices"][0]["finish_reason"] == "length"
-    assert last["usage"] == {
+    assert usage_chunk["choices"] == [] and usage_chunk["id"] == last["id"]
+    assert usage_chunk["usage"] == {
         "prompt_tokens": len(tokenizer.encode("Hello")),
         "completion_tokens": len(script),
         "total_tokens": len(tokenizer.encode("Hello")) + len(script),
         "prompt_tokens_details": {"cached_tokens": 0},
     }
-    assert all(c["usage"] is None for c in chunks[:-1])
+    assert all(c["usage"] is None for c in chunks)
     sent = gw.worker.requests[-1]
     assert sent.kv is None and sent.output_token_ids == []
     assert sent.prompt_token_ids == tokenizer.encode("Hello")
@@ -692,9 +694,10 @@ async def test_prefill_first_then_decode_with_kv(nats_url, model_dir, tokenizer)
         }
         status, events, _ = await harness.stream("/v1/completions", body, {"x-request-id": "pd1"})
         assert status == 200 and events[-1] == "[DONE]"
-        text = "".join(c["choices"][0]["text"] for c in events[:-1])
+        text = "".join(c["choices"][0]["text"] for c in events[:-2])
         script = harness.worker.script
         assert text == tokenizer.decode(script[:12])
+        assert events[-2]["choices"] == []
         usage = events[-2]["usage"]
         assert usage["completion_tokens"] == 12
         assert usage["prompt_tokens_details"] == {"cached_tokens": 3}
@@ -919,7 +922,8 @@ json_values = st.recursive(
 field_names = st.sampled_from(
     ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
      "top_p", "top_k", "seed", "stop", "ignore_eos", "n", "stream", "stream_options", "user",
-     "logprobs", "echo"]
+     "logprobs", "echo", "metadata", "store", "service_tier", "parallel_tool_calls",
+     "frequency_penalty", "presence_penalty", "logit_bias"]
 )  # fmt: skip
 plausible = st.fixed_dictionaries(
     {"model": st.sampled_from([MODEL, "other", ""])},
@@ -957,7 +961,21 @@ valid_options = {
         st.text(min_size=1, max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=3)
     ),
     "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries(
+        {}, optional={"include_usage": st.booleans(), "continuous_usage_stats": st.booleans()}
+    ),  # a 400 unless stream is true
     "ignore_eos": st.booleans(),
+    # accepted at their neutral values (gateway/neutral_fields.py)
+    "user": st.text(max_size=8),
+    "frequency_penalty": st.sampled_from([0, 0.0]),
+    "presence_penalty": st.sampled_from([0, 0.0]),
+    "logit_bias": st.just({}),
+}
+chat_only_options = {
+    "metadata": st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3),
+    "store": st.booleans(),
+    "service_tier": st.sampled_from(["auto", "default", "flex"]),
+    "parallel_tool_calls": st.booleans(),
 }
 valid_completion = st.fixed_dictionaries(
     {
@@ -984,7 +1002,7 @@ valid_chat = st.fixed_dictionaries(
         ),
         "max_tokens": st.integers(1, 8),
     },
-    optional=valid_options,
+    optional={**valid_options, **chat_only_options},
 )
 requests = st.one_of(
     st.tuples(st.just("/v1/completions"), valid_completion),
