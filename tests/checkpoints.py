@@ -57,7 +57,6 @@ def train_tokenizer(vocab_size: int = 384):
 
 
 def build_checkpoint(name: str, out: Path, seed: int = 0) -> Path:
-    import torch
     import transformers
 
     cls_name, kwargs = VARIANTS[name]
@@ -69,6 +68,14 @@ def build_checkpoint(name: str, out: Path, seed: int = 0) -> Path:
         initializer_range=0.1,
         **kwargs,
     )
+    return save_checkpoint(config, tok, out, seed)
+
+
+def save_checkpoint(config, tok, out: Path, seed: int = 0) -> Path:
+    """Random weights for ``config`` (seeded), saved with ``tok`` and the chat template."""
+    import torch
+    import transformers
+
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     out.mkdir(parents=True, exist_ok=True)

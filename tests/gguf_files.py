@@ -186,10 +186,9 @@ def _llama3_divisors(rope: dict, head_dim: int) -> np.ndarray:
 
 def tiny_llama_256(out: Path, seed: int = 0) -> Path:
     """A one-layer Llama whose rows are 256 wide, so every type (K-quants too) fits its blocks."""
-    import torch
     import transformers
 
-    from tests.checkpoints import CHAT_TEMPLATE, train_tokenizer
+    from tests.checkpoints import save_checkpoint, train_tokenizer
 
     tok = train_tokenizer()
     config = transformers.LlamaConfig(
@@ -197,12 +196,4 @@ def tiny_llama_256(out: Path, seed: int = 0) -> Path:
         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
         max_position_embeddings=256, bos_token_id=0, eos_token_id=1, initializer_range=0.05,
     )  # fmt: skip
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE})
-    )
-    return out
+    return save_checkpoint(config, tok, out, seed)
