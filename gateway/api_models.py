@@ -17,7 +17,7 @@ from gateway.errors import APIError, bad_request, unsupported_parameter
 from gateway.neutral_fields import check_neutral_fields, neutral_names
 from gateway.number_fields import NumberField, check_number
 from gateway.stream_options import parse_stream_options
-from shared.sampling import BOUNDS
+from shared.sampling import BOUNDS, GuidedDecoding
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
@@ -76,12 +76,26 @@ class GenerationParams:
     stream: bool = False
     include_usage: bool = False  # a last chunk with "choices": [] and the usage
     continuous_usage: bool = False  # the usage so far on every chunk (vLLM's extension)
+    n: int = 1  # choices per prompt
+    best_of: int | None = None  # completions: sample this many, return the n likeliest
+    # top alternatives per generated token; None: no log-probs (chat: top_logprobs when
+    # logprobs is true; completions: the logprobs integer)
+    logprobs: int | None = None
+    echo: bool = False  # completions: the prompt comes back first (with log-probs if asked)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    stop_token_ids: list[int] = field(default_factory=list)
+    guided: GuidedDecoding | None = None  # response_format / guided_regex / guided_choice
 
 
 @dataclass
 class CompletionRequest:
     params: GenerationParams
-    prompt: str | list[int]
+    prompt: str | list[int]  # the first of prompts (kept while callers move to prompts)
+    prompts: list[str | list[int]] = field(default_factory=list)  # each answered as choices
 
 
 @dataclass
@@ -178,7 +192,8 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
     max_tokens = _number(body, "max_tokens")
     # OpenAI's legacy completions default to 16 new tokens.
     params = _params(body, 16 if max_tokens is None else int(max_tokens))
-    return CompletionRequest(params=params, prompt=_prompt(body.get("prompt")))
+    prompt = _prompt(body.get("prompt"))
+    return CompletionRequest(params=params, prompt=prompt, prompts=[prompt])
 
 
 def _prompt(value: Any) -> str | list[int]:

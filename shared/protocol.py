@@ -25,12 +25,23 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from shared.logprobs import MIN_LOGPROB, TokenLogprobs
 from shared.sampling import BOUNDS as SAMPLING_BOUNDS
-from shared.sampling import MAX_STOP_TOKEN_IDS, SamplingParams
+from shared.sampling import (
+    GUIDED_KINDS,
+    MAX_GUIDED_SPEC_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_VALUE,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP_TOKEN_IDS,
+    GuidedDecoding,
+    SamplingParams,
+)
 from shared.subjects import MAX_ID_CHARS, SUBJECT_RE, TOKEN_RE
 from shared.wire_check import INT64_MAX, Checker, ProtocolError
 
-PROTOCOL_VERSION = 2  # 2: KV handles carry a UCX worker address, not host:port
+PROTOCOL_VERSION = 3  # 3: n choices, log-probs, penalties, structured output
 
 # Bounds that hold for any sane deployment; the bus also caps whole messages (max_message_bytes).
 MAX_SUBJECT_CHARS = 256
@@ -142,6 +153,9 @@ class PrefillResult:
     # machine-readable error kind (see ERROR_CODES); the gateway retries elsewhere on
     # "overloaded"/"draining"
     error_code: str | None = text(max_len=32, default=None)
+    first_logprobs: TokenLogprobs | None = _f(default=None)  # of first_token (logprobs asked)
+    # of the prompt's tokens after the first (prompt_logprobs asked): computed in the prefill
+    prompt_logprobs: TokenLogprobs | None = _f(default=None)
 
     @classmethod
     def failure(cls, request_id: str, worker_id: str, code: str, error: str) -> PrefillResult:
@@ -175,6 +189,10 @@ class TokenItem:
     # on the first item of a request the decode worker prefilled itself: prompt tokens its
     # prefix cache served (None otherwise: a prefill worker already reported them)
     cached_tokens: int | None = count(hi=MAX_TOKENS, default=None)
+    index: int = count(hi=MAX_N - 1, default=0)  # the choice (sampling.n > 1) these belong to
+    logprobs: TokenLogprobs | None = _f(default=None)  # of token_ids, when logprobs were asked
+    # with the first item of a request prefilled here, when prompt_logprobs were asked
+    prompt_logprobs: TokenLogprobs | None = _f(default=None)
 
 
 @dataclass
@@ -285,7 +303,6 @@ MESSAGE_TYPES: dict[str, type] = {
         KVEvents,
     )
 }
-_NESTED = (KVHandle, TokenItem, SamplingParams)
 
 # SamplingParams' bounds are written once, in shared.sampling; the class itself refuses what
 # its bounds' open ends and special values (top_k 0) exclude.
@@ -293,11 +310,33 @@ _SAMPLING_BOUNDS: dict[str, dict[str, Any]] = {
     **{name: {"lo": b.lo, "hi": b.hi} for name, b in SAMPLING_BOUNDS.items()},
     "stop_token_ids": {"lo": 0, "hi": MAX_TOKEN_ID, "max_len": MAX_STOP_TOKEN_IDS},
     "ignore_eos": {},
+    "logit_bias_token_ids": {"lo": 0, "hi": MAX_TOKEN_ID, "max_len": MAX_LOGIT_BIAS},
+    "logit_bias_values": {
+        "lo": -MAX_LOGIT_BIAS_VALUE,
+        "hi": MAX_LOGIT_BIAS_VALUE,
+        "max_len": MAX_LOGIT_BIAS,
+    },
+    "guided": {},
+}
+_GUIDED_BOUNDS: dict[str, dict[str, Any]] = {
+    "kind": {"choices": GUIDED_KINDS, "max_len": 16},
+    "spec": {"max_len": MAX_GUIDED_SPEC_CHARS},
+}
+_LOGPROB_BOUNDS: dict[str, dict[str, Any]] = {
+    "top_k": {"lo": 0, "hi": MAX_LOGPROBS},
+    "token_logprobs": {"lo": MIN_LOGPROB, "hi": 0.0},
+    "ranks": {"lo": 1, "hi": MAX_TOKEN_ID},
+    "top_token_ids": {"lo": 0, "hi": MAX_TOKEN_ID},
+    "top_logprobs": {"lo": MIN_LOGPROB, "hi": 0.0},
 }
 
 _CHECKER = Checker(
-    nested=(KVHandle, TokenItem, SamplingParams),
-    bounds={SamplingParams: _SAMPLING_BOUNDS},
+    nested=(KVHandle, TokenItem, SamplingParams, GuidedDecoding, TokenLogprobs),
+    bounds={
+        SamplingParams: _SAMPLING_BOUNDS,
+        GuidedDecoding: _GUIDED_BOUNDS,
+        TokenLogprobs: _LOGPROB_BOUNDS,
+    },
     max_depth=MAX_DEPTH,
     max_text=MAX_TEXT_CHARS,
     max_list=MAX_TOKENS,

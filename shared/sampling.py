@@ -10,6 +10,13 @@ MAX_TOP_K = 2**31 - 1  # any token id: the wire protocol's bound
 MAX_SEED = 2**63 - 1
 MAX_MAX_TOKENS = 1 << 20  # the wire protocol's token-list bound
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
+MAX_N = 16  # sequences forked from one prompt (the API's n, or best_of)
+MAX_LOGIT_BIAS = 1024  # entries
+MAX_LOGIT_BIAS_VALUE = 100.0
+MAX_REPETITION_PENALTY = 10.0
+MAX_GUIDED_SPEC_CHARS = 64 * 1024
+GUIDED_KINDS = ("json_object", "json_schema", "regex", "choice")
 
 
 @dataclass(frozen=True)
@@ -28,8 +35,34 @@ BOUNDS: dict[str, Bound] = {
     "top_p": Bound(0.0, 1.0, lo_open=True),
     "top_k": Bound(-1, MAX_TOP_K),  # -1 is off; 0 is refused here (the API maps 0 to -1)
     "seed": Bound(-MAX_SEED, MAX_SEED),
-    "max_tokens": Bound(1, MAX_MAX_TOKENS),
+    # 0 generates nothing: only the prompt's log-probs (echo) come back
+    "max_tokens": Bound(0, MAX_MAX_TOKENS),
+    "min_tokens": Bound(0, MAX_MAX_TOKENS),
+    "n": Bound(1, MAX_N),
+    "logprobs": Bound(0, MAX_LOGPROBS),
+    "prompt_logprobs": Bound(0, MAX_LOGPROBS),
+    "presence_penalty": Bound(-2.0, 2.0),
+    "frequency_penalty": Bound(-2.0, 2.0),
+    "repetition_penalty": Bound(0.0, MAX_REPETITION_PENALTY, lo_open=True),
 }
+
+
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """Structured output: every sampled token must keep the output inside this language.
+
+    ``kind`` is one of ``GUIDED_KINDS``; ``spec`` is the JSON schema (``json_schema``), the
+    regular expression (``regex``), a JSON array of the allowed strings (``choice``), or empty
+    (``json_object``: any JSON object)."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GUIDED_KINDS:
+            raise ValueError(f"guided kind must be one of {GUIDED_KINDS}, got {self.kind!r}")
+        if len(self.spec) > MAX_GUIDED_SPEC_CHARS:
+            raise ValueError(f"guided spec longer than {MAX_GUIDED_SPEC_CHARS} chars")
 
 
 @dataclass
@@ -41,6 +74,21 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Choices forked from one prefill (the API's best_of when it is larger than n). Choice i
+    # samples with its own seed, derived from (seed, i); choice 0 uses ``seed`` itself.
+    n: int = 1
+    # Log-probs of each generated token plus this many top alternatives (None: none).
+    logprobs: int | None = None
+    # The same for each prompt token after the first (echo); computed during prefill.
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0  # OpenAI's: minus this once a token has appeared
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times the token's count so far
+    repetition_penalty: float = 1.0  # vLLM's/HF's: prompt and output tokens' logits / (or *) it
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens exist
+    # OpenAI's logit_bias as two parallel lists (msgpack maps only take string keys).
+    logit_bias_token_ids: list[int] = field(default_factory=list)
+    logit_bias_values: list[float] = field(default_factory=list)
+    guided: GuidedDecoding | None = None
 
     def __post_init__(self) -> None:
         for name, bound in BOUNDS.items():
@@ -51,10 +99,31 @@ class SamplingParams:
             raise ValueError("top_k must be -1 (off) or >= 1, got 0")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
+        if len(self.logit_bias_token_ids) != len(self.logit_bias_values):
+            raise ValueError("logit_bias token ids and values differ in length")
+        if len(self.logit_bias_token_ids) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries")
+        if any(abs(v) > MAX_LOGIT_BIAS_VALUE for v in self.logit_bias_values):
+            raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS_VALUE:g}, "
+                             f"{MAX_LOGIT_BIAS_VALUE:g}]")  # fmt: skip
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def logit_bias(self) -> dict[int, float]:
+        return dict(zip(self.logit_bias_token_ids, self.logit_bias_values, strict=True))
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
 
 def _describe(bound: Bound) -> str:

@@ -127,6 +127,12 @@ class Checker:
                     if type(v) is not int or not lo <= v <= hi:
                         _fail(path, f"items must be ints in [{lo}, {hi}]")
                 return value
+            if item_tp is float:  # log-probs: as above, and every item finite
+                lo, hi = bounds.get("lo", -math.inf), bounds.get("hi", math.inf)
+                for v in value:
+                    if type(v) not in (int, float) or not lo <= v <= hi:
+                        _fail(path, f"items must be numbers in [{lo}, {hi}]")
+                return [float(v) for v in value]
             return [
                 self.check(v, item_tp, f"{path}[{i}]", {}, depth + 1) for i, v in enumerate(value)
             ]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.logprobs import TokenLogprobs
+
 
 @dataclass
 class StepOutput:
@@ -19,6 +21,11 @@ class StepOutput:
     # ``num_kv_tokens`` tokens, until ``release``
     kv_block_ids: list[int] | None = None
     num_kv_tokens: int = 0
+    index: int = 0  # the choice of a request with sampling.n > 1
+    logprobs: TokenLogprobs | None = None  # of new_token_ids (sampling.logprobs is set)
+    # of the prompt's tokens after the first (sampling.prompt_logprobs is set): on the output
+    # that completes the prompt's prefill
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 @dataclass
