@@ -30,6 +30,7 @@ from gateway.inflight import (
     PREFILL_ATTEMPTS,
     RETRYABLE_CODES,
     TYPICAL_OUTPUT_TOKENS,
+    Choices,
     InFlight,
     NotSendable,
     NoWorker,
@@ -57,6 +58,7 @@ from shared.worker_registry import LEFT, WorkerRegistry
 
 __all__ = [
     "BUS_ID_SUFFIX",
+    "Choices",
     "DECODE_ATTEMPTS",
     "PREFILL_ATTEMPTS",
     "RETRYABLE_CODES",
@@ -154,8 +156,9 @@ class Dispatcher:
         task.add_done_callback(self._background.discard)
         task.add_done_callback(_log_failure)
 
-    async def cancel(self, request_id: str) -> None:
-        await self._publish(self.bus.subjects.cancel, Cancel(request_id))
+    async def cancel(self, request_id: str, index: int | None = None) -> None:
+        """Cancel a request on every worker, or only its choice ``index``."""
+        await self._publish(self.bus.subjects.cancel, Cancel(request_id, index))
 
     async def release_stale(self, item: object) -> None:
         """Free the leased KV blocks of a prefill answer nobody will pull."""
@@ -172,11 +175,15 @@ class Dispatcher:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         context: Context | None = None,
+        choices: Choices | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """Yield the request's tokens as they arrive; the last event has a finish reason.
 
         ``request_id`` is the client's x-request-id: it names the request on spans; on the bus
         the request travels under a unique id of its own (``new_bus_id``).
+
+        With ``sampling.n > 1`` events carry their choice's index, and ``choices`` lets the caller
+        stop one choice early (a stop string in its text).
 
         Raises NoWorker before anything was sent, StageTimeout or WorkerFailure on faults.
         Closing the generator early (client gone, stop string) cancels the request.
@@ -191,6 +198,7 @@ class Dispatcher:
             sampling,
             context,
             inject_headers(context=context),
+            choices,
         )
         with self._tracking(request):
             if self._route(request):

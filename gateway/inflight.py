@@ -14,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 
+from shared.logprobs import TokenLogprobs
 from shared.protocol import (
     DecodeRequest,
     KVHandle,
@@ -64,8 +65,35 @@ class WorkerFailure(Exception):
 @dataclass
 class TokenEvent:
     token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: str | None  # of choice ``index``
     cached_tokens: int | None = None  # set on the event carrying the prefill result
+    index: int = 0  # the choice (sampling.n > 1)
+    logprobs: TokenLogprobs | None = None  # of token_ids, when asked
+    prompt_logprobs: TokenLogprobs | None = None  # once, when asked (echo)
+
+
+class Choices:
+    """The choices of one request that are still being generated. The consumer may end one
+    early (a stop string matched in its text): the workers stop generating it, and the request
+    is over once no choice is open."""
+
+    def __init__(self, n: int) -> None:
+        self.open = set(range(n))
+        self._cancel: Callable[[int], None] | None = None
+
+    def bind(self, cancel: Callable[[int], None]) -> None:
+        self._cancel = cancel
+
+    def stop(self, index: int) -> None:
+        if index not in self.open:
+            return
+        self.open.discard(index)
+        if self.open and self._cancel is not None:
+            # the last one ends the request itself, which cancels it whole
+            self._cancel(index)
+
+    def ended(self, index: int) -> None:
+        self.open.discard(index)
 
 
 @dataclass
@@ -90,6 +118,7 @@ class InFlight:
         sampling: SamplingParams,
         context: Context | None,
         headers: dict[str, str],
+        choices: Choices | None = None,
     ) -> None:
         self.d = dispatcher
         self.client_id = client_id  # the client's x-request-id: names the request on spans
@@ -105,6 +134,8 @@ class InFlight:
         self.output: list[int] = []  # tokens generated before the decode stage
         self.kv: KVHandle | None = None
         self.finished = False  # ended normally: nothing to cancel on the workers
+        self.choices = choices or Choices(sampling.n)
+        self.choices.bind(lambda index: dispatcher.spawn(dispatcher.cancel(bus_id, index)))
 
     # -- the dispatcher's side ---------------------------------------------------------------
 
@@ -186,15 +217,24 @@ class InFlight:
             self.d.router.prefill_done(self.bus_id)  # no longer queued work on that worker
 
     def _first_token(self, result: PrefillResult) -> TokenEvent:
+        """Choice 0's first token (a prefill worker never forks: the decode worker does)."""
         _check_ending(result.finish_reason, result.worker_id)
         if result.first_token is not None:
             self.output.append(result.first_token)
         if result.finish_reason is not None:
-            self.finished = True  # done at the first token (max_tokens=1, EOS, ...)
-            self.d.spawn(self.d.release_stale(result))  # its KV is not needed
-        else:
+            self.choices.ended(0)  # done at the first token (max_tokens=1, EOS, ...)
+        if self.choices.open:
             self.kv = result.kv
-        return TokenEvent(list(self.output), result.finish_reason, result.cached_tokens)
+        else:
+            self.finished = True
+            self.d.spawn(self.d.release_stale(result))  # its KV is not needed
+        return TokenEvent(
+            list(self.output),
+            result.finish_reason,
+            result.cached_tokens,
+            logprobs=result.first_logprobs,
+            prompt_logprobs=result.prompt_logprobs,
+        )
 
     # -- decode ------------------------------------------------------------------------------
 
@@ -230,9 +270,20 @@ class InFlight:
                 continue
             _check_ending(item.finish_reason, worker)
             streamed = True
-            self.finished = item.finish_reason is not None
+            if item.index not in self.choices.open:
+                continue  # a choice the consumer stopped: what was under way is dropped
+            if item.finish_reason is not None:
+                self.choices.ended(item.index)
+                self.finished = not self.choices.open
             # cached_tokens is set when this decode worker prefilled the prompt itself
-            yield TokenEvent(list(item.token_ids), item.finish_reason, item.cached_tokens)
+            yield TokenEvent(
+                list(item.token_ids),
+                item.finish_reason,
+                item.cached_tokens,
+                item.index,
+                item.logprobs,
+                item.prompt_logprobs,
+            )
 
     async def _send_decode(self, tried: set[str]) -> str:
         """Send the request to a decode worker not in ``tried`` (and add it there)."""

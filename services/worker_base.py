@@ -97,6 +97,9 @@ class Worker:
     async def on_cancel(self, request_id: str) -> None:
         raise NotImplementedError
 
+    async def on_cancel_choice(self, request_id: str, index: int) -> None:
+        """Stop one choice of a request with several (only decode workers generate them)."""
+
     async def fail(self, state: RequestState, code: str, text: str) -> None:
         """End a request here with an explicit error to its gateway (deadline, dead engine)."""
         raise NotImplementedError
@@ -164,6 +167,9 @@ class Worker:
         return reply_to.startswith(self.subjects.gateway_prefix)
 
     async def _on_cancel(self, msg: Cancel, headers: dict[str, str]) -> None:
+        if msg.index is not None:
+            await self.on_cancel_choice(msg.request_id, msg.index)
+            return
         # Cancels and requests travel on different subscriptions, so a cancel can overtake the
         # request it cancels: remember it for a while and drop that request when it arrives.
         now = time.monotonic()

@@ -213,6 +213,8 @@ class ReleaseLease:
 class Cancel:
     TYPE: ClassVar[str] = "cancel"
     request_id: str = ident()
+    # one choice of a request with sampling.n > 1 (a stop string ended it); None: all of it
+    index: int | None = count(hi=MAX_N - 1, default=None)
 
 
 @dataclass

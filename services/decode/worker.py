@@ -78,6 +78,7 @@ class DecodeState(RequestState):
     num_output_tokens: int = 0
     first_step_ns: int | None = None  # first decode step (start of decode.generate)
     local_prefill: bool = False  # prefilled here: its first item reports the cached tokens
+    reported_cached: bool = False
     lease: KVHandle | None = None  # prefill worker's KV whose lease is ours to release still
 
 
@@ -291,13 +292,22 @@ class DecodeWorker(Worker):
             state.first_step_ns = step.start_ns
             # pulled KV: queued (the pull included) until this step
             self.mark_scheduled(state, tracing.SPAN_DECODE_QUEUE, step.start_ns)
-        item = TokenItem(rid, list(out.new_token_ids), out.finish_reason)
-        if state.local_prefill and state.num_output_tokens == 0:
+        item = TokenItem(
+            rid,
+            list(out.new_token_ids),
+            out.finish_reason,
+            index=out.index,
+            logprobs=out.logprobs,
+            prompt_logprobs=out.prompt_logprobs,
+        )
+        if state.local_prefill and not state.reported_cached:
             item.cached_tokens = out.num_prefix_hit_tokens
+            state.reported_cached = True
         state.num_output_tokens += len(out.new_token_ids)
-        if out.finish_reason is not None:
+        # TODO(n-fork lands): out.request_finished
+        if getattr(out, "request_finished", out.finish_reason is not None):  # all choices over
             self._end(state)
-            self._record_generate(state, out.finish_reason, step.end_ns)
+            self._record_generate(state, out.finish_reason or "stop", step.end_ns)
         return item
 
     def _record_generate(self, state: DecodeState, reason: str, end_ns: int) -> None:
@@ -325,6 +335,10 @@ class DecodeWorker(Worker):
             return
         self._end(state)
         self.engine.abort(request_id)  # mid-pull: freed once the pull stops writing
+
+    async def on_cancel_choice(self, request_id: str, index: int) -> None:
+        if request_id in self.states:
+            self.engine.abort(request_id, index)
 
     async def fail(self, state: RequestState, code: str, text: str) -> None:
         await self.on_cancel(state.request_id)

@@ -154,6 +154,8 @@ class PrefillWorker(Worker):
                 kv=kv,
                 error=None,
                 cached_tokens=out.num_prefix_hit_tokens,
+                first_logprobs=out.logprobs,
+                prompt_logprobs=out.prompt_logprobs,
             )
             self.spawn(
                 self._reply(state.reply_to, result, tracing.inject_headers(context=state.context))
