@@ -295,12 +295,22 @@ def _content(value: Any, role: str, where: str) -> str:
     return "".join(texts)
 
 
-def check_token_ids(ids: list[int], vocab_size: int) -> None:
+def check_token_ids(ids: list[int], vocab_size: int, where: str = "prompt") -> None:
     for i, t in enumerate(ids):
         if not 0 <= t < vocab_size:
             raise bad_request(
-                f"Token id {t} at prompt[{i}] is outside the vocabulary [0, {vocab_size})",
-                "prompt",
+                f"Token id {t} at {where}[{i}] is outside the vocabulary [0, {vocab_size})",
+                where,
+                "invalid_token_id",
+            )
+
+
+def check_logit_bias(bias: dict[int, float], vocab_size: int) -> None:
+    for t in bias:
+        if not 0 <= t < vocab_size:
+            raise bad_request(
+                f"logit_bias names token id {t}, outside the vocabulary [0, {vocab_size})",
+                "logit_bias",
                 "invalid_token_id",
             )
 

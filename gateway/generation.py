@@ -1,12 +1,15 @@
 """Serving one generation request: tokens from the dispatcher in, OpenAI responses out.
 
-``serve_generation`` admits the request, streams it as SSE or collects it into one JSON body,
-turns tokens into text (incremental detokenization, then stop strings), and accounts usage,
-metrics and the request span's GenAI attributes.
+``serve_generation`` admits the request, sends each of its prompts to the workers (a prompt
+array becomes independent requests; ``n``/``best_of`` choices are forked on one decode worker),
+streams it as SSE (``gateway/streaming.py``) or collects it into one JSON body, and accounts
+usage, metrics and the request span's GenAI attributes. Each choice's text and log-probs are
+assembled by a ``ChoiceOutput``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -19,36 +22,28 @@ from aiohttp import web
 from opentelemetry import trace
 
 from gateway.api_models import GenerationParams, check_length
-from gateway.detokenizer import IncrementalDetokenizer
-from gateway.errors import APIError, overloaded, server_error, timeout_error
-from gateway.inflight import NotSendable, NoWorker, StageTimeout, TokenEvent, WorkerFailure
-from gateway.sse import SSEWriter
+from gateway.choice_output import ChoiceOutput, Piece
+from gateway.errors import APIError, overloaded, timeout_error
+from gateway.inflight import (
+    Choices,
+    NotSendable,
+    NoWorker,
+    StageTimeout,
+    TokenEvent,
+    WorkerFailure,
+)
+from gateway.logprob_format import TokenTexts, chat_logprobs, completion_logprobs
 from gateway.state import ARRIVED_KEY, REQUEST_ID_KEY, Gateway
-from gateway.stop import StopStringMatcher
-from gateway.tokenizer import ModelTokenizer
 from shared import tracing as tr
 from shared.sampling import SamplingParams
 
 log = logging.getLogger("pdserve.gateway")
 
 
-class OutputText:
-    """Tokens in, client text out: incremental detokenization, then stop strings."""
-
-    def __init__(self, tok: ModelTokenizer, stops: list[str]) -> None:
-        self.detok = IncrementalDetokenizer(tok)
-        self.stops = StopStringMatcher(stops)
-        self.stopped = False
-
-    def add(self, token_ids: list[int]) -> str:
-        text, self.stopped = self.stops.feed(self.detok.add(token_ids))
-        return text
-
-    def finish(self) -> str:
-        if self.stopped:
-            return ""
-        text, self.stopped = self.stops.feed(self.detok.finish())
-        return text if self.stopped else text + self.stops.flush()
+@dataclass
+class Prompt:
+    ids: list[int]
+    text: str  # what echo sends back: the prompt as given, or its ids' decoding
 
 
 @dataclass
@@ -67,7 +62,7 @@ class Progress:
         now = time.monotonic()
         n = len(event.token_ids)
         if event.cached_tokens is not None:
-            self.cached_tokens = event.cached_tokens
+            self.cached_tokens += event.cached_tokens
         if n == 0:
             return
         if self.first_token_at is None:
@@ -99,7 +94,7 @@ class Progress:
 FAULTS = (NotSendable, NoWorker, StageTimeout, WorkerFailure)
 
 
-def _fault(exc: Exception) -> APIError:
+def fault_error(exc: Exception) -> APIError:
     if isinstance(exc, NotSendable):
         return APIError(400, f"The request cannot be sent to the workers: {exc}")
     if isinstance(exc, NoWorker):
@@ -122,13 +117,17 @@ async def serve_generation(
     gw: Gateway,
     operation: str,
     params: GenerationParams,
-    prompt_ids: list[int],
+    prompts: list[Prompt],
 ) -> web.StreamResponse:
+    from gateway.streaming import stream_response  # streaming builds on this module
+
     rid: str = request[REQUEST_ID_KEY]
-    max_tokens = check_length(
-        len(prompt_ids), params.max_tokens, gw.context_limit(), gw.config.max_prompt_tokens
-    )
-    sampling = gw.sampling_params(params, max_tokens)
+    limit = gw.context_limit()
+    max_tokens = [
+        check_length(len(p.ids), params.max_tokens, limit, gw.config.max_prompt_tokens)
+        for p in prompts
+    ]
+    total_prompt = sum(len(p.ids) for p in prompts)
     with gw.requests.admit(rid):
         root = trace.get_current_span()
         root.set_attributes(
@@ -137,26 +136,28 @@ async def serve_generation(
                 tr.GEN_AI_SYSTEM: "pdserve",
                 tr.GEN_AI_REQUEST_MODEL: params.model,
                 tr.GEN_AI_RESPONSE_MODEL: gw.model.name,
-                tr.GEN_AI_REQUEST_MAX_TOKENS: max_tokens,
+                tr.GEN_AI_REQUEST_MAX_TOKENS: max(max_tokens),
                 tr.GEN_AI_REQUEST_TEMPERATURE: params.temperature,
                 tr.GEN_AI_REQUEST_TOP_P: params.top_p,
                 tr.GEN_AI_REQUEST_TOP_K: params.top_k,
-                tr.GEN_AI_USAGE_INPUT_TOKENS: len(prompt_ids),
+                tr.GEN_AI_USAGE_INPUT_TOKENS: total_prompt,
             }
         )
         if params.seed is not None:
             root.set_attribute(tr.GEN_AI_REQUEST_SEED, params.seed)
+        if params.n > 1:
+            root.set_attribute(tr.GEN_AI_REQUEST_CHOICE_COUNT, params.n)
         gen = Generation(
             gw,
             operation,
             params,
-            prompt_ids,
-            sampling,
+            prompts,
+            [gw.sampling_params(params, m) for m in max_tokens],
             rid,
-            Progress(prompt_tokens=len(prompt_ids), arrived=request[ARRIVED_KEY]),
+            Progress(prompt_tokens=total_prompt, arrived=request[ARRIVED_KEY]),
         )
         try:
-            return await (_stream(request, gen) if params.stream else _complete(gen))
+            return await (stream_response(request, gen) if params.stream else _complete(gen))
         except BaseException:
             if gen.progress.finish_reason is None:
                 gen.progress.finish_reason = "abort"  # client gone or an unexpected fault
@@ -193,15 +194,25 @@ def _finish_span(span: trace.Span, progress: Progress, rid: str, e2e: float) -> 
 
 @dataclass
 class Generation:
-    """One admitted generation request and what it produced so far."""
+    """One admitted generation request: its prompts, their choices, and what they produced."""
 
     gw: Gateway
     operation: str
     params: GenerationParams
-    prompt_ids: list[int]
-    sampling: SamplingParams
+    prompts: list[Prompt]
+    samplings: list[SamplingParams]  # one per prompt
     rid: str
     progress: Progress
+    choices: list[ChoiceOutput] = field(init=False)
+
+    def __post_init__(self) -> None:
+        tok = self.gw.model.tokenizer if self.gw is not None else None
+        self.texts = TokenTexts(tok) if tok is not None else None
+        with_logprobs = self.params.logprobs is not None
+        self.choices = [
+            ChoiceOutput(i, tok, self.params.stop, with_logprobs)
+            for i in range(len(self.prompts) * self.per_prompt)
+        ]
 
     @property
     def chat(self) -> bool:
@@ -211,153 +222,142 @@ class Generation:
     def response_id(self) -> str:
         return ("chatcmpl-" if self.chat else "cmpl-") + self.rid
 
-    async def texts(self) -> AsyncIterator[tuple[str, str | None]]:
-        """The response text as it is generated: ``(text, None)`` per token event (the text
-        may be empty), then one last ``(tail, finish_reason)``. Usage and latency go into
-        ``progress`` on the way. Raises the dispatcher's faults (``FAULTS``)."""
-        progress = self.progress
-        out = OutputText(self.gw.model.tokenizer, self.params.stop)
+    @property
+    def per_prompt(self) -> int:
+        """Choices generated per prompt: best_of of them when the n best are returned."""
+        return max(self.params.n, self.params.best_of or 1)
+
+    def logprobs_json(self, choice: ChoiceOutput, piece: Piece, offset: int) -> Any:
+        """A piece's log-probs in the endpoint's shape (None when none were asked)."""
+        if choice.logprobs is None:
+            return None
+        if self.chat:
+            return chat_logprobs(piece.logprobs, self.texts)
+        return completion_logprobs(piece.logprobs, self.texts, offset)
+
+    async def pieces(self) -> AsyncIterator[tuple[ChoiceOutput, Piece]]:
+        """Every choice's text as it is generated, in arrival order: ``(choice, piece)``; after
+        a choice's last piece ``choice.done`` is true. Raises the dispatcher's faults."""
+        if len(self.prompts) == 1:
+            async with contextlib.aclosing(self._prompt_pieces(0)) as pieces:
+                async for item in pieces:
+                    yield item
+            return
+        queue: asyncio.Queue[tuple[ChoiceOutput, Piece] | BaseException | None] = asyncio.Queue()
+
+        async def feed(p: int) -> None:
+            try:
+                async with contextlib.aclosing(self._prompt_pieces(p)) as pieces:
+                    async for item in pieces:
+                        queue.put_nowait(item)
+                queue.put_nowait(None)
+            except Exception as exc:  # handed to the consumer, which raises it
+                queue.put_nowait(exc)
+
+        tasks = [asyncio.ensure_future(feed(p)) for p in range(len(self.prompts))]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()  # closes their dispatcher streams, which cancels the requests
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _prompt_pieces(self, p: int) -> AsyncIterator[tuple[ChoiceOutput, Piece]]:
+        prompt, sampling = self.prompts[p], self.samplings[p]
+        mine = self.choices[p * self.per_prompt : (p + 1) * self.per_prompt]
+        # max_tokens 0 generates nothing: one engine choice stands for all of them
+        fanout = sampling.n == 1 and len(mine) > 1
+        choices = Choices(sampling.n)
         context = trace.set_span_in_context(trace.get_current_span())
-        events = self.gw.dispatcher.generate(self.rid, self.prompt_ids, self.sampling, context)
+        events = self.gw.dispatcher.generate(
+            self.rid if len(self.prompts) == 1 else f"{self.rid}-{p}",
+            prompt.ids,
+            sampling,
+            context,
+            choices,
+        )
+        started: set[int] = set()
         try:
             async with contextlib.aclosing(events):
                 async for event in events:
-                    progress.tokens(self.gw, event)
-                    text = out.add(event.token_ids)
-                    if out.stopped:
-                        progress.finish_reason = "stop"
-                    elif event.finish_reason is not None:
-                        progress.finish_reason = event.finish_reason
-                    yield text, None
-                    if out.stopped:
-                        break  # closing the generator cancels the rest on the workers
+                    self.progress.tokens(self.gw, event)
+                    for choice in mine if fanout else [mine[event.index]]:
+                        if self.params.echo and choice.index not in started:
+                            started.add(choice.index)
+                            yield choice, choice.prepend_prompt(prompt.text, prompt.ids, event)
+                        piece = choice.add(event)
+                        if (
+                            choice.done
+                            and choice.finish_reason == "stop"
+                            and event.finish_reason is None
+                        ):
+                            choices.stop(event.index)  # a stop string: the workers stop it
+                        yield choice, piece
+                    if not choices.open:
+                        break
         except FAULTS:
-            progress.finish_reason = "error"
+            self.progress.finish_reason = "error"
             raise
-        tail = out.finish()
-        if out.stopped:
-            progress.finish_reason = "stop"
-        yield tail, progress.finish_reason or "stop"
+        for choice in mine:
+            if not choice.done:
+                yield choice, choice.end("stop")
+        self.progress.finish_reason = mine[-1].finish_reason
+
+    def returned(self) -> list[ChoiceOutput]:
+        """The choices a complete answer returns: with best_of, each prompt's n likeliest
+        (highest cumulative log-prob of their tokens), renumbered in that order."""
+        n, per = self.params.n, self.per_prompt
+        if per == n:
+            return self.choices
+        best: list[ChoiceOutput] = []
+        for p in range(len(self.prompts)):
+            group = self.choices[p * per : (p + 1) * per]
+            ranked = sorted(group, key=lambda c: c.cumulative_logprob, reverse=True)[:n]
+            for j, choice in enumerate(ranked):
+                choice.index = p * n + j
+                best.append(choice)
+        return best
 
 
 async def _complete(gen: Generation) -> web.Response:
-    pieces: list[str] = []
-    finish = "stop"
     try:
-        async with contextlib.aclosing(gen.texts()) as texts:
-            async for piece, ending in texts:
-                pieces.append(piece)
-                finish = ending or finish
+        async with contextlib.aclosing(gen.pieces()) as pieces:
+            async for _ in pieces:
+                pass
     except FAULTS as exc:
-        raise _fault(exc) from None
-    text = "".join(pieces)
+        raise fault_error(exc) from None
     body: dict[str, Any] = {
         "id": gen.response_id,
         "object": "chat.completion" if gen.chat else "text_completion",
         "created": int(time.time()),
         "model": gen.params.model,
+        "choices": [_choice_json(gen, c) for c in gen.returned()],
         "usage": gen.progress.usage(),
     }
-    if gen.chat:
-        message = {"role": "assistant", "content": text}
-        body["choices"] = [
-            {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-        ]
-    else:
-        body["choices"] = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
     return web.json_response(body, dumps=_dumps)
+
+
+def _choice_json(gen: Generation, choice: ChoiceOutput) -> dict[str, Any]:
+    logprobs = None
+    if choice.logprobs is not None:
+        whole = Piece(choice.text, choice.logprobs.entries)
+        logprobs = gen.logprobs_json(choice, whole, 0)
+    finish = choice.finish_reason or "stop"
+    if gen.chat:
+        message = {"role": "assistant", "content": choice.text}
+        return {"index": choice.index, "message": message, "logprobs": logprobs,
+                "finish_reason": finish}  # fmt: skip
+    return {"index": choice.index, "text": choice.text, "logprobs": logprobs,
+            "finish_reason": finish}  # fmt: skip
 
 
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False)
-
-
-class _Chunks:
-    """The SSE chunks of one streamed response. With include_usage every chunk has a "usage"
-    key, null (as OpenAI sends it) or with continuous_usage_stats the usage so far (as vLLM
-    does), and ``usage_chunk`` is the extra last one with "choices": [] and the final usage."""
-
-    def __init__(self, gen: Generation) -> None:
-        self.gen = gen
-        self.base = {
-            "id": gen.response_id,
-            "object": "chat.completion.chunk" if gen.chat else "text_completion",
-            "created": int(time.time()),
-            "model": gen.params.model,
-        }
-
-    def __call__(self, text: str | None, finish: str | None) -> dict[str, Any]:
-        if self.gen.chat:
-            delta: dict[str, Any] = {} if text is None else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        payload = {**self.base, "choices": [choice]}
-        params = self.gen.params
-        if params.include_usage:
-            payload["usage"] = (
-                self.gen.progress.running_usage() if params.continuous_usage else None
-            )
-        return payload
-
-    def usage_chunk(self) -> dict[str, Any]:
-        return {**self.base, "choices": [], "usage": self.gen.progress.usage()}
-
-    async def open(self, request: web.Request) -> SSEWriter:
-        # Opened at the first token, not before: faults until then still get a real HTTP status.
-        w = await SSEWriter.open(request, {"x-request-id": self.gen.rid})
-        if self.gen.chat:
-            first = self(None, None)
-            first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-            if self.gen.params.continuous_usage:
-                # The role comes before any generated text: none counted yet, as in vLLM.
-                prompt = self.gen.progress.prompt_tokens
-                first["usage"] = {**first["usage"], "completion_tokens": 0, "total_tokens": prompt}
-            await w.send(first)
-        return w
-
-
-async def _stream(request: web.Request, gen: Generation) -> web.StreamResponse:
-    chunk = _Chunks(gen)
-    progress = gen.progress
-    writer: SSEWriter | None = None
-    tail, finish = "", "stop"
-    try:
-        async with contextlib.aclosing(gen.texts()) as texts:
-            async for text, ending in texts:
-                if ending is not None:
-                    tail, finish = text, ending
-                    break
-                if writer is None:
-                    writer = await chunk.open(request)
-                if text:
-                    await writer.send(chunk(text, None))
-    except FAULTS as exc:
-        err = _fault(exc)
-        if writer is None:
-            raise err from None
-        log.warning("request %s failed mid-stream: %s", gen.rid, exc)
-        await writer.send(err.body())
-        await writer.done()
-        return writer.response
-    except ConnectionResetError:
-        progress.finish_reason = "abort"  # the client went away; the workers were cancelled
-        raise
-    except Exception:
-        # A bug must not look like a short but successful stream: end it with an error event.
-        log.exception("request %s failed", gen.rid)
-        progress.finish_reason = "error"
-        if writer is None:
-            raise
-        await writer.send(server_error("internal server error").body())
-        await writer.done()
-        return writer.response
-    if writer is None:
-        writer = await chunk.open(request)
-    if tail:
-        await writer.send(chunk(tail, None))
-    await writer.send(chunk(None if gen.chat else "", finish))
-    if gen.params.include_usage:
-        await writer.send(chunk.usage_chunk())
-    await writer.done()
-    return writer.response

@@ -24,6 +24,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from gateway.api_models import (
     ChatRequest,
     CompletionRequest,
+    check_logit_bias,
     check_token_ids,
     parse_chat,
     parse_completion,
@@ -37,7 +38,7 @@ from gateway.errors import (
     payload_too_large,
     server_error,
 )
-from gateway.generation import serve_generation
+from gateway.generation import Prompt, serve_generation
 from gateway.json_body import parse_json_body
 from gateway.openapi import openapi_spec
 from gateway.state import ARRIVED_KEY, GATEWAY_KEY, REQUEST_ID_KEY, Gateway, new_gateway_id
@@ -170,12 +171,18 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req: CompletionRequest = parse_completion(await _read_json(request))
     _check_model(gw, req.params.model)
     tok = gw.model.tokenizer
-    if isinstance(req.prompt, str):
-        prompt_ids = await _encode(tok, req.prompt, add_special_tokens=True)
-    else:
-        check_token_ids(req.prompt, tok.vocab_size)
-        prompt_ids = req.prompt
-    return await serve_generation(request, gw, "text_completion", req.params, prompt_ids)
+    prompts: list[Prompt] = []
+    for i, prompt in enumerate(req.prompts):
+        where = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
+        if isinstance(prompt, str):
+            ids = await _encode(tok, prompt, add_special_tokens=True)
+            prompts.append(Prompt(ids, prompt))
+        else:
+            check_token_ids(prompt, tok.vocab_size, where)
+            text = tok.decode(prompt, skip_special_tokens=False) if req.params.echo else ""
+            prompts.append(Prompt(prompt, text))
+    check_logit_bias(req.params.logit_bias, tok.vocab_size)
+    return await serve_generation(request, gw, "text_completion", req.params, prompts)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -193,7 +200,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise server_error("the model's chat template failed to render") from None
     # The template writes BOS itself, so no special tokens are added (as transformers does).
     prompt_ids = await _encode(gw.model.tokenizer, text, add_special_tokens=False)
-    return await serve_generation(request, gw, "chat", req.params, prompt_ids)
+    check_logit_bias(req.params.logit_bias, gw.model.tokenizer.vocab_size)
+    return await serve_generation(request, gw, "chat", req.params, [Prompt(prompt_ids, text)])
 
 
 def _check_model(gw: Gateway, model: str) -> None:

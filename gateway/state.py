@@ -201,15 +201,32 @@ class Gateway:
         return min(self.model.max_model_len, max(capacities))
 
     def sampling_params(self, p: GenerationParams, max_tokens: int) -> SamplingParams:
+        """The engine's parameters for one prompt of the request ``p``."""
         eos = [] if p.ignore_eos else list(self.model.tokenizer.eos_token_ids)
+        stop_ids = list(dict.fromkeys(eos + p.stop_token_ids))
+        logprobs = p.logprobs
+        if logprobs is None and p.best_of is not None and p.best_of > p.n:
+            logprobs = 0  # best_of ranks choices by their tokens' log-probs
+        bias = p.logit_bias
         return SamplingParams(
             temperature=p.temperature,
             top_p=p.top_p,
             top_k=p.top_k,
             seed=p.seed,
             max_tokens=max_tokens,
-            stop_token_ids=eos,
+            stop_token_ids=stop_ids,
             ignore_eos=p.ignore_eos,
+            # max_tokens 0 generates nothing: the choices would all be the same empty one
+            n=1 if max_tokens == 0 else max(p.n, p.best_of or 1),
+            logprobs=logprobs,
+            prompt_logprobs=p.logprobs if p.echo else None,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty,
+            min_tokens=min(p.min_tokens, max_tokens),
+            logit_bias_token_ids=list(bias),
+            logit_bias_values=[float(v) for v in bias.values()],
+            guided=p.guided,
         )
 
 

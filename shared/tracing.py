@@ -85,6 +85,7 @@ GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
 GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p"
 GEN_AI_REQUEST_TOP_K = "gen_ai.request.top_k"
 GEN_AI_REQUEST_SEED = "gen_ai.request.seed"
+GEN_AI_REQUEST_CHOICE_COUNT = "gen_ai.request.choice.count"
 GEN_AI_RESPONSE_ID = "gen_ai.response.id"
 GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
 GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"  # list[str]

@@ -19,7 +19,8 @@ from gateway.api_models import (
     parse_completion,
 )
 from gateway.errors import APIError
-from gateway.generation import Generation, Progress, _Chunks
+from gateway.generation import Generation, Progress, Prompt
+from gateway.streaming import Chunks
 from gateway.openapi import openapi_spec
 from gateway.sse import encode_event
 
@@ -144,8 +145,9 @@ def chunks_for(chat: bool, **usage_options) -> _Chunks:
     progress = Progress(prompt_tokens=5)
     # The chunks read only the operation, params, id and progress: no gateway, no sampling.
     operation = "chat" if chat else "text_completion"
-    gen = Generation(None, operation, params, [1] * 5, None, "r", progress)  # type: ignore[arg-type]
-    return _Chunks(gen)
+    prompts = [Prompt([1] * 5, "")]
+    gen = Generation(None, operation, params, prompts, [], "r", progress)  # type: ignore[arg-type]
+    return Chunks(gen)
 
 
 @pytest.mark.parametrize("chat", [True, False])

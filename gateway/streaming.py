@@ -1,0 +1,130 @@
+"""A generation streamed as server-sent events, in OpenAI's chunk shapes.
+
+Each chunk carries one choice (its ``index``), as OpenAI and vLLM send them. The stream opens at
+the first generated piece, so faults before it still get a real HTTP status; after it, a fault
+travels as an error event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+
+from gateway.choice_output import ChoiceOutput, Piece
+from gateway.errors import server_error
+from gateway.generation import FAULTS, Generation, fault_error
+from gateway.logprob_format import text_length
+from gateway.sse import SSEWriter
+
+log = logging.getLogger("pdserve.gateway")
+
+
+class Chunks:
+    """The SSE chunks of one streamed response. With include_usage every chunk has a "usage"
+    key, null (as OpenAI sends it) or with continuous_usage_stats the usage so far (as vLLM
+    does), and ``usage_chunk`` is the extra last one with "choices": [] and the final usage."""
+
+    def __init__(self, gen: Generation) -> None:
+        self.gen = gen
+        self.base = {
+            "id": gen.response_id,
+            "object": "chat.completion.chunk" if gen.chat else "text_completion",
+            "created": int(time.time()),
+            "model": gen.params.model,
+        }
+        self.offsets: dict[int, int] = {}  # completions: each choice's text_offset so far
+        self.opened: set[int] = set()  # chat: choices whose role chunk went out
+
+    def __call__(
+        self, text: str | None, finish: str | None, index: int = 0, logprobs: Any = None
+    ) -> dict[str, Any]:
+        if self.gen.chat:
+            delta: dict[str, Any] = {} if text is None else {"content": text}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": logprobs,
+                      "finish_reason": finish}  # fmt: skip
+        payload = {**self.base, "choices": [choice]}
+        params = self.gen.params
+        if params.include_usage:
+            payload["usage"] = (
+                self.gen.progress.running_usage() if params.continuous_usage else None
+            )
+        return payload
+
+    def role_chunk(self, index: int) -> dict[str, Any]:
+        first = self(None, None, index)
+        first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        if self.gen.params.continuous_usage:
+            # The role comes before any generated text: none counted yet, as in vLLM.
+            prompt = self.gen.progress.prompt_tokens
+            first["usage"] = {**first["usage"], "completion_tokens": 0, "total_tokens": prompt}
+        return first
+
+    def piece(self, choice: ChoiceOutput, piece: Piece) -> dict[str, Any] | None:
+        """The chunk for a piece of ``choice``'s output, or None when it carries nothing."""
+        logprobs = None
+        if choice.logprobs is not None and piece.logprobs:
+            offset = self.offsets.get(choice.index, 0)
+            logprobs = self.gen.logprobs_json(choice, piece, offset)
+            self.offsets[choice.index] = offset + text_length(piece.logprobs, self.gen.texts)
+        if not piece.text and logprobs is None:
+            return None
+        return self(piece.text, None, choice.index, logprobs)
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {**self.base, "choices": [], "usage": self.gen.progress.usage()}
+
+    async def open(self, request: web.Request) -> SSEWriter:
+        w = await SSEWriter.open(request, {"x-request-id": self.gen.rid})
+        if self.gen.chat:
+            for choice in self.gen.choices:
+                await w.send(self.role_chunk(choice.index))
+        return w
+
+
+async def stream_response(request: web.Request, gen: Generation) -> web.StreamResponse:
+    chunk = Chunks(gen)
+    progress = gen.progress
+    writer: SSEWriter | None = None
+    try:
+        async with contextlib.aclosing(gen.pieces()) as pieces:
+            async for choice, piece in pieces:
+                if writer is None:
+                    writer = await chunk.open(request)
+                payload = chunk.piece(choice, piece)
+                if payload is not None:
+                    await writer.send(payload)
+                if choice.done:
+                    final = chunk(None if gen.chat else "", choice.finish_reason, choice.index)
+                    await writer.send(final)
+    except FAULTS as exc:
+        err = fault_error(exc)
+        if writer is None:
+            raise err from None
+        log.warning("request %s failed mid-stream: %s", gen.rid, exc)
+        await writer.send(err.body())
+        await writer.done()
+        return writer.response
+    except ConnectionResetError:
+        progress.finish_reason = "abort"  # the client went away; the workers were cancelled
+        raise
+    except Exception:
+        # A bug must not look like a short but successful stream: end it with an error event.
+        log.exception("request %s failed", gen.rid)
+        progress.finish_reason = "error"
+        if writer is None:
+            raise
+        await writer.send(server_error("internal server error").body())
+        await writer.done()
+        return writer.response
+    if writer is None:
+        writer = await chunk.open(request)
+    if gen.params.include_usage:
+        await writer.send(chunk.usage_chunk())
+    await writer.done()
+    return writer.response
