@@ -1,0 +1,308 @@
+"""Issue 16 through the official ``openai`` client against a real stack: a gateway, one prefill
+and one decode worker, real NATS and UCX. HF transformers (float64) on the same tiny checkpoint
+is the oracle for every token and log-prob.
+
+Long prompts take the disaggregated path (prefill worker, KV pulled by the decode worker), short
+ones are prefilled on the decode worker: the tests use both.
+"""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from tests.integration.stack import free_port, log_text, start_nats, start_service, stop_all
+from tests.integration.test_gateway_e2e import wait_all_blocks_free, worker_loads
+from tests.oracle import hf_greedy
+
+LOCAL_PREFILL_THRESHOLD = 6
+WORKERS = ("p0", "d0")
+OPTIONS = {
+    "dtype": "float64",
+    "num_kv_blocks": 128,
+    "block_size": 16,
+    "max_num_batched_tokens": 512,
+    "heartbeat_seconds": 0.2,
+    "local_prefill_threshold": LOCAL_PREFILL_THRESHOLD,
+}
+LONG = "Paged attention stores keys and values in fixed-size blocks of the cache."
+SHORT = "Hi"  # prefilled on the decode worker
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(llama_dir):
+    return PreTrainedTokenizerFast.from_pretrained(str(llama_dir))
+
+
+@pytest.fixture(scope="module")
+def hf_model(llama_dir):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float64).eval()
+
+
+def hf_log_softmax(model, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab]: row i is the distribution of the token after ids[: i + 1]."""
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0], dim=-1)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, llama_dir):
+    logs = tmp_path_factory.mktemp("features-logs")
+    nats_server = start_nats(logs)
+    opts = {**OPTIONS, "model": str(llama_dir)}
+    port = free_port()
+    children = [
+        start_service("prefill", nats_server.url, logs, options={**opts, "worker_id": "p0"}),
+        start_service("decode", nats_server.url, logs, options={**opts, "worker_id": "d0"}),
+        start_service(
+            "gateway",
+            nats_server.url,
+            logs,
+            options={"model": str(llama_dir), "port": port, "worker_timeout": 3.0},
+        ),
+    ]
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while set(worker_loads(base)) != set(WORKERS):
+            for child in children:
+                assert child.alive(), f"{child.name} died:\n{log_text(child)}"
+            assert time.monotonic() < deadline, "the stack did not come up"
+            time.sleep(0.2)
+        yield base
+    finally:
+        for child in children:
+            if not child.alive():
+                print(f"{child.name} died:\n{log_text(child)}")
+        stop_all(children)
+        nats_server.stop()
+
+
+@pytest.fixture
+async def client(stack):
+    c = openai.AsyncOpenAI(base_url=stack + "/v1", api_key="unused", max_retries=0)
+    yield c
+    await c.close()
+    await wait_all_blocks_free(stack, workers=WORKERS)  # nothing leaked by any test
+
+
+def model_name(llama_dir) -> str:
+    return str(llama_dir)
+
+
+# ----------------------------------------------------------------------------- log-probs
+
+
+@pytest.mark.parametrize("prompt", [LONG, SHORT])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_completion_logprobs_match_hf(
+    client, stack, llama_dir, hf_tokenizer, hf_model, prompt, stream
+):
+    k = 3
+    args = dict(model=str(llama_dir), prompt=prompt, max_tokens=6, temperature=0, logprobs=k)
+    if stream:
+        tokens, token_lps, tops, offsets, text = [], [], [], [], ""
+        async for chunk in await client.completions.create(stream=True, **args):
+            choice = chunk.choices[0]
+            text += choice.text
+            if choice.logprobs is not None:
+                tokens += choice.logprobs.tokens
+                token_lps += choice.logprobs.token_logprobs
+                tops += choice.logprobs.top_logprobs
+                offsets += choice.logprobs.text_offset
+    else:
+        choice = (await client.completions.create(**args)).choices[0]
+        text = choice.text
+        lp = choice.logprobs
+        tokens, token_lps, tops, offsets = (
+            lp.tokens,
+            lp.token_logprobs,
+            lp.top_logprobs,
+            lp.text_offset,
+        )
+    ids = hf_tokenizer(prompt).input_ids
+    (out,) = hf_greedy(llama_dir, [ids], 6)
+    assert len(token_lps) == 6
+    dist = hf_log_softmax(hf_model, ids + out)
+    for i, t in enumerate(out):
+        row = dist[len(ids) - 1 + i]
+        assert abs(token_lps[i] - row[t].item()) < TOL
+        assert tokens[i] == hf_tokenizer.decode([t])
+        top = row.topk(k)
+        expected = {
+            hf_tokenizer.decode([j]): v
+            for v, j in zip(top.values.tolist(), top.indices.tolist(), strict=True)
+        }
+        assert set(tops[i]) == set(expected)
+        for key, value in tops[i].items():
+            assert abs(value - expected[key]) < TOL
+    assert offsets == [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
+    assert text == hf_tokenizer.decode(out)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_chat_logprobs_match_hf(client, llama_dir, hf_tokenizer, hf_model, stream):
+    messages = [{"role": "user", "content": "Name three colours."}]
+    args = dict(model=str(llama_dir), messages=messages, max_tokens=5, temperature=0,
+                logprobs=True, top_logprobs=2)  # fmt: skip
+    if stream:
+        content = []
+        async for chunk in await client.chat.completions.create(stream=True, **args):
+            if chunk.choices and chunk.choices[0].logprobs is not None:
+                content += chunk.choices[0].logprobs.content
+    else:
+        content = (await client.chat.completions.create(**args)).choices[0].logprobs.content
+    ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict):
+        ids = ids["input_ids"]
+    (out,) = hf_greedy(llama_dir, [list(ids)], 5)
+    dist = hf_log_softmax(hf_model, list(ids) + out)
+    assert len(content) == 5
+    for i, (entry, t) in enumerate(zip(content, out, strict=True)):
+        row = dist[len(ids) - 1 + i]
+        assert entry.token == hf_tokenizer.decode([t])
+        assert abs(entry.logprob - row[t].item()) < TOL
+        assert entry.bytes == list(entry.token.encode())
+        assert [
+            abs(a.logprob - b) < TOL
+            for a, b in zip(entry.top_logprobs, row.topk(2).values.tolist(), strict=True)
+        ] == [True, True]
+
+
+# ----------------------------------------------------------------------------- echo
+
+
+async def test_echo_with_max_tokens_0_returns_prompt_logprobs(
+    client, llama_dir, hf_tokenizer, hf_model
+):
+    """lm-eval's loglikelihood request: token-id prompts in a batch, echo, max_tokens 0."""
+    prompts = [hf_tokenizer(LONG).input_ids, hf_tokenizer("The cat sat on the mat").input_ids]
+    resp = await client.completions.create(
+        model=str(llama_dir), prompt=prompts, max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
+    assert [c.index for c in resp.choices] == [0, 1]
+    for choice, ids in zip(resp.choices, prompts, strict=True):
+        lp = choice.logprobs
+        assert len(lp.token_logprobs) == len(ids)
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        dist = hf_log_softmax(hf_model, ids)
+        for i in range(1, len(ids)):
+            assert abs(lp.token_logprobs[i] - dist[i - 1][ids[i]].item()) < TOL
+            (best,) = lp.top_logprobs[i].values()
+            assert abs(best - dist[i - 1].max().item()) < TOL
+        assert choice.text == hf_tokenizer.decode(ids)
+    assert resp.usage.completion_tokens == 0
+    assert resp.usage.prompt_tokens == sum(len(p) for p in prompts)
+
+
+async def test_echo_prepends_the_prompt_to_the_output(client, llama_dir, hf_tokenizer):
+    resp = await client.completions.create(
+        model=str(llama_dir), prompt=LONG, max_tokens=4, echo=True, temperature=0
+    )
+    ids = hf_tokenizer(LONG).input_ids
+    (out,) = hf_greedy(llama_dir, [ids], 4)
+    assert resp.choices[0].text == LONG + hf_tokenizer.decode(out)
+
+
+# ----------------------------------------------------------------------------- several answers
+
+
+@pytest.mark.parametrize("prompt", [LONG, SHORT])
+async def test_n_greedy_choices_all_equal_hf(client, llama_dir, hf_tokenizer, prompt):
+    resp = await client.completions.create(
+        model=str(llama_dir), prompt=prompt, max_tokens=6, n=3, temperature=0
+    )
+    (out,) = hf_greedy(llama_dir, [hf_tokenizer(prompt).input_ids], 6)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert all(c.text == hf_tokenizer.decode(out) for c in resp.choices)
+    assert resp.usage.completion_tokens == 18
+
+
+async def test_n_seeded_choices_are_reproducible_and_differ(client, llama_dir):
+    args = dict(model=str(llama_dir), prompt=LONG, max_tokens=8, n=4, temperature=1.0, seed=11)
+    first = [c.text for c in (await client.completions.create(**args)).choices]
+    again = [c.text for c in (await client.completions.create(**args)).choices]
+    assert first == again
+    assert len(set(first)) > 1
+    streamed: dict[int, str] = {}
+    async for chunk in await client.completions.create(stream=True, **args):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(4)] == first
+
+
+async def test_prompt_arrays_answer_each_prompt_in_order(client, llama_dir):
+    prompts = [LONG, SHORT, "Blocks of sixteen tokens"]
+    resp = await client.completions.create(
+        model=str(llama_dir), prompt=prompts, max_tokens=5, temperature=0, n=2
+    )
+    assert [c.index for c in resp.choices] == list(range(6))
+    for i, p in enumerate(prompts):
+        single = await client.completions.create(
+            model=str(llama_dir), prompt=p, max_tokens=5, temperature=0
+        )
+        assert resp.choices[2 * i].text == resp.choices[2 * i + 1].text == single.choices[0].text
+
+
+async def test_best_of_returns_the_likeliest_choice(client, llama_dir):
+    args = dict(model=str(llama_dir), prompt=LONG, max_tokens=6, temperature=1.0, seed=5)
+    every = (await client.completions.create(n=3, logprobs=0, **args)).choices
+    sums = [sum(c.logprobs.token_logprobs) for c in every]
+    best = (await client.completions.create(n=1, best_of=3, **args)).choices
+    assert len(best) == 1 and best[0].logprobs is None
+    assert best[0].text == every[max(range(3), key=sums.__getitem__)].text
+
+
+# ----------------------------------------------------------------------------- sampling controls
+
+
+async def test_logit_bias_forces_a_token(client, llama_dir, hf_tokenizer):
+    token = hf_tokenizer(" blocks", add_special_tokens=False).input_ids[0]
+    resp = await client.completions.create(
+        model=str(llama_dir), prompt=LONG, max_tokens=4, temperature=0.8, seed=1,
+        logit_bias={str(token): 100},
+    )  # fmt: skip
+    assert resp.choices[0].text == hf_tokenizer.decode([token] * 4)
+
+
+async def test_min_tokens_holds_back_eos(client, llama_dir, hf_tokenizer):
+    eos = hf_tokenizer.eos_token_id
+    args = dict(model=str(llama_dir), prompt=LONG, max_tokens=10, temperature=0,
+                logit_bias={str(eos): 100})  # fmt: skip
+    assert (await client.completions.create(**args)).usage.completion_tokens == 1
+    resp = await client.completions.create(extra_body={"min_tokens": 4}, **args)
+    assert resp.usage.completion_tokens == 5 and resp.choices[0].finish_reason == "stop"
+
+
+async def test_repetition_penalty_matches_hf(client, llama_dir, hf_tokenizer, hf_model):
+    """HF's own RepetitionPenaltyLogitsProcessor in a greedy loop is the oracle."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    penalty = RepetitionPenaltyLogitsProcessor(1.5)
+    ids = hf_tokenizer(LONG).input_ids
+    seq = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(8):
+            logits = hf_model(input_ids=seq).logits[:, -1]
+            seq = torch.cat([seq, penalty(seq, logits).argmax(-1, keepdim=True)], dim=1)
+    resp = await client.completions.create(
+        model=str(llama_dir), prompt=LONG, max_tokens=8, temperature=0,
+        extra_body={"repetition_penalty": 1.5, "ignore_eos": True},
+    )  # fmt: skip
+    assert resp.choices[0].text == hf_tokenizer.decode(seq[0, len(ids) :].tolist())
+
+
+async def test_neutral_penalties_change_nothing(client, llama_dir):
+    args = dict(model=str(llama_dir), prompt=LONG, max_tokens=6, temperature=0)
+    plain = (await client.completions.create(**args)).choices[0].text
+    neutral = await client.completions.create(
+        presence_penalty=0, frequency_penalty=0, logit_bias={}, **args
+    )
+    assert neutral.choices[0].text == plain
