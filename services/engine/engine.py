@@ -136,6 +136,11 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(sampling, name) or 0) > vocab:
+                raise ValueError(f"{name} must be at most the vocabulary size {vocab}")
+        if any(not 0 <= t < vocab for t in sampling.logit_bias_token_ids):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         total = len(prompt_token_ids) + sampling.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -235,18 +240,24 @@ class LLMEngine:
 
     def _forward(self, batch: ScheduledBatch, outputs: list[StepOutput]) -> StepStats:
         t0 = time.perf_counter()
-        tokens, rows = self.runner.run(batch)
+        run = self.runner.run(batch)
         elapsed = time.perf_counter() - t0
-        sampled = dict(zip(rows, tokens.tolist(), strict=True))
+        sampled = dict(zip(run.sampling_rows, run.tokens.tolist(), strict=True))
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            if i in run.prompt_logprobs:
+                seq.prompt_logprobs_so_far.extend(run.prompt_logprobs[i])
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
             token = sampled.get(i)
             if token is None:  # a prompt chunk that is not the last
                 continue
-            seq.token_ids.append(token)
-            reason = self._finished_reason(seq)
-            out = StepOutput(seq.request_id, [token], reason, seq.num_prefix_hit_tokens)
+            prompt_lp = seq.prompt_logprobs_to_send()  # before the token makes it an output
+            new_tokens = [token] if seq.sampling.max_tokens else []  # 0: prompt log-probs only
+            seq.token_ids.extend(new_tokens)
+            reason = self._finished_reason(seq) if new_tokens else "length"
+            out = StepOutput(seq.request_id, new_tokens, reason, seq.num_prefix_hit_tokens)
+            out.logprobs = run.logprobs.get(i) if new_tokens else None
+            out.prompt_logprobs = prompt_lp
             if reason is not None:
                 self._finish(seq, reason)
             elif self.prefill_only:

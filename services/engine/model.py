@@ -167,13 +167,20 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        logits_indices: torch.Tensor,
+        output_indices: torch.Tensor,
     ) -> torch.Tensor:
+        """The final hidden states (normed) at ``output_indices`` of the flat token batch: the
+        positions that sample, and any whose prompt log-probs are asked. ``compute_logits``
+        turns them into logits, in slices the caller bounds."""
         h = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
             h, residual = layer(positions, h, residual, meta, self.cos_sin)
-        # Only the positions that sample need the final norm and the (large) vocab projection.
-        h, residual = h[logits_indices], residual[logits_indices]
+        # Only the positions that are read need the final norm and the (large) vocab projection.
+        h, residual = h[output_indices], residual[output_indices]
         h, _ = self.norm(h, residual)
-        return self.lm_head(h).float()
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head: [N, hidden] final hidden states -> [N, vocab] float32 logits."""
+        return self.lm_head(hidden).float()

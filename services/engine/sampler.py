@@ -1,4 +1,11 @@
-"""Vectorised sampling for a whole batch: greedy, temperature, top-k, top-p, per-request seeds.
+"""Vectorised sampling for a whole batch: logit processors, log-probs, greedy, temperature,
+top-k, top-p, per-request seeds.
+
+A step's logits go through, in order: the logit processors (``logits_processing.py``: grammar
+mask, penalties, logit_bias, min_tokens), then the log-probs of the rows that ask for them
+(``logprobs.py``: taken here, *before* temperature, top-k and top-p, so with no processor
+active they are the model's own ``log_softmax`` at any temperature), then greedy rows take the
+argmax of the processed logits and the others sample from them after temperature, top-k, top-p.
 
 Randomness is counter-based: the noise for a request's n-th output token is a hash of
 (seed, n, vocab id). A request therefore samples the same tokens whatever it is batched with,
@@ -10,6 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from services.engine.logits_processing import (
+    Penalties,
+    SparseLogits,
+    apply_penalties,
+    apply_sparse,
+    apply_token_bitmask,
+)
+from services.engine.logprobs import LogprobsTensors, gather_logprobs
 
 _MASK64 = (1 << 64) - 1
 
@@ -53,13 +69,54 @@ class SamplingTensors:
     steps: torch.Tensor  # [B] int64: index of the output token being sampled
     needs_filter: bool  # any row with top-k or top-p active
     all_greedy: bool
+    # The parts below are None unless some row of the step uses them.
+    # int32 [B, ceil(V/32)]: bit j of word w allows token 32*w+j (structured output)
+    token_bitmask: torch.Tensor | None = None
+    penalties: Penalties | None = None
+    logit_bias: SparseLogits | None = None
+    min_tokens_mask: SparseLogits | None = None  # -inf on EOS/stop ids of rows still too short
+    logprob_rows: torch.Tensor | None = None  # [R] int64: rows whose sampled token's log-probs
+    num_logprobs: int = 0  # top alternatives gathered for them: the largest any row asked
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """Pick one token per row of ``logits`` [B, V] (float32)."""
+@dataclass
+class SamplerOutput:
+    tokens: torch.Tensor  # [B] int64
+    logprobs: LogprobsTensors | None  # of the rows in ``SamplingTensors.logprob_rows``, in order
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
+    """Pick one token per row of ``logits`` [B, V] (float32), and gather the log-probs asked."""
+    logits = process_logits(logits, st)
     greedy_tokens = logits.argmax(dim=-1)
-    if st.all_greedy:
-        return greedy_tokens
+    tokens = greedy_tokens if st.all_greedy else _sample_random(logits, st, greedy_tokens)
+    logprobs = None
+    if st.logprob_rows is not None:
+        rows = st.logprob_rows
+        logprobs = gather_logprobs(logits[rows], tokens[rows], st.num_logprobs)
+    return SamplerOutput(tokens, logprobs)
+
+
+def process_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """The logit processors' result (a new tensor when any applies; ``logits`` is kept)."""
+    parts = (st.token_bitmask, st.penalties, st.logit_bias, st.min_tokens_mask)
+    if all(part is None for part in parts):
+        return logits
+    logits = logits.clone()
+    if st.token_bitmask is not None:
+        apply_token_bitmask(logits, st.token_bitmask)
+    if st.penalties is not None:
+        logits = apply_penalties(logits, st.penalties)
+    if st.logit_bias is not None:
+        apply_sparse(logits, st.logit_bias)
+    if st.min_tokens_mask is not None:
+        apply_sparse(logits, st.min_tokens_mask)
+    return logits
+
+
+def _sample_random(
+    logits: torch.Tensor, st: SamplingTensors, greedy_tokens: torch.Tensor
+) -> torch.Tensor:
     temps = torch.where(st.temperatures > 0, st.temperatures, torch.ones_like(st.temperatures))
     logits = logits / temps[:, None]
     if st.needs_filter:

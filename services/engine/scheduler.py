@@ -110,7 +110,7 @@ class Scheduler:
                 continue
             if budget <= 0:
                 break
-            if not seq.block_table:
+            if not seq.block_table and not seq.needs_prompt_logprobs:  # those score every token
                 seq.num_computed_tokens = self.bm.match_prefix(seq)
                 seq.num_prefix_hit_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
             n = min(seq.num_uncomputed_tokens, budget)

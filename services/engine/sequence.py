@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
+from shared.logprobs import TokenLogprobs
 from shared.sampling import SamplingParams
 
 
@@ -45,6 +46,9 @@ class Sequence:
         # Set when the sequence ends - or, while a pull writes into its blocks, when it is told to
         # end (abort): it finishes with this reason once the pull is over.
         self.finish_reason: str | None = None
+        # Prompt log-probs gathered so far, chunk by chunk (entry j scores prompt token j+1);
+        # they go out with the output that completes the prefill.
+        self.prompt_logprobs_so_far = TokenLogprobs(top_k=sampling.prompt_logprobs or 0)
 
     @property
     def num_tokens(self) -> int:
@@ -65,6 +69,21 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt log-probs are asked and not out yet. They go out with the first output token
+        (or the end of the prefill when ``max_tokens`` is 0), from here or from the prefill
+        worker that sampled it: a sequence holding output tokens never gathers them again."""
+        return self.sampling.prompt_logprobs is not None and self.num_output_tokens == 0
+
+    def prompt_logprobs_to_send(self) -> TokenLogprobs | None:
+        """The prompt log-probs for the output that completes the prefill: None unless asked,
+        not out yet and all gathered here (a sequence forked off another one gathers none)."""
+        if not self.needs_prompt_logprobs:
+            return None
+        done = len(self.prompt_logprobs_so_far) == max(0, self.num_prompt_tokens - 1)
+        return self.prompt_logprobs_so_far if done else None
 
     def ended_by(self, eos_token_ids: tuple[int, ...], max_model_len: int) -> str | None:
         """Why the sequence is done after its last token ("stop", "length"), or None."""

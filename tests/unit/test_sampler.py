@@ -31,7 +31,7 @@ def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     n = 20_000
     logits = probs.log().expand(n, 4).contiguous()
-    tokens = sample(logits, tensors(n, 1.0, -1, 1.0, list(range(n)), 4))
+    tokens = sample(logits, tensors(n, 1.0, -1, 1.0, list(range(n)), 4)).tokens
     freq = torch.bincount(tokens, minlength=4).float() / n
     assert torch.allclose(freq, probs, atol=0.015)
 
@@ -40,12 +40,12 @@ def test_top_k_and_top_p_filter():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     n = 4000
     logits = probs.log().expand(n, 4).contiguous()
-    top2 = sample(logits, tensors(n, 1.0, 2, 1.0, list(range(n)), 4))
+    top2 = sample(logits, tensors(n, 1.0, 2, 1.0, list(range(n)), 4)).tokens
     assert set(top2.tolist()) == {0, 1}
     # top_p 0.6: the smallest prefix reaching 0.6 is {0, 1}
-    nucleus = sample(logits, tensors(n, 1.0, -1, 0.6, list(range(n)), 4))
+    nucleus = sample(logits, tensors(n, 1.0, -1, 0.6, list(range(n)), 4)).tokens
     assert set(nucleus.tolist()) == {0, 1}
-    assert sample(logits[:8], tensors(8, 1.0, 1, 1.0, list(range(8)), 4)).tolist() == [0] * 8
+    assert sample(logits[:8], tensors(8, 1.0, 1, 1.0, list(range(8)), 4)).tokens.tolist() == [0] * 8
 
 
 def test_greedy_rows_in_a_mixed_batch():
@@ -53,4 +53,4 @@ def test_greedy_rows_in_a_mixed_batch():
     st = tensors(2, 1.0, -1, 1.0, [3, 4], 3)
     st.temperatures = torch.tensor([0.0, 1.0])
     st.all_greedy = False
-    assert sample(logits, st)[0].item() == 1
+    assert sample(logits, st).tokens[0].item() == 1
