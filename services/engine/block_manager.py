@@ -6,6 +6,9 @@ sequence with the same prefix reuses it instead of recomputing it. Hashes are bl
 byte encoding, so they agree across processes and restarts (the gateway's KV-aware router and other
 workers compute the same values).
 
+A forked sequence (another choice of the same request, ``fork``) takes its parent's full prompt
+blocks by reference and a private copy of the block it writes into.
+
 Freed blocks keep their hash and stay reusable until their space is needed: the free list is
 ordered least-recently-freed first, so allocation evicts the coldest cached block.
 """
@@ -30,7 +33,7 @@ class BlockManager:
         # the prefix cache: block hash -> id of the block holding that KV (in use or free)
         self.hash_to_block: dict[int, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        # per-sequence: hashes of its blocks registered so far (prefix of block_table)
+        # per sequence (by seq_id): hashes of its blocks registered so far (prefix of block_table)
         self.seq_hashes: dict[str, list[int]] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -77,10 +80,10 @@ class BlockManager:
         compute, because the engine needs the last position's logits to sample.
         """
         if seq.block_table:
-            raise RuntimeError(f"{seq.request_id} already has blocks")
+            raise RuntimeError(f"{seq.seq_id} already has blocks")
         hashes = prefix_block_hashes(seq.token_ids[: seq.num_tokens - 1], self.block_size)
         if not self.enable_prefix_cache:
-            self.seq_hashes[seq.request_id] = []
+            self.seq_hashes[seq.seq_id] = []
             return 0
         self.prefix_queries += len(hashes)
         matched: list[int] = []
@@ -94,14 +97,14 @@ class BlockManager:
             self.ref_counts[block_id] += 1
             seq.block_table.append(block_id)
         self.prefix_hits += len(matched)
-        self.seq_hashes[seq.request_id] = matched
+        self.seq_hashes[seq.seq_id] = matched
         return len(matched) * self.block_size
 
     def commit(self, seq: Sequence) -> None:
         """Register the full blocks whose KV is now computed, so later prompts can reuse them."""
         if not self.enable_prefix_cache:
             return
-        hashes = self.seq_hashes.setdefault(seq.request_id, [])
+        hashes = self.seq_hashes.setdefault(seq.seq_id, [])
         full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         parent = hashes[-1] if hashes else ROOT_HASH
         bs = self.block_size
@@ -116,6 +119,29 @@ class BlockManager:
                 self.stored_events.append(parent)
                 self._bound_events()
 
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> tuple[int, int] | None:
+        """Give ``child`` (no blocks yet) the KV of ``parent``'s first ``num_tokens`` tokens.
+
+        The full blocks before the one holding the last of those tokens are shared (one more
+        reference each, their prefix-cache hashes inherited); that last block becomes a private
+        copy, because the child writes into it: it recomputes that token and appends after it.
+        Returns the copy the caller must make in the KV cache, (source block, new block), or None
+        and changes nothing when no block is free.
+        """
+        if child.block_table:
+            raise RuntimeError(f"{child.seq_id} already has blocks")
+        if not self.free:
+            return None
+        last = (num_tokens - 1) // self.block_size
+        shared = parent.block_table[:last]
+        for block_id in shared:  # in use by the parent: never on the free list
+            self.ref_counts[block_id] += 1
+        copy = self._take_free_block()
+        child.block_table = [*shared, copy]
+        if self.enable_prefix_cache:
+            self.seq_hashes[child.seq_id] = self.seq_hashes.get(parent.seq_id, [])[:last]
+        return parent.block_table[last], copy
+
     def free_sequence(self, seq: Sequence) -> None:
         """Drop the sequence's references; blocks in the prefix cache stay reusable (free but
         evictable) until their space is needed."""
@@ -125,7 +151,7 @@ class BlockManager:
             if self.ref_counts[block_id] == 0:
                 self.free[block_id] = None
         seq.block_table = []
-        self.seq_hashes.pop(seq.request_id, None)
+        self.seq_hashes.pop(seq.seq_id, None)
 
     def _bound_events(self) -> None:
         """Keep undrained events bounded when nobody drains them (an engine without a worker

@@ -28,11 +28,12 @@ class AddRequest:
 @dataclass(frozen=True)
 class Abort:
     request_id: str
+    index: int | None = None  # one choice (sampling.n > 1), or None: the whole request
 
 
 @dataclass(frozen=True)
 class Release:
-    request_id: str  # a parked (PREFILLED) sequence or a held block
+    request_id: str  # a parked (PREFILLED) request or a held block
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The in-process engine: prefill and decode with continuous batching over a paged KV cache.
 
 The engine owns every request's lifecycle, a status machine (``SequenceStatus``) written out
-once, in the decode worker's module docstring (``services/decode/worker.py``).
+once, in the decode worker's module docstring (``services/decode/worker.py``). A request with
+``sampling.n > 1`` prefills once and forks its other choices after that (``choices.py``).
 
 The aggregated baseline runs this engine alone. Disaggregated workers run it too: a prefill worker
 with ``prefill_only=True``, a decode worker adding requests with ``remote_kv=True`` and answering
@@ -9,9 +10,10 @@ each ``KVPull`` of a step's result with ``kv_ready`` or ``kv_failed`` (``kv_fail
 decides between local recompute and an error); the decode worker's docstring tells that story.
 
 Threading: one thread changes engine state, the one that calls ``step()``. Every other method
-posts a command (``services/engine/commands.py``) that the next ``step()`` applies before it
-schedules, so there is no lock. ``EngineThread`` steps a worker's engine; tests and benchmarks
-call ``step()`` in their own thread. ``stats()`` is a snapshot taken at the end of each step.
+posts a command (``services/engine/commands.py``) that the next ``step()`` applies
+(``lifecycle.py``) before it schedules, so there is no lock. ``EngineThread`` steps a worker's
+engine; tests and benchmarks call ``step()`` in their own thread. ``stats()`` is a snapshot
+taken at the end of each step.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ from concurrent.futures import Future
 import torch
 
 from services.engine.block_manager import BlockManager
+from services.engine.choices import ChoiceGroup, num_choices
 from services.engine.commands import (
     Abort,
     AddRequest,
-    BlockHoldRefused,
     Command,
     HoldBlock,
     KVEventFeed,
@@ -37,12 +39,13 @@ from services.engine.commands import (
     KVReady,
     Release,
 )
+from services.engine.lifecycle import RequestLifecycle
 from services.engine.loader import load_model, resolve_device_dtype
 from services.engine.model_config import ModelConfig
 from services.engine.model_runner import ModelRunner
 from services.engine.outputs import EngineStats, KVPull, StepOutput, StepResult, StepStats
 from services.engine.scheduler import ScheduledBatch, Scheduler
-from services.engine.sequence import Sequence, SequenceStatus
+from services.engine.sequence import Sequence
 from shared.config import EngineConfig
 from shared.models.resolve import describe, resolve
 from shared.sampling import SamplingParams
@@ -50,10 +53,9 @@ from shared.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 KV_FAILURE_POLICIES = ("fail", "recompute")
-_HOLD_SAMPLING = SamplingParams(max_tokens=1)
 
 
-class LLMEngine:
+class LLMEngine(RequestLifecycle):
     def __init__(
         self, config: EngineConfig, prefill_only: bool = False, kv_failure_policy: str = "fail"
     ) -> None:
@@ -90,7 +92,8 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
         self.runner = ModelRunner(model, self.kv_cache, self.block_size, self.device)
-        self.seqs: dict[str, Sequence] = {}
+        self.seqs: dict[str, Sequence] = {}  # by seq_id
+        self.requests: dict[str, ChoiceGroup] = {}  # by request id: its choices' sequences
         self._seed_rng = random.Random(config.seed)
         # Crossing threads: commands in (a deque's append/popleft are atomic), a wake-up event,
         # and the latest stats snapshot and prefix-cache events out.
@@ -166,10 +169,11 @@ class LLMEngine:
             )
         )
 
-    def abort(self, request_id: str) -> None:
-        """Drop a request wherever it is; its blocks return to the free list (after its pull,
-        if KV is being pulled into them). Unknown ids are ignored."""
-        self._post(Abort(request_id))
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Drop a request wherever it is, or only its choice ``index`` (sampling.n > 1); blocks
+        return to the free list (after its pull, if KV is being pulled into them). Aborted
+        choices produce no output. Unknown ids and choices are ignored."""
+        self._post(Abort(request_id, index))
 
     def release(self, request_id: str) -> None:
         """Free a parked (prefill-only) sequence's blocks, or a block from ``hold_block``."""
@@ -254,13 +258,17 @@ class LLMEngine:
             prompt_lp = seq.prompt_logprobs_to_send()  # before the token makes it an output
             new_tokens = [token] if seq.sampling.max_tokens else []  # 0: prompt log-probs only
             seq.token_ids.extend(new_tokens)
+            if self._fork(seq):  # it only carried the prompt for its request's other choices
+                continue
             reason = self._finished_reason(seq) if new_tokens else "length"
-            out = StepOutput(seq.request_id, new_tokens, reason, seq.num_prefix_hit_tokens)
+            out = StepOutput(
+                seq.request_id, new_tokens, reason, seq.num_prefix_hit_tokens, index=seq.index
+            )
             out.logprobs = run.logprobs.get(i) if new_tokens else None
             out.prompt_logprobs = prompt_lp
-            if reason is not None:
-                self._finish(seq, reason)
-            elif self.prefill_only:
+            if reason is not None and not (self.prefill_only and num_choices(seq.sampling) > 1):
+                out.request_finished = self._finish(seq, reason)
+            elif self.prefill_only:  # n > 1: even if choice 0 ended, the others fork from its KV
                 self.scheduler.park(seq)
                 out.kv_block_ids, out.num_kv_tokens = list(seq.block_table), seq.num_computed_tokens
             outputs.append(out)
@@ -290,113 +298,27 @@ class LLMEngine:
             if stored or removed:
                 self._kv_feed.push(stored, removed)
 
-    # ---- applying commands -------------------------------------------------------------------
-
-    def _apply(self, cmd: Command, outputs: list[StepOutput]) -> None:
-        if isinstance(cmd, AddRequest):
-            self._add(cmd, outputs)
-        elif isinstance(cmd, HoldBlock):
-            self._hold(cmd)
-        else:
-            seq = self.seqs.get(cmd.request_id)
-            if seq is None:
-                return  # finished or aborted meanwhile
-            if isinstance(cmd, Abort):
-                self._abort(seq)
-            elif isinstance(cmd, Release):
-                if seq.status is SequenceStatus.PREFILLED:
-                    self._finish(seq, None)
-            elif seq.status is not SequenceStatus.WAITING_FOR_REMOTE_KV:
-                log.warning("%s for %s, which is %s", type(cmd).__name__, seq, seq.status.name)
-            elif seq.finish_reason is not None:  # aborted during its pull: blocks are safe now
-                self._finish(seq, seq.finish_reason)
-            elif isinstance(cmd, KVReady):
-                self._kv_ready(seq)
-            else:
-                self._kv_failed(seq, cmd.error, outputs)
-
-    def _add(self, cmd: AddRequest, outputs: list[StepOutput]) -> None:
-        rid = cmd.request_id
-        if rid in self.seqs:
-            log.error("dropping a second request with id %r", rid)
-            return
-        sp = cmd.sampling
-        seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
-        seq = Sequence(rid, cmd.prompt_token_ids, sp, seed, time.monotonic())
-        seq.token_ids.extend(cmd.output_token_ids)
-        seq.remote_kv = cmd.remote_kv
-        self.seqs[rid] = seq
-        self.scheduler.add(seq)
-        reason = self._finished_reason(seq)
-        if reason is not None:  # e.g. max_tokens reached by the first token: nothing to do
-            self._finish(seq, reason)
-            outputs.append(StepOutput(rid, [], reason))
-
-    def _abort(self, seq: Sequence) -> None:
-        if seq.status is SequenceStatus.WAITING_FOR_REMOTE_KV:
-            seq.finish_reason = "abort"  # a pull writes into its blocks until it answers
-        else:
-            self._finish(seq, "abort")
-
-    def _kv_ready(self, seq: Sequence) -> None:
-        seq.remote_kv = False
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        self.block_manager.commit(seq)
-        self.scheduler.start_running(seq)
-
-    def _kv_failed(self, seq: Sequence, error: str, outputs: list[StepOutput]) -> None:
-        if self.kv_failure_policy == "fail":
-            self._finish(seq, "error")
-            text = f"KV transfer failed: {error}"
-            outputs.append(StepOutput(seq.request_id, [], "error", error=text))
-            return
-        log.info("recomputing the prefill of %s here: %s", seq.request_id, error)
-        self.scheduler.remove(seq)  # frees its blocks: the pull is over
-        seq.remote_kv = False
-        seq.num_computed_tokens = 0
-        self.scheduler.requeue_first(seq)
-
-    def _hold(self, cmd: HoldBlock) -> None:
-        if not cmd.reply.set_running_or_notify_cancel():
-            return  # the asker gave up
-        waiting = len(self.scheduler.waiting)
-        if cmd.hold_id in self.seqs:
-            refusal = f"{cmd.hold_id} exists"
-        elif waiting:
-            refusal = f"busy: {waiting} request(s) waiting; no block is taken from them"
-        elif not self.scheduler.fits(1):
-            refusal = "busy: no free KV block"
-        else:
-            seq = Sequence(cmd.hold_id, [0], _HOLD_SAMPLING, 0, time.monotonic())
-            self.block_manager.allocate(seq, 1)
-            seq.status = SequenceStatus.PREFILLED
-            self.seqs[cmd.hold_id] = seq
-            cmd.reply.set_result(seq.block_table[0])
-            return
-        cmd.reply.set_exception(BlockHoldRefused(refusal))
-
-    def _finished_reason(self, seq: Sequence) -> str | None:
-        return seq.ended_by(self.model_config.eos_token_ids, self.max_model_len)
-
-    def _finish(self, seq: Sequence, reason: str | None) -> None:
-        self.scheduler.remove(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        del self.seqs[seq.request_id]
-
     # ---- convenience for tests and the benchmark ---------------------------------------------
 
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]
     ) -> list[list[int]]:
-        """Run prompts to completion in this thread; returns each prompt's output tokens."""
+        """Run prompts to completion in this thread; returns each prompt's output tokens (of
+        choice 0; ``generate_choices`` returns every choice)."""
+        return [choices[0] for choices in self.generate_choices(prompts, sampling)]
+
+    def generate_choices(
+        self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]
+    ) -> list[list[list[int]]]:
+        """Run prompts to completion in this thread; returns each prompt's ``sampling.n``
+        choices' output tokens."""
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         for rid, prompt, sp in zip(ids, prompts, params, strict=True):
             self.add_request(rid, prompt, sp)
-        outputs: dict[str, list[int]] = {rid: [] for rid in ids}
+        outputs = {rid: [[] for _ in range(sp.n)] for rid, sp in zip(ids, params, strict=True)}
         while self.has_unfinished():
             result = self.step()
             for out in result.outputs if result else ():
-                outputs[out.request_id].extend(out.new_token_ids)
+                outputs[out.request_id][out.index].extend(out.new_token_ids)
         return [outputs[rid] for rid in ids]

@@ -12,13 +12,15 @@ from shared.logprobs import TokenLogprobs
 class StepOutput:
     request_id: str
     new_token_ids: list[int]
-    # "stop", "length", "error" (e.g. a failed KV pull under the fail policy), or None while
-    # the sequence goes on. Aborted sequences produce no output.
+    # Of choice ``index``: "stop", "length", "error" (e.g. a failed KV pull under the fail
+    # policy: it ends the whole request), or None while the choice goes on. Aborted choices
+    # produce no output.
     finish_reason: str | None
     num_prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     error: str | None = None  # with finish_reason "error"
     # prefill-only engine: the sequence is parked holding these blocks, which hold the KV of
-    # ``num_kv_tokens`` tokens, until ``release``
+    # ``num_kv_tokens`` tokens, until ``release`` (with sampling.n > 1 even when its first token
+    # ended choice 0: the decode worker forks the other choices from this KV)
     kv_block_ids: list[int] | None = None
     num_kv_tokens: int = 0
     index: int = 0  # the choice of a request with sampling.n > 1
@@ -26,6 +28,9 @@ class StepOutput:
     # of the prompt's tokens after the first (sampling.prompt_logprobs is set): on the output
     # that completes the prompt's prefill
     prompt_logprobs: TokenLogprobs | None = None
+    # This output ends the request's last unfinished choice: the request is over (with n == 1,
+    # exactly when finish_reason is set; aborted choices end without an output).
+    request_finished: bool = False
 
 
 @dataclass

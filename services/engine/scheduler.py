@@ -8,6 +8,10 @@ prefill worker (``remote_kv``) is admitted by the same policy: its blocks are re
 handed out as a pull (``ScheduledBatch.pulls``) instead of being computed; it costs no token
 budget. When a running sequence cannot get a block, the newest running sequence is preempted:
 its blocks are freed and it goes back to the front of the queue to be recomputed later.
+
+The other choices of a request (``sampling.n > 1``) join when the engine forks them from choice 0
+(``add_forked``): straight into the running batch when a sequence slot is free (their blocks are
+already theirs), else at the front of the queue, to be computed like a preempted sequence.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.pulling: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KV, by request id
+        self.pulling: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KV, by seq_id
         self.num_preemptions = 0
         # Admission keeps a little headroom so running decodes can grow without instant preemption.
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
@@ -63,9 +67,24 @@ class Scheduler:
 
     def start_running(self, seq: Sequence) -> None:
         """A pulled sequence: its KV is in its blocks now; it joins the batch."""
-        del self.pulling[seq.request_id]
+        del self.pulling[seq.seq_id]
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+
+    def has_free_slot(self, joining: int = 0) -> bool:
+        """May one more sequence run (or pull) beside ``joining`` others, within
+        ``max_num_seqs``?"""
+        return len(self.running) + len(self.pulling) + joining < self.max_num_seqs
+
+    def add_forked(self, running: list[Sequence], queued: list[Sequence]) -> None:
+        """Forked choices: ``running`` hold their blocks and join the batch (newest, so first
+        to be preempted); ``queued`` have none and wait at the front of the queue, in order."""
+        for seq in running:
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        for seq in reversed(queued):
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.pulling)
@@ -142,13 +161,13 @@ class Scheduler:
         self.waiting.popleft()
         self.bm.allocate(seq, seq.num_prompt_tokens)
         seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
-        self.pulling[seq.request_id] = seq
+        self.pulling[seq.seq_id] = seq
         return True
 
     def _log_blocked(self, seq: Sequence) -> None:
         if self._blocked is not seq:
             self._blocked = seq
-            log.info("%s waits for KV blocks (%d queued)", seq.request_id, len(self.waiting))
+            log.info("%s waits for KV blocks (%d queued)", seq.seq_id, len(self.waiting))
 
     def _unmatch(self, seq: Sequence) -> None:
         self.bm.free_sequence(seq)
@@ -175,5 +194,5 @@ class Scheduler:
         elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
             self.waiting.remove(seq)
         elif seq.status is SequenceStatus.WAITING_FOR_REMOTE_KV:
-            del self.pulling[seq.request_id]
+            del self.pulling[seq.seq_id]
         self.bm.free_sequence(seq)

@@ -27,8 +27,14 @@ class Sequence:
         sampling: SamplingParams,
         seed: int,
         arrival: float,
+        index: int = 0,
     ) -> None:
         self.request_id = request_id
+        # The choice this sequence generates (sampling.n > 1: choices 1.. are forked from
+        # choice 0 once its prompt's KV is complete, see ``choices.py``), and its name in the
+        # engine: the request id for choice 0, "<request id>#<index>" for the others.
+        self.index = index
+        self.seq_id = request_id if index == 0 else f"{request_id}#{index}"
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling = sampling
@@ -99,6 +105,6 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (
-            f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "
+            f"Sequence({self.seq_id!r}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, {self.status.name})"
         )

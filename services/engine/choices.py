@@ -1,0 +1,122 @@
+"""A request's choices (``sampling.n``): one prefill, then a fork into n sequences.
+
+A request with ``n > 1`` runs as one sequence, choice 0, until its prompt's KV is complete and
+choice 0 has its first token: after the last prompt chunk computed here, or when the KV pulled
+from a prefill worker is ready (that worker sampled choice 0's first token; a prefill-only
+engine never forks). The engine then forks choices 1..n-1 (``fork_choice``): each shares the
+prompt's full blocks by reference, gets a private copy of the block holding the last prompt
+token, and starts one token short of the prompt. Its first step recomputes that token as a
+one-token decode row and samples its own first token, so each choice costs one token of compute
+and nothing else changes: the sampler, the wire, and exact reproducibility (choice i samples
+with ``choice_seed(seed, i)``, so the request's seed reproduces all of them).
+
+``ChoiceGroup`` keeps the bookkeeping: which choices are still open, which are still to fork,
+and which sequences hold state. Choice 0's sequence may outlive its own choice (its first token
+ended it, or it was aborted) while choices remain to be forked from its KV: it carries the
+prompt until the fork, then leaves quietly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from services.engine.block_manager import BlockManager
+from services.engine.scheduler import Scheduler
+from services.engine.sequence import Sequence
+from shared.sampling import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The sampling seed of choice ``index``: the request's own for choice 0, else a splitmix64
+    mix of (seed, index), kept to 63 bits (a valid ``SamplingParams.seed`` and an int64)."""
+    if index == 0:
+        return seed
+    x = (seed + index * 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
+def num_choices(sampling: SamplingParams) -> int:
+    """The choices a request generates: ``n``, or one when it generates nothing (max_tokens 0:
+    prompt log-probs only)."""
+    return sampling.n if sampling.max_tokens else 1
+
+
+def fork_choice(parent: Sequence, index: int) -> Sequence:
+    """Choice ``index`` of ``parent``'s request: its prompt, no output yet, no blocks yet.
+
+    It never gathers prompt log-probs: choice 0 carries the request's."""
+    sampling = parent.sampling
+    if sampling.prompt_logprobs is not None:
+        sampling = dataclasses.replace(sampling, prompt_logprobs=None)
+    child = Sequence(
+        parent.request_id,
+        parent.token_ids[: parent.num_prompt_tokens],
+        sampling,
+        choice_seed(parent.seed, index),
+        parent.arrival,
+        index=index,
+    )
+    child.num_prefix_hit_tokens = parent.num_prefix_hit_tokens  # the request's prompt's
+    return child
+
+
+@dataclass
+class ChoiceGroup:
+    request_id: str
+    seqs: dict[int, Sequence]  # by choice index: the sequences that hold state in the engine
+    unfinished: set[int]  # choices neither finished nor aborted, forked or not
+    unforked: list[int] = field(default_factory=list)  # choices still to fork from choice 0
+
+    @classmethod
+    def start(cls, seq: Sequence, n: int) -> ChoiceGroup:
+        """A new request: its choice 0, and ``n - 1`` more to fork later."""
+        return cls(seq.request_id, {0: seq}, set(range(n)), list(range(1, n)))
+
+    def needs(self, seq: Sequence) -> bool:
+        """Still generating its choice, or carrying the prompt's KV for choices still to fork."""
+        return seq.index in self.unfinished or (seq.index == 0 and bool(self.unforked))
+
+    def end_choice(self, index: int | None) -> list[Sequence]:
+        """Choice ``index`` (None: every choice) is over without an output (aborted, or ended at
+        its first token): returns the sequences no longer needed, to drop now."""
+        self.unfinished -= set(self.unfinished) if index is None else {index}
+        self.unforked = [i for i in self.unforked if i in self.unfinished]
+        return [seq for seq in self.seqs.values() if not self.needs(seq)]
+
+    def remove(self, seq: Sequence) -> bool:
+        """``seq`` leaves the engine. True when that ends the request's last open choice."""
+        del self.seqs[seq.index]
+        was_open = seq.index in self.unfinished
+        self.unfinished.discard(seq.index)
+        return was_open and not self.unfinished
+
+    def fork(
+        self, parent: Sequence, bm: BlockManager, scheduler: Scheduler
+    ) -> tuple[list[Sequence], list[tuple[int, int]]]:
+        """Fork the choices still to fork from ``parent`` (choice 0: its prompt's KV complete,
+        its first token sampled). A child that gets a sequence slot and a block for its copy
+        runs from the next step; the others wait at the front of the queue, to be computed like
+        preempted sequences. Returns the children and the (source, new) block copies to make in
+        the KV cache before the next forward pass."""
+        running: list[Sequence] = []
+        queued: list[Sequence] = []
+        copies: list[tuple[int, int]] = []
+        for index in self.unforked:
+            child = self.seqs[index] = fork_choice(parent, index)
+            copy = None
+            if scheduler.has_free_slot(len(running)):  # (they join after the loop)
+                copy = bm.fork(parent, child, parent.num_prompt_tokens)
+            if copy is None:
+                queued.append(child)
+                continue
+            copies.append(copy)
+            child.num_computed_tokens = parent.num_prompt_tokens - 1  # recompute the last one
+            running.append(child)
+        self.unforked = []
+        scheduler.add_forked(running, queued)
+        return running + queued, copies
