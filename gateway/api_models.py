@@ -1,66 +1,37 @@
-"""Request parsing and validation for the OpenAI-compatible endpoints.
+"""The gateway's view of a request: ``parse_completion`` and ``parse_chat`` check a body with
+the pydantic models of ``gateway/request_bodies.py`` and hand the rest of the gateway plain
+dataclasses (``GenerationParams``, ``CompletionRequest``, ``ChatRequest``).
 
-The body is parsed strictly (UTF-8, JSON, bounded nesting) and every field is checked by hand
-against the table below; the same table feeds ``/openapi.json`` so docs and checks cannot drift.
 Anything a client sends that we do not support is refused with a 400 naming it, rather than
 silently ignored, so nobody believes a parameter took effect when it did not. The exceptions are
-fields that change nothing (``neutral_fields.py``: ``user``, ``metadata``, penalties at 0, ...),
-accepted so clients that always send them work, and type-checked all the same.
+fields that change nothing (``neutral_fields.py``: ``user``, ``metadata``, ...), accepted so
+clients that always send them work, and type-checked all the same. Every bad value is one
+OpenAI-shaped 400 naming the field (``schema_errors.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from gateway.errors import APIError, bad_request, unsupported_parameter
-from gateway.neutral_fields import check_neutral_fields, neutral_names
-from gateway.number_fields import NumberField, check_number
-from gateway.stream_options import parse_stream_options
-from shared.sampling import BOUNDS, GuidedDecoding
+from pydantic import ValidationError
 
-MAX_STOP_STRINGS = 16
-MAX_STOP_LENGTH = 256
-ALLOWED_ROLES = ("system", "developer", "user", "assistant")
+from gateway.errors import APIError, bad_request
+from gateway.request_bodies import ChatCompletionBody, CommonFields, CompletionBody
+from gateway.schema_base import StrictModel
+from gateway.schema_errors import api_error
+from shared.sampling import GuidedDecoding
 
 
-SAMPLING_FIELDS: tuple[NumberField, ...] = (
-    NumberField("max_tokens", "integer", "most tokens to generate", minimum=1),
-    NumberField(
-        "temperature",
-        "number",
-        "sampling temperature; 0 is greedy",
-        BOUNDS["temperature"].lo,
-        BOUNDS["temperature"].hi,
-    ),
-    NumberField(
-        "top_p",
-        "number",
-        "nucleus sampling mass",
-        BOUNDS["top_p"].lo,
-        BOUNDS["top_p"].hi,
-        exclusive_minimum=BOUNDS["top_p"].lo_open,
-    ),
-    NumberField(
-        "top_k",
-        "integer",
-        "sample among the k likeliest tokens; -1 or 0 is off",
-        BOUNDS["top_k"].lo,
-        BOUNDS["top_k"].hi,
-    ),
-    NumberField(
-        "seed", "integer", "per-request sampling seed", BOUNDS["seed"].lo, BOUNDS["seed"].hi
-    ),
-    NumberField("n", "integer", "number of choices; only 1 is supported", 1, 1),
-)
-_FIELDS_BY_NAME = {f.name: f for f in SAMPLING_FIELDS}
+def _accepted(model: type[StrictModel]) -> frozenset[str]:
+    """The body fields a model takes (by their JSON names); tools and tool_choice are declared
+    only to be refused, so they are not among them."""
+    names = {f.alias or name for name, f in model.model_fields.items()}
+    return frozenset(names - {"tools", "tool_choice"})
 
-COMMON_KEYS = frozenset(
-    ["model", "stream", "stream_options", "stop", "ignore_eos"] + list(_FIELDS_BY_NAME)
-)
-# Fields that change nothing (gateway/neutral_fields.py) are accepted and type-checked.
-COMPLETION_KEYS = COMMON_KEYS | neutral_names(chat=False) | {"prompt"}
-CHAT_KEYS = COMMON_KEYS | neutral_names(chat=True) | {"messages", "max_completion_tokens"}
+
+COMPLETION_KEYS = _accepted(CompletionBody)
+CHAT_KEYS = _accepted(ChatCompletionBody)
 
 
 @dataclass
@@ -111,188 +82,79 @@ class ChatRequest:
     messages: list[ChatMessage]
 
 
-# ----------------------------------------------------------------------------- fields
-
-
-def _check_keys(body: dict[str, Any], allowed: frozenset[str]) -> None:
-    for key in body:
-        # A null for an unknown optional field is the same as leaving it out; some SDKs send them.
-        if key not in allowed and body[key] is not None:
-            raise unsupported_parameter(key)
-
-
-def _number(body: dict[str, Any], name: str) -> float | int | None:
-    spec = _FIELDS_BY_NAME[name]
-    return check_number(body.get(name), spec, name)
-
-
-def _bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad_request(f"'{name}' must be a boolean", name, "invalid_type")
-    return value
-
-
-def _model(body: dict[str, Any]) -> str:
-    model = body.get("model")
-    if model is None:
-        raise bad_request("'model' is required", "model", "missing_required_parameter")
-    if not isinstance(model, str) or not model:
-        raise bad_request("'model' must be a non-empty string", "model", "invalid_type")
-    return model
-
-
-def _stop(body: dict[str, Any]) -> list[str]:
-    value = body.get("stop")
-    if value is None:
-        return []
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise bad_request("'stop' must be a string or a list of strings", "stop", "invalid_type")
-    if len(items) > MAX_STOP_STRINGS:
-        raise bad_request(f"'stop' has more than {MAX_STOP_STRINGS} strings", "stop")
-    for s in items:
-        if not s:
-            raise bad_request("'stop' strings must not be empty", "stop", "invalid_value")
-        if len(s) > MAX_STOP_LENGTH:
-            raise bad_request(f"'stop' strings must be <= {MAX_STOP_LENGTH} chars", "stop")
-    return list(dict.fromkeys(items))
-
-
-def _params(body: dict[str, Any], max_tokens: int | None) -> GenerationParams:
-    stream = _bool(body, "stream")
-    stream_options = parse_stream_options(body, stream)
-    top_k = _number(body, "top_k")
-    temperature = _number(body, "temperature")
-    top_p = _number(body, "top_p")
-    _number(body, "n")  # validated to be 1; nothing else to do with it
-    return GenerationParams(
-        model=_model(body),
-        max_tokens=max_tokens,
-        temperature=1.0 if temperature is None else float(temperature),
-        top_p=1.0 if top_p is None else float(top_p),
-        top_k=-1 if top_k in (None, 0) else int(top_k),
-        seed=_number(body, "seed"),
-        stop=_stop(body),
-        ignore_eos=_bool(body, "ignore_eos"),
-        stream=stream,
-        include_usage=stream_options.include_usage,
-        continuous_usage=stream_options.continuous_usage,
-    )
-
-
 # ----------------------------------------------------------------------------- requests
+
+Body = TypeVar("Body", bound=StrictModel)
+
+
+def _validated(model: type[Body], body: dict[str, Any]) -> Body:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise api_error(exc) from None
 
 
 def parse_completion(body: dict[str, Any]) -> CompletionRequest:
-    _check_keys(body, COMPLETION_KEYS)
-    check_neutral_fields(body, chat=False)
-    max_tokens = _number(body, "max_tokens")
-    # OpenAI's legacy completions default to 16 new tokens.
-    params = _params(body, 16 if max_tokens is None else int(max_tokens))
-    prompt = _prompt(body.get("prompt"))
-    return CompletionRequest(params=params, prompt=prompt, prompts=[prompt])
-
-
-def _prompt(value: Any) -> str | list[int]:
-    if value is None:
-        raise bad_request("'prompt' is required", "prompt", "missing_required_parameter")
-    # A batch of one is accepted for convenience; real batches would need n>1 semantics.
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]
-    if isinstance(value, str):
-        if not value:
-            raise bad_request("'prompt' must not be empty", "prompt", "invalid_value")
-        return value
-    if isinstance(value, list):
-        if not value:
-            raise bad_request("'prompt' must not be empty", "prompt", "invalid_value")
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-            return list(value)
-        if all(isinstance(t, (str, list)) for t in value):
-            raise bad_request("Batched prompts are not supported; send one prompt", "prompt")
-    raise bad_request("'prompt' must be a string or a list of token ids", "prompt", "invalid_type")
+    req = _validated(CompletionBody, body)
+    params = _params(
+        req,
+        max_tokens=req.max_new_tokens,
+        logprobs=req.logprobs,
+        best_of=req.best_of,
+        echo=bool(req.echo),
+    )
+    prompts = req.prompts()
+    return CompletionRequest(params=params, prompt=prompts[0], prompts=prompts)
 
 
 def parse_chat(body: dict[str, Any]) -> ChatRequest:
-    _check_keys(body, CHAT_KEYS)
-    check_neutral_fields(body, chat=True)
-    max_tokens = _number(body, "max_tokens")
-    max_completion = check_number(
-        body.get("max_completion_tokens"), _FIELDS_BY_NAME["max_tokens"], "max_completion_tokens"
-    )
-    if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
-        raise bad_request(
-            "Give either 'max_tokens' or 'max_completion_tokens', not both",
-            "max_completion_tokens",
-        )
-    chosen = max_completion if max_completion is not None else max_tokens
-    params = _params(body, None if chosen is None else int(chosen))
-    return ChatRequest(params=params, messages=_messages(body.get("messages")))
-
-
-def _messages(value: Any) -> list[ChatMessage]:
-    if value is None:
-        raise bad_request("'messages' is required", "messages", "missing_required_parameter")
-    if not isinstance(value, list) or not value:
-        raise bad_request("'messages' must be a non-empty array", "messages", "invalid_type")
-    return [_message(item, f"messages[{i}]") for i, item in enumerate(value)]
-
-
-def _message(item: Any, where: str) -> ChatMessage:
-    if not isinstance(item, dict):
-        raise bad_request(f"'{where}' must be an object", where, "invalid_type")
-    for key, value in item.items():
-        if key not in ("role", "content", "name") and value is not None:
-            raise unsupported_parameter(f"{where}.{key}")
-    role = item.get("role")
-    if not isinstance(role, str) or role not in ALLOWED_ROLES:
-        raise bad_request(
-            f"'{where}.role' must be one of {', '.join(ALLOWED_ROLES)}",
-            f"{where}.role",
-            "invalid_value",
-        )
-    name = item.get("name")
-    if name is not None and not isinstance(name, str):
-        raise bad_request(f"'{where}.name' must be a string", f"{where}.name", "invalid_type")
-    content = _content(item.get("content"), role, f"{where}.content")
+    req = _validated(ChatCompletionBody, body)
+    params = _params(req, max_tokens=req.max_new_tokens, logprobs=req.top_alternatives)
     # 'developer' is OpenAI's newer name for the system role; templates only know 'system'.
-    return ChatMessage(role="system" if role == "developer" else role, content=content, name=name)
-
-
-def _content(value: Any, role: str, where: str) -> str:
-    if value is None:
-        if role == "assistant":
-            return ""
-        raise bad_request(f"'{where}' is required", where, "missing_required_parameter")
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise bad_request(
-            f"'{where}' must be a string or an array of text parts", where, "invalid_type"
+    messages = [
+        ChatMessage(
+            role="system" if m.role == "developer" else m.role, content=m.text(), name=m.name
         )
-    texts = []
-    for i, part in enumerate(value):
-        here = f"{where}[{i}]"
-        if not isinstance(part, dict):
-            raise bad_request(f"'{here}' must be an object", here, "invalid_type")
-        kind = part.get("type")
-        if kind != "text":
-            raise bad_request(
-                f"'{here}.type' {kind!r} is not supported; only 'text' parts are",
-                f"{here}.type",
-                "unsupported_content_type",
-            )
-        for key in part:
-            if key not in ("type", "text"):
-                raise unsupported_parameter(f"{here}.{key}")
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise bad_request(f"'{here}.text' must be a string", f"{here}.text", "invalid_type")
-        texts.append(text)
-    return "".join(texts)
+        for m in req.messages
+    ]
+    return ChatRequest(params=params, messages=messages)
+
+
+def _params(
+    req: CommonFields,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    best_of: int | None = None,
+    echo: bool = False,
+) -> GenerationParams:
+    def given(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    return GenerationParams(
+        model=req.model,
+        max_tokens=max_tokens,
+        temperature=float(given(req.temperature, 1.0)),
+        top_p=float(given(req.top_p, 1.0)),
+        top_k=-1 if req.top_k in (None, 0) else req.top_k,
+        seed=req.seed,
+        stop=req.stop_strings(),
+        ignore_eos=bool(req.ignore_eos),
+        stream=bool(req.stream),
+        include_usage=req.include_usage,
+        continuous_usage=req.continuous_usage,
+        n=given(req.n, 1),
+        best_of=best_of,
+        logprobs=logprobs,
+        echo=echo,
+        presence_penalty=float(given(req.presence_penalty, 0.0)),
+        frequency_penalty=float(given(req.frequency_penalty, 0.0)),
+        repetition_penalty=float(given(req.repetition_penalty, 1.0)),
+        min_tokens=given(req.min_tokens, 0),
+        logit_bias=req.logit_bias_by_token(),
+        stop_token_ids=list(req.stop_token_ids or []),
+        guided=req.guided,
+    )
 
 
 def check_token_ids(ids: list[int], vocab_size: int, where: str = "prompt") -> None:

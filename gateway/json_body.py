@@ -21,20 +21,30 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     if not text.strip():
         raise bad_request("Request body is empty; expected a JSON object")
     try:
-        body = json.loads(text, parse_constant=_reject_constant)
-    except RecursionError:
-        raise bad_request("Request body is nested too deeply") from None
-    except ValueError as exc:  # JSONDecodeError, huge integers, NaN/Infinity
-        raise bad_request(f"Request body is not valid JSON: {exc}") from None
+        body = loads_bounded(text)
+    except ValueError as exc:
+        raise bad_request(f"Request body {exc}") from None
     if not isinstance(body, dict):
         raise bad_request(f"Request body must be a JSON object, not {_json_type(body)}")
-    if _depth(body) > MAX_NESTING:
-        raise bad_request(f"Request body is nested deeper than {MAX_NESTING} levels")
-    if _has_lone_surrogate(body):
+    return body
+
+
+def loads_bounded(text: str) -> Any:
+    """``text`` as JSON within the same limits as a body (also for JSON inside a field, such as
+    a schema sent as a string); a ValueError says what is wrong, to follow 'Request body'."""
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ValueError("is nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, huge integers, NaN/Infinity
+        raise ValueError(f"is not valid JSON: {exc}") from None
+    if _depth(value) > MAX_NESTING:
+        raise ValueError(f"is nested deeper than {MAX_NESTING} levels")
+    if _has_lone_surrogate(value):
         # JSON's \ud800-style escapes can encode half a character, which is not text: the
         # tokenizer and UTF-8 output would both fail on it later.
-        raise bad_request("Request body contains an unpaired UTF-16 surrogate escape")
-    return body
+        raise ValueError("contains an unpaired UTF-16 surrogate escape")
+    return value
 
 
 def _reject_constant(name: str) -> Any:

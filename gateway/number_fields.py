@@ -1,63 +1,48 @@
-"""One numeric request field: its JSON type, bounds and meaning, and the check of a value.
+"""The numeric field types of the request models, their bounds read from ``shared.sampling``.
 
-Kept apart from ``api_models`` so every module that validates a number (sampling fields, the
-penalties accepted at their neutral value) shares one check, and ``/openapi.json`` one schema.
+Strict, as pydantic's strict mode is: a boolean or a string is never a number. One leniency is
+kept from the hand-written checks: an integer field takes a float with no fraction (``8.0``),
+which JSON does not tell apart from ``8`` and some clients write; ``1.5`` stays an error.
+Numbers must be finite (the JSON pre-parser already refuses NaN and Infinity; this holds for
+callers that build the body in Python too).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from gateway.errors import bad_request
+from pydantic import BeforeValidator, Field
 
-
-@dataclass(frozen=True)
-class NumberField:
-    """One numeric field: its JSON type, bounds and meaning."""
-
-    name: str
-    kind: str  # "integer" or "number"
-    description: str
-    minimum: float | None = None
-    maximum: float | None = None
-    exclusive_minimum: bool = False
-    nullable: bool = True
+from shared.protocol import MAX_TOKEN_ID
+from shared.sampling import BOUNDS
 
 
-def check_number(value: Any, spec: NumberField, param: str) -> float | int | None:
-    """``value`` checked against ``spec`` (None stays None); a 400 naming ``param`` if bad."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad_request(f"'{param}' must be {_article(spec.kind)}", param, "invalid_type")
-    if spec.kind == "integer":
-        if isinstance(value, float):
-            if not value.is_integer():
-                raise bad_request(f"'{param}' must be an integer", param, "invalid_type")
-            value = int(value)
-    elif math.isnan(value) or math.isinf(value):
-        raise bad_request(f"'{param}' must be a finite number", param, "invalid_value")
-    if spec.minimum is not None:
-        if spec.exclusive_minimum and value <= spec.minimum:
-            raise bad_request(f"'{param}' must be > {spec.minimum}", param, "invalid_value")
-        if not spec.exclusive_minimum and value < spec.minimum:
-            raise bad_request(f"'{param}' must be >= {spec.minimum}", param, "invalid_value")
-    if spec.maximum is not None and value > spec.maximum:
-        raise bad_request(f"'{param}' must be <= {spec.maximum}", param, "invalid_value")
-    return value
+def _whole_float_as_int(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value  # anything else is left for the strict int check to refuse
 
 
-def number_schema(f: NumberField) -> dict[str, Any]:
-    """The field's JSON schema for ``/openapi.json``."""
-    schema: dict[str, Any] = {"type": [f.kind, "null"], "description": f.description}
-    if f.minimum is not None:
-        schema["exclusiveMinimum" if f.exclusive_minimum else "minimum"] = f.minimum
-    if f.maximum is not None:
-        schema["maximum"] = f.maximum
-    return schema
+def integer(minimum: int | None = None, maximum: int | None = None) -> Any:
+    """An integer type in [minimum, maximum] (either end may be open-ended)."""
+    # The bounds first, so that they stay on the int schema (and its JSON schema) inside the
+    # before-validator.
+    return Annotated[int, Field(ge=minimum, le=maximum), BeforeValidator(_whole_float_as_int)]
 
 
-def _article(kind: str) -> str:
-    return "an integer" if kind == "integer" else "a number"
+def bounded_integer(name: str, minimum: int | None = None) -> Any:
+    """An integer type with ``shared.sampling.BOUNDS[name]`` (``minimum`` may raise the floor)."""
+    bound = BOUNDS[name]
+    low = int(bound.lo) + (1 if bound.lo_open else 0)
+    return integer(low if minimum is None else max(low, minimum), int(bound.hi))
+
+
+def bounded_number(name: str) -> Any:
+    """A finite number type with ``shared.sampling.BOUNDS[name]``."""
+    bound = BOUNDS[name]
+    low = {"gt": bound.lo} if bound.lo_open else {"ge": bound.lo}
+    return Annotated[float, Field(le=bound.hi, allow_inf_nan=False, **low)]
+
+
+# A token id as the wire protocol bounds it; the vocabulary is checked once the model is known.
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]

@@ -71,9 +71,13 @@ BASE = {"model": "m", "prompt": "hello"}
         ({"prompt": None}, "prompt"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": []}, "prompt"),
-        ({"prompt": [1, "a"]}, "prompt"),
-        ({"prompt": [1, True]}, "prompt"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": [1, "a"]}, "prompt[1]"),
+        ({"prompt": [1, True]}, "prompt[1]"),
+        ({"prompt": [1, -1]}, "prompt[1]"),
+        ({"prompt": ["a", ""]}, "prompt[1]"),
+        ({"prompt": [[1], []]}, "prompt[1]"),
+        ({"prompt": [[1], ["a"]]}, "prompt[1][0]"),
+        ({"prompt": [None]}, "prompt"),
         ({"prompt": {"x": 1}}, "prompt"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": -3}, "max_tokens"),
@@ -88,17 +92,22 @@ BASE = {"model": "m", "prompt": "hello"}
         ({"top_k": -2}, "top_k"),
         ({"top_k": 2**40}, "top_k"),
         ({"seed": 2**70}, "seed"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 17}, "n"),
         ({"stop": 5}, "stop"),
-        ({"stop": [""]}, "stop"),
+        ({"stop": ""}, "stop"),
+        ({"stop": [""]}, "stop[0]"),
+        ({"stop": ["a", 3]}, "stop[1]"),
+        ({"stop": ["x" * 257]}, "stop[0]"),
         ({"stop": ["a"] * 17}, "stop"),
         ({"stream": "yes"}, "stream"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
         ({"stream": True, "stream_options": {"other": 1}}, "stream_options.other"),
         ({"ignore_eos": 1}, "ignore_eos"),
-        ({"logprobs": 3}, "logprobs"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
         ({"messages": []}, "messages"),
     ],
 )
@@ -208,5 +217,5 @@ def test_lengths_and_vocab():
 
 
 def test_error_body_is_json_serialisable():
-    err = error_of(parse_completion, {**BASE, "best_of": 2})
-    assert json.loads(json.dumps(err.body()))["error"]["param"] == "best_of"
+    err = error_of(parse_completion, {**BASE, "suffix": "x"})
+    assert json.loads(json.dumps(err.body()))["error"]["param"] == "suffix"

@@ -1,0 +1,195 @@
+"""The request bodies of ``/v1/completions`` and ``/v1/chat/completions`` as pydantic models:
+the validation and the ``/openapi.json`` schemas both come from these classes.
+
+Each body is its endpoint's own fields plus the shared groups (sampling, streaming, structured
+output, the fields accepted and ignored). The rules that tie fields together are the models'
+``after`` validators, each naming the field a client has to change; they run once every field
+is valid on its own. Where OpenAI is silent, vLLM's OpenAI server is the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field, model_validator
+
+from gateway.chat_messages import Message
+from gateway.guided_fields import GuidedFields
+from gateway.neutral_fields import ChatNeutralFields, NeutralFields
+from gateway.number_fields import TokenId, bounded_integer
+from gateway.sampling_fields import SamplingFields
+from gateway.schema_base import StrictModel, field_error, refused, shaped
+from gateway.schema_errors import INVALID_VALUE
+from gateway.stream_options import StreamFields
+from shared.sampling import MAX_MAX_TOKENS
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's legacy completions default
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_CHOICES = 128  # choices sampled for one request: (best_of or n) times the prompts
+
+PromptText = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_MAX_TOKENS)]
+
+
+def _prompt_shape(value: Any) -> int | None:
+    if isinstance(value, str):
+        return 0
+    if not isinstance(value, list):
+        return None
+    first = value[0] if value else 0  # [] is an empty list of token ids
+    if isinstance(first, (int, float)):  # bool and float too: "must be an integer" says why
+        return 1
+    if isinstance(first, str):
+        return 2
+    return 3 if isinstance(first, list) else None
+
+
+Prompt = Annotated[
+    Any,
+    shaped(
+        PromptText,
+        TokenIds,
+        Annotated[list[PromptText], Field(min_length=1, max_length=MAX_PROMPTS)],
+        Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)],
+        pick=_prompt_shape,
+        otherwise="must be a string, an array of token ids, an array of strings or an array "
+        "of token-id arrays",
+    ),
+]
+CompletionMaxTokens = bounded_integer("max_tokens")  # 0 only with echo
+ChatMaxTokens = bounded_integer("max_tokens", minimum=1)
+Logprobs = bounded_integer("logprobs")
+BestOf = bounded_integer("n")
+ToolCalling = refused("tool calling is not supported")
+
+
+class ModelField(StrictModel):
+    model: Annotated[str, Field(min_length=1)] = Field(description="the served model's name")
+
+
+class CommonFields(NeutralFields, GuidedFields, StreamFields, SamplingFields, ModelField):
+    """What both endpoints take."""
+
+    def _check_min_tokens(self, max_tokens: int | None) -> None:
+        if self.min_tokens is not None and max_tokens is not None and self.min_tokens > max_tokens:
+            raise field_error(
+                "min_tokens", INVALID_VALUE, f"must be <= max_tokens ({max_tokens})", max_tokens
+            )
+
+
+class CompletionBody(CommonFields):
+    """A text completion (OpenAI's legacy API, with vLLM's extensions). Unknown fields are a 400
+    ``unsupported_parameter`` unless null."""
+
+    prompt: Prompt = Field(
+        description=f"text, token ids, or a batch of up to {MAX_PROMPTS} of either; each prompt "
+        "is answered with n choices"
+    )
+    max_tokens: CompletionMaxTokens | None = Field(
+        None,
+        description=f"most tokens to generate (default {DEFAULT_COMPLETION_TOKENS}); 0 only "
+        "with echo (the prompt's log-probs, nothing generated)",
+    )
+    best_of: BestOf | None = Field(
+        None,
+        description="sample this many per prompt and return the n likeliest; >= n, and equal "
+        "to n when streaming",
+    )
+    logprobs: Logprobs | None = Field(
+        None, description="log-probs of each token plus this many likeliest alternatives"
+    )
+    echo: bool | None = Field(None, description="return the prompt before the completion")
+
+    @model_validator(mode="after")
+    def _completion_rules(self) -> CompletionBody:
+        if self.max_tokens == 0 and not self.echo:
+            raise field_error(
+                "max_tokens",
+                INVALID_VALUE,
+                "must be >= 1; 0 is allowed only with 'echo': true (the prompt's log-probs, "
+                "nothing generated)",
+                0,
+            )
+        n = self.n or 1
+        if self.best_of is not None and self.best_of < n:
+            raise field_error("best_of", INVALID_VALUE, f"must be >= n ({n})", self.best_of)
+        if self.best_of is not None and self.best_of > n and self.stream:
+            raise field_error(
+                "best_of",
+                INVALID_VALUE,
+                "greater than n cannot be streamed: the best choices are known only at the end",
+                self.best_of,
+            )
+        self._check_min_tokens(self.max_new_tokens)
+        per_prompt, count = self.best_of or n, len(self.prompts())
+        if per_prompt * count > MAX_CHOICES:
+            raise field_error(
+                "best_of" if self.best_of is not None else "n",
+                INVALID_VALUE,
+                f"times the number of prompts ({per_prompt} x {count}) must be at most "
+                f"{MAX_CHOICES}",
+                per_prompt,
+            )
+        return self
+
+    @property
+    def max_new_tokens(self) -> int:
+        return DEFAULT_COMPLETION_TOKENS if self.max_tokens is None else self.max_tokens
+
+    def prompts(self) -> list[str | list[int]]:
+        """Every prompt, in order: one string or token list becomes a batch of one."""
+        if isinstance(self.prompt, str) or not isinstance(self.prompt[0], (str, list)):
+            return [self.prompt]
+        return list(self.prompt)
+
+
+class ChatCompletionBody(ChatNeutralFields, CommonFields):
+    """A chat completion, rendered with the model's chat template. Tool calling is not
+    supported (``tools`` and ``tool_choice`` are a 400). Unknown fields are a 400
+    ``unsupported_parameter`` unless null."""
+
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_tokens: ChatMaxTokens | None = Field(
+        None, description="most tokens to generate; default: the rest of the context"
+    )
+    max_completion_tokens: ChatMaxTokens | None = Field(
+        None, description="OpenAI's newer name for max_tokens"
+    )
+    logprobs: bool | None = Field(None, description="log-probs of each generated token")
+    top_logprobs: Logprobs | None = Field(
+        None, description="with logprobs: this many likeliest alternatives per token"
+    )
+    tools: ToolCalling = None
+    tool_choice: ToolCalling = None
+
+    @model_validator(mode="after")
+    def _chat_rules(self) -> ChatCompletionBody:
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise field_error(
+                "max_completion_tokens",
+                INVALID_VALUE,
+                "must equal max_tokens when both are given",
+                self.max_completion_tokens,
+            )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise field_error(
+                "top_logprobs",
+                INVALID_VALUE,
+                "is only allowed when 'logprobs' is true",
+                self.top_logprobs,
+            )
+        self._check_min_tokens(self.max_new_tokens)
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """None: up to the end of the context window."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    @property
+    def top_alternatives(self) -> int | None:
+        """GenerationParams.logprobs: None without log-probs, else the alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
