@@ -78,8 +78,8 @@ class CommonFields(NeutralFields, GuidedFields, StreamFields, SamplingFields, Mo
 
 
 class CompletionBody(CommonFields):
-    """A text completion (OpenAI's legacy API, with vLLM's extensions). Unknown fields are a 400
-    ``unsupported_parameter`` unless null."""
+    """A text completion (OpenAI's legacy API, with vLLM's extensions). Other fields are a 400
+    `unsupported_parameter` unless null."""
 
     prompt: Prompt = Field(
         description=f"text, token ids, or a batch of up to {MAX_PROMPTS} of either; each prompt "
@@ -145,8 +145,8 @@ class CompletionBody(CommonFields):
 
 class ChatCompletionBody(ChatNeutralFields, CommonFields):
     """A chat completion, rendered with the model's chat template. Tool calling is not
-    supported (``tools`` and ``tool_choice`` are a 400). Unknown fields are a 400
-    ``unsupported_parameter`` unless null."""
+    supported: `tools` and `tool_choice` are a 400. Other fields are a 400
+    `unsupported_parameter` unless null."""
 
     messages: Annotated[list[Message], Field(min_length=1)]
     max_tokens: ChatMaxTokens | None = Field(
