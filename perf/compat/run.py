@@ -1,0 +1,94 @@
+"""Run the clients people use against a local ``pdserve up``, unmodified (issue 16):
+
+    perf/compat/run.sh [guidellm|lm-eval|aiperf|all] [--model NAME] [--out DIR] [--no-install]
+
+Each tool lives in its own venv outside the repo (install.sh). One ``pdserve up`` on free ports
+serves them one after another, then is stopped by its pid. lm-eval runs the local pdserve_mcq
+task at each ``--batch-sizes`` and is checked against HF transformers scoring the same task on
+the same weights (hf_mcq.py), computed before the stack starts. A line per run is printed;
+logs, reports and results.json stay in ``--out``. Exit status 0 when every run passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from perf.compat import hf_mcq
+from perf.compat.aiperf_run import run_aiperf
+from perf.compat.guidellm_run import run_guidellm
+from perf.compat.lmeval_run import run_lm_eval
+from perf.compat.stack import drain_leftovers, pdserve_up
+from perf.compat.tool import COMPAT_DIR, ToolResult, install
+
+TOOLS = ("guidellm", "lm-eval", "aiperf")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="perf/compat/run.sh", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("tool", nargs="?", default="all", choices=[*TOOLS, "all"])
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="pdserve up --model")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=COMPAT_DIR / "runs" / time.strftime("%Y%m%d-%H%M%S"),
+        help="logs and reports (default: a new folder under ~/.cache/pdserve-compat/runs)",
+    )
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4], help="lm-eval's")
+    parser.add_argument("--no-install", action="store_true", help="use the venvs as they are")
+    return parser.parse_args(argv)
+
+
+def report(result: ToolResult) -> None:
+    verdict = "PASS" if result.ok else "FAIL"
+    print(f"{verdict} {result.tool} {result.version} ({result.seconds:.0f} s): {result.summary}")
+    for error in result.errors:
+        print(f"     error: {error}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from shared.models.resolve import resolve
+
+    args = parse_args(argv)
+    tools = TOOLS if args.tool == "all" else (args.tool,)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.no_install:
+        for tool in tools:
+            install(tool)
+    tokenizer_dir = resolve(args.model).path  # the served model's own tokenizer.json
+    oracle = None
+    if "lm-eval" in tools:
+        # before the stack starts: both would compete for the same 2 cores
+        oracle = hf_mcq.run(args.model)
+        (args.out / "hf_mcq.json").write_text(json.dumps(asdict(oracle), indent=1))
+        print(
+            f"HF transformers on pdserve_mcq: acc {oracle.acc:.4f}, acc_norm {oracle.acc_norm:.4f}"
+        )
+    results: list[ToolResult] = []
+    with pdserve_up(args.out / "pdserve-up.log", args.model) as stack:
+        print(f"pdserve up: {stack.model} at {stack.base_url} (pid {stack.proc.pid})")
+        for tool in tools:
+            if tool == "guidellm":
+                results.append(run_guidellm(stack, tokenizer_dir, args.out))
+            elif tool == "aiperf":
+                results.append(run_aiperf(stack, tokenizer_dir, args.out))
+            else:
+                for batch_size in args.batch_sizes:
+                    results.append(run_lm_eval(stack, tokenizer_dir, batch_size, oracle, args.out))
+            report(results[-1])
+    leftovers = drain_leftovers(stack.log)
+    for line in leftovers:
+        print(f"WARN pdserve, stopped after the clients were done: {line}")
+    (args.out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+    print(f"logs and reports: {args.out}")
+    return 0 if all(r.ok for r in results) and not leftovers else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

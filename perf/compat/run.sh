@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# perf/compat/run.sh [guidellm|lm-eval|aiperf|all] [--model NAME] [--out DIR] [--no-install]
+# guidellm, lm-eval and aiperf, unmodified, against a local pdserve up (see perf/compat/run.py).
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$repo"
+exec .venv/bin/python -m perf.compat.run "$@"
