@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import math
+
 import torch
 
+from services.engine.logits_processing import SparseLogits
 from services.engine.sampler import SamplingTensors, sample, uniform_noise
 
 
@@ -54,3 +57,20 @@ def test_greedy_rows_in_a_mixed_batch():
     st.temperatures = torch.tensor([0.0, 1.0])
     st.all_greedy = False
     assert sample(logits, st).tokens[0].item() == 1
+
+
+def test_a_seeded_row_samples_the_same_beside_processed_rows():
+    gen = torch.Generator().manual_seed(41)
+    logits = torch.randn(64, 50, generator=gen)
+    plain = sample(logits[:32], tensors(32, 0.8, 20, 0.9, list(range(32)), 50))
+    assert plain.logprobs is None
+    # the same 32 rows, then 32 rows with a bias, a min_tokens mask and log-probs asked
+    st = tensors(64, 0.8, 20, 0.9, list(range(32)) + list(range(100, 132)), 50)
+    others = torch.arange(32, 64)
+    st.logit_bias = SparseLogits(others, torch.full((32,), 3), torch.full((32,), 4.0))
+    st.min_tokens_mask = SparseLogits(others, torch.full((32,), 1), torch.full((32,), -math.inf))
+    st.logprob_rows, st.num_logprobs = torch.tensor([0, 40]), 3
+    mixed = sample(logits, st)
+    assert torch.equal(mixed.tokens[:32], plain.tokens)
+    assert (mixed.tokens[32:] != 1).all() and (mixed.tokens[32:] == 3).sum() > 8
+    assert mixed.logprobs.top_ids.shape == (2, 3)
