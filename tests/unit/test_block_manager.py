@@ -128,3 +128,40 @@ def test_undrained_events_stay_bounded():
     assert len(bm.stored_events) + len(bm.removed_events) <= 4 * 2 + 1024
     stored, removed = bm.drain_events()
     assert set(stored) == set(bm.hash_to_block) and not set(removed) & set(bm.hash_to_block)
+
+
+def child_of(parent: Sequence, index: int) -> Sequence:
+    return Sequence(parent.request_id, parent.token_ids, SamplingParams(), 0, 0.0, index=index)
+
+
+def test_fork_shares_full_blocks_and_copies_the_one_of_the_last_token():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    parent = computed(bm, seq("r", list(range(10))))  # blocks: 2 full + the last token's
+    kids = [child_of(parent, i) for i in (1, 2)]
+    copies = [bm.fork(parent, kid, 10) for kid in kids]
+    assert [src for src, _ in copies] == [parent.block_table[2]] * 2
+    assert [kid.block_table for kid in kids] == [
+        parent.block_table[:2] + [dst] for _, dst in copies
+    ]
+    assert [bm.ref_counts[b] for b in parent.block_table] == [3, 3, 1]
+    assert all(bm.ref_counts[dst] == 1 for _, dst in copies)
+    # the children inherit the shared blocks' hashes, under their own seq ids
+    assert bm.seq_hashes["r#1"] == bm.seq_hashes["r#2"] == bm.seq_hashes["r"][:2]
+    # a full last block is copied too: the child rewrites its last slot
+    whole = computed(bm, seq("w", list(range(100, 108))))
+    src, dst = bm.fork(whole, child_of(whole, 1), 8)
+    assert src == whole.block_table[1] and bm.ref_counts[whole.block_table[0]] == 2
+    assert dst not in whole.block_table
+    for s in [parent, *kids]:
+        bm.free_sequence(s)
+    assert bm.num_free_blocks == 8 - 3 and bm.ref_counts.count(0) == 8 - 3
+
+
+def test_fork_without_a_free_block_changes_nothing():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    parent = computed(bm, seq("r", list(range(12))))
+    kid = child_of(parent, 1)
+    assert bm.fork(parent, kid, 12) is None
+    assert kid.block_table == [] and bm.ref_counts == [1, 1, 1] and "r#1" not in bm.seq_hashes
+    bm.free_sequence(parent)
+    assert bm.num_free_blocks == 3
