@@ -377,7 +377,8 @@ async def test_bad_input_is_a_4xx_openai_error(gw: Harness):
         ("/v1/completions", b"[" * 20_000 + b"]" * 20_000, 400, None),
         ("/v1/completions", b'{"model": "tiny-gw", "prompt": "a\\ud83d"}', 400, None),
         ("/v1/completions", b'{"model": "\\udc00", "prompt": "a"}', 400, None),
-        ("/v1/completions", {**COMPLETION, "logit_bias": {"1": 2}}, 400, "logit_bias"),
+        ("/v1/completions", {**COMPLETION, "logit_bias": {"1": 101}}, 400, "logit_bias"),
+        ("/v1/completions", {**COMPLETION, "logit_bias": {"300": 2}}, 400, "logit_bias"),
         ("/v1/completions", {**COMPLETION, "temperature": 3}, 400, "temperature"),
         ("/v1/completions", {**COMPLETION, "top_p": 0}, 400, "top_p"),
         ("/v1/completions", {**COMPLETION, "max_tokens": 0}, 400, "max_tokens"),
@@ -391,7 +392,7 @@ async def test_bad_input_is_a_4xx_openai_error(gw: Harness):
         ("/v1/chat/completions",
          {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
          "messages[0].content[0].type"),
-        ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "n"),
+        ("/v1/chat/completions", {**CHAT, "n": 17}, 400, "n"),
         ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
     ]  # fmt: skip
     for path, body, status, param in cases:
