@@ -123,13 +123,13 @@ async def test_neutral_fields_are_accepted_through_the_openai_client(gw: Harness
     assert text == tokenizer.decode(gw.worker.script[:4])
     sent = gw.worker.requests[-1].sampling
     assert sent.max_tokens == 4
-    # Values that would change the output are still refused, naming the parameter.
-    for bad in ({"frequency_penalty": 0.5}, {"presence_penalty": -1}, {"logit_bias": {"5": 10}}):
+    # The penalties and logit_bias are real parameters now: out of bounds, a 400 naming them.
+    for bad in ({"frequency_penalty": 2.5}, {"presence_penalty": -3}, {"logit_bias": {"5": 101}}):
         with pytest.raises(openai.BadRequestError) as info:
             await client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, **bad)
         (param,) = bad
         assert info.value.status_code == 400
-        assert info.value.body["param"] == param and info.value.body["code"] == "unsupported_value"
+        assert info.value.body["param"] == param and info.value.body["code"] == "invalid_value"
     with pytest.raises(openai.BadRequestError) as info:
         await client.chat.completions.create(
             model=MODEL, messages=CHAT["messages"], max_tokens=4, metadata={"a": 1}
