@@ -36,6 +36,12 @@ On a prefill worker (``prefill_only``) the same engine runs WAITING -> RUNNING (
 -> PREFILLED: parked with its blocks, which the worker leases for the pull, until ``release``
 (pulled, cancelled, lease expired) -> FINISHED. A doctor probe's block is held the same way.
 
+A request with ``sampling.n > 1`` runs as one sequence (choice 0) until its prompt's KV is
+complete - computed here, or pulled - and then forks the other choices, which share the
+prompt's blocks (``services/engine/choices.py``). Outputs name their choice (``index``); the
+request ends here when its last choice ends (``request_finished``), and a cancel may end one
+choice only (a stop string matched in its text at the gateway).
+
 After every engine step the worker publishes one ``TokenBatch`` per gateway inbox with every token
 that step produced for that inbox. The lease on the prefill worker's blocks is this worker's to
 release, exactly once: after the pull, or at once when the request ends without one.
@@ -304,8 +310,7 @@ class DecodeWorker(Worker):
             item.cached_tokens = out.num_prefix_hit_tokens
             state.reported_cached = True
         state.num_output_tokens += len(out.new_token_ids)
-        # TODO(n-fork lands): out.request_finished
-        if getattr(out, "request_finished", out.finish_reason is not None):  # all choices over
+        if out.request_finished:  # every choice is over
             self._end(state)
             self._record_generate(state, out.finish_reason or "stop", step.end_ns)
         return item
