@@ -62,6 +62,8 @@ class ModelRunner:
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
         if not self.pinned:
             return torch.tensor(data, dtype=dtype)
+        if not len(data):  # e.g. no position read in a middle prompt chunk: nothing to pin
+            return torch.empty(0, dtype=dtype, device=self.device)
         host = torch.tensor(data, dtype=dtype, pin_memory=True)
         return host.to(self.device, non_blocking=True)
 
@@ -141,7 +143,7 @@ class ModelRunner:
             run.sampling_rows, run.tokens = sampling_rows, sampler_out.tokens.cpu()
             if sampler_out.logprobs is not None:
                 run.logprobs = self._sampled_logprobs(seqs, sampling_rows, sampler_out.logprobs)
-        if prompt_plan and prompt_lp is not None:
+        if prompt_plan is not None and prompt_lp is not None:
             host = prompt_lp.cpu()
             run.prompt_logprobs = {
                 i: token_logprobs(host, first, stop, k) for i, first, stop, k in prompt_plan.spans

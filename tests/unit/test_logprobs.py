@@ -177,8 +177,9 @@ def test_a_prefill_only_engine_returns_first_token_and_prompt_logprobs(llama_dir
 
 
 def test_preemption_mid_prefill_neither_duplicates_nor_loses_prompt_logprobs(llama_dir, hf):
-    # B decodes and grows; A, admitted later, prefills in 16-token chunks. When B needs a block
-    # A (the newest) is preempted with part of its prompt log-probs gathered, and recomputed.
+    # B decodes and grows; A, admitted later, prefills in 15-token chunks beside it. When B
+    # needs a block, A (the newest) is preempted with part of its prompt log-probs gathered,
+    # and recomputed from its first token.
     engine = fp32_engine(llama_dir, num_kv_blocks=8, max_num_batched_tokens=16,
                          prefix_cache=False)  # fmt: skip
     prompt_b, prompt_a = long_prompt(seed=27, length=27), long_prompt(seed=28, length=90)
