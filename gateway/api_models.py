@@ -24,10 +24,10 @@ from shared.sampling import GuidedDecoding
 
 
 def _accepted(model: type[StrictModel]) -> frozenset[str]:
-    """The body fields a model takes (by their JSON names); tools and tool_choice are declared
-    only to be refused, so they are not among them."""
-    names = {f.alias or name for name, f in model.model_fields.items()}
-    return frozenset(names - {"tools", "tool_choice"})
+    """The body fields a model takes (by their JSON names), less those declared only to be
+    refused (``tools``: a field that takes nothing but null)."""
+    fields = model.model_fields.items()
+    return frozenset(f.alias or name for name, f in fields if f.annotation is not type(None))
 
 
 COMPLETION_KEYS = _accepted(CompletionBody)

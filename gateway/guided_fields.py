@@ -30,16 +30,6 @@ from shared.sampling import MAX_GUIDED_SPEC_CHARS, GuidedDecoding
 SCHEMA_NAME = "^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for json_schema.name
 
 
-def _fits(value: Any) -> Any:
-    if len(json.dumps(value)) > MAX_GUIDED_SPEC_CHARS:
-        raise PydanticCustomError(
-            INVALID_VALUE,
-            "is longer than {most} characters as JSON",
-            {"most": MAX_GUIDED_SPEC_CHARS},
-        )
-    return value
-
-
 def _schema_from_text(text: str) -> dict[str, Any]:
     try:
         value = loads_bounded(text)
@@ -52,12 +42,9 @@ def _schema_from_text(text: str) -> dict[str, Any]:
     return value
 
 
-SchemaObject = Annotated[dict[str, Any], AfterValidator(_fits)]
+SchemaObject = dict[str, Any]
 SchemaText = Annotated[
-    str,
-    Field(max_length=MAX_GUIDED_SPEC_CHARS),
-    AfterValidator(_schema_from_text),
-    AfterValidator(_fits),
+    str, Field(max_length=MAX_GUIDED_SPEC_CHARS), AfterValidator(_schema_from_text)
 ]
 GuidedJson = Annotated[
     Any,
@@ -69,9 +56,8 @@ GuidedJson = Annotated[
     ),
 ]
 Regex = Annotated[str, Field(min_length=1, max_length=MAX_GUIDED_SPEC_CHARS)]
-Choices = Annotated[
-    list[Annotated[str, Field(min_length=1)]], Field(min_length=1), AfterValidator(_fits)
-]
+Choices = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+Guide = tuple[str, str, tuple[str, ...]]  # (kind, spec, where the spec came from)
 
 
 class JsonSchemaFormat(StrictModel):
@@ -100,11 +86,12 @@ class ResponseFormat(StrictModel):
             )
         return self
 
-    def guided(self) -> GuidedDecoding | None:
+    def guide(self) -> Guide | None:
         if self.type == "json_object":
-            return GuidedDecoding("json_object")
+            return "json_object", "", ("response_format",)
         if self.json_schema is not None:
-            return GuidedDecoding("json_schema", json.dumps(self.json_schema.schema_))
+            where = ("response_format", "json_schema", "schema")
+            return "json_schema", json.dumps(self.json_schema.schema_), where
         return None  # "text"
 
 
@@ -127,28 +114,37 @@ class GuidedFields(StrictModel):
     _guided: GuidedDecoding | None = PrivateAttr(None)
 
     @model_validator(mode="after")
-    def _at_most_one_guide(self) -> GuidedFields:
-        given = {name: g for name in GUIDES if (g := self._guide(name)) is not None}
+    def _one_guide_that_fits(self) -> GuidedFields:
+        given = [guide for name in GUIDES if (guide := self._guide(name)) is not None]
         if len(given) > 1:
-            first, second = list(given)[:2]
+            first, second = given[0][2][0], given[1][2][0]
             raise field_error(
                 second,
                 INVALID_VALUE,
                 f"cannot be combined with '{first}': give at most one of {', '.join(GUIDES)}",
                 getattr(self, second),
             )
-        self._guided = next(iter(given.values()), None)
+        if given:
+            kind, spec, where = given[0]
+            if len(spec) > MAX_GUIDED_SPEC_CHARS:
+                raise field_error(
+                    where,
+                    INVALID_VALUE,
+                    f"is longer than {MAX_GUIDED_SPEC_CHARS} characters as JSON",
+                    spec[:100],
+                )
+            self._guided = GuidedDecoding(kind, spec)
         return self
 
-    def _guide(self, name: str) -> GuidedDecoding | None:
+    def _guide(self, name: str) -> Guide | None:
         if name == "response_format":
-            return self.response_format.guided() if self.response_format else None
+            return self.response_format.guide() if self.response_format else None
         if name == "guided_json" and self.guided_json is not None:
-            return GuidedDecoding("json_schema", json.dumps(self.guided_json))
+            return "json_schema", json.dumps(self.guided_json), (name,)
         if name == "guided_regex" and self.guided_regex is not None:
-            return GuidedDecoding("regex", self.guided_regex)
+            return "regex", self.guided_regex, (name,)
         if name == "guided_choice" and self.guided_choice is not None:
-            return GuidedDecoding("choice", json.dumps(self.guided_choice))
+            return "choice", json.dumps(self.guided_choice), (name,)
         return None
 
     @property

@@ -53,11 +53,15 @@ class StrictModel(BaseModel):
         return data
 
 
-def field_error(field: str, code: str, phrase: str, value: Any) -> ValidationError:
-    """An error on ``field`` (a name relative to the model raising it), for model validators."""
+def field_error(
+    field: str | tuple[str, ...], code: str, phrase: str, value: Any
+) -> ValidationError:
+    """An error on ``field`` (a name, or a path, relative to the model raising it), for model
+    validators."""
+    loc = (field,) if isinstance(field, str) else field
     error = PydanticCustomError(code, phrase)
     return ValidationError.from_exception_data(
-        "request", [{"type": error, "loc": (field,), "input": value}]
+        "request", [{"type": error, "loc": loc, "input": value}]
     )
 
 

@@ -20,14 +20,15 @@ from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 from pydantic_core.core_schema import ErrorType
 
-from gateway.errors import APIError, bad_request, unsupported_parameter
+from gateway.errors import APIError, bad_request
 
 UNSUPPORTED = "unsupported_parameter"  # the code (and custom error type) of a refused field
 MISSING = "missing_required_parameter"
 INVALID_TYPE = "invalid_type"
 INVALID_VALUE = "invalid_value"
 
-# pydantic's error type -> (code, phrase); the phrase may name the error's ctx entries.
+# pydantic's error type -> the phrase after the parameter's name; a value error's phrase may
+# name entries of the error's ctx (its bounds).
 _TYPE_ERRORS = {
     "int_type": "must be an integer",
     "int_parsing": "must be an integer",
@@ -43,7 +44,6 @@ _TYPE_ERRORS = {
     "model_attributes_type": "must be an object",
     "none_required": "must be null",
 }
-_PYDANTIC_TYPES = frozenset(get_args(ErrorType))
 _VALUE_ERRORS = {
     "finite_number": "must be a finite number",
     "greater_than_equal": "must be >= {ge}",
@@ -54,6 +54,7 @@ _VALUE_ERRORS = {
     "string_pattern_mismatch": "must match the pattern {pattern}",
     "string_too_long": "must be at most {max_length} characters long",
 }
+_PYDANTIC_TYPES = frozenset(get_args(ErrorType))
 
 
 def api_error(exc: ValidationError) -> APIError:
@@ -63,9 +64,7 @@ def api_error(exc: ValidationError) -> APIError:
     code, phrase = describe(error)
     if code == UNSUPPORTED:
         detail = f" ({phrase})" if phrase else ""
-        err = unsupported_parameter(param or "")
-        err.message += detail
-        return err
+        return bad_request(f"Unsupported parameter: '{param}'{detail}", param, UNSUPPORTED)
     if param is None:
         return bad_request(f"Request body {phrase}", None, code)
     return bad_request(f"'{param}' {phrase}", param, code)
