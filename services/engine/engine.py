@@ -39,6 +39,7 @@ from services.engine.commands import (
     KVReady,
     Release,
 )
+from services.engine.guided import GuidedDecoder
 from services.engine.lifecycle import RequestLifecycle
 from services.engine.loader import load_model, resolve_device_dtype
 from services.engine.model_config import ModelConfig
@@ -91,7 +92,8 @@ class LLMEngine(RequestLifecycle):
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
-        self.runner = ModelRunner(model, self.kv_cache, self.block_size, self.device)
+        self.guided = GuidedDecoder(self.model_dir, cfg.vocab_size, cfg.eos_token_ids)
+        self.runner = ModelRunner(model, self.kv_cache, self.block_size, self.device, self.guided)
         self.seqs: dict[str, Sequence] = {}  # by seq_id
         self.requests: dict[str, ChoiceGroup] = {}  # by request id: its choices' sequences
         self._seed_rng = random.Random(config.seed)
@@ -150,6 +152,8 @@ class LLMEngine(RequestLifecycle):
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
                 f"exceeds the context length {self.max_model_len}"
             )
+        if sampling.guided is not None:  # compiled here (then cached): a bad spec is refused now
+            self.guided.compiler.compile(sampling.guided)
 
     def add_request(
         self,

@@ -18,6 +18,7 @@ from itertools import accumulate
 import torch
 
 from kernels import ops
+from services.engine.guided import GuidedDecoder
 from services.engine.logits_processing import (
     build_logit_bias,
     build_min_tokens_mask,
@@ -50,9 +51,15 @@ class StepRun:
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int, device: torch.device
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        device: torch.device,
+        guided: GuidedDecoder | None = None,
     ) -> None:
         self.model = model
+        self.guided = guided  # structured output: the token masks of guided sequences
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
@@ -169,6 +176,7 @@ class ModelRunner:
             min_tokens_mask=build_min_tokens_mask(
                 seqs, self.model.cfg.eos_token_ids, vocab, self._tensor
             ),
+            token_bitmask=self.guided.bitmask(seqs, self.device) if self.guided else None,
             logprob_rows=self._tensor(logprob_rows) if logprob_rows else None,
             num_logprobs=max((seqs[i].sampling.logprobs or 0 for i in logprob_rows), default=0),
         )
