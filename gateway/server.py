@@ -43,9 +43,11 @@ from gateway.json_body import parse_json_body
 from gateway.openapi import openapi_spec
 from gateway.state import ARRIVED_KEY, GATEWAY_KEY, REQUEST_ID_KEY, Gateway, new_gateway_id
 from gateway.tokenizer import ModelTokenizer
+from shared import structured_output
 from shared import tracing as tr
 from shared.config import BusConfig, EngineConfig, GatewayConfig, build
 from shared.metrics import metrics_handler
+from shared.sampling import GuidedDecoding
 from shared.subjects import is_subject_token
 
 log = logging.getLogger("pdserve.gateway")
@@ -182,6 +184,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             text = tok.decode(prompt, skip_special_tokens=False) if req.params.echo else ""
             prompts.append(Prompt(prompt, text))
     check_logit_bias(req.params.logit_bias, tok.vocab_size)
+    await _check_guided(gw, req.params.guided)
     return await serve_generation(request, gw, "text_completion", req.params, prompts)
 
 
@@ -201,7 +204,24 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     # The template writes BOS itself, so no special tokens are added (as transformers does).
     prompt_ids = await _encode(gw.model.tokenizer, text, add_special_tokens=False)
     check_logit_bias(req.params.logit_bias, gw.model.tokenizer.vocab_size)
+    await _check_guided(gw, req.params.guided)
     return await serve_generation(request, gw, "chat", req.params, [Prompt(prompt_ids, text)])
+
+
+_GUIDE_PARAMS = {"regex": "guided_regex", "choice": "guided_choice"}
+
+
+async def _check_guided(gw: Gateway, guided: GuidedDecoding | None) -> None:
+    """A grammar that does not compile is the client's 400 here, not a worker's error later.
+    Off the event loop: the first check builds the tokenizer's grammar compiler (~0.3 s for a
+    50k vocabulary), and a large schema takes a while to compile."""
+    if guided is None:
+        return
+    try:
+        await asyncio.to_thread(structured_output.check, guided, gw.model.tokenizer.tokenizer)
+    except ValueError as exc:
+        param = _GUIDE_PARAMS.get(guided.kind, "response_format")
+        raise bad_request(f"Invalid structured output: {exc}", param, "invalid_grammar") from None
 
 
 def _check_model(gw: Gateway, model: str) -> None:
