@@ -16,20 +16,27 @@ tiny 384-token BPE) and each library it measures:
 
     python -m perf.structured_bench [--json perf/results/structured_bench.json] [--repeat N]
 
+llguidance is pdserve's dependency; xgrammar and outlines-core are installed by hand for the
+comparison (a library that is not installed is skipped, with the command that installs it).
+
 Grammar work runs on the CPU whatever the model's device is, so no GPU is needed.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+from perf.structured_libs import BACKENDS, Backend, TokenizerCase, tokenizer_cases
 
 PERSON_SCHEMA = {
     "type": "object",
@@ -82,198 +89,6 @@ WORKLOADS: list[tuple[str, str, str, str]] = [
     ("choice", "choice", json.dumps(CHOICES), "neutral"),
 ]  # fmt: skip
 BATCH_SIZES = (1, 16)
-
-
-# ---- tokenizers --------------------------------------------------------------------------------
-
-
-@dataclass
-class TokenizerCase:
-    name: str
-    tokenizer_json: str
-    vocab_size: int
-    eos: int
-    encode: Callable[[str], list[int]]
-    byte_vocab: dict[bytes, list[int]]  # non-special tokens as the bytes they decode to
-
-
-def _byte_level_decoder() -> dict[str, int]:
-    """GPT-2's byte-to-unicode table, inverted: the printable stand-in char -> the byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    table, extra = {chr(b): b for b in printable}, 0
-    for b in range(256):
-        if b not in printable:
-            table[chr(256 + extra)] = b
-            extra += 1
-    return table
-
-
-def load_tokenizer(name: str, tokenizer, eos: int) -> TokenizerCase:
-    decoder = _byte_level_decoder()
-    specials = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
-    byte_vocab: dict[bytes, list[int]] = {}
-    for token, token_id in tokenizer.get_vocab().items():
-        if token not in specials:
-            byte_vocab.setdefault(bytes(decoder[c] for c in token), []).append(token_id)
-    return TokenizerCase(
-        name, tokenizer.to_str(), tokenizer.get_vocab_size(), eos,
-        lambda text: tokenizer.encode(text, add_special_tokens=False).ids, byte_vocab,
-    )  # fmt: skip
-
-
-def tokenizer_cases() -> list[TokenizerCase]:
-    from tokenizers import Tokenizer
-
-    from services.engine.model_config import ModelConfig
-    from shared.models.resolve import resolve
-    from tests.checkpoints import train_tokenizer
-
-    model_dir = resolve("smollm2-135m-instruct").path
-    smol = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    eos = ModelConfig.from_dir(model_dir).eos_token_ids[0]
-    return [load_tokenizer("smollm2", smol, eos), load_tokenizer("tiny", train_tokenizer(), 1)]
-
-
-# ---- the libraries behind one interface ---------------------------------------------------------
-
-
-class Backend:
-    name = ""
-
-    def setup(self, tok: TokenizerCase) -> None: ...
-    def compile(self, kind: str, spec: str): ...
-    def new_state(self, grammar): ...
-    def fill(self, states: list, bitmask: torch.Tensor) -> None: ...
-    def advance(self, states: list, tokens: list[int]) -> None: ...
-
-
-def _choice_regex(choices: list[str]) -> str:
-    """Alternation of literals, escaping every character a regex engine could read as syntax."""
-    return "(" + "|".join("".join("\\" + c if c in r"\.+*?()|[]{}^$-&~#" else c for c in ch)
-                          for ch in choices) + ")"  # fmt: skip
-
-
-class LLGuidance(Backend):
-    name = "llguidance"
-
-    def setup(self, tok: TokenizerCase) -> None:
-        import llguidance
-
-        self.llg = llguidance
-        self.tokenizer = llguidance.LLTokenizer(
-            tok.tokenizer_json, n_vocab=tok.vocab_size, eos_token=tok.eos
-        )
-        self.executor = llguidance.LLExecutor(num_threads=2)
-
-    def compile(self, kind: str, spec: str):
-        M = self.llg.LLMatcher
-        if kind == "json_schema":
-            grammar = M.grammar_from_json_schema(spec)
-        elif kind == "json_object":
-            grammar = M.grammar_from_json_schema({"type": "object"})
-        elif kind == "regex":
-            grammar = M.grammar_from_regex(spec)
-        else:
-            grammar = M.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c) for c in json.loads(spec))
-            )
-        error = M.validate_grammar(grammar, self.tokenizer)
-        if error:
-            raise ValueError(error)
-        return grammar
-
-    def new_state(self, grammar):
-        return self.llg.LLMatcher(self.tokenizer, grammar, log_level=0)
-
-    def fill(self, states: list, bitmask: torch.Tensor) -> None:
-        # The executor directly: llguidance.torch's wrapper costs ~4 s at import (torch.compile).
-        rows = [(m, i) for i, m in enumerate(states)]
-        width = bitmask.shape[1] * 4
-        self.executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), width, bitmask.shape[0])
-
-    def advance(self, states: list, tokens: list[int]) -> None:
-        for m, t in zip(states, tokens, strict=True):
-            if not m.consume_token(t):
-                raise AssertionError(m.get_error())
-
-
-class XGrammar(Backend):
-    name = "xgrammar"
-
-    def setup(self, tok: TokenizerCase) -> None:
-        import xgrammar
-
-        self.xgr = xgrammar
-        meta = xgrammar.TokenizerInfo._detect_metadata_from_hf(tok.tokenizer_json)
-        vocab = [""] * tok.vocab_size
-        for token, token_id in json.loads(tok.tokenizer_json)["model"]["vocab"].items():
-            vocab[token_id] = token
-        for added in json.loads(tok.tokenizer_json)["added_tokens"]:
-            vocab[added["id"]] = added["content"]
-        info = xgrammar.TokenizerInfo(
-            vocab, meta["vocab_type"], vocab_size=tok.vocab_size, stop_token_ids=[tok.eos],
-            add_prefix_space=meta["add_prefix_space"],
-        )  # fmt: skip
-        self.compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=False)
-        self.batch = xgrammar.BatchGrammarMatcher(max_threads=2)
-
-    def compile(self, kind: str, spec: str):
-        if kind == "json_schema":
-            return self.compiler.compile_json_schema(spec)
-        if kind == "json_object":
-            return self.compiler.compile_json_schema('{"type": "object"}')
-        if kind == "regex":
-            return self.compiler.compile_regex(spec)
-        return self.compiler.compile_regex(_choice_regex(json.loads(spec)))
-
-    def new_state(self, grammar):
-        return self.xgr.GrammarMatcher(grammar)
-
-    def fill(self, states: list, bitmask: torch.Tensor) -> None:
-        self.batch.batch_fill_next_token_bitmask(states, bitmask)
-
-    def advance(self, states: list, tokens: list[int]) -> None:
-        if not all(self.batch.batch_accept_token(states, tokens)):
-            raise AssertionError("xgrammar refused a valid token")
-
-
-class OutlinesCore(Backend):
-    name = "outlines-core"
-
-    def setup(self, tok: TokenizerCase) -> None:
-        import outlines_core
-
-        self.oc = outlines_core
-        self.vocabulary = outlines_core.Vocabulary(tok.eos, tok.byte_vocab)
-
-    def compile(self, kind: str, spec: str):
-        schema_regex = self.oc.json_schema.build_regex_from_schema
-        if kind == "json_schema":
-            regex = schema_regex(spec)
-        elif kind == "json_object":  # a regex: objects nest only as deep as it unrolls
-            regex = schema_regex('{"type": "object"}')
-        elif kind == "regex":
-            regex = spec
-        else:
-            regex = _choice_regex(json.loads(spec))
-        return self.oc.Index(regex, self.vocabulary)
-
-    def new_state(self, grammar):
-        return self.oc.Guide(grammar)
-
-    def fill(self, states: list, bitmask: torch.Tensor) -> None:
-        width = bitmask.shape[1]
-        for i, guide in enumerate(states):  # no batched call
-            row = bitmask[i]
-            guide.write_mask_into(row.data_ptr(), width, 4)
-
-    def advance(self, states: list, tokens: list[int]) -> None:
-        for guide, t in zip(states, tokens, strict=True):
-            guide.advance(t, return_tokens=False)
-
-
-BACKENDS: list[type[Backend]] = [XGrammar, LLGuidance, OutlinesCore]
 
 
 # ---- measurements ------------------------------------------------------------------------------
@@ -415,6 +230,16 @@ def _print(results: list[LibraryResult]) -> None:
         print("coverage:", ", ".join(f"{k}: {v}" for k, v in r.coverage.items()))
 
 
+def _installed(cls: type[Backend]) -> bool:
+    """llguidance is pdserve's dependency; the others are installed for this comparison only."""
+    try:
+        importlib.import_module(cls.module)
+    except ImportError:
+        print(f"skipping {cls.name}: not installed ({cls.install})", file=sys.stderr)
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, help="write the results here")
@@ -423,10 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     results = []
+    chosen = [cls for cls in BACKENDS if cls.name in args.libraries and _installed(cls)]
     for tok in tokenizer_cases():
-        for cls in BACKENDS:
-            if cls.name in args.libraries:
-                results.append(measure(cls(), tok, args.repeat))
+        for cls in chosen:
+            results.append(measure(cls(), tok, args.repeat))
     _print(results)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
