@@ -126,5 +126,22 @@ class SamplingParams:
         )
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The sampling seed of choice ``index``: the request's own for choice 0, else a splitmix64
+    mix of (seed, index), kept to 63 bits (a valid ``SamplingParams.seed`` and an int64).
+
+    The engine seeds each forked choice with it, and the gateway seeds a choice it re-sends on
+    its own after a migration with it, so both sample the same tokens."""
+    if index == 0:
+        return seed
+    x = (seed + index * 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
 def _describe(bound: Bound) -> str:
     return f"{'(' if bound.lo_open else '['}{bound.lo:g}, {bound.hi:g}]"

@@ -24,20 +24,9 @@ from dataclasses import dataclass, field
 from services.engine.block_manager import BlockManager
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import Sequence
-from shared.sampling import SamplingParams
+from shared.sampling import SamplingParams, choice_seed
 
-_MASK64 = (1 << 64) - 1
-
-
-def choice_seed(seed: int, index: int) -> int:
-    """The sampling seed of choice ``index``: the request's own for choice 0, else a splitmix64
-    mix of (seed, index), kept to 63 bits (a valid ``SamplingParams.seed`` and an int64)."""
-    if index == 0:
-        return seed
-    x = (seed + index * 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (x ^ (x >> 31)) >> 1
+__all__ = ["ChoiceGroup", "choice_seed", "fork_choice", "num_choices"]
 
 
 def num_choices(sampling: SamplingParams) -> int:
