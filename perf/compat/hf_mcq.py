@@ -12,6 +12,8 @@ the same token sequences.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -39,12 +41,14 @@ def load_model(spec: str):
     from shared.models.resolve import resolve
 
     resolved = resolve(spec)
-    if resolved.source.suffix == ".gguf":
-        model = AutoModelForCausalLM.from_pretrained(
-            str(resolved.source.parent), gguf_file=resolved.source.name, dtype=torch.float32
-        )
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(resolved.path), dtype=torch.float32)
+    # transformers' GGUF reader draws progress bars on stderr that would bury the results
+    with contextlib.redirect_stderr(io.StringIO()):
+        if resolved.source.suffix == ".gguf":
+            model = AutoModelForCausalLM.from_pretrained(
+                str(resolved.source.parent), gguf_file=resolved.source.name, dtype=torch.float32
+            )
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(resolved.path), dtype=torch.float32)
     tokenizer = Tokenizer.from_file(str(resolved.path / "tokenizer.json"))
 
     def encode(text: str) -> list[int]:

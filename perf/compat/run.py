@@ -5,7 +5,8 @@
 Each tool lives in its own venv outside the repo (install.sh). One ``pdserve up`` on free ports
 serves them one after another, then is stopped by its pid. lm-eval runs the local pdserve_mcq
 task at each ``--batch-sizes`` and is checked against HF transformers scoring the same task on
-the same weights (hf_mcq.py), computed before the stack starts. A line per run is printed;
+the same weights (hf_mcq.py), computed before the stack starts; the same task is then scored by
+requests with ``echo`` and ``max_tokens: 0`` sent directly (echo_check.py). A line per run is printed;
 logs, reports and results.json stay in ``--out``. Exit status 0 when every run passed.
 """
 
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from perf.compat import hf_mcq
 from perf.compat.aiperf_run import run_aiperf
+from perf.compat.echo_check import run_echo_check
 from perf.compat.guidellm_run import run_guidellm
 from perf.compat.lmeval_run import run_lm_eval
 from perf.compat.stack import drain_leftovers, pdserve_up
@@ -75,13 +77,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve up: {stack.model} at {stack.base_url} (pid {stack.proc.pid})")
         for tool in tools:
             if tool == "guidellm":
-                results.append(run_guidellm(stack, tokenizer_dir, args.out))
+                runs = [lambda: run_guidellm(stack, tokenizer_dir, args.out)]
             elif tool == "aiperf":
-                results.append(run_aiperf(stack, tokenizer_dir, args.out))
+                runs = [lambda: run_aiperf(stack, tokenizer_dir, args.out)]
             else:
-                for batch_size in args.batch_sizes:
-                    results.append(run_lm_eval(stack, tokenizer_dir, batch_size, oracle, args.out))
-            report(results[-1])
+                runs = [
+                    lambda bs=bs: run_lm_eval(stack, tokenizer_dir, bs, oracle, args.out)
+                    for bs in args.batch_sizes
+                ]
+                runs.append(lambda: run_echo_check(stack, tokenizer_dir, oracle))
+            for one_run in runs:
+                results.append(one_run())
+                report(results[-1])
     leftovers = drain_leftovers(stack.log)
     for line in leftovers:
         print(f"WARN pdserve, stopped after the clients were done: {line}")
