@@ -67,13 +67,6 @@ def unsupported_parameter(name: str) -> APIError:
     )
 
 
-def unsupported_value(name: str, detail: str) -> APIError:
-    """A parameter accepted only at some values (OpenAI's shape for the same refusal)."""
-    return APIError(
-        400, f"Unsupported value: '{name}' {detail}", param=name, code="unsupported_value"
-    )
-
-
 def model_not_found(model: str) -> APIError:
     return APIError(
         404,
