@@ -139,13 +139,19 @@ def prefill_attention(
     )
 
 
-def decode_plan(block_tables: Tensor, context_lens: Tensor) -> object | None:
+def decode_plan(
+    block_tables: Tensor,
+    context_lens: Tensor,
+    cu_seqlens_q: Tensor | None = None,
+    max_seqlen_q: int = 1,
+) -> object | None:
     """Per-step work that every layer's decode_attention shares (the CPU twin's length groups,
-    gather indices and masks): make it once per forward pass and hand it to each layer's call.
-    None where the backend needs none (the Triton kernel reads pages in place)."""
+    gather indices and masks): make it once per forward pass, with the same query layout as the
+    calls, and hand it to each layer's call. None where the backend needs none (the Triton
+    kernel reads pages in place)."""
     if backend_for(block_tables) == "triton":
         return None
-    return reference.DecodePlan(block_tables, context_lens)
+    return reference.DecodePlan(block_tables, context_lens, cu_seqlens_q, max_seqlen_q)
 
 
 def decode_attention(
@@ -156,9 +162,29 @@ def decode_attention(
     context_lens: Tensor,
     scale: float,
     plan: object | None = None,
+    cu_seqlens_q: Tensor | None = None,
+    max_seqlen_q: int = 1,
 ) -> Tensor:
-    """One query per sequence, q [B,Hq,D], over context_lens[i] cached tokens -> [B,Hq,D].
-    ``plan``: decode_plan(block_tables, context_lens) of this step, or None."""
+    """Paged GQA attention of a decode step: each sequence's newest token(s) over its cache.
+
+    Plain decode: one query per sequence, q [B,Hq,D], over context_lens[i] cached tokens.
+    Speculative verification: q [T,Hq,D] packed, sequence i owning rows
+    cu_seqlens_q[i]:cu_seqlens_q[i+1] ([B+1] int32, q_len_i >= 1, different per sequence), its
+    last q_len_i tokens whose K/V are already stored; query j sits at position
+    context_lens[i] - q_len_i + j and sees keys 0..that position (causal among the new tokens).
+    max_seqlen_q (a host int, so no device sync) bounds every q_len_i; with max_seqlen_q 1 it
+    is the plain decode path exactly (cu_seqlens_q is then ignored). Returns q's shape.
+    ``plan``: decode_plan(block_tables, context_lens, cu_seqlens_q, max_seqlen_q) of this step,
+    or None.
+    """
     return _impl("decode_attention", q)(
-        q, k_cache, v_cache, block_tables, context_lens, scale, plan
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        scale,
+        plan,
+        cu_seqlens_q,
+        max_seqlen_q,
     )

@@ -9,16 +9,15 @@ Math runs in at least fp32 (fp64 stays fp64) and results are cast back to the in
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.reference_decode import DecodePlan, decode_attention
+from kernels.reference_paged import compute_dtype, gather_paged, token_rows
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for half types, fp64 stays fp64: the precision every kernel accumulates in."""
-    return torch.promote_types(dtype, torch.float32)
+__all__ = ["DecodePlan", "decode_attention"]  # the decode twin lives in reference_decode
 
 
 def rms_norm(
@@ -32,7 +31,7 @@ def rms_norm(
     if residual is not None:
         x = x + residual
         residual = x
-    xc = x.to(_compute_dtype(x.dtype))
+    xc = x.to(compute_dtype(x.dtype))
     normed = xc * torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype), residual
 
@@ -90,43 +89,10 @@ def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Ten
     cos = cos[:, None, :]
     sin = sin[:, None, :]
     for x in (q, k):
-        xc = x.to(_compute_dtype(x.dtype))
+        xc = x.to(compute_dtype(x.dtype))
         x1, x2 = xc.chunk(2, dim=-1)
         rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
         x.copy_(rotated)
-
-
-def _contiguous_blocks(cache: Tensor) -> bool:
-    """Whether each block of ``cache`` [num_blocks, block_size, Hk, D] is one contiguous run."""
-    _, _, heads, dim = cache.shape
-    _, s_tok, s_head, s_dim = cache.stride()
-    return s_dim == 1 and s_head == dim and s_tok == heads * dim
-
-
-def _token_rows(cache: Tensor) -> tuple[Tensor, int] | None:
-    """A [rows, Hk*D] view of a paged cache whose blocks keep (block_size, Hk, D) contiguous.
-
-    Row ``block * per_block + offset`` is that token's slot, in the block-major layout as in a
-    plain contiguous one. Single-index copies and gathers on this view are far faster on CPU than
-    two-index advanced indexing through the strided per-layer view.
-    """
-    num_blocks, block_size, _, _ = cache.shape
-    s_block, s_tok = cache.stride()[:2]
-    if num_blocks == 0 or not _contiguous_blocks(cache) or s_block % s_tok:
-        return None
-    per_block = s_block // s_tok
-    rows = (num_blocks - 1) * per_block + block_size
-    return torch.as_strided(cache, (rows, s_tok), (s_tok, 1)), per_block
-
-
-def _block_rows(cache: Tensor) -> Tensor | None:
-    """A [num_blocks, block_size*Hk*D] view: one row per block. Gathering whole blocks (one
-    contiguous 2-32 KiB row each) with ``index_select`` is about twice as fast on CPU as
-    gathering token rows."""
-    num_blocks, block_size, heads, dim = cache.shape
-    if not _contiguous_blocks(cache):
-        return None
-    return torch.as_strided(cache, (num_blocks, block_size * heads * dim), (cache.stride(0), 1))
 
 
 def store_kvcache(
@@ -141,7 +107,7 @@ def store_kvcache(
     slots = slot_mapping[keep]
     block_ids = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots % block_size
-    k_rows, v_rows = _token_rows(k_cache), _token_rows(v_cache)
+    k_rows, v_rows = token_rows(k_cache), token_rows(v_cache)
     if k_rows is not None and v_rows is not None:
         rows = block_ids * k_rows[1] + offsets
         width = k_rows[0].shape[1]
@@ -151,129 +117,6 @@ def store_kvcache(
     # Two-index advanced assignment writes straight through any strided view.
     k_cache[block_ids, offsets] = key[keep].to(k_cache.dtype)
     v_cache[block_ids, offsets] = value[keep].to(v_cache.dtype)
-
-
-def _gather_paged(cache: Tensor, block_tables: Tensor, num_blocks: int) -> Tensor:
-    """[B, num_blocks*block_size, Hk, D] copy of each sequence's first num_blocks cache blocks."""
-    table = _clamped_table(cache, block_tables, num_blocks)
-    return _gather_blocks(cache, table)
-
-
-def _gather_blocks(cache: Tensor, table: Tensor) -> Tensor:
-    """[B, num_blocks*block_size, Hk, D] copy of the blocks ``table`` [B, num_blocks] names."""
-    shape = (table.shape[0], table.shape[1] * cache.shape[1], *cache.shape[2:])
-    rows = _block_rows(cache)
-    if rows is not None:
-        return rows.index_select(0, table.reshape(-1)).view(shape)
-    return cache[table].reshape(shape)
-
-
-def _clamped_table(cache: Tensor, block_tables: Tensor, num_blocks: int) -> Tensor:
-    # Table slots past a sequence's end may hold padding (-1, stale ids); they are masked later,
-    # but must still index something real.
-    return block_tables[:, :num_blocks].long().clamp(0, cache.shape[0] - 1)
-
-
-class DecodePlan:
-    """What every layer's decode attention shares within one forward pass: the length groups,
-    each group's gather indices and masks. ``kernels.ops.decode_plan`` makes one per step and
-    the model passes it to every layer, so this work runs once, not once per layer.
-
-    Sequences are sorted by context length and cut into ``DECODE_LENGTH_GROUPS`` groups, each
-    padded only to its own longest context: gathering pages is the cost on CPU, and one padded
-    gather would pay for the longest context in the batch. A constant number of groups, not a
-    loop over sequences.
-    """
-
-    def __init__(self, block_tables: Tensor, context_lens: Tensor) -> None:
-        self.block_tables = block_tables
-        self.context_lens = context_lens
-        self._groups: list[_DecodeGroup] | None = None
-        self._geometry: tuple[int, ...] | None = None
-
-    def groups(self, cache: Tensor) -> list[_DecodeGroup]:
-        # block ids are clamped to the cache and padded to its block size: other caches differ
-        geometry = tuple(cache.shape[:2])
-        if self._groups is None or geometry != self._geometry:
-            self._groups = self._plan(cache)
-            self._geometry = geometry
-        return self._groups
-
-    def _plan(self, cache: Tensor) -> list[_DecodeGroup]:
-        lens = self.context_lens
-        batch, block_size = lens.shape[0], cache.shape[1]
-        count = min(DECODE_LENGTH_GROUPS, batch)
-        members = [None] if count == 1 else list(torch.argsort(lens).tensor_split(count))
-        groups = []
-        for member in members:
-            glens = lens if member is None else lens[member]
-            tables = self.block_tables if member is None else self.block_tables[member]
-            num_blocks = max(1, -(-int(glens.max()) // block_size))
-            table = _clamped_table(cache, tables, num_blocks)
-            token = torch.arange(num_blocks * block_size, device=lens.device)
-            valid = token[None, :] < glens[:, None].to(token.dtype)  # [b, S]
-            groups.append(
-                _DecodeGroup(
-                    members=member,
-                    table=table,
-                    mask=valid[:, None, None, :],
-                    empty=None if bool((glens > 0).all()) else (glens == 0).view(-1, 1, 1, 1),
-                )
-            )
-        return groups
-
-
-class _DecodeGroup(NamedTuple):
-    members: Tensor | None  # rows of the batch; None: all of them
-    table: Tensor  # [b, num_blocks] block ids, clamped
-    mask: Tensor  # [b, 1, 1, S] valid keys
-    empty: Tensor | None  # [b, 1, 1, 1] sequences with no context (their output is zeros)
-
-
-def decode_attention(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    context_lens: Tensor,
-    scale: float,
-    plan: DecodePlan | None = None,
-) -> Tensor:
-    """One query per sequence over its context_lens[i] cached tokens. q/out: [B, Hq, D].
-
-    ``plan`` (from ``kernels.ops.decode_plan`` for these tables and lengths) skips re-planning.
-    """
-    if q.shape[0] == 0:
-        return q.new_empty(q.shape)
-    if plan is None:
-        plan = DecodePlan(block_tables, context_lens)
-    groups = plan.groups(k_cache)
-    if len(groups) == 1:
-        return _decode_group(q, k_cache, v_cache, groups[0], scale)
-    out = q.new_empty(q.shape)
-    for group in groups:
-        out[group.members] = _decode_group(q[group.members], k_cache, v_cache, group, scale)
-    return out
-
-
-DECODE_LENGTH_GROUPS = 8
-
-
-def _decode_group(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, group: _DecodeGroup, scale: float
-) -> Tensor:
-    batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    cdt = _compute_dtype(q.dtype)
-    keys = _gather_blocks(k_cache, group.table).to(cdt).transpose(1, 2)  # [b, Hk, S, D]
-    values = _gather_blocks(v_cache, group.table).to(cdt).transpose(1, 2)
-    # GQA without repeating K/V: the `group` query heads of one kv head act as `group` query
-    # rows that all see the same keys (nothing is causal inside a decode step).
-    qg = q.to(cdt).reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=group.mask, scale=scale)
-    if group.empty is not None:  # an empty context has nothing to attend: zeros, not NaN
-        out = out.masked_fill(group.empty, 0.0)
-    return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
 
 
 def _pad_packed(x: Tensor, cu_seqlens: Tensor, max_len: int) -> tuple[Tensor, Tensor]:
@@ -306,7 +149,7 @@ def prefill_attention(
     out = q.new_empty(q.shape)
     if num_tokens == 0 or batch == 0 or max_seqlen_q == 0:
         return out
-    cdt = _compute_dtype(q.dtype)
+    cdt = compute_dtype(q.dtype)
     q_pad, _ = _pad_packed(q, cu_seqlens_q, max_seqlen_q)  # [B, Mq, Hq, D]
     if block_tables is None:
         k_pad, k_valid = _pad_packed(k, cu_seqlens_k, max_seqlen_k)
@@ -314,8 +157,8 @@ def prefill_attention(
     else:
         assert k_cache is not None and v_cache is not None
         num_blocks = -(-max_seqlen_k // k_cache.shape[1])
-        k_pad = _gather_paged(k_cache, block_tables, num_blocks)
-        v_pad = _gather_paged(v_cache, block_tables, num_blocks)
+        k_pad = gather_paged(k_cache, block_tables, num_blocks)
+        v_pad = gather_paged(v_cache, block_tables, num_blocks)
         k_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
         k_valid = torch.arange(k_pad.shape[1], device=q.device)[None, :] < k_lens[:, None]
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()

@@ -1,10 +1,16 @@
-"""Paged decode attention with GQA and split-K (flash-decoding).
+"""Paged decode attention with GQA and split-K (flash-decoding), one or a few queries per sequence.
 
 One program owns (sequence, kv head, split): it loads the `group` query heads that share the kv
 head once, streams its share of the sequence's cached tokens page by page through the block table,
 and keeps an online softmax. Reading each K/V byte exactly once is what makes decode run at memory
 bandwidth. When batch x kv heads is too small to fill the GPU (few sequences, long contexts), the
 context is split across programs and a second tiny kernel merges their partial softmaxes.
+
+Speculative verification brings 1 + k query tokens per sequence. They join the same program as
+more rows: (query token, head of the group) pairs, so the pages are still read once per
+(sequence, kv head) rather than once per query, and a causal mask keeps each query to the keys
+up to its own position. Only past MAX_QUERY_ROWS rows (q_len x group) does a sequence take
+several programs. With one query per sequence the kernel compiles to the plain decode kernel.
 """
 
 from __future__ import annotations
@@ -27,53 +33,80 @@ def _decode_split_kernel(
     v_cache_ptr,
     block_tables_ptr,
     context_lens_ptr,
+    cu_seqlens_q_ptr,
     out_ptr,
     part_acc_ptr,
     part_max_ptr,
     part_sum_ptr,
     scale_log2,
     group,
+    num_q_heads,
+    row_blocks,
     block_size: tl.constexpr,
     partition_size,
     num_splits,
-    stride_q_seq,
+    stride_q_tok,
     stride_q_head,
     stride_table_seq,
     stride_cache_block,
     stride_cache_offset,
     stride_cache_head,
-    stride_out_seq,
+    stride_out_tok,
     stride_out_head,
     HEAD_DIM: tl.constexpr,
+    MULTI_QUERY: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
-    BLOCK_G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     # kv head varies fastest: programs running side by side read neighbouring head slices of
     # the same page, so DRAM sees whole token rows rather than scattered 2*head_dim byte pieces.
-    kv_head = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     start = split * partition_size
     end = tl.minimum(context_len, start + partition_size)
-
-    g = tl.arange(0, BLOCK_G)
+    r = tl.arange(0, BLOCK_M)
+    if MULTI_QUERY:
+        # Rows are (query token, head of the kv group), tokens outermost, so every query of the
+        # sequence shares this program's one pass over its pages. A row block is BLOCK_M of them.
+        kv_head = tl.program_id(0) // row_blocks
+        first_row = (tl.program_id(0) % row_blocks) * BLOCK_M
+        q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)
+        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        r += first_row
+        row_mask = r < q_len * group
+        j = r // group
+        heads = kv_head * group + r % group
+        token = q_start + j
+        q_pos = context_len - q_len + j  # query j's position: it sees keys 0..q_pos
+        # Keys past this block's last query are nobody's here; a block of padding rows only
+        # (a sequence shorter than the longest) reads nothing.
+        last_j = tl.minimum(q_len - 1, (first_row + BLOCK_M - 1) // group)
+        end = tl.minimum(end, context_len - q_len + last_j + 1)
+        end = tl.where(first_row < q_len * group, end, start)
+    else:
+        kv_head = tl.program_id(0)
+        row_mask = r < group
+        heads = kv_head * group + r
+        token = seq
     d = tl.arange(0, BLOCK_D)
-    heads = kv_head * group + g
-    g_mask = g < group
     d_mask = d < HEAD_DIM
+    if MULTI_QUERY:
+        q_rows = q_ptr + token[:, None] * stride_q_tok
+    else:
+        q_rows = q_ptr + token * stride_q_tok
     q = tl.load(
-        q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :],
+        q_rows + heads[:, None] * stride_q_head + d[None, :],
+        mask=row_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
     table_row = block_tables_ptr + seq * stride_table_seq
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for tile_start in range(start, end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)
         valid = tokens < end
@@ -90,31 +123,46 @@ def _decode_split_kernel(
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        # Every tile holds at least one valid token, so m_new is finite from the first tile on.
+        if MULTI_QUERY:
+            seen = valid[None, :] & (tokens[None, :] <= q_pos[:, None])
+            scores = tl.where(seen, scores, float("-inf"))
+        else:
+            scores = tl.where(valid[None, :], scores, float("-inf"))
         # The softmax scale rides inside exp2's argument (one FMA per score).
         m_new = tl.maximum(m_i, tl.max(scores, axis=1) * scale_log2)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores * scale_log2 - m_new[:, None])
+        if MULTI_QUERY:
+            # An early query may see no key of a tile (or of a whole split) yet: its max stays
+            # -inf, and -inf - -inf would be NaN; exponents taken against 0 give exactly 0.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            # Every tile holds at least one valid token: m_new is finite from the first tile on.
+            m_ref = m_new
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(scores * scale_log2 - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
-    out_mask = g_mask[:, None] & d_mask[None, :]
+    out_mask = row_mask[:, None] & d_mask[None, :]
     if SINGLE_SPLIT:
         # An empty context attends nothing: zeros rather than 0/0.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        if MULTI_QUERY:
+            out_rows = out_ptr + token[:, None] * stride_out_tok
+        else:
+            out_rows = out_ptr + token * stride_out_tok
         tl.store(
-            out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + d[None, :],
+            out_rows + heads[:, None] * stride_out_head + d[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=out_mask,
         )
     else:
-        # Partials are [B, Hq, splits(, D)] fp32; splits past the context store (-inf, 0, 0).
-        part = (seq * tl.num_programs(0) * group + heads) * num_splits + split
-        tl.store(part_max_ptr + part, m_i, mask=g_mask)
-        tl.store(part_sum_ptr + part, l_i, mask=g_mask)
+        # Partials are [T, Hq, splits(, D)] fp32; splits past the context store (-inf|0, 0, 0):
+        # the merge weighs only splits with l > 0.
+        part = (token * num_q_heads + heads) * num_splits + split
+        tl.store(part_max_ptr + part, m_i, mask=row_mask)
+        tl.store(part_sum_ptr + part, l_i, mask=row_mask)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=out_mask)
 
 
@@ -125,18 +173,19 @@ def _decode_merge_kernel(
     part_sum_ptr,
     out_ptr,
     num_splits,
-    stride_out_seq,
+    stride_out_tok,
     stride_out_head,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    seq = tl.program_id(0).to(tl.int64)
+    # one program per (query token, q head); a token's partials are contiguous per head
+    token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     s_mask = splits < num_splits
-    part = (seq * tl.num_programs(1) + head) * num_splits + splits
+    part = (token * tl.num_programs(1) + head) * num_splits + splits
     m = tl.load(part_max_ptr + part, mask=s_mask, other=float("-inf"))
     l_s = tl.load(part_sum_ptr + part, mask=s_mask, other=0.0)
     has_tokens = l_s > 0
@@ -150,7 +199,7 @@ def _decode_merge_kernel(
     )
     out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(
-        out_ptr + seq * stride_out_seq + head * stride_out_head + d,
+        out_ptr + token * stride_out_tok + head * stride_out_head + d,
         out.to(out_ptr.dtype.element_ty),
         mask=d < HEAD_DIM,
     )
@@ -170,20 +219,25 @@ class DecodeConfig:
 
 
 def choose_decode_config(
-    batch: int, num_kv_heads: int, max_context: int, head_dim: int, device: torch.device
+    batch: int,
+    num_kv_heads: int,
+    max_context: int,
+    head_dim: int,
+    device: torch.device,
+    row_blocks: int = 1,
 ) -> DecodeConfig:
     """Pick the context split that keeps HBM busy to the end.
 
-    Every (sequence, kv head) program streams the same bytes, so programs run in lockstep
-    waves. A single wave needs about two programs per SM to keep enough loads in flight; beyond
-    one wave, a last wave that is mostly empty leaves bandwidth idle for its whole duration
-    (1.2 waves cost as much as 2). So: the fewest splits that reach ~90% of either ideal, and
-    never a split shorter than ~256 tokens.
+    Every (sequence, kv head[, row block]) program streams the same bytes, so programs run in
+    lockstep waves. A single wave needs about two programs per SM to keep enough loads in
+    flight; beyond one wave, a last wave that is mostly empty leaves bandwidth idle for its
+    whole duration (1.2 waves cost as much as 2). So: the fewest splits that reach ~90% of either
+    ideal, and never a split shorter than ~256 tokens.
     """
     block_n = 64 if head_dim <= 128 else 32
     sms = num_sms(device)
     resident = RESIDENT_PROGRAMS_PER_SM * sms
-    base = max(1, batch * num_kv_heads)
+    base = max(1, batch * num_kv_heads * row_blocks)
     max_splits = max(1, min(64, max_context // 256))
 
     def efficiency(splits: int) -> float:
@@ -199,6 +253,29 @@ def choose_decode_config(
     return DecodeConfig(block_n=block_n, num_splits=num_splits)
 
 
+# Most (query token, q head) rows one program holds: a [64, D] fp32 accumulator and [64, BLOCK_N]
+# scores stay in registers; a sequence with more rows (q_len x GQA group) gets several programs.
+MAX_QUERY_ROWS = 64
+
+
+@dataclass(frozen=True)
+class QueryLayout:
+    """How a step's query rows map onto programs: one row block of block_m rows, or several."""
+
+    multi_query: bool  # several query tokens per sequence (cu_seqlens_q is read)
+    block_m: int  # rows per program: (query, head of the kv group) pairs, a power of 2 >= 16
+    row_blocks: int  # programs per (sequence, kv head, split)
+
+
+def query_layout(group: int, cu_seqlens_q: Tensor | None, max_seqlen_q: int) -> QueryLayout:
+    if cu_seqlens_q is None or max_seqlen_q <= 1:
+        # One query per sequence: the group's heads are the rows (tl.dot wants >= 16 of them).
+        return QueryLayout(False, max(16, triton.next_power_of_2(group)), 1)
+    rows = max_seqlen_q * group
+    block_m = min(MAX_QUERY_ROWS, max(16, triton.next_power_of_2(rows)))
+    return QueryLayout(True, block_m, triton.cdiv(rows, block_m))
+
+
 def decode_attention_with(
     q: Tensor,
     k_cache: Tensor,
@@ -207,16 +284,22 @@ def decode_attention_with(
     context_lens: Tensor,
     scale: float,
     config: DecodeConfig,
+    cu_seqlens_q: Tensor | None = None,
+    max_seqlen_q: int = 1,
 ) -> Tensor:
     """decode_attention with an explicit tiling/split choice (tests and the benchmark pin it)."""
-    batch, num_q_heads, head_dim = q.shape
-    out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
-    if batch == 0:
+    num_tokens, num_q_heads, head_dim = q.shape
+    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    batch = block_tables.shape[0]
+    if num_tokens == 0 or batch == 0:
         return out
     assert k_cache.stride() == v_cache.stride(), "K and V views must share one layout"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and block_tables.stride(-1) == 1
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
+    layout = query_layout(group, cu_seqlens_q, max_seqlen_q)
+    if not layout.multi_query:
+        assert num_tokens == batch, "one query per sequence unless cu_seqlens_q says otherwise"
     block_size = k_cache.shape[1]
     # Context is bounded by the table width; sizing splits from it avoids a host sync on
     # context_lens. Splits that start past a sequence's end exit at once.
@@ -229,24 +312,28 @@ def decode_attention_with(
         part_acc = part_max = part_sum = out  # unused
     else:
         part_max = torch.empty(
-            (batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device
+            (num_tokens, num_q_heads, num_splits), dtype=torch.float32, device=q.device
         )
         part_sum = torch.empty_like(part_max)
         part_acc = torch.empty(
-            (batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+            (num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
         )
-    _decode_split_kernel[(num_kv_heads, batch, num_splits)](
+    grid = (num_kv_heads * layout.row_blocks, batch, num_splits)
+    _decode_split_kernel[grid](
         q,
         k_cache,
         v_cache,
         block_tables,
         context_lens,
+        cu_seqlens_q if layout.multi_query else context_lens,  # unused when one query each
         out,
         part_acc,
         part_max,
         part_sum,
         scale * LOG2E,
         group,
+        num_q_heads,
+        layout.row_blocks,
         block_size,
         partition,
         num_splits,
@@ -259,8 +346,9 @@ def decode_attention_with(
         out.stride(0),
         out.stride(1),
         HEAD_DIM=head_dim,
+        MULTI_QUERY=layout.multi_query,
         SINGLE_SPLIT=single,
-        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_M=layout.block_m,
         BLOCK_N=config.block_n,
         BLOCK_D=block_d,
         PRECISION=dot_precision(q.dtype),
@@ -268,7 +356,7 @@ def decode_attention_with(
         num_stages=config.num_stages,
     )
     if not single:
-        _decode_merge_kernel[(batch, num_q_heads)](
+        _decode_merge_kernel[(num_tokens, num_q_heads)](
             part_acc,
             part_max,
             part_sum,
@@ -292,13 +380,20 @@ def decode_attention(
     context_lens: Tensor,
     scale: float,
     plan: object | None = None,
+    cu_seqlens_q: Tensor | None = None,
+    max_seqlen_q: int = 1,
 ) -> Tensor:
     """See kernels.ops.decode_attention. The kernel reads pages in place: it needs no plan."""
+    num_kv_heads = k_cache.shape[2]
+    layout = query_layout(q.shape[1] // num_kv_heads, cu_seqlens_q, max_seqlen_q)
     config = choose_decode_config(
-        q.shape[0],
-        k_cache.shape[2],
+        block_tables.shape[0],
+        num_kv_heads,
         block_tables.shape[1] * k_cache.shape[1],
         q.shape[2],
         q.device,
+        layout.row_blocks,
     )
-    return decode_attention_with(q, k_cache, v_cache, block_tables, context_lens, scale, config)
+    return decode_attention_with(
+        q, k_cache, v_cache, block_tables, context_lens, scale, config, cu_seqlens_q, max_seqlen_q
+    )
