@@ -10,6 +10,7 @@ from gateway.inflight import TokenEvent
 from gateway.logprob_format import LogprobEntry, LogprobList
 from gateway.stop import StopStringMatcher
 from gateway.tokenizer import ModelTokenizer
+from shared.logprobs import TokenLogprobs
 
 
 class OutputText:
@@ -62,11 +63,13 @@ class ChoiceOutput:
     def text(self) -> str:
         return "".join(self.pieces)
 
-    def prepend_prompt(self, text: str, prompt_ids: list[int], event: TokenEvent | None) -> Piece:
+    def prepend_prompt(
+        self, text: str, prompt_ids: list[int], prompt_logprobs: TokenLogprobs | None
+    ) -> Piece:
         """Echo: the prompt's text (and tokens with their log-probs) before the output."""
         entries: list[LogprobEntry] = []
         if self.logprobs is not None:
-            self.logprobs.add_prompt(prompt_ids, event.prompt_logprobs if event else None)
+            self.logprobs.add_prompt(prompt_ids, prompt_logprobs)
             entries = list(self.logprobs.entries)
         self.pieces.append(text)
         return Piece(text, entries)

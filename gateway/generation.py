@@ -285,14 +285,21 @@ class Generation:
             choices,
         )
         started: set[int] = set()
+        # The prompt's log-probs come once, with choice 0's first event; echo repeats them in
+        # every choice of the prompt, as OpenAI and vLLM do.
+        prompt_logprobs = None
         try:
             async with contextlib.aclosing(events):
                 async for event in events:
                     self.progress.tokens(self.gw, event)
                     for choice in mine if fanout else [mine[event.index]]:
+                        prompt_logprobs = prompt_logprobs or event.prompt_logprobs
                         if self.params.echo and choice.index not in started:
                             started.add(choice.index)
-                            yield choice, choice.prepend_prompt(prompt.text, prompt.ids, event)
+                            yield (
+                                choice,
+                                choice.prepend_prompt(prompt.text, prompt.ids, prompt_logprobs),
+                            )
                         piece = choice.add(event)
                         if (
                             choice.done

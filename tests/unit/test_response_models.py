@@ -239,11 +239,14 @@ async def test_completions_with_echo_logprobs_several_choices_and_prompts(stack:
         assert logprobs is not None
         assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
         assert len(logprobs.text_offset) == len(logprobs.tokens)
-    for choice in answer.choices[::2]:  # each prompt's first choice has the prompt's log-probs
+    for choice in answer.choices:  # echo repeats the prompt's log-probs in every choice
         logprobs = choice.logprobs
         assert logprobs is not None
         assert all(isinstance(lp, float) for lp in logprobs.token_logprobs[1:])
         assert all(top for top in logprobs.top_logprobs[1:])
+    for a, b in (answer.choices[0:2], answer.choices[2:4]):
+        n = len(a.logprobs.tokens) - 4  # the prompt's tokens: equal in both choices
+        assert a.logprobs.token_logprobs[:n] == b.logprobs.token_logprobs[:n]
 
 
 async def test_completions_best_of_and_max_tokens_zero(stack: Stack):
