@@ -9,9 +9,16 @@ stages of the design:
           -> DecodeRequest with the KV handle to a decode worker -> tokens as they come
 
 or, when no prefill worker is alive or the prompt is short, straight to a decode worker that
-prefills locally. Every wait has a deadline, a worker leaving the registry fails (or, for
-prefill, retries) its requests at once, and a request that ends early - client gone, stop
-string, error - is cancelled on the workers so they free its KV blocks.
+prefills locally. Every wait has a deadline; a worker leaving the registry has its requests
+retried (prefill) or migrated (decode: ``gateway/decode_stage.py``) at once; and a request that
+ends early - client gone, stop string, error - is cancelled on the workers so they free its KV
+blocks.
+
+When the gateway's own NATS connection breaks, anything published meanwhile may be lost (NATS
+core keeps nothing for a subscriber that is away). After the reconnect every request is told
+(``BusReconnected``): prefills in flight are retried, decode legs migrated. Until the workers
+are heard again on the new connection - which also means their subscriptions are back - new
+messages go only to workers that have been, and a migration waits for one (``recovered``).
 """
 
 from __future__ import annotations
@@ -19,17 +26,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 from opentelemetry.context import Context
 
 from gateway.inflight import (
     DECODE_ATTEMPTS,
+    DEFAULT_MAX_MIGRATIONS,
     PREFILL_ATTEMPTS,
     RETRYABLE_CODES,
     TYPICAL_OUTPUT_TOKENS,
+    BusReconnected,
     Choices,
     InFlight,
     NotSendable,
@@ -38,6 +47,7 @@ from gateway.inflight import (
     TokenEvent,
     WorkerFailure,
 )
+from gateway.legs import BUS_ID_SUFFIX, new_bus_id, with_fixed_seed
 from gateway.router import Router
 from shared import protocol
 from shared.bus import Bus
@@ -52,14 +62,14 @@ from shared.protocol import (
     WorkerLoad,
 )
 from shared.sampling import SamplingParams
-from shared.subjects import MAX_ID_CHARS
 from shared.tracing import ATTR_REQUEST_ID, SPAN_ROUTE, inject_headers, tracer
-from shared.worker_registry import LEFT, WorkerRegistry
+from shared.worker_registry import JOINED, LEFT, WorkerRegistry
 
 __all__ = [
     "BUS_ID_SUFFIX",
     "Choices",
     "DECODE_ATTEMPTS",
+    "DEFAULT_MAX_MIGRATIONS",
     "PREFILL_ATTEMPTS",
     "RETRYABLE_CODES",
     "TYPICAL_OUTPUT_TOKENS",
@@ -75,15 +85,11 @@ __all__ = [
 log = logging.getLogger("pdserve.gateway.dispatch")
 _tracer = tracer(__name__)
 
-BUS_ID_SUFFIX = 16  # hex digits of randomness in a request's bus id
-
-
-def new_bus_id(client_request_id: str) -> str:
-    """A request's id on the bus: the client's x-request-id (readable in worker logs) plus a
-    random suffix. Clients reuse ids (retries, two tabs, two gateways behind one balancer), and
-    a shared bus id would let one request's cancel or tokens reach the other."""
-    keep = MAX_ID_CHARS - BUS_ID_SUFFIX - 1
-    return f"{client_request_id[:keep]}-{secrets.token_hex(BUS_ID_SUFFIX // 2)}"
+# After a reconnect of our bus, how long (in registry timeouts) workers not heard since are
+# skipped and a migration waits for a decode worker to be heard: past it, the registry knows.
+RECOVERY_TIMEOUTS = 2.0
+RECOVERY_POLL_SECONDS = 0.1  # only while recovering: how often the registry is looked at
+MAX_ABANDONED = 4096  # legs migrated away, remembered to cancel again where they were
 
 
 class Dispatcher:
@@ -95,6 +101,8 @@ class Dispatcher:
         gateway_id: str,
         request_timeout: float,
         prefill_timeout: float,
+        max_migrations: int = DEFAULT_MAX_MIGRATIONS,
+        migrations: Any = None,  # a prometheus Counter labelled by reason, or None
     ) -> None:
         self.bus = bus
         self.workers = workers
@@ -102,9 +110,16 @@ class Dispatcher:
         self.inbox = bus.subjects.gateway(gateway_id)
         self.request_timeout = request_timeout
         self.prefill_timeout = prefill_timeout
+        self.max_migrations = max_migrations
+        self._migrations = migrations
         self._pending: dict[str, InFlight] = {}  # bus id -> request
         self._background: set[asyncio.Task] = set()
+        # bus id -> (decode worker, deadline) of legs migrated away from that worker
+        self._abandoned: dict[str, tuple[str, float]] = {}
+        self.bus_epoch = 0  # reconnects of our bus so far
+        self._reconnected: tuple[float, float] | None = None  # (time.time(), registry clock)
         workers.add_listener(self._on_registry_event)
+        bus.on_reconnect(self._on_reconnect)
 
     async def start(self) -> None:
         await self.bus.subscribe(self.inbox, self._on_message, (PrefillResult, TokenBatch))
@@ -130,10 +145,97 @@ class Dispatcher:
     def _on_registry_event(self, event: str, load: WorkerLoad) -> None:
         # LEFT means gone for sure: a clean WorkerGone, a restart, or missed heartbeats that a
         # ping confirmed (a slow but live worker answers it and keeps its requests).
-        if event != LEFT:
-            return
-        for request in self._pending.values():
-            request.worker_left(load.worker_id)
+        if event == LEFT:
+            for request in self._requests():
+                request.worker_left(load.worker_id)
+        elif event == JOINED:
+            # back after a partition? Cancels sent while it was away never reached it.
+            self._cancel_abandoned(load.worker_id)
+
+    def _requests(self) -> list[InFlight]:
+        return list(dict.fromkeys(self._pending.values()))  # a request may have several ids
+
+    async def _on_reconnect(self) -> None:
+        self.bus_epoch += 1
+        self._reconnected = (time.time(), self.workers.clock())
+        log.warning("bus reconnected: %d request(s) resend what may be lost", len(self._pending))
+        for request in self._requests():
+            request.put(BusReconnected(self.bus_epoch))
+        self.spawn(self._cancel_abandoned_when_heard())
+
+    # -- our bus connection recovering ---------------------------------------------------------
+
+    def _recovery_over(self) -> bool:
+        if self._reconnected is None:
+            return True
+        if time.time() - self._reconnected[0] > RECOVERY_TIMEOUTS * self.workers.timeout:
+            self._reconnected = None
+            return True
+        return False
+
+    def _unheard(self) -> set[str]:
+        """Workers not heard since our last reconnect (their subscriptions may not be back)."""
+        if self._recovery_over():
+            return set()
+        since = self._reconnected[1]
+        return {w for w, entry in self.workers.entries.items() if entry.last_seen <= since}
+
+    async def recovered(self, deadline: float) -> set[str]:
+        """The workers to skip now: none, unless our bus connection broke lately. While it is
+        down, wait for it; once it is back, wait (up to the recovery window) until a decode
+        worker has been heard on it, and skip those not heard yet: NATS delivers nothing to a
+        subscription that is not back yet. Also waits while no decode worker is routable but
+        some are being pinged (silent, not yet confirmed gone: a starved event loop, say)."""
+        while True:
+            if self.bus.connected:
+                unheard = self._unheard()
+                heard = [w for w in self.router.serving("decode") if w.worker_id not in unheard]
+                if heard or (unheard and self._recovery_over()):
+                    return unheard
+                if not unheard and not self._decode_suspects():
+                    return unheard
+            if time.time() >= deadline:
+                raise StageTimeout("no decode worker was reachable before the request's deadline")
+            await asyncio.sleep(RECOVERY_POLL_SECONDS)
+
+    def _decode_suspects(self) -> bool:
+        return any(e.load.role == "decode" for e in self.workers.suspects.values())
+
+    # -- legs migrated away --------------------------------------------------------------------
+
+    def abandon(self, worker_id: str, bus_id: str, deadline: float) -> None:
+        """A leg migrates away from ``worker_id``: cancel it there (a worker that was not really
+        gone frees its blocks), now and again if that worker turns up again."""
+        self.spawn(self.cancel(bus_id))
+        self._abandoned[bus_id] = (worker_id, deadline)
+        while len(self._abandoned) > MAX_ABANDONED:
+            del self._abandoned[next(iter(self._abandoned))]
+
+    def _cancel_abandoned(self, worker_id: str | None) -> None:
+        now = time.time()
+        for bus_id, (worker, deadline) in list(self._abandoned.items()):
+            if deadline < now:  # the worker drops it at its deadline anyway
+                del self._abandoned[bus_id]
+            elif worker_id is None or worker == worker_id:
+                self.spawn(self.cancel(bus_id))
+
+    async def _cancel_abandoned_when_heard(self) -> None:
+        """After a reconnect: cancel the abandoned legs again once workers are heard (the
+        cancels sent right after the reconnect may have beaten their subscriptions back)."""
+        with contextlib.suppress(StageTimeout):
+            await self.recovered(time.time() + RECOVERY_TIMEOUTS * self.workers.timeout)
+        self._cancel_abandoned(None)
+
+    def count_migration(self, reason: str) -> None:
+        if self._migrations is not None:
+            self._migrations.labels(reason=reason).inc()
+
+    def register(self, bus_id: str, request: InFlight) -> None:
+        self._pending[bus_id] = request
+
+    def unregister(self, bus_id: str) -> None:
+        self._pending.pop(bus_id, None)
+        self.router.decode_done(bus_id)
 
     # -- outgoing ----------------------------------------------------------------------------
 
@@ -185,9 +287,13 @@ class Dispatcher:
         With ``sampling.n > 1`` events carry their choice's index, and ``choices`` lets the caller
         stop one choice early (a stop string in its text).
 
+        A request whose decode worker is lost is migrated (``gateway/decode_stage.py``); for
+        its randomness to continue exactly, a sampled request without a seed gets one here.
+
         Raises NoWorker before anything was sent, StageTimeout or WorkerFailure on faults.
         Closing the generator early (client gone, stop string) cancels the request.
         """
+        sampling = with_fixed_seed(sampling)
         bus_id = new_bus_id(request_id)
         self._check_wire(bus_id, prompt_token_ids, sampling)
         request = InFlight(
@@ -212,17 +318,17 @@ class Dispatcher:
     @contextlib.contextmanager
     def _tracking(self, request: InFlight) -> Iterator[None]:
         """Route the request's messages to it while it lives; cancel it if it ends early."""
-        self._pending[request.bus_id] = request
+        request.listen(request.bus_id)
         try:
             yield
         finally:
-            self._pending.pop(request.bus_id, None)
+            ids = request.close()
             self.router.prefill_done(request.bus_id)
-            self.router.decode_done(request.bus_id)
             if not request.finished:
                 # Runs even while the handler is being cancelled (client gone), so it must not
                 # await anything that the cancellation could interrupt.
-                self.spawn(self.cancel(request.bus_id))
+                for bus_id in sorted(ids):
+                    self.spawn(self.cancel(bus_id))
 
     def _route(self, request: InFlight) -> bool:
         """Whether the request goes to a prefill worker first (else a decode worker prefills)."""

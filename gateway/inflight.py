@@ -6,7 +6,12 @@ or vanishes) and returns the first token with the KV handle; ``InFlight.decode()
 request - with that handle, or without one to have the decode worker prefill it locally - to a
 decode worker and yields its tokens, moving on to another decode worker when one refuses before
 its first token. Every wait is bounded by the stage's deadline; the dispatcher feeds the queue
-(worker answers, and the departure of a worker this request is waiting on).
+(worker answers, the departure of a worker this request is waiting on, a reconnect of the bus).
+
+A decode worker lost mid-stream does not fail the request: its DecodeRequests ("legs",
+``gateway/legs.py``) are migrated - re-sent to live decode workers with the tokens the client
+already has, which the new worker prefills and continues from exactly - up to
+``--max-migrations`` times a request. The client's stream goes on without a visible break.
 """
 
 from __future__ import annotations
@@ -14,99 +19,62 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections import defaultdict
 from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from shared.logprobs import TokenLogprobs
-from shared.protocol import (
-    DecodeRequest,
-    KVHandle,
-    PrefillRequest,
-    PrefillResult,
-    TokenItem,
+from gateway.decode_stage import DecodeStage
+from gateway.inflight_types import (
+    DECODE_ATTEMPTS,
+    DEFAULT_MAX_MIGRATIONS,
+    MIGRATE_BUS_RECONNECT,
+    MIGRATE_WORKER_LOST,
+    PREFILL_ATTEMPTS,
+    RETRYABLE_CODES,
+    TYPICAL_OUTPUT_TOKENS,
+    BusReconnected,
+    Choices,
+    Item,
+    NotSendable,
+    NoWorker,
+    StageTimeout,
+    TokenEvent,
+    WorkerFailure,
+    WorkerLeft,
+    check_ending,
 )
+from gateway.legs import Leg
+from shared.protocol import KVHandle, PrefillRequest, PrefillResult
 from shared.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from gateway.dispatch import Dispatcher
 
+__all__ = [
+    "DECODE_ATTEMPTS",
+    "DEFAULT_MAX_MIGRATIONS",
+    "MIGRATE_BUS_RECONNECT",
+    "MIGRATE_WORKER_LOST",
+    "PREFILL_ATTEMPTS",
+    "RETRYABLE_CODES",
+    "TYPICAL_OUTPUT_TOKENS",
+    "BusReconnected",
+    "Choices",
+    "InFlight",
+    "NoWorker",
+    "NotSendable",
+    "StageTimeout",
+    "TokenEvent",
+    "WorkerFailure",
+    "WorkerLeft",
+]
+
 log = logging.getLogger("pdserve.gateway.dispatch")
 
-PREFILL_ATTEMPTS = 3  # prefill is idempotent: a dead or overloaded worker's request goes elsewhere
-DECODE_ATTEMPTS = 3  # a decode worker that refuses a request before its first token
-RETRYABLE_CODES = ("overloaded", "draining")
-TYPICAL_OUTPUT_TOKENS = 256
 
-
-class NoWorker(Exception):
-    """No worker can take the request now (answer 503 with Retry-After)."""
-
-
-class NotSendable(Exception):
-    """The request does not fit the wire protocol (its bounds or the bus message size)."""
-
-
-class StageTimeout(Exception):
-    """A stage passed its deadline."""
-
-
-class WorkerFailure(Exception):
-    """A worker failed the request or vanished mid-request (a server fault, not bad input)."""
-
-    def __init__(self, message: str, code: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass
-class TokenEvent:
-    token_ids: list[int]
-    finish_reason: str | None  # of choice ``index``
-    cached_tokens: int | None = None  # set on the event carrying the prefill result
-    index: int = 0  # the choice (sampling.n > 1)
-    logprobs: TokenLogprobs | None = None  # of token_ids, when asked
-    prompt_logprobs: TokenLogprobs | None = None  # once, when asked (echo)
-
-
-class Choices:
-    """The choices of one request that are still being generated. The consumer may end one
-    early (a stop string matched in its text): the workers stop generating it, and the request
-    is over once no choice is open."""
-
-    def __init__(self, n: int) -> None:
-        self.open = set(range(n))
-        self._cancel: Callable[[int], None] | None = None
-
-    def bind(self, cancel: Callable[[int], None]) -> None:
-        self._cancel = cancel
-
-    def stop(self, index: int) -> None:
-        if index not in self.open:
-            return
-        self.open.discard(index)
-        if self.open and self._cancel is not None:
-            # the last one ends the request itself, which cancels it whole
-            self._cancel(index)
-
-    def ended(self, index: int) -> None:
-        self.open.discard(index)
-
-
-@dataclass
-class WorkerLeft:
-    """Put on a request's queue when a worker it waits on leaves the registry."""
-
-    worker_id: str
-
-
-Item = PrefillResult | TokenItem | WorkerLeft
-
-
-class InFlight:
+class InFlight(DecodeStage):
     """One request on the bus: created by ``Dispatcher.generate``, which drives its stages."""
 
     def __init__(
@@ -122,7 +90,7 @@ class InFlight:
     ) -> None:
         self.d = dispatcher
         self.client_id = client_id  # the client's x-request-id: names the request on spans
-        self.bus_id = bus_id  # unique: names it on the bus (see new_bus_id)
+        self.bus_id = bus_id  # unique: names it on the bus (see new_bus_id), and its first leg
         self.prompt = prompt
         self.sampling = sampling
         self.context = context
@@ -131,11 +99,17 @@ class InFlight:
         self.queue: asyncio.Queue[Item] = asyncio.Queue()
         self.watching: set[str] = set()  # workers whose departure should wake this request
         self.stage = "route"
-        self.output: list[int] = []  # tokens generated before the decode stage
+        # tokens handed to the consumer, by choice: what a migration replays
+        self.delivered: dict[int, list[int]] = defaultdict(list)
         self.kv: KVHandle | None = None
         self.finished = False  # ended normally: nothing to cancel on the workers
         self.choices = choices or Choices(sampling.n)
-        self.choices.bind(lambda index: dispatcher.spawn(dispatcher.cancel(bus_id, index)))
+        self.choices.bind(self._cancel_choice)
+        self.legs: dict[str, Leg] = {}  # by bus id: the DecodeRequests in flight
+        self.bus_ids: set[str] = set()  # every id the dispatcher routes to this request
+        self.migrations = 0
+        self.prompt_logprobs_sent = False
+        self.cached_reported = False
 
     # -- the dispatcher's side ---------------------------------------------------------------
 
@@ -145,6 +119,18 @@ class InFlight:
     def worker_left(self, worker_id: str) -> None:
         if worker_id in self.watching:
             self.put(WorkerLeft(worker_id))
+
+    def listen(self, bus_id: str) -> None:
+        """Have the dispatcher route messages for ``bus_id`` here."""
+        self.bus_ids.add(bus_id)
+        self.d.register(bus_id, self)
+
+    def close(self) -> set[str]:
+        """The request is over: stop routing to it. Returns the ids it still had on the bus."""
+        ids, self.bus_ids = self.bus_ids, set()
+        for bus_id in ids:
+            self.d.unregister(bus_id)
+        return ids
 
     async def _next(self, deadline: float) -> Item:
         remaining = deadline - time.time()
@@ -168,7 +154,8 @@ class InFlight:
         self.stage = "prefill"
         tried: set[str] = set()
         for _ in range(PREFILL_ATTEMPTS):
-            worker = self.d.router.pick_prefill(self.prompt, exclude=tried, request_id=self.bus_id)
+            skip = tried | await self.d.recovered(self.deadline)
+            worker = self.d.router.pick_prefill(self.prompt, exclude=skip, request_id=self.bus_id)
             if worker is None:
                 return None
             tried.add(worker)
@@ -185,10 +172,12 @@ class InFlight:
         return None
 
     async def _prefill_on(self, worker: str) -> PrefillResult | None:
-        """Send the prompt to ``worker`` and wait for its answer; None if it left meanwhile."""
+        """Send the prompt to ``worker`` and wait for its answer; None if it left meanwhile (or
+        our bus connection broke, which may have lost the request or its answer)."""
         self.watching.add(worker)
         self._annotate("pdserve.prefill_worker", worker)
         deadline = min(self.deadline, time.time() + self.d.prefill_timeout)
+        epoch = self.d.bus_epoch
         try:
             await self.d.send_prefill(
                 worker,
@@ -208,6 +197,10 @@ class InFlight:
                     if item.worker_id == worker:
                         log.warning("prefill worker %s left; retrying %s", worker, self.bus_id)
                         return None
+                elif isinstance(item, BusReconnected):
+                    if item.epoch > epoch:
+                        log.warning("bus reconnected during the prefill of %s", self.bus_id)
+                        return None
                 elif isinstance(item, PrefillResult) and item.worker_id == worker:
                     return item
                 else:
@@ -218,9 +211,9 @@ class InFlight:
 
     def _first_token(self, result: PrefillResult) -> TokenEvent:
         """Choice 0's first token (a prefill worker never forks: the decode worker does)."""
-        _check_ending(result.finish_reason, result.worker_id)
+        check_ending(result.finish_reason, result.worker_id)
         if result.first_token is not None:
-            self.output.append(result.first_token)
+            self.delivered[0].append(result.first_token)
         if result.finish_reason is not None:
             self.choices.ended(0)  # done at the first token (max_tokens=1, EOS, ...)
         if self.choices.open:
@@ -228,97 +221,12 @@ class InFlight:
         else:
             self.finished = True
             self.d.spawn(self.d.release_stale(result))  # its KV is not needed
+        self.prompt_logprobs_sent = result.prompt_logprobs is not None
+        self.cached_reported = True
         return TokenEvent(
-            list(self.output),
+            list(self.delivered[0]),
             result.finish_reason,
             result.cached_tokens,
             logprobs=result.first_logprobs,
             prompt_logprobs=result.prompt_logprobs,
-        )
-
-    # -- decode ------------------------------------------------------------------------------
-
-    async def decode(self) -> AsyncIterator[TokenEvent]:
-        """Yield the tokens of a decode worker until the request finishes. A worker that
-        refuses before its first token (full or draining) hands the request to another."""
-        self.stage = "decode"
-        tried: set[str] = set()
-        worker = await self._send_decode(tried)
-        streamed = False
-        while not self.finished:
-            item = await self._next(self.deadline)
-            if isinstance(item, WorkerLeft):
-                if item.worker_id not in self.watching:
-                    continue  # a prefill worker that left after it answered
-                raise WorkerFailure(
-                    f"decode worker {worker} stopped while serving the request", "worker_lost"
-                )
-            if isinstance(item, PrefillResult):
-                await self.d.release_stale(item)  # a late answer of a retried prefill
-                continue
-            if item.error is not None:
-                if (
-                    streamed
-                    or len(tried) >= DECODE_ATTEMPTS
-                    or item.error_code not in RETRYABLE_CODES
-                ):
-                    raise WorkerFailure(item.error, item.error_code)
-                # The refusing worker dropped any KV lease, so the next one prefills locally.
-                log.info("decode worker %s refused %s", worker, self.bus_id)
-                self.kv = None
-                worker = await self._send_decode(tried)
-                continue
-            _check_ending(item.finish_reason, worker)
-            streamed = True
-            if item.index not in self.choices.open:
-                continue  # a choice the consumer stopped: what was under way is dropped
-            if item.finish_reason is not None:
-                self.choices.ended(item.index)
-                self.finished = not self.choices.open
-            # cached_tokens is set when this decode worker prefilled the prompt itself
-            yield TokenEvent(
-                list(item.token_ids),
-                item.finish_reason,
-                item.cached_tokens,
-                item.index,
-                item.logprobs,
-                item.prompt_logprobs,
-            )
-
-    async def _send_decode(self, tried: set[str]) -> str:
-        """Send the request to a decode worker not in ``tried`` (and add it there)."""
-        # Most requests stop long before max_tokens (which for chat defaults to the whole
-        # context), so the load estimate counts only a typical output length.
-        expected = len(self.prompt) + min(self.sampling.max_tokens, TYPICAL_OUTPUT_TOKENS)
-        worker = self.d.router.pick_decode(expected, tried, self.bus_id)
-        if worker is None:
-            if self.output:  # the client has its first token: this is now a failure
-                raise WorkerFailure("no decode worker can take the request", "no_worker")
-            raise NoWorker("no decode worker can take the request")
-        tried.add(worker)
-        self.watching = {worker}
-        self._annotate("pdserve.decode_worker", worker)
-        await self.d.send_decode(
-            worker,
-            DecodeRequest(
-                request_id=self.bus_id,
-                prompt_token_ids=self.prompt,
-                output_token_ids=self.output,
-                sampling=self.sampling,
-                kv=self.kv,
-                reply_to=self.d.inbox,
-                deadline=self.deadline,
-                client_request_id=self.client_id,
-            ),
-            self.headers,
-        )
-        return worker
-
-
-def _check_ending(finish_reason: str | None, worker_id: str) -> None:
-    """Only "stop" and "length" are a normal end; a worker-side abort or error without a
-    message must still reach the client as an error, never as a short successful answer."""
-    if finish_reason not in (None, "stop", "length"):
-        raise WorkerFailure(
-            f"worker {worker_id} ended the request ({finish_reason})", finish_reason
         )

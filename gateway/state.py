@@ -154,6 +154,8 @@ class Gateway:
             self.gateway_id,
             config.request_timeout,
             config.prefill_timeout,
+            config.max_migrations,
+            self.metrics.migrations,
         )
         self.requests = InFlightRequests(config.max_queue, self.metrics.in_flight)
 

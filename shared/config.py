@@ -121,6 +121,11 @@ class GatewayConfig:
     worker_timeout: float = opt(
         3.0, "seconds without a heartbeat before a worker leaves the registry"
     )
+    max_migrations: int = opt(
+        3,
+        "times one request may move to another decode worker when its own is lost mid-stream "
+        "(it continues exactly from the tokens already sent); 0 ends it with an error instead",
+    )
 
 
 @dataclass

@@ -109,6 +109,13 @@ class GatewayMetrics:
             buckets=TOKEN_COUNT_BUCKETS,
             registry=registry,
         )
+        self.migrations = Counter(
+            "pdserve_request_migrations",
+            "Requests moved to another decode worker mid-stream, by reason (worker_lost: its "
+            "decode worker left; bus_reconnect: the gateway's NATS connection broke).",
+            ["reason"],
+            registry=registry,
+        )
 
     def request_finished(
         self, finish_reason: str, prompt_tokens: int, generation_tokens: int, e2e_seconds: float

@@ -76,6 +76,15 @@ ATTR_KV_GBPS = "pdserve.kv.gbps"  # decimal gigabytes per second
 ATTR_KV_TRANSPORT = "pdserve.kv.transport"  # e.g. "ucx", "local"
 ATTR_TPOT_MS = "pdserve.tpot_ms"  # time per output token after the first, milliseconds
 
+# --- span events ------------------------------------------------------------------------------
+# On the request's root span when the gateway migrates it off a lost decode worker.
+EVENT_MIGRATION = "pdserve.migration"
+ATTR_MIGRATION_REASON = "pdserve.migration.reason"  # "worker_lost" or "bus_reconnect"
+ATTR_MIGRATION_FROM = "pdserve.migration.from_workers"  # list[str]
+ATTR_MIGRATION_TO = "pdserve.migration.to_workers"  # list[str]
+ATTR_MIGRATION_TOKENS = "pdserve.migration.delivered_tokens"  # replayed to the new worker(s)
+ATTR_MIGRATION_COUNT = "pdserve.migration.count"  # this request's migrations so far
+
 # --- GenAI semantic conventions (request span) ------------------------------------------------
 GEN_AI_OPERATION_NAME = "gen_ai.operation.name"  # "chat" or "text_completion"
 GEN_AI_SYSTEM = "gen_ai.system"

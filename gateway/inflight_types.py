@@ -1,0 +1,102 @@
+"""What flows through a request in flight: the faults it may end with, the events it yields to
+its consumer, the choices it tracks, and the items its queue receives (``gateway/inflight.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shared.logprobs import TokenLogprobs
+from shared.protocol import PrefillResult, TokenItem
+
+PREFILL_ATTEMPTS = 3  # prefill is idempotent: a dead or overloaded worker's request goes elsewhere
+DECODE_ATTEMPTS = 3  # a decode worker that refuses a request before its first token
+RETRYABLE_CODES = ("overloaded", "draining")
+TYPICAL_OUTPUT_TOKENS = 256
+DEFAULT_MAX_MIGRATIONS = 3  # a request's re-dispatches after losing its decode worker
+# why a request was migrated (the reason label of pdserve_request_migrations_total)
+MIGRATE_WORKER_LOST = "worker_lost"  # its decode worker left the registry (gone, or dead)
+MIGRATE_BUS_RECONNECT = "bus_reconnect"  # our NATS connection broke: tokens may be lost
+
+
+class NoWorker(Exception):
+    """No worker can take the request now (answer 503 with Retry-After)."""
+
+
+class NotSendable(Exception):
+    """The request does not fit the wire protocol (its bounds or the bus message size)."""
+
+
+class StageTimeout(Exception):
+    """A stage passed its deadline."""
+
+
+class WorkerFailure(Exception):
+    """A worker failed the request or vanished mid-request (a server fault, not bad input)."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class TokenEvent:
+    token_ids: list[int]
+    finish_reason: str | None  # of choice ``index``
+    cached_tokens: int | None = None  # set on the event carrying the prefill result
+    index: int = 0  # the choice (sampling.n > 1)
+    logprobs: TokenLogprobs | None = None  # of token_ids, when asked
+    prompt_logprobs: TokenLogprobs | None = None  # once, when asked (echo)
+
+
+class Choices:
+    """The choices of one request that are still being generated. The consumer may end one
+    early (a stop string matched in its text): the workers stop generating it, and the request
+    is over once no choice is open."""
+
+    def __init__(self, n: int) -> None:
+        self.open = set(range(n))
+        self._cancel: Callable[[int], None] | None = None
+
+    def bind(self, cancel: Callable[[int], None]) -> None:
+        self._cancel = cancel
+
+    def stop(self, index: int) -> None:
+        if index not in self.open:
+            return
+        self.open.discard(index)
+        if self.open and self._cancel is not None:
+            # the last one ends the request itself, which cancels it whole
+            self._cancel(index)
+
+    def ended(self, index: int) -> None:
+        self.open.discard(index)
+
+
+@dataclass
+class WorkerLeft:
+    """Put on a request's queue when a worker it waits on leaves the registry."""
+
+    worker_id: str
+
+
+@dataclass
+class BusReconnected:
+    """Put on every request's queue when the gateway's NATS connection is back after a break:
+    whatever was published while it was down (tokens, requests, cancels) may be lost, so what
+    was sent before it is sent again - prefill elsewhere, decode legs as a migration."""
+
+    epoch: int  # the dispatcher's bus epoch since this reconnect
+
+
+Item = PrefillResult | TokenItem | WorkerLeft | BusReconnected
+
+
+def check_ending(finish_reason: str | None, worker_id: str) -> None:
+    """Only "stop" and "length" are a normal end; a worker-side abort or error without a
+    message must still reach the client as an error, never as a short successful answer."""
+    if finish_reason not in (None, "stop", "length"):
+        raise WorkerFailure(
+            f"worker {worker_id} ended the request ({finish_reason})", finish_reason
+        )

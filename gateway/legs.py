@@ -1,0 +1,102 @@
+"""The decode side of one request as DecodeRequests in flight ("legs"), and how a migration
+re-plans them.
+
+A request normally has one leg: one DecodeRequest, under the request's own bus id, on one decode
+worker, which generates every choice. When that worker is lost the gateway migrates the request:
+it re-sends what is still open, with the tokens the client already has, so that the new worker
+rebuilds the KV from prompt + delivered tokens (a local prefill, which its prefix cache helps)
+and continues exactly where the stream stopped:
+
+- greedy choices continue identically;
+- seeded sampling continues exactly, because the engine's noise is a function of (seed, output
+  position), not a stream of draws, and the gateway fixes the seed before the first dispatch
+  when the client gave none (``with_fixed_seed``);
+- penalties, ``min_tokens`` and ``max_tokens`` count the delivered tokens, which travel as the
+  DecodeRequest's ``output_token_ids``; structured output replays them through its grammar;
+- log-probs are per token, so the new worker's simply continue; prompt log-probs are sent once.
+
+A request with ``n > 1`` is re-sent whole (one leg, the engine forks the choices again) only
+while no choice but the first has a token yet. Otherwise each open choice becomes a leg of its
+own: an ``n = 1`` request with the choice's delivered tokens and the seed the engine would have
+given it (``choice_seed``); its items say index 0, which the gateway maps back to the choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from dataclasses import dataclass, field
+
+from shared.protocol import KVHandle
+from shared.sampling import MAX_SEED, SamplingParams, choice_seed
+from shared.subjects import MAX_ID_CHARS
+
+BUS_ID_SUFFIX = 16  # hex digits of randomness in a request's bus id
+
+
+def new_bus_id(client_request_id: str) -> str:
+    """A request's id on the bus: the client's x-request-id (readable in worker logs) plus a
+    random suffix. Clients reuse ids (retries, two tabs, two gateways behind one balancer), and
+    a shared bus id would let one request's cancel or tokens reach the other. Each leg of a
+    migrated request gets a fresh one, so the lost worker's late tokens never reach it."""
+    keep = MAX_ID_CHARS - BUS_ID_SUFFIX - 1
+    return f"{client_request_id[:keep]}-{secrets.token_hex(BUS_ID_SUFFIX // 2)}"
+
+
+@dataclass
+class Leg:
+    """One DecodeRequest of a request in flight."""
+
+    bus_id: str  # its id on the bus (the request's own for the first leg)
+    index: int | None  # the choice it generates alone; None: all of them (items say which)
+    output: list[int]  # tokens already delivered, sent along as output_token_ids
+    sampling: SamplingParams
+    kv: KVHandle | None = None  # the prefill worker's KV to pull; None: prefill locally
+    worker: str = ""  # the decode worker it was sent to
+    tried: set[str] = field(default_factory=set)  # decode workers that refused it
+    streamed: bool = False  # that worker has sent tokens for it
+    epoch: int = 0  # the dispatcher's bus epoch when it was sent (see BusReconnected)
+
+    def choice(self, item_index: int) -> int:
+        """The request's choice an item of this leg belongs to."""
+        return item_index if self.index is None else self.index
+
+
+def with_fixed_seed(sampling: SamplingParams) -> SamplingParams:
+    """``sampling`` with a seed: the client's, or a random one drawn here. Without it the
+    worker would draw one of its own, and a migrated request would continue with different
+    randomness; with it, a replay from the delivered tokens continues exactly."""
+    if sampling.seed is not None or sampling.greedy:
+        return sampling
+    return dataclasses.replace(sampling, seed=secrets.randbelow(MAX_SEED + 1))
+
+
+def replan(
+    open_choices: set[int],
+    delivered: dict[int, list[int]],
+    sampling: SamplingParams,
+    prompt_logprobs_sent: bool,
+) -> list[tuple[int | None, list[int], SamplingParams]]:
+    """The legs that carry ``open_choices`` on from ``delivered``: ``(index, output, sampling)``
+    per leg (index None: one leg for the whole request, see the module docstring)."""
+    whole = sampling.n == 1 or (
+        open_choices == set(range(sampling.n))
+        and not any(delivered.get(i) for i in range(1, sampling.n))
+    )
+    # Prompt log-probs go out once, with choice 0's first token: still due only when neither
+    # happened (the engine computes them only for a sequence without output tokens anyway).
+    due = not prompt_logprobs_sent and not delivered.get(0)
+    if whole:
+        if not due and sampling.prompt_logprobs is not None:
+            sampling = dataclasses.replace(sampling, prompt_logprobs=None)
+        return [(None, list(delivered.get(0, [])), sampling)]
+    legs: list[tuple[int | None, list[int], SamplingParams]] = []
+    for i in sorted(open_choices):
+        one = dataclasses.replace(
+            sampling,
+            n=1,
+            seed=None if sampling.seed is None else choice_seed(sampling.seed, i),
+            prompt_logprobs=sampling.prompt_logprobs if i == 0 and due else None,
+        )
+        legs.append((i, list(delivered.get(i, [])), one))
+    return legs
