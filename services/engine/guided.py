@@ -96,8 +96,9 @@ class GuidedDecoder:
             return
         if not state.matcher.consume_tokens(new):
             state.failed = True
+            error = state.matcher.get_error().strip().splitlines()[:1]  # (then a state dump)
             log.warning("%s: an output token broke its grammar (%s); only EOS from here",
-                        seq.request_id, state.matcher.get_error())  # fmt: skip
+                        seq.request_id, error[0] if error else "?")  # fmt: skip
 
     def bitmask(
         self, seqs: list[Sequence], device: torch.device | None = None
@@ -128,6 +129,7 @@ class GuidedDecoder:
         if matchers:
             self.executor.unsafe_compute_mask_ptr(matchers, mask.data_ptr(), words * 4, len(seqs))
         mask = self._fit_to_logits(mask)
+        self._hold_back_enders(mask, rows)
         # A row with nothing allowed (a failed grammar; a grammar whose only way on is an id
         # the logits lack) would sample from all -inf: it gets EOS, and ends.
         dead = ~(mask != 0).any(dim=1)
@@ -136,6 +138,23 @@ class GuidedDecoder:
         if bool(dead.any()):
             mask[dead] = self._eos_row
         return mask
+
+    def _hold_back_enders(self, mask: torch.Tensor, rows: list[tuple[int, Sequence]]) -> None:
+        """``min_tokens`` for guided rows (the sampler's own mask skips them): their EOS and
+        stop ids are cleared while they are short of it, unless the grammar allows nothing
+        else. Then the grammar wins: a finished output ends, rather than sampling from all
+        -inf."""
+        for i, seq in rows:
+            sp = seq.sampling
+            if seq.num_output_tokens >= sp.min_tokens:
+                continue
+            enders = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
+            held = mask[i].clone()
+            for t in enders:
+                if 0 <= t < self.vocab_size:
+                    held[t // 32] &= ~(1 << (t % 32))
+            if bool((held != 0).any()):
+                mask[i] = held
 
     def _fit_to_logits(self, mask: torch.Tensor) -> torch.Tensor:
         """Cut the mask to the logits' words and clear the bits past their last id."""

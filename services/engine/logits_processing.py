@@ -133,7 +133,7 @@ def build_min_tokens_mask(
     ids: list[int] = []
     for i, s in enumerate(seqs):
         sp = s.sampling
-        if s.num_output_tokens < sp.min_tokens:
+        if s.num_output_tokens < sp.min_tokens and sp.guided is None:  # guided: in their mask
             enders = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_token_ids))
             enders = {t for t in enders if 0 <= t < vocab}  # other ids can never be sampled
             rows.extend([i] * len(enders))

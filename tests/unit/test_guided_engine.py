@@ -142,6 +142,20 @@ def test_logits_narrower_than_the_tokenizer_cut_the_mask(llama_dir):
     assert max(allowed(mask[0])) < VOCAB - 20
 
 
+def test_min_tokens_holds_eos_back_only_while_the_grammar_can_go_on(llama_dir, tokenizer):
+    decoder = GuidedDecoder(llama_dir, VOCAB, (EOS,))
+    letters = GuidedDecoding("regex", "[a-z]{1,8}")
+    short = [Sequence(r, [5], SamplingParams(min_tokens=4, guided=g), 0, 0.0)
+             for r, g in (("a", letters), ("b", letters), ("c", GUIDES["choice"]))]  # fmt: skip
+    short[1].sampling = SamplingParams(guided=letters)  # the same, without min_tokens
+    for seq, text in zip(short, ("a", "a", "yes"), strict=True):
+        seq.token_ids.extend(tokenizer.encode(text).ids)
+    mask = decoder.bitmask(short)
+    assert EOS in allowed(mask[1])  # "a" matches: it may end...
+    assert allowed(mask[0]) == allowed(mask[1]) - {EOS}  # ...but not before min_tokens
+    assert allowed(mask[2]) == {EOS}  # "yes" is finished: the grammar wins, it must end
+
+
 # ---- the engine --------------------------------------------------------------------------------
 
 
@@ -176,6 +190,16 @@ def test_bias_cannot_force_a_token_the_grammar_refuses(engine, tokenizer):
     assert_valid("regex", text_of(tokenizer, output))
     unguided = _sampling(None, 3, logit_bias_token_ids=[banned], logit_bias_values=[100.0])
     assert engine.generate(random_prompts(1, seed=3), unguided)[0][0] == banned  # the bias works
+
+
+def test_min_tokens_under_a_guide(engine, tokenizer):
+    letters = GuidedDecoding("regex", "[a-z]{1,30}")
+    params = [_sampling(letters, s, min_tokens=6) for s in range(6)]
+    params += [_sampling(GuidedDecoding("choice", '["yes"]'), 0, min_tokens=6)]
+    outputs = engine.generate(random_prompts(7, seed=8), params)
+    for out in outputs[:6]:
+        assert len(out) > 6 and re.fullmatch("[a-z]{1,30}", text_of(tokenizer, out))
+    assert text_of(tokenizer, outputs[6]) == "yes"  # finished early: it ends, and stays valid
 
 
 def test_guided_rows_leave_unguided_rows_of_the_batch_unchanged(engine, tokenizer):
