@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One-shot kernel check for a lent GPU machine (torch + triton, no internet, minutes of time):
-#   1. the Triton kernel tests, compiled on CUDA in bf16 (no interpreter), vs the float64 twins;
+#   1. the Triton kernel tests (multi-query decode included), compiled on CUDA in bf16 (no
+#      interpreter), vs the float64 twins and per-sequence float64 attention;
 #   2. the kernel benchmark on the two target cases with a config sweep (tuning data);
 #   3. the full kernel benchmark with the default configs.
 # Everything lands in OUTDIR (default perf/results/gpu_check). Each step has its own timeout;
-# the worst case stays under ~6.5 minutes. Exit status: 0 only if tests pass and every timed
+# the worst case stays under ~8 minutes. Exit status: 0 only if tests pass and every timed
 # Triton result matched SDPA.
 #
 #   bash perf/gpu_check.sh [OUTDIR]
@@ -58,8 +59,9 @@ fi
 status=0
 if "$PY" -c "import pytest" > /dev/null 2>&1; then
     log "kernel tests (cuda, bf16)..."
-    timeout -k 5 150 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" \
-        tests/kernels/test_triton_kernels.py --junitxml="$OUT/kernel_tests.xml" \
+    timeout -k 5 240 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" \
+        tests/kernels/test_triton_kernels.py tests/kernels/test_verify_attention.py \
+        --junitxml="$OUT/kernel_tests.xml" \
         > "$OUT/kernel_tests.txt" 2>&1
     rc=$?
     log "kernel tests rc=$rc: $(tail -n 1 "$OUT/kernel_tests.txt")"

@@ -9,7 +9,9 @@ result is also checked against SDPA's output, so a fast wrong kernel cannot pass
 
 `--sweep` times a handful of tile/split configurations per case, to pick the defaults in
 kernels/triton_decode.py and kernels/triton_prefill.py on new hardware. On a machine without
-CUDA the benchmark says so and exits 0.
+CUDA it times the CPU twin of decode attention instead (kernels/reference.py, fp32, the served
+SmolLM2's head layout): per layer call with the step's plan made once, as the engine runs it,
+one query per sequence and 1 + k for speculative verification.
 """
 
 from __future__ import annotations
@@ -105,11 +107,13 @@ class DecodeCase:
     num_kv_heads: int = 8
     head_dim: int = 128
     block_size: int = 16
+    q_len: int = 1  # queries per sequence: 1 plain decode, 1 + k verifying k proposals
 
     @property
     def name(self) -> str:
+        q = f" q{self.q_len}" if self.q_len > 1 else ""
         return (
-            f"B{self.batch} ctx{self.context} Hq{self.num_q_heads} Hkv{self.num_kv_heads} "
+            f"B{self.batch} ctx{self.context}{q} Hq{self.num_q_heads} Hkv{self.num_kv_heads} "
             f"D{self.head_dim} bs{self.block_size}"
         )
 
@@ -161,6 +165,56 @@ def dense_from_paged(cache: torch.Tensor, table: torch.Tensor, context: int) -> 
     return dense.transpose(1, 2).contiguous()
 
 
+@dataclass
+class DecodeInputs:
+    """One decode case laid out as the engine has it, and SDPA on a dense copy as the oracle."""
+
+    q: torch.Tensor  # [B*q_len, Hq, D]
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    table: torch.Tensor
+    context_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor | None  # None: one query per sequence
+    scale: float
+    moved_bytes: int  # K/V once, q in, out back, the block table
+    sdpa: Callable[[], torch.Tensor]
+
+    def args(self) -> tuple:
+        """decode_attention's leading arguments, in its order."""
+        return (self.q, self.k_cache, self.v_cache, self.table, self.context_lens, self.scale)
+
+
+def decode_inputs(case: DecodeCase, device: torch.device, dtype: torch.dtype) -> DecodeInputs:
+    kv, table = paged_cache(
+        case.batch, case.context, case.num_kv_heads, case.head_dim, case.block_size, device, dtype
+    )
+    k_cache, v_cache = kv[:, 1, 0], kv[:, 1, 1]
+    b, n, hq, d = case.batch, case.q_len, case.num_q_heads, case.head_dim
+    q = torch.randn(b * n, hq, d, device=device, dtype=dtype)
+    context_lens = torch.full((b,), case.context, dtype=torch.int32, device=device)
+    cu = None if n == 1 else torch.arange(0, b + 1, dtype=torch.int32, device=device) * n
+    scale = 1 / math.sqrt(d)
+    elt = q.element_size()
+    kv_bytes = 2 * b * case.context * case.num_kv_heads * d * elt
+    moved = kv_bytes + 2 * q.numel() * elt + table.numel() * 4
+
+    k_dense = dense_from_paged(k_cache, table, case.context)
+    v_dense = dense_from_paged(v_cache, table, case.context)
+    q4 = q.view(b, n, hq, d).transpose(1, 2)  # [B, Hq, q_len, D]
+    # query j at context - q_len + j (bottom-right causal); one query sees everything: no mask,
+    # which keeps SDPA on its fastest kernel
+    q_pos = case.context - n + torch.arange(n, device=device)
+    mask = None if n == 1 else torch.arange(case.context, device=device) <= q_pos[:, None]
+
+    def sdpa() -> torch.Tensor:
+        out = F.scaled_dot_product_attention(
+            q4, k_dense, v_dense, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        return out.transpose(1, 2).reshape(b * n, hq, d)
+
+    return DecodeInputs(q, k_cache, v_cache, table, context_lens, cu, scale, moved, sdpa)
+
+
 def bench_decode(
     case: DecodeCase,
     peak_gbps: float | None,
@@ -169,35 +223,21 @@ def bench_decode(
     device: torch.device = torch.device("cuda"),
     dtype: torch.dtype = torch.bfloat16,
 ) -> list[Result]:
-    from kernels.triton_decode import DecodeConfig, choose_decode_config, decode_attention_with
-
-    kv, table = paged_cache(
-        case.batch, case.context, case.num_kv_heads, case.head_dim, case.block_size, device, dtype
+    from kernels.triton_decode import (
+        DecodeConfig,
+        choose_decode_config,
+        decode_attention_with,
+        query_layout,
     )
-    k_cache, v_cache = kv[:, 1, 0], kv[:, 1, 1]
-    q = torch.randn(case.batch, case.num_q_heads, case.head_dim, device=device, dtype=dtype)
-    context_lens = torch.full((case.batch,), case.context, dtype=torch.int32, device=device)
-    scale = 1 / math.sqrt(case.head_dim)
-    elt = q.element_size()
-    kv_bytes = 2 * case.batch * case.context * case.num_kv_heads * case.head_dim * elt
-    moved = kv_bytes + 2 * q.numel() * elt + table.numel() * 4
 
-    k_dense = dense_from_paged(k_cache, table, case.context)
-    v_dense = dense_from_paged(v_cache, table, case.context)
-    q4 = q[:, :, None, :]
-
-    def sdpa() -> torch.Tensor:
-        return F.scaled_dot_product_attention(
-            q4, k_dense, v_dense, scale=scale, enable_gqa=True
-        ).squeeze(2)
-
-    expected = sdpa().float()
+    inputs = decode_inputs(case, device, dtype)
+    expected = inputs.sdpa().float()
     results = []
 
     def record(impl: str, fn: Callable[[], torch.Tensor], config: dict) -> None:
         err = (fn().float() - expected).abs().max().item()
         ms = time_ms(fn, repeats)
-        gbps = moved / (ms * 1e-3) / 1e9
+        gbps = inputs.moved_bytes / (ms * 1e-3) / 1e9
         results.append(
             Result(
                 "decode_attention",
@@ -211,8 +251,15 @@ def bench_decode(
             )
         )
 
+    group = case.num_q_heads // case.num_kv_heads
+    layout = query_layout(group, inputs.cu_seqlens_q, case.q_len)
     chosen = choose_decode_config(
-        case.batch, case.num_kv_heads, table.shape[1] * case.block_size, case.head_dim, device
+        case.batch,
+        case.num_kv_heads,
+        inputs.table.shape[1] * case.block_size,
+        case.head_dim,
+        device,
+        layout.row_blocks,
     )
     configs = [("triton", chosen)]
     if sweep:
@@ -230,7 +277,7 @@ def bench_decode(
     for impl, config in configs:
 
         def run(config: DecodeConfig = config) -> torch.Tensor:
-            return decode_attention_with(q, k_cache, v_cache, table, context_lens, scale, config)
+            return decode_attention_with(*inputs.args(), config, inputs.cu_seqlens_q, case.q_len)
 
         try:
             record(impl, run, asdict(config))
@@ -238,7 +285,7 @@ def bench_decode(
             print(f"  {case.name} {config}: {type(exc).__name__}: {exc}", file=sys.stderr)
             if impl == "triton":
                 raise
-    record("sdpa_dense", sdpa, {})
+    record("sdpa_dense", inputs.sdpa, {})
     return results
 
 
@@ -358,7 +405,10 @@ def bench_prefill(
 
 
 def format_result(r: Result) -> str:
-    rate = f"{r.gbps:8.1f} GB/s" if r.gbps is not None else f"{r.tflops:8.1f} TFLOP/s"
+    if r.gbps is not None:
+        rate = f"{r.gbps:8.1f} GB/s"
+    else:
+        rate = f"{r.tflops:8.1f} TFLOP/s" if r.tflops is not None else " " * 13
     peak = f"{100 * r.fraction_of_peak:5.1f}% of peak" if r.fraction_of_peak else "peak n/a"
     err = f"err {r.max_abs_err_vs_sdpa:.2e}" if r.max_abs_err_vs_sdpa is not None else ""
     cfg = " ".join(f"{k}={v}" for k, v in r.config.items())
@@ -373,11 +423,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--peak-gbps", type=float, help="override the HBM peak")
     parser.add_argument("--peak-tflops", type=float, help="override the dense bf16 peak")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (the CPU twin's timing)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     if not torch.cuda.is_available():
-        print("kernels_bench: no CUDA device here; the kernel benchmark needs a GPU. Skipping.")
-        return 0
+        print("kernels_bench: no CUDA device here; timing the CPU twin of decode attention.")
+        from perf.kernels_bench_cpu import twin_main
+
+        return twin_main(args)
 
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)
@@ -397,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
             DecodeCase(batch=1, context=32768),  # split-K territory
             DecodeCase(batch=256, context=1024),
             DecodeCase(batch=64, context=2048, num_q_heads=32, num_kv_heads=32, head_dim=64),
+            DecodeCase(batch=64, context=2048, q_len=5),  # speculative verification, k = 4
         ]
         prefill_cases += [
             PrefillCase(batch=4, seqlen=4096),
