@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from perf.compat.aiperf_run import run_aiperf
 from perf.compat.echo_check import run_echo_check
 from perf.compat.guidellm_run import run_guidellm
 from perf.compat.lmeval_run import run_lm_eval
-from perf.compat.stack import drain_leftovers, pdserve_up
+from perf.compat.stack import Stack, drain_leftovers, pdserve_up
 from perf.compat.tool import COMPAT_DIR, ToolResult, install
 
 TOOLS = ("guidellm", "lm-eval", "aiperf")
@@ -54,6 +55,25 @@ def report(result: ToolResult) -> None:
         print(f"     error: {error}")
 
 
+def tool_runs(
+    tool: str,
+    stack: Stack,
+    tokenizer_dir: Path,
+    oracle: hf_mcq.OracleResult | None,
+    args: argparse.Namespace,
+) -> Iterator[ToolResult]:
+    """Each run of ``tool``, one result at a time, so each is printed as soon as it ends."""
+    if tool == "guidellm":
+        yield run_guidellm(stack, tokenizer_dir, args.out)
+    elif tool == "aiperf":
+        yield run_aiperf(stack, tokenizer_dir, args.out)
+    else:
+        assert oracle is not None
+        for batch_size in args.batch_sizes:
+            yield run_lm_eval(stack, tokenizer_dir, batch_size, oracle, args.out)
+        yield run_echo_check(stack, tokenizer_dir, oracle)
+
+
 def main(argv: list[str] | None = None) -> int:
     from shared.models.resolve import resolve
 
@@ -76,19 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     with pdserve_up(args.out / "pdserve-up.log", args.model) as stack:
         print(f"pdserve up: {stack.model} at {stack.base_url} (pid {stack.proc.pid})")
         for tool in tools:
-            if tool == "guidellm":
-                runs = [lambda: run_guidellm(stack, tokenizer_dir, args.out)]
-            elif tool == "aiperf":
-                runs = [lambda: run_aiperf(stack, tokenizer_dir, args.out)]
-            else:
-                runs = [
-                    lambda bs=bs: run_lm_eval(stack, tokenizer_dir, bs, oracle, args.out)
-                    for bs in args.batch_sizes
-                ]
-                runs.append(lambda: run_echo_check(stack, tokenizer_dir, oracle))
-            for one_run in runs:
-                results.append(one_run())
-                report(results[-1])
+            for result in tool_runs(tool, stack, tokenizer_dir, oracle, args):
+                results.append(result)
+                report(result)
     leftovers = drain_leftovers(stack.log)
     for line in leftovers:
         print(f"WARN pdserve, stopped after the clients were done: {line}")
