@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 from perf.structured_libs import BACKENDS, Backend, TokenizerCase, tokenizer_cases
 
@@ -230,6 +231,53 @@ def _print(results: list[LibraryResult]) -> None:
         print("coverage:", ", ".join(f"{k}: {v}" for k, v in r.coverage.items()))
 
 
+@dataclass
+class EngineOverhead:
+    model: str
+    batch: int
+    steps: int
+    step_ms_unguided: float  # mean forward pass + sampling of a decode step
+    step_ms_guided: float
+    mask_ms: float  # mean time in GuidedDecoder.bitmask per guided step
+
+
+def engine_overhead(model: str, batch: int = 16, max_tokens: int = 24) -> EngineOverhead:
+    """The same decode steps of ``model`` with every row guided (PERSON_SCHEMA; ``max_tokens``
+    stops them before the object closes, so every step has ``batch`` rows) and unguided."""
+    from services.engine.engine import LLMEngine
+    from shared.config import EngineConfig
+    from shared.sampling import GuidedDecoding, SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=model, num_kv_blocks=512, max_num_seqs=batch))
+    tokenizer = Tokenizer.from_file(str(engine.model_dir / "tokenizer.json"))
+    prompt = tokenizer.encode("A person, as a JSON object with name, age, role and tags:").ids
+    guide = GuidedDecoding("json_schema", json.dumps(PERSON_SCHEMA))
+    mask_s: list[float] = []
+    fill = engine.guided.bitmask
+
+    def timed_fill(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = fill(*args, **kwargs)
+        mask_s.append(time.perf_counter() - t0)
+        return out
+
+    engine.guided.bitmask = timed_fill  # type: ignore[method-assign]
+    step_ms = {}
+    for guided in (None, guide):
+        params = [SamplingParams(temperature=0.8, seed=i, max_tokens=max_tokens, ignore_eos=True,
+                                 guided=guided) for i in range(batch)]  # fmt: skip
+        for i, sp in enumerate(params):
+            engine.add_request(f"{guided is not None}-{i}", prompt, sp)
+        decode_s, mask_s[:] = [], []
+        while engine.has_unfinished():
+            result = engine.step()
+            if result and result.stats.num_decodes == batch:
+                decode_s.append(result.stats.seconds)
+        step_ms[guided is not None] = statistics.mean(decode_s) * 1e3
+    return EngineOverhead(model, batch, len(decode_s), step_ms[False], step_ms[True],
+                          statistics.mean(mask_s) * 1e3)  # fmt: skip
+
+
 def _installed(cls: type[Backend]) -> bool:
     """llguidance is pdserve's dependency; the others are installed for this comparison only."""
     try:
@@ -245,7 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--repeat", type=int, default=3, help="compile timings: median of N")
     parser.add_argument("--libraries", nargs="*", default=[b.name for b in BACKENDS])
+    parser.add_argument("--engine", metavar="MODEL", help="also time guided decode steps of "
+                        "MODEL (e.g. smollm2-135m-instruct) against unguided ones")  # fmt: skip
     args = parser.parse_args(argv)
+    overhead = engine_overhead(args.engine) if args.engine else None  # (all threads for it)
     torch.set_num_threads(1)
     results = []
     chosen = [cls for cls in BACKENDS if cls.name in args.libraries and _installed(cls)]
@@ -253,9 +304,13 @@ def main(argv: list[str] | None = None) -> int:
         for cls in chosen:
             results.append(measure(cls(), tok, args.repeat))
     _print(results)
+    if overhead:
+        print(f"\n{overhead}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
+        out = {"libraries": [asdict(r) for r in results]}
+        out["engine"] = asdict(overhead) if overhead else None
+        args.json.write_text(json.dumps(out, indent=1))
     return 0
 
 

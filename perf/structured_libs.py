@@ -113,9 +113,12 @@ class LLGuidance(Backend):
         return self.llg.LLMatcher(self.tokenizer, grammar, log_level=0)
 
     def fill(self, states: list, bitmask: torch.Tensor) -> None:
-        # The executor directly: llguidance.torch's wrapper costs ~4 s at import (torch.compile).
-        rows = [(m, i) for i, m in enumerate(states)]
+        # Not through llguidance.torch: its import costs ~4 s (torch.compile).
         width = bitmask.shape[1] * 4
+        if len(states) == 1:  # the thread pool's hand-off costs more than one row's mask
+            states[0].unsafe_compute_mask_ptr(bitmask.data_ptr(), width)
+            return
+        rows = [(m, i) for i, m in enumerate(states)]
         self.executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), width, bitmask.shape[0])
 
     def advance(self, states: list, tokens: list[int]) -> None:
@@ -159,7 +162,10 @@ class XGrammar(Backend):
         return self.xgr.GrammarMatcher(grammar)
 
     def fill(self, states: list, bitmask: torch.Tensor) -> None:
-        self.batch.batch_fill_next_token_bitmask(states, bitmask)
+        if len(states) == 1:  # the thread pool's hand-off costs more than one row's mask
+            states[0].fill_next_token_bitmask(bitmask, 0)
+        else:
+            self.batch.batch_fill_next_token_bitmask(states, bitmask)
 
     def advance(self, states: list, tokens: list[int]) -> None:
         if not all(self.batch.batch_accept_token(states, tokens)):

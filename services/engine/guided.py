@@ -126,7 +126,10 @@ class GuidedDecoder:
                 failed.append(i)
             else:
                 matchers.append((state.matcher, i))
-        if matchers:
+        if len(matchers) == 1:  # the executor's thread hand-off costs more than one mask
+            matcher, i = matchers[0]
+            matcher.unsafe_compute_mask_ptr(mask[i].data_ptr(), words * 4)
+        elif matchers:
             self.executor.unsafe_compute_mask_ptr(matchers, mask.data_ptr(), words * 4, len(seqs))
         mask = self._fit_to_logits(mask)
         self._hold_back_enders(mask, rows)
