@@ -188,12 +188,12 @@ class Dispatcher:
         some are being pinged (silent, not yet confirmed gone: a starved event loop, say)."""
         while True:
             if self.bus.connected:
+                recovering = not self._recovery_over()
                 unheard = self._unheard()
-                heard = [w for w in self.router.serving("decode") if w.worker_id not in unheard]
-                if heard or (unheard and self._recovery_over()):
+                if any(w.worker_id not in unheard for w in self.router.serving("decode")):
                     return unheard
-                if not unheard and not self._decode_suspects():
-                    return unheard
+                if not recovering and not self._decode_suspects():
+                    return unheard  # nobody to wait for: the caller finds no worker
             if time.time() >= deadline:
                 raise StageTimeout("no decode worker was reachable before the request's deadline")
             await asyncio.sleep(RECOVERY_POLL_SECONDS)
