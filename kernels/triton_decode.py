@@ -15,15 +15,13 @@ several programs. With one query per sequence the kernel compiles to the plain d
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton_attention_common import LOG2E, dot_precision, num_sms, paged_rows
+from kernels.triton_attention_common import LOG2E, dot_precision, paged_rows
+from kernels.triton_decode_launch import DecodeConfig, choose_decode_config, query_layout
 
 
 @triton.jit
@@ -74,13 +72,13 @@ def _decode_split_kernel(
         # sequence shares this program's one pass over its pages. A row block is BLOCK_M of them.
         kv_head = tl.program_id(0) // row_blocks
         first_row = (tl.program_id(0) % row_blocks) * BLOCK_M
-        q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)
-        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start  # int32: positions stay 32-bit
         r += first_row
         row_mask = r < q_len * group
         j = r // group
         heads = kv_head * group + r % group
-        token = q_start + j
+        token = q_start.to(tl.int64) + j
         q_pos = context_len - q_len + j  # query j's position: it sees keys 0..q_pos
         # Keys past this block's last query are nobody's here; a block of padding rows only
         # (a sequence shorter than the longest) reads nothing.
@@ -205,77 +203,6 @@ def _decode_merge_kernel(
     )
 
 
-# Programs of the default config that fit on one SM at once (96 registers x 128 threads, ~38 KB
-# shared memory on sm_90 allow 5; 4 leaves room for what the compiler of the day does).
-RESIDENT_PROGRAMS_PER_SM = 4
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    block_n: int  # cached tokens per inner-loop tile
-    num_splits: int  # context partitions per (sequence, kv head)
-    num_warps: int = 4
-    num_stages: int = 2
-
-
-def choose_decode_config(
-    batch: int,
-    num_kv_heads: int,
-    max_context: int,
-    head_dim: int,
-    device: torch.device,
-    row_blocks: int = 1,
-) -> DecodeConfig:
-    """Pick the context split that keeps HBM busy to the end.
-
-    Every (sequence, kv head[, row block]) program streams the same bytes, so programs run in
-    lockstep waves. A single wave needs about two programs per SM to keep enough loads in
-    flight; beyond one wave, a last wave that is mostly empty leaves bandwidth idle for its
-    whole duration (1.2 waves cost as much as 2). So: the fewest splits that reach ~90% of either
-    ideal, and never a split shorter than ~256 tokens.
-    """
-    block_n = 64 if head_dim <= 128 else 32
-    sms = num_sms(device)
-    resident = RESIDENT_PROGRAMS_PER_SM * sms
-    base = max(1, batch * num_kv_heads * row_blocks)
-    max_splits = max(1, min(64, max_context // 256))
-
-    def efficiency(splits: int) -> float:
-        programs = base * splits
-        if programs <= resident:
-            return min(1.0, programs / (2 * sms))
-        waves = programs / resident
-        return waves / math.ceil(waves)
-
-    scored = [(efficiency(s), s) for s in range(1, max_splits + 1)]
-    good = [s for e, s in scored if e >= 0.9]
-    num_splits = good[0] if good else max(scored)[1]
-    return DecodeConfig(block_n=block_n, num_splits=num_splits)
-
-
-# Most (query token, q head) rows one program holds: a [64, D] fp32 accumulator and [64, BLOCK_N]
-# scores stay in registers; a sequence with more rows (q_len x GQA group) gets several programs.
-MAX_QUERY_ROWS = 64
-
-
-@dataclass(frozen=True)
-class QueryLayout:
-    """How a step's query rows map onto programs: one row block of block_m rows, or several."""
-
-    multi_query: bool  # several query tokens per sequence (cu_seqlens_q is read)
-    block_m: int  # rows per program: (query, head of the kv group) pairs, a power of 2 >= 16
-    row_blocks: int  # programs per (sequence, kv head, split)
-
-
-def query_layout(group: int, cu_seqlens_q: Tensor | None, max_seqlen_q: int) -> QueryLayout:
-    if cu_seqlens_q is None or max_seqlen_q <= 1:
-        # One query per sequence: the group's heads are the rows (tl.dot wants >= 16 of them).
-        return QueryLayout(False, max(16, triton.next_power_of_2(group)), 1)
-    rows = max_seqlen_q * group
-    block_m = min(MAX_QUERY_ROWS, max(16, triton.next_power_of_2(rows)))
-    return QueryLayout(True, block_m, triton.cdiv(rows, block_m))
-
-
 def decode_attention_with(
     q: Tensor,
     k_cache: Tensor,
@@ -392,7 +319,7 @@ def decode_attention(
         block_tables.shape[1] * k_cache.shape[1],
         q.shape[2],
         q.device,
-        layout.row_blocks,
+        layout,
     )
     return decode_attention_with(
         q, k_cache, v_cache, block_tables, context_lens, scale, config, cu_seqlens_q, max_seqlen_q

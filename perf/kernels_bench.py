@@ -259,7 +259,7 @@ def bench_decode(
         inputs.table.shape[1] * case.block_size,
         case.head_dim,
         device,
-        layout.row_blocks,
+        layout,
     )
     configs = [("triton", chosen)]
     if sweep:

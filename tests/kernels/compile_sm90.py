@@ -35,7 +35,7 @@ _POINTER_TYPES = {
 }
 _FLOAT_ARGS = {"eps", "scale_log2"}
 # Integer arguments that can be anything (no divisibility-by-16 hint).
-_ODD_INTS = {"group", "num_splits", "num_heads", "num_q_heads", "num_k_heads"}
+_ODD_INTS = {"group", "num_splits", "num_heads", "num_q_heads", "num_k_heads", "row_blocks"}
 
 
 def _signature(kernel, constexprs: dict) -> tuple[dict, dict]:
@@ -98,11 +98,8 @@ def variants() -> list[tuple[str, object, dict, int, int]]:
     """(label, kernel, constexprs, num_warps, num_stages): what production launches on an H200
     for a Llama-3-8B-shaped model (head dim 128, GQA 4, page 16), bf16."""
     from kernels.triton_cache import _store_kvcache_kernel
-    from kernels.triton_decode import (
-        DecodeConfig,
-        _decode_merge_kernel,
-        _decode_split_kernel,
-    )
+    from kernels.triton_decode import _decode_merge_kernel, _decode_split_kernel
+    from kernels.triton_decode_launch import MULTI_QUERY_LAUNCH, DecodeConfig
     from kernels.triton_norm import _rms_norm_kernel
     from kernels.triton_prefill import _prefill_kernel, choose_prefill_config
     from kernels.triton_rotary import _rotary_kernel
@@ -121,24 +118,34 @@ def variants() -> list[tuple[str, object, dict, int, int]]:
             1,
         ),
     ]
-    for single in (True, False):
-        out.append(
-            (
-                f"decode single_split={single}",
-                _decode_split_kernel,
-                {
-                    "block_size": 16,
-                    "HEAD_DIM": 128,
-                    "SINGLE_SPLIT": single,
-                    "BLOCK_G": 16,
-                    "BLOCK_N": decode.block_n,
-                    "BLOCK_D": 128,
-                    "PRECISION": "tf32",
-                },
-                decode.num_warps,
-                decode.num_stages,
+    # Plain decode (16 rows: the GQA group padded) and speculative verification, whose rows are
+    # q_len x group (GQA 4: 32 rows for q_len 5, 64 - the most one program holds - for q_len 9),
+    # each with the warps it launches with.
+    launches = [(False, 16, decode.num_warps)]
+    launches += [(True, rows, warps) for rows, (warps, _) in MULTI_QUERY_LAUNCH.items()]
+    for multi, block_m, num_warps in launches:
+        for single in (True, False):
+            label = f"decode single_split={single}"
+            if multi:
+                label += f" multi_query rows={block_m}"
+            out.append(
+                (
+                    label,
+                    _decode_split_kernel,
+                    {
+                        "block_size": 16,
+                        "HEAD_DIM": 128,
+                        "MULTI_QUERY": multi,
+                        "SINGLE_SPLIT": single,
+                        "BLOCK_M": block_m,
+                        "BLOCK_N": decode.block_n,
+                        "BLOCK_D": 128,
+                        "PRECISION": "tf32",
+                    },
+                    num_warps,
+                    decode.num_stages,
+                )
             )
-        )
     for paged in (False, True):
         out.append(
             (

@@ -42,6 +42,7 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
     kernels = {r["kernel"] for r in reports}
     assert {"rms_norm", "rotary", "store_kvcache", "decode_merge"} <= kernels
     assert {"decode single_split=True", "prefill paged=True", "prefill paged=False"} <= kernels
+    assert "decode single_split=False multi_query rows=64" in kernels
     for r in reports:
         assert r["spill_bytes"] == 0, r
         assert r["shared_bytes"] <= SM90_SHARED_MEMORY, r

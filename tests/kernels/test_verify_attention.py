@@ -290,3 +290,23 @@ def test_triton_through_ops_and_empty_step(kernel_backend) -> None:
         width,
     )
     assert empty.shape == (0, 4, 64)
+
+
+def test_query_rows_per_program() -> None:
+    from kernels.triton_decode_launch import choose_decode_config, query_layout
+
+    cu = torch.zeros(2, dtype=torch.int32)
+    # one query per sequence, however it is spelled: the plain kernel, the GQA group as rows
+    assert query_layout(4, None, 1) == query_layout(4, cu, 1)
+    assert not query_layout(4, cu, 1).multi_query and query_layout(4, cu, 1).block_m == 16
+    # q_len x group rows in one program while they fit (pages read once per kv head) ...
+    layout = query_layout(4, cu, 9)
+    assert (layout.multi_query, layout.block_m, layout.row_blocks) == (True, 64, 1)
+    assert query_layout(1, cu, 5).block_m == 16  # tl.dot wants at least 16 rows
+    # ... and row blocks of 64 past that
+    assert query_layout(8, cu, 9).row_blocks == 2
+    # more rows, more warps (registers per thread stay near 100-160 on sm_90)
+    device = torch.device(DEV)
+    plain = choose_decode_config(64, 8, 2048, 128, device)
+    wide = choose_decode_config(64, 8, 2048, 128, device, query_layout(4, cu, 9))
+    assert plain.num_warps == 4 and wide.num_warps == 8
