@@ -60,6 +60,7 @@ class GenerationParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     stop_token_ids: list[int] = field(default_factory=list)
     guided: GuidedDecoding | None = None  # response_format / guided_regex / guided_choice
+    speculate: bool = True  # false: no speculative decoding for this request
 
 
 @dataclass
@@ -154,6 +155,7 @@ def _params(
         logit_bias=req.logit_bias_by_token(),
         stop_token_ids=list(req.stop_token_ids or []),
         guided=req.guided,
+        speculate=given(req.speculate, True),
     )
 
 

@@ -3,7 +3,8 @@ min_tokens, logit_bias, stop strings and stop token ids.
 
 Bounds come from ``shared.sampling`` (the same ones the wire protocol and the engine enforce).
 ``presence_penalty`` and ``frequency_penalty`` are OpenAI's; ``repetition_penalty``,
-``min_tokens``, ``stop_token_ids``, ``top_k`` and ``ignore_eos`` are vLLM's extensions.
+``min_tokens``, ``stop_token_ids``, ``top_k`` and ``ignore_eos`` are vLLM's extensions;
+``speculate`` is pdserve's own.
 """
 
 from __future__ import annotations
@@ -105,6 +106,11 @@ class SamplingFields(StrictModel):
         None, description="vLLM's: token ids that end the output like EOS"
     )
     ignore_eos: bool | None = Field(None, description="vLLM's: keep going past EOS")
+    speculate: bool | None = Field(
+        None,
+        description="pdserve's: false opts this request out of speculative decoding where the "
+        "server runs it (speed only: greedy and seeded outputs are the same either way)",
+    )
 
     def stop_strings(self) -> list[str]:
         """The stop strings, each once, in the order given."""

@@ -229,6 +229,7 @@ class Gateway:
             logit_bias_token_ids=list(bias),
             logit_bias_values=[float(v) for v in bias.values()],
             guided=p.guided,
+            speculate=p.speculate,
         )
 
 

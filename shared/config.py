@@ -15,7 +15,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from shared.errors import StartupError
+
 ENV_PREFIX = "PDSERVE_"
+SPECULATIVE_METHODS = ("off", "ngram", "draft")
 
 T = TypeVar("T")
 
@@ -71,6 +74,53 @@ class EngineConfig:
     torch_threads: int = opt(
         0, "torch CPU threads of a worker; 0 = one per CPU the process may run on (its affinity)"
     )
+    speculative: str = opt(
+        "off",
+        "speculative decoding on decode workers: ngram = prompt lookup (drafts copied from the "
+        "prompt and output so far), draft = a smaller model (--draft-model); the output is "
+        "unchanged either way",
+        choices=SPECULATIVE_METHODS,
+    )
+    num_speculative_tokens: int = opt(4, "most draft tokens verified per sequence and step (K)")
+    ngram_min: int = opt(2, "shortest n-gram (of the last tokens) --speculative ngram matches")
+    ngram_max: int = opt(4, "longest n-gram --speculative ngram matches (the longest match wins)")
+    draft_model: str | None = opt(
+        None, "the draft model of --speculative draft (same tokenizer as --model)"
+    )
+    spec_min_accept: float = opt(
+        0.1,
+        "adaptive K: a sequence drafts its j-th token only while a**j >= this, a being its "
+        "running acceptance rate; below it for j = 1 it pauses drafting, retrying after a "
+        "growing pause (0 = always K)",
+    )
+
+    def __post_init__(self) -> None:
+        problem = speculative_problem(self)
+        if problem is not None:
+            raise StartupError(problem)
+
+
+def speculative_problem(cfg: EngineConfig) -> str | None:
+    """What is wrong with the speculative-decoding options, in one line, or None."""
+    if cfg.speculative not in SPECULATIVE_METHODS:
+        methods = ", ".join(SPECULATIVE_METHODS)
+        return f"--speculative must be one of {methods}, got {cfg.speculative!r}"
+    if cfg.num_speculative_tokens < 1:
+        return f"--num-speculative-tokens must be at least 1, got {cfg.num_speculative_tokens}"
+    if cfg.ngram_min < 1:
+        return f"--ngram-min must be at least 1, got {cfg.ngram_min}"
+    if cfg.ngram_min > cfg.ngram_max:
+        return f"--ngram-min ({cfg.ngram_min}) exceeds --ngram-max ({cfg.ngram_max})"
+    if not 0.0 <= cfg.spec_min_accept <= 1.0:
+        return f"--spec-min-accept must be in [0, 1], got {cfg.spec_min_accept}"
+    if cfg.speculative == "draft":
+        if not cfg.draft_model:
+            return "--speculative draft needs --draft-model PATH (a model with --model's tokenizer)"
+        # the draft-model proposer is the next part of issue 17; until it lands, say so here
+        return "--speculative draft is not available yet; --speculative ngram needs no draft model"
+    if cfg.draft_model:
+        return f"--draft-model is only used with --speculative draft (this is {cfg.speculative})"
+    return None
 
 
 @dataclass

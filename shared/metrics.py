@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
@@ -183,6 +183,33 @@ class WorkerMetrics:
         self.prefix_cache_hits = counter(
             "pdserve_worker_prefix_cache_hits", "Prompt blocks found in the prefix cache."
         )
+        # Speculative decoding, after vLLM's spec_decode metrics: acceptance rate =
+        # accepted / draft tokens, mean acceptance length = 1 + accepted / drafts.
+        self.spec_drafts = counter(
+            "pdserve_worker_spec_decode_num_drafts",
+            "Speculative drafts verified (a sequence's draft of one or more tokens).",
+        )
+        self.spec_draft_tokens = counter(
+            "pdserve_worker_spec_decode_num_draft_tokens", "Draft tokens verified."
+        )
+        self.spec_accepted_tokens = counter(
+            "pdserve_worker_spec_decode_num_accepted_tokens", "Draft tokens accepted."
+        )
+        self.spec_accepted_per_pos = Counter(
+            "pdserve_worker_spec_decode_num_accepted_tokens_per_pos",
+            "Drafts whose token at this position (0 = the first) was accepted.",
+            ["role", "position"],
+            registry=registry,
+        )
+
+    def count_spec(self, drafts: int, draft_tokens: int, accepted: int, per_pos: list[int]) -> None:
+        """Add speculative-decoding counts (increments since the last call)."""
+        self.spec_drafts.inc(drafts)
+        self.spec_draft_tokens.inc(draft_tokens)
+        self.spec_accepted_tokens.inc(accepted)
+        for position, count in enumerate(per_pos):
+            if count:
+                self.spec_accepted_per_pos.labels(self.role, str(position)).inc(count)
 
     def set_load(self, used_blocks: int, total_blocks: int, running: int, waiting: int) -> None:
         """Refresh the load gauges (call with each heartbeat or engine step)."""
@@ -190,6 +217,14 @@ class WorkerMetrics:
         self.kv_total_blocks.set(total_blocks)
         self.running.set(running)
         self.waiting.set(waiting)
+
+
+# WorkerLoad's speculative-decoding totals -> (the gateway's series name, its help)
+SPEC_LOAD_COUNTERS = (
+    ("spec_drafts", "drafts", "Speculative drafts verified per decode worker."),
+    ("spec_draft_tokens", "draft_tokens", "Draft tokens verified per decode worker."),
+    ("spec_accepted_tokens", "accepted_tokens", "Draft tokens accepted per decode worker."),
+)
 
 
 class WorkerLoadLike(Protocol):
@@ -202,6 +237,9 @@ class WorkerLoadLike(Protocol):
     running: int
     waiting: int
     draining: bool
+    spec_drafts: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
 
 
 class WorkerLoadCollector(Collector):
@@ -214,7 +252,7 @@ class WorkerLoadCollector(Collector):
     def __init__(self, loads: Callable[[], Iterable[WorkerLoadLike]]) -> None:
         self._loads = loads
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         labels = ["worker", "role"]
         used = GaugeMetricFamily(
             "pdserve_kv_cache_used_blocks", "KV-cache blocks in use per worker.", labels=labels
@@ -231,6 +269,11 @@ class WorkerLoadCollector(Collector):
         draining = GaugeMetricFamily(
             "pdserve_worker_draining", "1 while the worker drains before exit.", labels=labels
         )
+        # speculative decoding on decode workers that run it (totals since the worker started)
+        spec = {
+            field: CounterMetricFamily(f"pdserve_spec_decode_num_{name}", doc, labels=labels)
+            for field, name, doc in SPEC_LOAD_COUNTERS
+        }
         for load in self._loads():
             key = [load.worker_id, load.role]
             used.add_metric(key, load.total_blocks - load.free_blocks)
@@ -238,7 +281,11 @@ class WorkerLoadCollector(Collector):
             running.add_metric(key, load.running)
             waiting.add_metric(key, load.waiting)
             draining.add_metric(key, 1.0 if load.draining else 0.0)
-        return [used, total, running, waiting, draining]
+            if load.spec_drafts:
+                for field, family in spec.items():
+                    family.add_metric(key, getattr(load, field))
+        families = [used, total, running, waiting, draining]
+        return families + [family for family in spec.values() if family.samples]
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
         # Declaring no fixed series keeps registration from calling ``loads`` before discovery runs.

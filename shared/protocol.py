@@ -240,6 +240,11 @@ class WorkerLoad:
     # random per process start: a worker restarted under the same id (compose restarts keep
     # hostname and often pid) is a new incarnation, and whatever the old one held is gone
     instance: str = text(max_len=64, default="")
+    # decode workers running speculative decoding: totals since start (the gateway's /metrics
+    # re-exports them, so a benchmark against the gateway can report acceptance)
+    spec_drafts: int = count(default=0)
+    spec_draft_tokens: int = count(default=0)
+    spec_accepted_tokens: int = count(default=0)
 
 
 @dataclass
@@ -319,6 +324,7 @@ _SAMPLING_BOUNDS: dict[str, dict[str, Any]] = {
         "max_len": MAX_LOGIT_BIAS,
     },
     "guided": {},
+    "speculate": {},
 }
 _GUIDED_BOUNDS: dict[str, dict[str, Any]] = {
     "kind": {"choices": GUIDED_KINDS, "max_len": 16},

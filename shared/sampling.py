@@ -89,6 +89,9 @@ class SamplingParams:
     logit_bias_token_ids: list[int] = field(default_factory=list)
     logit_bias_values: list[float] = field(default_factory=list)
     guided: GuidedDecoding | None = None
+    # Speculative decoding where the decode worker runs it (--speculative): False opts this
+    # request out. It changes speed only: greedy and seeded outputs are the same either way.
+    speculate: bool = True
 
     def __post_init__(self) -> None:
         for name, bound in BOUNDS.items():

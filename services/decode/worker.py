@@ -56,6 +56,7 @@ from dataclasses import dataclass
 
 from services.engine.engine import LLMEngine
 from services.engine.outputs import KVPull, StepOutput, StepResult
+from services.engine.spec.speculator import SpecCounters
 from services.probe import pull_probe
 from services.request_state import RequestState, record_prefill_forward
 from services.worker_base import Worker
@@ -79,9 +80,17 @@ log = logging.getLogger("pdserve.decode")
 PULL_TIMEOUT = 30.0  # one request's KV pull, beyond which it counts as failed
 
 
+# decode.generate's speculative-decoding attributes (when the request's tokens were drafted)
+ATTR_SPEC_DRAFT_TOKENS = "pdserve.spec.draft_tokens"  # draft tokens verified for the request
+ATTR_SPEC_ACCEPTED_TOKENS = "pdserve.spec.accepted_tokens"  # ... and accepted
+ATTR_SPEC_ACCEPTANCE_RATE = "pdserve.spec.acceptance_rate"  # accepted / draft tokens
+
+
 @dataclass
 class DecodeState(RequestState):
     num_output_tokens: int = 0
+    num_draft_tokens: int = 0  # speculative decoding, over all its choices
+    num_accepted_tokens: int = 0
     first_step_ns: int | None = None  # first decode step (start of decode.generate)
     local_prefill: bool = False  # prefilled here: its first item reports the cached tokens
     reported_cached: bool = False
@@ -96,6 +105,7 @@ class DecodeWorker(Worker):
         super().__init__(ns, bus)
         self.kv_client: KVClient | None = None
         self.kv_servers: dict[str, str] = {}  # prefill worker id -> KV address connected to
+        self._spec_counted = SpecCounters()  # the engine's totals already in the metrics
 
     def make_engine(self) -> LLMEngine:
         return LLMEngine(self.engine_config, kv_failure_policy=self.config.kv_failure_policy)
@@ -147,7 +157,23 @@ class DecodeWorker(Worker):
             log.info("could not pre-connect to %s: %r", worker_id, exc)
 
     def load_extra(self) -> dict:
-        return {"local_prefill_threshold": self.config.local_prefill_threshold}
+        extra = {"local_prefill_threshold": self.config.local_prefill_threshold}
+        spec = self.engine.stats().spec
+        if spec is not None:
+            extra.update(spec_drafts=spec.drafts, spec_draft_tokens=spec.draft_tokens,
+                         spec_accepted_tokens=spec.accepted_tokens)  # fmt: skip
+        return extra
+
+    def update_metrics(self) -> None:
+        super().update_metrics()
+        spec = self.engine.stats().spec
+        if spec is None or spec.drafts == self._spec_counted.drafts:
+            return
+        new = spec.since(self._spec_counted)
+        self.metrics.count_spec(
+            new.drafts, new.draft_tokens, new.accepted_tokens, new.accepted_per_pos
+        )
+        self._spec_counted = spec
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -310,6 +336,8 @@ class DecodeWorker(Worker):
             item.cached_tokens = out.num_prefix_hit_tokens
             state.reported_cached = True
         state.num_output_tokens += len(out.new_token_ids)
+        state.num_draft_tokens += out.num_draft_tokens
+        state.num_accepted_tokens += out.num_accepted_tokens
         if out.request_finished:  # every choice is over
             self._end(state)
             self._record_generate(state, out.finish_reason or "stop", step.end_ns)
@@ -319,17 +347,24 @@ class DecodeWorker(Worker):
         start = state.first_step_ns or end_ns
         n = state.num_output_tokens
         tpot_ms = (end_ns - start) / 1e6 / max(1, n - 1) if n > 1 else 0.0
+        attributes = {
+            **state.attributes(self.worker_id),
+            tracing.GEN_AI_USAGE_OUTPUT_TOKENS: n,
+            tracing.ATTR_TPOT_MS: tpot_ms,
+            tracing.GEN_AI_RESPONSE_FINISH_REASONS: [reason],
+        }
+        if state.num_draft_tokens:
+            attributes[ATTR_SPEC_DRAFT_TOKENS] = state.num_draft_tokens
+            attributes[ATTR_SPEC_ACCEPTED_TOKENS] = state.num_accepted_tokens
+            attributes[ATTR_SPEC_ACCEPTANCE_RATE] = (
+                state.num_accepted_tokens / state.num_draft_tokens
+            )
         tracing.record_span(
             tracing.SPAN_DECODE_GENERATE,
             start,
             end_ns,
             context=state.context,
-            attributes={
-                **state.attributes(self.worker_id),
-                tracing.GEN_AI_USAGE_OUTPUT_TOKENS: n,
-                tracing.ATTR_TPOT_MS: tpot_ms,
-                tracing.GEN_AI_RESPONSE_FINISH_REASONS: [reason],
-            },
+            attributes=attributes,
         )
 
     # -- cancel, deadlines ---------------------------------------------------------------------

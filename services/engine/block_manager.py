@@ -142,6 +142,19 @@ class BlockManager:
             self.seq_hashes[child.seq_id] = self.seq_hashes.get(parent.seq_id, [])[:last]
         return parent.block_table[last], copy
 
+    def trim(self, seq: Sequence) -> None:
+        """Free the tail blocks past ``seq.num_computed_tokens``: a speculative step's rejected
+        drafts left only rolled-back KV in them. They were never registered (``commit`` takes
+        only computed tokens) and go to the front of the free list: their content is worth
+        nothing, so they are reused before any cached block is evicted."""
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self.free[block_id] = None
+                self.free.move_to_end(block_id, last=False)
+
     def free_sequence(self, seq: Sequence) -> None:
         """Drop the sequence's references; blocks in the prefix cache stay reusable (free but
         evictable) until their space is needed."""

@@ -47,6 +47,7 @@ from services.engine.model_runner import ModelRunner
 from services.engine.outputs import EngineStats, KVPull, StepOutput, StepResult, StepStats
 from services.engine.scheduler import ScheduledBatch, Scheduler
 from services.engine.sequence import Sequence
+from services.engine.spec import build_speculator
 from shared.config import EngineConfig
 from shared.models.resolve import describe, resolve
 from shared.sampling import SamplingParams
@@ -94,6 +95,8 @@ class LLMEngine(RequestLifecycle):
         )
         self.guided = GuidedDecoder(self.model_dir, cfg.vocab_size, cfg.eos_token_ids)
         self.runner = ModelRunner(model, self.kv_cache, self.block_size, self.device, self.guided)
+        # speculative decoding (``spec/``): decode-side only, a prefill worker never drafts
+        self.speculator = None if prefill_only else build_speculator(config, self.max_model_len)
         self.seqs: dict[str, Sequence] = {}  # by seq_id
         self.requests: dict[str, ChoiceGroup] = {}  # by request id: its choices' sequences
         self._seed_rng = random.Random(config.seed)
@@ -234,6 +237,8 @@ class LLMEngine(RequestLifecycle):
         outputs: list[StepOutput] = []
         while self._commands:
             self._apply(self._commands.popleft(), outputs)
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         stats = StepStats()
         pulls: list[KVPull] = []
@@ -250,25 +255,46 @@ class LLMEngine(RequestLifecycle):
         t0 = time.perf_counter()
         run = self.runner.run(batch)
         elapsed = time.perf_counter() - t0
-        sampled = dict(zip(run.sampling_rows, run.tokens.tolist(), strict=True))
+        stats = StepStats(
+            num_seqs=len(batch.seqs),
+            num_decodes=batch.num_decodes + batch.num_verifies,
+            num_tokens=batch.num_tokens,
+            seconds=elapsed,
+        )
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             if i in run.prompt_logprobs:
                 seq.prompt_logprobs_so_far.extend(run.prompt_logprobs[i])
-            seq.num_computed_tokens += n
-            self.block_manager.commit(seq)
-            token = sampled.get(i)
-            if token is None:  # a prompt chunk that is not the last
+            sampled = run.sampled.get(i)
+            if sampled is None:  # a prompt chunk that is not the last
+                seq.num_computed_tokens += n
+                self.block_manager.commit(seq)
                 continue
+            drafted, accepted = run.drafted.get(i, 0), len(sampled) - 1
+            seq.spec_token_ids, seq.spec_probs = [], None
             prompt_lp = seq.prompt_logprobs_to_send()  # before the token makes it an output
-            new_tokens = [token] if seq.sampling.max_tokens else []  # 0: prompt log-probs only
-            seq.token_ids.extend(new_tokens)
+            # max_tokens 0: prompt log-probs only
+            new_tokens, reason = (
+                self._append(seq, sampled) if seq.sampling.max_tokens else ([], "length")
+            )
+            # the KV computed is the row's, less its rejected drafts' (they are rolled back)
+            seq.num_computed_tokens = min(
+                seq.num_computed_tokens + n - drafted + accepted, seq.num_tokens
+            )
+            if drafted:
+                self.block_manager.trim(seq)
+                self.speculator.verified(seq, drafted, accepted)
+                stats.spec_drafts += 1
+                stats.spec_draft_tokens += drafted
+                stats.spec_accepted_tokens += accepted
+            self.block_manager.commit(seq)
             if self._fork(seq):  # it only carried the prompt for its request's other choices
                 continue
-            reason = self._finished_reason(seq) if new_tokens else "length"
             out = StepOutput(
                 seq.request_id, new_tokens, reason, seq.num_prefix_hit_tokens, index=seq.index
             )
-            out.logprobs = run.logprobs.get(i) if new_tokens else None
+            out.num_draft_tokens, out.num_accepted_tokens = drafted, accepted
+            if new_tokens and i in run.logprobs:
+                out.logprobs = run.logprobs[i].slice(0, len(new_tokens))
             out.prompt_logprobs = prompt_lp
             if reason is not None and not (self.prefill_only and num_choices(seq.sampling) > 1):
                 out.request_finished = self._finish(seq, reason)
@@ -276,14 +302,20 @@ class LLMEngine(RequestLifecycle):
                 self.scheduler.park(seq)
                 out.kv_block_ids, out.num_kv_tokens = list(seq.block_table), seq.num_computed_tokens
             outputs.append(out)
-        prefills = batch.seqs[batch.num_decodes :]
-        return StepStats(
-            num_seqs=len(batch.seqs),
-            num_decodes=batch.num_decodes,
-            num_tokens=batch.num_tokens,
-            seconds=elapsed,
-            prefill_seqs={s.request_id: s.num_prefix_hit_tokens for s in prefills},
-        )
+        prefills = batch.seqs[batch.num_decodes + batch.num_verifies :]
+        stats.prefill_seqs = {s.request_id: s.num_prefix_hit_tokens for s in prefills}
+        return stats
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], str | None]:
+        """Append a row's tokens up to the first that ends the sequence (a stop token or EOS
+        among accepted drafts ends it there, as it would one token per step); returns those
+        appended and why the sequence ended, if it did."""
+        for count, token in enumerate(tokens, start=1):
+            seq.token_ids.append(token)
+            reason = self._finished_reason(seq)
+            if reason is not None:
+                return tokens[:count], reason
+        return tokens, None
 
     def _publish(self) -> None:
         bm, sch = self.block_manager, self.scheduler
@@ -296,6 +328,7 @@ class LLMEngine(RequestLifecycle):
             preemptions=sch.num_preemptions,
             prefix_queries=bm.prefix_queries,
             prefix_hits=bm.prefix_hits,
+            spec=self.speculator.counters.snapshot() if self.speculator else None,
         )
         if self._kv_feed is not None:
             stored, removed = bm.drain_events()

@@ -1,8 +1,9 @@
 """Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
 
 Tokens of all scheduled sequences are packed into one flat batch with no padding. The first
-``num_decodes`` sequences contribute one token each and use paged decode attention; the rest are
-prefill chunks that use varlen causal attention (reading any already-cached prefix from the pages).
+``num_decodes`` sequences contribute one token each and use paged decode attention; then come
+speculative verification rows (a sequence's last token and its drafts), then prefill chunks,
+each group with varlen causal attention (reading any already-cached prefix from the pages).
 All heavy ops go through ``kernels.ops``, the one dispatch point between Triton and torch.
 """
 
@@ -18,6 +19,19 @@ from services.engine.model_config import ModelConfig
 
 
 @dataclass
+class ChunkGroup:
+    """Rows of several query tokens each, attended with varlen causal attention: prefill chunks,
+    or speculative verification rows (the last token and the drafts after it)."""
+
+    num_tokens: int
+    cu_seqlens_q: torch.Tensor  # [rows + 1] int32
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    block_tables: torch.Tensor | None  # None when no row has a cached prefix
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     num_decodes: int
@@ -25,11 +39,10 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor  # [num_decodes]
     # ops.decode_plan of the two above: made once per forward pass, shared by every layer
     decode_plan: object | None
-    cu_seqlens_q: torch.Tensor  # [num_prefills + 1], prefill part only
-    cu_seqlens_k: torch.Tensor
-    max_seqlen_q: int
-    max_seqlen_k: int
-    prefill_block_tables: torch.Tensor | None  # None when no prefill chunk has a cached prefix
+    # after the decodes' tokens: verification rows, then prefill chunks. They are attended
+    # apart so short verification rows are never padded to a long prompt chunk.
+    verify: ChunkGroup | None
+    prefill: ChunkGroup | None
 
 
 class RMSNorm(nn.Module):
@@ -88,20 +101,26 @@ class Attention(nn.Module):
                     meta.decode_plan,
                 )
             )
-        if q.shape[0] > nd:
+        first = nd
+        for group in (meta.verify, meta.prefill):
+            if group is None:
+                continue
+            rows = slice(first, first + group.num_tokens)
+            first += group.num_tokens
+            paged = group.block_tables is not None
             parts.append(
                 ops.prefill_attention(
-                    q[nd:],
-                    k[nd:],
-                    v[nd:],
-                    meta.cu_seqlens_q,
-                    meta.cu_seqlens_k,
-                    meta.max_seqlen_q,
-                    meta.max_seqlen_k,
+                    q[rows],
+                    k[rows],
+                    v[rows],
+                    group.cu_seqlens_q,
+                    group.cu_seqlens_k,
+                    group.max_seqlen_q,
+                    group.max_seqlen_k,
                     self.scale,
-                    self.k_cache if meta.prefill_block_tables is not None else None,
-                    self.v_cache if meta.prefill_block_tables is not None else None,
-                    meta.prefill_block_tables,
+                    self.k_cache if paged else None,
+                    self.v_cache if paged else None,
+                    group.block_tables,
                 )
             )
         out = parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -25,15 +25,17 @@ from services.engine.logits_processing import (
     build_penalties,
 )
 from services.engine.logprobs import (
-    LogprobsTensors,
     PromptLogprobsPlan,
     gather_prompt_logprobs,
     token_logprobs,
 )
-from services.engine.model import AttentionMetadata, LlamaForCausalLM
-from services.engine.sampler import SamplingTensors, sample
+from services.engine.model import AttentionMetadata, ChunkGroup, LlamaForCausalLM
+from services.engine.sampler import SamplerOutput, SamplingTensors, sample
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence
+from services.engine.spec import verify
+from services.engine.spec.rejection import DraftDistributions
+from services.engine.spec.verify import DraftPosition
 from shared.logprobs import TokenLogprobs
 
 
@@ -41,10 +43,11 @@ from shared.logprobs import TokenLogprobs
 class StepRun:
     """What one forward pass produced, keyed by index in ``batch.seqs``."""
 
-    # the sequences whose last token was computed, and the tokens they drew (a host tensor)
-    sampling_rows: list[int] = field(default_factory=list)
-    tokens: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # of it, where asked
+    # the tokens each sequence whose last token was computed emits: the one it sampled, or
+    # for a verified draft the accepted drafts and the token after them (1 + accepted)
+    sampled: dict[int, list[int]] = field(default_factory=dict)
+    drafted: dict[int, int] = field(default_factory=dict)  # draft tokens verified, where any
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # of them, where asked
     # prompt log-probs this chunk gathered (to append to the sequence's), where asked
     prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
 
@@ -77,18 +80,64 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepRun:
         """Runs the batch; the sequences whose last token was computed sample (partial prefill
-        chunks sample nothing), and the log-probs asked are gathered."""
-        seqs, counts, nd = batch.seqs, batch.num_new_tokens, batch.num_decodes
+        chunks sample nothing; a verification row samples at its every position), and the
+        log-probs asked are gathered."""
+        seqs, counts = batch.seqs, batch.num_new_tokens
         starts_list = [s.num_computed_tokens for s in seqs]
         input_ids = [
             t
             for s, c, st in zip(seqs, counts, starts_list, strict=True)
-            for t in s.token_ids[st : st + c]
+            for t in _row_tokens(s, st, c)
         ]
+        meta, positions = self._metadata(batch, starts_list, len(input_ids))
+        offsets = list(accumulate(counts, initial=0))
+        drafts = [len(s.spec_token_ids) for s in seqs]
+        sampling_rows = [
+            i for i, s in enumerate(seqs) if starts_list[i] + counts[i] - drafts[i] == s.num_tokens
+        ]
+        prompt_plan = PromptLogprobsPlan.build(seqs, counts, starts_list, offsets)
+        # every position of a verification row samples: its last token's, then each draft's
+        read = [
+            p for i in sampling_rows for p in range(offsets[i + 1] - 1 - drafts[i], offsets[i + 1])
+        ]
+        num_sampled = len(read)
+        read += prompt_plan.flat_indices if prompt_plan else []
+        hidden = self.model(self._tensor(input_ids), positions, meta, self._tensor(read))
+
+        sampler_out = None
+        sampling_seqs = [seqs[i] for i in sampling_rows]
+        if sampling_rows:
+            rows = verify.sampling_rows(sampling_seqs)
+            st = self._sampling_tensors(rows, sampling_seqs)
+            sampler_out = sample(self.model.compute_logits(hidden[:num_sampled]), st)
+        prompt_lp = None
+        if prompt_plan:
+            prompt_lp = gather_prompt_logprobs(
+                self.model.compute_logits,
+                hidden[num_sampled:],
+                self._tensor(prompt_plan.next_token_ids),
+                prompt_plan.k,
+            )
+        # Everything is queued; the first read-back waits for it, the others only copy.
+        run = StepRun()
+        if sampler_out is not None:
+            self._emitted(run, sampling_rows, sampling_seqs, sampler_out)
+        if prompt_plan is not None and prompt_lp is not None:
+            host = prompt_lp.cpu()
+            run.prompt_logprobs = {
+                i: token_logprobs(host, first, stop, k) for i, first, stop, k in prompt_plan.spans
+            }
+        return run
+
+    def _metadata(
+        self, batch: ScheduledBatch, starts_list: list[int], num_tokens: int
+    ) -> tuple[AttentionMetadata, torch.Tensor]:
+        """The attention metadata of the flat token batch, and each token's position."""
+        seqs, counts = batch.seqs, batch.num_new_tokens
+        nd, nv = batch.num_decodes, batch.num_verifies
         q_lens = self._tensor(counts)
         starts = self._tensor(starts_list)
         ctx_lens = starts + q_lens
-        num_tokens = len(input_ids)
         cu_q = torch.zeros(len(seqs) + 1, dtype=torch.int64, device=self.device)
         cu_q[1:] = q_lens.cumsum(0)
         seq_of_token = torch.repeat_interleave(
@@ -105,9 +154,19 @@ class ModelRunner:
         block_of_token = block_tables[seq_of_token, positions // self.block_size].to(torch.int64)
         slot_mapping = block_of_token * self.block_size + positions % self.block_size
 
-        pre_q = q_lens[nd:]
-        pre_k = ctx_lens[nd:]
-        has_prefix = any(st > 0 for st in starts_list[nd:])
+        def group(lo: int, hi: int) -> ChunkGroup | None:
+            if lo == hi:
+                return None
+            has_prefix = any(st > 0 for st in starts_list[lo:hi])
+            return ChunkGroup(
+                num_tokens=sum(counts[lo:hi]),
+                cu_seqlens_q=_cumsum0(q_lens[lo:hi]),
+                cu_seqlens_k=_cumsum0(ctx_lens[lo:hi]),
+                max_seqlen_q=max(counts[lo:hi]),
+                max_seqlen_k=max(starts_list[j] + counts[j] for j in range(lo, hi)),
+                block_tables=block_tables[lo:hi] if has_prefix else None,
+            )
+
         decode_tables, decode_lens = block_tables[:nd], ctx_lens[:nd].to(torch.int32)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
@@ -115,83 +174,89 @@ class ModelRunner:
             decode_block_tables=decode_tables,
             decode_context_lens=decode_lens,
             decode_plan=ops.decode_plan(decode_tables, decode_lens) if nd else None,
-            cu_seqlens_q=_cumsum0(pre_q),
-            cu_seqlens_k=_cumsum0(pre_k),
-            max_seqlen_q=max(counts[nd:], default=0),
-            max_seqlen_k=max(
-                (st + c for st, c in zip(starts_list[nd:], counts[nd:], strict=True)), default=0
-            ),
-            prefill_block_tables=block_tables[nd:] if has_prefix else None,
+            verify=group(nd, nd + nv),
+            prefill=group(nd + nv, len(seqs)),
         )
-        offsets = list(accumulate(counts, initial=0))
-        sampling_rows = [
-            i for i, s in enumerate(seqs) if starts_list[i] + counts[i] == s.num_tokens
-        ]
-        prompt_plan = PromptLogprobsPlan.build(seqs, counts, starts_list, offsets)
-        read = [offsets[i + 1] - 1 for i in sampling_rows]
-        read += prompt_plan.flat_indices if prompt_plan else []
-        hidden = self.model(self._tensor(input_ids), positions, meta, self._tensor(read))
+        return meta, positions
 
-        sampler_out = None
-        if sampling_rows:
-            st = self._sampling_tensors([seqs[i] for i in sampling_rows])
-            sampler_out = sample(self.model.compute_logits(hidden[: len(sampling_rows)]), st)
-        prompt_lp = None
-        if prompt_plan:
-            prompt_lp = gather_prompt_logprobs(
-                self.model.compute_logits,
-                hidden[len(sampling_rows) :],
-                self._tensor(prompt_plan.next_token_ids),
-                prompt_plan.k,
-            )
-        # Everything is queued; the first read-back waits for it, the others only copy.
-        run = StepRun()
-        if sampler_out is not None:
-            run.sampling_rows, run.tokens = sampling_rows, sampler_out.tokens.cpu()
-            if sampler_out.logprobs is not None:
-                run.logprobs = self._sampled_logprobs(seqs, sampling_rows, sampler_out.logprobs)
-        if prompt_plan is not None and prompt_lp is not None:
-            host = prompt_lp.cpu()
-            run.prompt_logprobs = {
-                i: token_logprobs(host, first, stop, k) for i, first, stop, k in prompt_plan.spans
-            }
-        return run
+    def _emitted(
+        self,
+        run: StepRun,
+        sampling_rows: list[int],
+        seqs: list[Sequence],
+        out: SamplerOutput,
+    ) -> None:
+        """Read the sampled tokens back (the step's one sync) and keep, per sequence, what it
+        emits: a verified draft's accepted prefix and the token after it."""
+        drafts = [s.spec_token_ids for s in seqs]
+        emitted = verify.emitted_tokens(out.tokens.cpu(), drafts)
+        host_lp = out.logprobs.cpu() if out.logprobs is not None else None
+        lp_first = 0  # log-probs come for the rows of sequences that ask, in order
+        for i, seq, draft, tokens in zip(sampling_rows, seqs, drafts, emitted, strict=True):
+            run.sampled[i] = tokens
+            if draft:
+                run.drafted[i] = len(draft)
+            k = seq.sampling.logprobs
+            if k is not None and host_lp is not None:
+                run.logprobs[i] = token_logprobs(host_lp, lp_first, lp_first + len(tokens), k)
+                lp_first += 1 + len(draft)
 
-    def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+    def _sampling_tensors(
+        self, rows: list[Sequence | DraftPosition], seqs: list[Sequence] | None = None
+    ) -> SamplingTensors:
+        """The tensors of the step's sampling ``rows``: ``seqs`` and their drafts' rows
+        (``spec/verify.py``; without ``seqs``, ``rows`` are sequences with no draft)."""
         vocab = self.model.cfg.vocab_size
-        temps = [s.sampling.temperature for s in seqs]
-        top_ks = [s.sampling.top_k if s.sampling.top_k > 0 else vocab for s in seqs]
-        top_ps = [s.sampling.top_p for s in seqs]
-        logprob_rows = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
+        temps = [s.sampling.temperature for s in rows]
+        top_ks = [s.sampling.top_k if s.sampling.top_k > 0 else vocab for s in rows]
+        top_ps = [s.sampling.top_p for s in rows]
+        logprob_rows = [i for i, s in enumerate(rows) if s.sampling.logprobs is not None]
         return SamplingTensors(
             temperatures=self._tensor(temps, torch.float32),
             top_ks=self._tensor(top_ks),
             top_ps=self._tensor(top_ps, torch.float32),
-            seeds=self._tensor([s.seed for s in seqs]),
-            steps=self._tensor([s.num_output_tokens for s in seqs]),
+            seeds=self._tensor([s.seed for s in rows]),
+            steps=self._tensor([s.num_output_tokens for s in rows]),
             needs_filter=any(k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps),
             all_greedy=all(t == 0 for t in temps),
-            penalties=build_penalties(seqs, vocab, self._tensor),
-            logit_bias=build_logit_bias(seqs, self._tensor),
+            penalties=build_penalties(rows, vocab, self._tensor),
+            logit_bias=build_logit_bias(rows, self._tensor),
             min_tokens_mask=build_min_tokens_mask(
-                seqs, self.model.cfg.eos_token_ids, vocab, self._tensor
+                rows, self.model.cfg.eos_token_ids, vocab, self._tensor
             ),
-            token_bitmask=self.guided.bitmask(seqs, self.device) if self.guided else None,
+            token_bitmask=self.guided.bitmask(rows, self.device) if self.guided else None,
             logprob_rows=self._tensor(logprob_rows) if logprob_rows else None,
-            num_logprobs=max((seqs[i].sampling.logprobs or 0 for i in logprob_rows), default=0),
+            num_logprobs=max((rows[i].sampling.logprobs or 0 for i in logprob_rows), default=0),
+            draft=self._draft_distributions(seqs, len(rows), vocab) if seqs else None,
         )
 
-    @staticmethod
-    def _sampled_logprobs(
-        seqs: list[Sequence], sampling_rows: list[int], gathered: LogprobsTensors
-    ) -> dict[int, TokenLogprobs]:
-        """Split the step's log-probs per sequence (rows asking for them, in sampling order)."""
-        host = gathered.cpu()
-        asking = [i for i in sampling_rows if seqs[i].sampling.logprobs is not None]
-        return {
-            i: token_logprobs(host, row, row + 1, seqs[i].sampling.logprobs or 0)
-            for row, i in enumerate(asking)
-        }
+    def _draft_distributions(
+        self, seqs: list[Sequence], num_rows: int, vocab: int
+    ) -> DraftDistributions | None:
+        """The drafts' tokens and q of a step where some draft came with q (a draft model)."""
+        if all(s.spec_probs is None for s in seqs):
+            return None
+        token_ids = [-1] * num_rows
+        probs = torch.zeros(num_rows, vocab, dtype=torch.float32, device=self.device)
+        row = 0
+        for seq in seqs:
+            k = len(seq.spec_token_ids)
+            token_ids[row : row + k] = seq.spec_token_ids
+            if seq.spec_probs is not None:
+                probs[row : row + k] = seq.spec_probs
+            else:  # n-gram beside a draft model in one step: a point mass
+                at = torch.arange(row, row + k, device=self.device)
+                probs[at, self._tensor(seq.spec_token_ids)] = 1.0
+            row += k + 1
+        return DraftDistributions(self._tensor(token_ids), probs)
+
+
+def _row_tokens(seq: Sequence, start: int, count: int) -> list[int]:
+    """The tokens a row computes: the next ``count`` of ``seq``, its draft last."""
+    draft = seq.spec_token_ids
+    if not draft:
+        return seq.token_ids[start : start + count]
+    return seq.token_ids[start : start + count - len(draft)] + draft
 
 
 def _cumsum0(x: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.engine.spec.speculator import SpecCounters
 from shared.logprobs import TokenLogprobs
 
 
@@ -31,6 +32,10 @@ class StepOutput:
     # This output ends the request's last unfinished choice: the request is over (with n == 1,
     # exactly when finish_reason is set; aborted choices end without an output).
     request_finished: bool = False
+    # speculative decoding: draft tokens this step verified for the choice, and how many of
+    # them it accepted (new_token_ids holds those and the token after them)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -41,6 +46,10 @@ class StepStats:
     seconds: float = 0.0
     # the sequences that prefilled (a chunk) in this forward -> their prefix-cache hit tokens
     prefill_seqs: dict[str, int] = field(default_factory=dict)
+    # speculative decoding: drafts verified, their tokens, and the tokens accepted
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass
@@ -73,6 +82,7 @@ class EngineStats:
     preemptions: int = 0  # since start
     prefix_queries: int = 0  # full prompt blocks looked up in the prefix cache, since start
     prefix_hits: int = 0  # ... and found there
+    spec: SpecCounters | None = None  # speculative decoding since start (None: off)
 
     @property
     def used_blocks(self) -> int:

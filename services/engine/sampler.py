@@ -7,9 +7,17 @@ mask, penalties, logit_bias, min_tokens), then the log-probs of the rows that as
 active they are the model's own ``log_softmax`` at any temperature), then greedy rows take the
 argmax of the processed logits and the others sample from them after temperature, top-k, top-p.
 
-Randomness is counter-based: the noise for a request's n-th output token is a hash of
-(seed, n, vocab id). A request therefore samples the same tokens whatever it is batched with,
-after preemption, and on whichever worker (prefill or decode) produces a given token.
+Randomness is counter-based (``noise.py``): the noise for a request's n-th output token is a
+hash of (seed, n, vocab id). A request therefore samples the same tokens whatever it is batched
+with, after preemption, and on whichever worker (prefill or decode) produces a given token.
+
+Speculative decoding verifies drafted tokens through this same function: a sequence with k
+drafts is k + 1 rows, row j standing at output position n + j with the drafts before it as its
+history (``spec/verify.py``). Row j's token is what this sampler draws there, so an n-gram
+draft (a point mass, q = 1 on the drafted token) is accepted exactly when the sampler draws it -
+with probability p(draft), as rejection sampling's min(1, p/q) - and a rejection yields the
+sampler's own draw, which then follows p without the draft, the normalised residual. Drafts with
+a distribution q (a draft model) go through ``spec/rejection.py`` instead.
 """
 
 from __future__ import annotations
@@ -26,38 +34,10 @@ from services.engine.logits_processing import (
     apply_token_bitmask,
 )
 from services.engine.logprobs import LogprobsTensors, gather_logprobs
+from services.engine.noise import uniform_noise
+from services.engine.spec.rejection import DraftDistributions, resolve_drafts
 
-_MASK64 = (1 << 64) - 1
-
-
-def _i64(x: int) -> int:
-    """An unsigned 64-bit constant as the signed int64 torch stores."""
-    x &= _MASK64
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-_GOLDEN = _i64(0x9E3779B97F4A7C15)
-_MIX1 = _i64(0xBF58476D1CE4E5B9)
-_MIX2 = _i64(0x94D049BB133111EB)
-
-
-def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
-    # logical right shift on int64 (torch's >> is arithmetic)
-    return (x >> n) & ((1 << (64 - n)) - 1)
-
-
-def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """U(0,1) noise [B, V] from splitmix64 of (seed, step, vocab id); int64 math wraps."""
-    device = seeds.device
-    vocab = torch.arange(vocab_size, dtype=torch.int64, device=device)
-    x = (seeds * _GOLDEN + steps * _MIX1)[:, None] + vocab[None, :] * _MIX2
-    x = x ^ _shr(x, 30)
-    x = x * _MIX1
-    x = x ^ _shr(x, 27)
-    x = x * _MIX2
-    x = x ^ _shr(x, 31)
-    top53 = _shr(x, 11).to(torch.float64)
-    return ((top53 + 0.5) / float(1 << 53)).to(torch.float32)
+__all__ = ["SamplerOutput", "SamplingTensors", "process_logits", "sample", "uniform_noise"]
 
 
 @dataclass
@@ -77,6 +57,7 @@ class SamplingTensors:
     min_tokens_mask: SparseLogits | None = None  # -inf on EOS/stop ids of rows still too short
     logprob_rows: torch.Tensor | None = None  # [R] int64: rows whose sampled token's log-probs
     num_logprobs: int = 0  # top alternatives gathered for them: the largest any row asked
+    draft: DraftDistributions | None = None  # drafted tokens with their q (a draft model)
 
 
 @dataclass
@@ -89,7 +70,13 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     """Pick one token per row of ``logits`` [B, V] (float32), and gather the log-probs asked."""
     logits = process_logits(logits, st)
     greedy_tokens = logits.argmax(dim=-1)
-    tokens = greedy_tokens if st.all_greedy else _sample_random(logits, st, greedy_tokens)
+    if st.draft is not None:
+        tokens = resolve_drafts(_target_probs(logits, st, greedy_tokens), st.draft, st.seeds,
+                                st.steps, _sample_random(logits, st, greedy_tokens))  # fmt: skip
+    elif st.all_greedy:
+        tokens = greedy_tokens
+    else:
+        tokens = _sample_random(logits, st, greedy_tokens)
     logprobs = None
     if st.logprob_rows is not None:
         rows = st.logprob_rows
@@ -114,14 +101,31 @@ def process_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return logits
 
 
-def _sample_random(
-    logits: torch.Tensor, st: SamplingTensors, greedy_tokens: torch.Tensor
-) -> torch.Tensor:
+def _random_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """The distribution a random row samples from: temperature, then top-k and top-p."""
     temps = torch.where(st.temperatures > 0, st.temperatures, torch.ones_like(st.temperatures))
     logits = logits / temps[:, None]
     if st.needs_filter:
         logits = _top_k_top_p(logits, st.top_ks, st.top_ps)
-    probs = torch.softmax(logits, dim=-1)
+    return torch.softmax(logits, dim=-1)
+
+
+def _target_probs(
+    logits: torch.Tensor, st: SamplingTensors, greedy_tokens: torch.Tensor
+) -> torch.Tensor:
+    """Every row's distribution: greedy rows put all mass on their argmax."""
+    one_hot = torch.nn.functional.one_hot(greedy_tokens, logits.shape[-1]).to(logits.dtype)
+    if st.all_greedy:
+        return one_hot
+    return torch.where((st.temperatures > 0)[:, None], _random_probs(logits, st), one_hot)
+
+
+def _sample_random(
+    logits: torch.Tensor, st: SamplingTensors, greedy_tokens: torch.Tensor
+) -> torch.Tensor:
+    if st.all_greedy:
+        return greedy_tokens
+    probs = _random_probs(logits, st)
     # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (a Gumbel-max equivalent).
     exp_noise = -torch.log(uniform_noise(st.seeds, st.steps, logits.shape[-1]))
     sampled = (probs / exp_noise).argmax(dim=-1)

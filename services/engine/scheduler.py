@@ -9,6 +9,10 @@ handed out as a pull (``ScheduledBatch.pulls``) instead of being computed; it co
 budget. When a running sequence cannot get a block, the newest running sequence is preempted:
 its blocks are freed and it goes back to the front of the queue to be recomputed later.
 
+A running sequence with a speculative draft (``services/engine/spec``) asks for 1 + k tokens:
+its last one and the k drafted after it. The draft is cut to the token budget and to blocks
+that no later running sequence may need, so speculation never causes a preemption.
+
 The other choices of a request (``sampling.n > 1``) join when the engine forks them from choice 0
 (``add_forked``): straight into the running batch when a sequence slot is free (their blocks are
 already theirs), else at the front of the queue, to be computed like a preempted sequence.
@@ -32,6 +36,8 @@ class ScheduledBatch:
     num_new_tokens: list[int]
     num_decodes: int
     pulls: list[Sequence] = field(default_factory=list)  # blocks just reserved for remote KV
+    # after the decodes: rows verifying a draft (1 + len(seq.spec_token_ids) tokens each)
+    num_verifies: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -102,7 +108,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
+            if seq.spec_token_ids:
+                self._fit_draft(seq, budget, later=len(self.running) - i - 1)
+            n = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget)
             while not self.bm.can_allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -146,12 +154,31 @@ class Scheduler:
 
         if not scheduled and not pulls:
             return None
-        # Decode attention serves q_len == 1 rows; order them first.
-        scheduled.sort(key=lambda item: item[1] != 1)
-        num_decodes = sum(1 for _, n in scheduled if n == 1)
+        # Decode attention serves q_len == 1 rows: they come first, then verification rows
+        # (attended as a group of their own), then prefill chunks.
+        scheduled.sort(key=lambda item: 1 if item[0].spec_token_ids else 0 if item[1] == 1 else 2)
+        num_verifies = sum(1 for s, _ in scheduled if s.spec_token_ids)
+        num_decodes = sum(1 for s, n in scheduled if n == 1 and not s.spec_token_ids)
         return ScheduledBatch(
-            [s for s, _ in scheduled], [n for _, n in scheduled], num_decodes, pulls
+            [s for s, _ in scheduled], [n for _, n in scheduled], num_decodes, pulls, num_verifies
         )
+
+    def _fit_draft(self, seq: Sequence, budget: int, later: int) -> None:
+        """Cut ``seq``'s draft (``services/engine/spec``) to the step's token budget and to the
+        blocks no one else may need this step: ``later`` running sequences each may need one.
+        A draft never preempts anyone; one that does not fit at all is dropped."""
+        base = seq.num_computed_tokens + seq.num_uncomputed_tokens
+        bs = self.bm.block_size
+        blocks = max(len(seq.block_table), -(-base // bs))
+        spare = self.bm.num_free_blocks - self.bm.blocks_needed(seq, base) - later
+        room = min(len(seq.spec_token_ids), budget - seq.num_uncomputed_tokens,
+                   (blocks + max(0, spare)) * bs - base)  # fmt: skip
+        if room <= 0:
+            seq.spec_token_ids, seq.spec_probs = [], None
+        elif room < len(seq.spec_token_ids):
+            seq.spec_token_ids = seq.spec_token_ids[:room]
+            if seq.spec_probs is not None:
+                seq.spec_probs = seq.spec_probs[:room]
 
     def _admit_pull(self, seq: Sequence) -> bool:
         """Reserve blocks for the prompt a prefill worker computed; False when they do not fit."""
@@ -178,6 +205,7 @@ class Scheduler:
         self.running.remove(seq)
         self.bm.free_sequence(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids, seq.spec_probs = [], None
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -5,9 +5,13 @@ where it is in its lifecycle (``SequenceStatus``; the transitions are described 
 from __future__ import annotations
 
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 from shared.logprobs import TokenLogprobs
 from shared.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SequenceStatus(Enum):
@@ -55,6 +59,11 @@ class Sequence:
         # Prompt log-probs gathered so far, chunk by chunk (entry j scores prompt token j+1);
         # they go out with the output that completes the prefill.
         self.prompt_logprobs_so_far = TokenLogprobs(top_k=sampling.prompt_logprobs or 0)
+        # Speculative decoding (``services/engine/spec``): the tokens drafted to follow the
+        # last one, verified in the coming step (empty: a plain decode), and their draft
+        # distributions [k, V] when a draft model made them (None: point masses, n-gram).
+        self.spec_token_ids: list[int] = []
+        self.spec_probs: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,109 @@
+"""The engine's side of speculative decoding: who drafts, how much, and what was accepted.
+
+Before each step's scheduling, ``propose`` gives every running sequence about to decode its
+draft (``Sequence.spec_token_ids``), asking the proposer only for sequences that may speculate:
+the request did not opt out (``SamplingParams.speculate``), it is not guided (structured output
+does not speculate: a draft would have to be checked against the grammar token by token, and
+the grammar's state rolled back after a rejection), and its adaptive budget allows a token
+(``adaptive.py``). A draft never reaches past ``max_tokens`` or the context: k drafts emit up
+to k + 1 tokens. After the forward pass, ``verified`` records each verification's outcome.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+from services.engine.sequence import Sequence
+from services.engine.spec.adaptive import DraftBudget
+from services.engine.spec.proposer import Proposer
+
+
+@dataclass
+class SpecCounters:
+    """Cumulative, vLLM's spec_decode metrics: acceptance rate = accepted / draft tokens, mean
+    acceptance length = 1 + accepted / drafts."""
+
+    drafts: int = 0  # verifications of at least one drafted token
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [j]: drafts accepting token j
+
+    def snapshot(self) -> SpecCounters:
+        return SpecCounters(
+            self.drafts, self.draft_tokens, self.accepted_tokens, list(self.accepted_per_pos)
+        )
+
+    def since(self, earlier: SpecCounters) -> SpecCounters:
+        """What was counted after ``earlier`` (a snapshot of these counters)."""
+        per_pos = list(self.accepted_per_pos)
+        for j, count in enumerate(earlier.accepted_per_pos):
+            per_pos[j] -= count
+        return SpecCounters(
+            self.drafts - earlier.drafts,
+            self.draft_tokens - earlier.draft_tokens,
+            self.accepted_tokens - earlier.accepted_tokens,
+            per_pos,
+        )
+
+    def add(self, num_drafted: int, num_accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += num_drafted
+        self.accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            self.accepted_per_pos[j] += 1
+
+
+class Speculator:
+    def __init__(
+        self, proposer: Proposer, num_tokens: int, min_accept: float, max_model_len: int
+    ) -> None:
+        self.proposer = proposer
+        self.num_tokens = num_tokens  # K
+        self.min_accept = min_accept
+        self.max_model_len = max_model_len
+        self.counters = SpecCounters(accepted_per_pos=[0] * num_tokens)
+        self._budgets: weakref.WeakKeyDictionary[Sequence, DraftBudget] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def budget(self, seq: Sequence) -> DraftBudget:
+        budget = self._budgets.get(seq)
+        if budget is None:
+            budget = self._budgets[seq] = DraftBudget(self.num_tokens, self.min_accept)
+        return budget
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Set the draft of each running sequence for the coming step (most get none)."""
+        asking: list[Sequence] = []
+        limits: list[int] = []
+        for seq in running:
+            seq.spec_token_ids, seq.spec_probs = [], None
+            limit = self._room(seq)
+            if limit > 0:
+                limit = min(limit, self.budget(seq).limit())
+            if limit > 0:
+                asking.append(seq)
+                limits.append(limit)
+        if not asking:
+            return
+        for seq, proposal in zip(asking, self.proposer.propose(asking, limits), strict=True):
+            if proposal is not None and proposal.token_ids:
+                seq.spec_token_ids, seq.spec_probs = proposal.token_ids, proposal.probs
+
+    def _room(self, seq: Sequence) -> int:
+        """Tokens ``seq`` may draft this step before its budget: 0 unless it decodes next."""
+        sp = seq.sampling
+        if seq.num_uncomputed_tokens != 1 or not sp.speculate or sp.guided is not None:
+            return 0
+        # k drafts emit at most k + 1 tokens, and put k + 1 tokens' positions in the cache
+        return min(
+            self.num_tokens,
+            sp.max_tokens - seq.num_output_tokens - 1,
+            self.max_model_len - seq.num_tokens,
+        )
+
+    def verified(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+        self.counters.add(num_drafted, num_accepted)
+        self.budget(seq).update(num_drafted, num_accepted)
+        self.proposer.verified(seq, num_drafted, num_accepted)
