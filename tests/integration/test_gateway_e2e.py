@@ -403,9 +403,10 @@ async def read_stream(response: aiohttp.ClientResponse, first: asyncio.Event) ->
 
 
 async def test_zz_killed_workers(stack, spy):
-    """kill -9 of a decode worker mid-stream: its streams end with an error event quickly, the
-    other worker's streams finish, /health stays 200, and new requests (and prefills, after a
-    prefill worker is killed too) go to the survivors. Runs last: it leaves the stack at 1P1D."""
+    """kill -9 of a decode worker mid-stream: its streams migrate to the other one and finish
+    (issue 19; exactness is tests/integration/test_migration.py's), /health stays 200, and new
+    requests (and prefills, after a prefill worker is killed too) go to the survivors. Runs
+    last: it leaves the stack at 1P1D."""
     base, _, children = stack
     async with aiohttp.ClientSession() as session:
         model = await model_name(session, base)
@@ -433,14 +434,12 @@ async def test_zz_killed_workers(stack, spy):
         results = await asyncio.wait_for(asyncio.gather(*readers), 60)
         for r in responses:
             r.release()
-        for i, result in enumerate(results):
-            assert result["done"], result
-            if f"kill-{i}" in on_d1:
-                assert result["error"] is not None and result["finish"] is None, result
-            else:
-                assert result["error"] is None and result["finish"] == "length", result
-        # Streams on the dead worker ended within the registry timeout, not the request deadline.
-        assert time.monotonic() - killed_at < 20
+        for result in results:
+            assert result["done"] and result["error"] is None, result
+            assert result["finish"] == "length", result
+        # Streams on the dead worker moved within the registry timeout, not the request deadline.
+        assert time.monotonic() - killed_at < 30
+        assert {spy.decode[r][0] for r in on_d1} == {"d0"}
 
         async with session.get(base + "/health") as r:
             assert r.status == 200
