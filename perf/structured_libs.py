@@ -70,7 +70,10 @@ class Backend:
     def setup(self, tok: TokenizerCase) -> None: ...
     def compile(self, kind: str, spec: str): ...
     def new_state(self, grammar): ...
-    def fill(self, states: list, bitmask: torch.Tensor) -> None: ...
+    def fill(self, states: list, bitmask: torch.Tensor, batched: bool = True) -> None:
+        """The next-token masks of ``states`` into rows 0.. of ``bitmask``: through the
+        library's batched call when ``batched`` (and it has one), else one row at a time."""
+
     def advance(self, states: list, tokens: list[int]) -> None: ...
 
 
@@ -112,14 +115,15 @@ class LLGuidance(Backend):
     def new_state(self, grammar):
         return self.llg.LLMatcher(self.tokenizer, grammar, log_level=0)
 
-    def fill(self, states: list, bitmask: torch.Tensor) -> None:
+    def fill(self, states: list, bitmask: torch.Tensor, batched: bool = True) -> None:
         # Not through llguidance.torch: its import costs ~4 s (torch.compile).
         width = bitmask.shape[1] * 4
-        if len(states) == 1:  # the thread pool's hand-off costs more than one row's mask
-            states[0].unsafe_compute_mask_ptr(bitmask.data_ptr(), width)
-            return
-        rows = [(m, i) for i, m in enumerate(states)]
-        self.executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), width, bitmask.shape[0])
+        if batched and len(states) > 1:
+            rows = [(m, i) for i, m in enumerate(states)]
+            self.executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), width, len(bitmask))
+        else:  # one row: the thread pool's hand-off costs more than the mask
+            for i, m in enumerate(states):
+                m.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), width)
 
     def advance(self, states: list, tokens: list[int]) -> None:
         for m, t in zip(states, tokens, strict=True):
@@ -161,11 +165,12 @@ class XGrammar(Backend):
     def new_state(self, grammar):
         return self.xgr.GrammarMatcher(grammar)
 
-    def fill(self, states: list, bitmask: torch.Tensor) -> None:
-        if len(states) == 1:  # the thread pool's hand-off costs more than one row's mask
-            states[0].fill_next_token_bitmask(bitmask, 0)
-        else:
+    def fill(self, states: list, bitmask: torch.Tensor, batched: bool = True) -> None:
+        if batched and len(states) > 1:
             self.batch.batch_fill_next_token_bitmask(states, bitmask)
+        else:  # one row: the thread pool's hand-off costs more than the mask
+            for i, m in enumerate(states):
+                m.fill_next_token_bitmask(bitmask, i)
 
     def advance(self, states: list, tokens: list[int]) -> None:
         if not all(self.batch.batch_accept_token(states, tokens)):
@@ -196,7 +201,7 @@ class OutlinesCore(Backend):
     def new_state(self, grammar):
         return self.oc.Guide(grammar)
 
-    def fill(self, states: list, bitmask: torch.Tensor) -> None:
+    def fill(self, states: list, bitmask: torch.Tensor, batched: bool = True) -> None:
         width = bitmask.shape[1]
         for i, guide in enumerate(states):  # no batched call
             row = bitmask[i]
