@@ -8,8 +8,12 @@ ones are prefilled on the decode worker: the tests use both.
 
 from __future__ import annotations
 
+import asyncio
+import json
+import re
 import time
 
+import jsonschema
 import openai
 import pytest
 import torch
@@ -300,3 +304,63 @@ async def test_neutral_penalties_change_nothing(client, llama_dir):
         presence_penalty=0, frequency_penalty=0, logit_bias={}, **args
     )
     assert neutral.choices[0].text == plain
+
+
+# ----------------------------------------------------------------------------- structured output
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+    },
+    "required": ["name", "age", "role"],
+    "additionalProperties": False,
+}
+
+
+async def test_json_schema_outputs_all_parse_and_validate(client, llama_dir):
+    """20 sampled (temperature 1) answers of the random model, half of them through the
+    disaggregated path (long prompt, first token sampled on the prefill worker): all valid."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+
+    async def one(i: int) -> str:
+        resp = await client.chat.completions.create(
+            model=llama_dir.name,
+            messages=[{"role": "user", "content": (LONG if i % 2 else SHORT) + f" #{i}"}],
+            max_tokens=400, temperature=1.0, seed=i, response_format=fmt,
+        )  # fmt: skip
+        # bounded sizes and bounded whitespace: the grammar itself ends the answer
+        assert resp.choices[0].finish_reason == "stop"
+        return resp.choices[0].message.content
+
+    texts = await asyncio.gather(*(one(i) for i in range(20)))
+    for text in texts:
+        jsonschema.validate(json.loads(text), PERSON)
+
+
+async def test_json_object_regex_and_choice(client, llama_dir):
+    args = dict(model=llama_dir.name, prompt=LONG, max_tokens=60, temperature=1.0)
+    for seed in range(5):
+        obj = await client.completions.create(
+            seed=seed, extra_body={"response_format": {"type": "json_object"}}, **args
+        )
+        if obj.choices[0].finish_reason == "stop":  # a JSON object may outgrow max_tokens
+            assert isinstance(json.loads(obj.choices[0].text), dict)
+        regex = await client.completions.create(
+            seed=seed, extra_body={"guided_regex": r"[0-9]{3}-[a-z]{2}"}, **args
+        )
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", regex.choices[0].text)
+        choice = await client.completions.create(
+            seed=seed, extra_body={"guided_choice": ["yes", "no", "maybe"]}, **args
+        )
+        assert choice.choices[0].text in ("yes", "no", "maybe")
+
+
+async def test_a_grammar_that_does_not_compile_is_a_400(client, llama_dir):
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.completions.create(
+            model=llama_dir.name, prompt=LONG, max_tokens=4, extra_body={"guided_regex": "a("}
+        )
+    assert err.value.body["param"] == "guided_regex"
