@@ -92,13 +92,17 @@ class GuidedDecoder:
         if not new:
             return
         state.num_consumed += len(new)
-        if state.failed:
-            return
-        if not state.matcher.consume_tokens(new):
-            state.failed = True
-            error = state.matcher.get_error().strip().splitlines()[:1]  # (then a state dump)
-            log.warning("%s: an output token broke its grammar (%s); only EOS from here",
-                        seq.request_id, error[0] if error else "?")  # fmt: skip
+        matcher = state.matcher
+        for token in new:
+            if state.failed:
+                return
+            if matcher.is_stopped() and token in self.eos_token_ids:
+                continue  # EOS after the end (ignore_eos): what the finished grammar allows
+            if not matcher.consume_token(token):
+                state.failed = True
+                error = matcher.get_error().strip().splitlines()[:1]  # (then a state dump)
+                log.warning("%s: output token %d broke its grammar (%s); only EOS from here",
+                            seq.request_id, token, error[0] if error else "?")  # fmt: skip
 
     def bitmask(
         self, seqs: list[Sequence], device: torch.device | None = None

@@ -111,6 +111,16 @@ def test_state_follows_output_tokens_not_calls(llama_dir, tokenizer):
     assert state.num_consumed == len(seq.output_token_ids)
 
 
+def test_eos_after_a_finished_grammar_is_no_error(llama_dir, tokenizer, caplog):
+    """ignore_eos: a finished grammar's sequence goes on drawing EOS, the one token allowed."""
+    decoder = GuidedDecoder(llama_dir, VOCAB, (EOS,))
+    seq = guided_seq(GUIDES["choice"], [*tokenizer.encode("no").ids, EOS, EOS])
+    assert allowed(decoder.bitmask([seq])[0]) == {EOS}
+    seq.token_ids.append(EOS)
+    assert allowed(decoder.bitmask([seq])[0]) == {EOS}
+    assert not decoder.state(seq).failed and "broke" not in caplog.text
+
+
 def test_forked_choice_starts_its_own_state(llama_dir, tokenizer):
     decoder = GuidedDecoder(llama_dir, VOCAB, (EOS,))
     parent = guided_seq(GUIDES["choice"], tokenizer.encode("n").ids)
