@@ -9,8 +9,9 @@ completions at ``--rate`` requests/s (Poisson arrivals, seeded), and at a random
 
 - completed vs failed requests (target: 100% completed);
 - the migrated requests (a spy on the bus sees a second DecodeRequest for them) and the gap in
-  their token stream: the longest pause between two chunks, and that pause minus the request's
-  median inter-token time (the extra latency the migration cost);
+  their token stream: the longest pause between two chunks (or before the first, for a request
+  that moved before any text reached its client), and that pause minus the usual one there -
+  the request's median inter-chunk time, or the others' median TTFT: the extra latency;
 - output throughput (tokens/s reaching clients) before the kill and after it, over the part of
   the run that still had arrivals (and from the moment every migrated stream was going again);
 - the gateway's ``pdserve_request_migrations_total`` and the KV blocks left in use afterwards.
@@ -62,9 +63,6 @@ class Record:
     @property
     def completed(self) -> bool:
         return not self.error and self.finish == "length"
-
-    def gaps(self) -> np.ndarray:
-        return np.diff([t for t, _ in self.chunks])
 
 
 async def stream_one(
@@ -190,8 +188,9 @@ def summarize(records: list[Record], spy: DecodeSpy, killed: dict, last_arrival:
     kill = float(killed["at"])
     completed = [r for r in records if r.completed]
     migrated = [r for r in records if len(spy.sent.get(r.rid, [])) > 1]
-    gaps = [float(r.gaps().max()) for r in migrated if len(r.chunks) > 1]
-    extra = [float(r.gaps().max() - np.median(r.gaps())) for r in migrated if len(r.chunks) > 1]
+    others = [r for r in completed if r not in migrated and r.chunks]
+    typical_ttft = float(np.median([r.chunks[0][0] - r.sent for r in others]))
+    stalls = [_stall(r, typical_ttft) for r in migrated if r.chunks]
 
     def throughput(lo: float, hi: float) -> float:
         """Tokens that reached clients between lo and hi, per second."""
@@ -217,16 +216,33 @@ def summarize(records: list[Record], spy: DecodeSpy, killed: dict, last_arrival:
         "killed_at_s": round(kill, 3),
         "streams_on_killed_worker": killed["streams"],
         "migrated": len(migrated),
-        "gap_s": _stats(gaps),
-        "extra_latency_s": _stats(extra),
+        "gap_s": _stats([st["gap_s"] for st in stalls]),
+        "extra_latency_s": _stats([st["extra_s"] for st in stalls]),
+        "migrated_streams": stalls,
         "e2e_s_migrated": _stats(e2e(migrated)),
         "e2e_s_others": _stats(e2e([r for r in completed if r not in migrated])),
         "throughput_tok_s_before": round(throughput(first_send, kill), 1),
         "throughput_tok_s_after": round(throughput(kill, last_arrival), 1),
         # once every migrated stream is going again
         "throughput_tok_s_after_recovery": round(
-            throughput(kill + max(gaps, default=0.0), last_arrival), 1
+            throughput(kill + max((st["gap_s"] for st in stalls), default=0.0), last_arrival), 1
         ),
+    }
+
+
+def _stall(r: Record, typical_ttft: float) -> dict:
+    """The longest pause a migrated stream saw - between two chunks, or before its first one
+    when it moved before any text reached the client - and what it cost beyond the usual
+    pause there (its median inter-chunk time, or the other requests' median TTFT)."""
+    times = [r.sent] + [t for t, _ in r.chunks]
+    pauses = np.diff(times)
+    worst = int(pauses.argmax())
+    usual = typical_ttft if worst == 0 else float(np.median(pauses[1:]))
+    return {
+        "rid": r.rid,
+        "tokens_before": 0 if worst == 0 else r.chunks[worst - 1][1],
+        "gap_s": round(float(pauses[worst]), 3),
+        "extra_s": round(float(pauses[worst]) - usual, 3),
     }
 
 
@@ -254,7 +270,7 @@ def report(result: dict) -> str:
         f"| migrated requests | {result['migrated']} (gateway counter: "
         f"{result.get('migrations_counter')}) |",
         f"| gap in a migrated stream, p50 / max | {gap.get('p50')} / {gap.get('max')} s |",
-        f"| extra latency (gap - median ITL), p50 / max | {extra.get('p50')} / "
+        f"| extra latency (gap - usual pause), p50 / max | {extra.get('p50')} / "
         f"{extra.get('max')} s |",
         f"| output tok/s before / after the kill (after recovery) | "
         f"{result['throughput_tok_s_before']} / {result['throughput_tok_s_after']} "
