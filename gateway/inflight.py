@@ -8,10 +8,10 @@ decode worker and yields its tokens, moving on to another decode worker when one
 its first token. Every wait is bounded by the stage's deadline; the dispatcher feeds the queue
 (worker answers, the departure of a worker this request is waiting on, a reconnect of the bus).
 
-A decode worker lost mid-stream does not fail the request: its DecodeRequests ("legs",
-``gateway/legs.py``) are migrated - re-sent to live decode workers with the tokens the client
-already has, which the new worker prefills and continues from exactly - up to
-``--max-migrations`` times a request. The client's stream goes on without a visible break.
+The decode stage lives in ``gateway/decode_stage.py``: a decode worker lost mid-stream does not
+fail the request there, its DecodeRequests ("legs", ``gateway/legs.py``) are migrated - re-sent
+to live decode workers with the tokens the client already has, which the new worker prefills and
+continues from exactly - up to ``--max-migrations`` times a request.
 """
 
 from __future__ import annotations
