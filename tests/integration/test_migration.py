@@ -11,8 +11,12 @@ migration) cannot flip a token. After every test no KV block is in use on any li
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import re
 import signal
+import subprocess
+import sys
 
 import aiohttp
 import pytest
@@ -27,7 +31,7 @@ from tests.integration.migration_stack import (
     wait_blocks_free,
     wait_idle,
 )
-from tests.integration.stack import start_nats, stop_all
+from tests.integration.stack import QUIET_ENV, start_nats, stop_all
 
 MODEL = "llama-gqa"  # the checkpoint directory's name (tests/checkpoints.py)
 MAX_TOKENS = 400
@@ -51,6 +55,21 @@ def seeded(i: int) -> dict:
         {"guided_regex": GRAMMAR, "max_tokens": 120},
     ][i % 4]
     return {**body, **extra}
+
+
+def test_the_perf_scenario_completes_every_request(tmp_path):
+    """perf/migration_bench.py, small: a decode worker killed under load loses no request."""
+    out = tmp_path / "bench.json"
+    argv = ["--requests", "12", "--rate", "4", "--max-tokens", "64", "--json", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "perf.migration_bench", *argv],
+        capture_output=True, text=True, timeout=300, env={**os.environ, **QUIET_ENV},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["completed"] == 12 and result["failed"] == 0
+    assert result["migrations_counter"] == result["migrated"]
+    assert not any(result["blocks_in_use_after"].values())
 
 
 @pytest.fixture(scope="module")
