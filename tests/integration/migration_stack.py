@@ -162,10 +162,12 @@ async def wait_idle(stack: Stack, timeout: float = 20.0) -> None:
 
 
 class DecodeSpy:
-    """Every DecodeRequest on the bus: client request id -> decode workers, in order."""
+    """Every DecodeRequest on the bus: client request id -> decode workers (and the sampling
+    seeds they were given), in order."""
 
     def __init__(self) -> None:
         self.sent: dict[str, list[str]] = defaultdict(list)
+        self.seeds: dict[str, list[int | None]] = defaultdict(list)
         self.nc = None
 
     async def start(self, url: str) -> DecodeSpy:
@@ -175,6 +177,7 @@ class DecodeSpy:
             body = decode(msg.data)
             if isinstance(body, DecodeRequest):
                 self.sent[body.client_request_id].append(msg.subject.rsplit(".", 1)[1])
+                self.seeds[body.client_request_id].append(body.sampling.seed)
 
         await self.nc.subscribe("pdserve.decode.*", cb=on_msg)
         await self.nc.flush()

@@ -162,6 +162,19 @@ async def test_seeded_sampling_penalties_logprobs_and_grammar_continue_exactly(s
         assert re.fullmatch(GRAMMAR_PREFIX, results[f"seeded-{i}"].texts[0])
 
 
+async def test_a_request_without_a_seed_continues_exactly(stack, session, spy):
+    """The gateway draws the seed of a sampled request that has none before dispatching it, so
+    a migration continues its randomness: the same request sent with that seed, undisturbed,
+    gives the same text."""
+    body = {**greedy(11), "temperature": 1.0, "top_p": 0.9}
+    results, _, moved = await with_kill(stack, session, spy, {"unseeded": body})
+    assert moved == {"unseeded"}
+    (seed,) = set(spy.seeds["unseeded"])  # the same on the first and the migrated request
+    assert seed is not None
+    reference = await stream(session, stack.base(), "ref-unseeded", {**body, "seed": seed})
+    assert_same(results, {"unseeded": reference})
+
+
 async def test_n_choices_continue_exactly(stack, session, spy):
     body = {**seeded(2), "n": 3}  # with log-probs
     (reference,) = (await run_all(session, stack.base(), {"ref-n": body})).values()
