@@ -107,7 +107,12 @@ class KVClient:
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         while True:
-            ep, reused = await self.endpoints.get(raw)
+            try:
+                ep, reused = await self.endpoints.get(raw)
+            except Exception as exc:  # e.g. UCXXUnreachableError: the prefill worker is gone
+                raise KVTransferError(
+                    f"cannot reach {handle.worker_id} for the KV pull: {exc!r}"
+                ) from exc
             pull = _Pull(ep)
             try:
                 stats = await asyncio.wait_for(
