@@ -33,7 +33,11 @@ def opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, mult
 
 @dataclass
 class BusConfig:
-    nats_url: str = opt("nats://127.0.0.1:4222", "NATS server URL(s), comma separated")
+    nats_url: str = opt(
+        "nats://127.0.0.1:4222",
+        "NATS server URL(s), comma separated: nodes of one cluster, tried in this order (this "
+        "host's own node first, the others for failover)",
+    )
     namespace: str = opt("pdserve", "prefix of every NATS subject")
     nats_token: str | None = opt(None, "NATS auth token")
     nats_user: str | None = opt(None, "NATS user name")
@@ -61,6 +65,18 @@ class EngineConfig:
         "auto, float32, bfloat16, float16 or float64 (tests)",
         choices=("auto", "float32", "bfloat16", "float16", "float64"),
     )
+    quantization: str = opt(
+        "none",
+        "weights: none (--dtype) or int8 (per-channel INT8 in every linear layer and the "
+        "vocabulary head; CPU: dynamic per-token activations through fbgemm, CUDA: weight-only)",
+        choices=("none", "int8"),
+    )
+    kv_cache_dtype: str = opt(
+        "auto",
+        "KV-cache element type: auto (--dtype), int8 or fp8_e4m3 (one float32 scale per token "
+        "and KV head); prefill and decode workers must use the same",
+        choices=("auto", "int8", "fp8_e4m3"),
+    )
     block_size: int = opt(16, "tokens per KV-cache block")
     num_kv_blocks: int = opt(0, "KV-cache blocks; 0 sizes the cache from --kv-cache-gib")
     kv_cache_gib: float = opt(1.0, "memory for the KV cache when --num-kv-blocks is 0")
@@ -87,11 +103,12 @@ class EngineConfig:
     draft_model: str | None = opt(
         None, "the draft model of --speculative draft (same tokenizer as --model)"
     )
-    spec_min_accept: float = opt(
-        0.1,
-        "adaptive K: a sequence drafts its j-th token only while a**j >= this, a being its "
-        "running acceptance rate; below it for j = 1 it pauses drafting, retrying after a "
-        "growing pause (0 = always K)",
+    spec_token_cost: float = opt(
+        -1.0,
+        "adaptive K: what one more draft token costs a sequence, relative to a plain decode "
+        "step; each sequence drafts the length that emits the most tokens per cost at its "
+        "acceptance rate, pausing where none pays. -1 measures it on the engine's own steps; "
+        "0 = drafts are free (always K)",
     )
 
     def __post_init__(self) -> None:
@@ -111,8 +128,8 @@ def speculative_problem(cfg: EngineConfig) -> str | None:
         return f"--ngram-min must be at least 1, got {cfg.ngram_min}"
     if cfg.ngram_min > cfg.ngram_max:
         return f"--ngram-min ({cfg.ngram_min}) exceeds --ngram-max ({cfg.ngram_max})"
-    if not 0.0 <= cfg.spec_min_accept <= 1.0:
-        return f"--spec-min-accept must be in [0, 1], got {cfg.spec_min_accept}"
+    if cfg.spec_token_cost < 0.0 and cfg.spec_token_cost != -1.0:
+        return f"--spec-token-cost must be -1 (measured) or >= 0, got {cfg.spec_token_cost}"
     if cfg.speculative == "draft":
         if not cfg.draft_model:
             return "--speculative draft needs --draft-model PATH (a model with --model's tokenizer)"
@@ -189,7 +206,14 @@ class UpConfig:
         "give each worker its own share of the CPUs pdserve up may use, when there are at least "
         "as many as workers (--no-split-cpus: share them all)",
     )
-    nats_url: str | None = opt(None, "use this NATS server instead of starting one")
+    nats_url: str | None = opt(
+        None, "use this NATS server (or cluster: URLs comma separated) instead of starting one"
+    )
+    nats_cluster: int = opt(
+        1,
+        "NATS nodes pdserve up starts when --nats-url is not given; above 1 they form a cluster "
+        "(routes between them on loopback) and each worker prefers its own node, round-robin",
+    )
 
 
 def env_name(name: str) -> str:

@@ -45,10 +45,13 @@ from services.engine.loader import load_model, resolve_device_dtype
 from services.engine.model_config import ModelConfig
 from services.engine.model_runner import ModelRunner
 from services.engine.outputs import EngineStats, KVPull, StepOutput, StepResult, StepStats
+from services.engine.quant.kv_cache import kv_cache_spec
+from services.engine.quant.options import quantization_problem
 from services.engine.scheduler import ScheduledBatch, Scheduler
 from services.engine.sequence import Sequence
 from services.engine.spec import build_speculator
 from shared.config import EngineConfig
+from shared.errors import StartupError
 from shared.models.resolve import describe, resolve
 from shared.sampling import SamplingParams
 
@@ -75,15 +78,21 @@ class LLMEngine(RequestLifecycle):
         if self.device.type == "cuda":
             # Triton launches on the current device, not the tensors' one.
             torch.cuda.set_device(self.device)
+        problem = quantization_problem(
+            config.quantization, config.kv_cache_dtype, self.device, self.dtype
+        )
+        if problem is not None:
+            raise StartupError(problem)
         torch.manual_seed(config.seed)
-        model = load_model(self.model_dir, cfg, self.device, self.dtype)
+        model = load_model(self.model_dir, cfg, self.device, self.dtype, config.quantization)
 
         self.block_size = config.block_size
+        self.kv_spec = kv_cache_spec(config.kv_cache_dtype, self.dtype, cfg.num_layers,
+                                     self.block_size, cfg.num_kv_heads, cfg.head_dim)  # fmt: skip
         self.num_blocks = config.num_kv_blocks or self._blocks_for_memory(config.kv_cache_gib)
-        self.kv_cache = torch.zeros(
-            self.num_blocks, cfg.num_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim,
-            dtype=self.dtype, device=self.device,
-        )  # fmt: skip
+        # float: [blocks, layers, 2, block_size, kv_heads, head_dim]; quantized: [blocks, bytes]
+        self.kv_cache = self.kv_spec.allocate(self.num_blocks, self.device)
+        model.kv_spec = self.kv_spec
         capacity = self.num_blocks * self.block_size
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, capacity)
         model.init_rope(self.max_model_len, self.device)
@@ -117,9 +126,7 @@ class LLMEngine(RequestLifecycle):
 
     @property
     def bytes_per_block(self) -> int:
-        cfg = self.model_config
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        return cfg.num_layers * 2 * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        return self.kv_spec.bytes_per_block
 
     def _blocks_for_memory(self, gib: float) -> int:
         return max(1, int(gib * (1 << 30)) // self.bytes_per_block)
@@ -134,6 +141,7 @@ class LLMEngine(RequestLifecycle):
             "num_layers": cfg.num_layers,
             "num_kv_heads": cfg.num_kv_heads,
             "head_dim": cfg.head_dim,
+            **self.kv_spec.fingerprint(),  # element type and scale layout of the blocks
         }
 
     # ---- commands: any thread ----------------------------------------------------------------
@@ -304,6 +312,8 @@ class LLMEngine(RequestLifecycle):
             outputs.append(out)
         prefills = batch.seqs[batch.num_decodes + batch.num_verifies :]
         stats.prefill_seqs = {s.request_id: s.num_prefix_hit_tokens for s in prefills}
+        if self.speculator is not None and not prefills:  # what a draft token costs here
+            self.speculator.cost.observe(batch.num_tokens, elapsed)
         return stats
 
     def _append(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], str | None]:

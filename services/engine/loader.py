@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 from services.engine.model import LlamaForCausalLM
 from services.engine.model_config import ModelConfig
+from services.engine.quant.int8_linear import quantize_linears
 from shared.errors import ModelLoadError
 
 DTYPES = {
@@ -99,8 +100,14 @@ def _hf_sources(cfg: ModelConfig) -> dict[str, list[str]]:
 
 
 def load_model(
-    model_dir: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
+    model_dir: Path,
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantization: str = "none",
 ) -> LlamaForCausalLM:
+    """The checkpoint's model on ``device`` in ``dtype``; ``quantization`` int8 then swaps every
+    linear layer for its INT8 form (services/engine/quant/)."""
     files = CheckpointFiles(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
@@ -126,4 +133,7 @@ def load_model(
     with torch.no_grad():
         for name, tensor in loaded.items():
             params[name].copy_(tensor)
+    del loaded, params  # the float weights a quantized layer replaces are freed with it
+    if quantization == "int8":
+        quantize_linears(model, device, dtype)
     return model.eval().requires_grad_(False)

@@ -16,6 +16,7 @@ from torch import nn
 
 from kernels import ops
 from services.engine.model_config import ModelConfig
+from services.engine.quant.kv_cache import KVCacheSpec
 
 
 @dataclass
@@ -34,7 +35,7 @@ class ChunkGroup:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
-    num_decodes: int
+    num_decodes: int  # sequences in paged decode attention (the first ones)
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
     decode_context_lens: torch.Tensor  # [num_decodes]
     # ops.decode_plan of the two above: made once per forward pass, shared by every layer
@@ -43,6 +44,11 @@ class AttentionMetadata:
     # apart so short verification rows are never padded to a long prompt chunk.
     verify: ChunkGroup | None
     prefill: ChunkGroup | None
+    # verification rows may instead join decode attention, several queries per sequence
+    # (``verify`` is then None): the decode group's tokens, their cu_seqlens and longest row
+    num_decode_tokens: int = 0
+    decode_cu_seqlens_q: torch.Tensor | None = None
+    decode_max_seqlen_q: int = 1
 
 
 class RMSNorm(nn.Module):
@@ -71,6 +77,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # a quantized cache's per-token-head scales [blocks, block_size, kv_heads, 1], else None
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
 
     def forward(
         self,
@@ -86,8 +95,9 @@ class Attention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         # q and k are strided views into qkv; rotary rotates them in place.
         ops.rotary_embedding(positions, q, k, cos_sin)
-        ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        nd = meta.num_decodes
+        scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **scales)
+        nd = meta.num_decode_tokens or meta.num_decodes
         parts = []
         if nd:
             parts.append(
@@ -99,6 +109,9 @@ class Attention(nn.Module):
                     meta.decode_context_lens,
                     self.scale,
                     meta.decode_plan,
+                    meta.decode_cu_seqlens_q,
+                    meta.decode_max_seqlen_q,
+                    **scales,
                 )
             )
         first = nd
@@ -121,6 +134,7 @@ class Attention(nn.Module):
                     self.k_cache if paged else None,
                     self.v_cache if paged else None,
                     group.block_tables,
+                    **(scales if paged else {}),
                 )
             )
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -168,6 +182,9 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+        # how bind_kv_cache reads the engine's cache storage (services/engine/quant/kv_cache.py);
+        # None: a plain float cache tensor
+        self.kv_spec: KVCacheSpec | None = None
 
     def init_rope(self, max_position: int, device: torch.device) -> None:
         cfg = self.cfg
@@ -176,10 +193,14 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        """Point every layer at its K and V views of the block-major cache."""
+        """Point every layer at its K and V views (and scales) of the block-major cache."""
+        values, scales = (kv_cache, None) if self.kv_spec is None else self.kv_spec.split(kv_cache)
         for i, layer in enumerate(self.layers):
-            layer.self_attn.k_cache = kv_cache[:, i, 0]
-            layer.self_attn.v_cache = kv_cache[:, i, 1]
+            layer.self_attn.k_cache = values[:, i, 0]
+            layer.self_attn.v_cache = values[:, i, 1]
+            if scales is not None:
+                layer.self_attn.k_scale = scales[:, i, 0]
+                layer.self_attn.v_scale = scales[:, i, 1]
 
     def forward(
         self,

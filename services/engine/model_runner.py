@@ -38,6 +38,8 @@ from services.engine.spec.rejection import DraftDistributions
 from services.engine.spec.verify import DraftPosition
 from shared.logprobs import TokenLogprobs
 
+VERIFY_IN_DECODE = True
+
 
 @dataclass
 class StepRun:
@@ -67,6 +69,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.pinned = device.type == "cuda"
+        # where speculative verification rows are attended: with the decodes (the multi-query
+        # decode op) or as their own varlen group (prefill attention over the pages)
+        self.verify_in_decode = VERIFY_IN_DECODE
         model.bind_kv_cache(kv_cache)
 
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
@@ -167,6 +172,18 @@ class ModelRunner:
                 block_tables=block_tables[lo:hi] if has_prefix else None,
             )
 
+        if self.verify_in_decode and nv:
+            # verification rows join decode attention as several queries per sequence
+            nq = nd + nv
+            tables, lens = block_tables[:nq], ctx_lens[:nq].to(torch.int32)
+            cu, longest = _cumsum0(q_lens[:nq]), max(counts[:nq])
+            meta = AttentionMetadata(
+                slot_mapping=slot_mapping, num_decodes=nq, decode_block_tables=tables,
+                decode_context_lens=lens, decode_plan=ops.decode_plan(tables, lens, cu, longest),
+                verify=None, prefill=group(nq, len(seqs)), num_decode_tokens=sum(counts[:nq]),
+                decode_cu_seqlens_q=cu, decode_max_seqlen_q=longest,
+            )  # fmt: skip
+            return meta, positions
         decode_tables, decode_lens = block_tables[:nd], ctx_lens[:nd].to(torch.int32)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,

@@ -4,7 +4,8 @@ One step, with speculation on:
 
 1. ``Speculator.propose`` (``speculator.py``) asks the proposer (``proposer.py``; n-gram
    prompt lookup in ``ngram.py``) for drafts of the running sequences about to decode, each
-   limited by its adaptive budget (``adaptive.py``), ``max_tokens`` and the context.
+   limited by its adaptive budget (``adaptive.py``: its acceptance rate against a draft
+   token's measured cost, ``cost.py``), ``max_tokens`` and the context.
 2. The scheduler gives a sequence with k drafts a row of 1 + k query tokens - its last sampled
    token, then the drafts - cutting the draft to the step's token budget, or dropping it rather
    than preempting anyone for its blocks. Decode rows, verification rows and prefill chunks
@@ -30,6 +31,7 @@ sequence holds, pulled KV or local. Guided (structured-output) sequences do not 
 
 from __future__ import annotations
 
+from services.engine.spec.cost import DraftCost
 from services.engine.spec.ngram import NgramProposer
 from services.engine.spec.speculator import Speculator
 from shared.config import EngineConfig
@@ -44,6 +46,5 @@ def build_speculator(config: EngineConfig, max_model_len: int) -> Speculator | N
         proposer = NgramProposer(config.ngram_min, config.ngram_max)
     else:  # EngineConfig refuses "draft" until its proposer exists; keep that promise here too
         raise StartupError(f"--speculative {config.speculative} is not available yet")
-    return Speculator(
-        proposer, config.num_speculative_tokens, config.spec_min_accept, max_model_len
-    )
+    fixed = None if config.spec_token_cost == -1.0 else config.spec_token_cost
+    return Speculator(proposer, config.num_speculative_tokens, DraftCost(fixed), max_model_len)

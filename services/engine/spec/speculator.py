@@ -5,7 +5,8 @@ draft (``Sequence.spec_token_ids``), asking the proposer only for sequences that
 the request did not opt out (``SamplingParams.speculate``), it is not guided (structured output
 does not speculate: a draft would have to be checked against the grammar token by token, and
 the grammar's state rolled back after a rejection), and its adaptive budget allows a token
-(``adaptive.py``). A draft never reaches past ``max_tokens`` or the context: k drafts emit up
+(``adaptive.py``, weighing its acceptance rate against what a draft token costs: ``cost.py``,
+fed each decode step's duration by the engine). A draft never reaches past ``max_tokens`` or the context: k drafts emit up
 to k + 1 tokens. After the forward pass, ``verified`` records each verification's outcome.
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 from services.engine.sequence import Sequence
 from services.engine.spec.adaptive import DraftBudget
+from services.engine.spec.cost import DraftCost
 from services.engine.spec.proposer import Proposer
 
 
@@ -56,11 +58,11 @@ class SpecCounters:
 
 class Speculator:
     def __init__(
-        self, proposer: Proposer, num_tokens: int, min_accept: float, max_model_len: int
+        self, proposer: Proposer, num_tokens: int, cost: DraftCost, max_model_len: int
     ) -> None:
         self.proposer = proposer
         self.num_tokens = num_tokens  # K
-        self.min_accept = min_accept
+        self.cost = cost
         self.max_model_len = max_model_len
         self.counters = SpecCounters(accepted_per_pos=[0] * num_tokens)
         self._budgets: weakref.WeakKeyDictionary[Sequence, DraftBudget] = (
@@ -70,18 +72,20 @@ class Speculator:
     def budget(self, seq: Sequence) -> DraftBudget:
         budget = self._budgets.get(seq)
         if budget is None:
-            budget = self._budgets[seq] = DraftBudget(self.num_tokens, self.min_accept)
+            budget = self._budgets[seq] = DraftBudget(self.num_tokens)
         return budget
 
     def propose(self, running: list[Sequence]) -> None:
         """Set the draft of each running sequence for the coming step (most get none)."""
         asking: list[Sequence] = []
         limits: list[int] = []
+        decoding = sum(1 for seq in running if seq.num_uncomputed_tokens == 1)
+        cost = self.cost.relative(decoding)
         for seq in running:
             seq.spec_token_ids, seq.spec_probs = [], None
             limit = self._room(seq)
             if limit > 0:
-                limit = min(limit, self.budget(seq).limit())
+                limit = min(limit, self.budget(seq).limit(cost))
             if limit > 0:
                 asking.append(seq)
                 limits.append(limit)

@@ -1,0 +1,8 @@
+"""Quantized weights (``--quantization``) and a quantized paged KV cache (``--kv-cache-dtype``).
+
+- ``int8_weights``: per-output-channel INT8 weights and their plain-torch reference (the oracle).
+- ``int8_linear``: the ``nn.Linear`` replacements, one per device, chosen by measurement
+  (perf/README.md, "INT8 weights and a quantized KV cache"), and ``quantize_linears``.
+- ``kv_cache``: the KV cache's storage, its element type and per-token-head scales.
+- ``options``: what each option means and the one-line start-up refusals.
+"""

@@ -1,0 +1,108 @@
+"""``nn.Linear`` replacements with INT8 weights, one per device, and the swap that installs them.
+
+Chosen by measurement on the reference CPU (perf/README.md, 2 threads, AVX-512 VNNI, torch 2.13):
+fbgemm's dynamic linear with a prepacked weight (``torch.ops.quantized.linear_dynamic``: per-token
+activation rounding, per-channel INT8 weights, int32 accumulation) beat fp32 by 2-20x on every
+SmolLM2 shape, while ``aten._weight_int8pack_mm`` (weight-only) was slower than fp32 and
+``torch._int_mm`` needs 17+ rows and a separate activation pass. On CUDA the weights stay INT8 and
+the Triton weight-only kernel (``ops.int8_linear``) dequantizes them in registers: at decode sizes
+a matmul is bound by reading the weights, which INT8 halves against bf16.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from kernels import ops
+from services.engine.quant.int8_weights import Int8Weight, quantize_per_channel
+
+
+@functools.cache
+def cpu_has_vnni() -> bool:
+    """VNNI sums u8*s8 products straight into int32; without it fbgemm's int16 pair sums can
+    saturate on full-range activations, so they must be rounded to 7 bits (reduce_range)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(f in flags for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
+
+
+class CpuInt8Linear(nn.Module):
+    """W8A8 dynamic: fbgemm/oneDNN quantizes each token's activations on the fly."""
+
+    def __init__(self, weight: Int8Weight, bias: Tensor | None, out_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.qweight.shape
+        self.out_dtype = out_dtype
+        self.reduce_range = not cpu_has_vnni()
+        zero_points = torch.zeros(self.out_features, dtype=torch.long)
+        qweight = torch._make_per_channel_quantized_tensor(
+            weight.qweight, weight.scale.double(), zero_points, 0
+        )
+        b = None if bias is None else bias.detach().float()
+        self._packed = torch.ops.quantized.linear_prepack(qweight, b)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32:  # the dynamic kernels take fp32 activations only
+            x2 = x2.float()
+        y = torch.ops.quantized.linear_dynamic(x2, self._packed, self.reduce_range)
+        return y.to(self.out_dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, int8 dynamic (fbgemm)"
+
+
+class WeightOnlyInt8Linear(nn.Module):
+    """W8A16: INT8 weights dequantized inside the matmul kernel (``ops.int8_linear``)."""
+
+    def __init__(self, weight: Int8Weight, bias: Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.qweight.shape
+        self.register_buffer("qweight", weight.qweight)
+        self.register_buffer("scale", weight.scale)
+        self.register_buffer("bias", None if bias is None else bias.detach())
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = ops.int8_linear(x.reshape(-1, self.in_features), self.qweight, self.scale, self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, int8 weight-only"
+
+
+def int8_module(linear: nn.Linear, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The INT8 replacement of ``linear`` on ``device``."""
+    weight = quantize_per_channel(linear.weight)
+    if device.type == "cpu":
+        return CpuInt8Linear(weight, linear.bias, dtype)
+    w = Int8Weight(weight.qweight.to(device), weight.scale.to(device))
+    return WeightOnlyInt8Linear(w, linear.bias)
+
+
+# The vocabulary head is quantized too: at batch 1 it is the largest single matmul (49,152 x 576
+# for SmolLM2, ~40% of an fp32 decode step) and INT8 keeps the quality targets (perf/README.md).
+# The embedding stays in the float dtype: a lookup of a few rows costs nothing to speed up.
+QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+
+
+def quantize_linears(
+    model: nn.Module, device: torch.device, dtype: torch.dtype, include_head: bool = True
+) -> int:
+    """Swap the model's linear layers for INT8 ones in place; returns how many were swapped."""
+    names = QUANTIZED_LINEARS if include_head else QUANTIZED_LINEARS[:-1]
+    targets = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in names
+    ]
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, int8_module(module, device, dtype))
+    return len(targets)

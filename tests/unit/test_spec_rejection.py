@@ -1,0 +1,200 @@
+"""Speculative decoding keeps the output distribution: chi-square tests on tiny vocabularies.
+
+Two levels. The rejection sampler for drafts with a distribution q (``spec/rejection.py``):
+emitted tokens follow the target p for several (p, q) pairs, with temperature and top-k. And
+the engine with n-gram drafts on a model with an 8-token vocabulary: the first output positions
+follow the same distributions as the non-speculative sampler's, and - the sampler's own noise
+deciding each draft - every seeded request emits exactly the tokens it emits with speculation
+off. Seeds are fixed, so the tests are deterministic."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import torch
+
+from services.engine.block_manager import BlockManager
+from services.engine.sampler import SamplingTensors, sample
+from services.engine.sequence import Sequence
+from services.engine.spec.rejection import DraftDistributions
+from services.engine.spec.verify import DraftPosition, accepted_lengths, emitted_tokens
+from shared.sampling import SamplingParams
+from tests.engine_support import make_engine
+
+V = 6
+N = 20_000
+ALPHA = 1e-3  # a correct sampler fails a test at this level one time in a thousand
+
+
+def chi_square_p(observed: list[Counter], min_expected: float = 5.0) -> float:
+    """p-value of a chi-square homogeneity test of ``observed`` samples (one Counter each),
+    categories with small expected counts pooled."""
+    keys = sorted(set().union(*observed))
+    table = torch.tensor([[c[k] for k in keys] for c in observed], dtype=torch.float64)
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    small = expected.min(0).values < min_expected
+    if small.any():  # pool the rare categories into one
+        table = torch.cat([table[:, ~small], table[:, small].sum(1, keepdim=True)], 1)
+        expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    stat = ((table - expected) ** 2 / expected).sum()
+    dof = (table.shape[0] - 1) * (table.shape[1] - 1)
+    if dof == 0:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2.0))
+
+
+def goodness_of_fit_p(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of a chi-square test of ``samples`` (token ids) against ``probs`` [V]."""
+    counts = torch.bincount(samples, minlength=len(probs)).double()
+    expected = probs.double() * len(samples)
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token with probability 0 was emitted"
+    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2.0))
+
+
+def tensors(n: int, temperature: float, top_k: int = V, seed0: int = 0) -> SamplingTensors:
+    return SamplingTensors(
+        temperatures=torch.full((n,), temperature),
+        top_ks=torch.full((n,), top_k),
+        top_ps=torch.ones(n),
+        seeds=torch.arange(seed0, seed0 + n),
+        steps=torch.zeros(n, dtype=torch.int64),
+        needs_filter=top_k < V,
+        all_greedy=temperature == 0,
+    )
+
+
+def target(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
+    scaled = logits / temperature
+    scaled[scaled < scaled.topk(top_k).values[-1]] = float("-inf")
+    return torch.softmax(scaled, -1)
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, draft_kind",
+    [(1.0, V, "dirichlet"), (0.7, V, "dirichlet"), (1.0, 3, "dirichlet"), (1.0, V, "point")],
+)
+def test_rejection_sampling_emits_the_target_distribution(temperature, top_k, draft_kind):
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(V, generator=gen) * 1.5
+    p = target(logits.clone(), temperature, top_k)
+    if draft_kind == "point":
+        q = torch.zeros(V)
+        q[int(torch.argsort(p)[1])] = 1.0  # an unlikely token, drafted every time
+    else:
+        q = torch.distributions.Dirichlet(torch.ones(V)).sample()
+    drafts = torch.multinomial(q, N, replacement=True, generator=gen)
+    st = tensors(N, temperature, top_k)
+    st.draft = DraftDistributions(drafts, q.expand(N, V).contiguous())
+    out = sample(logits.expand(N, V).contiguous(), st)
+    assert goodness_of_fit_p(out.tokens, p) > ALPHA
+    accepted = (out.tokens == drafts).double().mean()
+    assert abs(accepted - torch.minimum(p, q).sum()) < 4 * (0.25 / N) ** 0.5  # P(accept)
+    # the plain sampler draws the same law, and seeds make every draw reproducible
+    st.draft = None
+    plain = sample(logits.expand(N, V).contiguous(), st).tokens
+    assert chi_square_p([Counter(out.tokens.tolist()), Counter(plain.tolist())]) > ALPHA
+    st.draft = DraftDistributions(drafts, q.expand(N, V).contiguous())
+    assert torch.equal(sample(logits.expand(N, V).contiguous(), st).tokens, out.tokens)
+
+
+def test_greedy_rows_accept_only_the_argmax():
+    logits = torch.tensor([[0.1, 2.0, 0.3, -1.0, 0.0, 0.5]] * 3)
+    st = tensors(3, 0.0)
+    q = torch.full((3, V), 1.0 / V)
+    st.draft = DraftDistributions(torch.tensor([1, 2, -1]), q)
+    assert sample(logits, st).tokens.tolist() == [1, 1, 1]
+
+
+def test_accepted_lengths_and_emitted_tokens():
+    # three sequences: 2 drafts (both drawn), 3 drafts (the second missed), no draft
+    drafts = [[7, 8], [4, 5, 6], []]
+    rows = torch.tensor([7, 8, 9, 4, 1, 6, 2, 3])
+    assert accepted_lengths(rows, drafts) == [2, 1, 0]
+    assert emitted_tokens(rows, drafts) == [[7, 8, 9], [4, 1], [3]]
+    assert emitted_tokens(torch.tensor([5]), [[]]) == [[5]]
+
+
+def test_a_draft_position_shows_the_sequence_after_its_drafts():
+    sp = SamplingParams(max_tokens=10)
+    seq = Sequence("r", [1, 2, 3], sp, seed=9, arrival=0.0)
+    seq.token_ids += [4]
+    seq.spec_token_ids = [5, 6]
+    row = DraftPosition(seq, 2)
+    assert (row.num_output_tokens, row.output_token_ids) == (3, [4, 5, 6])
+    assert row.token_ids == [1, 2, 3, 4, 5, 6] and row.seed == 9 and row.sampling is sp
+
+
+def test_trim_frees_blocks_that_hold_only_rolled_back_positions():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    seq = Sequence("r", list(range(10, 17)), SamplingParams(), 0, 0.0)  # 7 tokens
+    bm.allocate(seq, 12)  # a verification row reaching position 11: three blocks
+    seq.num_computed_tokens = 8  # positions 8.. rejected
+    bm.trim(seq)
+    assert len(seq.block_table) == 2 and bm.num_free_blocks == 6
+    taken = bm._take_free_block()
+    assert taken not in seq.block_table  # the freed block is the first one reused
+    seq.num_computed_tokens = 5
+    bm.trim(seq)
+    assert len(seq.block_table) == 2  # a block with computed tokens stays
+
+
+# ---- the engine: n-gram drafts on an 8-token vocabulary -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_dir(tmp_path_factory):
+    import transformers
+
+    out = tmp_path_factory.mktemp("tiny-vocab")
+    config = transformers.LlamaConfig(
+        vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
+        bos_token_id=0, eos_token_id=1, initializer_range=0.3,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    return out
+
+
+REQUESTS = 1500
+PROMPT = [2, 3, 4, 5, 6, 2, 3, 4, 5, 7, 2, 3]  # any token drafts something
+
+
+def outputs(engine, sp: SamplingParams, first_seed: int) -> list[list[int]]:
+    params = [replace(sp, seed=first_seed + i) for i in range(REQUESTS)]
+    return engine.generate([PROMPT] * REQUESTS, params)
+
+
+@pytest.mark.parametrize(
+    "sp",
+    [
+        SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True),
+        SamplingParams(
+            temperature=0.8, top_p=0.9, frequency_penalty=0.7, max_tokens=5, ignore_eos=True
+        ),  # fmt: skip
+    ],
+    ids=["plain", "penalised"],
+)
+def test_first_positions_follow_the_non_speculative_sampler(tiny_vocab_dir, sp):
+    options = dict(num_kv_blocks=4096, max_num_seqs=256, max_num_batched_tokens=4096)
+    off = make_engine(tiny_vocab_dir, dtype="float32", **options)
+    on = make_engine(tiny_vocab_dir, dtype="float32", speculative="ngram", ngram_min=1,
+                     spec_token_cost=0.0, **options)  # fmt: skip
+    spec = outputs(on, sp, 0)
+    counters = on.stats().spec
+    assert counters.drafts > REQUESTS  # nearly every request verified drafts...
+    assert 0.1 < counters.accepted_tokens / counters.draft_tokens < 0.9  # ...some rejected
+    plain_other_seeds = outputs(off, sp, REQUESTS)
+    for position in range(sp.max_tokens):
+        a = Counter(out[position] for out in spec)
+        b = Counter(out[position] for out in plain_other_seeds)
+        assert chi_square_p([a, b]) > ALPHA, position
+    pairs = [Counter((o[1], o[2]) for o in runs) for runs in (spec, plain_other_seeds)]
+    assert chi_square_p(pairs) > ALPHA
+    # exact, not only in law: the same seeds give the same tokens with speculation off
+    assert outputs(off, sp, 0) == spec
