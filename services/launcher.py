@@ -11,6 +11,11 @@ CPUs: with at least as many CPUs as workers, each worker runs on a share of its 
 GEMMs never preempt each other (on 2 cores, 1P1D: one core each). With fewer CPUs, the workers
 share them all and split the thread count instead. The gateway and NATS, light and mostly
 waiting, float. ``--no-split-cpus`` and ``--torch-threads`` override both.
+
+NATS: one private nats-server, or with ``--nats-cluster N`` N nodes routed to each other on
+loopback (a way to try a cluster, and to watch a node die: each worker connects to node
+``slot % N`` first and lists the others for failover; the gateway prefers node 1). The launcher
+keeps serving while at least one node lives.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
-from services.processes import Child, NatsServer, http_ok, spawn
+from services.processes import Child, NatsCluster, NatsServer, http_ok, spawn
 from shared.config import (
     BusConfig,
     EngineConfig,
@@ -126,6 +133,7 @@ class Launcher:
         self.worker = build(WorkerConfig, ns)
         self.bus = build(BusConfig, {**vars(ns), "nats_url": self.up.nats_url or "unset"})
         self.nats: NatsServer | None = None
+        self.nats_cluster: NatsCluster | None = None
         self.model = None  # model_resolve.ResolvedModel, set by start()
         self.gpus: list[str] = []
         self.children: list[Child] = []
@@ -147,6 +155,9 @@ class Launcher:
         self.model = resolve(self.engine.model)
         if self.up.nats_url:
             nats_url = self.up.nats_url
+        elif self.up.nats_cluster > 1:
+            self.nats_cluster = self._start_cluster()
+            nats_url = self.nats_cluster.url
         else:
             self.nats = NatsServer(
                 max_payload=self.bus.max_message_bytes,
@@ -180,6 +191,21 @@ class Launcher:
         env = service_env({**common, **_values(self.gateway)})
         self.children.append(spawn("gateway", service_argv("gateway"), env))
 
+    def _start_cluster(self) -> NatsCluster:
+        if self.up.nats_cluster > 9:
+            raise SystemExit("pdserve up: --nats-cluster takes 1 to 9 nodes")
+        workdir = Path(tempfile.mkdtemp(prefix="pdserve-nats-cluster-"))
+        cluster = NatsCluster.local(
+            self.up.nats_cluster,
+            workdir,
+            max_payload=self.bus.max_message_bytes,
+            token=self.bus.nats_token,
+            user=self.bus.nats_user,
+            password=self.bus.nats_password,
+        )
+        cluster.start()
+        return cluster
+
     def _start_worker(self, role: str, index: int, common: dict[str, object]) -> None:
         worker = dataclasses.replace(self.worker)
         worker.worker_id = f"{self.worker.worker_id or role}-{index}"
@@ -188,8 +214,10 @@ class Launcher:
             worker.metrics_port += offset
         if worker.ucx_port:
             worker.ucx_port += index + (self.up.prefill_workers if role == "decode" else 0)
-        env = service_env({**common, **_values(worker)})
         slot = index + (self.up.prefill_workers if role == "decode" else 0)
+        if self.nats_cluster is not None:  # spread the workers over the nodes, each its own first
+            common = {**common, "nats_url": self.nats_cluster.client_url(slot)}
+        env = service_env({**common, **_values(worker)})
         gpu = gpu_for_worker(slot, self.gpus)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
@@ -251,8 +279,36 @@ class Launcher:
             if self.nats is not None and self.nats.child and not self.nats.child.alive():
                 print("pdserve: nats-server exited", file=sys.stderr)
                 return 1
+            if self.nats_cluster is not None and self._cluster_lost(reported):
+                print("pdserve: every NATS node exited", file=sys.stderr)
+                return 1
             time.sleep(0.2)
         return 0
+
+    def _cluster_lost(self, reported: set[int]) -> bool:
+        """Report each NATS node that died, once; True when none is left."""
+        assert self.nats_cluster is not None
+        alive = 0
+        for node in self.nats_cluster.nodes:
+            if node.child is None:
+                continue
+            if node.child.alive():
+                alive += 1
+            elif node.child.pid not in reported:
+                reported.add(node.child.pid)
+                code = node.child.popen.returncode
+                print(f"pdserve: NATS {node.server_name} exited with {code}", file=sys.stderr)
+        return alive == 0
+
+    def nats_banner(self) -> str:
+        if self.nats_cluster is not None:
+            nodes = self.nats_cluster.nodes
+            return f"nats: cluster of {len(nodes)} at {self.nats_cluster.url}, logs in " + str(
+                nodes[0].workdir
+            )
+        if self.nats is not None:
+            return f"nats: {self.nats.url}, log {self.nats.log_path}"
+        return f"nats: {self.up.nats_url}"
 
     def stop(self) -> None:
         """Gateway first: it refuses new requests and finishes its streams while the workers
@@ -270,6 +326,8 @@ class Launcher:
                 child.stop(0.0)  # SIGKILL whatever is left, reap the group
         if self.nats is not None:
             self.nats.stop()
+        if self.nats_cluster is not None:
+            self.nats_cluster.stop()
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -284,9 +342,7 @@ def run(ns: argparse.Namespace) -> int:
             print(
                 f"pdserve ready at http://{launcher._http_host()}:{launcher.gateway.port} "
                 f"(prefill workers: {up.prefill_workers}, decode workers: {up.decode_workers}, "
-                f"nats: {launcher.nats.url if launcher.nats else up.nats_url}"
-                + (f", log {launcher.nats.log_path}" if launcher.nats else "")
-                + ")",
+                f"{launcher.nats_banner()})",
                 flush=True,
             )
             print(f"pdserve model: {launcher.model_banner()}", flush=True)

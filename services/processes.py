@@ -1,10 +1,12 @@
 """The processes pdserve starts for itself and for tests: each service a child that leads its
-own process group (so it is stopped as a whole), and a private nats-server."""
+own process group (so it is stopped as a whole), and a private nats-server or a cluster of them
+(``NatsCluster``: every node routed to every other, clients listing their own node first)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -130,7 +132,9 @@ def spawn(
 
 @dataclass
 class NatsServer:
-    """A private nats-server on loopback, with the payload limit the bus is configured for."""
+    """A private nats-server (on loopback unless ``host`` says otherwise), with the payload
+    limit the bus is configured for. With ``cluster_port`` it is a cluster node: it listens for
+    routes there and dials ``routes`` (``nats-route://host:port`` of the other nodes)."""
 
     host: str = "127.0.0.1"
     port: int = 0
@@ -143,26 +147,63 @@ class NatsServer:
     log_path: Path | None = None
     child: Child | None = None
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="pdserve-nats-")))
+    server_name: str | None = None
+    cluster_name: str = "pdserve"
+    cluster_port: int = 0  # 0: a standalone server
+    routes: list[str] = field(default_factory=list)
+    monitor_port: int = 0  # HTTP monitoring (/routez); 0: off
+    argv_prefix: list[str] = field(default_factory=list)  # e.g. ip netns exec NAME
 
     @property
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"
 
+    @property
+    def route_url(self) -> str:
+        return f"nats-route://{self.host}:{self.cluster_port}"
+
+    def config_text(self) -> str:
+        # nats-server caps payloads at 64 MiB; keep it at the bus limit (1 MiB default is too
+        # small for long prompts)
+        lines = [f"max_payload: {min(self.max_payload, 64 * 1024 * 1024)}"]
+        if self.server_name:
+            lines.append(f'server_name: "{self.server_name}"')
+        if self.cluster_port:
+            routes = ", ".join(f'"{r}"' for r in self.routes)
+            lines += [
+                "cluster {",
+                f'  name: "{self.cluster_name}"',
+                f'  listen: "{self.host}:{self.cluster_port}"',
+                f"  routes: [{routes}]",
+                "}",
+            ]
+        return "\n".join(lines) + "\n"
+
     def start(self, timeout: float = 10.0) -> None:
         if not self.port:
             self.port = free_port(self.host)
-        conf = self.workdir / "nats.conf"
-        # nats-server caps payloads at 64 MiB; keep it at the bus limit (1 MiB default is too
-        # small for long prompts)
-        conf.write_text(f"max_payload: {min(self.max_payload, 64 * 1024 * 1024)}\n")
-        argv = [find_nats_server(), "-c", str(conf), "-a", self.host, "-p", str(self.port)]
+        name = self.server_name or "nats"
+        conf = self.workdir / f"{name}.conf"
+        conf.write_text(self.config_text())
+        argv = [
+            *self.argv_prefix,
+            find_nats_server(),
+            "-c",
+            str(conf),
+            "-a",
+            self.host,
+            "-p",
+            str(self.port),
+        ]
+        if self.monitor_port:
+            argv += ["-m", str(self.monitor_port)]
         if self.token:
             argv += ["--auth", self.token]
         elif self.user:
             argv += ["--user", self.user, "--pass", self.password or ""]
         if self.tls_cert:
             argv += ["--tls", "--tlscert", str(self.tls_cert), "--tlskey", str(self.tls_key)]
-        self.child = spawn("nats-server", argv, log_path=self.log_path)
+        self.child = spawn(name, argv, log_path=self.log_path)
         wait_port(self.host, self.port, timeout, self.child)
 
     def stop(self) -> None:
@@ -175,6 +216,79 @@ class NatsServer:
         self.stop()
         time.sleep(down_seconds)
         self.start()
+
+
+@dataclass
+class NatsCluster:
+    """``size`` nats-server nodes, each routed to every other (a full mesh of explicit routes,
+    which nodes re-dial forever, so a node that comes back rejoins by itself).
+
+    ``client_url(i)`` lists node ``i`` first and the others after it: the bus keeps that order
+    (``shared.bus``), so a process stays on its own node and fails over to the rest."""
+
+    nodes: list[NatsServer]
+
+    @classmethod
+    def local(cls, size: int, workdir: Path, **server_kw: object) -> NatsCluster:
+        """``size`` nodes on loopback, on free ports, logging to ``workdir``/node-N.log."""
+        nodes = []
+        for i in range(size):
+            nodes.append(
+                NatsServer(
+                    server_name=f"node-{i + 1}",
+                    cluster_port=free_port(),
+                    monitor_port=free_port(),
+                    log_path=workdir / f"node-{i + 1}.log",
+                    workdir=workdir,
+                    **server_kw,  # type: ignore[arg-type]
+                )
+            )
+        return cls(nodes)
+
+    def __post_init__(self) -> None:
+        for node in self.nodes:
+            node.routes = [n.route_url for n in self.nodes if n is not node]
+
+    @property
+    def url(self) -> str:
+        """Every node, node 1 first."""
+        return self.client_url(0)
+
+    def client_url(self, index: int) -> str:
+        """Node ``index`` (modulo the size) first, then the others in order."""
+        k = index % len(self.nodes)
+        return ",".join(n.url for n in self.nodes[k:] + self.nodes[:k])
+
+    def start(self, timeout: float = 15.0) -> None:
+        for node in self.nodes:
+            node.start(timeout)
+        deadline = time.monotonic() + timeout
+        while not self.meshed():
+            for node in self.nodes:
+                if node.child is None or not node.child.alive():
+                    raise RuntimeError(f"NATS {node.server_name} exited")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the {len(self.nodes)} NATS nodes did not route to each other")
+            time.sleep(0.1)
+
+    def peers(self, node: NatsServer) -> set[str]:
+        """Names of the nodes ``node`` has a route to, from its /routez (empty if unreadable)."""
+        url = f"http://{node.host}:{node.monitor_port}/routez"
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as resp:
+                routes = json.load(resp).get("routes") or []
+        except (urllib.error.URLError, OSError, ValueError):
+            return set()
+        return {r.get("remote_name") or r.get("remote_id", "") for r in routes}
+
+    def meshed(self) -> bool:
+        """Every running node routes to every other running node."""
+        running = [n for n in self.nodes if n.child is not None and n.child.alive()]
+        return all(len(self.peers(n)) >= len(running) - 1 for n in running)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
 
 
 def wait_port(host: str, port: int, timeout: float, child: Child | None = None) -> None:

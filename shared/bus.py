@@ -54,11 +54,27 @@ def tls_context(config: BusConfig) -> ssl.SSLContext | None:
     return ctx
 
 
+def nats_servers(nats_url: str) -> list[str]:
+    """The server URLs of ``--nats-url``: comma and/or space separated, in the given order; a
+    bare ``host:port`` gets the ``nats://`` scheme."""
+    parts = [p for p in nats_url.replace(",", " ").split() if p]
+    return [p if "://" in p else f"nats://{p}" for p in parts]
+
+
 def connect_options(config: BusConfig, name: str) -> dict[str, Any]:
-    """Keyword arguments for ``nats.connect`` (auth, TLS, reconnect policy)."""
-    servers = [s.strip() for s in config.nats_url.split(",") if s.strip()]
+    """Keyword arguments for ``nats.connect`` (auth, TLS, reconnect policy).
+
+    Several servers (nodes of one NATS cluster) are tried in the order given, first connect
+    and every reconnect alike: list this host's own node first and the others for failover.
+    nats-py would shuffle them otherwise, sending a process to a remote node while its local
+    one is up. Nodes the cluster announces that are not listed are added after them.
+    """
+    servers = nats_servers(config.nats_url)
+    if not servers:
+        raise ValueError(f"no NATS server in --nats-url {config.nats_url!r}")
     opts: dict[str, Any] = {
         "servers": servers,
+        "dont_randomize": True,
         "name": name,
         "allow_reconnect": True,
         "max_reconnect_attempts": -1,  # a restarted NATS must never strand a worker
