@@ -212,6 +212,9 @@ def make_parser() -> argparse.ArgumentParser:
 WARMUP_SEED_OFFSET = 1_000_003
 CLIENT_BUSY = 0.7  # client CPU per wall second above which its numbers are suspect
 CALIBRATION_SEED_OFFSET = 2_000_003
+# pdserve's gateway learns its workers' speculation totals from their heartbeats (0.5 s apart
+# by default): wait that long after a run before reading them
+SPEC_SETTLE_S = 1.0
 
 
 def build_dataset(
@@ -289,15 +292,27 @@ async def measure_rate(
     max_concurrency: int | None = None,
 ) -> Any:
     """One measured run of `requests` at `rate`; returns a RunResult with its metrics."""
+    import asyncio
+
     from perf.bench.client import LoadConfig, run_benchmark
     from perf.bench.metrics import compute_metrics
     from perf.bench.report import RunResult
+    from perf.bench.spec_counters import scrape_spec
 
     conc = max_concurrency if max_concurrency is not None else ns.max_concurrency
     load = LoadConfig(rate, ns.burstiness, conc, ns.seed + seed_offset)
+    spec_before = await asyncio.to_thread(scrape_spec, cfg.base_url, cfg.api_key)
     run = await run_benchmark(requests, cfg, load, ns.progress, desc=f"{series} @ {rate:g}/s")
     metrics = compute_metrics(run.records, run.duration, slos, ns.percentiles)
     metrics.client_cpu_fraction = run.client_cpu_s / run.duration
+    if spec_before is not None:  # the server speculates: what did this run draft and accept?
+        await asyncio.sleep(SPEC_SETTLE_S)
+        spec_after = await asyncio.to_thread(scrape_spec, cfg.base_url, cfg.api_key)
+        if spec_after is not None:
+            spec = spec_after.since(spec_before)
+            metrics.spec_drafts = int(spec.drafts)
+            metrics.spec_draft_tokens = int(spec.draft_tokens)
+            metrics.spec_accepted_tokens = int(spec.accepted_tokens)
     return RunResult(series, rate, ns.burstiness, conc, metrics, run.records)
 
 
@@ -338,6 +353,12 @@ def print_summary(result: Any) -> None:
     if m.goodput_slos_ms:
         lines.append(
             f"goodput: {m.request_goodput:.2f} req/s, SLO attainment {100 * m.slo_attainment:.1f}%"
+        )
+    if m.spec_acceptance_rate is not None and m.spec_mean_acceptance_length is not None:
+        lines.append(
+            f"speculative decoding: acceptance {100 * m.spec_acceptance_rate:.1f}% "
+            f"({m.spec_accepted_tokens}/{m.spec_draft_tokens} draft tokens), "
+            f"mean acceptance length {m.spec_mean_acceptance_length:.2f} over {m.spec_drafts} drafts"
         )
     if m.client_cpu_fraction > CLIENT_BUSY:
         lines.append(

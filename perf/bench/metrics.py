@@ -104,6 +104,22 @@ class BenchMetrics:
     # CPU seconds the client itself used per second of run: near 1 it is one busy core, and
     # its own event loop, not the server, may be setting the latencies
     client_cpu_fraction: float = 0.0
+    # speculative decoding during the run, from the server's /metrics (0: none exposed)
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / draft tokens (vLLM's draft acceptance rate), or None without drafts."""
+        return (
+            self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else None
+        )
+
+    @property
+    def spec_mean_acceptance_length(self) -> float | None:
+        """Tokens a verified draft emits on average: 1 + accepted / drafts (vLLM's)."""
+        return 1 + self.spec_accepted_tokens / self.spec_drafts if self.spec_drafts else None
 
     def to_dict(self) -> dict:
         return asdict(self)

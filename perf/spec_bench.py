@@ -1,0 +1,209 @@
+"""Speculative decoding (n-gram prompt lookup) on and off, in-process, on a real model.
+
+Two workloads (``perf/spec_workloads.py``), chat-templated as the gateway does: input-grounded
+("rewrite this paragraph / code with one change": the answer copies the prompt) and open-ended
+questions, the latter greedy and sampled (temperature 0.7, seeded). Each runs at batch 1 (the
+prompts one after another) and batch 8 (all at once) on one engine per mode - speculation off,
+n-gram with adaptive K (the default), and n-gram with a fixed K (``--spec-token-cost 0``) - the
+modes alternating within each repetition so drift on a shared machine hits them alike. Reports
+output tokens/s (median over repetitions), the speed-up over off, the draft acceptance rate
+(accepted / draft tokens), the mean acceptance length (tokens a verified draft emits: 1 +
+accepted / drafts), and whether every output is token-identical to speculation off.
+
+    python -m perf.spec_bench [--model smollm2-135m-instruct] [--reps 3] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from perf import spec_workloads
+from services.engine.engine import LLMEngine
+from services.engine.spec.speculator import SpecCounters
+from shared.config import EngineConfig
+from shared.sampling import SamplingParams
+
+MODES = {  # name -> engine options
+    "off": {},
+    "ngram": {"speculative": "ngram"},
+    "ngram-fixed-k": {"speculative": "ngram", "spec_token_cost": 0.0},
+}
+
+
+@dataclass
+class Case:
+    workload: str
+    batch: int
+    prompts: list[list[int]]
+    sampling: SamplingParams
+
+
+@dataclass
+class ModeResult:
+    tokens_per_s: float
+    seconds: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    acceptance_rate: float | None = None
+    mean_acceptance_length: float | None = None
+    draft_tokens: int = 0
+    identical_to_off: bool | None = None
+    speedup: float | None = None
+
+
+@dataclass
+class CaseResult:
+    workload: str
+    batch: int
+    modes: dict[str, ModeResult]
+
+
+def chat_prompts(model_dir: Path, messages: list[str]) -> list[list[int]]:
+    """Token ids of each message as a one-turn chat, rendered as the gateway renders it."""
+    from gateway.api_models import ChatMessage
+    from gateway.chat_template import ChatTemplate
+    from gateway.tokenizer import ModelTokenizer
+
+    tok = ModelTokenizer.from_dir(model_dir)
+    assert tok.chat_template is not None, "the model has no chat template"
+    chat = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
+    return [
+        tok.encode(chat.render([ChatMessage("user", m)]), add_special_tokens=False)
+        for m in messages
+    ]
+
+
+def cases(model_dir: Path, batch1_prompts: int, max_tokens: int) -> list[Case]:
+    grounded = chat_prompts(model_dir, spec_workloads.input_grounded())[:8]
+    open_ended = chat_prompts(model_dir, spec_workloads.open_ended())[:8]
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    sampled = SamplingParams(temperature=0.7, seed=1234, max_tokens=max_tokens)
+    out = []
+    for name, prompts, sp in (
+        ("input-grounded", grounded, greedy),
+        ("open-ended", open_ended, greedy),
+        ("open-ended T=0.7", open_ended, sampled),
+    ):
+        # batch 1 takes prompts from both kinds of text (paragraphs and code alternate)
+        out.append(Case(name, 1, prompts[:batch1_prompts], sp))
+        out.append(Case(name, 8, prompts[:8], sp))
+    return out
+
+
+def run_case(engine: LLMEngine, case: Case) -> tuple[float, list[list[int]], SpecCounters]:
+    """Seconds to serve the case's prompts, their outputs, and the speculation it did."""
+    before = _counters(engine)
+    outputs: list[list[int]] = []
+    start = time.perf_counter()
+    for i in range(0, len(case.prompts), case.batch):
+        outputs += engine.generate(case.prompts[i : i + case.batch], case.sampling)
+    seconds = time.perf_counter() - start
+    return seconds, outputs, _counters(engine).since(before)
+
+
+def _counters(engine: LLMEngine) -> SpecCounters:
+    spec = engine.stats().spec
+    return spec if spec is not None else SpecCounters(accepted_per_pos=[])
+
+
+def measure(engines: dict[str, LLMEngine], case: Case, reps: int) -> CaseResult:
+    seconds: dict[str, list[float]] = {m: [] for m in engines}
+    outputs: dict[str, list[list[int]]] = {}
+    spec: dict[str, SpecCounters] = {}
+    names = list(engines)
+    for rep in range(reps):
+        # alternate the order so a slow spell on a shared machine does not favour one mode
+        for mode in names if rep % 2 == 0 else names[::-1]:
+            s, out, counters = run_case(engines[mode], case)
+            seconds[mode].append(s)
+            outputs[mode] = out
+            spec[mode] = counters
+    off_tokens = sum(map(len, outputs["off"]))
+    results: dict[str, ModeResult] = {}
+    for mode in names:
+        tokens = sum(map(len, outputs[mode]))
+        median = statistics.median(seconds[mode])
+        c = spec[mode]
+        results[mode] = ModeResult(
+            tokens_per_s=round(tokens / median, 2),
+            seconds=[round(x, 3) for x in seconds[mode]],
+            output_tokens=tokens,
+            acceptance_rate=round(c.accepted_tokens / c.draft_tokens, 3)
+            if c.draft_tokens
+            else None,
+            mean_acceptance_length=round(1 + c.accepted_tokens / c.drafts, 2) if c.drafts else None,
+            draft_tokens=c.draft_tokens,
+            identical_to_off=outputs[mode] == outputs["off"],
+        )
+    for mode in names:
+        off_rate = off_tokens / statistics.median(seconds["off"])
+        results[mode].speedup = round(results[mode].tokens_per_s / off_rate, 3)
+    return CaseResult(case.workload, case.batch, results)
+
+
+def print_row(result: CaseResult) -> None:
+    for mode, r in result.modes.items():
+        acc = f"{100 * r.acceptance_rate:5.1f}%" if r.acceptance_rate is not None else "    - "
+        length = f"{r.mean_acceptance_length:4.2f}" if r.mean_acceptance_length else "   -"
+        same = {True: "yes", False: "NO", None: "-"}[r.identical_to_off]
+        print(
+            f"{result.workload:17s} {result.batch:5d}  {mode:14s} {r.tokens_per_s:8.2f} "
+            f"{r.speedup:7.2f}x  {acc}  {length}  {same}",
+            flush=True,
+        )
+
+
+def main(argv: list[str] | None = None) -> list[CaseResult]:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batch1-prompts", type=int, default=4, help="prompts run one by one")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args(argv)
+    from shared.models.resolve import resolve
+
+    model_dir = resolve(args.model).path
+    modes = ["off", *(m for m in args.modes if m != "off")]
+    engines = {
+        m: LLMEngine(
+            EngineConfig(
+                model=args.model,
+                dtype="float32",
+                num_kv_blocks=512,
+                max_num_seqs=8,
+                num_speculative_tokens=args.num_speculative_tokens,
+                **MODES[m],
+            )
+        )  # fmt: skip
+        for m in modes
+    }
+    all_cases = cases(model_dir, args.batch1_prompts, args.max_tokens)
+    for engine in engines.values():  # warm-up: first-call allocations
+        engine.generate(all_cases[0].prompts[:1], SamplingParams(temperature=0.0, max_tokens=8))
+    print(f"{args.model}, {torch.get_num_threads()} torch threads, {args.reps} reps, "
+          f"K = {args.num_speculative_tokens}, up to {args.max_tokens} tokens per answer")  # fmt: skip
+    print("workload          batch  mode           tok/s   speed-up  accept  len   same as off")
+    results = []
+    for case in all_cases:
+        result = measure(engines, case, args.reps)
+        print_row(result)
+        results.append(result)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps([asdict(r) for r in results], indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()

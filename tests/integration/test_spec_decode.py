@@ -1,0 +1,147 @@
+"""Speculative decoding through a real 1P1D stack: the decode worker drafts (n-gram) and
+verifies, the prefill worker never does; greedy answers are HF's token for token; the worker's
+/metrics, the gateway's re-export, ``pdserve bench``'s reader and the ``decode.generate`` span
+all see the drafts; a request that opts out (``"speculate": false``) drafts nothing.
+
+Real nats-server, UCX and HTTP, a tiny HF checkpoint (HF float64 is the oracle); its random
+weights fall into loops, and the prompts quote themselves, so drafts are accepted."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from perf.bench.spec_counters import scrape_spec
+from tests.engine_support import random_prompts
+from tests.integration.stack import (
+    free_port,
+    start_nats,
+    start_service,
+    stop_all,
+    wait_http,
+    wait_until,
+)
+from tests.oracle import hf_greedy
+from tests.otlp_receiver import OtlpReceiver
+
+MAX_TOKENS = 24
+PROMPTS = [p + p[: len(p) // 2] + p for p in random_prompts(4, seed=11, max_len=30)]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, checkpoints):
+    logs = tmp_path_factory.mktemp("spec")
+    model = str(checkpoints["llama-gqa"])
+    rx = OtlpReceiver()
+    rx.start_in_thread()
+    nats = start_nats(logs)
+    port, metrics_port = free_port(), free_port()
+    # speculation options on every process, as `pdserve up` passes them: only decode drafts
+    spec = {"model": model, "speculative": "ngram", "ngram_min": 1, "spec_token_cost": 0}
+    env = rx.env()
+    children = [
+        start_service("prefill", nats.url, logs, env={**env, "PDSERVE_WORKER_ID": "spec-p0"},
+                      options=spec),
+        start_service("decode", nats.url, logs, env={**env, "PDSERVE_WORKER_ID": "spec-d0"},
+                      options={**spec, "metrics_port": metrics_port}),
+        start_service("gateway", nats.url, logs, env={**env, "PDSERVE_PORT": str(port)},
+                      options=spec),
+    ]  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{base}/health", 120, children)
+        wait_until(lambda: "spec-p0" in scrape(base), 30, "prefill worker")
+        yield base, f"http://127.0.0.1:{metrics_port}", model, rx
+    finally:
+        stop_all(children)
+        nats.stop()
+        rx.stop_in_thread()
+
+
+def scrape(url: str) -> str:
+    return urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+
+
+def counters(url: str, prefix: str) -> dict[str, float]:
+    """Every ``prefix*`` sample of ``url``'s /metrics, summed by name (and position)."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(scrape(url)):
+        for s in family.samples:
+            if s.name.startswith(prefix):
+                key = s.name + (f"[{s.labels['position']}]" if "position" in s.labels else "")
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def complete(base: str, prompt: list[int], request_id: str, **extra) -> str:
+    body = {"model": "llama-gqa", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, **extra}  # fmt: skip
+    req = urllib.request.Request(
+        f"{base}/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json", "x-request-id": request_id},
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        answer = json.loads(resp.read())
+    assert answer["usage"]["completion_tokens"] == MAX_TOKENS
+    assert answer["choices"][0]["finish_reason"] == "length"
+    return answer["choices"][0]["text"]
+
+
+def text(model: str, tokens: list[int]) -> str:
+    from gateway.tokenizer import ModelTokenizer
+
+    return ModelTokenizer.from_dir(model).decode(tokens)
+
+
+def test_decode_worker_drafts_and_answers_are_hf_s(stack):
+    base, worker, model, rx = stack
+    expected = hf_greedy(model, PROMPTS, MAX_TOKENS)
+    for i, prompt in enumerate(PROMPTS):
+        assert complete(base, prompt, f"spec-{i}") == text(model, expected[i])
+    w = counters(worker, "pdserve_worker_spec_decode_")
+    drafts = w["pdserve_worker_spec_decode_num_drafts_total"]
+    draft_tokens = w["pdserve_worker_spec_decode_num_draft_tokens_total"]
+    accepted = w["pdserve_worker_spec_decode_num_accepted_tokens_total"]
+    assert draft_tokens >= drafts > 0 and 0 < accepted <= draft_tokens
+    per_pos = [w.get(f"pdserve_worker_spec_decode_num_accepted_tokens_per_pos_total[{j}]", 0.0)
+               for j in range(4)]  # fmt: skip
+    assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+
+    # the gateway re-exports the worker's totals (from its heartbeats); bench reads them there
+    def gateway_caught_up() -> bool:
+        g = counters(base, "pdserve_spec_decode_")
+        return g.get("pdserve_spec_decode_num_accepted_tokens_total") == accepted
+
+    wait_until(gateway_caught_up, 10, "the gateway's spec_decode counters")
+    totals = scrape_spec(base)
+    assert (totals.drafts, totals.draft_tokens, totals.accepted_tokens) == (
+        drafts, draft_tokens, accepted,
+    )  # fmt: skip
+
+    # each request's decode.generate span tells its own drafts
+    def generate_spans(spans):
+        return [s for s in spans if s.name == "decode.generate"
+                and str(s.attributes.get("pdserve.request_id", "")).startswith("spec-")]  # fmt: skip
+
+    spans = rx.wait_for_sync(lambda s: len(generate_spans(s)) == len(PROMPTS), timeout=30)
+    spans = generate_spans(spans)
+    assert sum(s.attributes.get("pdserve.spec.accepted_tokens", 0) for s in spans) == accepted
+    for s in spans:
+        if "pdserve.spec.draft_tokens" in s.attributes:
+            rate = (
+                s.attributes["pdserve.spec.accepted_tokens"]
+                / s.attributes["pdserve.spec.draft_tokens"]
+            )
+            assert s.attributes["pdserve.spec.acceptance_rate"] == pytest.approx(rate)
+
+
+def test_a_request_may_opt_out(stack):
+    base, worker, model, _ = stack
+    before = counters(worker, "pdserve_worker_spec_decode_num_drafts")
+    expected = hf_greedy(model, PROMPTS[:1], MAX_TOKENS)[0]
+    assert complete(base, PROMPTS[0], "spec-out", speculate=False) == text(model, expected)
+    assert counters(worker, "pdserve_worker_spec_decode_num_drafts") == before
