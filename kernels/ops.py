@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from kernels import reference
+from kernels import reference, reference_quant
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -31,6 +31,7 @@ _TRITON_MODULES = {
     "store_kvcache": "kernels.triton_cache",
     "decode_attention": "kernels.triton_decode",
     "prefill_attention": "kernels.triton_prefill",
+    "int8_linear": "kernels.triton_int8",
 }
 
 
@@ -68,7 +69,12 @@ def _triton_impl(name: str) -> Callable:
 def _impl(name: str, tensor: Tensor) -> Callable:
     if backend_for(tensor) == "triton":
         return _triton_impl(name)
-    return getattr(reference, name)
+    return getattr(reference_quant if name == "int8_linear" else reference, name)
+
+
+def _kv_scales(k_scale: Tensor | None, v_scale: Tensor | None) -> dict[str, Tensor]:
+    # passed on only for a quantized cache, so float-cache calls keep their exact old signature
+    return {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
 
 
 def rms_norm(
@@ -98,11 +104,22 @@ def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Ten
 
 
 def store_kvcache(
-    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+    key: Tensor,
+    value: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> None:
     """Scatter key/value [T,Hk,D] into k/v_cache [blocks, block_size, Hk, D] (strided views ok)
-    at slot_mapping [T] (int64, block_id * block_size + offset; -1 = skip)."""
-    _impl("store_kvcache", key)(key, value, k_cache, v_cache, slot_mapping)
+    at slot_mapping [T] (int64, block_id * block_size + offset; -1 = skip).
+
+    A quantized cache (int8 or float8_e4m3fn values) comes with k/v_scale [blocks, block_size,
+    Hk, 1] float32: each token-head vector is stored as values and its one scale
+    (kernels/reference_quant.py). Every attention op takes the same scales to read it back."""
+    scales = _kv_scales(k_scale, v_scale)
+    _impl("store_kvcache", key)(key, value, k_cache, v_cache, slot_mapping, **scales)
 
 
 def prefill_attention(
@@ -117,12 +134,15 @@ def prefill_attention(
     k_cache: Tensor | None = None,
     v_cache: Tensor | None = None,
     block_tables: Tensor | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     """Varlen causal GQA attention; q [T,Hq,D], k/v [T,Hk,D] packed, cu_seqlens [B+1] int32.
 
     Without block_tables the keys are the packed k/v (k_len == q_len). With block_tables
     [B, maxblocks] int32 the keys/values come from the paged cache (the new tokens already
     stored there) and query j of seq i sits at position k_len - q_len + j. Returns [T,Hq,D].
+    k/v_scale: a quantized cache's scales (see store_kvcache).
     """
     return _impl("prefill_attention", q)(
         q,
@@ -136,6 +156,7 @@ def prefill_attention(
         k_cache,
         v_cache,
         block_tables,
+        **_kv_scales(k_scale, v_scale),
     )
 
 
@@ -164,6 +185,8 @@ def decode_attention(
     plan: object | None = None,
     cu_seqlens_q: Tensor | None = None,
     max_seqlen_q: int = 1,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     """Paged GQA attention of a decode step: each sequence's newest token(s) over its cache.
 
@@ -175,7 +198,7 @@ def decode_attention(
     max_seqlen_q (a host int, so no device sync) bounds every q_len_i; with max_seqlen_q 1 it
     is the plain decode path exactly (cu_seqlens_q is then ignored). Returns q's shape.
     ``plan``: decode_plan(block_tables, context_lens, cu_seqlens_q, max_seqlen_q) of this step,
-    or None.
+    or None. k/v_scale: a quantized cache's scales (see store_kvcache).
     """
     return _impl("decode_attention", q)(
         q,
@@ -187,4 +210,11 @@ def decode_attention(
         plan,
         cu_seqlens_q,
         max_seqlen_q,
+        **_kv_scales(k_scale, v_scale),
     )
+
+
+def int8_linear(x: Tensor, qweight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """Weight-only INT8 linear: x [M, K] @ (qweight [N, K] int8 * scale [N] fp32).T (+ bias [N])
+    -> [M, N] in x's dtype, accumulated in fp32."""
+    return _impl("int8_linear", x)(x, qweight, scale, bias)

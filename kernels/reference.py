@@ -16,6 +16,7 @@ from torch import Tensor
 
 from kernels.reference_decode import DecodePlan, decode_attention
 from kernels.reference_paged import compute_dtype, gather_paged, token_rows
+from kernels.reference_quant import quantize_kv
 
 __all__ = ["DecodePlan", "decode_attention"]  # the decode twin lives in reference_decode
 
@@ -96,27 +97,50 @@ def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Ten
 
 
 def store_kvcache(
-    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+    key: Tensor,
+    value: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> None:
     """Write key/value [T,Hk,D] into caches [num_blocks, block_size, Hk, D] at slot_mapping.
 
     slot = block_id * block_size + offset; slot -1 marks a token whose K/V is already cached.
+    A quantized cache (int8, float8_e4m3fn) also takes k/v_scale [num_blocks, block_size, Hk, 1]:
+    each token-head vector is stored as values and one scale (kernels/reference_quant.py).
     """
+    if k_scale is not None and v_scale is not None:
+        key, k_scales = quantize_kv(key, k_cache.dtype)
+        value, v_scales = quantize_kv(value, v_cache.dtype)
+        _scatter(k_scales[..., None], v_scales[..., None], k_scale, v_scale, slot_mapping)
+    _scatter(key, value, k_cache, v_cache, slot_mapping)
+
+
+def _bits(t: Tensor) -> Tensor:
+    # float8 has no CPU index_copy_; its bytes copy the same through a uint8 view
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
+def _scatter(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor) -> None:
     block_size = k_cache.shape[1]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
+    keep = slots >= 0
+    slots = slots[keep]
     block_ids = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots % block_size
+    key, value = _bits(key[keep].to(k_cache.dtype)), _bits(value[keep].to(v_cache.dtype))
+    k_cache, v_cache = _bits(k_cache), _bits(v_cache)
     k_rows, v_rows = token_rows(k_cache), token_rows(v_cache)
     if k_rows is not None and v_rows is not None:
         rows = block_ids * k_rows[1] + offsets
         width = k_rows[0].shape[1]
-        k_rows[0].index_copy_(0, rows, key[keep].reshape(len(rows), width).to(k_cache.dtype))
-        v_rows[0].index_copy_(0, rows, value[keep].reshape(len(rows), width).to(v_cache.dtype))
+        k_rows[0].index_copy_(0, rows, key.reshape(len(rows), width))
+        v_rows[0].index_copy_(0, rows, value.reshape(len(rows), width))
         return
     # Two-index advanced assignment writes straight through any strided view.
-    k_cache[block_ids, offsets] = key[keep].to(k_cache.dtype)
-    v_cache[block_ids, offsets] = value[keep].to(v_cache.dtype)
+    k_cache[block_ids, offsets] = key
+    v_cache[block_ids, offsets] = value
 
 
 def _pad_packed(x: Tensor, cu_seqlens: Tensor, max_len: int) -> tuple[Tensor, Tensor]:
@@ -142,6 +166,8 @@ def prefill_attention(
     k_cache: Tensor | None = None,
     v_cache: Tensor | None = None,
     block_tables: Tensor | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     """Varlen causal attention with GQA over packed sequences; see kernels.ops for the contract."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -159,6 +185,9 @@ def prefill_attention(
         num_blocks = -(-max_seqlen_k // k_cache.shape[1])
         k_pad = gather_paged(k_cache, block_tables, num_blocks)
         v_pad = gather_paged(v_cache, block_tables, num_blocks)
+        if k_scale is not None and v_scale is not None:  # a quantized cache: values * scales
+            k_pad = k_pad.to(cdt) * gather_paged(k_scale, block_tables, num_blocks)
+            v_pad = v_pad.to(cdt) * gather_paged(v_scale, block_tables, num_blocks)
         k_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
         k_valid = torch.arange(k_pad.shape[1], device=q.device)[None, :] < k_lens[:, None]
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()

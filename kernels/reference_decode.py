@@ -140,6 +140,8 @@ def decode_attention(
     plan: DecodePlan | None = None,
     cu_seqlens_q: Tensor | None = None,
     max_seqlen_q: int = 1,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     """Paged decode attention; see kernels.ops.decode_attention for the contract.
 
@@ -156,19 +158,27 @@ def decode_attention(
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     groups = plan.groups(k_cache, num_q_heads // num_kv_heads)
     if not multi and len(groups) == 1:
-        return _decode_group(q, k_cache, v_cache, groups[0], scale)
+        return _decode_group(q, k_cache, v_cache, groups[0], scale, k_scale, v_scale)
     out = q.new_empty(q.shape)
     for group in groups:
         if multi:
-            attn = _decode_group(q[group.q_rows], k_cache, v_cache, group, scale)
+            attn = _decode_group(q[group.q_rows], k_cache, v_cache, group, scale, k_scale, v_scale)
             out.index_copy_(0, group.out_rows, attn.index_select(0, group.kept))
         else:
-            out[group.members] = _decode_group(q[group.members], k_cache, v_cache, group, scale)
+            out[group.members] = _decode_group(
+                q[group.members], k_cache, v_cache, group, scale, k_scale, v_scale
+            )
     return out
 
 
 def _decode_group(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, group: _DecodeGroup, scale: float
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    group: _DecodeGroup,
+    scale: float,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     """q [b, Hq, D] (one query per sequence) or [b, width, Hq, D] -> [b or b*width, Hq, D]."""
     batch, width = q.shape[0], q.shape[1] if q.dim() == 4 else 1
@@ -176,8 +186,12 @@ def _decode_group(
     num_kv_heads = k_cache.shape[2]
     heads_per_kv = num_q_heads // num_kv_heads
     cdt = compute_dtype(q.dtype)
-    keys = gather_blocks(k_cache, group.table).to(cdt).transpose(1, 2)  # [b, Hk, S, D]
-    values = gather_blocks(v_cache, group.table).to(cdt).transpose(1, 2)
+    keys = gather_blocks(k_cache, group.table).to(cdt)  # [b, S, Hk, D]
+    values = gather_blocks(v_cache, group.table).to(cdt)
+    if k_scale is not None and v_scale is not None:  # a quantized cache: values * scales
+        keys = keys * gather_blocks(k_scale, group.table)
+        values = values * gather_blocks(v_scale, group.table)
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [b, Hk, S, D]
     # GQA without repeating K/V: the query heads of one kv head (times the queries of the
     # sequence) act as rows that all read the same keys; the mask makes them causal.
     qg = q.to(cdt).reshape(batch, width, num_kv_heads, heads_per_kv, head_dim)

@@ -44,14 +44,22 @@ class CpuInt8Linear(nn.Module):
         qweight = torch._make_per_channel_quantized_tensor(
             weight.qweight, weight.scale.double(), zero_points, 0
         )
-        b = None if bias is None else bias.detach().float()
-        self._packed = torch.ops.quantized.linear_prepack(qweight, b)
+        # the bias is added after the per-token rescale below, so it is not packed
+        self.bias = None if bias is None else bias.detach().float()
+        self._packed = torch.ops.quantized.linear_prepack(qweight, None)
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32:  # the dynamic kernels take fp32 activations only
             x2 = x2.float()
-        y = torch.ops.quantized.linear_dynamic(x2, self._packed, self.reduce_range)
+        # fbgemm rounds the whole input with one scale; a prompt's rows differ in range by 100x
+        # (and SmolLM2 has outlier tokens), so each row is first brought to amax 1: one scale
+        # for all is then the per-token scale, and the rows' amax multiply the result back.
+        row_max = x2.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+        y = torch.ops.quantized.linear_dynamic(x2 / row_max, self._packed, self.reduce_range)
+        y = y * row_max
+        if self.bias is not None:
+            y = y + self.bias
         return y.to(self.out_dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
