@@ -32,7 +32,7 @@ from shared.announce import HeartbeatPublisher, KVEventPublisher, register_micro
 from shared.bus import Bus
 from shared.config import BusConfig, EngineConfig, WorkerConfig, build
 from shared.metrics import WorkerMetrics, start_metrics_server
-from shared.protocol import Cancel, WorkerLoad
+from shared.protocol import Cancel, WorkerGone, WorkerLoad
 
 log = logging.getLogger("pdserve.worker")
 
@@ -239,6 +239,7 @@ class Worker:
             self.metrics_url = f"http://{self.config.ucx_host}:{server.port}/metrics"
         self._heartbeat = HeartbeatPublisher(self.bus, self.load, self.config.heartbeat_seconds)
         await self._heartbeat.start()
+        self.bus.on_reconnect(self._on_bus_reconnect)
         if feed is not None:
             # What this worker's prefix cache holds, for the gateway's KV-aware routing.
             self._kv_events = KVEventPublisher(
@@ -255,6 +256,17 @@ class Worker:
             self._micro = await register_micro_service(self.bus, self.load)
         self._housekeeping = self.spawn(self._housekeeping_loop())
         log.info("%s worker %s ready", self.role, self.worker_id)
+
+    async def _on_bus_reconnect(self) -> None:
+        """Our NATS node went away (a cluster node died, a restart): what we published into the
+        dead connection, and what was sent to us while our subscriptions were gone, is lost,
+        and no gateway can tell. So leave and rejoin at once: the gateways treat our requests
+        as lost (decode legs migrate, prefills are retried) and cancel the old ones here."""
+        log.warning("reconnected to NATS: leaving and rejoining so gateways re-send our requests")
+        subject = self.subjects.load(self.role, self.worker_id)
+        await self.bus.publish(subject, WorkerGone(self.worker_id, self.role))
+        if self._heartbeat is not None:
+            await self._heartbeat.publish_now()
 
     async def drain_and_close(self) -> None:
         """Wait for in-flight work (up to ``drain_seconds``), leave the registry, close."""

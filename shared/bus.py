@@ -40,6 +40,7 @@ class BusStats:
     handler_errors: int = 0
     reconnects: int = 0
     disconnects: int = 0
+    dropped: int = 0  # published while the connection was down (see Bus.publish)
     last_reject_log: float = field(default=0.0, repr=False)
 
 
@@ -107,6 +108,8 @@ class Bus:
         self._subs: list[Subscription] = []
         self._on_reconnect: list[Callable[[], Awaitable[None]]] = []
         self._closing = False
+        # From a lost connection until our reconnect callbacks have run: publishes are dropped
+        self._suspended = False
         self._auth_rejected: asyncio.Future | None = None
 
     # -- connection -------------------------------------------------------------------------
@@ -159,13 +162,16 @@ class Bus:
             self._auth_rejected.set_result(True)
 
     async def _disconnected_cb(self) -> None:
+        self._suspended = True
         self.stats.disconnects += 1
         if not self._closing:
-            log.warning("disconnected from NATS")
+            log.warning("disconnected from NATS: dropping what we publish until we reconnect")
 
     async def _reconnected_cb(self) -> None:
         self.stats.reconnects += 1
         log.info("reconnected to NATS %s", _url(self.nc))
+        # Publishing again, callbacks first: nothing else runs before the first one publishes.
+        self._suspended = False
         for callback in self._on_reconnect:
             try:
                 await callback()
@@ -194,6 +200,9 @@ class Bus:
     ) -> None:
         if self.nc is None:
             raise ConnectionError("bus is not connected")
+        if self._suspended or getattr(self.nc, "is_reconnecting", False):
+            self._drop(subject, msg)
+            return
         data = encode(msg)
         if len(data) > self.max_bytes:
             raise ProtocolError(f"{msg.TYPE} of {len(data)} bytes exceeds {self.max_bytes}")
@@ -234,6 +243,16 @@ class Bus:
         sub = await self.nc.subscribe(subject, queue=queue or "", cb=on_msg)
         self._subs.append(sub)
         return sub
+
+    def _drop(self, subject: str, msg: Message) -> None:
+        """A message published while the connection is down goes nowhere, never into nats-py's
+        reconnect buffer: what we wrote into the dead connection is already lost, so whatever
+        we sent after it would reach the other side behind a gap it cannot see (a token stream
+        missing tokens in the middle). Dropped, the loss is a clean tail, which the reconnect
+        callbacks repair (the gateway re-sends its requests; a worker leaves and rejoins)."""
+        self._suspended = True
+        self.stats.dropped += 1
+        log.debug("dropped %s on %s while disconnected", msg.TYPE, subject)
 
     def _rejected(self, subject: str, exc: Exception) -> None:
         self.stats.rejected += 1

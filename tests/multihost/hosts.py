@@ -1,0 +1,86 @@
+"""pdserve spread over the namespace "hosts" of ``netns.py``, as over three machines.
+
+    host a: NATS node-1 + the gateway
+    host b: NATS node-2 + prefill worker p0
+    host c: NATS node-3 + decode worker d0
+
+The nodes form one cluster (explicit routes, every node to every other); each process connects
+to its own host's node first and lists the other two for failover. Workers bind KV transfer and
+/metrics to their own host's address (``--ucx-host``), so KV can only cross the bridge.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.launcher import service_argv, service_env
+from services.processes import Child, NatsCluster, NatsServer, spawn
+from tests.integration.stack import QUIET_ENV
+from tests.multihost.netns import Host, Topology
+
+NATS_PORT = 4222  # each namespace has its own port space: the usual ports are free
+ROUTE_PORT = 6222
+MONITOR_PORT = 8222
+GATEWAY_PORT = 8000
+ROLES = {"a": "gateway", "b": "prefill", "c": "decode"}
+WORKER_IDS = {"b": "p0", "c": "d0"}
+
+
+def cluster_on(topo: Topology, logs: Path) -> NatsCluster:
+    nodes = [
+        NatsServer(
+            host=host.address,
+            port=NATS_PORT,
+            cluster_port=ROUTE_PORT,
+            monitor_port=MONITOR_PORT,
+            server_name=f"node-{i + 1}",
+            log_path=logs / f"nats-{host.name}.log",
+            workdir=logs,
+            argv_prefix=host.argv(),
+        )
+        for i, host in enumerate(topo.hosts.values())
+    ]
+    return NatsCluster(nodes)
+
+
+@dataclass
+class MultiHostStack:
+    topo: Topology
+    cluster: NatsCluster
+    logs: Path
+    children: dict[str, Child] = field(default_factory=dict)  # by host name
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.topo.hosts['a'].address}:{GATEWAY_PORT}"
+
+    def node_of(self, host: str) -> NatsServer:
+        return self.cluster.nodes[list(self.topo.hosts).index(host)]
+
+    def nats_url_of(self, host: str) -> str:
+        return self.cluster.client_url(list(self.topo.hosts).index(host))
+
+    def start_service(self, host_name: str, options: dict[str, object]) -> Child:
+        host: Host = self.topo.hosts[host_name]
+        role = ROLES[host_name]
+        base = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+        base.update(QUIET_ENV)
+        values: dict[str, object] = {"nats_url": self.nats_url_of(host_name), **options}
+        if role == "gateway":
+            values.update(host=host.address, port=GATEWAY_PORT)
+        else:
+            values.update(ucx_host=host.address, worker_id=WORKER_IDS[host_name])
+        env = service_env(values, base)
+        name = f"{role}-{host_name}"
+        argv = host.argv(*service_argv(role))
+        child = spawn(name, argv, env, self.logs / f"{name}.log")
+        self.children[host_name] = child
+        return child
+
+    def log(self, host_name: str, tail: int = 3000) -> str:
+        child = self.children.get(host_name)
+        if child is None or child.log_path is None or not child.log_path.exists():
+            return ""
+        return child.log_path.read_text(errors="replace")[-tail:]
