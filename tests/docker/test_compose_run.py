@@ -35,6 +35,7 @@ from tests.docker.engine import IMAGE, Engine, NoDocker, docker, docker_engine
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "compose" / "docker-compose.yml"
 SERVICES = ("nats", "gateway", "prefill-cpu", "decode-cpu")
+PROJECT_PREFIX = "pdtest"
 CHAT = {
     "messages": [{"role": "user", "content": "Which way to the harbour?"}],
     "max_tokens": 12,
@@ -103,8 +104,10 @@ def compose_stack(tmp_path_factory) -> Iterator[ComposeStack]:
     except NoDocker as why:
         pytest.skip(f"docker tier: {why}")
     name, tag = IMAGE.rsplit(":", 1)
-    # A unique project and a random link-local /24, so that parallel runs cannot collide.
-    project = f"pdtest{uuid.uuid4().hex[:8]}"
+    # A unique project and a random link-local /24, so that parallel runs cannot collide. The
+    # name carries this process's pid: what a killed run left behind is removed by the next.
+    remove_orphaned_projects()
+    project = f"{PROJECT_PREFIX}{os.getpid()}x{uuid.uuid4().hex[:6]}"
     empty_env = logs / "empty.env"
     empty_env.write_text("")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PDSERVE_", "COMPOSE_"))}
@@ -128,18 +131,31 @@ def compose_stack(tmp_path_factory) -> Iterator[ComposeStack]:
     finally:
         with contextlib.suppress(Exception):
             stack.compose("--profile", "cpu", "down", "-v", "--remove-orphans", "-t", "20")
-        leftover = docker(
-            "ps", "-aq", "--filter", f"label=com.docker.compose.project={project}", check=False
-        )
-        for cid in leftover.split():
-            docker("rm", "-f", cid, check=False)
-        networks = docker(
-            "network", "ls", "-q", "--filter", f"label=com.docker.compose.project={project}",
-            check=False,
-        )  # fmt: skip
-        for net in networks.split():
-            docker("network", "rm", net, check=False)
+        remove_project(project)
         engine_cm.__exit__(None, None, None)
+
+
+def remove_project(project: str) -> None:
+    """Every container and network labelled with the compose project, whatever compose did."""
+    label = f"label=com.docker.compose.project={project}"
+    for cid in docker("ps", "-aq", "--filter", label, check=False).split():
+        docker("rm", "-f", "-v", cid, check=False)
+    for net in docker("network", "ls", "-q", "--filter", label, check=False).split():
+        docker("network", "rm", net, check=False)
+
+
+def remove_orphaned_projects() -> None:
+    """Projects of test runs whose process is gone (killed before its finalizers ran)."""
+    fmt = '{{.Label "com.docker.compose.project"}}'
+    projects = set(docker("ps", "-a", "--format", fmt, check=False).split())
+    for project in projects:
+        pid = project.removeprefix(PROJECT_PREFIX).split("x")[0]
+        if (
+            project.startswith(PROJECT_PREFIX)
+            and pid.isdigit()
+            and not Path(f"/proc/{pid}").exists()
+        ):
+            remove_project(project)
 
 
 def stream_chat(base_url: str, model: str) -> tuple[str, str]:
