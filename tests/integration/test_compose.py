@@ -497,7 +497,7 @@ def host_path(service: dict[str, Any], container_path: str) -> str | None:
 def healthcheck_url(service: dict[str, Any]) -> str:
     test = service["healthcheck"]["test"]
     text = " ".join(test) if isinstance(test, list) else test
-    match = re.search(r"https?://\S+", text)
+    match = re.search(r"https?://[^\s\"']+", text)  # a URL in a command or in Python code
     assert match, f"no URL in health check {test}"
     return match[0]
 
