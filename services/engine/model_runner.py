@@ -250,21 +250,25 @@ class ModelRunner:
     def _draft_distributions(
         self, seqs: list[Sequence], num_rows: int, vocab: int
     ) -> DraftDistributions | None:
-        """The drafts' tokens and q of a step where some draft came with q (a draft model)."""
+        """The drafts' tokens and q of a step where some draft came with q (a draft model);
+        an n-gram draft in the same step is a point mass. Host lists, then three copies."""
         if all(s.spec_probs is None for s in seqs):
             return None
         token_ids = [-1] * num_rows
-        probs = torch.zeros(num_rows, vocab, dtype=torch.float32, device=self.device)
+        q_rows: list[int] = []  # rows whose q a draft model gave
+        point_rows: list[int] = []  # rows of point-mass drafts
         row = 0
         for seq in seqs:
             k = len(seq.spec_token_ids)
             token_ids[row : row + k] = seq.spec_token_ids
-            if seq.spec_probs is not None:
-                probs[row : row + k] = seq.spec_probs
-            else:  # n-gram beside a draft model in one step: a point mass
-                at = torch.arange(row, row + k, device=self.device)
-                probs[at, self._tensor(seq.spec_token_ids)] = 1.0
+            (q_rows if seq.spec_probs is not None else point_rows).extend(range(row, row + k))
             row += k + 1
+        probs = torch.zeros(num_rows, vocab, dtype=torch.float32, device=self.device)
+        given = [s.spec_probs for s in seqs if s.spec_probs is not None and len(s.spec_token_ids)]
+        probs[self._tensor(q_rows)] = torch.cat(given).to(torch.float32)
+        if point_rows:
+            point_tokens = [token_ids[r] for r in point_rows]
+            probs[self._tensor(point_rows), self._tensor(point_tokens)] = 1.0
         return DraftDistributions(self._tensor(token_ids), probs)
 
 

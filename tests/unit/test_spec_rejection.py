@@ -18,6 +18,8 @@ import torch
 from services.engine.block_manager import BlockManager
 from services.engine.sampler import SamplingTensors, sample
 from services.engine.sequence import Sequence
+from services.engine.spec.ngram import NgramProposer
+from services.engine.spec.proposer import Proposal, Proposer
 from services.engine.spec.rejection import DraftDistributions
 from services.engine.spec.verify import DraftPosition, accepted_lengths, emitted_tokens
 from shared.sampling import SamplingParams
@@ -198,3 +200,48 @@ def test_first_positions_follow_the_non_speculative_sampler(tiny_vocab_dir, sp):
     assert chi_square_p(pairs) > ALPHA
     # exact, not only in law: the same seeds give the same tokens with speculation off
     assert outputs(off, sp, 0) == spec
+
+
+class SmoothedNgram(Proposer):
+    """Drafts drawn from a distribution, as a draft model's are: q puts 0.6 on the n-gram
+    lookup's token and spreads the rest evenly; the draft is a draw from q (seeded)."""
+
+    def __init__(self, vocab: int) -> None:
+        self.lookup = NgramProposer(1, 4)
+        self.vocab = vocab
+        self.gen = torch.Generator().manual_seed(17)
+
+    def propose(self, seqs, max_tokens):
+        out = []
+        for proposal in self.lookup.propose(seqs, max_tokens):
+            if proposal is None:
+                out.append(None)
+                continue
+            k = len(proposal.token_ids)
+            q = torch.full((k, self.vocab), 0.4 / self.vocab)
+            q[torch.arange(k), torch.tensor(proposal.token_ids)] += 0.6
+            drafts = torch.multinomial(q, 1, generator=self.gen)[:, 0].tolist()
+            out.append(Proposal(drafts, q))
+        return out
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)])
+def test_drafts_with_distributions_keep_the_sampler_s_law(tiny_vocab_dir, sp):
+    """The draft-model path through the engine: q travels with each draft to the rejection
+    sampler, batched with greedy rows, and the emitted tokens keep the plain sampler's law."""
+    options = dict(num_kv_blocks=4096, max_num_seqs=256, max_num_batched_tokens=4096)
+    off = make_engine(tiny_vocab_dir, dtype="float32", **options)
+    on = make_engine(tiny_vocab_dir, dtype="float32", speculative="ngram",
+                     spec_token_cost=0.0, **options)  # fmt: skip
+    on.speculator.proposer = SmoothedNgram(8)
+    spec = outputs(on, sp, 0)
+    counters = on.stats().spec
+    assert counters.drafts > REQUESTS and 0.1 < counters.accepted_tokens / counters.draft_tokens
+    plain = outputs(off, sp, REQUESTS)
+    for position in range(sp.max_tokens):
+        a = Counter(out[position] for out in spec)
+        b = Counter(out[position] for out in plain)
+        assert chi_square_p([a, b]) > ALPHA, position
+    # greedy rows beside them accept only the argmax: the same tokens as speculation off
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert on.generate([PROMPT] * 4, greedy) == off.generate([PROMPT] * 4, greedy)
