@@ -182,8 +182,7 @@ class NatsServer:
     def start(self, timeout: float = 10.0) -> None:
         if not self.port:
             self.port = free_port(self.host)
-        name = self.server_name or "nats"
-        conf = self.workdir / f"{name}.conf"
+        conf = self.workdir / (f"{self.server_name}.conf" if self.server_name else "nats.conf")
         conf.write_text(self.config_text())
         argv = [
             *self.argv_prefix,
@@ -203,7 +202,7 @@ class NatsServer:
             argv += ["--user", self.user, "--pass", self.password or ""]
         if self.tls_cert:
             argv += ["--tls", "--tlscert", str(self.tls_cert), "--tlskey", str(self.tls_key)]
-        self.child = spawn(name, argv, log_path=self.log_path)
+        self.child = spawn(self.server_name or "nats-server", argv, log_path=self.log_path)
         wait_port(self.host, self.port, timeout, self.child)
 
     def stop(self) -> None:
