@@ -93,6 +93,23 @@ def ucx_environment(host: str, port: int = 0) -> dict[str, str]:
     return env
 
 
+def warn_if_link_local(host: str) -> bool:
+    """UCX's TCP transport skips interfaces whose address is link-local (169.254.0.0/16,
+    fe80::/10; hard-coded in ucs_netif_get_addr as of UCX 1.21), so KV pulls through such an
+    address fail: say so at start-up, where it can be fixed, not at the first pull."""
+    try:
+        link_local = ipaddress.ip_address(host).is_link_local
+    except ValueError:  # a host name or an interface: nothing to tell
+        return False
+    if link_local:
+        log.warning(
+            "--ucx-host %s is link-local: UCX's TCP transport ignores such interfaces, so KV "
+            "pulls to or from this worker will fail (give it a routable address)",
+            host,
+        )
+    return link_local
+
+
 def configure(host: str, port: int = 0) -> dict[str, str]:
     """Set this process's UCX variables for ``host``/``port``; returns what is in force.
 
@@ -102,6 +119,7 @@ def configure(host: str, port: int = 0) -> dict[str, str]:
     global _applied
     wanted = ucx_environment(host, port)
     if _applied is None:
+        warn_if_link_local(host)
         mode = os.environ.get("UCXPY_PROGRESS_MODE", "blocking")
         if mode != "blocking":
             log.warning("UCXPY_PROGRESS_MODE=%s ignored: KV transfer needs blocking mode", mode)

@@ -69,3 +69,13 @@ def test_configure_sets_the_process_environment_once(monkeypatch: pytest.MonkeyP
     }
     # UCX has read its variables by now: a second, different call changes nothing
     assert ucx_config.configure("0.0.0.0") == applied
+
+
+def test_a_link_local_ucx_host_is_warned_about(caplog):
+    from shared.ucx_config import warn_if_link_local
+
+    assert warn_if_link_local("169.254.7.2")
+    assert "link-local" in caplog.text
+    assert not warn_if_link_local("127.0.0.1")
+    assert not warn_if_link_local("::1")
+    assert not warn_if_link_local("eth0")
