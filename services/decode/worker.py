@@ -21,7 +21,8 @@ on what each step returns (tokens, and ``KVPull``s for blocks just reserved)::
                  |                                                 prompt is computed here)
                  '-- kv_failed, --kv-failure-policy fail -------> FINISHED "error" (an error
                                                                    item, never text)
-              RUNNING  --- one token per step for every running sequence
+              RUNNING  --- one token per step for every running sequence (more when it
+                 |             verifies a speculative draft: services/engine/spec)
                  |-- out of blocks: the newest is preempted ---> PREEMPTED -> WAITING's front,
                  |                                                re-admitted and recomputed
                  '-- stop token / max_tokens / context full ---> FINISHED "stop" / "length"

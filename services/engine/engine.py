@@ -4,6 +4,9 @@ The engine owns every request's lifecycle, a status machine (``SequenceStatus``)
 once, in the decode worker's module docstring (``services/decode/worker.py``). A request with
 ``sampling.n > 1`` prefills once and forks its other choices after that (``choices.py``).
 
+With ``--speculative``, a decode step also verifies drafted tokens of running sequences inside
+the same forward pass (``spec/``; a prefill-only engine never drafts).
+
 The aggregated baseline runs this engine alone. Disaggregated workers run it too: a prefill worker
 with ``prefill_only=True``, a decode worker adding requests with ``remote_kv=True`` and answering
 each ``KVPull`` of a step's result with ``kv_ready`` or ``kv_failed`` (``kv_failure_policy``
