@@ -84,10 +84,10 @@ class ComposeStack:
         return "(no logs)"
 
 
-def wait_healthy(stack: ComposeStack, timeout: float) -> float:
+def wait_healthy(stack: ComposeStack, services: tuple[str, ...], timeout: float) -> float:
     start = time.monotonic()
     while True:
-        states = {s: stack.health(s) for s in SERVICES}
+        states = {s: stack.health(s) for s in services}
         if all(v == "healthy" for v in states.values()):
             return time.monotonic() - start
         if time.monotonic() - start > timeout:
@@ -96,19 +96,27 @@ def wait_healthy(stack: ComposeStack, timeout: float) -> float:
 
 
 @pytest.fixture(scope="module")
-def compose_stack(tmp_path_factory) -> Iterator[ComposeStack]:
+def engine(tmp_path_factory) -> Iterator[Engine]:
     logs = tmp_path_factory.mktemp("docker")
     try:
         engine_cm = docker_engine(logs / "dockerd.log")
-        engine = engine_cm.__enter__()
+        found = engine_cm.__enter__()
     except NoDocker as why:
         pytest.skip(f"docker tier: {why}")
+    try:
+        remove_orphaned_projects()
+        yield found
+    finally:
+        engine_cm.__exit__(None, None, None)
+
+
+def new_stack(engine: Engine, workdir: Path) -> ComposeStack:
+    """A project of its own: unique name, free host ports, a random link-local /24, so that
+    parallel runs cannot collide. The name carries this process's pid: what a killed run left
+    behind is removed by the next (remove_orphaned_projects)."""
     name, tag = IMAGE.rsplit(":", 1)
-    # A unique project and a random link-local /24, so that parallel runs cannot collide. The
-    # name carries this process's pid: what a killed run left behind is removed by the next.
-    remove_orphaned_projects()
     project = f"{PROJECT_PREFIX}{os.getpid()}x{uuid.uuid4().hex[:6]}"
-    empty_env = logs / "empty.env"
+    empty_env = workdir / "empty.env"
     empty_env.write_text("")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PDSERVE_", "COMPOSE_"))}
     env.update(
@@ -123,16 +131,20 @@ def compose_stack(tmp_path_factory) -> Iterator[ComposeStack]:
         COMPOSE_SUBNET=f"169.254.{random.randint(100, 250)}.0/24",
     )
     url = f"http://127.0.0.1:{env['GATEWAY_PORT']}"
-    stack = ComposeStack(engine, project, env, url, empty_env)
+    return ComposeStack(engine, project, env, url, empty_env)
+
+
+@pytest.fixture(scope="module")
+def compose_stack(engine: Engine, tmp_path_factory) -> Iterator[ComposeStack]:
+    stack = new_stack(engine, tmp_path_factory.mktemp("compose"))
     try:
         stack.compose("--profile", "cpu", "up", "-d", "--no-build")
-        stack.ready_seconds = wait_healthy(stack, timeout=240)
+        stack.ready_seconds = wait_healthy(stack, SERVICES, timeout=240)
         yield stack
     finally:
         with contextlib.suppress(Exception):
             stack.compose("--profile", "cpu", "down", "-v", "--remove-orphans", "-t", "20")
-        remove_project(project)
-        engine_cm.__exit__(None, None, None)
+        remove_project(stack.project)
 
 
 def remove_project(project: str) -> None:
@@ -193,6 +205,29 @@ def crash_worker(stack: ComposeStack, service: str) -> None:
     os.kill(int(children[0]), signal.SIGKILL)
 
 
+def test_cluster_profile_meshes_three_nats_nodes(engine: Engine, tmp_path: Path) -> None:
+    """The "cluster" profile: nodes 2 and 3 route to node 1, and gossip completes the mesh."""
+    stack = new_stack(engine, tmp_path)
+    nodes = ("nats", "nats-2", "nats-3")
+    try:
+        stack.compose("--profile", "cluster", "up", "-d", "--no-build", *nodes)
+        wait_healthy(stack, nodes, timeout=60)
+        routez = f"http://127.0.0.1:{stack.env['NATS_MONITOR_PORT']}/routez"
+        deadline = time.monotonic() + 30
+        while True:
+            with urllib.request.urlopen(routez, timeout=5) as resp:
+                routes = json.loads(resp.read())
+            peers = {r.get("remote_name") for r in routes.get("routes") or []}
+            if peers >= {"nats-2", "nats-3"}:
+                break
+            assert time.monotonic() < deadline, f"node 1 routes only to {peers}\n{stack.logs()}"
+            time.sleep(0.5)
+    finally:
+        with contextlib.suppress(Exception):
+            stack.compose("--profile", "cluster", "down", "-v", "-t", "5")
+        remove_project(stack.project)
+
+
 def test_cpu_profile_runs_in_docker(compose_stack: ComposeStack, tmp_path: Path) -> None:
     from tests.integration.stack import pdserve_up
 
@@ -217,7 +252,7 @@ def test_cpu_profile_runs_in_docker(compose_stack: ComposeStack, tmp_path: Path)
     while int(docker("inspect", "-f", "{{.RestartCount}}", decode)) == restarts:
         assert time.monotonic() < deadline, f"decode-cpu never restarted\n{stack.logs()}"
         time.sleep(0.5)
-    wait_healthy(stack, timeout=120)
+    wait_healthy(stack, SERVICES, timeout=120)
     deadline = time.monotonic() + 60
     while True:
         try:
