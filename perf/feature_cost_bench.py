@@ -1,8 +1,8 @@
 """What log-probs and structured output cost per generated token, in the engine, side by side.
 
 One engine, one workload of ``--batch`` requests decoding ``--tokens`` tokens each (EOS
-ignored, greedy), run in rounds that alternate the variants, so machine noise hits each variant
-alike; the figure is each variant's median time per output token over the rounds, and its ratio
+ignored, greedy), run in rounds that alternate the variants (each round starting with the next one), so
+machine noise hits each variant alike; the figure is each variant's median time per output token over the rounds, and its ratio
 to the plain run:
 
 - ``plain``: no log-probs, no grammar;
@@ -78,8 +78,11 @@ def main() -> None:
         run(engine, prompt, sp, 1)
     per_token: dict[str, list[float]] = {name: [] for name in todo}
     tokens: dict[str, int] = {}
-    for _ in range(args.rounds):
-        for name, sp in todo.items():
+    names = list(todo)
+    for r in range(args.rounds):
+        # each round starts with another variant, so no variant always follows the same one
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            sp = todo[name]
             seconds, n = run(engine, prompt, sp, args.batch)
             per_token[name].append(seconds / n)
             tokens[name] = n
