@@ -92,6 +92,7 @@ class KVClient:
         self, request_id: str, handle: KVHandle, dst_block_ids: list[int], timeout: float = 30.0
     ) -> TransferStats:
         """Copy the handle's first ``ceil(num_tokens / block_size)`` blocks into ``dst_block_ids``."""
+        self.own_address()  # UCX is configured before its first use, whoever pulls first
         self.check(handle)
         n = blocks_for_tokens(handle.num_tokens, self.block_size)
         if len(handle.block_ids) < n or len(dst_block_ids) < n:
