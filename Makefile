@@ -44,6 +44,10 @@ bench: setup
 	$(PY) -m perf.kernels_bench
 	$(PY) -m perf.kv_bench --json perf/results/kv_bench.json
 	$(PY) -m perf.scenarios all $(ARGS)
+	$(PY) -m perf.feature_cost_bench --json perf/results/feature_cost_bench.json
+	$(PY) -m perf.structured_bench --json perf/results/structured_bench.json
+	$(PY) -m perf.spec_bench --json perf/results/spec_bench.json
+	$(PY) -m perf.migration_bench --json perf/results/migration_bench.json
 
 # The CPU image for compose (pdserve:latest-cpu), built without any registry: a debootstrap base,
 # the host's CA bundle and local wheels as optional inputs (compose/build-image.sh). tests/docker
