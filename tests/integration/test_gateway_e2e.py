@@ -10,6 +10,7 @@ path (short prompt straight to a decode worker).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import time
@@ -51,18 +52,19 @@ def hf_tokenizer(llama_dir):
     return PreTrainedTokenizerFast.from_pretrained(str(llama_dir))
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, llama_dir):
-    logs = tmp_path_factory.mktemp("e2e-logs")
+@contextlib.contextmanager
+def serving(logs, llama_dir, prefill: tuple[str, ...], decode: tuple[str, ...], options: dict):
+    """NATS, the named prefill and decode workers and a gateway, up and registered; yields
+    (base URL, NATS URL, children by name)."""
     nats_server = start_nats(logs)
-    opts = {**WORKER_OPTIONS, "model": str(llama_dir)}
+    opts = {**options, "model": str(llama_dir)}
     port = free_port()
     children = [
         start_service("prefill", nats_server.url, logs, options={**opts, "worker_id": w})
-        for w in ("p0", "p1")
+        for w in prefill
     ] + [
         start_service("decode", nats_server.url, logs, options={**opts, "worker_id": w})
-        for w in ("d0", "d1")
+        for w in decode
     ]
     children.append(
         start_service(
@@ -75,7 +77,7 @@ def stack(tmp_path_factory, llama_dir):
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
-        while set(worker_loads(base)) != set(WORKERS):
+        while set(worker_loads(base)) != set(prefill + decode):
             for child in children:
                 assert child.alive(), f"{child.name} died:\n{log_text(child)}"
             assert time.monotonic() < deadline, "the stack did not come up"
@@ -87,6 +89,13 @@ def stack(tmp_path_factory, llama_dir):
                 print(f"{child.name} died:\n{log_text(child)}")
         stop_all(children)
         nats_server.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, llama_dir):
+    logs = tmp_path_factory.mktemp("e2e-logs")
+    with serving(logs, llama_dir, ("p0", "p1"), ("d0", "d1"), WORKER_OPTIONS) as running:
+        yield running
 
 
 def worker_loads(base: str) -> dict[str, float]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 
 import jsonschema
 import openai
@@ -19,8 +18,7 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from tests.integration.stack import free_port, log_text, start_nats, start_service, stop_all
-from tests.integration.test_gateway_e2e import wait_all_blocks_free, worker_loads
+from tests.integration.test_gateway_e2e import serving, wait_all_blocks_free
 from tests.oracle import hf_greedy
 
 LOCAL_PREFILL_THRESHOLD = 6
@@ -59,34 +57,8 @@ def hf_log_softmax(model, ids: list[int]) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, llama_dir):
     logs = tmp_path_factory.mktemp("features-logs")
-    nats_server = start_nats(logs)
-    opts = {**OPTIONS, "model": str(llama_dir)}
-    port = free_port()
-    children = [
-        start_service("prefill", nats_server.url, logs, options={**opts, "worker_id": "p0"}),
-        start_service("decode", nats_server.url, logs, options={**opts, "worker_id": "d0"}),
-        start_service(
-            "gateway",
-            nats_server.url,
-            logs,
-            options={"model": str(llama_dir), "port": port, "worker_timeout": 3.0},
-        ),
-    ]
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while set(worker_loads(base)) != set(WORKERS):
-            for child in children:
-                assert child.alive(), f"{child.name} died:\n{log_text(child)}"
-            assert time.monotonic() < deadline, "the stack did not come up"
-            time.sleep(0.2)
+    with serving(logs, llama_dir, ("p0",), ("d0",), OPTIONS) as (base, _, _):
         yield base
-    finally:
-        for child in children:
-            if not child.alive():
-                print(f"{child.name} died:\n{log_text(child)}")
-        stop_all(children)
-        nats_server.stop()
 
 
 @pytest.fixture
