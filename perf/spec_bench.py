@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> list[CaseResult]:
     )
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--batch1-prompts", type=int, default=4, help="prompts run one by one")
+    ap.add_argument("--batch1-prompts", type=int, default=8, help="prompts run one by one")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))

@@ -98,7 +98,7 @@ class EngineConfig:
         choices=SPECULATIVE_METHODS,
     )
     num_speculative_tokens: int = opt(4, "most draft tokens verified per sequence and step (K)")
-    ngram_min: int = opt(2, "shortest n-gram (of the last tokens) --speculative ngram matches")
+    ngram_min: int = opt(1, "shortest n-gram (of the last tokens) --speculative ngram matches")
     ngram_max: int = opt(4, "longest n-gram --speculative ngram matches (the longest match wins)")
     draft_model: str | None = opt(
         None, "the draft model of --speculative draft (same tokenizer as --model)"

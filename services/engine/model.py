@@ -51,6 +51,24 @@ class AttentionMetadata:
     decode_max_seqlen_q: int = 1
 
 
+# On the CPU a matmul of 2-6 rows ran up to twice as fast as weight @ x.T as it did as
+# x @ weight.T (measured, perf/README.md, issue 17; presumably the GEMM repacks the large weight
+# operand in the second form and only the few rows in the first). A speculative verification
+# row of 1 + k tokens at batch 1 is such a product. One row (a GEMV) is as fast either way, and
+# from about 8 rows on the usual form was as fast or faster.
+CPU_FEW_ROWS = range(2, 7)
+
+
+class Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda or x.dim() != 2 or x.shape[0] not in CPU_FEW_ROWS:
+            return super().forward(x)
+        out = torch.mm(self.weight, x.t()).t()
+        if self.bias is not None:
+            out = out + self.bias
+        return out.contiguous()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -71,10 +89,8 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         # q, k and v share one matmul; the loader concatenates the checkpoint's three tensors.
-        self.qkv_proj = nn.Linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         # a quantized cache's per-token-head scales [blocks, block_size, kv_heads, 1], else None
@@ -145,8 +161,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -178,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
