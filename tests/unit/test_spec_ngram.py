@@ -82,13 +82,24 @@ def test_ngram_proposer_drafts_per_sequence() -> None:
 
 def test_draft_length_weighs_acceptance_against_cost() -> None:
     # free drafts: always K, unless nothing is ever accepted
-    assert best_length(0.3, 4, 0.0) == 4 and best_length(0.0, 4, 0.0) == 0
-    # a CPU-like cost (a 5-token row ~2.4x a 1-token one): long drafts only for copying
-    assert best_length(0.95, 4, 0.35) == 4
-    assert best_length(0.8, 4, 0.35) == 3
-    assert best_length(0.5, 4, 0.35) == 1
-    assert best_length(0.3, 4, 0.35) == 0  # 1.3 tokens for 1.35 steps: not worth it
-    assert best_length(0.9, 8, 1.0) == 0  # a compute-bound batch: no draft pays
+    assert best_length([0.3] * 4, 0.0) == 4 and best_length([0.0] * 4, 0.0) == 0
+    # a CPU-like cost (a 5-token row ~1.5x-2.4x a 1-token one): long drafts only for copying
+    assert best_length([0.95] * 4, 0.35) == 4
+    assert best_length([0.8] * 4, 0.35) == 3
+    assert best_length([0.5] * 4, 0.35) == 1
+    assert best_length([0.3] * 4, 0.35) == 0  # 1.3 tokens for 1.35 steps: not worth it
+    assert best_length([0.9] * 8, 1.0) == 0  # a compute-bound batch: no draft pays
+    # bursty acceptance: often wrong at once, but right all along once the first one is
+    assert best_length([0.6, 0.95, 0.95, 0.95], 0.15) == 4
+    assert best_length([0.6] * 4, 0.15) == 2
+
+
+def test_rates_follow_each_position_given_the_one_before() -> None:
+    budget = DraftBudget(max_tokens=3)
+    budget.update(3, 1)  # position 0 accepted, 1 rejected, 2 never reached
+    assert budget.rates == pytest.approx([0.86, 0.56, 0.8])
+    budget.update(2, 2)  # both accepted, position 2 not drafted
+    assert budget.rates == pytest.approx([0.902, 0.692, 0.8])
 
 
 def test_budget_shrinks_pauses_and_recovers() -> None:
@@ -170,11 +181,11 @@ def test_who_drafts_and_how_much() -> None:
     # may draft 1 (it emits 2); at max_tokens - 1, none; 27 of 30 positions: 3 fill the context
     assert recorder.asked == [(["plain", "near-max-tokens", "near-context"], [3, 1, 3])]
     assert [len(s.spec_token_ids) for s in running] == [3, 1, 0, 3, 0, 0, 0]
-    speculator.verified(running[0], 3, 3)
-    speculator.verified(running[0], 3, 3)
-    assert speculator.counters.drafts == 2 and speculator.counters.accepted_per_pos == [2, 2, 2, 0]
-    speculator.propose(running)  # every draft is made afresh each step
-    assert [len(s.spec_token_ids) for s in running] == [4, 1, 0, 3, 0, 0, 0]
+    speculator.verified(running[0], 3, 1)
+    speculator.verified(running[0], 3, 0)
+    assert speculator.counters.drafts == 2 and speculator.counters.accepted_per_pos == [1, 0, 0, 0]
+    speculator.propose(running)  # every draft is made afresh each step: "plain" drafts less
+    assert [len(s.spec_token_ids) for s in running] == [1, 1, 0, 3, 0, 0, 0]
 
 
 @pytest.mark.parametrize(

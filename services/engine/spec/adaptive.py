@@ -1,30 +1,33 @@
-"""How many tokens each sequence drafts: adaptive K from its acceptance rate and the cost.
+"""How many tokens each sequence drafts: adaptive K from its acceptance and the cost.
 
 A draft of k tokens costs the step k more query tokens whatever is accepted; its j-th token is
-only worth anything when the j - 1 before it were accepted too. With a running acceptance rate
-a (the accepted share of drafted tokens, an exponential average over the sequence's recent
-verifications), a draft of k tokens emits 1 + a + a**2 + ... + a**k tokens on average, for
-1 + r * k times a plain step's cost, r being a draft token's relative cost (``cost.py``). Each
-step the sequence drafts the k in 0..K that emits the most per cost. Where k = 0 wins - text
-that does not repeat, on a machine where tokens are not free - it pauses for 1, 2, 4, ... up to
+only worth anything when the j - 1 before it were accepted too. Acceptance is bursty - a draft
+copied from a quoted span is either wrong at once or right for a while - so each sequence keeps
+one running rate per draft position: how often the j-th drafted token was accepted when the one
+before it was (exponential averages over the sequence's recent verifications). A draft of k
+tokens then emits 1 + c1 + c1*c2 + ... + c1*...*ck tokens on average, for 1 + r * k times a
+plain step's cost, r being a draft token's relative cost (``cost.py``). Each step the sequence
+drafts the k in 0..K that emits the most per cost. Where k = 0 wins - text that does not
+repeat, on a machine where tokens are not free - it pauses for 1, 2, 4, ... up to
 ``MAX_PAUSE`` steps, then drafts one token to probe again; text that starts repeating (an edit
-reaches a quoted span, a list starts) brings a back up within a few steps.
+reaches a quoted span, a list starts) brings the rates back up within a few steps.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-SMOOTHING = 0.3  # weight of the newest verification in the running acceptance rate
-INITIAL_ACCEPTANCE = 0.8  # a new sequence drafts as if most drafts were accepted
+SMOOTHING = 0.3  # weight of the newest verification in a running rate
+INITIAL_RATE = 0.8  # a new sequence drafts as if most drafts were accepted
 MAX_PAUSE = 32  # steps
 
 
-def best_length(acceptance: float, max_tokens: int, cost: float) -> int:
-    """The draft length in 0..max_tokens with the most expected tokens per cost."""
+def best_length(rates: list[float], cost: float) -> int:
+    """The draft length in 0..len(rates) with the most expected tokens per cost, ``rates[j]``
+    being the chance that draft token j is accepted when the ones before it were."""
     best_k, best, emitted, reach = 0, 1.0, 1.0, 1.0
-    for k in range(1, max_tokens + 1):
-        reach *= acceptance
+    for k, rate in enumerate(rates, start=1):
+        reach *= rate
         emitted += reach
         value = emitted / (1.0 + cost * k)
         if value > best:
@@ -37,10 +40,14 @@ class DraftBudget:
     """One sequence's adaptive draft length."""
 
     max_tokens: int  # K
-    acceptance: float = INITIAL_ACCEPTANCE
+    rates: list[float] = field(default_factory=list)  # per draft position, conditional
     paused: int = 0  # steps left without drafting
     next_pause: int = 1
     probe: bool = False  # the pause just ended: draft one token whatever the estimate says
+
+    def __post_init__(self) -> None:
+        if not self.rates:
+            self.rates = [INITIAL_RATE] * self.max_tokens
 
     def limit(self, cost: float) -> int:
         """How many tokens the sequence may draft this step, a draft token costing ``cost`` of
@@ -48,7 +55,7 @@ class DraftBudget:
         if self.paused:
             self.paused -= 1
             return 0
-        k = best_length(self.acceptance, self.max_tokens, cost)
+        k = best_length(self.rates, cost)
         if k:
             self.next_pause = 1
             self.probe = False
@@ -62,5 +69,8 @@ class DraftBudget:
         return 0
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
-        """A verification of ``num_drafted`` >= 1 tokens accepted ``num_accepted``."""
-        self.acceptance += SMOOTHING * (num_accepted / num_drafted - self.acceptance)
+        """A verification of ``num_drafted`` >= 1 tokens accepted the first ``num_accepted``:
+        positions before it were reached and accepted, the one after them reached and not."""
+        for j in range(min(num_accepted + 1, num_drafted)):
+            hit = 1.0 if j < num_accepted else 0.0
+            self.rates[j] += SMOOTHING * (hit - self.rates[j])
