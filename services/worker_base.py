@@ -264,7 +264,7 @@ class Worker:
         as lost (decode legs migrate, prefills are retried) and cancel the old ones here."""
         log.warning("reconnected to NATS: leaving and rejoining so gateways re-send our requests")
         subject = self.subjects.load(self.role, self.worker_id)
-        await self.bus.publish(subject, WorkerGone(self.worker_id, self.role))
+        await self.bus.publish(subject, WorkerGone(self.worker_id, self.role, rejoining=True))
         if self._heartbeat is not None:
             await self._heartbeat.publish_now()
 

@@ -278,11 +278,14 @@ class KVEvents:
 
 @dataclass
 class WorkerGone:
-    """A worker's last word when it leaves cleanly (drain finished): drop it from registries."""
+    """A worker's last word when it leaves cleanly (drain finished): drop it from registries.
+    ``rejoining``: the same process joins again at once (after a NATS reconnect) - its requests
+    are lost, but its UCX address stays valid, so peers keep their endpoints to it."""
 
     TYPE: ClassVar[str] = "worker_gone"
     worker_id: str = ident()
     role: str = text(max_len=16, choices=ROLES)
+    rejoining: bool = _f(default=False)
 
 
 Message = (

@@ -141,7 +141,13 @@ class DecodeWorker(Worker):
         self, load: WorkerLoad | WorkerGone, headers: dict[str, str]
     ) -> None:
         """Connect to a prefill worker when it first shows up, so the first pull does not pay
-        for the endpoint (tens of ms); let the endpoint go when the worker says it left."""
+        for the endpoint (tens of ms); let the endpoint go when the worker says it left.
+
+        A worker rejoining after a NATS reconnect keeps its endpoint: aborting ours would also
+        fail its twin on the prefill side, which that worker may be about to send a pull's
+        blocks on (UCX pairs the two), and every pull until it noticed would fail."""
+        if isinstance(load, WorkerGone) and load.rejoining:
+            return
         if isinstance(load, WorkerGone):
             address = self.kv_servers.pop(load.worker_id, None)
             if address is not None:

@@ -483,6 +483,10 @@ async def test_workers_survive_a_nats_restart(gw, stack, expected) -> None:
     result = await gw.prefill("p0", "after-restart", PROMPTS[2])
     items = await gw.decode("d0", "after-restart", PROMPTS[2], [result.first_token], result.kv)
     assert [result.first_token] + tokens(items) == expected[2]
+    # p0 left and rejoined (WorkerGone rejoining): d0 kept its UCX endpoint to p0, whose twin
+    # p0 sends on - aborting it failed pulls until p0 noticed
+    (d0,) = [c for c in stack.children if c.name == "d0"]
+    assert "was stale" not in log_text(d0, 100_000)
 
 
 async def test_prefill_sigterm_waits_for_its_leases(gw, stack, expected) -> None:
