@@ -133,8 +133,7 @@ def speculative_problem(cfg: EngineConfig) -> str | None:
     if cfg.speculative == "draft":
         if not cfg.draft_model:
             return "--speculative draft needs --draft-model PATH (a model with --model's tokenizer)"
-        # the draft-model proposer is the next part of issue 17; until it lands, say so here
-        return "--speculative draft is not available yet; --speculative ngram needs no draft model"
+        return None
     if cfg.draft_model:
         return f"--draft-model is only used with --speculative draft (this is {cfg.speculative})"
     return None

@@ -52,7 +52,7 @@ from services.engine.quant.kv_cache import kv_cache_spec
 from services.engine.quant.options import quantization_problem
 from services.engine.scheduler import ScheduledBatch, Scheduler
 from services.engine.sequence import Sequence
-from services.engine.spec import build_speculator
+from services.engine.spec import TargetModel, build_speculator
 from shared.config import EngineConfig
 from shared.errors import StartupError
 from shared.models.resolve import describe, resolve
@@ -108,7 +108,11 @@ class LLMEngine(RequestLifecycle):
         self.guided = GuidedDecoder(self.model_dir, cfg.vocab_size, cfg.eos_token_ids)
         self.runner = ModelRunner(model, self.kv_cache, self.block_size, self.device, self.guided)
         # speculative decoding (``spec/``): decode-side only, a prefill worker never drafts
-        self.speculator = None if prefill_only else build_speculator(config, self.max_model_len)
+        target = TargetModel(self.model_dir, cfg, self.num_blocks, self.block_size, self.device,
+                             self.dtype)  # fmt: skip
+        self.speculator = (
+            None if prefill_only else build_speculator(config, self.max_model_len, target)
+        )
         self.seqs: dict[str, Sequence] = {}  # by seq_id
         self.requests: dict[str, ChoiceGroup] = {}  # by request id: its choices' sequences
         self._seed_rng = random.Random(config.seed)

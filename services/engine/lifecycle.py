@@ -29,6 +29,7 @@ from services.engine.model_config import ModelConfig
 from services.engine.outputs import StepOutput
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import Sequence, SequenceStatus
+from services.engine.spec.speculator import Speculator
 from shared.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class RequestLifecycle:
     _seed_rng: random.Random
     model_config: ModelConfig
     max_model_len: int
+    speculator: Speculator | None
 
     def _apply(self, cmd: Command, outputs: list[StepOutput]) -> None:
         if isinstance(cmd, AddRequest):
@@ -172,6 +174,8 @@ class RequestLifecycle:
     def _finish(self, seq: Sequence, reason: str | None) -> bool:
         """``seq`` leaves the engine. True when it was its request's last open choice."""
         self.scheduler.remove(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self.seqs[seq.seq_id]

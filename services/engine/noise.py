@@ -29,6 +29,7 @@ _MIX2 = _i64(0x94D049BB133111EB)
 SAMPLE = 0
 ACCEPT = 1  # rejection sampling: the uniform that accepts a drafted token with min(1, p/q)
 RESIDUAL = 2  # rejection sampling: the draw from the residual max(0, p - q) after a rejection
+DRAFT = 3  # a draft model drawing its draft token from q
 
 
 def _shr(x: torch.Tensor, n: int) -> torch.Tensor:

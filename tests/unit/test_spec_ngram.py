@@ -197,7 +197,6 @@ def test_who_drafts_and_how_much() -> None:
         ({"spec_token_cost": -2.0}, "--spec-token-cost must be -1 (measured) or >= 0, got -2.0"),
         ({"speculative": "eagle"}, "--speculative must be one of off, ngram, draft, got 'eagle'"),
         ({"speculative": "draft"}, "--speculative draft needs --draft-model PATH"),
-        ({"speculative": "draft", "draft_model": "x"}, "--speculative draft is not available yet"),
         ({"draft_model": "x"}, "--draft-model is only used with --speculative draft"),
     ],
 )

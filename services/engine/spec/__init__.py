@@ -3,7 +3,7 @@
 One step, with speculation on:
 
 1. ``Speculator.propose`` (``speculator.py``) asks the proposer (``proposer.py``; n-gram
-   prompt lookup in ``ngram.py``) for drafts of the running sequences about to decode, each
+   prompt lookup in ``ngram.py``, a draft model in ``draft.py``) for drafts of the running sequences about to decode, each
    limited by its adaptive budget (``adaptive.py``: its acceptance rate against a draft
    token's measured cost, ``cost.py``), ``max_tokens`` and the context.
 2. The scheduler gives a sequence with k drafts a row of 1 + k query tokens - its last sampled
@@ -31,20 +31,47 @@ sequence holds, pulled KV or local. Guided (structured-output) sequences do not 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.engine.model_config import ModelConfig
 from services.engine.spec.cost import DraftCost
+from services.engine.spec.draft import load_draft
 from services.engine.spec.ngram import NgramProposer
+from services.engine.spec.proposer import Proposer
 from services.engine.spec.speculator import Speculator
 from shared.config import EngineConfig
 from shared.errors import StartupError
 
 
-def build_speculator(config: EngineConfig, max_model_len: int) -> Speculator | None:
+@dataclass
+class TargetModel:
+    """What a draft model must agree with, and the cache it mirrors."""
+
+    model_dir: Path
+    config: ModelConfig
+    num_blocks: int
+    block_size: int
+    device: torch.device
+    dtype: torch.dtype
+
+
+def build_speculator(
+    config: EngineConfig, max_model_len: int, target: TargetModel
+) -> Speculator | None:
     """The speculator ``config`` asks for, or None (``--speculative off``)."""
     if config.speculative == "off":
         return None
+    proposer: Proposer
     if config.speculative == "ngram":
         proposer = NgramProposer(config.ngram_min, config.ngram_max)
-    else:  # EngineConfig refuses "draft" until its proposer exists; keep that promise here too
-        raise StartupError(f"--speculative {config.speculative} is not available yet")
+    elif config.speculative == "draft" and config.draft_model:
+        proposer = load_draft(config.draft_model, target.model_dir, target.config,
+                              target.num_blocks, target.block_size, target.device,
+                              target.dtype)  # fmt: skip
+    else:
+        raise StartupError(f"--speculative {config.speculative} needs --draft-model")
     fixed = None if config.spec_token_cost == -1.0 else config.spec_token_cost
     return Speculator(proposer, config.num_speculative_tokens, DraftCost(fixed), max_model_len)

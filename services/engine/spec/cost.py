@@ -8,7 +8,9 @@ depends on the machine, and ``adaptive.py`` weighs expected accepted tokens agai
 The model: a forward pass of T tokens over B decoding sequences takes ``a + b * T`` seconds,
 fitted by exponentially weighted least squares over steps with no prefill chunk (their cost is
 of another kind). One more draft token then costs ``b / (a / B + b)`` of a sequence's share of
-a plain decode step: the relative cost ``adaptive.py`` uses. Outliers (a step stalled by
+a plain decode step: the relative cost ``adaptive.py`` uses. A draft model adds a pass of its
+own per draft token, ``d`` seconds over the whole batch (an average of what the proposer
+measured), and then a draft token costs ``(b + d / B) / (a / B + b)``. Outliers (a step stalled by
 something else on the machine) are clipped to a few times the prediction; until the steps have
 varied enough in T to separate a from b, the cost is taken as 0, which drafts fully and so
 creates that variation.
@@ -19,6 +21,7 @@ from __future__ import annotations
 DECAY = 0.98  # weight kept by past steps per new one (~50 steps of memory)
 MIN_SPREAD = 0.25  # weighted variance of T below which b is not re-estimated
 CLIP = 3.0
+DRAFT_DECAY = 0.9  # weight the draft pass's average keeps per new measurement
 
 
 class DraftCost:
@@ -27,6 +30,7 @@ class DraftCost:
         self._w = self._t = self._y = self._tt = self._ty = 0.0
         self.a = 0.0
         self.b = 0.0
+        self.draft = 0.0  # seconds of one draft-model pass over the batch (0: n-gram)
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """A step with only decode and verification rows took ``seconds``."""
@@ -49,6 +53,12 @@ class DraftCost:
         self.b = max(b, 0.0)
         self.a = max(self._y / self._w - self.b * mean_t, 0.0)
 
+    def observe_draft(self, seconds: float) -> None:
+        """Drafting one token took ``seconds`` (a draft model's pass over the batch)."""
+        if self.fixed is None:
+            old = self.draft or seconds
+            self.draft = DRAFT_DECAY * old + (1.0 - DRAFT_DECAY) * seconds
+
     def relative(self, num_seqs: int) -> float:
         """What one more query token costs, relative to one of ``num_seqs`` sequences' share
         of a plain decode step (0: drafts are free)."""
@@ -56,4 +66,5 @@ class DraftCost:
             return self.fixed
         if self.b <= 0.0:
             return 0.0
-        return self.b / (self.a / max(1, num_seqs) + self.b)
+        seqs = max(1, num_seqs)
+        return (self.b + self.draft / seqs) / (self.a / seqs + self.b)

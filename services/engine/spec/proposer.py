@@ -33,6 +33,10 @@ class Proposal:
 class Proposer(ABC):
     """Drafts for a step's speculating sequences."""
 
+    # what drafting one token took the last ``propose`` (a draft model's passes), None when
+    # drafting costs no forward pass (n-gram): adaptive K adds it to a draft token's cost
+    step_seconds: float | None = None
+
     @abstractmethod
     def propose(self, seqs: list[Sequence], max_tokens: list[int]) -> list[Proposal | None]:
         """One answer per sequence, in order: a proposal of at most ``max_tokens[i]`` (>= 1)
@@ -44,3 +48,6 @@ class Proposer(ABC):
         scheduler may cut a proposal to fit the token budget or the free blocks) and accepted
         ``num_accepted`` of them: a draft model rolls its own cache back past them. The n-gram
         proposer keeps no state between steps."""
+
+    def release(self, seq: Sequence) -> None:  # noqa: B027
+        """``seq`` left the engine: let go of whatever is kept for it (a draft model's cache)."""

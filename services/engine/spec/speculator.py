@@ -94,6 +94,8 @@ class Speculator:
         for seq, proposal in zip(asking, self.proposer.propose(asking, limits), strict=True):
             if proposal is not None and proposal.token_ids:
                 seq.spec_token_ids, seq.spec_probs = proposal.token_ids, proposal.probs
+        if self.proposer.step_seconds is not None:
+            self.cost.observe_draft(self.proposer.step_seconds)
 
     def _room(self, seq: Sequence) -> int:
         """Tokens ``seq`` may draft this step before its budget: 0 unless it decodes next."""
@@ -111,3 +113,6 @@ class Speculator:
         self.counters.add(num_drafted, num_accepted)
         self.budget(seq).update(num_drafted, num_accepted)
         self.proposer.verified(seq, num_drafted, num_accepted)
+
+    def release(self, seq: Sequence) -> None:
+        self.proposer.release(seq)
