@@ -1,4 +1,5 @@
-"""Speculative decoding (n-gram prompt lookup) on and off, in-process, on a real model.
+"""Speculative decoding (n-gram prompt lookup, a draft model) on and off, in-process, on a real
+model.
 
 Two workloads (``perf/spec_workloads.py``), chat-templated as the gateway does: input-grounded
 ("rewrite this paragraph / code with one change": the answer copies the prompt) and open-ended
@@ -11,7 +12,11 @@ the speed-up over off (also of the medians), the draft acceptance rate
 (accepted / draft tokens), the mean acceptance length (tokens a verified draft emits: 1 +
 accepted / drafts), and whether every output is token-identical to speculation off.
 
-    python -m perf.spec_bench [--model smollm2-135m-instruct] [--reps 3] [--json FILE]
+With ``--draft-model DIR`` the draft-model modes run too (adaptive and fixed K); for SmolLM2 a
+draft is its own first layers, ``python -m perf.make_draft DIR --layers 10``.
+
+    python -m perf.spec_bench [--model smollm2-135m-instruct] [--reps 3] [--draft-model DIR]
+                              [--json FILE]
 """
 
 from __future__ import annotations
@@ -31,10 +36,12 @@ from services.engine.spec.speculator import SpecCounters
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 
-MODES = {  # name -> engine options
+MODES = {  # name -> engine options (the draft modes take --draft-model too)
     "off": {},
     "ngram": {"speculative": "ngram"},
     "ngram-fixed-k": {"speculative": "ngram", "spec_token_cost": 0.0},
+    "draft": {"speculative": "draft"},
+    "draft-fixed-k": {"speculative": "draft", "spec_token_cost": 0.0},
 }
 
 
@@ -167,6 +174,19 @@ def print_row(result: CaseResult) -> None:
         )
 
 
+def print_draft_cache(mode: str, engine: LLMEngine, results: list[CaseResult]) -> None:
+    """What filling the draft's cache here cost, against what pulling it would move: the
+    draft-KV decision of issue 17 (perf/README.md)."""
+    proposer = engine.speculator.proposer
+    per_token_ms = 1000 * proposer.catch_up_seconds / max(1, proposer.catch_up_tokens)
+    kv_bytes = proposer.bytes_per_block // proposer.block_size
+    off_step_ms = [1000 / r.modes["off"].tokens_per_s for r in results if r.batch == 1]
+    print(f"{mode}: draft cache filled here at {per_token_ms:.3f} ms per context token "
+          f"({proposer.catch_up_tokens} tokens, catch-up passes included); pulling it instead "
+          f"would move {kv_bytes} bytes per token; a plain batch-1 decode step of the target "
+          f"takes {statistics.median(off_step_ms):.1f} ms")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> list[CaseResult]:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -176,7 +196,13 @@ def main(argv: list[str] | None = None) -> list[CaseResult]:
     ap.add_argument("--batch1-prompts", type=int, default=8, help="prompts run one by one")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        choices=list(MODES),
+        help="default: off and the n-gram modes, and the draft modes with --draft-model",
+    )
+    ap.add_argument("--draft-model", help="the draft model of the draft modes (perf/make_draft.py)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args(argv)
@@ -185,7 +211,11 @@ def main(argv: list[str] | None = None) -> list[CaseResult]:
     from shared.models.resolve import resolve
 
     model_dir = resolve(args.model).path
-    modes = ["off", *(m for m in args.modes if m != "off")]
+    wanted = args.modes or [m for m in MODES if args.draft_model or not m.startswith("draft")]
+    if any(m.startswith("draft") for m in wanted) and not args.draft_model:
+        ap.error("the draft modes need --draft-model (python -m perf.make_draft DIR)")
+    modes = ["off", *(m for m in wanted if m != "off")]
+    draft = {"draft_model": args.draft_model}
     engines = {
         m: LLMEngine(
             EngineConfig(
@@ -195,6 +225,7 @@ def main(argv: list[str] | None = None) -> list[CaseResult]:
                 max_num_seqs=8,
                 num_speculative_tokens=args.num_speculative_tokens,
                 **MODES[m],
+                **(draft if m.startswith("draft") else {}),
             )
         )  # fmt: skip
         for m in modes
@@ -210,6 +241,9 @@ def main(argv: list[str] | None = None) -> list[CaseResult]:
         result = measure(engines, case, args.reps)
         print_row(result)
         results.append(result)
+    for mode, engine in engines.items():
+        if mode.startswith("draft"):
+            print_draft_cache(mode, engine, results)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=2))

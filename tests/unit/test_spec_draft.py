@@ -182,3 +182,19 @@ def test_a_draft_with_another_vocabulary_is_refused_at_start_up(llama_dir, tmp_p
         draft_engine(llama_dir, other)
     with pytest.raises(StartupError, match="--draft-model /nowhere"):
         draft_engine(llama_dir, Path("/nowhere"))
+
+
+def test_the_bench_measures_a_cut_draft_beside_off_and_ngram(llama_dir, tmp_path, capsys):
+    """perf/make_draft.py cuts a draft from the target; perf/spec_bench.py runs it, small."""
+    from perf import make_draft, spec_bench
+
+    draft = make_draft.cut(llama_dir, tmp_path / "draft", layers=1)
+    assert json.loads((draft / "config.json").read_text())["num_hidden_layers"] == 1
+    argv = ["--model", str(llama_dir), "--max-tokens", "6", "--batch1-prompts", "1",
+            "--reps", "1", "--draft-model", str(draft), "--modes", "ngram", "draft"]  # fmt: skip
+    results = spec_bench.main(argv)
+    assert len(results) == 6 and all(set(r.modes) == {"off", "ngram", "draft"} for r in results)
+    greedy = [r for r in results if "T=" not in r.workload]
+    assert all(r.modes["draft"].identical_to_off for r in greedy)
+    assert any(r.modes["draft"].draft_tokens for r in results)
+    assert "draft cache filled here at" in capsys.readouterr().out
