@@ -95,9 +95,15 @@ class DraftModelProposer(Proposer):
             return out
         active = [seqs[i] for i in chosen]
         t0 = time.perf_counter()
+        width = max(len(s.block_table) for s in states)
+        tables = self._tensor(
+            [s.block_table + [0] * (width - len(s.block_table)) for s in states], torch.int32
+        )
         feeds = [seq.token_ids[start:] for seq, start in zip(active, starts, strict=True)]
-        logits = self._forward(feeds, starts, states)
-        self.catch_up_tokens += sum(len(f) for f in feeds)
+        counts = [len(f) for f in feeds]
+        ids = self._tensor([t for f in feeds for t in f])
+        logits = self._forward(ids, counts, self._tensor(starts), tables)
+        self.catch_up_tokens += len(ids)
         t1 = time.perf_counter()
         k_max = max(limits)
         vocab = logits.shape[-1]
@@ -106,19 +112,19 @@ class DraftModelProposer(Proposer):
         temps = self._tensor([s.sampling.temperature for s in active], torch.float32)
         seeds = self._tensor([s.seed for s in active])
         steps = self._tensor([s.num_output_tokens for s in active])
+        lengths = self._tensor([s.num_tokens for s in active])
+        limit_t = self._tensor(limits)
         rows = torch.arange(len(active), device=self.device)
         for j in range(k_max):
             tokens[rows, j], probs[rows, j] = _draw(
                 logits, temps[rows], seeds[rows], steps[rows] + j
             )
-            live = [r for r, limit in enumerate(limits) if limit > j + 1]  # need draft j + 2
-            if not live:
+            num_live = sum(limit > j + 1 for limit in limits)  # rows that need draft j + 2
+            if not num_live:
                 break
-            rows = self._tensor(live)
-            positions = [active[r].num_tokens + j for r in live]
-            logits = self._forward(
-                tokens[rows, j, None].tolist(), positions, [states[r] for r in live]
-            )
+            rows = torch.nonzero(limit_t > j + 1)[:, 0]
+            # draft j goes in at the position after the sequence's last token and drafts < j
+            logits = self._forward(tokens[rows, j], [1] * num_live, lengths[rows] + j, tables[rows])
         drafted = tokens.tolist()  # the one sync of the drafting
         # k drafts take k passes (the catch-up pass drafts the first): what one draft token
         # costs the step, for adaptive K (``cost.py``)
@@ -137,48 +143,42 @@ class DraftModelProposer(Proposer):
             self.blocks.free_sequence(state)
 
     def _forward(
-        self, feeds: list[list[int]], starts: list[int], states: list[_DraftSeq]
+        self, ids: torch.Tensor, counts: list[int], starts: torch.Tensor, tables: torch.Tensor
     ) -> torch.Tensor:
-        """Compute ``feeds[i]`` at positions ``starts[i]``.. into the draft cache; the logits
-        [rows, vocab] at each row's last position."""
-        counts = [len(f) for f in feeds]
+        """Compute rows of ``counts[i]`` tokens (``ids``, flat) at positions ``starts[i]``..
+        into the draft cache (``tables``: each row's blocks); the logits [rows, vocab] at each
+        row's last position."""
         q_lens = self._tensor(counts)
-        start_t = self._tensor(starts)
-        num_tokens = sum(counts)
-        cu_q = torch.zeros(len(feeds) + 1, dtype=torch.int64, device=self.device)
+        num_tokens = len(ids)
+        cu_q = torch.zeros(len(counts) + 1, dtype=torch.int64, device=self.device)
         cu_q[1:] = q_lens.cumsum(0)
         row_of = torch.repeat_interleave(
-            torch.arange(len(feeds), device=self.device), q_lens, output_size=num_tokens
+            torch.arange(len(counts), device=self.device), q_lens, output_size=num_tokens
         )
-        positions = start_t[row_of] + torch.arange(num_tokens, device=self.device) - cu_q[row_of]
-        width = max(len(s.block_table) for s in states)
-        tables = self._tensor(
-            [s.block_table + [0] * (width - len(s.block_table)) for s in states], torch.int32
-        )
+        positions = starts[row_of] + torch.arange(num_tokens, device=self.device) - cu_q[row_of]
         blocks = tables[row_of, positions // self.block_size].to(torch.int64)
         slots = blocks * self.block_size + positions % self.block_size
-        ctx_lens = start_t + q_lens
+        ctx_lens = (starts + q_lens).to(torch.int32)
         cu32 = cu_q.to(torch.int32)
         longest = max(counts)
         if longest <= 8:  # short rows: paged decode attention, several queries per row
-            lens = ctx_lens.to(torch.int32)
             meta = AttentionMetadata(
-                slot_mapping=slots, num_decodes=len(feeds), decode_block_tables=tables,
-                decode_context_lens=lens, decode_plan=ops.decode_plan(tables, lens, cu32, longest),
+                slot_mapping=slots, num_decodes=len(counts), decode_block_tables=tables,
+                decode_context_lens=ctx_lens,
+                decode_plan=ops.decode_plan(tables, ctx_lens, cu32, longest),
                 verify=None, prefill=None, num_decode_tokens=num_tokens,
                 decode_cu_seqlens_q=cu32, decode_max_seqlen_q=longest,
             )  # fmt: skip
         else:  # a context computed into the cache: varlen causal attention over the pages
             cu_k = torch.zeros_like(cu32)
             cu_k[1:] = ctx_lens.cumsum(0)
-            group = ChunkGroup(num_tokens, cu32, cu_k, longest,
-                               max(s + c for s, c in zip(starts, counts, strict=True)), tables)  # fmt: skip
+            # the host knows the longest context without a device read: start + count, at most
+            group = ChunkGroup(num_tokens, cu32, cu_k, longest, int(tables.shape[1]) * self.block_size,
+                               tables)  # fmt: skip
             meta = AttentionMetadata(
                 slot_mapping=slots, num_decodes=0, decode_block_tables=tables[:0],
-                decode_context_lens=ctx_lens[:0].to(torch.int32), decode_plan=None,
-                verify=None, prefill=group,
+                decode_context_lens=ctx_lens[:0], decode_plan=None, verify=None, prefill=group,
             )  # fmt: skip
-        ids = self._tensor([t for f in feeds for t in f])
         hidden = self.model(ids, positions, meta, cu_q[1:] - 1)
         return self.model.compute_logits(hidden)
 
