@@ -89,6 +89,9 @@ def chat_prompts(model_dir: Path, messages: list[str]) -> list[list[int]]:
     ]
 
 
+WORKLOADS = ("input-grounded", "open-ended", "open-ended T=0.7")
+
+
 def cases(model_dir: Path, batch1_prompts: int, max_tokens: int) -> list[Case]:
     grounded = chat_prompts(model_dir, spec_workloads.input_grounded())[:8]
     open_ended = chat_prompts(model_dir, spec_workloads.open_ended())[:8]
@@ -204,6 +207,8 @@ def main(argv: list[str] | None = None) -> list[CaseResult]:
     )
     ap.add_argument("--draft-model", help="the draft model of the draft modes (perf/make_draft.py)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    ap.add_argument("--batches", nargs="+", type=int, choices=(1, 8), default=[1, 8])
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args(argv)
     if args.threads:
@@ -230,7 +235,11 @@ def main(argv: list[str] | None = None) -> list[CaseResult]:
         )  # fmt: skip
         for m in modes
     }
-    all_cases = cases(model_dir, args.batch1_prompts, args.max_tokens)
+    all_cases = [
+        c
+        for c in cases(model_dir, args.batch1_prompts, args.max_tokens)
+        if c.workload in args.workloads and c.batch in args.batches
+    ]
     for engine in engines.values():  # warm-up: first-call allocations
         engine.generate(all_cases[0].prompts[:1], SamplingParams(temperature=0.0, max_tokens=8))
     print(f"{args.model}, {torch.get_num_threads()} torch threads, {args.reps} reps, "

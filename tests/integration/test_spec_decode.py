@@ -1,10 +1,12 @@
-"""Speculative decoding through a real 1P1D stack: the decode worker drafts (n-gram) and
-verifies, the prefill worker never does; greedy answers are HF's token for token; the worker's
+"""Speculative decoding through a real 1P1D stack, n-gram and draft model: the decode worker
+drafts and verifies, the prefill worker never does; greedy answers are HF's token for token; the worker's
 /metrics, the gateway's re-export, ``pdserve bench``'s reader and the ``decode.generate`` span
 all see the drafts; a request that opts out (``"speculate": false``) drafts nothing.
 
 Real nats-server, UCX and HTTP, a tiny HF checkpoint (HF float64 is the oracle); its random
-weights fall into loops, and the prompts quote themselves, so drafts are accepted."""
+weights fall into loops, and the prompts quote themselves, so n-gram drafts are accepted; the
+draft model is the checkpoint itself, so its drafts are too (the draft's own cache is filled
+on the decode worker after the prompt's KV is pulled)."""
 
 from __future__ import annotations
 
@@ -31,16 +33,25 @@ MAX_TOKENS = 24
 PROMPTS = [p + p[: len(p) // 2] + p for p in random_prompts(4, seed=11, max_len=30)]
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, checkpoints):
+METHODS = {
+    "ngram": {"speculative": "ngram", "ngram_min": 1},
+    # the target drafting for itself: a draft model with its tokenizer that is always right
+    "draft": {"speculative": "draft", "draft_model": "{model}"},
+}
+
+
+@pytest.fixture(scope="module", params=list(METHODS))
+def stack(request, tmp_path_factory, checkpoints):
     logs = tmp_path_factory.mktemp("spec")
     model = str(checkpoints["llama-gqa"])
+    method = {k: v.format(model=model) if isinstance(v, str) else v
+              for k, v in METHODS[request.param].items()}  # fmt: skip
     rx = OtlpReceiver()
     rx.start_in_thread()
     nats = start_nats(logs)
     port, metrics_port = free_port(), free_port()
     # speculation options on every process, as `pdserve up` passes them: only decode drafts
-    spec = {"model": model, "speculative": "ngram", "ngram_min": 1, "spec_token_cost": 0}
+    spec = {"model": model, **method, "spec_token_cost": 0}
     env = rx.env()
     children = [
         start_service("prefill", nats.url, logs, env={**env, "PDSERVE_WORKER_ID": "spec-p0"},
