@@ -181,13 +181,14 @@ def print_draft_cache(mode: str, engine: LLMEngine, results: list[CaseResult]) -
     """What filling the draft's cache here cost, against what pulling it would move: the
     draft-KV decision of issue 17 (perf/README.md)."""
     proposer = engine.speculator.proposer
-    per_token_ms = 1000 * proposer.catch_up_seconds / max(1, proposer.catch_up_tokens)
-    kv_bytes = proposer.bytes_per_block // proposer.block_size
+    per_token_ms = 1000 * proposer.fill_seconds / max(1, proposer.fill_tokens)
+    draft_bytes = proposer.bytes_per_block // proposer.block_size
+    target_bytes = engine.bytes_per_block // engine.block_size
     off_step_ms = [1000 / r.modes["off"].tokens_per_s for r in results if r.batch == 1]
-    print(f"{mode}: draft cache filled here at {per_token_ms:.3f} ms per context token "
-          f"({proposer.catch_up_tokens} tokens, catch-up passes included); pulling it instead "
-          f"would move {kv_bytes} bytes per token; a plain batch-1 decode step of the target "
-          f"takes {statistics.median(off_step_ms):.1f} ms")  # fmt: skip
+    step = f"{statistics.median(off_step_ms):.1f} ms" if off_step_ms else "-"
+    print(f"{mode}: prompts computed into the draft's cache here at {per_token_ms:.3f} ms per "
+          f"token ({proposer.fill_tokens} tokens); pulling them instead would add {draft_bytes} "
+          f"bytes per token to the target's {target_bytes}; a batch-1 target token took {step}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> list[CaseResult]:

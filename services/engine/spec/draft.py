@@ -41,6 +41,8 @@ from services.engine.spec.proposer import Proposal, Proposer
 from shared.errors import StartupError
 from shared.models.resolve import resolve
 
+SHORT_ROWS = 8  # rows of at most this many tokens use decode attention (several queries each)
+
 
 @dataclass
 class _DraftSeq:
@@ -73,8 +75,10 @@ class DraftModelProposer(Proposer):
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_cache=False)
         self.seqs: dict[str, _DraftSeq] = {}
         self.step_seconds: float | None = None  # one draft pass over the batch, last propose
-        self.catch_up_tokens = 0  # context tokens computed into the draft cache, cumulative
-        self.catch_up_seconds = 0.0
+        # passes that computed a context into the draft cache (a row of more than a few tokens:
+        # a new sequence's prompt), cumulative: what filling the cache here costs
+        self.fill_tokens = 0
+        self.fill_seconds = 0.0
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], max_tokens: list[int]) -> list[Proposal | None]:
@@ -103,8 +107,10 @@ class DraftModelProposer(Proposer):
         counts = [len(f) for f in feeds]
         ids = self._tensor([t for f in feeds for t in f])
         logits = self._forward(ids, counts, self._tensor(starts), tables)
-        self.catch_up_tokens += len(ids)
         t1 = time.perf_counter()
+        if max(counts) > SHORT_ROWS:
+            self.fill_tokens += len(ids)
+            self.fill_seconds += t1 - t0
         k_max = max(limits)
         vocab = logits.shape[-1]
         probs = torch.zeros(len(active), k_max, vocab, dtype=torch.float32, device=self.device)
@@ -129,7 +135,6 @@ class DraftModelProposer(Proposer):
         # k drafts take k passes (the catch-up pass drafts the first): what one draft token
         # costs the step, for adaptive K (``cost.py``)
         self.step_seconds = (time.perf_counter() - t0) / k_max
-        self.catch_up_seconds += t1 - t0
         for r, (i, seq, state, limit) in enumerate(
             zip(chosen, active, states, limits, strict=True)
         ):
@@ -161,7 +166,7 @@ class DraftModelProposer(Proposer):
         ctx_lens = (starts + q_lens).to(torch.int32)
         cu32 = cu_q.to(torch.int32)
         longest = max(counts)
-        if longest <= 8:  # short rows: paged decode attention, several queries per row
+        if longest <= SHORT_ROWS:  # short rows: paged decode attention, several queries per row
             meta = AttentionMetadata(
                 slot_mapping=slots, num_decodes=len(counts), decode_block_tables=tables,
                 decode_context_lens=ctx_lens,
