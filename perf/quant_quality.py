@@ -8,7 +8,10 @@ perplexity is taken from the engine's prompt log-probs, the prompt fed in chunks
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +83,29 @@ def measure(engine, text_ids: list[int], prompts: list[list[int]], max_tokens: i
     return QualityResult(perplexity(engine, text_ids), greedy(engine, prompts, max_tokens))
 
 
+def teacher_forced(engine, prompts: list[list[int]], reference: list[list[int]]) -> float:
+    """Share of reference (fp32 greedy) tokens that are this engine's argmax given the prompt and
+    the reference tokens before them: agreement without a free-running path's divergence, so one
+    near-tie flip costs one position, not the rest of the continuation."""
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    for i, (p, r) in enumerate(zip(prompts, reference, strict=True)):
+        engine.add_request(f"tf{i}", p + r, sampling)
+    ranks: dict[str, list[int]] = {f"tf{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        result = engine.step()
+        for out in result.outputs if result else ():
+            if out.prompt_logprobs is not None:
+                ranks[out.request_id].extend(out.prompt_logprobs.ranks)
+    hits = total = 0
+    for i, (p, r) in enumerate(zip(prompts, reference, strict=True)):
+        tail = ranks[f"tf{i}"][len(p) - 1 :]  # entry j scores token j+1: the reference's tokens
+        if len(tail) != len(r):
+            raise RuntimeError(f"prompt {i}: {len(tail)} ranks for {len(r)} reference tokens")
+        hits += sum(rank == 1 for rank in tail)
+        total += len(r)
+    return hits / total
+
+
 def agreement(reference: list[list[int]], other: list[list[int]]) -> dict[str, float]:
     """positional: share of positions whose token matches; prefix: share of tokens before the
     first mismatch (stricter: every token after a divergence counts as lost)."""
@@ -94,3 +120,79 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict[str, f
             n += 1
         prefix += n
     return {"positional": same / total, "prefix": prefix / total}
+
+
+def engine_for(setting: str, default_alpha: float | None):
+    """``quantization:dtype[:kv[:pattern+pattern...[:alpha]]]``; the patterns are the linear
+    layers kept float (``int8_linear.FLOAT_LINEARS`` for this engine), alpha SmoothQuant's
+    (empty: ``default_alpha``, the module's as shipped; ``none``: no smoothing)."""
+    from services.engine.engine import LLMEngine
+    from services.engine.quant import int8_linear
+    from shared.config import EngineConfig
+
+    parts = setting.split(":")
+    quantization, dtype, kv, keep, alpha = parts + ["auto", "", ""][len(parts) - 2 :]
+    int8_linear.FLOAT_LINEARS = tuple(p for p in keep.split("+") if p)
+    alphas = {"": default_alpha, "none": None}
+    int8_linear.SMOOTH_ALPHA = alphas[alpha] if alpha in alphas else float(alpha)
+    config = EngineConfig(
+        dtype=dtype, quantization=quantization, kv_cache_dtype=kv, num_kv_blocks=256
+    )
+    return LLMEngine(config)
+
+
+def main() -> None:
+    import torch
+    from tokenizers import Tokenizer
+
+    from services.engine.quant import int8_linear
+    from services.engine.quant.smooth import calibration_ids
+
+    default_alpha = int8_linear.SMOOTH_ALPHA
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--settings",
+        default="none:bfloat16,int8:float32",
+        help="comma-separated quantization:dtype[:kv[:float-pattern+...[:alpha|none]]], "
+        "each against fp32",
+    )
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS))
+    ap.add_argument("--batch1", action="store_true", help="also fp32 one prompt at a time")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    base = engine_for("none:float32", None)
+    tok = Tokenizer.from_file(str(base.model_dir / "tokenizer.json"))
+    text = tok.encode(QUALITY_TEXT.read_text()).ids
+    prompts = [tok.encode(p).ids for p in PROMPTS[: args.prompts]]
+    # the loader does not pass the tokenizer's ids to quantize_linears: set them here
+    int8_linear.CALIBRATION_IDS = calibration_ids(base.model_dir)
+    ref = measure(base, text, prompts, args.tokens)
+    self_tf = teacher_forced(base, prompts, ref.greedy)  # prefill vs decode numerics alone
+    print(json.dumps({"setting": "none:float32", "perplexity": round(ref.perplexity, 4),
+                      "teacher_forced": round(self_tf, 4)}))  # fmt: skip
+    if args.batch1:
+        one = [greedy(base, [p], args.tokens)[0] for p in prompts]
+        print(json.dumps({"setting": "none:float32 batch 1", **agreement(ref.greedy, one)}))
+    del base
+    for setting in args.settings.split(","):
+        t0 = time.perf_counter()
+        engine = engine_for(setting, default_alpha)
+        start_s = time.perf_counter() - t0
+        got = measure(engine, text, prompts, args.tokens)
+        row = {
+            "setting": setting,
+            "perplexity": round(got.perplexity, 4),
+            "ppl_vs_fp32_pct": round(100 * (got.perplexity / ref.perplexity - 1), 2),
+            **{k: round(v, 4) for k, v in agreement(ref.greedy, got.greedy).items()},
+            "teacher_forced": round(teacher_forced(engine, prompts, ref.greedy), 4),
+            "start_s": round(start_s, 2),
+        }
+        print(json.dumps(row), flush=True)
+        del engine
+
+
+if __name__ == "__main__":
+    main()

@@ -11,6 +11,7 @@ a matmul is bound by reading the weights, which INT8 halves against bf16.
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from torch import Tensor, nn
 
 from kernels import ops
 from services.engine.quant.int8_weights import Int8Weight, quantize_per_channel
+from services.engine.quant.smooth import activation_maxima, smoothing_scales
 
 
 @functools.cache
@@ -35,8 +37,17 @@ def cpu_has_vnni() -> bool:
 class CpuInt8Linear(nn.Module):
     """W8A8 dynamic: fbgemm/oneDNN quantizes each token's activations on the fly."""
 
-    def __init__(self, weight: Int8Weight, bias: Tensor | None, out_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        weight: Int8Weight,
+        bias: Tensor | None,
+        out_dtype: torch.dtype,
+        smooth: Tensor | None = None,
+    ) -> None:
+        """smooth: SmoothQuant's per-input-channel s [K] (services/engine/quant/smooth.py),
+        already multiplied into ``weight`` before rounding; the input is divided by it here."""
         super().__init__()
+        self.inv_smooth = None if smooth is None else (1.0 / smooth).float()
         self.out_features, self.in_features = weight.qweight.shape
         self.out_dtype = out_dtype
         self.reduce_range = not cpu_has_vnni()
@@ -52,6 +63,8 @@ class CpuInt8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32:  # the dynamic kernels take fp32 activations only
             x2 = x2.float()
+        if self.inv_smooth is not None:
+            x2 = x2 * self.inv_smooth
         # fbgemm rounds the whole input with one scale; a prompt's rows differ in range by 100x
         # (and SmolLM2 has outlier tokens), so each row is first brought to amax 1: one scale
         # for all is then the per-token scale, and the rows' amax multiply the result back.
@@ -84,11 +97,19 @@ class WeightOnlyInt8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, int8 weight-only"
 
 
-def int8_module(linear: nn.Linear, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """The INT8 replacement of ``linear`` on ``device``."""
-    weight = quantize_per_channel(linear.weight)
+def int8_module(
+    linear: nn.Linear, device: torch.device, dtype: torch.dtype, act_max: Tensor | None = None
+) -> nn.Module:
+    """The INT8 replacement of ``linear`` on ``device``; act_max [K] (CPU W8A8 only): the
+    calibrated input maxima that SMOOTH_ALPHA smooths against."""
     if device.type == "cpu":
-        return CpuInt8Linear(weight, linear.bias, dtype)
+        smooth = None
+        w = linear.weight.detach().float()
+        if act_max is not None and SMOOTH_ALPHA is not None:
+            smooth = smoothing_scales(act_max, w, SMOOTH_ALPHA)
+            w = w * smooth
+        return CpuInt8Linear(quantize_per_channel(w), linear.bias, dtype, smooth)
+    weight = quantize_per_channel(linear.weight)
     w = Int8Weight(weight.qweight.to(device), weight.scale.to(device))
     return WeightOnlyInt8Linear(w, linear.bias)
 
@@ -98,19 +119,49 @@ def int8_module(linear: nn.Linear, device: torch.device, dtype: torch.dtype) -> 
 # The embedding stays in the float dtype: a lookup of a few rows costs nothing to speed up.
 QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 
+# Linear layers kept in the float dtype although their kind is quantized: fnmatch patterns over
+# the module's full name ("lm_head", "*.down_proj", "layers.0.*"). Chosen by measurement on
+# SmolLM2-135M-Instruct (perf/README.md, issue 18 section, per layer type).
+FLOAT_LINEARS: tuple[str, ...] = ()
+
+# SmoothQuant's migration strength on the CPU W8A8 path (None: no smoothing); 0.5 measured best on
+# SmolLM2 (perf/README.md). It needs the calibration text's token ids, which only the caller's
+# tokenizer gives: ``quantize_linears(calibration_ids=...)`` (smooth.calibration_ids(model_dir)),
+# else CALIBRATION_IDS (set by perf/quant_quality.py); with neither the layers are not smoothed.
+SMOOTH_ALPHA: float | None = 0.5
+CALIBRATION_IDS: list[int] | None = None
+
+
+def keeps_float(name: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
 
 def quantize_linears(
-    model: nn.Module, device: torch.device, dtype: torch.dtype, include_head: bool = True
+    model: nn.Module,
+    device: torch.device,
+    dtype: torch.dtype,
+    include_head: bool = True,
+    keep_float: tuple[str, ...] | None = None,
+    calibration_ids: list[int] | None = None,
 ) -> int:
-    """Swap the model's linear layers for INT8 ones in place; returns how many were swapped."""
+    """Swap the model's linear layers for INT8 ones in place, except those ``keep_float``
+    (default ``FLOAT_LINEARS``) names, smoothed (CPU) when calibration ids are given (default
+    ``CALIBRATION_IDS``); returns how many were swapped."""
     names = QUANTIZED_LINEARS if include_head else QUANTIZED_LINEARS[:-1]
+    patterns = FLOAT_LINEARS if keep_float is None else keep_float
     targets = [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in names
+        if isinstance(module, nn.Linear)
+        and name.rsplit(".", 1)[-1] in names
+        and not keeps_float(name, patterns)
     ]
+    ids = CALIBRATION_IDS if calibration_ids is None else calibration_ids
+    maxima: dict[str, Tensor] = {}
+    if device.type == "cpu" and SMOOTH_ALPHA is not None and ids:
+        maxima = activation_maxima(model, ids, {name for name, _ in targets})
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, int8_module(module, device, dtype))
+        setattr(parent, child, int8_module(module, device, dtype, maxima.get(name)))
     return len(targets)
