@@ -17,10 +17,7 @@ import time
 import torch
 
 from services.engine.engine import LLMEngine
-from services.engine.quant import int8_linear
-from services.engine.quant.smooth import calibration_ids
 from shared.config import EngineConfig
-from shared.models.resolve import resolve
 from shared.sampling import SamplingParams
 
 DEFAULT_CONFIGS = (
@@ -65,8 +62,6 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    # INT8 layers smoothed as perf/quant_quality.py measures them (the loader passes no ids yet)
-    int8_linear.CALIBRATION_IDS = calibration_ids(resolve(EngineConfig().model).path)
     for item in args.configs.split(","):
         quantization, dtype, kv = item.split(":")
         print(json.dumps(measure(quantization, dtype, kv, args.decode_tokens, args.batch)))

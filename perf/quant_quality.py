@@ -146,7 +146,6 @@ def main() -> None:
     from tokenizers import Tokenizer
 
     from services.engine.quant import int8_linear
-    from services.engine.quant.smooth import calibration_ids
 
     default_alpha = int8_linear.SMOOTH_ALPHA
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -167,8 +166,6 @@ def main() -> None:
     tok = Tokenizer.from_file(str(base.model_dir / "tokenizer.json"))
     text = tok.encode(QUALITY_TEXT.read_text()).ids
     prompts = [tok.encode(p).ids for p in PROMPTS[: args.prompts]]
-    # the loader does not pass the tokenizer's ids to quantize_linears: set them here
-    int8_linear.CALIBRATION_IDS = calibration_ids(base.model_dir)
     ref = measure(base, text, prompts, args.tokens)
     self_tf = teacher_forced(base, prompts, ref.greedy)  # prefill vs decode numerics alone
     print(json.dumps({"setting": "none:float32", "perplexity": round(ref.perplexity, 4),

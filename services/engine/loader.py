@@ -11,6 +11,7 @@ from safetensors import safe_open
 from services.engine.model import LlamaForCausalLM
 from services.engine.model_config import ModelConfig
 from services.engine.quant.int8_linear import quantize_linears
+from services.engine.quant.smooth import calibration_ids
 from shared.errors import ModelLoadError
 
 DTYPES = {
@@ -134,6 +135,6 @@ def load_model(
         for name, tensor in loaded.items():
             params[name].copy_(tensor)
     del loaded, params  # the float weights a quantized layer replaces are freed with it
-    if quantization == "int8":
-        quantize_linears(model, device, dtype)
+    if quantization == "int8":  # smoothed against activations of a text in its own tokens
+        quantize_linears(model, device, dtype, calibration_ids=calibration_ids(model_dir))
     return model.eval().requires_grad_(False)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.quant import int8_linear
 from services.engine.quant.int8_linear import CpuInt8Linear, quantize_linears
 from services.engine.quant.int8_weights import quantize_per_channel
 from services.engine.quant.smooth import _plain_forward, activation_maxima, smoothing_scales
@@ -75,8 +74,14 @@ def test_calibrated_quantize_smooths_every_layer_but_the_float_ones(checkpoints)
     assert len(smoothed) == swapped and all(m.inv_smooth is not None for m in smoothed)
 
 
-def test_no_calibration_ids_means_no_smoothing(checkpoints, monkeypatch) -> None:
-    monkeypatch.setattr(int8_linear, "CALIBRATION_IDS", None)
+def test_the_engine_smooths_with_its_model_s_tokenizer(checkpoints) -> None:
     engine = make_engine(checkpoints["llama-gqa"], dtype="float32", quantization="int8")
     layers = [m for m in engine.runner.model.modules() if isinstance(m, CpuInt8Linear)]
+    assert layers and all(m.inv_smooth is not None for m in layers)
+
+
+def test_no_calibration_ids_means_no_smoothing(checkpoints) -> None:
+    model = make_engine(checkpoints["llama-gqa"], dtype="float32").runner.model
+    quantize_linears(model, torch.device("cpu"), torch.float32, calibration_ids=None)
+    layers = [m for m in model.modules() if isinstance(m, CpuInt8Linear)]
     assert layers and all(m.inv_smooth is None for m in layers)

@@ -125,11 +125,10 @@ QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head
 FLOAT_LINEARS: tuple[str, ...] = ()
 
 # SmoothQuant's migration strength on the CPU W8A8 path (None: no smoothing); 0.5 measured best on
-# SmolLM2 (perf/README.md). It needs the calibration text's token ids, which only the caller's
-# tokenizer gives: ``quantize_linears(calibration_ids=...)`` (smooth.calibration_ids(model_dir)),
-# else CALIBRATION_IDS (set by perf/quant_quality.py); with neither the layers are not smoothed.
+# SmolLM2 (perf/README.md). It needs the calibration text's token ids, which only the model's
+# tokenizer gives: the loader passes ``smooth.calibration_ids(model_dir)``; without them the
+# layers are not smoothed.
 SMOOTH_ALPHA: float | None = 0.5
-CALIBRATION_IDS: list[int] | None = None
 
 
 def keeps_float(name: str, patterns: tuple[str, ...]) -> bool:
@@ -145,8 +144,8 @@ def quantize_linears(
     calibration_ids: list[int] | None = None,
 ) -> int:
     """Swap the model's linear layers for INT8 ones in place, except those ``keep_float``
-    (default ``FLOAT_LINEARS``) names, smoothed (CPU) when calibration ids are given (default
-    ``CALIBRATION_IDS``); returns how many were swapped."""
+    (default ``FLOAT_LINEARS``) names, smoothed (CPU) when calibration ids are given; returns
+    how many were swapped."""
     names = QUANTIZED_LINEARS if include_head else QUANTIZED_LINEARS[:-1]
     patterns = FLOAT_LINEARS if keep_float is None else keep_float
     targets = [
@@ -156,10 +155,9 @@ def quantize_linears(
         and name.rsplit(".", 1)[-1] in names
         and not keeps_float(name, patterns)
     ]
-    ids = CALIBRATION_IDS if calibration_ids is None else calibration_ids
     maxima: dict[str, Tensor] = {}
-    if device.type == "cpu" and SMOOTH_ALPHA is not None and ids:
-        maxima = activation_maxima(model, ids, {name for name, _ in targets})
+    if device.type == "cpu" and SMOOTH_ALPHA is not None and calibration_ids:
+        maxima = activation_maxima(model, calibration_ids, {name for name, _ in targets})
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
