@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from services.engine.sequence import Sequence
+from services.engine.spec import adaptive
 from services.engine.spec.adaptive import MAX_PAUSE, DraftBudget, best_length
 from services.engine.spec.cost import DraftCost
 from services.engine.spec.ngram import NgramProposer, TokenArray, find_draft
@@ -95,7 +96,7 @@ def test_draft_length_weighs_acceptance_against_cost() -> None:
 
 
 def test_rates_follow_each_position_given_the_one_before() -> None:
-    budget = DraftBudget(max_tokens=3)
+    budget = DraftBudget(max_tokens=3, rates=[0.8] * 3)
     budget.update(3, 1)  # position 0 accepted, 1 rejected, 2 never reached
     assert budget.rates == pytest.approx([0.86, 0.56, 0.8])
     budget.update(2, 2)  # both accepted, position 2 not drafted
@@ -103,9 +104,9 @@ def test_rates_follow_each_position_given_the_one_before() -> None:
 
 
 def test_budget_shrinks_pauses_and_recovers() -> None:
-    budget = DraftBudget(max_tokens=4)
+    budget = DraftBudget(max_tokens=4, rates=[0.8] * 4)
     cost = 0.35
-    assert budget.limit(cost) == 3  # at the initial acceptance estimate
+    assert budget.limit(cost) == 3  # at an acceptance estimate of 0.8
     limits = []
     while (k := budget.limit(cost)) > 0:  # every draft rejected
         limits.append(k)
@@ -162,7 +163,8 @@ def named(name: str, s: Sequence) -> Sequence:
     return s
 
 
-def test_who_drafts_and_how_much() -> None:
+def test_who_drafts_and_how_much(monkeypatch) -> None:
+    monkeypatch.setattr(adaptive, "INITIAL_RATE", 0.8)  # a confident prior: long first drafts
     recorder = Recorder()
     speculator = Speculator(recorder, num_tokens=4, cost=DraftCost(0.35), max_model_len=30)
     base = list(range(10, 20))
