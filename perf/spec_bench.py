@@ -177,18 +177,20 @@ def print_row(result: CaseResult) -> None:
         )
 
 
-def print_draft_cache(mode: str, engine: LLMEngine, results: list[CaseResult]) -> None:
-    """What filling the draft's cache here cost, against what pulling it would move: the
-    draft-KV decision of issue 17 (perf/README.md)."""
+def print_draft_cache(mode: str, engine: LLMEngine, off: LLMEngine, prompt: list[int]) -> None:
+    """What filling the draft's cache here cost, against the target's own prefill of a prompt
+    and the bytes pulling the draft's KV would add: the draft-KV decision of issue 17."""
     proposer = engine.speculator.proposer
-    per_token_ms = 1000 * proposer.fill_seconds / max(1, proposer.fill_tokens)
+    fill_ms = 1000 * proposer.fill_seconds / max(1, proposer.fill_tokens)
+    start = time.perf_counter()
+    off.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
+    prefill_ms = 1000 * (time.perf_counter() - start) / len(prompt)
     draft_bytes = proposer.bytes_per_block // proposer.block_size
     target_bytes = engine.bytes_per_block // engine.block_size
-    off_step_ms = [1000 / r.modes["off"].tokens_per_s for r in results if r.batch == 1]
-    step = f"{statistics.median(off_step_ms):.1f} ms" if off_step_ms else "-"
-    print(f"{mode}: prompts computed into the draft's cache here at {per_token_ms:.3f} ms per "
-          f"token ({proposer.fill_tokens} tokens); pulling them instead would add {draft_bytes} "
-          f"bytes per token to the target's {target_bytes}; a batch-1 target token took {step}")  # fmt: skip
+    print(f"{mode}: prompts computed into the draft's cache here at {fill_ms:.3f} ms per token "
+          f"({proposer.fill_tokens} tokens); the target's prefill takes {prefill_ms:.3f} ms per "
+          f"token ({len(prompt)}-token prompt); pulling the draft's KV instead would add "
+          f"{draft_bytes} bytes per token to the target's {target_bytes}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> list[CaseResult]:
@@ -253,7 +255,8 @@ def main(argv: list[str] | None = None) -> list[CaseResult]:
         results.append(result)
     for mode, engine in engines.items():
         if mode.startswith("draft"):
-            print_draft_cache(mode, engine, results)
+            longest = max((p for c in all_cases for p in c.prompts), key=len)
+            print_draft_cache(mode, engine, engines["off"], longest)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=2))
