@@ -106,7 +106,7 @@ class DraftModelProposer(Proposer):
         feeds = [seq.token_ids[start:] for seq, start in zip(active, starts, strict=True)]
         counts = [len(f) for f in feeds]
         ids = self._tensor([t for f in feeds for t in f])
-        logits = self._forward(ids, counts, self._tensor(starts), tables)
+        logits = self._forward(ids, counts, self._tensor(starts), tables, any(starts))
         t1 = time.perf_counter()
         if max(counts) > SHORT_ROWS:
             self.fill_tokens += len(ids)
@@ -148,7 +148,12 @@ class DraftModelProposer(Proposer):
             self.blocks.free_sequence(state)
 
     def _forward(
-        self, ids: torch.Tensor, counts: list[int], starts: torch.Tensor, tables: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        counts: list[int],
+        starts: torch.Tensor,
+        tables: torch.Tensor,
+        has_prefix: bool = True,
     ) -> torch.Tensor:
         """Compute rows of ``counts[i]`` tokens (``ids``, flat) at positions ``starts[i]``..
         into the draft cache (``tables``: each row's blocks); the logits [rows, vocab] at each
@@ -178,8 +183,9 @@ class DraftModelProposer(Proposer):
             cu_k = torch.zeros_like(cu32)
             cu_k[1:] = ctx_lens.cumsum(0)
             # the host knows the longest context without a device read: start + count, at most
+            # rows that all start at 0 attend over their own keys, not gathered pages
             group = ChunkGroup(num_tokens, cu32, cu_k, longest, int(tables.shape[1]) * self.block_size,
-                               tables)  # fmt: skip
+                               tables if has_prefix else None)  # fmt: skip
             meta = AttentionMetadata(
                 slot_mapping=slots, num_decodes=0, decode_block_tables=tables[:0],
                 decode_context_lens=ctx_lens[:0], decode_plan=None, verify=None, prefill=group,
