@@ -234,8 +234,8 @@ def load_draft(
     vocabulary (same token ids for the same strings, same logits width)."""
     try:
         resolved = resolve(path)
-    except Exception as exc:
-        raise StartupError(f"--draft-model {path}: {exc}") from None
+    except Exception as exc:  # its one-line reason, about the flag that named it
+        raise StartupError(str(exc).replace("--model ", "--draft-model ", 1)) from None
     cfg = ModelConfig.from_dir(resolved.path)
     problem = vocabulary_mismatch(resolved.path, cfg, target_dir, target)
     if problem is not None:
