@@ -69,13 +69,16 @@ def add_tokenizer(model_dir: Path, vocab: int) -> None:
     tok.save(str(model_dir / "tokenizer.json"))
 
 
-def start_stack(model_dir: Path, prefill_workers: int, log: Path) -> tuple[subprocess.Popen, str]:
+def start_stack(
+    model_dir: Path | str, prefill_workers: int, log: Path, extra: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, str]:
+    """``pdserve up`` (1 decode worker) with the bench's engine settings and ``extra`` flags."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     env.update(STACK_OPTIONS, UCX_WARN_UNUSED_ENV_VARS="n", TOKENIZERS_PARALLELISM="false")
     argv = [sys.executable, "-m", "shared.cli", "up", "--model", str(model_dir)]
     argv += ["--prefill-workers", str(prefill_workers), "--decode-workers", "1"]
-    argv += ["--port", str(port)]
+    argv += ["--port", str(port), *extra]
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + READY_TIMEOUT
