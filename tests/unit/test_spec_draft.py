@@ -24,7 +24,7 @@ from tests.engine_support import make_engine, run_staggered, step_outputs
 from tests.oracle import hf_greedy
 from tests.unit.test_engine_lifecycle import all_free, prefill_one, pull
 from tests.unit.test_spec_engine import GREEDY, repeating_prompts, run
-from tests.unit.test_spec_rejection import ALPHA, PROMPT, chi_square_p
+from tests.unit.test_spec_rejection import ALPHA, PROMPT, chi_square_p, save_tiny_vocab_model
 
 FIXED_K = {"speculative": "draft", "spec_token_cost": 0.0}
 
@@ -126,17 +126,9 @@ def test_the_decode_side_prefills_the_draft_after_a_pull(llama_dir, draft_dir):
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
     """An 8-token-vocabulary target and a draft of it (no tokenizer: ids only)."""
-    import transformers
-
     out = tmp_path_factory.mktemp("tiny-draft")
-    config = transformers.LlamaConfig(
-        vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
-        bos_token_id=0, eos_token_id=1, initializer_range=0.3,
-    )  # fmt: skip
-    torch.manual_seed(3)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(out / "target")
-    return out / "target", shrink(out / "target", out / "draft", layers=2, noise=0.3)
+    target = save_tiny_vocab_model(out / "target")
+    return target, shrink(target, out / "draft", layers=2, noise=0.3)
 
 
 def test_sampled_tokens_keep_the_plain_sampler_s_law(tiny_pair):

@@ -148,11 +148,10 @@ def test_trim_frees_blocks_that_hold_only_rolled_back_positions():
 # ---- the engine: n-gram drafts on an 8-token vocabulary -------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_vocab_dir(tmp_path_factory):
+def save_tiny_vocab_model(out):
+    """A 2-layer Llama over an 8-token vocabulary (no tokenizer: ids only), seeded."""
     import transformers
 
-    out = tmp_path_factory.mktemp("tiny-vocab")
     config = transformers.LlamaConfig(
         vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
@@ -161,6 +160,11 @@ def tiny_vocab_dir(tmp_path_factory):
     torch.manual_seed(3)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_dir(tmp_path_factory):
+    return save_tiny_vocab_model(tmp_path_factory.mktemp("tiny-vocab"))
 
 
 REQUESTS = 1500
