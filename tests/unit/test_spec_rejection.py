@@ -168,6 +168,22 @@ def tiny_vocab_dir(tmp_path_factory):
 
 
 REQUESTS = 1500
+
+
+def assert_same_law(
+    spec: list[list[int]], plain: list[list[int]], pair: tuple[int, int] | None = None
+) -> None:
+    """Each output position's tokens, and the joint law of the ``pair`` of positions, are
+    indistinguishable (chi-square) between the two sets of outputs."""
+    for position in range(len(spec[0])):
+        a = Counter(out[position] for out in spec)
+        b = Counter(out[position] for out in plain)
+        assert chi_square_p([a, b]) > ALPHA, position
+    if pair is not None:
+        i, j = pair
+        assert chi_square_p([Counter((o[i], o[j]) for o in runs) for runs in (spec, plain)]) > ALPHA
+
+
 PROMPT = [2, 3, 4, 5, 6, 2, 3, 4, 5, 7, 2, 3]  # any token drafts something
 
 
@@ -196,12 +212,7 @@ def test_first_positions_follow_the_non_speculative_sampler(tiny_vocab_dir, sp):
     assert counters.drafts > REQUESTS  # nearly every request verified drafts...
     assert 0.1 < counters.accepted_tokens / counters.draft_tokens < 0.9  # ...some rejected
     plain_other_seeds = outputs(off, sp, REQUESTS)
-    for position in range(sp.max_tokens):
-        a = Counter(out[position] for out in spec)
-        b = Counter(out[position] for out in plain_other_seeds)
-        assert chi_square_p([a, b]) > ALPHA, position
-    pairs = [Counter((o[1], o[2]) for o in runs) for runs in (spec, plain_other_seeds)]
-    assert chi_square_p(pairs) > ALPHA
+    assert_same_law(spec, plain_other_seeds, pair=(1, 2))
     # exact, not only in law: the same seeds give the same tokens with speculation off
     assert outputs(off, sp, 0) == spec
 
@@ -241,11 +252,7 @@ def test_drafts_with_distributions_keep_the_sampler_s_law(tiny_vocab_dir, sp):
     spec = outputs(on, sp, 0)
     counters = on.stats().spec
     assert counters.drafts > REQUESTS and 0.1 < counters.accepted_tokens / counters.draft_tokens
-    plain = outputs(off, sp, REQUESTS)
-    for position in range(sp.max_tokens):
-        a = Counter(out[position] for out in spec)
-        b = Counter(out[position] for out in plain)
-        assert chi_square_p([a, b]) > ALPHA, position
+    assert_same_law(spec, outputs(off, sp, REQUESTS))
     # greedy rows beside them accept only the argmax: the same tokens as speculation off
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     assert on.generate([PROMPT] * 4, greedy) == off.generate([PROMPT] * 4, greedy)
