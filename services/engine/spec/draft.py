@@ -82,6 +82,7 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], max_tokens: list[int]) -> list[Proposal | None]:
+        self.step_seconds = None  # measured again below, if anything is drafted
         states, starts, limits, chosen = [], [], [], []
         for i, (seq, limit) in enumerate(zip(seqs, max_tokens, strict=True)):
             state = self.seqs.get(seq.seq_id) or _DraftSeq(seq.seq_id)
