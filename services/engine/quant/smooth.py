@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from kernels import ops
+from services.engine.model import AttentionMetadata, ChunkGroup
 
 CALIBRATION_TEXT = Path(__file__).parent / "calibration_text.txt"
 
@@ -63,36 +63,25 @@ def activation_maxima(model: nn.Module, token_ids: list[int], names: set[str]) -
 
 
 def _plain_forward(model: nn.Module, token_ids: list[int]) -> Tensor:
-    """The model's layers over one causal sequence without the paged cache (the engine binds
-    its cache only after loading): the final normed hidden states [n, hidden]."""
+    """The model's own forward over one causal sequence, before the engine binds its cache and
+    rope table (it does both after loading, over what is set here): a one-block stand-in cache
+    that nothing is written to (every slot -1), attention over the packed K/V. The final normed
+    hidden states [n, hidden]."""
     cfg = model.cfg
     device = model.embed_tokens.weight.device
-    ids = torch.tensor(token_ids, device=device)
     n = len(token_ids)
+    model.init_rope(n, device)
+    shape = (1, cfg.num_layers, 2, 1, cfg.num_kv_heads, cfg.head_dim)
+    model.bind_kv_cache(torch.zeros(shape, dtype=model.embed_tokens.weight.dtype, device=device))
+    cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=device),
+        num_decodes=0,
+        decode_block_tables=torch.zeros(0, 1, dtype=torch.int32, device=device),
+        decode_context_lens=torch.zeros(0, dtype=torch.int32, device=device),
+        decode_plan=None,
+        verify=None,
+        prefill=ChunkGroup(n, cu, cu, n, n, None),
+    )
     positions = torch.arange(n, device=device)
-    cos_sin = ops.build_rope_cache(cfg.head_dim, n, cfg.rope_theta, cfg.rope_scaling, device)
-    h, residual = model.embed_tokens(ids), None
-    for layer in model.layers:
-        if residual is None:
-            residual, (h, _) = h, layer.input_layernorm(h)
-        else:
-            h, residual = layer.input_layernorm(h, residual)
-        attn = layer.self_attn
-        q, k, v = attn.qkv_proj(h).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        q = q.reshape(n, attn.num_heads, attn.head_dim)
-        k = k.reshape(n, attn.num_kv_heads, attn.head_dim)
-        v = v.reshape(n, attn.num_kv_heads, attn.head_dim)
-        ops.rotary_embedding(positions, q, k, cos_sin)
-        rep = attn.num_heads // attn.num_kv_heads
-        o = nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k.repeat_interleave(rep, dim=1).transpose(0, 1),
-            v.repeat_interleave(rep, dim=1).transpose(0, 1),
-            is_causal=True,
-            scale=attn.scale,
-        )
-        h = attn.o_proj(o.transpose(0, 1).reshape(n, attn.q_size))
-        h, residual = layer.post_attention_layernorm(h, residual)
-        h = layer.mlp(h)
-    h, _ = model.norm(h, residual)
-    return h
+    return model(torch.tensor(token_ids, device=device), positions, meta, positions)
