@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> dict:
             for kv in order:
                 times[kv].append(ttft(stacks[kv][1], prompt))
         result = {
-            kv: {"median_ttft_s": round(statistics.median(t), 3), "ttft_s": [round(x, 3) for x in t]}
+            kv: {"median_ttft_s": round(statistics.median(t), 3),
+                 "ttft_s": [round(x, 3) for x in t]}
             for kv, t in times.items()
         }  # fmt: skip
     finally:

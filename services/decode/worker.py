@@ -146,9 +146,9 @@ class DecodeWorker(Worker):
         A worker rejoining after a NATS reconnect keeps its endpoint: aborting ours would also
         fail its twin on the prefill side, which that worker may be about to send a pull's
         blocks on (UCX pairs the two), and every pull until it noticed would fail."""
-        if isinstance(load, WorkerGone) and load.rejoining:
-            return
         if isinstance(load, WorkerGone):
+            if load.rejoining:
+                return
             address = self.kv_servers.pop(load.worker_id, None)
             if address is not None:
                 self.kv_client.disconnect(address)

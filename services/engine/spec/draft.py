@@ -120,18 +120,20 @@ class DraftModelProposer(Proposer):
         seeds = self._tensor([s.seed for s in active])
         steps = self._tensor([s.num_output_tokens for s in active])
         lengths = self._tensor([s.num_tokens for s in active])
-        limit_t = self._tensor(limits)
         rows = torch.arange(len(active), device=self.device)
         for j in range(k_max):
             tokens[rows, j], probs[rows, j] = _draw(
                 logits, temps[rows], seeds[rows], steps[rows] + j
             )
-            num_live = sum(limit > j + 1 for limit in limits)  # rows that need draft j + 2
-            if not num_live:
+            # rows that need draft j + 2, from the host's limits (a device nonzero would sync)
+            live = [r for r, limit in enumerate(limits) if limit > j + 1]
+            if not live:
                 break
-            rows = torch.nonzero(limit_t > j + 1)[:, 0]
+            rows = self._tensor(live)
             # draft j goes in at the position after the sequence's last token and drafts < j
-            logits = self._forward(tokens[rows, j], [1] * num_live, lengths[rows] + j, tables[rows])
+            logits = self._forward(
+                tokens[rows, j], [1] * len(live), lengths[rows] + j, tables[rows]
+            )
         drafted = tokens.tolist()  # the one sync of the drafting
         # k drafts take k passes (the catch-up pass drafts the first): what one draft token
         # costs the step, for adaptive K (``cost.py``)
@@ -183,10 +185,11 @@ class DraftModelProposer(Proposer):
         else:  # a context computed into the cache: varlen causal attention over the pages
             cu_k = torch.zeros_like(cu32)
             cu_k[1:] = ctx_lens.cumsum(0)
-            # the host knows the longest context without a device read: start + count, at most
+            # the longest context bounded by the tables' width (a host int: no device read);
             # rows that all start at 0 attend over their own keys, not gathered pages
-            group = ChunkGroup(num_tokens, cu32, cu_k, longest, int(tables.shape[1]) * self.block_size,
-                               tables if has_prefix else None)  # fmt: skip
+            longest_k = int(tables.shape[1]) * self.block_size
+            paged = tables if has_prefix else None
+            group = ChunkGroup(num_tokens, cu32, cu_k, longest, longest_k, paged)
             meta = AttentionMetadata(
                 slot_mapping=slots, num_decodes=0, decode_block_tables=tables[:0],
                 decode_context_lens=ctx_lens[:0], decode_plan=None, verify=None, prefill=group,
