@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.logprobs import TokenLogprobs
 from shared.sampling import SamplingParams
 
 QUALITY_TEXT = Path(__file__).parent / "data" / "quality_text.txt"
@@ -59,18 +60,28 @@ def prompt_tokens(tokenizer, count: int = len(PROMPTS)) -> list[list[int]]:
     return [tokenizer.encode(p) for p in PROMPTS[:count]]
 
 
-def perplexity(engine, token_ids: list[int]) -> float:
-    """exp of the mean negative log-prob of token_ids[1:] given the tokens before each."""
+def prompt_logprobs(engine, prompts: dict[str, list[int]]) -> dict[str, TokenLogprobs]:
+    """Each prompt's log-probs (and ranks) of its tokens after the first, given those before."""
     sampling = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    engine.add_request("ppl", token_ids, sampling)
-    logprobs: list[float] = []
+    for rid, token_ids in prompts.items():
+        engine.add_request(rid, token_ids, sampling)
+    got = {rid: TokenLogprobs() for rid in prompts}
     while engine.has_unfinished():
         result = engine.step()
         for out in result.outputs if result else ():
             if out.prompt_logprobs is not None:
-                logprobs.extend(out.prompt_logprobs.token_logprobs)
-    if len(logprobs) != len(token_ids) - 1:
-        raise RuntimeError(f"got {len(logprobs)} prompt log-probs for {len(token_ids)} tokens")
+                got[out.request_id].extend(out.prompt_logprobs)
+    for rid, token_ids in prompts.items():
+        if len(got[rid]) != len(token_ids) - 1:
+            raise RuntimeError(
+                f"{rid}: {len(got[rid])} prompt log-probs for {len(token_ids)} tokens"
+            )
+    return got
+
+
+def perplexity(engine, token_ids: list[int]) -> float:
+    """exp of the mean negative log-prob of token_ids[1:] given the tokens before each."""
+    logprobs = prompt_logprobs(engine, {"ppl": token_ids})["ppl"].token_logprobs
     return math.exp(-sum(logprobs) / len(logprobs))
 
 
@@ -87,20 +98,11 @@ def teacher_forced(engine, prompts: list[list[int]], reference: list[list[int]])
     """Share of reference (fp32 greedy) tokens that are this engine's argmax given the prompt and
     the reference tokens before them: agreement without a free-running path's divergence, so one
     near-tie flip costs one position, not the rest of the continuation."""
-    sampling = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    for i, (p, r) in enumerate(zip(prompts, reference, strict=True)):
-        engine.add_request(f"tf{i}", p + r, sampling)
-    ranks: dict[str, list[int]] = {f"tf{i}": [] for i in range(len(prompts))}
-    while engine.has_unfinished():
-        result = engine.step()
-        for out in result.outputs if result else ():
-            if out.prompt_logprobs is not None:
-                ranks[out.request_id].extend(out.prompt_logprobs.ranks)
+    requests = {f"tf{i}": p + r for i, (p, r) in enumerate(zip(prompts, reference, strict=True))}
+    ranks = {rid: lp.ranks for rid, lp in prompt_logprobs(engine, requests).items()}
     hits = total = 0
     for i, (p, r) in enumerate(zip(prompts, reference, strict=True)):
         tail = ranks[f"tf{i}"][len(p) - 1 :]  # entry j scores token j+1: the reference's tokens
-        if len(tail) != len(r):
-            raise RuntimeError(f"prompt {i}: {len(tail)} ranks for {len(r)} reference tokens")
         hits += sum(rank == 1 for rank in tail)
         total += len(r)
     return hits / total
