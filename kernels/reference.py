@@ -111,10 +111,14 @@ def store_kvcache(
     A quantized cache (int8, float8_e4m3fn) also takes k/v_scale [num_blocks, block_size, Hk, 1]:
     each token-head vector is stored as values and one scale (kernels/reference_quant.py).
     """
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):  # prefix-cache hits: drop their rows once, for every write below
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
     if k_scale is not None and v_scale is not None:
-        key, k_scales = quantize_kv(key, k_cache.dtype)
-        value, v_scales = quantize_kv(value, v_cache.dtype)
-        _scatter(k_scales[..., None], v_scales[..., None], k_scale, v_scale, slot_mapping)
+        # K and V rounded in one pass: at decode sizes the per-op overhead is the cost
+        kv, scales = quantize_kv(torch.stack((key, value)), k_cache.dtype)
+        _scatter(scales[0, ..., None], scales[1, ..., None], k_scale, v_scale, slot_mapping)
+        key, value = kv[0], kv[1]
     _scatter(key, value, k_cache, v_cache, slot_mapping)
 
 
@@ -124,12 +128,11 @@ def _bits(t: Tensor) -> Tensor:
 
 
 def _scatter(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor) -> None:
+    """Write rows at ``slots`` (every one >= 0)."""
     block_size = k_cache.shape[1]
-    keep = slots >= 0
-    slots = slots[keep]
     block_ids = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots % block_size
-    key, value = _bits(key[keep].to(k_cache.dtype)), _bits(value[keep].to(v_cache.dtype))
+    key, value = _bits(key.to(k_cache.dtype)), _bits(value.to(v_cache.dtype))
     k_cache, v_cache = _bits(k_cache), _bits(v_cache)
     k_rows, v_rows = token_rows(k_cache), token_rows(v_cache)
     if k_rows is not None and v_rows is not None:

@@ -147,6 +147,32 @@ def test_store_kvcache_writes_only_its_layer_and_slots(dtype: torch.dtype) -> No
     assert torch.equal(paged.kv_cache, expected)
 
 
+def test_store_quantized_kvcache_skips_cached_slots() -> None:
+    from kernels.reference_quant import quantize_kv
+    from services.engine.quant.kv_cache import kv_cache_spec
+
+    spec = kv_cache_spec("int8", torch.float32, 2, 4, 2, 8)
+    storage = spec.allocate(6, torch.device("cpu"))
+    values, scales = spec.split(storage)
+    slots = torch.tensor([9, 2, -1, 21, 5])  # slot -1: a prefix hit, already cached
+    key, value = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    k, v, ks, vs = values[:, 1, 0], values[:, 1, 1], scales[:, 1, 0], scales[:, 1, 1]
+    ops.store_kvcache(key, value, k, v, slots, ks, vs)
+
+    written = slots >= 0
+    qk, sk = quantize_kv(key[written], torch.int8)
+    qv, sv = quantize_kv(value[written], torch.int8)
+    rows = slots[written]
+    flat = values[:, 1].transpose(0, 1).reshape(2, -1, 2, 8)  # [K/V, slots, heads, dim]
+    flat_scales = scales[:, 1].transpose(0, 1).reshape(2, -1, 2)
+    assert torch.equal(flat[0, rows], qk) and torch.equal(flat[1, rows], qv)
+    assert torch.equal(flat_scales[0, rows], sk) and torch.equal(flat_scales[1, rows], sv)
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool)
+    untouched[rows] = False
+    assert not flat[:, untouched].any() and not flat_scales[:, untouched].any()
+    assert not values[:, 0].any() and not scales[:, 0].any()  # the other layer
+
+
 @pytest.mark.parametrize(
     "dtype,head_dim,num_q_heads,num_kv_heads,block_size",
     [
