@@ -215,6 +215,8 @@ def decode_attention(
 
 
 def int8_linear(x: Tensor, qweight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
-    """Weight-only INT8 linear: x [M, K] @ (qweight [N, K] int8 * scale [N] fp32).T (+ bias [N])
-    -> [M, N] in x's dtype, accumulated in fp32."""
+    """Weight-only INT8 linear: x [M, K] @ (qweight [N, K] int8 * scale).T (+ bias [N]) -> [M, N]
+    in x's dtype, accumulated in fp32. scale is per output channel, [N] fp32, or per group of G
+    consecutive input channels, [N, K // G] (fp32 or fp16, GGUF Q8_0 is G = 32); G must be a power
+    of two >= 16, and each group's scale is applied to its partial sum inside the K loop."""
     return _impl("int8_linear", x)(x, qweight, scale, bias)

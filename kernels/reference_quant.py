@@ -38,10 +38,18 @@ def dequantize_kv(values: Tensor, scales: Tensor | None, dtype: torch.dtype) -> 
 
 
 def int8_linear(x: Tensor, qweight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
-    """Weight-only INT8: x [M, K] @ (qweight [N, K] int8 * scale [N]).T (+ bias) -> [M, N] in x's
-    dtype, accumulated in fp32 (fp64 for fp64 inputs)."""
+    """Weight-only INT8: x [M, K] @ (qweight [N, K] int8 * scale).T (+ bias) -> [M, N] in x's
+    dtype, accumulated in fp32 (fp64 for fp64 inputs). scale [N]: one per output channel, applied
+    to the product; scale [N, K // G]: one per group of G input channels, applied to the weight
+    (the twin dequantizes it, the exact float weight a group-wise format such as Q8_0 stands for)."""
     cdt = torch.promote_types(x.dtype, torch.float32)
-    y = (x.to(cdt) @ qweight.to(cdt).T) * scale.to(cdt)
+    if scale.dim() == 1:
+        y = (x.to(cdt) @ qweight.to(cdt).T) * scale.to(cdt)
+    else:
+        n, k = qweight.shape
+        groups = scale.shape[1]
+        w = qweight.to(cdt).view(n, groups, k // groups) * scale.to(cdt)[..., None]
+        y = x.to(cdt) @ w.view(n, k).T
     if bias is not None:
         y = y + bias.to(cdt)
     return y.to(x.dtype)
