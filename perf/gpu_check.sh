@@ -3,9 +3,11 @@
 #   1. the Triton kernel tests (multi-query decode included), compiled on CUDA in bf16 (no
 #      interpreter), vs the float64 twins and per-sequence float64 attention;
 #   2. the kernel benchmark on the two target cases with a config sweep (tuning data);
-#   3. the full kernel benchmark with the default configs.
+#   3. the full kernel benchmark with the default configs;
+#   4. issue 18's quantized kernels: INT8 weight-only linear vs bf16 cuBLAS, decode attention
+#      over int8 / fp8_e4m3 caches vs bf16 (perf/quant_kernels_bench.py --quick).
 # Everything lands in OUTDIR (default perf/results/gpu_check). Each step has its own timeout;
-# the worst case stays under ~8 minutes. Exit status: 0 only if tests pass and every timed
+# the worst case stays under ~9.5 minutes. Exit status: 0 only if tests pass and every timed
 # Triton result matched SDPA.
 #
 #   bash perf/gpu_check.sh [OUTDIR]
@@ -61,6 +63,7 @@ if "$PY" -c "import pytest" > /dev/null 2>&1; then
     log "kernel tests (cuda, bf16)..."
     timeout -k 5 240 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" \
         tests/kernels/test_triton_kernels.py tests/kernels/test_verify_attention.py \
+        tests/kernels/test_kv_quant*.py tests/kernels/test_int8_group.py \
         --junitxml="$OUT/kernel_tests.xml" \
         > "$OUT/kernel_tests.txt" 2>&1
     rc=$?
@@ -84,6 +87,14 @@ timeout -k 5 120 "$PY" -m perf.kernels_bench --json "$OUT/bench.json" > "$OUT/be
 rc=$?
 log "bench rc=$rc"
 grep '^target' "$OUT/bench.txt" | tee -a "$OUT/summary.txt"
+[ $rc -eq 0 ] || status=1
+
+log "quantized kernels (issue 18)..."
+timeout -k 5 90 "$PY" -m perf.quant_kernels_bench --quick --json "$OUT/quant_kernels.json" \
+    > "$OUT/quant_kernels.txt" 2>&1
+rc=$?
+log "quant kernels rc=$rc"
+tee -a "$OUT/summary.txt" < "$OUT/quant_kernels.txt"
 [ $rc -eq 0 ] || status=1
 
 log "done, status=$status; results in $OUT"
