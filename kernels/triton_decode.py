@@ -11,6 +11,11 @@ more rows: (query token, head of the group) pairs, so the pages are still read o
 (sequence, kv head) rather than once per query, and a causal mask keeps each query to the keys
 up to its own position. Only past MAX_QUERY_ROWS rows (q_len x group) does a sequence take
 several programs. With one query per sequence the kernel compiles to the plain decode kernel.
+
+A quantized cache (int8 / float8_e4m3fn values, one float32 scale per token and kv head) is read
+in place: its tiles convert exactly to the query's dtype for the dots, each score column is
+multiplied by its key's scale after q.k, and p by each value's scale before p.v, so the
+dequantized cache never exists. A float cache compiles to the kernel without any of this.
 """
 
 from __future__ import annotations
@@ -20,7 +25,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton_attention_common import LOG2E, dot_precision, paged_rows
+from kernels.triton_attention_common import (
+    LOG2E,
+    dot_precision,
+    page_rows,
+    scale_strides,
+    table_pages,
+)
 from kernels.triton_decode_launch import DecodeConfig, choose_decode_config, query_layout
 
 
@@ -29,6 +40,8 @@ def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     context_lens_ptr,
     cu_seqlens_q_ptr,
@@ -49,11 +62,15 @@ def _decode_split_kernel(
     stride_cache_block,
     stride_cache_offset,
     stride_cache_head,
+    stride_scale_block,
+    stride_scale_offset,
+    stride_scale_head,
     stride_out_tok,
     stride_out_head,
     HEAD_DIM: tl.constexpr,
     MULTI_QUERY: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
+    KV_QUANT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -108,10 +125,10 @@ def _decode_split_kernel(
     for tile_start in range(start, end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)
         valid = tokens < end
-        rows = paged_rows(
-            table_row,
+        pages = table_pages(table_row, tokens, valid, block_size)
+        rows = page_rows(
+            pages,
             tokens,
-            valid,
             kv_head,
             block_size,
             stride_cache_block,
@@ -120,7 +137,21 @@ def _decode_split_kernel(
         )
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if KV_QUANT:
+            scale_rows = page_rows(
+                pages,
+                tokens,
+                kv_head,
+                block_size,
+                stride_scale_block,
+                stride_scale_offset,
+                stride_scale_head,
+            )
+            # int8 and e4m3 values are exact in bf16/fp16/fp32: the dot sees the stored numbers.
+            k = k.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if KV_QUANT:
+            scores *= tl.load(k_scale_ptr + scale_rows, mask=valid, other=0.0)[None, :]
         if MULTI_QUERY:
             seen = valid[None, :] & (tokens[None, :] <= q_pos[:, None])
             scores = tl.where(seen, scores, float("-inf"))
@@ -139,6 +170,10 @@ def _decode_split_kernel(
         p = tl.exp2(scores * scale_log2 - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if KV_QUANT:
+            # l_i keeps the unscaled p: the value scales weigh only what p.v adds up.
+            p *= tl.load(v_scale_ptr + scale_rows, mask=valid, other=0.0)[None, :]
+            v = v.to(q.dtype)
         acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
@@ -213,6 +248,8 @@ def decode_attention_with(
     config: DecodeConfig,
     cu_seqlens_q: Tensor | None = None,
     max_seqlen_q: int = 1,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     """decode_attention with an explicit tiling/split choice (tests and the benchmark pin it)."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -250,6 +287,8 @@ def decode_attention_with(
         q,
         k_cache,
         v_cache,
+        k_cache if k_scale is None else k_scale,  # scales unused for a float cache
+        v_cache if v_scale is None else v_scale,
         block_tables,
         context_lens,
         cu_seqlens_q if layout.multi_query else context_lens,  # unused when one query each
@@ -270,11 +309,13 @@ def decode_attention_with(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        *scale_strides(k_scale, v_scale),
         out.stride(0),
         out.stride(1),
         HEAD_DIM=head_dim,
         MULTI_QUERY=layout.multi_query,
         SINGLE_SPLIT=single,
+        KV_QUANT=k_scale is not None,
         BLOCK_M=layout.block_m,
         BLOCK_N=config.block_n,
         BLOCK_D=block_d,
@@ -309,6 +350,8 @@ def decode_attention(
     plan: object | None = None,
     cu_seqlens_q: Tensor | None = None,
     max_seqlen_q: int = 1,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     """See kernels.ops.decode_attention. The kernel reads pages in place: it needs no plan."""
     num_kv_heads = k_cache.shape[2]
@@ -322,5 +365,15 @@ def decode_attention(
         layout,
     )
     return decode_attention_with(
-        q, k_cache, v_cache, block_tables, context_lens, scale, config, cu_seqlens_q, max_seqlen_q
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        scale,
+        config,
+        cu_seqlens_q,
+        max_seqlen_q,
+        k_scale,
+        v_scale,
     )

@@ -5,56 +5,22 @@ packed k/v of this forward pass or, when block tables are given, from the paged 
 new tokens were already stored), so a prompt whose prefix is cached, or a later chunk of a long
 prompt, attends its whole history. Key tiles left of the first query of the block need no causal
 mask; only the diagonal tiles pay for one.
+
+A quantized paged cache (int8 / float8_e4m3fn values, one float32 scale per token and kv head)
+is read in place as in triton_decode.py: tiles convert exactly to the query's dtype, scores are
+scaled by the key scales after q.k and p by the value scales before p.v. Host-side launch
+bookkeeping lives in triton_prefill_launch.py.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton_attention_common import LOG2E, dot_precision, paged_rows
-
-
-@triton.jit
-def _kv_rows(
-    tokens,
-    valid,
-    kv_head,
-    k_start,
-    table_row_ptr,
-    block_size: tl.constexpr,
-    stride_k_token,
-    stride_k_head,
-    stride_v_token,
-    stride_v_head,
-    stride_cache_block,
-    stride_cache_offset,
-    stride_cache_head,
-    PAGED: tl.constexpr,
-):
-    """Element offsets of the K rows and the V rows of these key positions."""
-    if PAGED:
-        # The K and V views of one layer share their strides.
-        rows = paged_rows(
-            table_row_ptr,
-            tokens,
-            valid,
-            kv_head,
-            block_size,
-            stride_cache_block,
-            stride_cache_offset,
-            stride_cache_head,
-        )
-        return rows, rows
-    else:
-        token = (k_start + tokens).to(tl.int64)
-        k_rows = token * stride_k_token + kv_head * stride_k_head
-        v_rows = token * stride_v_token + kv_head * stride_v_head
-        return k_rows, v_rows
+from kernels.triton_attention_common import LOG2E, dot_precision, key_rows
+from kernels.triton_prefill_launch import PrefillConfig, choose_prefill_config, prefill_keys
 
 
 @triton.jit
@@ -74,6 +40,14 @@ def _load_rows(ptrs, key_valid, d_mask, MASK_KEYS: tl.constexpr, EVEN_D: tl.cons
 
 
 @triton.jit
+def _load_scales(ptrs, key_valid, MASK_KEYS: tl.constexpr):
+    if MASK_KEYS:
+        return tl.load(ptrs, mask=key_valid, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
 def _attend_tile(
     q,
     m_i,
@@ -81,8 +55,11 @@ def _attend_tile(
     acc,
     k_base,
     v_base,
+    k_scale_base,
+    v_scale_base,
     k_rows,
     v_rows,
+    scale_rows,
     key_valid,
     allowed,
     d,
@@ -91,9 +68,15 @@ def _attend_tile(
     MASKED: tl.constexpr,
     EVEN_D: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     k = _load_rows(k_base + k_rows[:, None] + d[None, :], key_valid, d_mask, MASKED, EVEN_D)
+    if KV_QUANT:
+        # int8 and e4m3 values are exact in bf16/fp16/fp32: the dot sees the stored numbers.
+        k = k.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if KV_QUANT:
+        scores *= _load_scales(k_scale_base + scale_rows, key_valid, MASKED)[None, :]
     if MASKED:
         scores = tl.where(allowed, scores, float("-inf"))
     # The softmax scale rides inside exp2's argument (one FMA per score).
@@ -102,6 +85,10 @@ def _attend_tile(
     p = tl.exp2(scores * scale_log2 - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = _load_rows(v_base + v_rows[:, None] + d[None, :], key_valid, d_mask, MASKED, EVEN_D)
+    if KV_QUANT:
+        # l_i keeps the unscaled p: the value scales weigh only what p.v adds up.
+        p *= _load_scales(v_scale_base + scale_rows, key_valid, MASKED)[None, :]
+        v = v.to(q.dtype)
     acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=PRECISION)
     return m_new, l_i, acc
 
@@ -111,6 +98,8 @@ def _prefill_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     cu_seqlens_q_ptr,
     cu_seqlens_k_ptr,
@@ -128,10 +117,14 @@ def _prefill_kernel(
     stride_cache_block,
     stride_cache_offset,
     stride_cache_head,
+    stride_scale_block,
+    stride_scale_offset,
+    stride_scale_head,
     stride_out_token,
     stride_out_head,
     HEAD_DIM: tl.constexpr,
     PAGED: tl.constexpr,
+    KV_QUANT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -175,7 +168,7 @@ def _prefill_kernel(
     for tile_start in range(0, full_end, BLOCK_N):
         keys = tile_start + tl.arange(0, BLOCK_N)
         always = keys < full_end
-        k_rows, v_rows = _kv_rows(
+        k_rows, v_rows, scale_rows = key_rows(
             keys,
             always,
             kv_head,
@@ -189,7 +182,11 @@ def _prefill_kernel(
             stride_cache_block,
             stride_cache_offset,
             stride_cache_head,
+            stride_scale_block,
+            stride_scale_offset,
+            stride_scale_head,
             PAGED,
+            KV_QUANT,
         )
         m_i, l_i, acc = _attend_tile(
             q,
@@ -198,8 +195,11 @@ def _prefill_kernel(
             acc,
             k_ptr,
             v_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
             k_rows,
             v_rows,
+            scale_rows,
             always,
             always,
             d,
@@ -208,6 +208,7 @@ def _prefill_kernel(
             False,
             HEAD_DIM == BLOCK_D,
             PRECISION,
+            KV_QUANT,
         )
 
     # Diagonal tiles: causal and length masks. Each row sees key 0 or already saw a full tile,
@@ -216,7 +217,7 @@ def _prefill_kernel(
     for tile_start in range(full_end, end, BLOCK_N):
         keys = tile_start + tl.arange(0, BLOCK_N)
         key_valid = keys < k_len
-        k_rows, v_rows = _kv_rows(
+        k_rows, v_rows, scale_rows = key_rows(
             keys,
             key_valid,
             kv_head,
@@ -230,7 +231,11 @@ def _prefill_kernel(
             stride_cache_block,
             stride_cache_offset,
             stride_cache_head,
+            stride_scale_block,
+            stride_scale_offset,
+            stride_scale_head,
             PAGED,
+            KV_QUANT,
         )
         m_i, l_i, acc = _attend_tile(
             q,
@@ -239,8 +244,11 @@ def _prefill_kernel(
             acc,
             k_ptr,
             v_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
             k_rows,
             v_rows,
+            scale_rows,
             key_valid,
             (keys[None, :] <= q_pos[:, None]) & key_valid[None, :],
             d,
@@ -249,6 +257,7 @@ def _prefill_kernel(
             True,
             HEAD_DIM == BLOCK_D,
             PRECISION,
+            KV_QUANT,
         )
 
     out = acc / l_i[:, None]
@@ -260,25 +269,6 @@ def _prefill_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=q_valid[:, None] & d_mask[None, :],
     )
-
-
-@dataclass(frozen=True)
-class PrefillConfig:
-    block_m: int  # queries per program
-    block_n: int  # keys per inner-loop tile
-    num_warps: int = 4
-    num_stages: int = 2
-
-
-def choose_prefill_config(head_dim: int, device: torch.device) -> PrefillConfig:
-    if device.type != "cuda":
-        # Interpreter: big tiles mean fewer interpreted iterations.
-        return PrefillConfig(block_m=64, block_n=64)
-    if head_dim <= 64:
-        return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
-    if head_dim <= 128:
-        return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
-    return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 
 
 def prefill_attention_with(
@@ -294,6 +284,8 @@ def prefill_attention_with(
     v_cache: Tensor | None,
     block_tables: Tensor | None,
     config: PrefillConfig,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     """prefill_attention with an explicit tiling (tests and the benchmark pin it)."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -301,46 +293,30 @@ def prefill_attention_with(
     batch = cu_seqlens_q.shape[0] - 1
     if num_tokens == 0 or batch == 0 or max_seqlen_q == 0:
         return out
-    paged = block_tables is not None
-    if paged:
-        assert k_cache is not None and v_cache is not None
-        assert k_cache.stride() == v_cache.stride(), "K and V views must share one layout"
-        assert block_tables.stride(-1) == 1 and k_cache.stride(-1) == 1
-        keys, values = k_cache, v_cache
-        num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-        stride_kv = (0, 0, 0, 0)
-        stride_cache = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
-        stride_table = block_tables.stride(0)
-    else:
-        k = k if k.stride(-1) == 1 else k.contiguous()
-        v = v if v.stride(-1) == 1 else v.contiguous()
-        keys, values, block_tables = k, v, cu_seqlens_k  # table pointer unused
-        num_kv_heads, block_size = k.shape[1], 1
-        stride_kv = (k.stride(0), k.stride(1), v.stride(0), v.stride(1))
-        stride_cache = (0, 0, 0)
-        stride_table = 0
+    src = prefill_keys(k, v, cu_seqlens_k, k_cache, v_cache, block_tables, k_scale, v_scale)
     assert q.stride(-1) == 1
     grid = (triton.cdiv(max_seqlen_q, config.block_m), batch, num_q_heads)
     _prefill_kernel[grid](
         q,
-        keys,
-        values,
-        block_tables,
+        src.keys,
+        src.values,
+        src.k_scales,
+        src.v_scales,
+        src.block_tables,
         cu_seqlens_q,
         cu_seqlens_k,
         out,
         scale * LOG2E,
-        num_q_heads // num_kv_heads,
-        block_size,
+        num_q_heads // src.num_kv_heads,
+        src.block_size,
         q.stride(0),
         q.stride(1),
-        *stride_kv,
-        stride_table,
-        *stride_cache,
+        *src.strides,
         out.stride(0),
         out.stride(1),
         HEAD_DIM=head_dim,
-        PAGED=paged,
+        PAGED=src.paged,
+        KV_QUANT=src.quantized,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_D=triton.next_power_of_2(head_dim),
@@ -363,6 +339,8 @@ def prefill_attention(
     k_cache: Tensor | None = None,
     v_cache: Tensor | None = None,
     block_tables: Tensor | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     """See kernels.ops.prefill_attention."""
     config = choose_prefill_config(q.shape[2], q.device)
@@ -379,4 +357,6 @@ def prefill_attention(
         v_cache,
         block_tables,
         config,
+        k_scale,
+        v_scale,
     )

@@ -27,12 +27,6 @@ def quantization_problem(
                 "--quantization int8 on CPU needs torch's fbgemm or oneDNN quantized engine; "
                 f"this torch build has only {engines}"
             )
-    if kv_cache_dtype != "auto" and device.type == "cuda":
-        # the plain-torch twins read a quantized cache; the Triton attention kernels do not yet
-        return (
-            f"--kv-cache-dtype {kv_cache_dtype} is CPU-only in this build (the Triton attention "
-            "kernels do not read a quantized cache yet); use --kv-cache-dtype auto on CUDA"
-        )
     if kv_cache_dtype == "fp8_e4m3":
         if not _float8_round_trips(device):
             return f"--kv-cache-dtype fp8_e4m3: this torch build has no float8_e4m3fn on {device}"
