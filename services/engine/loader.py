@@ -1,4 +1,11 @@
-"""Load Hugging Face safetensors checkpoints into the engine's fused model layout."""
+"""Load Hugging Face safetensors checkpoints into the engine's fused model layout.
+
+A converted GGUF may keep a linear layer's Q8_0 matrix as int8 values and float16 block scales
+(shared/models/gguf_weights.py). A float model gets it dequantized, bit for bit the float32 the
+converter used to write; the INT8 weight-only path (``--quantization int8`` off the CPU) builds its
+layers from the values and scales themselves, fused rows concatenated, and never allocates the
+float weight.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +14,20 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from services.engine.model import LlamaForCausalLM
 from services.engine.model_config import ModelConfig
-from services.engine.quant.int8_linear import quantize_linears
+from services.engine.quant.int8_linear import (
+    WeightOnlyInt8Linear,
+    quantization_targets,
+    quantize_linears,
+    uses_weight_only,
+)
+from services.engine.quant.int8_weights import Int8Weight, quantize_groupwise
 from services.engine.quant.smooth import calibration_ids
 from shared.errors import ModelLoadError
+from shared.models.gguf_weights import Q8_0_BLOCK, Q8_0_SCALES, Q8_0_VALUES, q8_0_layer
 
 DTYPES = {
     "float32": torch.float32,
@@ -53,11 +68,34 @@ class CheckpointFiles:
                 f"{model_dir}: no model.safetensors or model.safetensors.index.json"
             )
         self._handles: dict[Path, object] = {}
+        # weights stored as Q8_0 values + scales, by the name of the float weight they stand for
+        suffix = f".{Q8_0_VALUES}"
+        self.q8_0 = {
+            f"{name.removesuffix(suffix)}.weight" for name in self.where if name.endswith(suffix)
+        }
 
     def has(self, name: str) -> bool:
-        return name in self.where
+        return name in self.where or name in self.q8_0
+
+    def names(self) -> list[str]:
+        """Every tensor by the name ``get`` takes (a Q8_0 pair by its float weight's)."""
+        parts = (f".{Q8_0_VALUES}", f".{Q8_0_SCALES}")
+        return sorted({n for n in self.where if not n.endswith(parts)} | self.q8_0)
 
     def get(self, name: str) -> torch.Tensor:
+        """The tensor; a Q8_0 weight dequantized to float32 (exact: int8 times float16)."""
+        if name in self.q8_0:
+            return self.q8_0_weight(name).dequantize(torch.float32)
+        return self._read(name)
+
+    def q8_0_weight(self, name: str) -> Int8Weight:
+        """A Q8_0 weight as stored: int8 [N, K] and float16 scales [N, K // 32]."""
+        layer = q8_0_layer(name)
+        return Int8Weight(
+            self._read(f"{layer}.{Q8_0_VALUES}"), self._read(f"{layer}.{Q8_0_SCALES}")
+        )
+
+    def _read(self, name: str) -> torch.Tensor:
         path = self.where.get(name)
         if path is None:
             raise ModelLoadError(f"{self.describe}: missing tensor {name!r}")
@@ -72,6 +110,8 @@ class CheckpointFiles:
             raise ModelLoadError(f"{path}: cannot read tensor {name!r}: {exc}") from None
 
     def file_of(self, name: str) -> Path:
+        if name in self.q8_0:
+            name = f"{q8_0_layer(name)}.{Q8_0_VALUES}"
         return self.where.get(name, self.describe)
 
 
@@ -106,35 +146,96 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
     quantization: str = "none",
+    weight_only: bool | None = None,
 ) -> LlamaForCausalLM:
     """The checkpoint's model on ``device`` in ``dtype``; ``quantization`` int8 then swaps every
-    linear layer for its INT8 form (services/engine/quant/)."""
+    linear layer for its INT8 form (services/engine/quant/), weight-only off the CPU or when
+    ``weight_only`` says so (``int8_linear.uses_weight_only``)."""
     files = CheckpointFiles(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
+    direct: dict[str, nn.Module] = {}
+    if quantization == "int8" and uses_weight_only(device, weight_only):
+        direct = q8_0_int8_linears(files, model, cfg, device, dtype)
+        for name in direct:  # a placeholder, so materialising the model allocates no float copy
+            model.set_submodule(name, nn.Identity())
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: dict[str, torch.Tensor] = {}
     for ours, sources in _hf_sources(cfg).items():
+        if ours.rpartition(".")[0] in direct:
+            continue
         expected = params[ours].shape
         pieces = [files.get(name) for name in sources]
         tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
-        if tensor.shape != expected:
-            shapes = ", ".join(
-                f"{n} {tuple(p.shape)}" for n, p in zip(sources, pieces, strict=True)
-            )
-            raise ModelLoadError(
-                f"{files.file_of(sources[0])}: shape mismatch for {shapes}; "
-                f"config.json implies {tuple(expected)} for {ours}"
-            )
+        check_shape(files, ours, sources, pieces, tensor.shape, expected)
         loaded[ours] = tensor.to(device=device, dtype=dtype)
     model = model.to_empty(device=device).to(dtype)
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and "lm_head" not in direct:
         model.lm_head.weight = model.embed_tokens.weight
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, tensor in loaded.items():
             params[name].copy_(tensor)
     del loaded, params  # the float weights a quantized layer replaces are freed with it
-    if quantization == "int8":  # smoothed against activations of a text in its own tokens
-        quantize_linears(model, device, dtype, calibration_ids=calibration_ids(model_dir))
+    for name, module in direct.items():
+        model.set_submodule(name, module)
+    if quantization == "int8":  # the rest; smoothed against a text in its own tokens (CPU W8A8)
+        ids = calibration_ids(model_dir)
+        quantize_linears(model, device, dtype, calibration_ids=ids, weight_only=weight_only)
     return model.eval().requires_grad_(False)
+
+
+def q8_0_int8_linears(
+    files: CheckpointFiles,
+    model: LlamaForCausalLM,
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, nn.Module]:
+    """Weight-only INT8 layers built from the checkpoint's Q8_0 values and group scales as they
+    are (a fused layer's rows concatenated), by module name; a layer with any piece in another
+    type is left to ``quantize_linears``.
+
+    A tied head shares the embedding, which is stored float. When that embedding lies exactly on a
+    Q8_0 grid (it was Q8_0 in the GGUF), the head is rounded group-wise with G = 32, which gives
+    the file's blocks back exactly (``quantize_groupwise``); otherwise it is left to the
+    per-channel rounding of ``quantize_linears``, as for any float checkpoint."""
+    sources = _hf_sources(cfg)
+    out: dict[str, nn.Module] = {}
+    targets = dict(quantization_targets(model))
+    for name, linear in targets.items():
+        weights = sources.get(f"{name}.weight", [])
+        if not weights or not all(w in files.q8_0 for w in weights):
+            continue
+        pieces = [files.q8_0_weight(w) for w in weights]
+        qweight = torch.cat([p.qweight for p in pieces])
+        check_shape(files, name, weights, [p.qweight for p in pieces], qweight.shape,
+                    linear.weight.shape)  # fmt: skip
+        weight = Int8Weight(qweight, torch.cat([p.scale for p in pieces]))
+        bias_names = sources.get(f"{name}.bias")
+        bias = None
+        if bias_names:
+            bias = torch.cat([files.get(b) for b in bias_names]).to(device=device, dtype=dtype)
+        out[name] = WeightOnlyInt8Linear(weight.to(device), bias)
+    if out and cfg.tie_word_embeddings and "lm_head" in targets:
+        embedding = files.get("model.embed_tokens.weight").float()
+        head = quantize_groupwise(embedding, Q8_0_BLOCK)
+        if torch.equal(head.dequantize(torch.float32), embedding):
+            out["lm_head"] = WeightOnlyInt8Linear(head.to(device), None)
+    return out
+
+
+def check_shape(
+    files: CheckpointFiles,
+    ours: str,
+    sources: list[str],
+    pieces: list[torch.Tensor],
+    got: torch.Size,
+    expected: torch.Size,
+) -> None:
+    if got != expected:
+        shapes = ", ".join(f"{n} {tuple(p.shape)}" for n, p in zip(sources, pieces, strict=True))
+        raise ModelLoadError(
+            f"{files.file_of(sources[0])}: shape mismatch for {shapes}; "
+            f"config.json implies {tuple(expected)} for {ours}"
+        )

@@ -29,7 +29,7 @@ from shared.errors import ModelLoadError
 log = logging.getLogger(__name__)
 
 # Bump when the converted output changes, so old cache entries are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: Q8_0 linear matrices kept as int8 values + float16 scales
 SOURCE_FILE = "pdserve-source.json"  # written last: describes the GGUF the entry came from
 
 

@@ -1,9 +1,14 @@
-"""GGUF tensors -> Hugging Face Llama/Qwen2 tensors, dequantized, written as one safetensors file.
+"""GGUF tensors -> Hugging Face Llama/Qwen2 tensors, written as one safetensors file.
 
 Three things differ from an HF checkpoint:
 
 - names: llama.cpp's ``blk.N.attn_q.weight`` is HF's ``model.layers.N.self_attn.q_proj.weight``;
-- values: quantized blocks are expanded to float with ``gguf.quants.dequantize``;
+- values: quantized blocks are expanded to float with ``gguf.quants.dequantize``, except a
+  linear layer's Q8_0 matrix, which is kept as it is stored, split in two tensors:
+  ``<layer>.q8_0_values`` int8 [N, K] and ``<layer>.q8_0_scales`` float16 [N, K // 32] (one scale
+  per block of 32 input channels, W = values * scale exactly), so ``--quantization int8`` can use
+  the file's own INT8 weights (services/engine/loader.py dequantizes them for a float model,
+  bit for bit what ``dequantize`` gives). The embedding is a lookup table, always expanded;
 - layout: llama.cpp's converter permutes the rows of Llama's Q and K projections (it rotates
   interleaved pairs, HF rotates halves). We undo that permutation exactly as transformers does
   when it loads a GGUF, so the weights match HF's (Qwen2 files are not permuted).
@@ -50,6 +55,10 @@ _LAYER_NAMES = {
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 # Tensors llama.cpp adds that have no HF counterpart; their content is taken into the config.
 _NOT_WEIGHTS = {"rope_freqs.weight"}
+# The matrices of linear layers (HF name suffixes): kept in Q8_0 when the file stores them so.
+_LINEARS = ("_proj.weight", "lm_head.weight")
+Q8_0_BLOCK = 32  # input channels per Q8_0 scale
+Q8_0_VALUES, Q8_0_SCALES = "q8_0_values", "q8_0_scales"
 
 
 @dataclass(frozen=True)
@@ -58,8 +67,32 @@ class Planned:
 
     hf_name: str
     source: GGUFTensor
-    dtype: str  # safetensors dtype: "F16" or "F32"
+    dtype: str  # safetensors dtype: "F16" or "F32"; "Q8_0": kept as values and scales
     heads: int | None  # rows are un-permuted in groups of this many heads (Q, K); None = as is
+
+    def outputs(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, safetensors dtype, shape) of each tensor written for this one."""
+        if self.dtype != "Q8_0":
+            return [(self.hf_name, self.dtype, self.source.shape)]
+        rows, cols = self.source.shape
+        layer = q8_0_layer(self.hf_name)
+        return [
+            (f"{layer}.{Q8_0_VALUES}", "I8", (rows, cols)),
+            (f"{layer}.{Q8_0_SCALES}", "F16", (rows, cols // Q8_0_BLOCK)),
+        ]
+
+
+def q8_0_layer(weight_name: str) -> str:
+    """``model.layers.0.mlp.up_proj.weight`` -> ``model.layers.0.mlp.up_proj``."""
+    return weight_name.removesuffix(".weight")
+
+
+def storage_dtype(hf: str, type_name: str) -> str:
+    if type_name == "Q8_0" and hf.endswith(_LINEARS):
+        return "Q8_0"
+    # F16 keeps its own type (exact, half the size); everything else expands to F32, the only
+    # float type that holds every dequantized value exactly.
+    return "F16" if type_name == "F16" else "F32"
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -103,9 +136,7 @@ def plan(f: GGUFFile, cfg: dict[str, Any]) -> list[Planned]:
             heads = cfg["num_attention_heads"]
         elif arch == "llama" and ".self_attn.k_proj." in name:
             heads = cfg["num_key_value_heads"]
-        # F16 keeps its own type (exact, half the size); everything else expands to F32, the
-        # only float type that holds every dequantized value exactly.
-        out.append(Planned(name, t, "F16" if t.type_name == "F16" else "F32", heads))
+        out.append(Planned(name, t, storage_dtype(name, t.type_name), heads))
     extra = sorted(set(by_hf) - set(expected))
     if extra:
         raise ModelLoadError(f"{f.path}: unexpected tensor {gguf_name_of(extra[0])!r}")
@@ -177,14 +208,31 @@ def unpermute_rows(w, heads: int):
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def converted(p: Planned):
-    """The output tensor's values, in its storage dtype."""
+def q8_0_blocks(t: GGUFTensor):
+    """A Q8_0 matrix's (values int8 [N, K], scales float16 [N, K // 32]) as stored, unexpanded.
+
+    A block is 34 bytes: its float16 scale d, then 32 int8 values; W[n, k] = q[n, k] * d."""
     import numpy as np
 
-    w = dequantized(p.source)
-    if p.heads is not None:
-        w = unpermute_rows(w, p.heads)
-    return np.ascontiguousarray(w, dtype=np.float16 if p.dtype == "F16" else np.float32)
+    rows, cols = t.shape
+    blocks = np.asarray(t.raw, dtype=np.uint8).reshape(rows, cols // Q8_0_BLOCK, 2 + Q8_0_BLOCK)
+    scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16).reshape(rows, -1)
+    values = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, cols)
+    return values, scales
+
+
+def converted(p: Planned) -> list:
+    """The output tensors' values (one per ``p.outputs()``), in their storage dtypes."""
+    import numpy as np
+
+    if p.dtype == "Q8_0":
+        parts = list(q8_0_blocks(p.source))
+    else:
+        w = dequantized(p.source)
+        parts = [w.astype(np.float16 if p.dtype == "F16" else np.float32, copy=False)]
+    if p.heads is not None:  # a row's values and its block scales move together
+        parts = [unpermute_rows(part, p.heads) for part in parts]
+    return [np.ascontiguousarray(part) for part in parts]
 
 
 def write_safetensors(path: Path, planned: list[Planned], metadata: dict[str, str]) -> None:
@@ -193,12 +241,13 @@ def write_safetensors(path: Path, planned: list[Planned], metadata: dict[str, st
     The format is an 8-byte little-endian header length, a JSON header of dtype, shape and byte
     range per tensor, then the raw bytes; the header is known before any value is computed."""
     header: dict[str, Any] = {"__metadata__": metadata}
-    sizes = [_numel(p.source.shape) * (2 if p.dtype == "F16" else 4) for p in planned]
+    outputs = [out for p in planned for out in p.outputs()]
+    sizes = [_numel(shape) * _ITEM_SIZE[dtype] for _, dtype, shape in outputs]
     offset = 0
-    for p, nbytes in zip(planned, sizes, strict=True):
-        header[p.hf_name] = {
-            "dtype": p.dtype,
-            "shape": list(p.source.shape),
+    for (name, dtype, shape), nbytes in zip(outputs, sizes, strict=True):
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(shape),
             "data_offsets": [offset, offset + nbytes],
         }
         offset += nbytes
@@ -207,11 +256,15 @@ def write_safetensors(path: Path, planned: list[Planned], metadata: dict[str, st
     with open(path, "wb") as out:
         out.write(len(blob).to_bytes(8, "little"))
         out.write(blob)
-        for p, nbytes in zip(planned, sizes, strict=True):
-            data = converted(p).tobytes()
+        parts = (part for p in planned for part in converted(p))
+        for (name, _, _), nbytes, part in zip(outputs, sizes, parts, strict=True):
+            data = part.tobytes()
             if len(data) != nbytes:
-                raise ModelLoadError(f"tensor {p.source.name!r}: dequantized to the wrong size")
+                raise ModelLoadError(f"tensor {name!r}: converted to the wrong size")
             out.write(data)
+
+
+_ITEM_SIZE = {"F32": 4, "F16": 2, "I8": 1}
 
 
 def _numel(shape: tuple[int, ...]) -> int:

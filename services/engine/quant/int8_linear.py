@@ -7,6 +7,13 @@ SmolLM2 shape, while ``aten._weight_int8pack_mm`` (weight-only) was slower than 
 ``torch._int_mm`` needs 17+ rows and a separate activation pass. On CUDA the weights stay INT8 and
 the Triton weight-only kernel (``ops.int8_linear``) dequantizes them in registers: at decode sizes
 a matmul is bound by reading the weights, which INT8 halves against bf16.
+
+GGUF Q8_0 layers (int8 values, a float16 scale per 32 input channels) go onto the weight-only path
+as they are: the loader builds ``WeightOnlyInt8Linear`` from the file's values and group scales,
+no float weight in between (services/engine/loader.py). The CPU W8A8 path cannot: fbgemm takes
+one scale per output channel, and SmoothQuant multiplies the float weight by per-input-channel
+factors before rounding. There a Q8_0 layer takes the float route (dequantized exactly, smoothed,
+rounded per channel), the same as any other checkpoint.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ class CpuInt8Linear(nn.Module):
         """smooth: SmoothQuant's per-input-channel s [K] (services/engine/quant/smooth.py),
         already multiplied into ``weight`` before rounding; the input is divided by it here."""
         super().__init__()
+        if weight.grouped:
+            raise ValueError("fbgemm's INT8 linear takes one scale per output channel")
         self.inv_smooth = None if smooth is None else (1.0 / smooth).float()
         self.out_features, self.in_features = weight.qweight.shape
         self.out_dtype = out_dtype
@@ -80,11 +89,13 @@ class CpuInt8Linear(nn.Module):
 
 
 class WeightOnlyInt8Linear(nn.Module):
-    """W8A16: INT8 weights dequantized inside the matmul kernel (``ops.int8_linear``)."""
+    """W8A16: INT8 weights dequantized inside the matmul kernel (``ops.int8_linear``); scales per
+    output channel or per group of input channels (GGUF Q8_0's, kept as float16)."""
 
     def __init__(self, weight: Int8Weight, bias: Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.qweight.shape
+        self.group_size = weight.group_size
         self.register_buffer("qweight", weight.qweight)
         self.register_buffer("scale", weight.scale)
         self.register_buffer("bias", None if bias is None else bias.detach())
@@ -94,24 +105,33 @@ class WeightOnlyInt8Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, int8 weight-only"
+        groups = "" if self.group_size == self.in_features else f", groups of {self.group_size}"
+        return f"in={self.in_features}, out={self.out_features}, int8 weight-only{groups}"
+
+
+def uses_weight_only(device: torch.device, weight_only: bool | None = None) -> bool:
+    """The layers' kind: W8A8 (fbgemm) on the CPU, weight-only elsewhere, unless chosen (tests
+    take the weight-only path on a CPU machine; it then runs the plain-torch twin)."""
+    return device.type != "cpu" if weight_only is None else weight_only
 
 
 def int8_module(
-    linear: nn.Linear, device: torch.device, dtype: torch.dtype, act_max: Tensor | None = None
+    linear: nn.Linear,
+    device: torch.device,
+    dtype: torch.dtype,
+    act_max: Tensor | None = None,
+    weight_only: bool | None = None,
 ) -> nn.Module:
     """The INT8 replacement of ``linear`` on ``device``; act_max [K] (CPU W8A8 only): the
     calibrated input maxima that SMOOTH_ALPHA smooths against."""
-    if device.type == "cpu":
+    if not uses_weight_only(device, weight_only):
         smooth = None
         w = linear.weight.detach().float()
         if act_max is not None and SMOOTH_ALPHA is not None:
             smooth = smoothing_scales(act_max, w, SMOOTH_ALPHA)
             w = w * smooth
         return CpuInt8Linear(quantize_per_channel(w), linear.bias, dtype, smooth)
-    weight = quantize_per_channel(linear.weight)
-    w = Int8Weight(weight.qweight.to(device), weight.scale.to(device))
-    return WeightOnlyInt8Linear(w, linear.bias)
+    return WeightOnlyInt8Linear(quantize_per_channel(linear.weight).to(device), linear.bias)
 
 
 # The vocabulary head is quantized too: at batch 1 it is the largest single matmul (49,152 x 576
@@ -135,6 +155,22 @@ def keeps_float(name: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+def quantization_targets(
+    model: nn.Module, include_head: bool = True, keep_float: tuple[str, ...] | None = None
+) -> list[tuple[str, nn.Linear]]:
+    """The float linear layers ``quantize_linears`` swaps: their kind is quantized and
+    ``keep_float`` (default ``FLOAT_LINEARS``) does not name them."""
+    names = QUANTIZED_LINEARS if include_head else QUANTIZED_LINEARS[:-1]
+    patterns = FLOAT_LINEARS if keep_float is None else keep_float
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+        and name.rsplit(".", 1)[-1] in names
+        and not keeps_float(name, patterns)
+    ]
+
+
 def quantize_linears(
     model: nn.Module,
     device: torch.device,
@@ -142,24 +178,17 @@ def quantize_linears(
     include_head: bool = True,
     keep_float: tuple[str, ...] | None = None,
     calibration_ids: list[int] | None = None,
+    weight_only: bool | None = None,
 ) -> int:
     """Swap the model's linear layers for INT8 ones in place, except those ``keep_float``
-    (default ``FLOAT_LINEARS``) names, smoothed (CPU) when calibration ids are given; returns
-    how many were swapped."""
-    names = QUANTIZED_LINEARS if include_head else QUANTIZED_LINEARS[:-1]
-    patterns = FLOAT_LINEARS if keep_float is None else keep_float
-    targets = [
-        (name, module)
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear)
-        and name.rsplit(".", 1)[-1] in names
-        and not keeps_float(name, patterns)
-    ]
+    (default ``FLOAT_LINEARS``) names, smoothed (CPU W8A8) when calibration ids are given;
+    returns how many were swapped. weight_only: see ``uses_weight_only``."""
+    targets = quantization_targets(model, include_head, keep_float)
+    weight_only = uses_weight_only(device, weight_only)
     maxima: dict[str, Tensor] = {}
-    if device.type == "cpu" and SMOOTH_ALPHA is not None and calibration_ids:
+    if not weight_only and SMOOTH_ALPHA is not None and calibration_ids:
         maxima = activation_maxima(model, calibration_ids, {name for name, _ in targets})
     for name, module in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, int8_module(module, device, dtype, maxima.get(name)))
+        replacement = int8_module(module, device, dtype, maxima.get(name), weight_only)
+        model.set_submodule(name, replacement)
     return len(targets)

@@ -39,6 +39,9 @@ class Int8Weight:
         k = self.qweight.shape[1]
         return k // self.scale.shape[1] if self.grouped else k
 
+    def to(self, device: torch.device | str) -> Int8Weight:
+        return Int8Weight(self.qweight.to(device), self.scale.to(device))
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The float weight; exact in float32 (an int8 times a float16 scale needs 19 bits)."""
         q = self.qweight.to(torch.float32)
