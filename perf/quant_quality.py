@@ -51,15 +51,6 @@ class QualityResult:
     greedy: list[list[int]]
 
 
-def text_tokens(tokenizer, max_tokens: int | None = None) -> list[int]:
-    ids = tokenizer.encode(QUALITY_TEXT.read_text())
-    return ids[:max_tokens] if max_tokens else ids
-
-
-def prompt_tokens(tokenizer, count: int = len(PROMPTS)) -> list[list[int]]:
-    return [tokenizer.encode(p) for p in PROMPTS[:count]]
-
-
 def prompt_logprobs(engine, prompts: dict[str, list[int]]) -> dict[str, TokenLogprobs]:
     """Each prompt's log-probs (and ranks) of its tokens after the first, given those before."""
     sampling = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
