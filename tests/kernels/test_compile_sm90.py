@@ -1,5 +1,6 @@
-"""The production kernel variants compile for sm_90 (H100/H200), fit in shared memory and do
-not spill, checked on CPU with the ptxas that ships with Triton (see compile_sm90.py)."""
+"""The production kernel variants (float and quantized KV cache) compile for sm_90 (H100/H200), fit
+in shared memory and do not spill, checked on CPU with the ptxas that ships with Triton (see
+compile_sm90.py)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,11 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
     assert {"rms_norm", "rotary", "store_kvcache", "decode_merge"} <= kernels
     assert {"decode single_split=True", "prefill paged=True", "prefill paged=False"} <= kernels
     assert "decode single_split=False multi_query rows=64" in kernels
+    for kv in ("int8", "fp8_e4m3"):  # --kv-cache-dtype: the quantized-cache variants
+        assert f"store_kvcache kv={kv}" in kernels
+        assert f"decode single_split=False kv={kv}" in kernels
+        assert f"decode single_split=True multi_query rows=64 kv={kv}" in kernels
+        assert f"prefill paged=True kv={kv}" in kernels
     for r in reports:
         assert r["spill_bytes"] == 0, r
         assert r["shared_bytes"] <= SM90_SHARED_MEMORY, r

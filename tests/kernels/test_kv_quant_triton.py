@@ -32,8 +32,10 @@ DEV = TEST_DEVICE
 DT = TEST_DTYPE
 KV_DTYPES = ["int8", "fp8_e4m3"]
 # relative error of attention over the quantized cache against the float cache (see
-# test_kv_quant.KV_BOUND: one stored vector's error, which attention averages down)
-KV_BOUND = {"int8": 0.01, "fp8_e4m3": 0.07}
+# test_kv_quant.KV_BOUND: one stored vector's error, which attention averages down); bf16 (the
+# GPU check) rounds q, p and the output on top, ~3e-3 relative more on these shapes
+HALF_SLACK = 0.0 if DT == torch.float32 else 0.01
+KV_BOUND = {"int8": 0.01 + HALF_SLACK, "fp8_e4m3": 0.07 + HALF_SLACK}
 
 uses_dot = pytest.mark.skipif(
     DEV == "cpu" and DT == torch.bfloat16, reason="interpreter has no bf16 tl.dot"
