@@ -78,14 +78,20 @@ class CpuInt8Linear(nn.Module):
             x2 = x2.float()
         if self.inv_smooth is not None:
             x2 = x2 * self.inv_smooth
-        # fbgemm rounds the whole input with one scale; a prompt's rows differ in range by 100x
-        # (and SmolLM2 has outlier tokens), so each row is first brought to amax 1: one scale
-        # for all is then the per-token scale, and the rows' amax multiply the result back.
-        row_max = x2.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
-        y = torch.ops.quantized.linear_dynamic(x2 / row_max, self._packed, self.reduce_range)
-        y = y * row_max
+        if x2.shape[0] == 1:
+            # one row (a batch-1 decode step): fbgemm's one scale is the per-token scale
+            # already, and the four small ops below were a quarter of the layer's time
+            y = torch.ops.quantized.linear_dynamic(x2, self._packed, self.reduce_range)
+        else:
+            # fbgemm rounds the whole input with one scale; a prompt's rows differ in range by
+            # 100x (and SmolLM2 has outlier tokens), so each row is first brought to amax 1:
+            # one scale for all is then the per-token scale, and the rows' amax multiply the
+            # result back.
+            row_max = x2.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
+            y = torch.ops.quantized.linear_dynamic(x2 / row_max, self._packed, self.reduce_range)
+            y.mul_(row_max)
         if self.bias is not None:
-            y = y + self.bias
+            y.add_(self.bias)
         return y.to(self.out_dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
