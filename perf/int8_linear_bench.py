@@ -10,7 +10,11 @@ Candidates (each computes y = x @ W.T for fp32 x):
 - ``fbgemm dynamic, per-tensor``: the raw op, one activation scale for all rows (what
   ``torch.ao.quantization.quantize_dynamic`` gives);
 - ``weight-only int8pack``: ``aten._weight_int8pack_mm`` (W8A16, weights converted on the fly);
-- ``int_mm + rescale``: activations rounded per token in torch, ``torch._int_mm``, rescaled.
+- ``int_mm + rescale``: activations rounded per token in torch, ``torch._int_mm``, rescaled;
+- ``torchao ...``: where torchao is importable (it is not a dependency: ``pip install
+  torchao==0.18.0``, the release for torch 2.13), its ``Int8DynamicActivationInt8WeightConfig``
+  and ``Int8WeightOnlyConfig`` through ``quantize_``, eager (``--torchao-compile``: under
+  ``torch.compile``, the first call's compile time not counted).
 
 The variants alternate within each round, and each figure is the median over rounds, so drift on a
 shared machine hits them alike. Ratios are against fp32 of the same round.
@@ -60,6 +64,7 @@ def candidates(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tens
         return acc.float() * xs[:, None] * weight.scale[None, :]
 
     return {
+        **torchao_candidates(w),
         "fp32": lambda x: F.linear(x, w),
         "bf16": lambda x: F.linear(x.to(torch.bfloat16), w_bf16).float(),
         "fbgemm dynamic (served)": served,
@@ -71,6 +76,25 @@ def candidates(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tens
         ),
         "int_mm + rescale": int_mm,
     }
+
+
+TORCHAO_COMPILE = False
+
+
+def torchao_candidates(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    try:
+        import torchao.quantization as tq
+    except ImportError:
+        return {}
+    out = {}
+    for config in (tq.Int8DynamicActivationInt8WeightConfig, tq.Int8WeightOnlyConfig):
+        layer = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        layer.weight.data = w.clone()
+        model = torch.nn.Sequential(layer).requires_grad_(False)
+        tq.quantize_(model, config())
+        label = f"torchao {config.__name__.removesuffix('Config')}"
+        out[label] = torch.compile(model) if TORCHAO_COMPILE else model
+    return out
 
 
 def time_call(fn: Callable[[], object], calls: int) -> float:
@@ -115,7 +139,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--torchao-compile", action="store_true", help="torchao under torch.compile")
     args = ap.parse_args()
+    global TORCHAO_COMPILE
+    TORCHAO_COMPILE = args.torchao_compile
     torch.set_num_threads(args.threads)
     rows = []
     for name, n, k in SHAPES:
