@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 from perf.compat.hf_mcq import OracleResult
-from perf.compat.lmeval_run import LL_TOLERANCE, compare
+from perf.compat.lmeval_run import compare, matches_oracle
 from perf.compat.mcq import Question, Scored, encode_pair, load_questions
 from perf.compat.stack import Stack
 from perf.compat.tool import ToolResult, pdserve_errors
@@ -53,7 +53,10 @@ def score(stack: Stack, encode, q: Question) -> Scored:
     return Scored(lls, [len(c) for c in q.choices], q.answer)
 
 
-def run_echo_check(stack: Stack, tokenizer_dir: Path, oracle: OracleResult) -> ToolResult:
+def run_echo_check(
+    stack: Stack, tokenizer_dir: Path, oracle: OracleResult, exact: bool = True
+) -> ToolResult:
+    """exact: as in ``lmeval_run.run_lm_eval``."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
@@ -71,9 +74,7 @@ def run_echo_check(stack: Stack, tokenizer_dir: Path, oracle: OracleResult) -> T
     except (ValueError, KeyError, TypeError) as exc:
         return ToolResult(NAME, "-", False, f"unexpected answer: {exc!r}", [repr(exc)], {})
     details = compare(ours, oracle)
-    ok = (
-        details["same_picks"] == details["questions"] and details["max_abs_ll_diff"] <= LL_TOLERANCE
-    )
+    ok = matches_oracle(details) or not exact
     summary = (
         f"acc {details['acc']:.4f} (HF {details['hf_acc']:.4f}), same choice on "
         f"{details['same_picks']}/{details['questions']}, max |ll - HF ll| "

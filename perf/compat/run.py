@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from collections.abc import Iterator
@@ -45,6 +46,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4], help="lm-eval's")
     parser.add_argument("--no-install", action="store_true", help="use the venvs as they are")
+    parser.add_argument(
+        "--up-args",
+        default="",
+        help="more pdserve up flags, e.g. '--quantization int8 --kv-cache-dtype int8'; with any, "
+        "lm-eval's agreement with HF's fp32 is reported, not required",
+    )
     return parser.parse_args(argv)
 
 
@@ -69,9 +76,10 @@ def tool_runs(
         yield run_aiperf(stack, tokenizer_dir, args.out)
     else:
         assert oracle is not None
+        exact = not args.up_args
         for batch_size in args.batch_sizes:
-            yield run_lm_eval(stack, tokenizer_dir, batch_size, oracle, args.out)
-        yield run_echo_check(stack, tokenizer_dir, oracle)
+            yield run_lm_eval(stack, tokenizer_dir, batch_size, oracle, args.out, exact)
+        yield run_echo_check(stack, tokenizer_dir, oracle, exact)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             f"HF transformers on pdserve_mcq: acc {oracle.acc:.4f}, acc_norm {oracle.acc_norm:.4f}"
         )
     results: list[ToolResult] = []
-    with pdserve_up(args.out / "pdserve-up.log", args.model) as stack:
+    up_args = tuple(shlex.split(args.up_args))
+    with pdserve_up(args.out / "pdserve-up.log", args.model, up_args) as stack:
         print(f"pdserve up: {stack.model} at {stack.base_url} (pid {stack.proc.pid})")
         for tool in tools:
             for result in tool_runs(tool, stack, tokenizer_dir, oracle, args):
