@@ -11,6 +11,7 @@ prompts in one request's ``prompt`` array.
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 from perf.compat.hf_mcq import OracleResult
@@ -71,11 +72,11 @@ def read_samples(out: Path) -> list[Scored]:
 
 def compare(ours: list[Scored], oracle: OracleResult) -> dict:
     same = sum(s.pick == pick for s, pick in zip(ours, oracle.picks, strict=True))
-    diff = max(
+    diffs = [
         abs(a - b)
         for s, hf in zip(ours, oracle.lls, strict=True)
         for a, b in zip(s.lls, hf, strict=True)
-    )
+    ]
     acc, acc_norm = accuracy(ours)
     return {
         "acc": acc,
@@ -84,7 +85,8 @@ def compare(ours: list[Scored], oracle: OracleResult) -> dict:
         "hf_acc_norm": oracle.acc_norm,
         "same_picks": same,
         "questions": len(ours),
-        "max_abs_ll_diff": diff,
+        "max_abs_ll_diff": max(diffs),
+        "median_abs_ll_diff": statistics.median(diffs),
     }
 
 
@@ -126,7 +128,7 @@ def run_lm_eval(
         f"acc {details['acc']:.4f} (HF transformers {details['hf_acc']:.4f}), acc_norm "
         f"{details['acc_norm']:.4f} (HF {details['hf_acc_norm']:.4f}), same choice on "
         f"{details['same_picks']}/{details['questions']}, max |ll - HF ll| "
-        f"{details['max_abs_ll_diff']:.1e}"
+        f"{details['max_abs_ll_diff']:.1e} (median {details['median_abs_ll_diff']:.1e})"
     )
     return ToolResult(name, version, ok, summary, [], details, seconds)
 
