@@ -1,10 +1,10 @@
-"""Issue 18: a disaggregated 2,048-token prompt's time to first token with the model-dtype KV
-cache against the int8 one, the two ``pdserve up`` stacks (1 prefill + 1 decode worker, the
-default model) running at once and taking the requests in turn, so load on a shared machine
-hits both alike (idle stacks use ~0% CPU). Reports each stack's median TTFT; the KV bytes per
-token each cache moves are ``perf/quant_bench.py``'s.
+"""Issue 18: a disaggregated 2,048-token prompt's time to first token for fp32 and INT8 weights,
+each with the model-dtype and the int8 KV cache: one ``pdserve up`` stack per configuration (1
+prefill + 1 decode worker, the default model), all running at once and taking the requests in
+turn, so load on a shared machine hits them alike (idle stacks use ~0% CPU). Reports each
+stack's median TTFT; the KV bytes per token each cache moves are ``perf/quant_bench.py``'s.
 
-    python -m perf.quant_disagg [--prompt-tokens 2048] [--requests 5]
+    python -m perf.quant_disagg [--prompt-tokens 2048] [--requests 5] [--configs none:auto,...]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from perf.stack_bench import start_stack, stop_stack
 
-KV_DTYPES = ("auto", "int8")
+CONFIGS = "none:auto,none:int8,int8:auto,int8:int8"  # --quantization:--kv-cache-dtype
 
 
 def ttft(base: str, prompt: list[int]) -> float:
@@ -43,24 +43,28 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--requests", type=int, default=5)
+    ap.add_argument("--configs", default=CONFIGS, help="quantization:kv_cache_dtype,...")
     args = ap.parse_args(argv)
+    configs = args.configs.split(",")
     logs = Path(tempfile.mkdtemp(prefix="quant-disagg-"))
-    stacks = {
-        kv: start_stack("smollm2-135m-instruct", 1, logs / f"{kv}.log", ("--kv-cache-dtype", kv))
-        for kv in KV_DTYPES
-    }
-    times: dict[str, list[float]] = {kv: [] for kv in KV_DTYPES}
+    stacks: dict[str, tuple] = {}
+    times: dict[str, list[float]] = {c: [] for c in configs}
     try:
+        for config in configs:
+            quantization, kv = config.split(":")
+            flags = ("--quantization", quantization, "--kv-cache-dtype", kv)
+            log = logs / f"{config}.log"
+            stacks[config] = start_stack("smollm2-135m-instruct", 1, log, flags)
         for i in range(args.requests):
-            # a prompt of its own per round (no prefix-cache hit), the same for both stacks
+            # a prompt of its own per round (no prefix-cache hit), the same for every stack
             prompt = [1000 + (i * 7919 + j * 31) % 40000 for j in range(args.prompt_tokens)]
-            order = KV_DTYPES if i % 2 == 0 else KV_DTYPES[::-1]
-            for kv in order:
-                times[kv].append(ttft(stacks[kv][1], prompt))
+            order = configs if i % 2 == 0 else configs[::-1]
+            for config in order:
+                times[config].append(ttft(stacks[config][1], prompt))
         result = {
-            kv: {"median_ttft_s": round(statistics.median(t), 3),
-                 "ttft_s": [round(x, 3) for x in t]}
-            for kv, t in times.items()
+            c: {"median_ttft_s": round(statistics.median(t), 3),
+                "ttft_s": [round(x, 3) for x in t]}
+            for c, t in times.items()
         }  # fmt: skip
     finally:
         for proc, _ in stacks.values():
