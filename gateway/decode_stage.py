@@ -39,6 +39,7 @@ from gateway.inflight_types import (
 )
 from gateway.legs import Leg, new_bus_id, replan
 from shared import tracing as tr
+from shared.kv_layout import layout_id
 from shared.protocol import DecodeRequest, PrefillResult, TokenItem
 
 if TYPE_CHECKING:
@@ -127,7 +128,8 @@ class DecodeStage:
         # context), so the load estimate counts only a typical output length.
         remaining = max(0, leg.sampling.max_tokens - len(leg.output))
         expected = len(self.prompt) + len(leg.output) + min(remaining, TYPICAL_OUTPUT_TOKENS)
-        worker = self.d.router.pick_decode(expected, leg.tried | skip, leg.bus_id)
+        layout = layout_id(leg.kv.fingerprint) if leg.kv is not None else ""
+        worker = self.d.router.pick_decode(expected, leg.tried | skip, leg.bus_id, layout)
         if worker is None:
             return False
         leg.tried.add(worker)

@@ -186,6 +186,10 @@ class Router:
         candidates = [w for w in live if w.worker_id not in (exclude or set())]
         if not candidates:
             return None
+        pullable = {w.kv_layout for w in self.serving("decode")}
+        if "" not in pullable:  # every decode worker says which blocks it can pull
+            fitting = [w for w in candidates if w.kv_layout in pullable or not w.kv_layout]
+            candidates = fitting or candidates  # none: the pull's refusal will say why
         costs = self._costs(prompt, candidates)
         if self.prefill_policy == "round-robin":
             costs.sort(key=lambda c: c.worker.worker_id)
@@ -212,13 +216,22 @@ class Router:
                 self._sent.get(worker_id, []).remove(sent)
 
     def pick_decode(
-        self, total_tokens: int, exclude: set[str] | None = None, request_id: str | None = None
+        self,
+        total_tokens: int,
+        exclude: set[str] | None = None,
+        request_id: str | None = None,
+        kv_layout: str = "",
     ) -> str | None:
         """The decode worker with the fewest requests (see the module docstring), then the most
-        free blocks. With ``request_id``, the request counts there until ``decode_done``."""
+        free blocks. With ``request_id``, the request counts there until ``decode_done``.
+        ``kv_layout``: the prefilled blocks' layout (shared.kv_layout): only workers that can
+        pull them qualify, unless none can (its pull refusal then reaches the client)."""
         candidates = [w for w in self.serving("decode") if w.worker_id not in (exclude or set())]
         if not candidates:
             return None
+        if kv_layout:
+            fitting = [w for w in candidates if w.kv_layout in (kv_layout, "")]
+            candidates = fitting or candidates
         if request_id is not None:
             self.decode_done(request_id)  # a retry moves it
 

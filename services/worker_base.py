@@ -31,6 +31,7 @@ from shared import tracing, ucx_config
 from shared.announce import HeartbeatPublisher, KVEventPublisher, register_micro_service
 from shared.bus import Bus
 from shared.config import BusConfig, EngineConfig, WorkerConfig, build
+from shared.kv_layout import layout_id
 from shared.metrics import WorkerMetrics, start_metrics_server
 from shared.protocol import Cancel, WorkerGone, WorkerLoad
 
@@ -134,6 +135,7 @@ class Worker:
             block_size=engine.block_size,
             max_queue=self.config.max_queue,
             instance=self.instance,
+            kv_layout=layout_id(engine.layout_fingerprint()),
             **self.load_extra(),
         )
 

@@ -245,6 +245,9 @@ class WorkerLoad:
     spec_drafts: int = count(default=0)
     spec_draft_tokens: int = count(default=0)
     spec_accepted_tokens: int = count(default=0)
+    # shared.kv_layout.layout_id of the worker's KV fingerprint: the gateway pairs prefill and
+    # decode workers whose blocks fit ("": unknown, pairs with anything)
+    kv_layout: str = text(max_len=32, default="")
 
 
 @dataclass

@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from dataclasses import replace
 
 from gateway.router import Router
 from services.engine.block_manager import BlockManager
 from services.engine.sequence import Sequence
 from shared.announce import KVEventPublisher
 from shared.block_hash import prefix_block_hashes
+from shared.kv_layout import layout_id
 from shared.protocol import KVEvents, WorkerLoad
 from shared.sampling import SamplingParams
 from shared.worker_registry import WorkerRegistry
@@ -225,3 +227,34 @@ def test_decode_reports_of_other_gateways_still_count():
     # a worker without room for the request loses to one that has it, however busy
     workers[1] = decode_load("d1", free=2)
     assert router.pick_decode(100, request_id="big") == "d0"
+
+
+def test_prefill_and_decode_pair_only_where_the_blocks_fit():
+    """A fleet changing --kv-cache-dtype: p-int8's blocks go to d-int8 even though d-float is
+    idler, and a prefill worker no decode worker could pull from is passed over."""
+    int8 = layout_id({"model": MODEL, "kv_dtype": "int8"})
+    flt = layout_id({"model": MODEL, "kv_dtype": "float32"})
+    other = layout_id({"model": MODEL, "kv_dtype": "float8_e4m3fn"})
+    decode = [
+        replace(decode_load("d-int8", running=6), kv_layout=int8),
+        replace(decode_load("d-float"), kv_layout=flt),
+    ]
+    prefill = [replace(load("p-fp8"), kv_layout=other), replace(load("p-int8", 9), kv_layout=int8)]
+    router = Router(lambda role: prefill if role == "prefill" else decode, BS, model=MODEL)
+    assert router.pick_decode(100, kv_layout=int8) == "d-int8"
+    assert router.pick_decode(100, kv_layout=flt) == "d-float"
+    assert router.pick_decode(100) == "d-float"  # local prefill: nothing to pull, least busy
+    # no decode worker can pull fp8 blocks: the busier int8 prefill worker takes the prompt
+    assert router.pick_prefill(list(range(40))) == "p-int8"
+    # nobody fits at all: still routed, and the pull's refusal names the mismatch
+    assert router.pick_decode(100, kv_layout=other) == "d-float"
+    # a worker that advertises no layout (an older version) pairs with anything
+    decode[0] = replace(decode[0], kv_layout="")
+    assert router.pick_prefill(list(range(40, 80))) == "p-fp8"
+
+
+def test_layout_id_is_stable_and_order_free():
+    a = {"model": MODEL, "dtype": "float32", "block_size": 16, "kv_dtype": "int8"}
+    assert layout_id(a) == layout_id(dict(reversed(list(a.items()))))
+    assert layout_id(a) != layout_id({**a, "kv_dtype": "float32"})
+    assert len(layout_id(a)) == 16
