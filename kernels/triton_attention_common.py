@@ -47,33 +47,6 @@ def page_rows(
 
 
 @triton.jit
-def paged_rows(
-    block_table_row_ptr,
-    tokens,
-    valid,
-    kv_head,
-    block_size: tl.constexpr,
-    stride_cache_block,
-    stride_cache_offset,
-    stride_cache_head,
-):
-    """Element offsets of the rows (token, kv_head, :) of a strided paged-cache view.
-
-    block_size is a compile-time constant (one per engine), so the divisions become shifts.
-    """
-    pages = table_pages(block_table_row_ptr, tokens, valid, block_size)
-    return page_rows(
-        pages,
-        tokens,
-        kv_head,
-        block_size,
-        stride_cache_block,
-        stride_cache_offset,
-        stride_cache_head,
-    )
-
-
-@triton.jit
 def key_rows(
     tokens,
     valid,

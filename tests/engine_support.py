@@ -5,6 +5,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import torch
+
+from services.engine import model_runner
 from services.engine.engine import LLMEngine
 from services.engine.outputs import StepOutput
 from shared.config import EngineConfig
@@ -50,3 +53,18 @@ def run_staggered(
         for out in step_outputs(engine):
             outputs[out.request_id].extend(out.new_token_ids)
     return [outputs[f"r{i}"] for i in range(len(prompts))]
+
+
+def first_step_logits(engine, prompts: list[list[int]], monkeypatch) -> torch.Tensor:
+    """The engine's logits for each prompt's next token (caught on their way to the sampler)."""
+    seen: list[torch.Tensor] = []
+    real = model_runner.sample
+
+    def spy(logits, st):
+        seen.append(logits.detach().clone())
+        return real(logits, st)
+
+    monkeypatch.setattr(model_runner, "sample", spy)
+    engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
+    monkeypatch.setattr(model_runner, "sample", real)
+    return torch.cat(seen)[: len(prompts)]

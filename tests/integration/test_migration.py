@@ -266,8 +266,11 @@ async def test_streams_survive_a_nats_restart(stack, session, spy, down_seconds)
     await asyncio.to_thread(stack.nats.restart, down_seconds)
     results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
     assert_same(dict(zip(bodies, results, strict=True)), {r: reference[f"ref-{r}"] for r in bodies})
-    # Tokens published while the gateway was away may be lost: each stream was re-sent once
-    # (after the long outage because its worker had left the registry meanwhile).
+    # Tokens published while the gateway was away may be lost: each stream was re-sent (after
+    # the long outage because its worker had left the registry meanwhile). On a loaded machine a
+    # worker whose own reconnect lags past the gateway's 1.5 s worker timeout, ping included, is
+    # then judged gone and its streams move once more (seen once in a full-suite run: 7 for 6),
+    # which the exact outputs above show costs nothing.
     after = migrations(stack.base()) + migrations(stack.base(), "bus_reconnect")
-    assert after - before == len(bodies)
+    assert len(bodies) <= after - before <= 2 * len(bodies)
     stack.wait_ready()

@@ -15,11 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.engine import model_runner
 from services.engine.loader import CheckpointFiles
 from shared.models.resolve import resolve
 from shared.sampling import SamplingParams
-from tests.engine_support import make_engine, random_prompts
+from tests.engine_support import first_step_logits, make_engine, random_prompts
 from tests.gguf_files import tiny_llama_256, write_gguf
 from tests.oracle import hf_greedy
 
@@ -61,21 +60,6 @@ def hf_greedy_gguf(path: Path, prompts: list[list[int]], n: int) -> list[list[in
                 out.append(int(logits[0, -1].argmax()))
             outs.append(out)
     return outs
-
-
-def first_step_logits(engine, prompts: list[list[int]], monkeypatch) -> torch.Tensor:
-    """The engine's logits for each prompt's next token (caught on their way to the sampler)."""
-    seen: list[torch.Tensor] = []
-    real = model_runner.sample
-
-    def spy(logits, st):
-        seen.append(logits.detach().clone())
-        return real(logits, st)
-
-    monkeypatch.setattr(model_runner, "sample", spy)
-    engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
-    monkeypatch.setattr(model_runner, "sample", real)
-    return torch.cat(seen)[: len(prompts)]
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "llama-mha-tied", "qwen2-bias"])

@@ -22,7 +22,7 @@ from shared.models.gguf_file import GGUFFile
 from shared.models.gguf_weights import dequantized, unpermute_rows
 from shared.models.resolve import resolve
 from shared.sampling import SamplingParams
-from tests.engine_support import make_engine, random_prompts
+from tests.engine_support import first_step_logits, make_engine, random_prompts
 from tests.gguf_files import gguf_name, permute_rows, write_gguf
 
 VARIANTS = ["llama-gqa", "llama-mha-tied", "qwen2-bias"]
@@ -170,23 +170,6 @@ def test_weight_only_int8_holds_the_gguf_bytes(q8_files, variant, monkeypatch) -
     if cfg.qkv_bias:
         bias = torch.cat([real_get(loader.CheckpointFiles(model_dir), f"model.layers.0.self_attn.{p}_proj.bias") for p in "qkv"])  # fmt: skip
         assert torch.equal(model.layers[0].self_attn.qkv_proj.bias, bias)
-
-
-def first_step_logits(engine, prompts: list[list[int]], monkeypatch) -> torch.Tensor:
-    """The engine's logits for each prompt's next token (caught on their way to the sampler)."""
-    from services.engine import model_runner
-
-    seen: list[torch.Tensor] = []
-    real = model_runner.sample
-
-    def spy(logits, st):
-        seen.append(logits.detach().clone())
-        return real(logits, st)
-
-    monkeypatch.setattr(model_runner, "sample", spy)
-    engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
-    monkeypatch.setattr(model_runner, "sample", real)
-    return torch.cat(seen)[: len(prompts)]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
