@@ -72,6 +72,11 @@ class ModelRunner:
         # where speculative verification rows are attended: with the decodes (the multi-query
         # decode op) or as their own varlen group (prefill attention over the pages)
         self.verify_in_decode = VERIFY_IN_DECODE
+        # A quantized cache: prompt chunks too attend over the keys as stored (written first,
+        # read back through the pages), not the fresh float ones, so a token sees the same keys
+        # whether they came from this chunk, an earlier one, a prefix hit, a fork or a prefill
+        # worker. Otherwise a greedy request's n choices could disagree on their first token.
+        self.prefill_reads_cache = model.kv_spec is not None and model.kv_spec.quantized
         model.bind_kv_cache(kv_cache)
 
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
@@ -162,14 +167,14 @@ class ModelRunner:
         def group(lo: int, hi: int) -> ChunkGroup | None:
             if lo == hi:
                 return None
-            has_prefix = any(st > 0 for st in starts_list[lo:hi])
+            paged = self.prefill_reads_cache or any(st > 0 for st in starts_list[lo:hi])
             return ChunkGroup(
                 num_tokens=sum(counts[lo:hi]),
                 cu_seqlens_q=_cumsum0(q_lens[lo:hi]),
                 cu_seqlens_k=_cumsum0(ctx_lens[lo:hi]),
                 max_seqlen_q=max(counts[lo:hi]),
                 max_seqlen_k=max(starts_list[j] + counts[j] for j in range(lo, hi)),
-                block_tables=block_tables[lo:hi] if has_prefix else None,
+                block_tables=block_tables[lo:hi] if paged else None,
             )
 
         if self.verify_in_decode and nv:

@@ -4,6 +4,8 @@ fingerprint names the KV element type and scale layout, and bad combinations ref
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from services.engine.quant.options import quantization_problem
 from shared.errors import StartupError
 from shared.sampling import SamplingParams
 from tests.engine_support import make_engine
+from tests.unit.test_spec_engine import GREEDY, NGRAM, repeating_prompts
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64])
@@ -82,3 +85,19 @@ def test_bad_combinations_refuse_with_one_line() -> None:
 def test_engine_start_refuses_unknown_quantization(checkpoints) -> None:
     with pytest.raises(StartupError, match="--quantization"):
         make_engine(checkpoints["llama-gqa"], quantization="int4")
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_forks_and_speculation_read_the_quantized_cache_exactly(checkpoints, kv) -> None:
+    """n choices fork the prompt's last partial block (its values and scales copied as bytes),
+    and speculative verification stores drafts and reads several positions back at once: greedy
+    (float64 compute, no near-ties), both give the tokens a plain run over the same quantized
+    cache gives."""
+    model_dir = checkpoints["llama-gqa"]
+    prompts = repeating_prompts(3, seed=5)
+    plain = make_engine(model_dir, kv_cache_dtype=kv).generate(prompts, GREEDY)
+    forked = make_engine(model_dir, kv_cache_dtype=kv)
+    assert forked.generate_choices(prompts, replace(GREEDY, n=3)) == [[p] * 3 for p in plain]
+    speculating = make_engine(model_dir, kv_cache_dtype=kv, **NGRAM)
+    assert speculating.generate(prompts, GREEDY) == plain
+    assert speculating.stats().spec.accepted_tokens > 0
