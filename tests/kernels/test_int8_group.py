@@ -1,5 +1,5 @@
-"""Group-wise INT8 weights (GGUF Q8_0's layout: one float16 scale per 32 input channels of a row)
-through the weight-only linear: the Triton kernel against the plain-torch twin, and the twin
+"""The INT8 weight-only linear, per-channel and group-wise (GGUF Q8_0's layout: one float16 scale
+per 32 input channels of a row): the Triton kernel against the plain-torch twin, and the twin
 against the float matmul of the dequantized weight."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 from kernels import ops
 from kernels.reference_quant import int8_linear
-from services.engine.quant.int8_weights import Int8Weight, quantize_groupwise
+from services.engine.quant.int8_weights import Int8Weight, quantize_groupwise, quantize_per_channel
 from tests.kernels.helpers import TEST_DEVICE, TEST_DTYPE
 
 
@@ -19,6 +19,31 @@ def q8_0_like(n: int, k: int, group: int, gen: torch.Generator) -> Int8Weight:
     qweight = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
     scale = torch.rand(n, k // group, generator=gen) * torch.logspace(-4, -2, k // group)
     return Int8Weight(qweight, scale.to(torch.float16))
+
+
+TOL = 2e-5 if TEST_DTYPE == torch.float32 else 3e-2
+
+
+def triton_and_twin(kernel_backend, x, w: Int8Weight, bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the Triton kernel's output, the float64 twin's) for x @ w.T + bias."""
+    qweight, scale = w.qweight.to(TEST_DEVICE), w.scale.to(TEST_DEVICE)
+    kernel_backend("triton")
+    got = ops.int8_linear(x, qweight, scale, bias)
+    bias64 = None if bias is None else bias.double().cpu()
+    expected = int8_linear(x.double().cpu(), qweight.cpu(), scale.double().cpu(), bias64)
+    return got.double().cpu(), expected
+
+
+@pytest.mark.parametrize("shape", [(1, 64, 96), (5, 200, 33), (40, 130, 257)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_linear_triton_matches_twin(kernel_backend, shape, with_bias) -> None:
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(m * k + n)
+    x = torch.randn(m, k, generator=gen).to(TEST_DEVICE, TEST_DTYPE)
+    w = quantize_per_channel(torch.randn(n, k, generator=gen) * 0.05)
+    bias = torch.randn(n, generator=gen).to(TEST_DEVICE, TEST_DTYPE) if with_bias else None
+    got, expected = triton_and_twin(kernel_backend, x, w, bias)
+    torch.testing.assert_close(got, expected, atol=TOL * 10, rtol=TOL)
 
 
 @pytest.mark.parametrize("shape", [(1, 64, 96), (5, 224, 33), (40, 128, 257), (17, 256, 64)])
@@ -31,21 +56,17 @@ def test_grouped_int8_linear_triton_matches_twin(kernel_backend, shape, group, w
     gen = torch.Generator().manual_seed(m * k + n + group)
     x = torch.randn(m, k, generator=gen).to(TEST_DEVICE, TEST_DTYPE)
     w = q8_0_like(n, k, group, gen)
-    qweight, scale = w.qweight.to(TEST_DEVICE), w.scale.to(TEST_DEVICE)
     bias = torch.randn(n, generator=gen).to(TEST_DEVICE, TEST_DTYPE) if with_bias else None
-    kernel_backend("triton")
-    got = ops.int8_linear(x, qweight, scale, bias)
-    bias64 = None if bias is None else bias.double().cpu()
-    expected = int8_linear(x.double().cpu(), qweight.cpu(), scale.double().cpu(), bias64)
-    tol = 2e-5 if TEST_DTYPE == torch.float32 else 3e-2
+    got, expected = triton_and_twin(kernel_backend, x, w, bias)
     scale_of_y = expected.abs().max()
-    torch.testing.assert_close(got.double().cpu(), expected, atol=tol * scale_of_y, rtol=tol)
+    torch.testing.assert_close(got, expected, atol=TOL * scale_of_y, rtol=TOL)
     if k == group:
         return  # one group per row: per-channel
     # the per-row mean of the group scales is not the answer: each group's scale counts
-    per_row = Int8Weight(w.qweight, w.scale.float().mean(dim=1))
-    wrong = int8_linear(x.double().cpu(), qweight.cpu(), per_row.scale.double(), bias64)
-    assert (wrong - expected).abs().max() > 100 * tol * scale_of_y
+    bias64 = None if bias is None else bias.double().cpu()
+    per_row = w.scale.double().mean(dim=1)
+    wrong = int8_linear(x.double().cpu(), w.qweight, per_row, bias64)
+    assert (wrong - expected).abs().max() > 100 * TOL * scale_of_y
 
 
 def test_grouped_twin_is_the_dequantized_matmul(kernel_backend) -> None:

@@ -1,6 +1,6 @@
-"""Quantized paths of the kernels (issue 18): the INT8 weight-only linear (Triton against the
-plain-torch twin) and the quantized paged KV cache (int8 / fp8_e4m3 values with per-token-head
-scales) read by the decode and prefill twins, with the error bounded against the float cache."""
+"""The quantized paged KV cache (issue 18): int8 / fp8_e4m3 values with per-token-head scales,
+read by the decode and prefill twins, with the error bounded against the float cache (the INT8
+weight-only linear: tests/kernels/test_int8_group.py)."""
 
 from __future__ import annotations
 
@@ -8,32 +8,13 @@ import pytest
 import torch
 
 from kernels import ops
-from kernels.reference_quant import dequantize_kv, int8_linear, quantize_kv
-from services.engine.quant.int8_weights import quantize_per_channel
+from kernels.reference_quant import dequantize_kv, quantize_kv
 from services.engine.quant.kv_cache import kv_cache_spec
-from tests.kernels.helpers import TEST_DEVICE, TEST_DTYPE
 
 KV_DTYPES = ["int8", "fp8_e4m3"]
 # relative error of one stored vector: int8 rounds to 1/254 of the vector's range, fp8 e4m3 keeps
 # 3 mantissa bits (2**-4 relative)
 KV_BOUND = {"int8": 0.01, "fp8_e4m3": 0.07}
-
-
-@pytest.mark.parametrize("shape", [(1, 64, 96), (5, 200, 33), (40, 130, 257)])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_int8_linear_triton_matches_twin(kernel_backend, shape, with_bias) -> None:
-    m, k, n = shape
-    gen = torch.Generator().manual_seed(m * k + n)
-    x = torch.randn(m, k, generator=gen).to(TEST_DEVICE, TEST_DTYPE)
-    w = quantize_per_channel(torch.randn(n, k, generator=gen) * 0.05)
-    qweight, scale = w.qweight.to(TEST_DEVICE), w.scale.to(TEST_DEVICE)
-    bias = torch.randn(n, generator=gen).to(TEST_DEVICE, TEST_DTYPE) if with_bias else None
-    kernel_backend("triton")
-    got = ops.int8_linear(x, qweight, scale, bias)
-    bias64 = None if bias is None else bias.double().cpu()
-    expected = int8_linear(x.double().cpu(), qweight.cpu(), scale.double().cpu(), bias64)
-    tol = 2e-5 if TEST_DTYPE == torch.float32 else 3e-2
-    torch.testing.assert_close(got.double().cpu(), expected, atol=tol * 10, rtol=tol)
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
