@@ -47,6 +47,40 @@ def page_rows(
 
 
 @triton.jit
+def cache_rows(
+    table_row_ptr,
+    tokens,
+    valid,
+    kv_head,
+    block_size: tl.constexpr,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_cache_head,
+    stride_scale_block,
+    stride_scale_offset,
+    stride_scale_head,
+    KV_QUANT: tl.constexpr,
+):
+    """Element offsets of the rows (token, kv_head, :) of a strided paged-cache view, and of
+    their scales in a quantized cache (the K and V views of one layer share their strides, and so
+    do their scales); without scales the second is the first, never read. One page lookup serves
+    both."""
+    pages = table_pages(table_row_ptr, tokens, valid, block_size)
+    rows = page_rows(
+        pages, tokens, kv_head, block_size, stride_cache_block, stride_cache_offset,
+        stride_cache_head,
+    )  # fmt: skip
+    if KV_QUANT:
+        scale_rows = page_rows(
+            pages, tokens, kv_head, block_size, stride_scale_block, stride_scale_offset,
+            stride_scale_head,
+        )  # fmt: skip
+        return rows, scale_rows
+    else:
+        return rows, rows
+
+
+@triton.jit
 def key_rows(
     tokens,
     valid,
@@ -70,30 +104,12 @@ def key_rows(
     """Prefill's element offsets of the K rows, the V rows and (quantized cache) the scales of
     these key positions, paged or packed; without scales the third is the first, never read."""
     if PAGED:
-        # The K and V views of one layer share their strides (and so do their scales).
-        pages = table_pages(table_row_ptr, tokens, valid, block_size)
-        rows = page_rows(
-            pages,
-            tokens,
-            kv_head,
-            block_size,
-            stride_cache_block,
-            stride_cache_offset,
-            stride_cache_head,
-        )
-        if KV_QUANT:
-            scale_rows = page_rows(
-                pages,
-                tokens,
-                kv_head,
-                block_size,
-                stride_scale_block,
-                stride_scale_offset,
-                stride_scale_head,
-            )
-            return rows, rows, scale_rows
-        else:
-            return rows, rows, rows
+        rows, scale_rows = cache_rows(
+            table_row_ptr, tokens, valid, kv_head, block_size, stride_cache_block,
+            stride_cache_offset, stride_cache_head, stride_scale_block, stride_scale_offset,
+            stride_scale_head, KV_QUANT,
+        )  # fmt: skip
+        return rows, rows, scale_rows
     else:
         token = (k_start + tokens).to(tl.int64)
         k_rows = token * stride_k_token + kv_head * stride_k_head

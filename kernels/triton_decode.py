@@ -25,13 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton_attention_common import (
-    LOG2E,
-    dot_precision,
-    page_rows,
-    scale_strides,
-    table_pages,
-)
+from kernels.triton_attention_common import LOG2E, cache_rows, dot_precision, scale_strides
 from kernels.triton_decode_launch import DecodeConfig, choose_decode_config, query_layout
 
 
@@ -125,28 +119,14 @@ def _decode_split_kernel(
     for tile_start in range(start, end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)
         valid = tokens < end
-        pages = table_pages(table_row, tokens, valid, block_size)
-        rows = page_rows(
-            pages,
-            tokens,
-            kv_head,
-            block_size,
-            stride_cache_block,
-            stride_cache_offset,
-            stride_cache_head,
-        )
+        rows, scale_rows = cache_rows(
+            table_row, tokens, valid, kv_head, block_size, stride_cache_block,
+            stride_cache_offset, stride_cache_head, stride_scale_block, stride_scale_offset,
+            stride_scale_head, KV_QUANT,
+        )  # fmt: skip
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if KV_QUANT:
-            scale_rows = page_rows(
-                pages,
-                tokens,
-                kv_head,
-                block_size,
-                stride_scale_block,
-                stride_scale_offset,
-                stride_scale_head,
-            )
             # int8 and e4m3 values are exact in bf16/fp16/fp32: the dot sees the stored numbers.
             k = k.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
