@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -119,6 +120,12 @@ class Worker:
         if seconds is not None:
             self.metrics.queue_time.observe(seconds)
 
+    @functools.cached_property
+    def kv_layout(self) -> str:
+        """The engine's KV layout name (shared.kv_layout): fixed for its life, so every
+        heartbeat reuses it."""
+        return layout_id(self.engine.layout_fingerprint())
+
     def load(self) -> WorkerLoad:
         engine = self.engine
         stats = engine.stats()
@@ -135,7 +142,7 @@ class Worker:
             block_size=engine.block_size,
             max_queue=self.config.max_queue,
             instance=self.instance,
-            kv_layout=layout_id(engine.layout_fingerprint()),
+            kv_layout=self.kv_layout,
             **self.load_extra(),
         )
 
