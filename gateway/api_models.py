@@ -16,11 +16,11 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
-from gateway.errors import APIError, bad_request
-from gateway.request_bodies import ChatCompletionBody, CommonFields, CompletionBody
-from gateway.schema_base import StrictModel
-from gateway.schema_errors import api_error
-from shared.sampling import GuidedDecoding
+from pdserve.gateway.errors import APIError, bad_request
+from pdserve.gateway.request_bodies import ChatCompletionBody, CommonFields, CompletionBody
+from pdserve.gateway.schema_base import StrictModel
+from pdserve.gateway.schema_errors import api_error
+from pdserve.shared.sampling import GuidedDecoding
 
 
 def _accepted(model: type[StrictModel]) -> frozenset[str]:

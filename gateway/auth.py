@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from gateway.errors import unauthorized
+from pdserve.gateway.errors import unauthorized
 
 PROTECTED_PREFIX = "/v1/"
 

@@ -9,8 +9,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from gateway.schema_base import StrictModel, field_error, shaped
-from gateway.schema_errors import MISSING
+from pdserve.gateway.schema_base import StrictModel, field_error, shaped
+from pdserve.gateway.schema_errors import MISSING
 
 Role = Literal["system", "developer", "user", "assistant"]
 

@@ -15,7 +15,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from gateway.api_models import ChatMessage
+from pdserve.gateway.api_models import ChatMessage
 
 
 class TemplateInputError(Exception):

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gateway.detokenizer import IncrementalDetokenizer
-from gateway.inflight import TokenEvent
-from gateway.logprob_format import LogprobEntry, LogprobList
-from gateway.stop import StopStringMatcher
-from gateway.tokenizer import ModelTokenizer
-from shared.logprobs import TokenLogprobs
+from pdserve.gateway.detokenizer import IncrementalDetokenizer
+from pdserve.gateway.inflight import TokenEvent
+from pdserve.gateway.logprob_format import LogprobEntry, LogprobList
+from pdserve.gateway.stop import StopStringMatcher
+from pdserve.gateway.tokenizer import ModelTokenizer
+from pdserve.shared.logprobs import TokenLogprobs
 
 
 class OutputText:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 
-from gateway.inflight_types import (
+from pdserve.gateway.inflight_types import (
     DECODE_ATTEMPTS,
     MIGRATE_BUS_RECONNECT,
     MIGRATE_WORKER_LOST,
@@ -37,13 +37,13 @@ from gateway.inflight_types import (
     WorkerLeft,
     check_ending,
 )
-from gateway.legs import Leg, new_bus_id, replan
-from shared import tracing as tr
-from shared.kv_layout import layout_id
-from shared.protocol import DecodeRequest, PrefillResult, TokenItem
+from pdserve.gateway.legs import Leg, new_bus_id, replan
+from pdserve.shared import tracing as tr
+from pdserve.shared.kv_layout import layout_id
+from pdserve.shared.protocol import DecodeRequest, PrefillResult, TokenItem
 
 if TYPE_CHECKING:
-    from gateway.inflight import InFlight
+    from pdserve.gateway.inflight import InFlight
 
 log = logging.getLogger("pdserve.gateway.dispatch")
 

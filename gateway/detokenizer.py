@@ -10,7 +10,7 @@ the full decode, so the streamed pieces always concatenate to ``decode(all_ids)`
 
 from __future__ import annotations
 
-from gateway.tokenizer import ModelTokenizer
+from pdserve.gateway.tokenizer import ModelTokenizer
 
 REPLACEMENT = "\ufffd"
 CONTEXT_TOKENS = 4  # emitted tokens kept in the decode window as context

@@ -32,7 +32,7 @@ from typing import Any
 
 from opentelemetry.context import Context
 
-from gateway.inflight import (
+from pdserve.gateway.inflight import (
     DECODE_ATTEMPTS,
     DEFAULT_MAX_MIGRATIONS,
     PREFILL_ATTEMPTS,
@@ -47,11 +47,11 @@ from gateway.inflight import (
     TokenEvent,
     WorkerFailure,
 )
-from gateway.legs import BUS_ID_SUFFIX, new_bus_id, with_fixed_seed
-from gateway.router import Router
-from shared import protocol
-from shared.bus import Bus
-from shared.protocol import (
+from pdserve.gateway.legs import BUS_ID_SUFFIX, new_bus_id, with_fixed_seed
+from pdserve.gateway.router import Router
+from pdserve.shared import protocol
+from pdserve.shared.bus import Bus
+from pdserve.shared.protocol import (
     Cancel,
     DecodeRequest,
     PrefillRequest,
@@ -61,9 +61,9 @@ from shared.protocol import (
     TokenItem,
     WorkerLoad,
 )
-from shared.sampling import SamplingParams
-from shared.tracing import ATTR_REQUEST_ID, SPAN_ROUTE, inject_headers, tracer
-from shared.worker_registry import JOINED, LEFT, WorkerRegistry
+from pdserve.shared.sampling import SamplingParams
+from pdserve.shared.tracing import ATTR_REQUEST_ID, SPAN_ROUTE, inject_headers, tracer
+from pdserve.shared.worker_registry import JOINED, LEFT, WorkerRegistry
 
 __all__ = [
     "BUS_ID_SUFFIX",

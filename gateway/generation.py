@@ -21,10 +21,10 @@ from typing import Any
 from aiohttp import web
 from opentelemetry import trace
 
-from gateway.api_models import GenerationParams, check_length
-from gateway.choice_output import ChoiceOutput, Piece
-from gateway.errors import APIError, overloaded, timeout_error
-from gateway.inflight import (
+from pdserve.gateway.api_models import GenerationParams, check_length
+from pdserve.gateway.choice_output import ChoiceOutput, Piece
+from pdserve.gateway.errors import APIError, overloaded, timeout_error
+from pdserve.gateway.inflight import (
     Choices,
     NotSendable,
     NoWorker,
@@ -32,10 +32,10 @@ from gateway.inflight import (
     TokenEvent,
     WorkerFailure,
 )
-from gateway.logprob_format import TokenTexts, chat_logprobs, completion_logprobs
-from gateway.state import ARRIVED_KEY, REQUEST_ID_KEY, Gateway
-from shared import tracing as tr
-from shared.sampling import SamplingParams
+from pdserve.gateway.logprob_format import TokenTexts, chat_logprobs, completion_logprobs
+from pdserve.gateway.state import ARRIVED_KEY, REQUEST_ID_KEY, Gateway
+from pdserve.shared import tracing as tr
+from pdserve.shared.sampling import SamplingParams
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -119,7 +119,7 @@ async def serve_generation(
     params: GenerationParams,
     prompts: list[Prompt],
 ) -> web.StreamResponse:
-    from gateway.streaming import stream_response  # streaming builds on this module
+    from pdserve.gateway.streaming import stream_response  # streaming builds on this module
 
     rid: str = request[REQUEST_ID_KEY]
     limit = gw.context_limit()

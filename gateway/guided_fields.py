@@ -1,5 +1,5 @@
 """Structured output: OpenAI's ``response_format`` and vLLM's ``guided_json``, ``guided_regex``
-and ``guided_choice``, read into one ``shared.sampling.GuidedDecoding``.
+and ``guided_choice``, read into one ``pdserve.shared.sampling.GuidedDecoding``.
 
 - ``{"type": "text"}``: no constraint.
 - ``{"type": "json_object"}``: any JSON object (kind ``json_object``).
@@ -22,10 +22,10 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
-from gateway.json_body import loads_bounded
-from gateway.schema_base import StrictModel, field_error, shaped
-from gateway.schema_errors import INVALID_VALUE, MISSING
-from shared.sampling import MAX_GUIDED_SPEC_CHARS, GuidedDecoding
+from pdserve.gateway.json_body import loads_bounded
+from pdserve.gateway.schema_base import StrictModel, field_error, shaped
+from pdserve.gateway.schema_errors import INVALID_VALUE, MISSING
+from pdserve.shared.sampling import MAX_GUIDED_SPEC_CHARS, GuidedDecoding
 
 SCHEMA_NAME = "^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for json_schema.name
 

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from gateway.decode_stage import DecodeStage
-from gateway.inflight_types import (
+from pdserve.gateway.decode_stage import DecodeStage
+from pdserve.gateway.inflight_types import (
     DECODE_ATTEMPTS,
     DEFAULT_MAX_MIGRATIONS,
     MIGRATE_BUS_RECONNECT,
@@ -45,12 +45,12 @@ from gateway.inflight_types import (
     WorkerLeft,
     check_ending,
 )
-from gateway.legs import Leg
-from shared.protocol import KVHandle, PrefillRequest, PrefillResult
-from shared.sampling import SamplingParams
+from pdserve.gateway.legs import Leg
+from pdserve.shared.protocol import KVHandle, PrefillRequest, PrefillResult
+from pdserve.shared.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from gateway.dispatch import Dispatcher
+    from pdserve.gateway.dispatch import Dispatcher
 
 __all__ = [
     "DECODE_ATTEMPTS",

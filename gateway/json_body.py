@@ -7,7 +7,7 @@ import json
 import re
 from typing import Any
 
-from gateway.errors import bad_request
+from pdserve.gateway.errors import bad_request
 
 MAX_NESTING = 32  # deeper JSON than this is never a legitimate request
 

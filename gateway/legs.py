@@ -27,9 +27,9 @@ import dataclasses
 import secrets
 from dataclasses import dataclass, field
 
-from shared.protocol import KVHandle
-from shared.sampling import MAX_SEED, SamplingParams, choice_seed
-from shared.subjects import MAX_ID_CHARS
+from pdserve.shared.protocol import KVHandle
+from pdserve.shared.sampling import MAX_SEED, SamplingParams, choice_seed
+from pdserve.shared.subjects import MAX_ID_CHARS
 
 BUS_ID_SUFFIX = 16  # hex digits of randomness in a request's bus id
 

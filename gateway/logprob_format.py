@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.tokenizer import ModelTokenizer
-from shared.logprobs import TokenLogprobs
+from pdserve.gateway.tokenizer import ModelTokenizer
+from pdserve.shared.logprobs import TokenLogprobs
 
 
 class TokenTexts:

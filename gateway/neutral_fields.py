@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from gateway.schema_base import StrictModel, reported_whole
+from pdserve.gateway.schema_base import StrictModel, reported_whole
 
 METADATA_MAX_KEYS = 16  # OpenAI's limits on metadata
 METADATA_MAX_KEY_CHARS = 64

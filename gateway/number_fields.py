@@ -1,4 +1,4 @@
-"""The numeric field types of the request models, their bounds read from ``shared.sampling``.
+"""The numeric field types of the request models, their bounds read from ``pdserve.shared.sampling``.
 
 Strict, as pydantic's strict mode is: a boolean or a string is never a number. One leniency is
 kept from the hand-written checks: an integer field takes a float with no fraction (``8.0``),
@@ -13,8 +13,8 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field
 
-from shared.protocol import MAX_TOKEN_ID
-from shared.sampling import BOUNDS
+from pdserve.shared.protocol import MAX_TOKEN_ID
+from pdserve.shared.sampling import BOUNDS
 
 
 def _whole_float_as_int(value: Any) -> Any:
@@ -31,14 +31,14 @@ def integer(minimum: int | None = None, maximum: int | None = None) -> Any:
 
 
 def bounded_integer(name: str, minimum: int | None = None) -> Any:
-    """An integer type with ``shared.sampling.BOUNDS[name]`` (``minimum`` may raise the floor)."""
+    """An integer type with ``pdserve.shared.sampling.BOUNDS[name]`` (``minimum`` may raise the floor)."""
     bound = BOUNDS[name]
     low = int(bound.lo) + (1 if bound.lo_open else 0)
     return integer(low if minimum is None else max(low, minimum), int(bound.hi))
 
 
 def bounded_number(name: str) -> Any:
-    """A finite number type with ``shared.sampling.BOUNDS[name]``."""
+    """A finite number type with ``pdserve.shared.sampling.BOUNDS[name]``."""
     bound = BOUNDS[name]
     low = {"gt": bound.lo} if bound.lo_open else {"ge": bound.lo}
     return Annotated[float, Field(le=bound.hi, allow_inf_nan=False, **low)]

@@ -13,15 +13,15 @@ from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
-from gateway.chat_messages import Message
-from gateway.guided_fields import GuidedFields
-from gateway.neutral_fields import ChatNeutralFields, NeutralFields
-from gateway.number_fields import TokenId, bounded_integer
-from gateway.sampling_fields import SamplingFields
-from gateway.schema_base import StrictModel, field_error, refused, shaped
-from gateway.schema_errors import INVALID_VALUE
-from gateway.stream_options import StreamFields
-from shared.sampling import MAX_MAX_TOKENS
+from pdserve.gateway.chat_messages import Message
+from pdserve.gateway.guided_fields import GuidedFields
+from pdserve.gateway.neutral_fields import ChatNeutralFields, NeutralFields
+from pdserve.gateway.number_fields import TokenId, bounded_integer
+from pdserve.gateway.sampling_fields import SamplingFields
+from pdserve.gateway.schema_base import StrictModel, field_error, refused, shaped
+from pdserve.gateway.schema_errors import INVALID_VALUE
+from pdserve.gateway.stream_options import StreamFields
+from pdserve.shared.sampling import MAX_MAX_TOKENS
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's legacy completions default
 MAX_PROMPTS = 64  # prompts in one completions request

@@ -1,7 +1,7 @@
 """The sampling fields both endpoints share: temperature, nucleus and top-k, seed, n, penalties,
 min_tokens, logit_bias, stop strings and stop token ids.
 
-Bounds come from ``shared.sampling`` (the same ones the wire protocol and the engine enforce).
+Bounds come from ``pdserve.shared.sampling`` (the same ones the wire protocol and the engine enforce).
 ``presence_penalty`` and ``frequency_penalty`` are OpenAI's; ``repetition_penalty``,
 ``min_tokens``, ``stop_token_ids``, ``top_k`` and ``ignore_eos`` are vLLM's extensions;
 ``speculate`` is pdserve's own.
@@ -15,11 +15,11 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, Field
 from pydantic_core import PydanticCustomError
 
-from gateway.number_fields import TokenId, bounded_integer, bounded_number
-from gateway.schema_base import StrictModel, reported_whole, shaped
-from gateway.schema_errors import INVALID_VALUE
-from shared.protocol import MAX_TOKEN_ID
-from shared.sampling import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_STOP_TOKEN_IDS
+from pdserve.gateway.number_fields import TokenId, bounded_integer, bounded_number
+from pdserve.gateway.schema_base import StrictModel, reported_whole, shaped
+from pdserve.gateway.schema_errors import INVALID_VALUE
+from pdserve.shared.protocol import MAX_TOKEN_ID
+from pdserve.shared.sampling import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_STOP_TOKEN_IDS
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256

@@ -31,7 +31,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from gateway.schema_errors import INVALID_TYPE, UNSUPPORTED, describe
+from pdserve.gateway.schema_errors import INVALID_TYPE, UNSUPPORTED, describe
 
 MAX_KEY_SHOWN = 40  # characters of a client's map key quoted in an error message
 

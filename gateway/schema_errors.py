@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 from pydantic_core.core_schema import ErrorType
 
-from gateway.errors import APIError, bad_request
+from pdserve.gateway.errors import APIError, bad_request
 
 UNSUPPORTED = "unsupported_parameter"  # the code (and custom error type) of a refused field
 MISSING = "missing_required_parameter"

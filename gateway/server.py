@@ -21,7 +21,7 @@ from typing import Any
 from aiohttp import web
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from gateway.api_models import (
+from pdserve.gateway.api_models import (
     ChatRequest,
     CompletionRequest,
     check_logit_bias,
@@ -29,26 +29,26 @@ from gateway.api_models import (
     parse_chat,
     parse_completion,
 )
-from gateway.auth import api_key_middleware
-from gateway.chat_template import TemplateFailure, TemplateInputError
-from gateway.errors import (
+from pdserve.gateway.auth import api_key_middleware
+from pdserve.gateway.chat_template import TemplateFailure, TemplateInputError
+from pdserve.gateway.errors import (
     APIError,
     bad_request,
     model_not_found,
     payload_too_large,
     server_error,
 )
-from gateway.generation import Prompt, serve_generation
-from gateway.json_body import parse_json_body
-from gateway.openapi import openapi_spec
-from gateway.state import ARRIVED_KEY, GATEWAY_KEY, REQUEST_ID_KEY, Gateway, new_gateway_id
-from gateway.tokenizer import ModelTokenizer
-from shared import structured_output
-from shared import tracing as tr
-from shared.config import BusConfig, EngineConfig, GatewayConfig, build
-from shared.metrics import metrics_handler
-from shared.sampling import GuidedDecoding
-from shared.subjects import is_subject_token
+from pdserve.gateway.generation import Prompt, serve_generation
+from pdserve.gateway.json_body import parse_json_body
+from pdserve.gateway.openapi import openapi_spec
+from pdserve.gateway.state import ARRIVED_KEY, GATEWAY_KEY, REQUEST_ID_KEY, Gateway, new_gateway_id
+from pdserve.gateway.tokenizer import ModelTokenizer
+from pdserve.shared import structured_output
+from pdserve.shared import tracing as tr
+from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig, build
+from pdserve.shared.metrics import metrics_handler
+from pdserve.shared.sampling import GuidedDecoding
+from pdserve.shared.subjects import is_subject_token
 
 log = logging.getLogger("pdserve.gateway")
 _tracer = tr.tracer(__name__)

@@ -18,17 +18,17 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge
 
-from gateway.api_models import GenerationParams
-from gateway.chat_template import ChatTemplate
-from gateway.dispatch import Dispatcher
-from gateway.errors import APIError, overloaded
-from gateway.router import Router
-from gateway.tokenizer import ModelTokenizer
-from shared.bus import Bus
-from shared.config import BusConfig, EngineConfig, GatewayConfig
-from shared.metrics import GatewayMetrics, WorkerLoadCollector
-from shared.sampling import SamplingParams
-from shared.worker_registry import WorkerRegistry
+from pdserve.gateway.api_models import GenerationParams
+from pdserve.gateway.chat_template import ChatTemplate
+from pdserve.gateway.dispatch import Dispatcher
+from pdserve.gateway.errors import APIError, overloaded
+from pdserve.gateway.router import Router
+from pdserve.gateway.tokenizer import ModelTokenizer
+from pdserve.shared.bus import Bus
+from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig
+from pdserve.shared.metrics import GatewayMetrics, WorkerLoadCollector
+from pdserve.shared.sampling import SamplingParams
+from pdserve.shared.worker_registry import WorkerRegistry
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -46,7 +46,7 @@ class ServedModel:
         # Imported only here, and light: the same resolution as the workers', so the name the
         # gateway serves is the name the workers register (a GGUF converts without torch; only
         # the demo model's first creation needs it).
-        from shared.models.resolve import resolve
+        from pdserve.shared.models.resolve import resolve
 
         model = resolve(engine.model)
         model_dir = model.path

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from gateway.schema_base import StrictModel, field_error
-from gateway.schema_errors import INVALID_VALUE
+from pdserve.gateway.schema_base import StrictModel, field_error
+from pdserve.gateway.schema_errors import INVALID_VALUE
 
 
 class StreamOptions(StrictModel):

@@ -14,11 +14,11 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.choice_output import ChoiceOutput, Piece
-from gateway.errors import server_error
-from gateway.generation import FAULTS, Generation, fault_error
-from gateway.logprob_format import text_length
-from gateway.sse import SSEWriter
+from pdserve.gateway.choice_output import ChoiceOutput, Piece
+from pdserve.gateway.errors import server_error
+from pdserve.gateway.generation import FAULTS, Generation, fault_error
+from pdserve.gateway.logprob_format import text_length
+from pdserve.gateway.sse import SSEWriter
 
 log = logging.getLogger("pdserve.gateway")
 

@@ -1,4 +1,4 @@
-"""The one dispatch point per kernel. The engine calls only these (`from kernels import ops`).
+"""The one dispatch point per kernel. The engine calls only these (`from pdserve.kernels import ops`).
 
 `PDSERVE_KERNELS=auto|triton|torch` picks the implementation, read once when this module is
 imported (a bad value fails there); tests and benchmarks switch with `set_backend`. `auto` runs
@@ -20,18 +20,18 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from kernels import reference, reference_quant
+from pdserve.kernels import reference, reference_quant
 
 BACKENDS = ("auto", "triton", "torch")
 
 # op name -> module that holds its Triton implementation (function of the same name)
 _TRITON_MODULES = {
-    "rms_norm": "kernels.triton_norm",
-    "rotary_embedding": "kernels.triton_rotary",
-    "store_kvcache": "kernels.triton_cache",
-    "decode_attention": "kernels.triton_decode",
-    "prefill_attention": "kernels.triton_prefill",
-    "int8_linear": "kernels.triton_int8",
+    "rms_norm": "pdserve.kernels.triton_norm",
+    "rotary_embedding": "pdserve.kernels.triton_rotary",
+    "store_kvcache": "pdserve.kernels.triton_cache",
+    "decode_attention": "pdserve.kernels.triton_decode",
+    "prefill_attention": "pdserve.kernels.triton_prefill",
+    "int8_linear": "pdserve.kernels.triton_int8",
 }
 
 

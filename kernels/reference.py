@@ -1,6 +1,6 @@
 """Plain-torch twins of every kernel: the CPU production path and the oracle for the Triton ones.
 
-Every function has exactly the signature of its dispatch point in `kernels.ops`. They are
+Every function has exactly the signature of its dispatch point in `pdserve.kernels.ops`. They are
 vectorised (no Python loop over sequences) because on CPU they *are* the engine's hot path, and
 they accept the strided per-layer KV views `kv_cache[:, layer, 0]` without copying the cache.
 Math runs in at least fp32 (fp64 stays fp64) and results are cast back to the input dtype.
@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.reference_decode import DecodePlan, decode_attention
-from kernels.reference_paged import compute_dtype, gather_paged, token_rows
-from kernels.reference_quant import quantize_kv
+from pdserve.kernels.reference_decode import DecodePlan, decode_attention
+from pdserve.kernels.reference_paged import compute_dtype, gather_paged, token_rows
+from pdserve.kernels.reference_quant import quantize_kv
 
 __all__ = ["DecodePlan", "decode_attention"]  # the decode twin lives in reference_decode
 
@@ -172,7 +172,7 @@ def prefill_attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
 ) -> Tensor:
-    """Varlen causal attention with GQA over packed sequences; see kernels.ops for the contract."""
+    """Varlen causal attention with GQA over packed sequences; see pdserve.kernels.ops for the contract."""
     num_tokens, num_q_heads, head_dim = q.shape
     batch = cu_seqlens_q.shape[0] - 1
     out = q.new_empty(q.shape)

@@ -15,14 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.reference_paged import clamped_table, compute_dtype, gather_blocks
+from pdserve.kernels.reference_paged import clamped_table, compute_dtype, gather_blocks
 
 DECODE_LENGTH_GROUPS = 8
 
 
 class DecodePlan:
     """What every layer's decode attention shares within one forward pass: the length groups,
-    each group's gather indices and masks. ``kernels.ops.decode_plan`` makes one per step and
+    each group's gather indices and masks. ``pdserve.kernels.ops.decode_plan`` makes one per step and
     the model passes it to every layer, so this work runs once, not once per layer.
 
     Sequences are sorted by context length and cut into ``DECODE_LENGTH_GROUPS`` groups, each
@@ -143,9 +143,9 @@ def decode_attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
 ) -> Tensor:
-    """Paged decode attention; see kernels.ops.decode_attention for the contract.
+    """Paged decode attention; see pdserve.kernels.ops.decode_attention for the contract.
 
-    ``plan`` (from ``kernels.ops.decode_plan`` for these tables, lengths and queries) skips
+    ``plan`` (from ``pdserve.kernels.ops.decode_plan`` for these tables, lengths and queries) skips
     re-planning.
     """
     if q.shape[0] == 0:

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton_attention_common import scale_strides
+from pdserve.kernels.triton_attention_common import scale_strides
 
 # Adding then subtracting 1.5 * 2**23 rounds an fp32 of magnitude < 2**22 to the nearest integer,
 # ties to even (IEEE round-to-nearest of the sum), which is torch.round exactly; the interpreter
@@ -122,7 +122,7 @@ def store_kvcache(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
 ) -> None:
-    """See kernels.ops.store_kvcache. Caches (and scales) may be the strided per-layer views."""
+    """See pdserve.kernels.ops.store_kvcache. Caches (and scales) may be the strided per-layer views."""
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:
         return

@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton_attention_common import LOG2E, cache_rows, dot_precision, scale_strides
-from kernels.triton_decode_launch import DecodeConfig, choose_decode_config, query_layout
+from pdserve.kernels.triton_attention_common import LOG2E, cache_rows, dot_precision, scale_strides
+from pdserve.kernels.triton_decode_launch import DecodeConfig, choose_decode_config, query_layout
 
 
 @triton.jit
@@ -333,7 +333,7 @@ def decode_attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
 ) -> Tensor:
-    """See kernels.ops.decode_attention. The kernel reads pages in place: it needs no plan."""
+    """See pdserve.kernels.ops.decode_attention. The kernel reads pages in place: it needs no plan."""
     num_kv_heads = k_cache.shape[2]
     layout = query_layout(q.shape[1] // num_kv_heads, cu_seqlens_q, max_seqlen_q)
     config = choose_decode_config(

@@ -13,7 +13,7 @@ import torch
 import triton
 from torch import Tensor
 
-from kernels.triton_attention_common import num_sms
+from pdserve.kernels.triton_attention_common import num_sms
 
 # Programs of the default config that fit on one SM at once (96 registers x 128 threads, ~38 KB
 # shared memory on sm_90 allow 5; 4 leaves room for what the compiler of the day does).

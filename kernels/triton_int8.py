@@ -76,7 +76,7 @@ def _int8_linear_kernel(
 
 
 def int8_linear(x: Tensor, qweight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
-    """See kernels.ops.int8_linear."""
+    """See pdserve.kernels.ops.int8_linear."""
     M, K = x.shape
     N = qweight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()

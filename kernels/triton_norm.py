@@ -51,7 +51,7 @@ def _rows(t: Tensor) -> Tensor:
 def rms_norm(
     x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
 ) -> tuple[Tensor, Tensor | None]:
-    """See kernels.ops.rms_norm. Leading dims beyond [T, H] are flattened and restored."""
+    """See pdserve.kernels.ops.rms_norm. Leading dims beyond [T, H] are flattened and restored."""
     if x.dim() != 2:
         out, new_residual = rms_norm(
             _rows(x), weight, eps, _rows(residual) if residual is not None else None

@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton_attention_common import LOG2E, dot_precision, key_rows
-from kernels.triton_prefill_launch import PrefillConfig, choose_prefill_config, prefill_keys
+from pdserve.kernels.triton_attention_common import LOG2E, dot_precision, key_rows
+from pdserve.kernels.triton_prefill_launch import PrefillConfig, choose_prefill_config, prefill_keys
 
 
 @triton.jit
@@ -342,7 +342,7 @@ def prefill_attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
 ) -> Tensor:
-    """See kernels.ops.prefill_attention."""
+    """See pdserve.kernels.ops.prefill_attention."""
     config = choose_prefill_config(q.shape[2], q.device)
     return prefill_attention_with(
         q,

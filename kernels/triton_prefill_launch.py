@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels.triton_attention_common import scale_strides
+from pdserve.kernels.triton_attention_common import scale_strides
 
 
 @dataclass(frozen=True)

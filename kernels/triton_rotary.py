@@ -68,7 +68,7 @@ def _rotary_kernel(
 
 
 def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor) -> None:
-    """See kernels.ops.rotary_embedding. q and k may be strided views (e.g. of a fused qkv)."""
+    """See pdserve.kernels.ops.rotary_embedding. q and k may be strided views (e.g. of a fused qkv)."""
     num_tokens, num_q_heads, head_dim = q.shape
     if num_tokens == 0:
         return

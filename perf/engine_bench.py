@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from services.engine.engine import LLMEngine
-from shared.config import EngineConfig
-from shared.sampling import SamplingParams
+from pdserve.services.engine.engine import LLMEngine
+from pdserve.shared.config import EngineConfig
+from pdserve.shared.sampling import SamplingParams
 
 
 @dataclass
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> Result:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         if args.model:
-            from shared.models.resolve import resolve
+            from pdserve.shared.models.resolve import resolve
 
             model_dir = resolve(args.model).path
         else:

@@ -22,9 +22,9 @@ import json
 import statistics
 import time
 
-from services.engine.engine import LLMEngine
-from shared.config import EngineConfig
-from shared.sampling import GuidedDecoding, SamplingParams
+from pdserve.services.engine.engine import LLMEngine
+from pdserve.shared.config import EngineConfig
+from pdserve.shared.sampling import GuidedDecoding, SamplingParams
 
 SCHEMA = {
     "type": "object",
@@ -70,7 +70,7 @@ def main() -> None:
     args = ap.parse_args()
 
     engine = LLMEngine(EngineConfig(model=args.model, dtype="float32", num_kv_blocks=512))
-    from gateway.tokenizer import ModelTokenizer
+    from pdserve.gateway.tokenizer import ModelTokenizer
 
     prompt = ModelTokenizer.from_dir(engine.model_dir).encode(PROMPT)
     todo = variants(args.tokens)

@@ -31,8 +31,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from services.engine.quant.int8_linear import CpuInt8Linear, cpu_has_vnni
-from services.engine.quant.int8_weights import quantize_per_channel, quantize_per_token
+from pdserve.services.engine.quant.int8_linear import CpuInt8Linear, cpu_has_vnni
+from pdserve.services.engine.quant.int8_weights import quantize_per_channel, quantize_per_token
 
 # (name, out_features N, in_features K) of SmolLM2-135M: hidden 576, 9 q / 3 kv heads of 64,
 # MLP 1536, vocabulary 49,152

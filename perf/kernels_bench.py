@@ -223,7 +223,7 @@ def bench_decode(
     device: torch.device = torch.device("cuda"),
     dtype: torch.dtype = torch.bfloat16,
 ) -> list[Result]:
-    from kernels.triton_decode import (
+    from pdserve.kernels.triton_decode import (
         DecodeConfig,
         choose_decode_config,
         decode_attention_with,
@@ -297,8 +297,8 @@ def bench_prefill(
     device: torch.device = torch.device("cuda"),
     dtype: torch.dtype = torch.bfloat16,
 ) -> list[Result]:
-    from kernels.triton_cache import store_kvcache
-    from kernels.triton_prefill import (
+    from pdserve.kernels.triton_cache import store_kvcache
+    from pdserve.kernels.triton_prefill import (
         PrefillConfig,
         choose_prefill_config,
         prefill_attention_with,

@@ -43,7 +43,7 @@ def cpu_time_ms(fn: Callable[[], object], repeats: int) -> float:
 def bench_twin_decode(case: DecodeCase, repeats: int) -> list[Result]:
     """The CPU twin per layer call with the step's plan made once (what the engine pays per
     layer), the plan itself (once per step), and SDPA on dense K/V (no page gather)."""
-    from kernels import reference
+    from pdserve.kernels import reference
 
     inputs = decode_inputs(case, torch.device("cpu"), torch.float32)
     q, k_cache, *_ = args = inputs.args()

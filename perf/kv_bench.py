@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from shared.kv_peer_result import CaseResult
-from shared.kv_peer_test import Geometry, measure
+from pdserve.shared.kv_peer_result import CaseResult
+from pdserve.shared.kv_peer_test import Geometry, measure
 
 TARGET_RATIO = 0.8
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from shared.models.resolve import resolve
+from pdserve.shared.models.resolve import resolve
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")

@@ -38,13 +38,13 @@ import nats
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from perf.bench.arrivals import arrival_offsets, paced
-from perf.bench.client import discover_model
-from perf.bench.datasets import BenchRequest
+from pdserve.services.launcher import service_argv, service_env
+from pdserve.services.processes import Child, NatsServer, free_port, spawn
+from pdserve.shared.bench.arrivals import arrival_offsets, paced
+from pdserve.shared.bench.client import discover_model
+from pdserve.shared.bench.datasets import BenchRequest
+from pdserve.shared.protocol import DecodeRequest, decode
 from perf.bench.topology import registered_workers
-from services.launcher import service_argv, service_env
-from services.processes import Child, NatsServer, free_port, spawn
-from shared.protocol import DecodeRequest, decode
 
 QUIET = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
          "PYTHONUNBUFFERED": "1", "UCX_WARN_UNUSED_ENV_VARS": "n"}  # fmt: skip

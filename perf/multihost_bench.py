@@ -27,7 +27,7 @@ from pathlib import Path
 
 import aiohttp
 
-from services.processes import NatsCluster
+from pdserve.services.processes import NatsCluster
 from tests.integration.migration_stack import worker_blocks
 from tests.integration.stack import free_port, start_service, stop_all
 from tests.multihost import netns

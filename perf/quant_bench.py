@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from services.engine.engine import LLMEngine
-from shared.config import EngineConfig
-from shared.sampling import SamplingParams
+from pdserve.services.engine.engine import LLMEngine
+from pdserve.shared.config import EngineConfig
+from pdserve.shared.sampling import SamplingParams
 
 DEFAULT_CONFIGS = (
     "none:float32:auto,none:float32:int8,none:bfloat16:auto,none:bfloat16:int8,"

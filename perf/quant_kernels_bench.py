@@ -29,11 +29,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kernels import ops
+from pdserve.kernels import ops
+from pdserve.services.engine.quant.int8_weights import quantize_per_channel
+from pdserve.services.engine.quant.kv_cache import kv_cache_spec
 from perf.kernels_bench import DecodeCase, decode_inputs
 from perf.kernels_bench import time_ms as cuda_time_ms
-from services.engine.quant.int8_weights import quantize_per_channel
-from services.engine.quant.kv_cache import kv_cache_spec
 
 # (name, N, K): the served SmolLM2's vocabulary head, a 7B model's attention and MLP matmuls
 LINEAR_SHAPES = [

@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.logprobs import TokenLogprobs
-from shared.sampling import SamplingParams
+from pdserve.shared.logprobs import TokenLogprobs
+from pdserve.shared.sampling import SamplingParams
 
 QUALITY_TEXT = Path(__file__).parent / "data" / "quality_text.txt"
 
@@ -119,9 +119,9 @@ def engine_for(setting: str, default_alpha: float | None):
     """``quantization:dtype[:kv[:pattern+pattern...[:alpha]]]``; the patterns are the linear
     layers kept float (``int8_linear.FLOAT_LINEARS`` for this engine), alpha SmoothQuant's
     (empty: ``default_alpha``, the module's as shipped; ``none``: no smoothing)."""
-    from services.engine.engine import LLMEngine
-    from services.engine.quant import int8_linear
-    from shared.config import EngineConfig
+    from pdserve.services.engine.engine import LLMEngine
+    from pdserve.services.engine.quant import int8_linear
+    from pdserve.shared.config import EngineConfig
 
     parts = setting.split(":")
     quantization, dtype, kv, keep, alpha = parts + ["auto", "", ""][len(parts) - 2 :]
@@ -138,7 +138,7 @@ def main() -> None:
     import torch
     from tokenizers import Tokenizer
 
-    from services.engine.quant import int8_linear
+    from pdserve.services.engine.quant import int8_linear
 
     default_alpha = int8_linear.SMOOTH_ALPHA
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -45,10 +45,21 @@ from typing import Any
 
 import numpy as np
 
-from perf.bench.client import ClientConfig, discover_model, warm_up
+from pdserve.services.processes import find_nats_server, free_port
+from pdserve.shared.bench.cli import (
+    CALIBRATION_SEED_OFFSET,
+    WARMUP_SEED_OFFSET,
+    build_dataset,
+    client_config,
+    describe,
+    make_parser,
+    measure_rate,
+    print_summary,
+)
+from pdserve.shared.bench.client import ClientConfig, discover_model, warm_up
+from pdserve.shared.bench.metrics import compute_metrics, parse_goodput
+from pdserve.shared.bench.report import RunResult, jsonable, write_outputs
 from perf.bench.compare import Targets, scenario_report
-from perf.bench.metrics import compute_metrics, parse_goodput
-from perf.bench.report import RunResult, jsonable, write_outputs
 from perf.bench.topology import (
     EngineSteps,
     Profiler,
@@ -62,17 +73,6 @@ from perf.bench.topology import (
     scrape_engine,
     slug,
 )
-from perf.bench_cli import (
-    CALIBRATION_SEED_OFFSET,
-    WARMUP_SEED_OFFSET,
-    build_dataset,
-    client_config,
-    describe,
-    make_parser,
-    measure_rate,
-    print_summary,
-)
-from services.processes import find_nats_server, free_port
 
 
 @dataclass

@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
+from pdserve.services.engine.engine import LLMEngine
+from pdserve.services.engine.spec.speculator import SpecCounters
+from pdserve.shared.config import EngineConfig
+from pdserve.shared.sampling import SamplingParams
 from perf import spec_workloads
-from services.engine.engine import LLMEngine
-from services.engine.spec.speculator import SpecCounters
-from shared.config import EngineConfig
-from shared.sampling import SamplingParams
 
 MODES = {  # name -> engine options (the draft modes take --draft-model too)
     "off": {},
@@ -76,9 +76,9 @@ class CaseResult:
 
 def chat_prompts(model_dir: Path, messages: list[str]) -> list[list[int]]:
     """Token ids of each message as a one-turn chat, rendered as the gateway renders it."""
-    from gateway.api_models import ChatMessage
-    from gateway.chat_template import ChatTemplate
-    from gateway.tokenizer import ModelTokenizer
+    from pdserve.gateway.api_models import ChatMessage
+    from pdserve.gateway.chat_template import ChatTemplate
+    from pdserve.gateway.tokenizer import ModelTokenizer
 
     tok = ModelTokenizer.from_dir(model_dir)
     assert tok.chat_template is not None, "the model has no chat template"
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> list[CaseResult]:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from shared.models.resolve import resolve
+    from pdserve.shared.models.resolve import resolve
 
     model_dir = resolve(args.model).path
     wanted = args.modes or [m for m in MODES if args.draft_model or not m.startswith("draft")]

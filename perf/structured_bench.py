@@ -255,9 +255,9 @@ class EngineOverhead:
 def engine_overhead(model: str, batch: int = 16, max_tokens: int = 24) -> EngineOverhead:
     """The same decode steps of ``model`` with every row guided (PERSON_SCHEMA; ``max_tokens``
     stops them before the object closes, so every step has ``batch`` rows) and unguided."""
-    from services.engine.engine import LLMEngine
-    from shared.config import EngineConfig
-    from shared.sampling import GuidedDecoding, SamplingParams
+    from pdserve.services.engine.engine import LLMEngine
+    from pdserve.shared.config import EngineConfig
+    from pdserve.shared.sampling import GuidedDecoding, SamplingParams
 
     engine = LLMEngine(EngineConfig(model=model, num_kv_blocks=512, max_num_seqs=batch))
     tokenizer = Tokenizer.from_file(str(engine.model_dir / "tokenizer.json"))

@@ -51,8 +51,8 @@ def load_tokenizer(name: str, tokenizer, eos: int) -> TokenizerCase:
 def tokenizer_cases() -> list[TokenizerCase]:
     from tokenizers import Tokenizer
 
-    from services.engine.model_config import ModelConfig
-    from shared.models.resolve import resolve
+    from pdserve.services.engine.model_config import ModelConfig
+    from pdserve.shared.models.resolve import resolve
     from tests.checkpoints import train_tokenizer
 
     model_dir = resolve("smollm2-135m-instruct").path

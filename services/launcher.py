@@ -1,6 +1,6 @@
 """``pdserve up``: NATS, prefill workers, decode workers and the gateway on one machine.
 
-Each service runs as its own process (``python -m shared.cli <cmd>``) in its own process group,
+Each service runs as its own process (``python -m pdserve.shared.cli <cmd>``) in its own process group,
 exactly as compose runs them, so local runs exercise the real wiring. Options reach the children
 as ``PDSERVE_*`` environment variables (secrets stay out of ``ps``). Children get SIGTERM from the
 kernel if the launcher itself dies (PR_SET_PDEATHSIG), and on Ctrl-C/SIGTERM the launcher stops
@@ -33,8 +33,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from services.processes import Child, NatsCluster, NatsServer, http_ok, spawn
-from shared.config import (
+from pdserve.services.processes import Child, NatsCluster, NatsServer, http_ok, spawn
+from pdserve.shared.config import (
     BusConfig,
     EngineConfig,
     GatewayConfig,
@@ -115,7 +115,7 @@ def service_env(values: dict[str, object], base: dict[str, str] | None = None) -
 
 
 def service_argv(command: str) -> list[str]:
-    return [sys.executable, "-m", "shared.cli", command]
+    return [sys.executable, "-m", "pdserve.shared.cli", command]
 
 
 def _values(*configs: object) -> dict[str, object]:
@@ -150,7 +150,7 @@ class Launcher:
     def start(self) -> None:
         # Resolve (and on first use convert) the model once, here, so the workers and the
         # gateway start from the cache instead of all converting a GGUF at the same time.
-        from shared.models.resolve import resolve
+        from pdserve.shared.models.resolve import resolve
 
         self.model = resolve(self.engine.model)
         if self.up.nats_url:
@@ -242,7 +242,7 @@ class Launcher:
         return False
 
     def model_banner(self) -> str:
-        from shared.models.resolve import describe
+        from pdserve.shared.models.resolve import describe
 
         dtype = self.engine.dtype
         if dtype == "auto":  # the engine's rule, decided without importing torch here

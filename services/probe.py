@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.engine.commands import BlockHoldRefused
-from shared import ucx_check
-from shared.kv_probe import (
+from pdserve.services.engine.commands import BlockHoldRefused
+from pdserve.shared import ucx_check
+from pdserve.shared.kv_probe import (
     MAX_PROBE_LEASES,
     MAX_PROBE_TTL,
     PROBE_PREFIX,
@@ -32,11 +32,11 @@ from shared.kv_probe import (
     ProbePullReply,
     ProbePullRequest,
 )
-from shared.kv_transfer import KVTransferError
+from pdserve.shared.kv_transfer import KVTransferError
 
 if TYPE_CHECKING:
-    from services.decode.worker import DecodeWorker
-    from services.prefill.worker import PrefillWorker
+    from pdserve.services.decode.worker import DecodeWorker
+    from pdserve.services.prefill.worker import PrefillWorker
 
 log = logging.getLogger("pdserve.probe")
 

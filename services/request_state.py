@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from services.engine.outputs import StepResult
-from shared import tracing
+from pdserve.services.engine.outputs import StepResult
+from pdserve.shared import tracing
 
 
 @dataclass

@@ -23,18 +23,18 @@ import time
 
 from prometheus_client import CollectorRegistry
 
-from services.engine.engine import LLMEngine
-from services.engine.engine_thread import EngineThread
-from services.engine.outputs import StepResult
-from services.request_state import RequestState, record_queue
-from services.worker_process import default_worker_id, set_torch_threads
-from shared import tracing, ucx_config
-from shared.announce import HeartbeatPublisher, KVEventPublisher, register_micro_service
-from shared.bus import Bus
-from shared.config import BusConfig, EngineConfig, WorkerConfig, build
-from shared.kv_layout import layout_id
-from shared.metrics import WorkerMetrics, start_metrics_server
-from shared.protocol import Cancel, WorkerGone, WorkerLoad
+from pdserve.services.engine.engine import LLMEngine
+from pdserve.services.engine.engine_thread import EngineThread
+from pdserve.services.engine.outputs import StepResult
+from pdserve.services.request_state import RequestState, record_queue
+from pdserve.services.worker_process import default_worker_id, set_torch_threads
+from pdserve.shared import tracing, ucx_config
+from pdserve.shared.announce import HeartbeatPublisher, KVEventPublisher, register_micro_service
+from pdserve.shared.bus import Bus
+from pdserve.shared.config import BusConfig, EngineConfig, WorkerConfig, build
+from pdserve.shared.kv_layout import layout_id
+from pdserve.shared.metrics import WorkerMetrics, start_metrics_server
+from pdserve.shared.protocol import Cancel, WorkerGone, WorkerLoad
 
 log = logging.getLogger("pdserve.worker")
 

@@ -3,7 +3,7 @@
 ``Bus`` wraps nats-py with what every pdserve process needs: reconnects that never give up,
 authentication and TLS from ``BusConfig``, namespaced subjects (``bus.subjects``), headers for
 trace context, and a hard filter on input - every received message is size-limited and fully
-schema-checked by ``shared.protocol.decode`` before a handler sees it. Bad messages are counted
+schema-checked by ``pdserve.shared.protocol.decode`` before a handler sees it. Bad messages are counted
 and logged (rate-limited), never raised into the subscription loop.
 """
 
@@ -24,9 +24,9 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import AuthorizationError
 
-from shared.config import BusConfig
-from shared.protocol import Message, ProtocolError, decode_as, encode
-from shared.subjects import Subjects
+from pdserve.shared.config import BusConfig
+from pdserve.shared.protocol import Message, ProtocolError, decode_as, encode
+from pdserve.shared.subjects import Subjects
 
 log = logging.getLogger("pdserve.bus")
 

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.config import (
+from pdserve.shared.config import (
     BusConfig,
     EngineConfig,
     GatewayConfig,
@@ -16,14 +16,14 @@ from shared.config import (
     WorkerConfig,
     add_options,
 )
-from shared.errors import StartupError
+from pdserve.shared.errors import StartupError
 
 
 @dataclass(frozen=True)
 class Command:
     help: str
     # "module:function" strings, imported only when needed: start-up stays fast, and this module
-    # (in shared/) never imports the tools above it (perf/).
+    # (in shared/) never imports the layers above it (gateway/, services/).
     target: str
     options: tuple[type, ...] = ()
     extra: str | None = None  # adds the command's own arguments to its parser
@@ -37,36 +37,38 @@ def _load(spec: str) -> Callable:
 COMMANDS: dict[str, Command] = {
     "up": Command(
         "run NATS, prefill and decode workers and the gateway locally",
-        "services.launcher:run",
+        "pdserve.services.launcher:run",
         (UpConfig, GatewayConfig, EngineConfig, WorkerConfig, BusConfig),
     ),
     "gateway": Command(
         "run the OpenAI-compatible HTTP gateway",
-        "gateway.server:run",
+        "pdserve.gateway.server:run",
         (GatewayConfig, EngineConfig, BusConfig),
     ),
     "prefill": Command(
         "run a prefill worker",
-        "services.prefill.worker:run",
+        "pdserve.services.prefill.worker:run",
         (WorkerConfig, EngineConfig, BusConfig),
     ),
     "decode": Command(
-        "run a decode worker", "services.decode.worker:run", (WorkerConfig, EngineConfig, BusConfig)
+        "run a decode worker",
+        "pdserve.services.decode.worker:run",
+        (WorkerConfig, EngineConfig, BusConfig),
     ),
     "bench": Command(
         "benchmark an OpenAI-compatible endpoint",
-        "perf.bench_cli:run",
-        extra="perf.bench_cli:add_arguments",
+        "pdserve.shared.bench.cli:run",
+        extra="pdserve.shared.bench.cli:add_arguments",
     ),
     "doctor": Command(
         "check the KV transfer path: UCX transports, pull vs raw bandwidth, a running stack",
-        "shared.doctor:run",
-        extra="shared.doctor:add_arguments",
+        "pdserve.shared.doctor:run",
+        extra="pdserve.shared.doctor:add_arguments",
     ),
     "trace": Command(
         "per-phase breakdown of request traces from Jaeger",
-        "perf.trace_cli:run",
-        extra="perf.trace_cli:add_arguments",
+        "pdserve.shared.trace_cli:run",
+        extra="pdserve.shared.trace_cli:add_arguments",
     ),
 }
 

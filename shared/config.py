@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from shared.errors import StartupError
+from pdserve.shared.errors import StartupError
 
 ENV_PREFIX = "PDSERVE_"
 SPECULATIVE_METHODS = ("off", "ngram", "draft")

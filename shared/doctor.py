@@ -26,8 +26,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.config import BusConfig, add_options, build, opt
-from shared.doctor_report import (
+from pdserve.shared.config import BusConfig, add_options, build, opt
+from pdserve.shared.doctor_report import (
     EXIT_BAD_INPUT,
     INFO,
     OK,
@@ -84,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _validate(cfg: DoctorConfig) -> None:
-    from shared.ucx_config import UCXConfigError, interface_for
+    from pdserve.shared.ucx_config import UCXConfigError, interface_for
 
     try:
         interface_for(cfg.ucx_host)
@@ -96,13 +96,13 @@ def _validate(cfg: DoctorConfig) -> None:
 
 
 async def diagnose(cfg: DoctorConfig, bus: BusConfig, sizes: list[float]) -> Report:
-    from shared import doctor_ucx
-    from shared.ucx_config import interface_for
+    from pdserve.shared import doctor_ucx
+    from pdserve.shared.ucx_config import interface_for
 
     report = Report(header=[host_line()])
     stack = None
     if cfg.nats_url:
-        from shared.doctor_stack import StackCheck
+        from pdserve.shared.doctor_stack import StackCheck
 
         bus.nats_url = cfg.nats_url
         stack = StackCheck(bus, cfg.timeout)

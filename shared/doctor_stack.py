@@ -20,10 +20,10 @@ from urllib.parse import urlsplit
 
 from nats.errors import NoRespondersError
 
-from shared.bus import Bus
-from shared.config import BusConfig
-from shared.doctor_report import FAIL, INFO, OK, WARN, DoctorInputError, Report
-from shared.kv_probe import (
+from pdserve.shared.bus import Bus
+from pdserve.shared.config import BusConfig
+from pdserve.shared.doctor_report import FAIL, INFO, OK, WARN, DoctorInputError, Report
+from pdserve.shared.kv_probe import (
     PROBE_PREFIX,
     ProbeLeaseReply,
     ProbeLeaseRequest,
@@ -32,7 +32,7 @@ from shared.kv_probe import (
     probe_subject,
     request,
 )
-from shared.protocol import ReleaseLease, WorkerGone, WorkerLoad
+from pdserve.shared.protocol import ReleaseLease, WorkerGone, WorkerLoad
 
 PROBE_PULLS = 3
 PROBE_TTL = 15.0

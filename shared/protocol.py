@@ -20,14 +20,14 @@ Flow of one request (subjects from ``Subjects``):
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import msgpack
 
-from shared.logprobs import MIN_LOGPROB, TokenLogprobs
-from shared.sampling import BOUNDS as SAMPLING_BOUNDS
-from shared.sampling import (
+from pdserve.shared.logprobs import MIN_LOGPROB, TokenLogprobs
+from pdserve.shared.sampling import BOUNDS as SAMPLING_BOUNDS
+from pdserve.shared.sampling import (
     GUIDED_KINDS,
     MAX_GUIDED_SPEC_CHARS,
     MAX_LOGIT_BIAS,
@@ -38,25 +38,27 @@ from shared.sampling import (
     GuidedDecoding,
     SamplingParams,
 )
-from shared.subjects import MAX_ID_CHARS, SUBJECT_RE, TOKEN_RE
-from shared.wire_check import INT64_MAX, Checker, ProtocolError
+from pdserve.shared.wire_check import Checker, ProtocolError
+from pdserve.shared.wire_fields import (
+    MAX_BATCH_ITEMS,
+    MAX_BLOCKS,
+    MAX_DEPTH,
+    MAX_KV_EVENT_HASHES,
+    MAX_TEXT_CHARS,
+    MAX_TOKEN_ID,
+    MAX_TOKENS,
+    MAX_UCX_ADDRESS_CHARS,
+    UINT64_MAX,
+    bounded,
+    count,
+    ident,
+    seconds,
+    subject,
+    text,
+    tokens,
+)
 
 PROTOCOL_VERSION = 3  # 3: n choices, log-probs, penalties, structured output
-
-# Bounds that hold for any sane deployment; the bus also caps whole messages (max_message_bytes).
-MAX_SUBJECT_CHARS = 256
-MAX_TEXT_CHARS = 4096
-MAX_UCX_ADDRESS_CHARS = 12000  # base64 of a UCX worker address (<= 8 KiB) and a tag
-MAX_TOKENS = 1 << 20  # prompt/output token lists
-MAX_BLOCKS = 1 << 20
-MAX_STOP_TOKENS = 1024
-MAX_BATCH_ITEMS = 4096
-MAX_TOKEN_ID = (1 << 31) - 1
-MAX_DEPTH = 8
-# Block hashes per KVEvents message (9 msgpack bytes each: ~590 KB, under NATS's default 1 MB
-# payload limit); bigger changes and snapshots are split over several messages.
-MAX_KV_EVENT_HASHES = 1 << 16
-UINT64_MAX = (1 << 64) - 1  # block hashes are unsigned 64-bit (blake2b, 8 bytes)
 
 ROLES = ("prefill", "decode")
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -72,41 +74,6 @@ ERROR_CODES = {
 
 
 # ---------------------------------------------------------------------------------------------
-# field helpers: bounds live in dataclass field metadata, read by the generic checker below
-
-
-def _f(default: Any = dataclasses.MISSING, **bounds: Any) -> Any:
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=bounds)
-    return field(default=default, metadata=bounds)
-
-
-def ident(**kw: Any) -> Any:
-    """A request/worker id: one NATS subject token."""
-    return _f(kw.pop("default", dataclasses.MISSING), pattern=TOKEN_RE, max_len=MAX_ID_CHARS)
-
-
-def subject(**kw: Any) -> Any:
-    return _f(kw.pop("default", dataclasses.MISSING), pattern=SUBJECT_RE, max_len=MAX_SUBJECT_CHARS)
-
-
-def text(max_len: int = MAX_TEXT_CHARS, **kw: Any) -> Any:
-    return _f(kw.pop("default", dataclasses.MISSING), max_len=max_len, **kw)
-
-
-def count(lo: int = 0, hi: int = INT64_MAX, **kw: Any) -> Any:
-    return _f(kw.pop("default", dataclasses.MISSING), lo=lo, hi=hi)
-
-
-def tokens(max_len: int = MAX_TOKENS, **kw: Any) -> Any:
-    return _f(kw.pop("default", dataclasses.MISSING), lo=0, hi=MAX_TOKEN_ID, max_len=max_len)
-
-
-def seconds(**kw: Any) -> Any:
-    return _f(kw.pop("default", dataclasses.MISSING), lo=0.0, hi=1e12)
-
-
-# ---------------------------------------------------------------------------------------------
 # messages
 
 
@@ -117,10 +84,10 @@ class KVHandle:
     worker_id: str = ident()
     # the prefill worker's KVServer.address: its UCX worker address and control tag, opaque
     ucx_address: str = text(max_len=MAX_UCX_ADDRESS_CHARS)
-    block_ids: list[int] = _f(lo=0, hi=MAX_TOKEN_ID, max_len=MAX_BLOCKS)
+    block_ids: list[int] = bounded(lo=0, hi=MAX_TOKEN_ID, max_len=MAX_BLOCKS)
     num_tokens: int = count(lo=1, hi=MAX_TOKENS)
     # model, dtype, block_size, num_layers, num_kv_heads, head_dim: must equal the puller's
-    fingerprint: dict[str, Any] = _f(max_len=32)
+    fingerprint: dict[str, Any] = bounded(max_len=32)
     lease_expires: float = seconds()
     # Per-lease secret: the KV server answers only whoever shows it, so a peer that can reach
     # UCX but did not read the PrefillResult off the bus gets nothing, not even a reply.
@@ -132,7 +99,7 @@ class PrefillRequest:
     TYPE: ClassVar[str] = "prefill_request"
     request_id: str = ident()
     prompt_token_ids: list[int] = tokens()
-    sampling: SamplingParams = _f()
+    sampling: SamplingParams = bounded()
     reply_to: str = subject()
     deadline: float = seconds()
     # the client's x-request-id: the bus id above is the gateway's own (unique), this one names
@@ -147,15 +114,15 @@ class PrefillResult:
     worker_id: str = ident()
     first_token: int | None = count(hi=MAX_TOKEN_ID)
     finish_reason: str | None = text(max_len=16, choices=FINISH_REASONS)
-    kv: KVHandle | None = _f()
+    kv: KVHandle | None = bounded()
     error: str | None = text()
     cached_tokens: int = count(hi=MAX_TOKENS, default=0)
     # machine-readable error kind (see ERROR_CODES); the gateway retries elsewhere on
     # "overloaded"/"draining"
     error_code: str | None = text(max_len=32, default=None)
-    first_logprobs: TokenLogprobs | None = _f(default=None)  # of first_token (logprobs asked)
+    first_logprobs: TokenLogprobs | None = bounded(default=None)  # of first_token (logprobs asked)
     # of the prompt's tokens after the first (prompt_logprobs asked): computed in the prefill
-    prompt_logprobs: TokenLogprobs | None = _f(default=None)
+    prompt_logprobs: TokenLogprobs | None = bounded(default=None)
 
     @classmethod
     def failure(cls, request_id: str, worker_id: str, code: str, error: str) -> PrefillResult:
@@ -169,8 +136,8 @@ class DecodeRequest:
     request_id: str = ident()
     prompt_token_ids: list[int] = tokens()
     output_token_ids: list[int] = tokens()  # already generated, e.g. [first_token]
-    sampling: SamplingParams = _f()
-    kv: KVHandle | None = _f()  # None: the decode worker prefills locally
+    sampling: SamplingParams = bounded()
+    kv: KVHandle | None = bounded()  # None: the decode worker prefills locally
     reply_to: str = subject()
     deadline: float = seconds()
     client_request_id: str | None = ident(default=None)  # as in PrefillRequest
@@ -190,9 +157,9 @@ class TokenItem:
     # prefix cache served (None otherwise: a prefill worker already reported them)
     cached_tokens: int | None = count(hi=MAX_TOKENS, default=None)
     index: int = count(hi=MAX_N - 1, default=0)  # the choice (sampling.n > 1) these belong to
-    logprobs: TokenLogprobs | None = _f(default=None)  # of token_ids, when logprobs were asked
+    logprobs: TokenLogprobs | None = bounded(default=None)  # of token_ids, when logprobs were asked
     # with the first item of a request prefilled here, when prompt_logprobs were asked
-    prompt_logprobs: TokenLogprobs | None = _f(default=None)
+    prompt_logprobs: TokenLogprobs | None = bounded(default=None)
 
 
 @dataclass
@@ -200,7 +167,7 @@ class TokenBatch:
     """Everything one engine step produced for one gateway inbox."""
 
     TYPE: ClassVar[str] = "token_batch"
-    items: list[TokenItem] = _f(max_len=MAX_BATCH_ITEMS)
+    items: list[TokenItem] = bounded(max_len=MAX_BATCH_ITEMS)
 
 
 @dataclass
@@ -227,7 +194,7 @@ class WorkerLoad:
     total_blocks: int = count()
     running: int = count()
     waiting: int = count()
-    draining: bool = _f(default=False)
+    draining: bool = bounded(default=False)
     ucx_address: str = text(max_len=MAX_UCX_ADDRESS_CHARS, default="")  # prefill: KV server
     metrics_url: str | None = text(max_len=512, default=None)
     ts: float = seconds(default=0.0)
@@ -266,9 +233,9 @@ class KVEvents:
     instance: str = text(max_len=64)
     block_size: int = count(lo=1, hi=1 << 16)
     seq: int = count()
-    stored: list[int] = _f(lo=0, hi=UINT64_MAX, max_len=MAX_KV_EVENT_HASHES)
-    removed: list[int] = _f(lo=0, hi=UINT64_MAX, max_len=MAX_KV_EVENT_HASHES)
-    snapshot: bool = _f(default=False)
+    stored: list[int] = bounded(lo=0, hi=UINT64_MAX, max_len=MAX_KV_EVENT_HASHES)
+    removed: list[int] = bounded(lo=0, hi=UINT64_MAX, max_len=MAX_KV_EVENT_HASHES)
+    snapshot: bool = bounded(default=False)
     part: int = count(hi=1 << 16, default=0)  # snapshots: this message's index among parts
     parts: int = count(lo=1, hi=1 << 16, default=1)
 
@@ -288,7 +255,7 @@ class WorkerGone:
     TYPE: ClassVar[str] = "worker_gone"
     worker_id: str = ident()
     role: str = text(max_len=16, choices=ROLES)
-    rejoining: bool = _f(default=False)
+    rejoining: bool = bounded(default=False)
 
 
 Message = (

@@ -28,7 +28,7 @@ from typing import Any
 
 import llguidance
 
-from shared.sampling import GuidedDecoding
+from pdserve.shared.sampling import GuidedDecoding
 
 JSON_MAX_WHITESPACE = 12
 _JSON_OPTIONS = {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{JSON_MAX_WHITESPACE}}}"}

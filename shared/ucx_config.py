@@ -14,7 +14,7 @@ ucxx is also set to progress in ``blocking`` mode (``UCXPY_PROGRESS_MODE``): the
 waits on UCX's own file descriptor instead of a progress thread handing every completion over. On 2 cores that doubled a 1 MiB pull's bandwidth (0.45 -> 1.1 GB/s,
 ``perf/kv_bench.py``); ``polling`` was as fast but keeps a core busy, which a worker's engine
 needs. ucxx's own ``blocking`` mode never re-arms the worker and spins once UCX has seen an
-event; ``shared.ucx_progress`` replaces it with one that does.
+event; ``pdserve.shared.ucx_progress`` replaces it with one that does.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import socket
 import struct
 from pathlib import Path
 
-from shared import ucx_progress
+from pdserve.shared import ucx_progress
 
 log = logging.getLogger("pdserve.ucx")
 
@@ -110,6 +110,17 @@ def warn_if_link_local(host: str) -> bool:
     return link_local
 
 
+def drop_stale_memtype_cache(set_by_user: bool) -> None:
+    """Importing ucxx sets ``UCX_MEMTYPE_CACHE=n`` unless it is set. UCX 1.12 and newer never
+    read that variable and warn at start-up that it is unused, once per worker process, which
+    reads as a misconfiguration. UCX reads its variables only when ucxx creates its context, so
+    removing ucxx's default before then is enough; a value the user set is theirs to keep."""
+    import ucxx
+
+    if not set_by_user and tuple(ucxx.get_ucx_version()) >= (1, 12):
+        os.environ.pop("UCX_MEMTYPE_CACHE", None)
+
+
 def configure(host: str, port: int = 0) -> dict[str, str]:
     """Set this process's UCX variables for ``host``/``port``; returns what is in force.
 
@@ -130,7 +141,9 @@ def configure(host: str, port: int = 0) -> dict[str, str]:
             else:
                 os.environ[key] = value
         _applied = {k: os.environ[k] for k in _VARIABLES if k in os.environ}
-        ucx_progress.install()
+        users_memtype_cache = "UCX_MEMTYPE_CACHE" in os.environ
+        ucx_progress.install()  # imports ucxx
+        drop_stale_memtype_cache(users_memtype_cache)
         port_range = _applied.get("UCX_TCP_PORT_RANGE")
         log.info(
             "UCX TCP transport listens on %s%s; ucxx progress: %s",

@@ -1,5 +1,5 @@
 """Who is alive and how loaded, as the gateway sees it (the workers' side is
-``shared.announce``).
+``pdserve.shared.announce``).
 
 The gateway runs a ``WorkerRegistry``: it keeps each worker's latest load and the block hashes
 in its prefix cache. A worker whose heartbeats stop for ``timeout`` seconds stops being routable
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 from nats.errors import NoRespondersError
 
-from shared.bus import Bus
-from shared.protocol import (
+from pdserve.shared.bus import Bus
+from pdserve.shared.protocol import (
     KVEvents,
     ProtocolError,
     WorkerGone,

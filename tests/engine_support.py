@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from services.engine import model_runner
-from services.engine.engine import LLMEngine
-from services.engine.outputs import StepOutput
-from shared.config import EngineConfig
-from shared.sampling import SamplingParams
+from pdserve.services.engine import model_runner
+from pdserve.services.engine.engine import LLMEngine
+from pdserve.services.engine.outputs import StepOutput
+from pdserve.shared.config import EngineConfig
+from pdserve.shared.sampling import SamplingParams
 
 
 def make_engine(model_dir: Path, **overrides) -> LLMEngine:

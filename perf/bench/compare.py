@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from perf.bench.metrics import max_goodput_rate
-from perf.bench.report import RunResult
+from pdserve.shared.bench.metrics import max_goodput_rate
+from pdserve.shared.bench.report import RunResult
 from perf.bench.topology import EngineSteps
 
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from perf.bench.client import discover_model
-from services.launcher import service_argv, service_env
-from services.processes import Child, NatsServer, free_port, spawn
+from pdserve.services.launcher import service_argv, service_env
+from pdserve.services.processes import Child, NatsServer, free_port, spawn
+from pdserve.shared.bench.client import discover_model
 
 READY_TIMEOUT = 600.0
 
@@ -46,7 +46,7 @@ class Side:
     def __post_init__(self) -> None:
         # A misspelt option would travel as an env var nobody reads, and silently compare a
         # setup against itself.
-        from shared.config import all_option_names
+        from pdserve.shared.config import all_option_names
 
         unknown = sorted(set(self.options) - set(all_option_names()))
         if unknown:

@@ -38,7 +38,7 @@ def load_model(spec: str):
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
-    from shared.models.resolve import resolve
+    from pdserve.shared.models.resolve import resolve
 
     resolved = resolve(spec)
     # transformers' GGUF reader draws progress bars on stderr that would bury the results

@@ -83,7 +83,7 @@ def tool_runs(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shared.models.resolve import resolve
+    from pdserve.shared.models.resolve import resolve
 
     args = parse_args(argv)
     tools = TOOLS if args.tool == "all" else (args.tool,)

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.processes import free_port
+from pdserve.services.processes import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 READY_TEXT = "pdserve ready at"
@@ -115,7 +115,7 @@ def pdserve_up(
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     env.update(TOKENIZERS_PARALLELISM="false", UCX_WARN_UNUSED_ENV_VARS="n", PYTHONUNBUFFERED="1")
-    argv = [sys.executable, "-m", "shared.cli", "up", "--model", model]
+    argv = [sys.executable, "-m", "pdserve.shared.cli", "up", "--model", model]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", *extra_args]
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:

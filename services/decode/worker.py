@@ -55,18 +55,18 @@ import logging
 import time
 from dataclasses import dataclass
 
-from services.engine.engine import LLMEngine
-from services.engine.outputs import KVPull, StepOutput, StepResult
-from services.engine.spec.speculator import SpecCounters
-from services.probe import pull_probe
-from services.request_state import RequestState, record_prefill_forward
-from services.worker_base import Worker
-from services.worker_process import exit_now
-from shared import tracing, ucx_check
-from shared.bus import Bus
-from shared.kv_probe import ProbePullRequest, answer_probes
-from shared.kv_transfer import KVClient, KVTransferError
-from shared.protocol import (
+from pdserve.services.engine.engine import LLMEngine
+from pdserve.services.engine.outputs import KVPull, StepOutput, StepResult
+from pdserve.services.engine.spec.speculator import SpecCounters
+from pdserve.services.probe import pull_probe
+from pdserve.services.request_state import RequestState, record_prefill_forward
+from pdserve.services.worker_base import Worker
+from pdserve.services.worker_process import exit_now
+from pdserve.shared import tracing, ucx_check
+from pdserve.shared.bus import Bus
+from pdserve.shared.kv_probe import ProbePullRequest, answer_probes
+from pdserve.shared.kv_transfer import KVClient, KVTransferError
+from pdserve.shared.protocol import (
     DecodeRequest,
     KVHandle,
     ReleaseLease,

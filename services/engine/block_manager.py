@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from services.engine.sequence import Sequence
-from shared.block_hash import ROOT_HASH, hash_block, prefix_block_hashes
+from pdserve.services.engine.sequence import Sequence
+from pdserve.shared.block_hash import ROOT_HASH, hash_block, prefix_block_hashes
 
 
 class BlockManager:

@@ -21,10 +21,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from services.engine.block_manager import BlockManager
-from services.engine.scheduler import Scheduler
-from services.engine.sequence import Sequence
-from shared.sampling import SamplingParams, choice_seed
+from pdserve.services.engine.block_manager import BlockManager
+from pdserve.services.engine.scheduler import Scheduler
+from pdserve.services.engine.sequence import Sequence
+from pdserve.shared.sampling import SamplingParams, choice_seed
 
 __all__ = ["ChoiceGroup", "choice_seed", "fork_choice", "num_choices"]
 

@@ -13,7 +13,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from shared.sampling import SamplingParams
+from pdserve.shared.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

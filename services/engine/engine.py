@@ -30,9 +30,9 @@ from concurrent.futures import Future
 
 import torch
 
-from services.engine.block_manager import BlockManager
-from services.engine.choices import ChoiceGroup, num_choices
-from services.engine.commands import (
+from pdserve.services.engine.block_manager import BlockManager
+from pdserve.services.engine.choices import ChoiceGroup, num_choices
+from pdserve.services.engine.commands import (
     Abort,
     AddRequest,
     Command,
@@ -42,21 +42,21 @@ from services.engine.commands import (
     KVReady,
     Release,
 )
-from services.engine.guided import GuidedDecoder
-from services.engine.lifecycle import RequestLifecycle
-from services.engine.loader import load_model, resolve_device_dtype
-from services.engine.model_config import ModelConfig
-from services.engine.model_runner import ModelRunner
-from services.engine.outputs import EngineStats, KVPull, StepOutput, StepResult, StepStats
-from services.engine.quant.kv_cache import kv_cache_spec
-from services.engine.quant.options import quantization_problem
-from services.engine.scheduler import ScheduledBatch, Scheduler
-from services.engine.sequence import Sequence
-from services.engine.spec import TargetModel, build_speculator
-from shared.config import EngineConfig
-from shared.errors import StartupError
-from shared.models.resolve import describe, resolve
-from shared.sampling import SamplingParams
+from pdserve.services.engine.guided import GuidedDecoder
+from pdserve.services.engine.lifecycle import RequestLifecycle
+from pdserve.services.engine.loader import load_model, resolve_device_dtype
+from pdserve.services.engine.model_config import ModelConfig
+from pdserve.services.engine.model_runner import ModelRunner
+from pdserve.services.engine.outputs import EngineStats, KVPull, StepOutput, StepResult, StepStats
+from pdserve.services.engine.quant.kv_cache import kv_cache_spec
+from pdserve.services.engine.quant.options import quantization_problem
+from pdserve.services.engine.scheduler import ScheduledBatch, Scheduler
+from pdserve.services.engine.sequence import Sequence
+from pdserve.services.engine.spec import TargetModel, build_speculator
+from pdserve.shared.config import EngineConfig
+from pdserve.shared.errors import StartupError
+from pdserve.shared.models.resolve import describe, resolve
+from pdserve.shared.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

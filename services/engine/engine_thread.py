@@ -14,8 +14,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from services.engine.engine import LLMEngine
-from services.engine.outputs import StepResult
+from pdserve.services.engine.engine import LLMEngine
+from pdserve.services.engine.outputs import StepResult
 
 log = logging.getLogger("pdserve.worker")
 

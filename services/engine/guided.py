@@ -22,8 +22,8 @@ from pathlib import Path
 import llguidance
 import torch
 
-from services.engine.sequence import Sequence
-from shared.structured_output import GrammarCompiler, compiler_for
+from pdserve.services.engine.sequence import Sequence
+from pdserve.shared.structured_output import GrammarCompiler, compiler_for
 
 log = logging.getLogger(__name__)
 

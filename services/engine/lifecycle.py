@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from services.engine.block_manager import BlockManager
-from services.engine.choices import ChoiceGroup, num_choices
-from services.engine.commands import (
+from pdserve.services.engine.block_manager import BlockManager
+from pdserve.services.engine.choices import ChoiceGroup, num_choices
+from pdserve.services.engine.commands import (
     Abort,
     AddRequest,
     BlockHoldRefused,
@@ -25,12 +25,12 @@ from services.engine.commands import (
     KVReady,
     Release,
 )
-from services.engine.model_config import ModelConfig
-from services.engine.outputs import StepOutput
-from services.engine.scheduler import Scheduler
-from services.engine.sequence import Sequence, SequenceStatus
-from services.engine.spec.speculator import Speculator
-from shared.sampling import SamplingParams
+from pdserve.services.engine.model_config import ModelConfig
+from pdserve.services.engine.outputs import StepOutput
+from pdserve.services.engine.scheduler import Scheduler
+from pdserve.services.engine.sequence import Sequence, SequenceStatus
+from pdserve.services.engine.spec.speculator import Speculator
+from pdserve.shared.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -16,18 +16,18 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from services.engine.model import LlamaForCausalLM
-from services.engine.model_config import ModelConfig
-from services.engine.quant.int8_linear import (
+from pdserve.services.engine.model import LlamaForCausalLM
+from pdserve.services.engine.model_config import ModelConfig
+from pdserve.services.engine.quant.int8_linear import (
     WeightOnlyInt8Linear,
     quantization_targets,
     quantize_linears,
     uses_weight_only,
 )
-from services.engine.quant.int8_weights import Int8Weight, quantize_groupwise
-from services.engine.quant.smooth import calibration_ids
-from shared.errors import ModelLoadError
-from shared.models.gguf_weights import Q8_0_BLOCK, Q8_0_SCALES, Q8_0_VALUES, q8_0_layer
+from pdserve.services.engine.quant.int8_weights import Int8Weight, quantize_groupwise
+from pdserve.services.engine.quant.smooth import calibration_ids
+from pdserve.shared.errors import ModelLoadError
+from pdserve.shared.models.gguf_weights import Q8_0_BLOCK, Q8_0_SCALES, Q8_0_VALUES, q8_0_layer
 
 DTYPES = {
     "float32": torch.float32,

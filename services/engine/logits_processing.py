@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from services.engine.sequence import Sequence
+    from pdserve.services.engine.sequence import Sequence
 
 # Host list -> tensor on the step's device (the runner's pinned, non-blocking copy).
 ToDevice = Callable[..., torch.Tensor]

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shared.logprobs import MIN_LOGPROB, TokenLogprobs
+from pdserve.shared.logprobs import MIN_LOGPROB, TokenLogprobs
 
 if TYPE_CHECKING:
-    from services.engine.sequence import Sequence
+    from pdserve.services.engine.sequence import Sequence
 
 PROMPT_SLICE = 256  # prompt positions per LM-head slice
 

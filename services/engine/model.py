@@ -4,7 +4,7 @@ Tokens of all scheduled sequences are packed into one flat batch with no padding
 ``num_decodes`` sequences contribute one token each and use paged decode attention; then come
 speculative verification rows (a sequence's last token and its drafts), then prefill chunks,
 each group with varlen causal attention (reading any already-cached prefix from the pages).
-All heavy ops go through ``kernels.ops``, the one dispatch point between Triton and torch.
+All heavy ops go through ``pdserve.kernels.ops``, the one dispatch point between Triton and torch.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import ops
-from services.engine.model_config import ModelConfig
-from services.engine.quant.kv_cache import KVCacheSpec
+from pdserve.kernels import ops
+from pdserve.services.engine.model_config import ModelConfig
+from pdserve.services.engine.quant.kv_cache import KVCacheSpec
 
 
 @dataclass

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.errors import ModelLoadError
+from pdserve.shared.errors import ModelLoadError
 
 # model_type -> whether q/k/v projections carry a bias regardless of config flags
 SUPPORTED_MODEL_TYPES = {"llama": False, "qwen2": True, "mistral": False}

@@ -17,26 +17,26 @@ from itertools import accumulate
 
 import torch
 
-from kernels import ops
-from services.engine.guided import GuidedDecoder
-from services.engine.logits_processing import (
+from pdserve.kernels import ops
+from pdserve.services.engine.guided import GuidedDecoder
+from pdserve.services.engine.logits_processing import (
     build_logit_bias,
     build_min_tokens_mask,
     build_penalties,
 )
-from services.engine.logprobs import (
+from pdserve.services.engine.logprobs import (
     PromptLogprobsPlan,
     gather_prompt_logprobs,
     token_logprobs,
 )
-from services.engine.model import AttentionMetadata, ChunkGroup, LlamaForCausalLM
-from services.engine.sampler import SamplerOutput, SamplingTensors, sample
-from services.engine.scheduler import ScheduledBatch
-from services.engine.sequence import Sequence
-from services.engine.spec import verify
-from services.engine.spec.rejection import DraftDistributions
-from services.engine.spec.verify import DraftPosition
-from shared.logprobs import TokenLogprobs
+from pdserve.services.engine.model import AttentionMetadata, ChunkGroup, LlamaForCausalLM
+from pdserve.services.engine.sampler import SamplerOutput, SamplingTensors, sample
+from pdserve.services.engine.scheduler import ScheduledBatch
+from pdserve.services.engine.sequence import Sequence
+from pdserve.services.engine.spec import verify
+from pdserve.services.engine.spec.rejection import DraftDistributions
+from pdserve.services.engine.spec.verify import DraftPosition
+from pdserve.shared.logprobs import TokenLogprobs
 
 VERIFY_IN_DECODE = True
 

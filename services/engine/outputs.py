@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.engine.spec.speculator import SpecCounters
-from shared.logprobs import TokenLogprobs
+from pdserve.services.engine.spec.speculator import SpecCounters
+from pdserve.shared.logprobs import TokenLogprobs
 
 
 @dataclass

@@ -26,16 +26,16 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.logits_processing import (
+from pdserve.services.engine.logits_processing import (
     Penalties,
     SparseLogits,
     apply_penalties,
     apply_sparse,
     apply_token_bitmask,
 )
-from services.engine.logprobs import LogprobsTensors, gather_logprobs
-from services.engine.noise import uniform_noise
-from services.engine.spec.rejection import DraftDistributions, resolve_drafts
+from pdserve.services.engine.logprobs import LogprobsTensors, gather_logprobs
+from pdserve.services.engine.noise import uniform_noise
+from pdserve.services.engine.spec.rejection import DraftDistributions, resolve_drafts
 
 __all__ = ["SamplerOutput", "SamplingTensors", "process_logits", "sample", "uniform_noise"]
 

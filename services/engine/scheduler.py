@@ -24,8 +24,8 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.engine.block_manager import BlockManager
-from services.engine.sequence import Sequence, SequenceStatus
+from pdserve.services.engine.block_manager import BlockManager
+from pdserve.services.engine.sequence import Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
 

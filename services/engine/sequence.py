@@ -7,8 +7,8 @@ from __future__ import annotations
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
-from shared.logprobs import TokenLogprobs
-from shared.sampling import SamplingParams
+from pdserve.shared.logprobs import TokenLogprobs
+from pdserve.shared.sampling import SamplingParams
 
 if TYPE_CHECKING:
     import torch

@@ -16,17 +16,17 @@ import argparse
 import logging
 import time
 
-from services.engine.engine import LLMEngine
-from services.engine.outputs import StepResult
-from services.probe import lease_probe
-from services.request_state import RequestState, record_prefill_forward
-from services.worker_base import Worker
-from services.worker_process import exit_now
-from shared import tracing, ucx_check
-from shared.bus import Bus
-from shared.kv_probe import ProbeLeaseRequest, answer_probes
-from shared.kv_transfer import KVServer, Lease, LeaseTable
-from shared.protocol import KVHandle, PrefillRequest, PrefillResult, ReleaseLease
+from pdserve.services.engine.engine import LLMEngine
+from pdserve.services.engine.outputs import StepResult
+from pdserve.services.probe import lease_probe
+from pdserve.services.request_state import RequestState, record_prefill_forward
+from pdserve.services.worker_base import Worker
+from pdserve.services.worker_process import exit_now
+from pdserve.shared import tracing, ucx_check
+from pdserve.shared.bus import Bus
+from pdserve.shared.kv_probe import ProbeLeaseRequest, answer_probes
+from pdserve.shared.kv_transfer import KVServer, Lease, LeaseTable
+from pdserve.shared.protocol import KVHandle, PrefillRequest, PrefillResult, ReleaseLease
 
 log = logging.getLogger("pdserve.prefill")
 

@@ -12,8 +12,8 @@ import msgpack
 import numpy as np
 import torch
 
-from shared import ucx_config, ucx_progress
-from shared.kv_transfer.wire import (
+from pdserve.shared import ucx_config, ucx_progress
+from pdserve.shared.kv_transfer.wire import (
     MAX_CONTROL_BYTES,
     REPLY_BYTES,
     Endpoints,
@@ -30,7 +30,7 @@ from shared.kv_transfer.wire import (
     retrieve,
     unpack_reply,
 )
-from shared.protocol import KVHandle
+from pdserve.shared.protocol import KVHandle
 
 log = logging.getLogger("pdserve.kv")
 

@@ -9,9 +9,9 @@ import logging
 import numpy as np
 import torch
 
-from shared import ucx_config, ucx_progress
-from shared.kv_transfer.lease import Lease, LeaseTable
-from shared.kv_transfer.wire import (
+from pdserve.shared import ucx_config, ucx_progress
+from pdserve.shared.kv_transfer.lease import Lease, LeaseTable
+from pdserve.shared.kv_transfer.wire import (
     MAX_CONTROL_BYTES,
     MAX_PENDING_REQUESTS,
     ORPHAN_GRACE,

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from shared.errors import ModelLoadError
-from shared.models.gguf_file import GGUFFile
+from pdserve.shared.errors import ModelLoadError
+from pdserve.shared.models.gguf_file import GGUFFile
 
 # GGUF general.architecture -> HF model_type
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
@@ -133,7 +133,7 @@ def _llama3_from_freq_factors(f: GGUFFile, arch: str, head_dim: int) -> dict[str
     parameters that reproduce these divisors exactly; refuse rather than guess if none do."""
     import numpy as np
 
-    from shared.models.gguf_weights import dequantized
+    from pdserve.shared.models.gguf_weights import dequantized
 
     divisors = dequantized(f.tensors["rope_freqs.weight"]).reshape(-1).astype(np.float64)
     if np.allclose(divisors, 1.0):

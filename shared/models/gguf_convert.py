@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.errors import ModelLoadError
+from pdserve.shared.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class GGUFSource:
 
 
 def gguf_cache_root() -> Path:
-    from shared.models.demo import cache_dir
+    from pdserve.shared.models.demo import cache_dir
 
     return cache_dir() / "gguf"
 
@@ -89,10 +89,10 @@ def ensure_converted(path: Path) -> Path:
 
 def convert(path: Path, out: Path, digest: str) -> None:
     """Write config, generation config, tokenizer and weights for ``path`` into ``out``."""
-    from shared.models.gguf_config import generation_config, hf_config
-    from shared.models.gguf_file import GGUFFile
-    from shared.models.gguf_tokenizer import build_tokenizer, tokenizer_config
-    from shared.models.gguf_weights import plan, write_safetensors
+    from pdserve.shared.models.gguf_config import generation_config, hf_config
+    from pdserve.shared.models.gguf_file import GGUFFile
+    from pdserve.shared.models.gguf_tokenizer import build_tokenizer, tokenizer_config
+    from pdserve.shared.models.gguf_weights import plan, write_safetensors
 
     f = GGUFFile(path)
     cfg = hf_config(f)

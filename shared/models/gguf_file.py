@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.errors import ModelLoadError
+from pdserve.shared.errors import ModelLoadError
 
 
 @dataclass(frozen=True)

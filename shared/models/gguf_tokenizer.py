@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from shared.errors import ModelLoadError
-from shared.models.gguf_file import GGUFFile
+from pdserve.shared.errors import ModelLoadError
+from pdserve.shared.models.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ def _byte_level(token: str, alphabet: set[str]) -> str:
     store some tokens (user-defined ones) as raw text, which is respelled byte by byte."""
     if set(token) <= alphabet:
         return token
-    from shared.models.demo import bytes_to_unicode
+    from pdserve.shared.models.demo import bytes_to_unicode
 
     spelling = bytes_to_unicode()
     return "".join(spelling[b] for b in token.encode("utf-8"))

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.errors import ModelLoadError
-from shared.models.gguf_file import GGUFFile, GGUFTensor
+from pdserve.shared.errors import ModelLoadError
+from pdserve.shared.models.gguf_file import GGUFFile, GGUFTensor
 
 # The types the converter expands. Others (IQ*, Q2_K, Q3_K, TQ*...) fail at start-up by name.
 SUPPORTED_TYPES = (

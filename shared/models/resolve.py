@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.errors import ModelLoadError
+from pdserve.shared.errors import ModelLoadError
 
 DEMO = "demo"
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -74,7 +74,7 @@ def resolve(spec: str | None) -> ResolvedModel:
     Built-in names win over same-named paths; write ``./demo`` for a directory called demo.
     No value at all (None, or the empty PDSERVE_MODEL that compose passes without a MODEL_DIR)
     keeps its old meaning, the demo model."""
-    from shared.models import demo as model_dir
+    from pdserve.shared.models import demo as model_dir
 
     if not spec or spec == DEMO:
         path = model_dir.ensure_demo_model()
@@ -107,7 +107,7 @@ def describe(model: ResolvedModel) -> str:
     if model.is_demo:
         return f"{model.name} (demo model: random weights, its text is noise)"
     if model.kind in ("builtin", "gguf"):
-        from shared.models.gguf_convert import GGUFSource
+        from pdserve.shared.models.gguf_convert import GGUFSource
 
         src = GGUFSource.read(model.path)
         return (
@@ -119,7 +119,7 @@ def describe(model: ResolvedModel) -> str:
 
 
 def _converted(gguf: Path) -> Path:
-    from shared.models.gguf_convert import ensure_converted
+    from pdserve.shared.models.gguf_convert import ensure_converted
 
     return ensure_converted(gguf)
 

@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from perf.bench.client import ClientConfig, LoadConfig, RequestRecord, run_benchmark
-from perf.bench.datasets import BenchRequest
-from shared.cli import main as cli_main
+from pdserve.shared.bench.client import ClientConfig, LoadConfig, RequestRecord, run_benchmark
+from pdserve.shared.bench.datasets import BenchRequest
+from pdserve.shared.cli import main as cli_main
 
 TTFT_S = 0.040
 ITL_S = 0.008
@@ -237,8 +237,8 @@ def test_cli_writes_consistent_outputs(server_url: str, tmp_path: Path) -> None:
         assert f"]({png})" in md
 
     # a saved result loads back whole and re-renders elsewhere without touching its data
-    from perf.bench.report import load_runs
-    from perf.bench.report import main as report_main
+    from pdserve.shared.bench.report import load_runs
+    from pdserve.shared.bench.report import main as report_main
 
     runs, _ = load_runs(tmp_path / "fake.json")
     assert [len(r.records) for r in runs] == [10, 10]
@@ -446,12 +446,12 @@ def test_engine_step_scrape_and_overhead_report() -> None:
     """Worker counters come from real worker-style /metrics pages (shared.metrics)."""
     from prometheus_client import CollectorRegistry, start_http_server
 
+    from pdserve.shared.bench.metrics import compute_metrics
+    from pdserve.shared.bench.report import RunResult
+    from pdserve.shared.metrics import WorkerMetrics
     from perf import scenarios
     from perf.bench import topology
     from perf.bench.compare import scenario_report
-    from perf.bench.metrics import compute_metrics
-    from perf.bench.report import RunResult
-    from shared.metrics import WorkerMetrics
 
     def serve(role: str) -> tuple[WorkerMetrics, Any, Any, str]:
         registry = CollectorRegistry()

@@ -38,8 +38,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from shared.cli import COMMANDS, make_parser
-from shared.config import all_option_names, build, env_name
+from pdserve.shared.cli import COMMANDS, make_parser
+from pdserve.shared.config import all_option_names, build, env_name
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = REPO / "compose"
@@ -482,7 +482,11 @@ def test_every_variable_is_documented() -> None:
 
 # ---- 3. the services' own commands, run locally -----------------------------------------------
 
-SERVICE_MODULES = ("gateway.server", "services.prefill.worker", "services.decode.worker")
+SERVICE_MODULES = (
+    "pdserve.gateway.server",
+    "pdserve.services.prefill.worker",
+    "pdserve.services.decode.worker",
+)
 MISSING_MODULES = [m for m in SERVICE_MODULES if importlib.util.find_spec(m) is None]
 
 
@@ -550,7 +554,7 @@ class LocalStack:
 
 @pytest.fixture(scope="module")
 def cpu_profile_stack(tmp_path_factory) -> Iterator[LocalStack]:
-    from services.processes import find_nats_server, spawn
+    from pdserve.services.processes import find_nats_server, spawn
     from tests.integration.stack import QUIET_ENV, free_port, log_text, stop_all, wait_http
     from tests.otlp_receiver import OtlpReceiver
 
@@ -625,11 +629,11 @@ def cpu_profile_stack(tmp_path_factory) -> Iterator[LocalStack]:
                 worker_ids[command[1]] = env["PDSERVE_WORKER_ID"]
             if not env.get("PDSERVE_MODEL"):
                 # Made once here, so three processes do not race to generate the demo model.
-                from shared.models.demo import ensure_demo_model
+                from pdserve.shared.models.demo import ensure_demo_model
 
                 ensure_demo_model()
             full_env = {**base, **env}
-            argv = [sys.executable, "-m", "shared.cli", *command[1:]]
+            argv = [sys.executable, "-m", "pdserve.shared.cli", *command[1:]]
             child = spawn(name, argv, full_env, logs / f"{name}.log")
             children.append(child)
             started.append((name, child, full_env, service))
@@ -665,7 +669,7 @@ def cpu_profile_stack(tmp_path_factory) -> Iterator[LocalStack]:
     run=False,
 )
 def test_cpu_profile_serves_a_request_end_to_end(cpu_profile_stack: LocalStack) -> None:
-    from shared.tracing import (
+    from pdserve.shared.tracing import (
         ATTR_KV_TRANSPORT,
         ATTR_REQUEST_ID,
         SERVICE_DECODE,

@@ -26,15 +26,15 @@ from hypothesis import strategies as st
 from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.dispatch import BUS_ID_SUFFIX
-from gateway.router import Router
-from gateway.server import create_app
-from gateway.state import GATEWAY_KEY, Gateway
-from gateway.tokenizer import ModelTokenizer
-from shared.announce import HeartbeatPublisher
-from shared.bus import Bus
-from shared.config import BusConfig, EngineConfig, GatewayConfig
-from shared.protocol import (
+from pdserve.gateway.dispatch import BUS_ID_SUFFIX
+from pdserve.gateway.router import Router
+from pdserve.gateway.server import create_app
+from pdserve.gateway.state import GATEWAY_KEY, Gateway
+from pdserve.gateway.tokenizer import ModelTokenizer
+from pdserve.shared.announce import HeartbeatPublisher
+from pdserve.shared.bus import Bus
+from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig
+from pdserve.shared.protocol import (
     Cancel,
     DecodeRequest,
     KVHandle,

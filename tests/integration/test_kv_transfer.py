@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from shared.kv_transfer import (
+from pdserve.shared.kv_transfer import (
     FingerprintMismatch,
     KVClient,
     KVServer,
@@ -25,8 +25,8 @@ from shared.kv_transfer import (
     block_runs,
     format_address,
 )
-from shared.protocol import KVHandle
-from shared.ucx_config import interface_addresses
+from pdserve.shared.protocol import KVHandle
+from pdserve.shared.ucx_config import interface_addresses
 from tests.integration.kv_peer import BLOCK, DIM, HEADS, LAYERS, NUM_BLOCKS, peer_cache
 from tests.integration.kv_peer import fingerprint as peer_fingerprint
 from tests.integration.stack import listening_sockets

@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 import torch
 
-from services.engine.quant.kv_cache import kv_cache_spec
+from pdserve.services.engine.quant.kv_cache import kv_cache_spec
 from tests.engine_support import make_engine
 from tests.integration.stack import (
     free_port,

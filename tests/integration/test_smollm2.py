@@ -49,7 +49,7 @@ COMPLETIONS = ["The three laws of thermodynamics are", "def fibonacci(n):\n"]
 
 @pytest.fixture(scope="module")
 def model():
-    from shared.models.resolve import resolve
+    from pdserve.shared.models.resolve import resolve
 
     return resolve(NAME)
 
@@ -63,7 +63,7 @@ def hf_tokenizer(model):
 
 @pytest.fixture(scope="module")
 def ours(model):
-    from gateway.tokenizer import ModelTokenizer
+    from pdserve.gateway.tokenizer import ModelTokenizer
 
     return ModelTokenizer.from_dir(model.path)
 
@@ -128,8 +128,8 @@ def test_tokenization_matches_hf(ours, hf_tokenizer) -> None:
 
 
 def test_chat_template_matches_hf(ours, hf_tokenizer) -> None:
-    from gateway.api_models import ChatMessage
-    from gateway.chat_template import ChatTemplate
+    from pdserve.gateway.api_models import ChatMessage
+    from pdserve.gateway.chat_template import ChatTemplate
 
     template = ChatTemplate(ours.chat_template, ours.bos_token, ours.eos_token)
     conversations = [

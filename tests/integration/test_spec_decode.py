@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from perf.bench.spec_counters import scrape_spec
+from pdserve.shared.bench.spec_counters import scrape_spec
 from tests.engine_support import random_prompts
 from tests.integration.stack import (
     free_port,
@@ -103,7 +103,7 @@ def complete(base: str, prompt: list[int], request_id: str, **extra) -> str:
 
 
 def text(model: str, tokens: list[int]) -> str:
-    from gateway.tokenizer import ModelTokenizer
+    from pdserve.gateway.tokenizer import ModelTokenizer
 
     return ModelTokenizer.from_dir(model).decode(tokens)
 

@@ -131,7 +131,7 @@ def test_everything_listens_on_loopback_only(up) -> None:
 async def test_streaming_matches_hf_via_openai_client(up, llama_dir) -> None:
     from openai import AsyncOpenAI
 
-    from gateway.tokenizer import ModelTokenizer
+    from pdserve.gateway.tokenizer import ModelTokenizer
 
     expected = hf_greedy(llama_dir, PROMPTS, MAX_TOKENS)
     tok = ModelTokenizer.from_dir(llama_dir)
@@ -173,6 +173,23 @@ def test_both_paths_were_used(up) -> None:
     wait_until(
         lambda: metric(scrape(up.url), "pdserve_kv_cache_used_blocks{") == 0, 10, "blocks freed"
     )
+
+
+def test_the_log_has_no_ucx_warnings(up) -> None:
+    """Every worker has created its UCX context by now (KV was pulled both ways), and UCX warns
+    about unused variables then: ucxx's UCX_MEMTYPE_CACHE default used to show up once per
+    worker, which reads as a misconfiguration."""
+    assert (
+        sum(
+            metric(
+                scrape(f"http://127.0.0.1:{up.metrics_base + i}"), "pdserve_kv_transfer_bytes_total"
+            )
+            for i in (2, 3)
+        )
+        > 0
+    )
+    warnings = [line for line in up.output().splitlines() if "UCX  WARN" in line]
+    assert not warnings, "\n".join(warnings)
 
 
 async def open_stream(session, url: str, model: str, max_tokens: int, seed: int):
@@ -219,7 +236,7 @@ def pids_of(up: Up, command: str) -> list[int]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"shared.cli" in cmd and command.encode() in cmd:
+        if b"pdserve.shared.cli" in cmd and command.encode() in cmd:
             out.append(pid)
     return out
 
@@ -277,7 +294,7 @@ async def test_sigterm_finishes_streams_then_stops_everything(up) -> None:
 
 
 def test_gpu_placement_without_torch() -> None:
-    from services.launcher import gpu_for_worker, visible_gpus
+    from pdserve.services.launcher import gpu_for_worker, visible_gpus
 
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2, 5"}) == ["2", "5"]
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
@@ -288,7 +305,7 @@ def test_gpu_placement_without_torch() -> None:
 
 
 def test_cpu_shares_split_the_cpus_between_workers() -> None:
-    from services.launcher import cpu_shares
+    from pdserve.services.launcher import cpu_shares
 
     assert cpu_shares([0, 1], 2) == [[0], [1]]
     assert cpu_shares([0, 1, 2, 3, 4], 2) == [[0, 1, 2], [3, 4]]  # prefill (first) gets more

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from shared.block_hash import prefix_block_hashes
-from shared.protocol import (
+from pdserve.shared.block_hash import prefix_block_hashes
+from pdserve.shared.protocol import (
     Cancel,
     PrefillRequest,
     ReleaseLease,
 )
-from shared.sampling import SamplingParams
+from pdserve.shared.sampling import SamplingParams
 from tests.integration.stack import (
     Child,
     NatsServer,

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import replace
 
-from shared.bus import Bus
-from shared.config import BusConfig
-from shared.protocol import (
+from pdserve.shared.bus import Bus
+from pdserve.shared.config import BusConfig
+from pdserve.shared.protocol import (
     DecodeRequest,
     PrefillRequest,
     PrefillResult,
@@ -19,8 +19,8 @@ from shared.protocol import (
     TokenItem,
     WorkerLoad,
 )
-from shared.sampling import SamplingParams
-from shared.worker_registry import WorkerRegistry
+from pdserve.shared.sampling import SamplingParams
+from pdserve.shared.worker_registry import WorkerRegistry
 from tests.integration.stack import Child, log_text
 
 MAX_TOKENS = 8

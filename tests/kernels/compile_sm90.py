@@ -105,12 +105,12 @@ def variants() -> list[tuple[str, object, dict, int, int, dict]]:
     """(label, kernel, constexprs, num_warps, num_stages, pointer types that differ from the
     defaults): what production launches on an H200 for a Llama-3-8B-shaped model (head dim 128,
     GQA 4, page 16), bf16, with a float cache and with each quantized one."""
-    from kernels.triton_cache import _store_kvcache_kernel
-    from kernels.triton_decode import _decode_merge_kernel, _decode_split_kernel
-    from kernels.triton_decode_launch import MULTI_QUERY_LAUNCH, DecodeConfig
-    from kernels.triton_norm import _rms_norm_kernel
-    from kernels.triton_prefill import _prefill_kernel, choose_prefill_config
-    from kernels.triton_rotary import _rotary_kernel
+    from pdserve.kernels.triton_cache import _store_kvcache_kernel
+    from pdserve.kernels.triton_decode import _decode_merge_kernel, _decode_split_kernel
+    from pdserve.kernels.triton_decode_launch import MULTI_QUERY_LAUNCH, DecodeConfig
+    from pdserve.kernels.triton_norm import _rms_norm_kernel
+    from pdserve.kernels.triton_prefill import _prefill_kernel, choose_prefill_config
+    from pdserve.kernels.triton_rotary import _rotary_kernel
 
     decode = DecodeConfig(block_n=64, num_splits=1)
     prefill = choose_prefill_config(128, torch.device("cuda"))

@@ -9,7 +9,7 @@ import os
 import sys
 
 if os.environ.get("PDSERVE_KERNEL_TEST_DEVICE", "cpu") == "cpu":
-    already = [name for name in sys.modules if name.startswith("kernels.triton_")]
+    already = [name for name in sys.modules if name.startswith("pdserve.kernels.triton_")]
     if already and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(f"{already} imported before TRITON_INTERPRET=1 could be set")
     os.environ["TRITON_INTERPRET"] = "1"
@@ -20,8 +20,8 @@ import pytest  # noqa: E402
 
 @pytest.fixture
 def kernel_backend():
-    """Select ``kernels.ops``' backend for one test: ``kernel_backend("triton")``."""
-    from kernels import ops
+    """Select ``pdserve.kernels.ops``' backend for one test: ``kernel_backend("triton")``."""
+    from pdserve.kernels import ops
 
     previous = ops.set_backend("auto")
     yield ops.set_backend

@@ -7,9 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import ops
-from kernels.reference_quant import int8_linear
-from services.engine.quant.int8_weights import Int8Weight, quantize_groupwise, quantize_per_channel
+from pdserve.kernels import ops
+from pdserve.kernels.reference_quant import int8_linear
+from pdserve.services.engine.quant.int8_weights import (
+    Int8Weight,
+    quantize_groupwise,
+    quantize_per_channel,
+)
 from tests.kernels.helpers import TEST_DEVICE, TEST_DTYPE
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import ops
-from kernels.reference_quant import dequantize_kv, quantize_kv
-from services.engine.quant.kv_cache import kv_cache_spec
+from pdserve.kernels import ops
+from pdserve.kernels.reference_quant import dequantize_kv, quantize_kv
+from pdserve.services.engine.quant.kv_cache import kv_cache_spec
 
 KV_DTYPES = ["int8", "fp8_e4m3"]
 # relative error of one stored vector: int8 rounds to 1/254 of the vector's range, fp8 e4m3 keeps

@@ -20,11 +20,11 @@ import pytest
 import torch
 from torch import Tensor
 
-from kernels import ops, reference
-from kernels.reference_quant import quantize_kv
-from kernels.triton_decode import DecodeConfig, decode_attention_with
-from kernels.triton_prefill import PrefillConfig, prefill_attention_with
-from services.engine.quant.kv_cache import KV_ELEMENT_TYPES, kv_cache_spec
+from pdserve.kernels import ops, reference
+from pdserve.kernels.reference_quant import quantize_kv
+from pdserve.kernels.triton_decode import DecodeConfig, decode_attention_with
+from pdserve.kernels.triton_prefill import PrefillConfig, prefill_attention_with
+from pdserve.services.engine.quant.kv_cache import KV_ELEMENT_TYPES, kv_cache_spec
 from tests.kernels.helpers import TEST_DEVICE, TEST_DTYPE, PagedKV, assert_close, make_paged_kv
 from tests.kernels.test_verify_attention import mixed_shapes, verify_batch
 

@@ -14,7 +14,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from kernels import ops, reference
+from pdserve.kernels import ops, reference
 from tests.kernels.helpers import (
     assert_close,
     cu_seqlens,
@@ -148,8 +148,8 @@ def test_store_kvcache_writes_only_its_layer_and_slots(dtype: torch.dtype) -> No
 
 
 def test_store_quantized_kvcache_skips_cached_slots() -> None:
-    from kernels.reference_quant import quantize_kv
-    from services.engine.quant.kv_cache import kv_cache_spec
+    from pdserve.kernels.reference_quant import quantize_kv
+    from pdserve.services.engine.quant.kv_cache import kv_cache_spec
 
     spec = kv_cache_spec("int8", torch.float32, 2, 4, 2, 8)
     storage = spec.allocate(6, torch.device("cpu"))

@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch import Tensor
 
-from kernels import ops, reference
-from kernels.triton_cache import store_kvcache
-from kernels.triton_decode import DecodeConfig, decode_attention, decode_attention_with
-from kernels.triton_norm import rms_norm
-from kernels.triton_prefill import PrefillConfig, prefill_attention, prefill_attention_with
-from kernels.triton_rotary import rotary_embedding
+from pdserve.kernels import ops, reference
+from pdserve.kernels.triton_cache import store_kvcache
+from pdserve.kernels.triton_decode import DecodeConfig, decode_attention, decode_attention_with
+from pdserve.kernels.triton_norm import rms_norm
+from pdserve.kernels.triton_prefill import PrefillConfig, prefill_attention, prefill_attention_with
+from pdserve.kernels.triton_rotary import rotary_embedding
 from tests.kernels.helpers import (
     TEST_DEVICE,
     TEST_DTYPE,
@@ -60,7 +60,7 @@ def test_interpreter_is_active_on_cpu() -> None:
     # make that failure explicit rather than mysterious.
     from triton.runtime.interpreter import InterpretedFunction
 
-    from kernels import triton_decode
+    from pdserve.kernels import triton_decode
 
     is_interpreted = isinstance(triton_decode._decode_split_kernel, InterpretedFunction)
     assert is_interpreted == (DEV == "cpu")
@@ -317,7 +317,7 @@ def test_prefill_attention_empty_batch() -> None:
 
 
 def test_decode_split_heuristic() -> None:
-    from kernels.triton_decode import choose_decode_config
+    from pdserve.kernels.triton_decode import choose_decode_config
 
     device = torch.device(DEV)
     # One long sequence: the context is split so more than one program works on it...

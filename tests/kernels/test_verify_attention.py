@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from kernels import ops, reference
-from kernels.triton_decode import DecodeConfig, decode_attention, decode_attention_with
+from pdserve.kernels import ops, reference
+from pdserve.kernels.triton_decode import DecodeConfig, decode_attention, decode_attention_with
 from tests.kernels.helpers import (
     TEST_DEVICE,
     TEST_DTYPE,
@@ -293,7 +293,7 @@ def test_triton_through_ops_and_empty_step(kernel_backend) -> None:
 
 
 def test_query_rows_per_program() -> None:
-    from kernels.triton_decode_launch import choose_decode_config, query_layout
+    from pdserve.kernels.triton_decode_launch import choose_decode_config, query_layout
 
     cu = torch.zeros(2, dtype=torch.int32)
     # one query per sequence, however it is spelled: the plain kernel, the GQA group as rows

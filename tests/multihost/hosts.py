@@ -15,8 +15,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.launcher import service_argv, service_env
-from services.processes import Child, NatsCluster, NatsServer, spawn
+from pdserve.services.launcher import service_argv, service_env
+from pdserve.services.processes import Child, NatsCluster, NatsServer, spawn
 from tests.integration.stack import QUIET_ENV
 from tests.multihost.netns import Host, Topology
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import nats
 
-from services.processes import NatsCluster
-from shared.bus import Bus, connect_options, nats_servers
-from shared.config import BusConfig
-from shared.protocol import Cancel, decode
+from pdserve.services.processes import NatsCluster
+from pdserve.shared.bus import Bus, connect_options, nats_servers
+from pdserve.shared.config import BusConfig
+from pdserve.shared.protocol import Cancel, decode
 
 
 def test_nats_url_lists_servers_in_order() -> None:

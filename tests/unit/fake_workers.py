@@ -14,11 +14,11 @@ import secrets
 import time
 from typing import Any
 
-from gateway.dispatch import Dispatcher
-from gateway.router import Router
-from shared.bus_memory import MemoryBus, MemoryNetwork
-from shared.config import BusConfig
-from shared.protocol import (
+from pdserve.gateway.dispatch import Dispatcher
+from pdserve.gateway.router import Router
+from pdserve.shared.bus_memory import MemoryBus, MemoryNetwork
+from pdserve.shared.config import BusConfig
+from pdserve.shared.protocol import (
     Cancel,
     DecodeRequest,
     KVHandle,
@@ -31,7 +31,7 @@ from shared.protocol import (
     WorkerLoad,
     encode,
 )
-from shared.worker_registry import WorkerRegistry
+from pdserve.shared.worker_registry import WorkerRegistry
 
 NAMESPACE = "t"
 MODEL = "fake-model"

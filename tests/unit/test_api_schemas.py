@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from gateway.api_models import parse_chat, parse_completion
-from gateway.errors import APIError
-from shared.sampling import (
+from pdserve.gateway.api_models import parse_chat, parse_completion
+from pdserve.gateway.errors import APIError
+from pdserve.shared.sampling import (
     MAX_GUIDED_SPEC_CHARS,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_VALUE,

@@ -3,10 +3,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from services.engine.block_manager import BlockManager
-from services.engine.sequence import Sequence
-from shared.block_hash import prefix_block_hashes
-from shared.sampling import SamplingParams
+from pdserve.services.engine.block_manager import BlockManager
+from pdserve.services.engine.sequence import Sequence
+from pdserve.shared.block_hash import prefix_block_hashes
+from pdserve.shared.sampling import SamplingParams
 
 
 def seq(rid: str, tokens: list[int]) -> Sequence:

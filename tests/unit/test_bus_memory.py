@@ -9,9 +9,9 @@ import pytest
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from shared.bus_memory import MemoryBus, MemoryNetwork, subject_matches
-from shared.config import BusConfig
-from shared.protocol import Cancel, ProtocolError, TokenBatch, TokenItem, WorkerLoad, encode
+from pdserve.shared.bus_memory import MemoryBus, MemoryNetwork, subject_matches
+from pdserve.shared.config import BusConfig
+from pdserve.shared.protocol import Cancel, ProtocolError, TokenBatch, TokenItem, WorkerLoad, encode
 
 
 async def buses(n: int, **config) -> list[MemoryBus]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from gateway.api_models import ChatMessage
-from gateway.chat_template import ChatTemplate, TemplateFailure, TemplateInputError
-from gateway.tokenizer import ModelTokenizer
+from pdserve.gateway.api_models import ChatMessage
+from pdserve.gateway.chat_template import ChatTemplate, TemplateFailure, TemplateInputError
+from pdserve.gateway.tokenizer import ModelTokenizer
 from tests.unit.gateway_fixtures import LLAMA_LIKE_TEMPLATE, train_byte_level, write_model_dir
 
 # A template in the style of recent instruct models: system prompt hoisting, tojson, loop

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from gateway.detokenizer import IncrementalDetokenizer
-from gateway.stop import StopStringMatcher
-from gateway.tokenizer import ModelTokenizer
+from pdserve.gateway.detokenizer import IncrementalDetokenizer
+from pdserve.gateway.stop import StopStringMatcher
+from pdserve.gateway.tokenizer import ModelTokenizer
 from tests.unit.gateway_fixtures import (
     CORPUS,
     train_byte_level,

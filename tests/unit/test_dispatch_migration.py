@@ -14,12 +14,12 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
-from gateway.dispatch import StageTimeout, TokenEvent, WorkerFailure
-from gateway.inflight import Choices
-from shared.bus_memory import MemoryNetwork
-from shared.metrics import GatewayMetrics
-from shared.protocol import DecodeRequest, TokenBatch, TokenItem
-from shared.sampling import SamplingParams, choice_seed
+from pdserve.gateway.dispatch import StageTimeout, TokenEvent, WorkerFailure
+from pdserve.gateway.inflight import Choices
+from pdserve.shared.bus_memory import MemoryNetwork
+from pdserve.shared.metrics import GatewayMetrics
+from pdserve.shared.protocol import DecodeRequest, TokenBatch, TokenItem
+from pdserve.shared.sampling import SamplingParams, choice_seed
 from tests.unit.fake_workers import FakeWorker, GatewaySide, settle
 
 PROMPT = list(range(1, 41))

@@ -8,18 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from shared import doctor_ucx, ucx_check
-from shared.doctor_report import FAIL, INFO, OK, WARN, Report
-from shared.doctor_ucx import PeerRun, parse_ucx_log, tag_send_tables
-from shared.kv_probe import (
+from pdserve.shared import doctor_ucx, ucx_check
+from pdserve.shared.doctor_report import FAIL, INFO, OK, WARN, Report
+from pdserve.shared.doctor_ucx import PeerRun, parse_ucx_log, tag_send_tables
+from pdserve.shared.kv_probe import (
     ProbeLeaseReply,
     ProbePullReply,
     ProbePullRequest,
     probe_subject,
 )
-from shared.protocol import KVHandle, ProtocolError, decode, encode
-from shared.subjects import Subjects
-from shared.ucx_check import HostDevices, transport_findings
+from pdserve.shared.protocol import KVHandle, ProtocolError, decode, encode
+from pdserve.shared.subjects import Subjects
+from pdserve.shared.ucx_check import HostDevices, transport_findings
 
 RDMA_HOST = HostDevices(rdma=["mlx5_0:1"])
 GPU_HOST = HostDevices(cuda=["0000:17:00.0"])
@@ -267,10 +267,10 @@ def test_probe_messages_round_trip_and_are_checked() -> None:
 
 
 async def test_stack_check_summarises_many_pairs_and_lists_each_failure() -> None:
-    from shared.config import BusConfig
-    from shared.doctor_stack import StackCheck
-    from shared.kv_probe import ProbeLeaseRequest
-    from shared.protocol import WorkerLoad
+    from pdserve.shared.config import BusConfig
+    from pdserve.shared.doctor_stack import StackCheck
+    from pdserve.shared.kv_probe import ProbeLeaseRequest
+    from pdserve.shared.protocol import WorkerLoad
 
     check = StackCheck(BusConfig(), timeout=1.0)  # never connected: releases are best effort
     decode = [f"d{i}" for i in range(8)]

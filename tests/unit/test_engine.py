@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.errors import ModelLoadError
-from shared.sampling import SamplingParams
+from pdserve.shared.errors import ModelLoadError
+from pdserve.shared.sampling import SamplingParams
 from tests.engine_support import make_engine, random_prompts, run_staggered, step_outputs
 from tests.oracle import hf_greedy
 
@@ -198,7 +198,7 @@ def test_sharded_checkpoint_loads(llama_dir, tmp_path):
 
 
 def test_demo_model_is_deterministic(tmp_path, monkeypatch):
-    from shared.models.demo import write_demo_model
+    from pdserve.shared.models.demo import write_demo_model
 
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from services.engine.engine import LLMEngine
-from services.engine.engine_thread import EngineThread
-from services.engine.outputs import StepResult
-from shared.sampling import SamplingParams
+from pdserve.services.engine.engine import LLMEngine
+from pdserve.services.engine.engine_thread import EngineThread
+from pdserve.services.engine.outputs import StepResult
+from pdserve.shared.sampling import SamplingParams
 from tests.engine_support import make_engine, random_prompts, step_outputs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -10,10 +10,10 @@ from dataclasses import replace
 
 import pytest
 
-from services.engine.choices import choice_seed
-from services.engine.engine import LLMEngine
-from services.engine.outputs import StepOutput
-from shared.sampling import SamplingParams
+from pdserve.services.engine.choices import choice_seed
+from pdserve.services.engine.engine import LLMEngine
+from pdserve.services.engine.outputs import StepOutput
+from pdserve.shared.sampling import SamplingParams
 from tests.engine_support import make_engine, random_prompts, step_outputs
 from tests.oracle import hf_greedy
 from tests.unit.test_engine_lifecycle import all_free, pull

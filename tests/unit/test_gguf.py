@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.engine.loader import CheckpointFiles
-from shared.models.resolve import resolve
-from shared.sampling import SamplingParams
+from pdserve.services.engine.loader import CheckpointFiles
+from pdserve.shared.models.resolve import resolve
+from pdserve.shared.sampling import SamplingParams
 from tests.engine_support import first_step_logits, make_engine, random_prompts
 from tests.gguf_files import tiny_llama_256, write_gguf
 from tests.oracle import hf_greedy
@@ -127,7 +127,7 @@ def test_tokenizer_and_template_match_hf(gguf_dir, checkpoints) -> None:
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
-    from gateway.tokenizer import ModelTokenizer
+    from pdserve.gateway.tokenizer import ModelTokenizer
 
     path = gguf_dir / "llama-gqa-F32.gguf"
     ours = ModelTokenizer.from_dir(resolve(str(path)).path)
@@ -155,7 +155,7 @@ def test_pre_tokenizers_and_bos_match_hf(tmp_path, checkpoints, pre) -> None:
     """Llama 3's and Qwen2's splits (digits in threes, one by one) and a file that asks for BOS."""
     from transformers import AutoTokenizer
 
-    from gateway.tokenizer import ModelTokenizer
+    from pdserve.gateway.tokenizer import ModelTokenizer
 
     path = write_gguf(
         checkpoints["llama-gqa"], tmp_path / f"{pre}.gguf", "F16", pre=pre, add_bos=True

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from shared.errors import ModelLoadError
-from shared.models import gguf_convert
-from shared.models import resolve as model_resolve
-from shared.models.resolve import resolve
+from pdserve.shared.errors import ModelLoadError
+from pdserve.shared.models import gguf_convert
+from pdserve.shared.models import resolve as model_resolve
+from pdserve.shared.models.resolve import resolve
 from tests.gguf_files import tiny_llama_256, write_gguf
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,7 +83,7 @@ def test_cli_prints_one_line_not_a_traceback(tmp_path, good) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     env["PDSERVE_CACHE_DIR"] = str(tmp_path / "cache")
     proc = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "gateway", "--model", str(cut)],
+        [sys.executable, "-m", "pdserve.shared.cli", "gateway", "--model", str(cut)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2
@@ -112,8 +112,8 @@ def test_missing_builtin_wheel_says_how_to_install(monkeypatch) -> None:
 
 
 def test_gateway_serves_the_same_name_as_the_workers(good) -> None:
-    from gateway.state import ServedModel
-    from shared.config import EngineConfig
+    from pdserve.gateway.state import ServedModel
+    from pdserve.shared.config import EngineConfig
 
     served = ServedModel.load(EngineConfig(model=str(good)))
     assert served.name == "tiny-Q8_0" and served.max_model_len == 256
@@ -150,7 +150,7 @@ def test_half_written_entries_are_never_used(own_cache, good, monkeypatch) -> No
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr("shared.models.gguf_weights.write_safetensors", crash)
+    monkeypatch.setattr("pdserve.shared.models.gguf_weights.write_safetensors", crash)
     with pytest.raises(ModelLoadError, match="disk full"):
         resolve(str(good))
     root = own_cache / "gguf"

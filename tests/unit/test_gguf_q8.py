@@ -14,14 +14,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.engine import engine as engine_module
-from services.engine import loader
-from services.engine.model_config import ModelConfig
-from services.engine.quant.int8_linear import CpuInt8Linear, WeightOnlyInt8Linear
-from shared.models.gguf_file import GGUFFile
-from shared.models.gguf_weights import dequantized, unpermute_rows
-from shared.models.resolve import resolve
-from shared.sampling import SamplingParams
+from pdserve.services.engine import engine as engine_module
+from pdserve.services.engine import loader
+from pdserve.services.engine.model_config import ModelConfig
+from pdserve.services.engine.quant.int8_linear import CpuInt8Linear, WeightOnlyInt8Linear
+from pdserve.shared.models.gguf_file import GGUFFile
+from pdserve.shared.models.gguf_weights import dequantized, unpermute_rows
+from pdserve.shared.models.resolve import resolve
+from pdserve.shared.sampling import SamplingParams
 from tests.engine_support import first_step_logits, make_engine, random_prompts
 from tests.gguf_files import gguf_name, permute_rows, write_gguf
 

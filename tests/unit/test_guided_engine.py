@@ -13,10 +13,10 @@ import jsonschema
 import pytest
 from tokenizers import Tokenizer
 
-from services.engine.choices import fork_choice
-from services.engine.guided import GuidedDecoder
-from services.engine.sequence import Sequence
-from shared.sampling import GuidedDecoding, SamplingParams
+from pdserve.services.engine.choices import fork_choice
+from pdserve.services.engine.guided import GuidedDecoder
+from pdserve.services.engine.sequence import Sequence
+from pdserve.shared.sampling import GuidedDecoding, SamplingParams
 from tests.engine_support import make_engine, random_prompts, step_outputs
 
 EOS = 1

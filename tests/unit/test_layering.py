@@ -1,6 +1,8 @@
 """The layering DESIGN.md fixes, checked on every import statement (lazy ones inside functions
-too): ``shared/`` and ``kernels/`` never import upward, and ``gateway/`` and ``services/`` never
-import each other. The CLI reaches commands by "module:function" strings, not imports."""
+too): ``pdserve.shared`` and ``pdserve.kernels`` never import upward, and ``pdserve.gateway`` and
+``pdserve.services`` never import each other. The CLI reaches commands by "module:function"
+strings, not imports. Project code reaches its own folders only through the ``pdserve``
+namespace: a bare ``import kernels`` would be Hugging Face's package, not ours."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+NAMESPACED = {"gateway", "services", "shared", "kernels"}
 FORBIDDEN = {
     "shared": {"services", "gateway", "perf", "tests"},
     "kernels": {"services", "gateway", "perf", "tests", "shared"},
@@ -18,15 +21,30 @@ FORBIDDEN = {
 }
 
 
+def layer(module: str) -> str:
+    """The repository folder an import reaches: `pdserve.services.x` -> services, `perf.x` ->
+    perf; a bare name of one of the four namespaced folders is reported as `bare:<name>`."""
+    parts = module.split(".")
+    if parts[0] == "pdserve" and len(parts) > 1:
+        return parts[1]
+    return f"bare:{parts[0]}" if parts[0] in NAMESPACED else parts[0]
+
+
 def imported_packages(path: Path) -> set[tuple[str, int]]:
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found |= {(alias.name.split(".")[0], node.lineno) for alias in node.names}
+            found |= {(layer(alias.name), node.lineno) for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add((node.module.split(".")[0], node.lineno))
+            found.add((layer(node.module), node.lineno))
     return found
+
+
+def project_files() -> list[Path]:
+    return sorted(
+        path for folder in (*NAMESPACED, "perf", "tests") for path in (REPO / folder).rglob("*.py")
+    )
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
@@ -40,7 +58,20 @@ def test_no_import_crosses_the_layering(package: str) -> None:
     assert not bad, "\n".join(bad)
 
 
+def test_project_code_imports_its_folders_through_the_namespace() -> None:
+    bad = [
+        f"{path.relative_to(REPO)}:{line} imports {top.removeprefix('bare:')} without pdserve."
+        for path in project_files()
+        for top, line in imported_packages(path)
+        if top.startswith("bare:")
+    ]
+    assert not bad, "\n".join(bad)
+
+
 def test_the_check_sees_lazy_imports(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
-    module.write_text("def f():\n    from services.engine import engine\n    import perf.x\n")
-    assert imported_packages(module) == {("services", 2), ("perf", 3)}
+    module.write_text(
+        "def f():\n    from pdserve.services.engine import engine\n    import perf.x\n"
+        "    import kernels\n"
+    )
+    assert imported_packages(module) == {("services", 2), ("perf", 3), ("bare:kernels", 4)}

@@ -11,10 +11,10 @@ from collections import Counter
 import pytest
 import torch
 
-from services.engine.logits_processing import apply_token_bitmask
-from services.engine.sampler import process_logits
-from services.engine.sequence import Sequence
-from shared.sampling import SamplingParams
+from pdserve.services.engine.logits_processing import apply_token_bitmask
+from pdserve.services.engine.sampler import process_logits
+from pdserve.services.engine.sequence import Sequence
+from pdserve.shared.sampling import SamplingParams
 from tests.engine_support import make_engine, random_prompts
 from tests.hf_reference import HFReference
 

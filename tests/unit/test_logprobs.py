@@ -8,12 +8,12 @@ import random
 import pytest
 import torch
 
-import services.engine.logprobs as logprobs_module
-from services.engine.engine import LLMEngine
-from services.engine.outputs import StepOutput
-from services.engine.sampler import SamplingTensors, sample
-from shared.logprobs import MIN_LOGPROB, TokenLogprobs
-from shared.sampling import SamplingParams
+import pdserve.services.engine.logprobs as logprobs_module
+from pdserve.services.engine.engine import LLMEngine
+from pdserve.services.engine.outputs import StepOutput
+from pdserve.services.engine.sampler import SamplingTensors, sample
+from pdserve.shared.logprobs import MIN_LOGPROB, TokenLogprobs
+from pdserve.shared.sampling import SamplingParams
 from tests.engine_support import make_engine, random_prompts, step_outputs
 from tests.hf_reference import HFReference, assert_logprobs_match
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-from shared.sampling import SamplingParams
+from pdserve.shared.sampling import SamplingParams
 from tests.engine_support import make_engine
 
 ENGINE_DIR = str(Path(__file__).resolve().parents[2] / "services" / "engine")

@@ -11,18 +11,18 @@ import jsonschema
 import pytest
 from httpx2._decoders import LineDecoder
 
-from gateway.api_models import (
+from pdserve.gateway.api_models import (
     CHAT_KEYS,
     COMPLETION_KEYS,
     GenerationParams,
     parse_chat,
     parse_completion,
 )
-from gateway.errors import APIError
-from gateway.generation import Generation, Progress, Prompt
-from gateway.openapi import openapi_spec
-from gateway.sse import encode_event
-from gateway.streaming import Chunks
+from pdserve.gateway.errors import APIError
+from pdserve.gateway.generation import Generation, Progress, Prompt
+from pdserve.gateway.openapi import openapi_spec
+from pdserve.gateway.sse import encode_event
+from pdserve.gateway.streaming import Chunks
 
 COMPLETION = {"model": "m", "prompt": "hello"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

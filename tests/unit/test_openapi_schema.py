@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from gateway.api_models import CHAT_KEYS, COMPLETION_KEYS, parse_chat, parse_completion
-from gateway.errors import APIError
-from gateway.openapi import openapi_spec
-from shared.sampling import (
+from pdserve.gateway.api_models import CHAT_KEYS, COMPLETION_KEYS, parse_chat, parse_completion
+from pdserve.gateway.errors import APIError
+from pdserve.gateway.openapi import openapi_spec
+from pdserve.shared.sampling import (
     MAX_GUIDED_SPEC_CHARS,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_VALUE,

@@ -9,14 +9,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.engine.engine import LLMEngine
-from services.engine.engine_thread import EngineThread
-from services.prefill.worker import PrefillWorker
-from services.probe import block_matches, lease_probe, pull_probe
-from shared.config import EngineConfig
-from shared.kv_probe import MAX_PROBE_LEASES, ProbeLeaseRequest, ProbePullRequest
-from shared.kv_transfer import KVTransferError, LeaseTable, TransferStats
-from shared.sampling import SamplingParams
+from pdserve.services.engine.engine import LLMEngine
+from pdserve.services.engine.engine_thread import EngineThread
+from pdserve.services.prefill.worker import PrefillWorker
+from pdserve.services.probe import block_matches, lease_probe, pull_probe
+from pdserve.shared.config import EngineConfig
+from pdserve.shared.kv_probe import MAX_PROBE_LEASES, ProbeLeaseRequest, ProbePullRequest
+from pdserve.shared.kv_transfer import KVTransferError, LeaseTable, TransferStats
+from pdserve.shared.sampling import SamplingParams
 
 BLOCKS = MAX_PROBE_LEASES + 1
 

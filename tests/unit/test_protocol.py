@@ -7,7 +7,7 @@ import math
 import msgpack
 import pytest
 
-from shared.protocol import (
+from pdserve.shared.protocol import (
     MAX_KV_EVENT_HASHES,
     MAX_TOKEN_ID,
     PROTOCOL_VERSION,
@@ -28,8 +28,8 @@ from shared.protocol import (
     decode_as,
     encode,
 )
-from shared.sampling import SamplingParams
-from shared.subjects import Subjects
+from pdserve.shared.sampling import SamplingParams
+from pdserve.shared.subjects import Subjects
 
 FINGERPRINT = {
     "model": "tiny",

@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from services.engine.quant.int8_linear import CpuInt8Linear, quantize_linears
-from services.engine.quant.int8_weights import int8_linear_reference, quantize_per_channel
-from services.engine.quant.options import quantization_problem
-from shared.errors import StartupError
-from shared.sampling import SamplingParams
+from pdserve.services.engine.quant.int8_linear import CpuInt8Linear, quantize_linears
+from pdserve.services.engine.quant.int8_weights import int8_linear_reference, quantize_per_channel
+from pdserve.services.engine.quant.options import quantization_problem
+from pdserve.shared.errors import StartupError
+from pdserve.shared.sampling import SamplingParams
 from tests.engine_support import make_engine
 from tests.unit.test_spec_engine import GREEDY, NGRAM, repeating_prompts
 

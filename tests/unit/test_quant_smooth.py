@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.quant.int8_linear import CpuInt8Linear, quantize_linears
-from services.engine.quant.int8_weights import quantize_per_channel
-from services.engine.quant.smooth import _plain_forward, activation_maxima, smoothing_scales
-from shared.sampling import SamplingParams
+from pdserve.services.engine.quant.int8_linear import CpuInt8Linear, quantize_linears
+from pdserve.services.engine.quant.int8_weights import quantize_per_channel
+from pdserve.services.engine.quant.smooth import _plain_forward, activation_maxima, smoothing_scales
+from pdserve.shared.sampling import SamplingParams
 from tests.engine_support import make_engine
 
 

@@ -22,9 +22,9 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from pydantic import BaseModel, ValidationError
 
-import gateway.state
-from gateway.openapi import openapi_spec
-from gateway.response_models import (
+from pdserve.gateway import state as gateway_state
+from pdserve.gateway.openapi import openapi_spec
+from pdserve.gateway.response_models import (
     RESPONSE_MODELS,
     ChatCompletion,
     ChatCompletionChunk,
@@ -36,12 +36,12 @@ from gateway.response_models import (
     RunningUsage,
     Usage,
 )
-from gateway.server import create_app
-from gateway.state import GATEWAY_KEY
-from services.decode.worker import DecodeWorker
-from services.engine.engine import LLMEngine
-from shared.bus_memory import MemoryBus, MemoryNetwork
-from shared.config import BusConfig, EngineConfig, GatewayConfig
+from pdserve.gateway.server import create_app
+from pdserve.gateway.state import GATEWAY_KEY
+from pdserve.services.decode.worker import DecodeWorker
+from pdserve.services.engine.engine import LLMEngine
+from pdserve.shared.bus_memory import MemoryBus, MemoryNetwork
+from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig
 
 NS = "t"
 MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
@@ -97,7 +97,7 @@ class Stack:
 async def stack(engine, monkeypatch) -> AsyncIterator[Stack]:
     net = MemoryNetwork()
     monkeypatch.setattr(
-        gateway.state, "Bus", lambda config, name: MemoryBus(config, name, network=net)
+        gateway_state, "Bus", lambda config, name: MemoryBus(config, name, network=net)
     )
     app = create_app(
         GatewayConfig(worker_timeout=30.0),

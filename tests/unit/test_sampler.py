@@ -4,8 +4,8 @@ import math
 
 import torch
 
-from services.engine.logits_processing import SparseLogits
-from services.engine.sampler import SamplingTensors, sample, uniform_noise
+from pdserve.services.engine.logits_processing import SparseLogits
+from pdserve.services.engine.sampler import SamplingTensors, sample, uniform_noise
 
 
 def tensors(

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.errors import StartupError
-from shared.sampling import SamplingParams
+from pdserve.shared.errors import StartupError
+from pdserve.shared.sampling import SamplingParams
 from tests.engine_support import make_engine, run_staggered, step_outputs
 from tests.oracle import hf_greedy
 from tests.unit.test_engine_lifecycle import all_free, prefill_one, pull

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from services.engine.engine import LLMEngine
-from shared.sampling import GuidedDecoding, SamplingParams
+from pdserve.services.engine.engine import LLMEngine
+from pdserve.shared.sampling import GuidedDecoding, SamplingParams
 from tests.engine_support import make_engine, random_prompts, run_staggered, step_outputs
 from tests.oracle import hf_greedy
 from tests.unit.test_engine_lifecycle import all_free, prefill_one, pull

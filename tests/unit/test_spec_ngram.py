@@ -11,16 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.engine.sequence import Sequence
-from services.engine.spec import adaptive
-from services.engine.spec.adaptive import MAX_PAUSE, DraftBudget, best_length
-from services.engine.spec.cost import DraftCost
-from services.engine.spec.ngram import NgramProposer, TokenArray, find_draft
-from services.engine.spec.proposer import Proposal, Proposer
-from services.engine.spec.speculator import Speculator
-from shared.config import EngineConfig
-from shared.errors import StartupError
-from shared.sampling import GuidedDecoding, SamplingParams
+from pdserve.services.engine.sequence import Sequence
+from pdserve.services.engine.spec import adaptive
+from pdserve.services.engine.spec.adaptive import MAX_PAUSE, DraftBudget, best_length
+from pdserve.services.engine.spec.cost import DraftCost
+from pdserve.services.engine.spec.ngram import NgramProposer, TokenArray, find_draft
+from pdserve.services.engine.spec.proposer import Proposal, Proposer
+from pdserve.services.engine.spec.speculator import Speculator
+from pdserve.shared.config import EngineConfig
+from pdserve.shared.errors import StartupError
+from pdserve.shared.sampling import GuidedDecoding, SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -212,7 +212,7 @@ def test_cli_says_what_is_wrong_in_one_line() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     env["PDSERVE_NGRAM_MIN"] = "6"  # from the environment, past argparse's checks
     proc = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "decode", "--speculative", "ngram"],
+        [sys.executable, "-m", "pdserve.shared.cli", "decode", "--speculative", "ngram"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2 and "Traceback" not in proc.stderr

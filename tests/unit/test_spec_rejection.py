@@ -15,14 +15,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from services.engine.block_manager import BlockManager
-from services.engine.sampler import SamplingTensors, sample
-from services.engine.sequence import Sequence
-from services.engine.spec.ngram import NgramProposer
-from services.engine.spec.proposer import Proposal, Proposer
-from services.engine.spec.rejection import DraftDistributions
-from services.engine.spec.verify import DraftPosition, accepted_lengths, emitted_tokens
-from shared.sampling import SamplingParams
+from pdserve.services.engine.block_manager import BlockManager
+from pdserve.services.engine.sampler import SamplingTensors, sample
+from pdserve.services.engine.sequence import Sequence
+from pdserve.services.engine.spec.ngram import NgramProposer
+from pdserve.services.engine.spec.proposer import Proposal, Proposer
+from pdserve.services.engine.spec.rejection import DraftDistributions
+from pdserve.services.engine.spec.verify import DraftPosition, accepted_lengths, emitted_tokens
+from pdserve.shared.sampling import SamplingParams
 from tests.engine_support import make_engine
 
 V = 6

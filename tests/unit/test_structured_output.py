@@ -12,8 +12,8 @@ import sys
 import llguidance
 import pytest
 
-from shared.sampling import GuidedDecoding
-from shared.structured_output import GrammarCompiler, check, compiler_for, grammar_text
+from pdserve.shared.sampling import GuidedDecoding
+from pdserve.shared.structured_output import GrammarCompiler, check, compiler_for, grammar_text
 from tests.checkpoints import train_tokenizer
 
 EOS = 1  # "</s>" in train_tokenizer's special tokens

@@ -29,8 +29,7 @@ from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, Resou
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from perf import trace_cli
-from shared import tracing
+from pdserve.shared import trace_cli, tracing
 from tests.otlp_receiver import OtlpReceiver, to_jaeger
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "jaeger_traces.json"
@@ -193,7 +192,11 @@ def export_scenarios(receiver: OtlpReceiver) -> dict[str, Any]:
         exporter = OTLPSpanExporter(endpoint=receiver.traces_endpoint)
         provider.add_span_processor(BatchSpanProcessor(exporter))
         providers[service] = provider
-    scopes = {G: "gateway.server", P: "services.prefill.worker", D: "services.decode.worker"}
+    scopes = {
+        G: "pdserve.gateway.server",
+        P: "pdserve.services.prefill.worker",
+        D: "pdserve.services.decode.worker",
+    }
     tracers = {s: p.get_tracer(scopes[s]) for s, p in providers.items()}
 
     for i, sc in enumerate(SCENARIOS):
@@ -284,7 +287,7 @@ async def jaeger(fixture_traces) -> AsyncIterator[tuple[JaegerStandIn, str]]:
 
 async def cli(base_url: str, *argv: str) -> tuple[int, str]:
     """Run ``pdserve trace`` with the real argument parser; the CLI is blocking, so in a thread."""
-    from shared.cli import make_parser
+    from pdserve.shared.cli import make_parser
 
     ns = make_parser().parse_args(["trace", "--jaeger", base_url, *argv])
     out = io.StringIO()

@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from gateway.api_models import (
+from pdserve.gateway.api_models import (
     check_length,
     check_token_ids,
     parse_chat,
     parse_completion,
 )
-from gateway.errors import APIError
-from gateway.json_body import parse_json_body
+from pdserve.gateway.errors import APIError
+from pdserve.gateway.json_body import parse_json_body
 
 
 def error_of(fn, *args) -> APIError:

@@ -11,13 +11,13 @@ from dataclasses import replace
 
 import pytest
 
-from services.decode.worker import DecodeWorker
-from services.engine.engine import LLMEngine
-from services.prefill.worker import PrefillWorker
-from shared.bus_memory import MemoryBus, MemoryNetwork
-from shared.config import BusConfig, EngineConfig
-from shared.kv_transfer import KVTransferError, TransferStats
-from shared.protocol import (
+from pdserve.services.decode.worker import DecodeWorker
+from pdserve.services.engine.engine import LLMEngine
+from pdserve.services.prefill.worker import PrefillWorker
+from pdserve.shared.bus_memory import MemoryBus, MemoryNetwork
+from pdserve.shared.config import BusConfig, EngineConfig
+from pdserve.shared.kv_transfer import KVTransferError, TransferStats
+from pdserve.shared.protocol import (
     Cancel,
     DecodeRequest,
     KVHandle,
@@ -27,7 +27,7 @@ from shared.protocol import (
     TokenBatch,
     TokenItem,
 )
-from shared.sampling import SamplingParams
+from pdserve.shared.sampling import SamplingParams
 
 NS = "t"
 MAX_TOKENS = 6

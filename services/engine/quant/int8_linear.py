@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from kernels import ops
-from services.engine.quant.int8_weights import Int8Weight, quantize_per_channel
-from services.engine.quant.smooth import activation_maxima, smoothing_scales
+from pdserve.kernels import ops
+from pdserve.services.engine.quant.int8_weights import Int8Weight, quantize_per_channel
+from pdserve.services.engine.quant.smooth import activation_maxima, smoothing_scales
 
 
 @functools.cache

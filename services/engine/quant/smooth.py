@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from services.engine.model import AttentionMetadata, ChunkGroup
+from pdserve.services.engine.model import AttentionMetadata, ChunkGroup
 
 CALIBRATION_TEXT = Path(__file__).parent / "calibration_text.txt"
 

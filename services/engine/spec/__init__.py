@@ -37,14 +37,14 @@ from pathlib import Path
 
 import torch
 
-from services.engine.model_config import ModelConfig
-from services.engine.spec.cost import DraftCost
-from services.engine.spec.draft import load_draft
-from services.engine.spec.ngram import NgramProposer
-from services.engine.spec.proposer import Proposer
-from services.engine.spec.speculator import Speculator
-from shared.config import EngineConfig
-from shared.errors import StartupError
+from pdserve.services.engine.model_config import ModelConfig
+from pdserve.services.engine.spec.cost import DraftCost
+from pdserve.services.engine.spec.draft import load_draft
+from pdserve.services.engine.spec.ngram import NgramProposer
+from pdserve.services.engine.spec.proposer import Proposer
+from pdserve.services.engine.spec.speculator import Speculator
+from pdserve.shared.config import EngineConfig
+from pdserve.shared.errors import StartupError
 
 
 @dataclass

@@ -29,17 +29,17 @@ from pathlib import Path
 
 import torch
 
-from kernels import ops
-from services.engine.block_manager import BlockManager
-from services.engine.loader import load_model
-from services.engine.model import AttentionMetadata, ChunkGroup, LlamaForCausalLM
-from services.engine.model_config import ModelConfig
-from services.engine.noise import DRAFT, purpose_seeds, uniform_noise
-from services.engine.quant.kv_cache import kv_cache_spec
-from services.engine.sequence import Sequence
-from services.engine.spec.proposer import Proposal, Proposer
-from shared.errors import StartupError
-from shared.models.resolve import resolve
+from pdserve.kernels import ops
+from pdserve.services.engine.block_manager import BlockManager
+from pdserve.services.engine.loader import load_model
+from pdserve.services.engine.model import AttentionMetadata, ChunkGroup, LlamaForCausalLM
+from pdserve.services.engine.model_config import ModelConfig
+from pdserve.services.engine.noise import DRAFT, purpose_seeds, uniform_noise
+from pdserve.services.engine.quant.kv_cache import kv_cache_spec
+from pdserve.services.engine.sequence import Sequence
+from pdserve.services.engine.spec.proposer import Proposal, Proposer
+from pdserve.shared.errors import StartupError
+from pdserve.shared.models.resolve import resolve
 
 SHORT_ROWS = 8  # rows of at most this many tokens use decode attention (several queries each)
 

@@ -18,8 +18,8 @@ import weakref
 
 import numpy as np
 
-from services.engine.sequence import Sequence
-from services.engine.spec.proposer import Proposal, Proposer
+from pdserve.services.engine.sequence import Sequence
+from pdserve.services.engine.spec.proposer import Proposal, Proposer
 
 
 class TokenArray:

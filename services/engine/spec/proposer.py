@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from services.engine.sequence import Sequence
+    from pdserve.services.engine.sequence import Sequence
 
 
 @dataclass

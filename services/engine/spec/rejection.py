@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.noise import ACCEPT, RESIDUAL, purpose_seeds, uniform_noise
+from pdserve.services.engine.noise import ACCEPT, RESIDUAL, purpose_seeds, uniform_noise
 
 
 @dataclass

@@ -15,10 +15,10 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 
-from services.engine.sequence import Sequence
-from services.engine.spec.adaptive import DraftBudget
-from services.engine.spec.cost import DraftCost
-from services.engine.spec.proposer import Proposer
+from pdserve.services.engine.sequence import Sequence
+from pdserve.services.engine.spec.adaptive import DraftBudget
+from pdserve.services.engine.spec.cost import DraftCost
+from pdserve.services.engine.spec.proposer import Proposer
 
 
 @dataclass

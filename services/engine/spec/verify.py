@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from services.engine.sequence import Sequence
-    from shared.sampling import SamplingParams
+    from pdserve.services.engine.sequence import Sequence
+    from pdserve.shared.sampling import SamplingParams
 
 
 class DraftPosition:

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from perf.bench.client import RequestRecord
+from pdserve.shared.bench.client import RequestRecord
 
 SLO_KEYS = ("ttft", "tpot", "e2el")
 DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)

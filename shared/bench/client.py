@@ -18,8 +18,8 @@ import aiohttp
 import numpy as np
 from tqdm.asyncio import tqdm
 
-from perf.bench.arrivals import arrival_offsets, paced
-from perf.bench.datasets import BenchRequest
+from pdserve.shared.bench.arrivals import arrival_offsets, paced
+from pdserve.shared.bench.datasets import BenchRequest
 
 
 @dataclass

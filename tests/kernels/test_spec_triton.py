@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.sampling import SamplingParams
+from pdserve.shared.sampling import SamplingParams
 from tests.engine_support import make_engine
 from tests.unit.test_spec_engine import NGRAM, repeating_prompts
 
@@ -22,7 +22,7 @@ MAX_TOKENS = 10
 
 SCRIPT = """
 import json, sys
-from shared.sampling import SamplingParams
+from pdserve.shared.sampling import SamplingParams
 from tests.engine_support import make_engine
 from tests.unit.test_spec_engine import NGRAM, repeating_prompts
 engine = make_engine(sys.argv[1], dtype="float32", **NGRAM)

@@ -222,7 +222,7 @@ def build_dataset(
 ) -> list[Any]:
     import numpy as np
 
-    from perf.bench import datasets as ds
+    from pdserve.shared.bench import datasets as ds
 
     rng = np.random.default_rng(ns.seed + seed_offset)
     if ns.tokenizer:
@@ -268,7 +268,7 @@ def describe(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def client_config(ns: argparse.Namespace, base_url: str, model: str) -> Any:
-    from perf.bench.client import ClientConfig
+    from pdserve.shared.bench.client import ClientConfig
 
     return ClientConfig(
         base_url=base_url,
@@ -294,10 +294,10 @@ async def measure_rate(
     """One measured run of `requests` at `rate`; returns a RunResult with its metrics."""
     import asyncio
 
-    from perf.bench.client import LoadConfig, run_benchmark
-    from perf.bench.metrics import compute_metrics
-    from perf.bench.report import RunResult
-    from perf.bench.spec_counters import scrape_spec
+    from pdserve.shared.bench.client import LoadConfig, run_benchmark
+    from pdserve.shared.bench.metrics import compute_metrics
+    from pdserve.shared.bench.report import RunResult
+    from pdserve.shared.bench.spec_counters import scrape_spec
 
     conc = max_concurrency if max_concurrency is not None else ns.max_concurrency
     load = LoadConfig(rate, ns.burstiness, conc, ns.seed + seed_offset)
@@ -318,8 +318,8 @@ async def measure_rate(
 
 async def bench_sweep(ns: argparse.Namespace) -> list[Any]:
     """Warm up, then run the workload once per request rate against ns.base_url."""
-    from perf.bench.client import discover_model, warm_up
-    from perf.bench.metrics import parse_goodput
+    from pdserve.shared.bench.client import discover_model, warm_up
+    from pdserve.shared.bench.metrics import parse_goodput
 
     if ns.endpoint.rstrip("/").endswith("chat/completions"):
         # exact prompt lengths need token ids, which only the completions API accepts
@@ -374,7 +374,7 @@ def print_summary(result: Any) -> None:
 
 
 def sweep_summary(results: list[Any], target: float) -> dict[str, Any]:
-    from perf.bench.metrics import max_goodput_rate
+    from pdserve.shared.bench.metrics import max_goodput_rate
 
     summary: dict[str, Any] = {}
     for series in dict.fromkeys(r.series for r in results):
@@ -393,7 +393,7 @@ def run(ns: argparse.Namespace) -> int:
 
     import aiohttp
 
-    from perf.bench.report import write_outputs
+    from pdserve.shared.bench.report import write_outputs
 
     try:
         results = asyncio.run(bench_sweep(ns))

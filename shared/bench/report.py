@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from perf.bench.client import RequestRecord
-from perf.bench.metrics import BenchMetrics, is_good, request_tpot
+from pdserve.shared.bench.client import RequestRecord
+from pdserve.shared.bench.metrics import BenchMetrics, is_good, request_tpot
 
 LATENCY_METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
 TITLES = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2el_ms": "E2E latency"}
@@ -407,7 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     """Re-render the markdown and plots of a saved result (its data files stay untouched)."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m perf.bench.report", description=main.__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m pdserve.shared.bench.report", description=main.__doc__
+    )
     p.add_argument("result", type=Path, help="a <name>.json written by pdserve bench")
     p.add_argument("--out", type=Path, default=None, help="folder (default: the result's)")
     args = p.parse_args(argv)

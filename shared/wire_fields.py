@@ -1,0 +1,67 @@
+"""Bounds and field helpers for the wire messages in ``pdserve.shared.protocol``.
+
+A message field says what it may hold (``ident()``, ``tokens()``, ``count(lo, hi)``...) in its
+dataclass metadata; the checker in ``pdserve.shared.wire_check`` reads those bounds when it
+decodes a message, so a bound is written once, next to the field it limits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field
+from typing import Any
+
+from pdserve.shared.subjects import MAX_ID_CHARS, SUBJECT_RE, TOKEN_RE
+from pdserve.shared.wire_check import INT64_MAX
+
+# Bounds that hold for any sane deployment; the bus also caps whole messages (max_message_bytes).
+MAX_SUBJECT_CHARS = 256
+MAX_TEXT_CHARS = 4096
+MAX_UCX_ADDRESS_CHARS = 12000  # base64 of a UCX worker address (<= 8 KiB) and a tag
+MAX_TOKENS = 1 << 20  # prompt/output token lists
+MAX_BLOCKS = 1 << 20
+MAX_STOP_TOKENS = 1024
+MAX_BATCH_ITEMS = 4096
+MAX_TOKEN_ID = (1 << 31) - 1
+MAX_DEPTH = 8
+# Block hashes per KVEvents message (9 msgpack bytes each: ~590 KB, under NATS's default 1 MB
+# payload limit); bigger changes and snapshots are split over several messages.
+MAX_KV_EVENT_HASHES = 1 << 16
+UINT64_MAX = (1 << 64) - 1  # block hashes are unsigned 64-bit (blake2b, 8 bytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# field helpers: bounds live in dataclass field metadata, read by shared.wire_check's Checker
+
+
+def bounded(default: Any = dataclasses.MISSING, **bounds: Any) -> Any:
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=bounds)
+    return field(default=default, metadata=bounds)
+
+
+def ident(**kw: Any) -> Any:
+    """A request/worker id: one NATS subject token."""
+    return bounded(kw.pop("default", dataclasses.MISSING), pattern=TOKEN_RE, max_len=MAX_ID_CHARS)
+
+
+def subject(**kw: Any) -> Any:
+    return bounded(
+        kw.pop("default", dataclasses.MISSING), pattern=SUBJECT_RE, max_len=MAX_SUBJECT_CHARS
+    )
+
+
+def text(max_len: int = MAX_TEXT_CHARS, **kw: Any) -> Any:
+    return bounded(kw.pop("default", dataclasses.MISSING), max_len=max_len, **kw)
+
+
+def count(lo: int = 0, hi: int = INT64_MAX, **kw: Any) -> Any:
+    return bounded(kw.pop("default", dataclasses.MISSING), lo=lo, hi=hi)
+
+
+def tokens(max_len: int = MAX_TOKENS, **kw: Any) -> Any:
+    return bounded(kw.pop("default", dataclasses.MISSING), lo=0, hi=MAX_TOKEN_ID, max_len=max_len)
+
+
+def seconds(**kw: Any) -> Any:
+    return bounded(kw.pop("default", dataclasses.MISSING), lo=0.0, hi=1e12)
