@@ -24,6 +24,8 @@ def _i64(x: int) -> int:
 _GOLDEN = _i64(0x9E3779B97F4A7C15)
 _MIX1 = _i64(0xBF58476D1CE4E5B9)
 _MIX2 = _i64(0x94D049BB133111EB)
+# float32's largest value below 1 (its spacing there is 2^-24)
+_BELOW_ONE = 1.0 - 2.0**-24
 
 # What a draw is for. SAMPLE is 0 so the plain sampler's noise is a function of the seed alone.
 SAMPLE = 0
@@ -46,7 +48,8 @@ def purpose_seeds(seeds: torch.Tensor, purpose: int) -> torch.Tensor:
 
 
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """U(0,1) noise [B, V] from splitmix64 of (seed, step, vocab id); int64 math wraps."""
+    """U(0,1) noise [B, V] from splitmix64 of (seed, step, vocab id); int64 math wraps. Every
+    value is strictly inside (0, 1) in float32, so -log(u) is finite and positive."""
     device = seeds.device
     vocab = torch.arange(vocab_size, dtype=torch.int64, device=device)
     x = (seeds * _GOLDEN + steps * _MIX1)[:, None] + vocab[None, :] * _MIX2
@@ -56,4 +59,9 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> 
     x = x * _MIX2
     x = x ^ _shr(x, 31)
     top53 = _shr(x, 11).to(torch.float64)
-    return ((top53 + 0.5) / float(1 << 53)).to(torch.float32)
+    u = ((top53 + 0.5) / float(1 << 53)).to(torch.float32)
+    # The cast rounds the draws within 2^-25 of 1 up to 1.0: one in 2^25, so one row in ~700
+    # over a 50k vocabulary. Every caller races argmax(p / E) with E = -log(u), and -log(1.0) is
+    # -0.0: p / E was a NaN where p = 0 (a token masked by a grammar, or cut by top-k / top-p),
+    # which argmax picks, and -inf where p > 0, a token never drawn. So u stays below 1.
+    return u.clamp_(max=_BELOW_ONE)
