@@ -81,8 +81,7 @@ def completion_logprobs(
         text = texts(e.token_id)
         tokens.append(text)
         token_logprobs.append(e.logprob)
-        # Several tokens may share a text; as in OpenAI's shape, the likeliest one names it.
-        tops.append(None if e.top is None else _top_dict(e.top, texts))
+        tops.append(None if e.top is None else _top_dict(e, texts))
         offsets.append(offset)
         offset += len(text)
     return {
@@ -93,9 +92,15 @@ def completion_logprobs(
     }
 
 
-def _top_dict(top: list[tuple[int, float]], texts: TokenTexts) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for token_id, logprob in top:
+def _top_dict(e: LogprobEntry, texts: TokenTexts) -> dict[str, float]:
+    """The legacy contract (OpenAI's, followed by vLLM): the position's own token (sampled, or
+    the prompt's with echo) is always in the dict, beside the k likeliest, so it holds up to k + 1
+    entries and exactly that token for ``logprobs: 0``. Clients such as lm-eval read the token's
+    own log-prob and greediness from it. It goes first, as in vLLM, and keeps its own log-prob
+    under its text, so ``top_logprobs[i][tokens[i]] == token_logprobs[i]``; other tokens that
+    share a text keep the likeliest one's."""
+    out: dict[str, float] = {texts(e.token_id): e.logprob}
+    for token_id, logprob in e.top or []:
         out.setdefault(texts(token_id), logprob)
     return out
 

@@ -165,8 +165,11 @@ async def test_echo_with_max_tokens_0_returns_prompt_logprobs(
         dist = hf_log_softmax(hf_model, ids)
         for i in range(1, len(ids)):
             assert abs(lp.token_logprobs[i] - dist[i - 1][ids[i]].item()) < TOL
-            (best,) = lp.top_logprobs[i].values()
-            assert abs(best - dist[i - 1].max().item()) < TOL
+            # the prompt's own token first, then the likeliest: one entry if they are the same
+            own, *best = lp.top_logprobs[i].items()
+            assert own == (lp.tokens[i], lp.token_logprobs[i])
+            assert len(best) == int(dist[i - 1].argmax() != ids[i])
+            assert abs(max(lp.top_logprobs[i].values()) - dist[i - 1].max().item()) < TOL
         assert choice.text == hf_tokenizer.decode(ids)
     assert resp.usage.completion_tokens == 0
     assert resp.usage.prompt_tokens == sum(len(p) for p in prompts)
