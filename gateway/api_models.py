@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 
 from pdserve.gateway.errors import APIError, bad_request
-from pdserve.gateway.request_bodies import ChatCompletionBody, CommonFields, CompletionBody
+from pdserve.gateway.request_bodies import ChatCompletionBody, CompletionBody
 from pdserve.gateway.schema_base import StrictModel
 from pdserve.gateway.schema_errors import api_error
 from pdserve.shared.sampling import GuidedDecoding
@@ -59,8 +59,15 @@ class GenerationParams:
     min_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
     stop_token_ids: list[int] = field(default_factory=list)
-    guided: GuidedDecoding | None = None  # response_format / guided_regex / guided_choice
+    guided: GuidedDecoding | None = None  # response_format / guided_* / structured_outputs
+    guided_param: str | None = None  # the field that set guided, for its compile errors
     speculate: bool = True  # false: no speculative decoding for this request
+    # vLLM's extensions (vllm_fields.py)
+    prompt_logprobs: int | None = None  # the prompt's log-probs, this many alternatives each
+    return_token_ids: bool = False  # token ids beside the text
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: all that fit)
+    reply_role: str = "assistant"  # chat: the last message's without a generation prompt
+    chat_echo: str = ""  # chat echo: the text the reply starts with (the last message's)
 
 
 @dataclass
@@ -81,6 +88,9 @@ class ChatMessage:
 class ChatRequest:
     params: GenerationParams
     messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
 
 
 # ----------------------------------------------------------------------------- requests
@@ -111,6 +121,11 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
 def parse_chat(body: dict[str, Any]) -> ChatRequest:
     req = _validated(ChatCompletionBody, body)
     params = _params(req, max_tokens=req.max_new_tokens, logprobs=req.top_alternatives)
+    # As vLLM: without a generation prompt the reply continues the last message's role, and
+    # echo repeats the last message when it has the reply's role.
+    last = req.messages[-1]
+    params.reply_role = "assistant" if req.generation_prompt else last.role
+    params.chat_echo = last.text() if req.echo and last.role == params.reply_role else ""
     # 'developer' is OpenAI's newer name for the system role; templates only know 'system'.
     messages = [
         ChatMessage(
@@ -118,11 +133,17 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
         )
         for m in req.messages
     ]
-    return ChatRequest(params=params, messages=messages)
+    return ChatRequest(
+        params=params,
+        messages=messages,
+        add_generation_prompt=req.generation_prompt,
+        continue_final_message=bool(req.continue_final_message),
+        template_kwargs=dict(req.chat_template_kwargs or {}),
+    )
 
 
 def _params(
-    req: CommonFields,
+    req: CompletionBody | ChatCompletionBody,
     *,
     max_tokens: int | None,
     logprobs: int | None,
@@ -155,7 +176,11 @@ def _params(
         logit_bias=req.logit_bias_by_token(),
         stop_token_ids=list(req.stop_token_ids or []),
         guided=req.guided,
+        guided_param=req.guided_param,
         speculate=given(req.speculate, True),
+        prompt_logprobs=req.prompt_logprobs_asked,
+        return_token_ids=bool(req.return_token_ids),
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
     )
 
 
@@ -169,14 +194,18 @@ def check_token_ids(ids: list[int], vocab_size: int, where: str = "prompt") -> N
             )
 
 
-def check_logit_bias(bias: dict[int, float], vocab_size: int) -> None:
-    for t in bias:
+def check_param_token_ids(params: GenerationParams, vocab_size: int) -> None:
+    """The token ids a request names besides its prompt, checked against the vocabulary once
+    the model is known (the schema bounds them only by the wire's limit). Both endpoints call
+    this one check, so a field added here is checked on both."""
+    for t in params.logit_bias:
         if not 0 <= t < vocab_size:
             raise bad_request(
                 f"logit_bias names token id {t}, outside the vocabulary [0, {vocab_size})",
                 "logit_bias",
                 "invalid_token_id",
             )
+    check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
 
 
 def check_length(

@@ -34,20 +34,28 @@ class OutputText:
 
 @dataclass
 class Piece:
-    """What one token event adds to a choice: text (maybe empty) and the new tokens'
-    log-prob entries (empty unless asked)."""
+    """What one token event adds to a choice: text (maybe empty), the new tokens'
+    log-prob entries (empty unless asked) and the new tokens' ids."""
 
     text: str
     logprobs: list[LogprobEntry] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
 
 
 class ChoiceOutput:
-    """One choice: ``index`` is its place in the response (prompt i's choice j is i * n + j)."""
+    """One choice: ``index`` is its place in the response (prompt i's choice j is i * n + j),
+    ``prompt`` the prompt it answers."""
 
     def __init__(
-        self, index: int, tok: ModelTokenizer, stops: list[str], with_logprobs: bool
+        self,
+        index: int,
+        tok: ModelTokenizer,
+        stops: list[str],
+        with_logprobs: bool,
+        prompt: int = 0,
     ) -> None:
         self.index = index
+        self.prompt = prompt
         self.out = OutputText(tok, stops)
         self.token_ids: list[int] = []
         self.logprobs: LogprobList | None = LogprobList() if with_logprobs else None
@@ -91,7 +99,7 @@ class ChoiceOutput:
             text += self.out.finish()
             self.finish_reason = "stop" if self.out.stopped else event.finish_reason
         self.pieces.append(text)
-        return Piece(text, entries)
+        return Piece(text, entries, list(event.token_ids))
 
     def end(self, reason: str) -> Piece:
         """The request ended without this choice's own finish (it cannot happen on a normal

@@ -4,8 +4,9 @@
 worker's KV handle, or without one to have the decode worker prefill locally - and yields the
 tokens its worker streams back. A worker that refuses a leg before its first token (full,
 draining) hands it to another. A worker that is lost mid-stream - ping-confirmed dead, gone
-cleanly, restarted - or whose messages may have been lost because our own bus connection broke
-has its legs *migrated*: re-sent, under fresh bus ids, to live decode workers with the tokens the
+cleanly, restarted - or whose tokens were lost on the bus (a gap in their positions, or a check
+after a NATS reconnect that finds the stream gone: ``gateway/stream_check.py``) has its legs
+*migrated*: re-sent, under fresh bus ids, to live decode workers with the tokens the
 client already has, which the new worker prefills and continues from exactly. The client's
 stream goes on: no token is repeated, skipped or reordered (tokens are delivered only from the
 live legs, and each continues from precisely what was delivered), and each choice ends once.
@@ -19,25 +20,32 @@ workers, a ``pdserve.migration`` event on the request's span, and one count of
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 
 from pdserve.gateway.inflight_types import (
+    ABANDONED_STREAM_SECONDS,
     DECODE_ATTEMPTS,
     MIGRATE_BUS_RECONNECT,
     MIGRATE_WORKER_LOST,
     RETRYABLE_CODES,
     TYPICAL_OUTPUT_TOKENS,
     BusReconnected,
+    CheckDue,
     NoWorker,
     TokenEvent,
     WorkerFailure,
     WorkerLeft,
+    WorkerRejoined,
     check_ending,
+    due_in,
+    on_wire,
 )
 from pdserve.gateway.legs import Leg, new_bus_id, replan
+from pdserve.gateway.stream_check import SKIP, StreamChecks
 from pdserve.shared import tracing as tr
 from pdserve.shared.kv_layout import layout_id
 from pdserve.shared.protocol import DecodeRequest, PrefillResult, TokenItem
@@ -48,34 +56,42 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdserve.gateway.dispatch")
 
 
-class DecodeStage:
+class DecodeStage(StreamChecks):
     """The decode side of ``InFlight`` (a mixin: the request object owns the state)."""
 
     async def decode(self: InFlight) -> AsyncIterator[TokenEvent]:
         """Yield the tokens of decode workers until the request finishes. A worker that refuses
         before its first token (full or draining) hands its leg to another; a worker that is
-        lost - or whose messages our broken bus connection may have lost - has its legs
-        migrated (``legs.py``)."""
+        lost, or whose tokens the bus lost, has its legs migrated (``legs.py``). After a NATS
+        reconnect (ours, or the worker's) the legs it may concern are checked."""
         self.stage = "decode"
         self.listen(self.bus_id)
         first = Leg(self.bus_id, None, list(self.delivered[0]), self.sampling, self.kv)
         await self._send_first(first)
         while not self.finished:
             item = await self._next(self.deadline)
-            if isinstance(item, WorkerLeft):
+            if isinstance(item, WorkerRejoined):  # (a WorkerLeft to a prefill)
+                self._check(leg for leg in self.legs.values() if leg.worker == item.worker_id)
+            elif isinstance(item, WorkerLeft):
                 lost = [leg for leg in self.legs.values() if leg.worker == item.worker_id]
                 if lost:
                     await self._migrate(lost, MIGRATE_WORKER_LOST)
             elif isinstance(item, BusReconnected):
-                stale = [leg for leg in self.legs.values() if leg.epoch < item.epoch]
-                if stale:
-                    await self._migrate(stale, MIGRATE_BUS_RECONNECT)
+                self._check(leg for leg in self.legs.values() if leg.epoch < item.epoch)
+            elif isinstance(item, CheckDue):
+                if (leg := self._check_due(item)) is not None:
+                    log.warning("%s: no answer from %s to a stream check", leg.bus_id, leg.worker)
+                    await self._migrate([leg], MIGRATE_BUS_RECONNECT)
             elif isinstance(item, PrefillResult):
                 await self.d.release_stale(item)  # a late answer of a retried prefill
             elif (leg := self.legs.get(item.request_id)) is not None:
-                event = await self._on_item(leg, item)
-                if event is not None:
-                    yield event
+                if (lost := self._screen(leg, item)) is None:
+                    event = await self._on_item(leg, item)
+                    if event is not None:
+                        yield event
+                elif lost != SKIP:
+                    log.warning("%s lost tokens from %s: %s", leg.bus_id, leg.worker, lost)
+                    await self._migrate([leg], MIGRATE_BUS_RECONNECT)
             # else: a late item of a leg migrated away (its worker is gone): dropped
 
     async def _on_item(self: InFlight, leg: Leg, item: TokenItem) -> TokenEvent | None:
@@ -93,6 +109,9 @@ class DecodeStage:
             return None
         check_ending(item.finish_reason, leg.worker)
         leg.streamed = True
+        if item.token_ids:  # progress: the next token is due within --stall-timeout
+            leg.due = due_in(self.d.stall_timeout)
+            self.progressed()
         index = leg.choice(item.index)
         if index not in self.choices.open:
             return None  # a choice the consumer stopped: what was under way is dropped
@@ -135,6 +154,8 @@ class DecodeStage:
         leg.tried.add(worker)
         leg.worker = worker
         leg.epoch = self.d.bus_epoch
+        # a new worker starts with a queue, a KV pull or a local prefill of prompt + output
+        leg.due = due_in(self.d.first_token_timeout)
         self.legs[leg.bus_id] = leg
         self.listen(leg.bus_id)
         self.watching = {other.worker for other in self.legs.values()}
@@ -148,7 +169,8 @@ class DecodeStage:
                 sampling=leg.sampling,
                 kv=leg.kv,
                 reply_to=self.d.inbox,
-                deadline=self.deadline,
+                # the worker enforces it only until its first token (services/worker_base.py)
+                deadline=on_wire(min(self.cap, leg.due)),
                 client_request_id=self.client_id,
             ),
             self.headers,
@@ -163,7 +185,13 @@ class DecodeStage:
         self.d.unregister(leg.bus_id)
         self.watching = {other.worker for other in self.legs.values()}
         if cancel:
-            self.d.abandon(leg.worker, leg.bus_id, self.deadline)
+            # Cancelled again if its worker turns up, for as long as that worker might still
+            # run it: until its deadline before its first token, for a while once streaming.
+            if leg.streamed:
+                until = time.time() + ABANDONED_STREAM_SECONDS
+            else:
+                until = min(self.cap, leg.due)
+            self.d.abandon(leg.worker, leg.bus_id, until)
 
     def _cancel_choice(self: InFlight, index: int) -> None:
         """The consumer stopped choice ``index`` (a stop string): stop it on its worker."""
@@ -191,7 +219,7 @@ class DecodeStage:
         what = f"decode worker {', '.join(old)} " + (
             "stopped while serving the request"
             if reason == MIGRATE_WORKER_LOST
-            else "may have lost its messages while the bus reconnected"
+            else "sent tokens that the bus lost"
         )
         limit = self.d.max_migrations
         if self.migrations >= limit:

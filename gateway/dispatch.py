@@ -16,8 +16,10 @@ blocks.
 
 When the gateway's own NATS connection breaks, anything published meanwhile may be lost (NATS
 core keeps nothing for a subscriber that is away). After the reconnect every request is told
-(``BusReconnected``): prefills in flight are retried, decode legs migrated. Until the workers
-are heard again on the new connection - which also means their subscriptions are back - new
+(``BusReconnected``): prefills in flight are retried, decode legs checked - those that lost
+tokens migrate, the others go on (``gateway/stream_check.py``); a worker whose own connection
+broke says so (``REJOINED``), with the same effect on what it serves. Until the workers are
+heard again on the new connection - which also means their subscriptions are back - new
 messages go only to workers that have been, and a migration waits for one (``recovered``).
 """
 
@@ -47,6 +49,7 @@ from pdserve.gateway.inflight import (
     TokenEvent,
     WorkerFailure,
 )
+from pdserve.gateway.inflight_types import WorkerRejoined
 from pdserve.gateway.legs import BUS_ID_SUFFIX, new_bus_id, with_fixed_seed
 from pdserve.gateway.router import Router
 from pdserve.shared import protocol
@@ -57,13 +60,14 @@ from pdserve.shared.protocol import (
     PrefillRequest,
     PrefillResult,
     ReleaseLease,
+    StreamCheck,
     TokenBatch,
     TokenItem,
     WorkerLoad,
 )
 from pdserve.shared.sampling import SamplingParams
 from pdserve.shared.tracing import ATTR_REQUEST_ID, SPAN_ROUTE, inject_headers, tracer
-from pdserve.shared.worker_registry import JOINED, LEFT, WorkerRegistry
+from pdserve.shared.worker_registry import JOINED, LEFT, REJOINED, WorkerRegistry
 
 __all__ = [
     "BUS_ID_SUFFIX",
@@ -103,13 +107,19 @@ class Dispatcher:
         prefill_timeout: float,
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
         migrations: Any = None,  # a prometheus Counter labelled by reason, or None
+        *,
+        first_token_timeout: float,
+        stall_timeout: float,
     ) -> None:
         self.bus = bus
         self.workers = workers
         self.router = router
         self.inbox = bus.subjects.gateway(gateway_id)
+        # seconds, 0 = no limit (request: a total cap; see gateway/inflight.py)
         self.request_timeout = request_timeout
         self.prefill_timeout = prefill_timeout
+        self.first_token_timeout = first_token_timeout
+        self.stall_timeout = stall_timeout
         self.max_migrations = max_migrations
         self._migrations = migrations
         self._pending: dict[str, InFlight] = {}  # bus id -> request
@@ -151,6 +161,11 @@ class Dispatcher:
         elif event == JOINED:
             # back after a partition? Cancels sent while it was away never reached it.
             self._cancel_abandoned(load.worker_id)
+        elif event == REJOINED:  # its connection broke: what it was sent or sent may be lost
+            self._cancel_abandoned(load.worker_id)
+            for request in self._requests():
+                if load.worker_id in request.watching:
+                    request.put(WorkerRejoined(load.worker_id))
 
     def _requests(self) -> list[InFlight]:
         return list(dict.fromkeys(self._pending.values()))  # a request may have several ids
@@ -158,7 +173,7 @@ class Dispatcher:
     async def _on_reconnect(self) -> None:
         self.bus_epoch += 1
         self._reconnected = (time.time(), self.workers.clock())
-        log.warning("bus reconnected: %d request(s) resend what may be lost", len(self._pending))
+        log.warning("bus reconnected: %d request(s) check what may be lost", len(self._pending))
         for request in self._requests():
             request.put(BusReconnected(self.bus_epoch))
         self.spawn(self._cancel_abandoned_when_heard())
@@ -214,7 +229,7 @@ class Dispatcher:
     def _cancel_abandoned(self, worker_id: str | None) -> None:
         now = time.time()
         for bus_id, (worker, deadline) in list(self._abandoned.items()):
-            if deadline < now:  # the worker drops it at its deadline anyway
+            if deadline < now:  # its worker is done with it (see DecodeStage._drop_leg)
                 del self._abandoned[bus_id]
             elif worker_id is None or worker == worker_id:
                 self.spawn(self.cancel(bus_id))
@@ -257,6 +272,12 @@ class Dispatcher:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         task.add_done_callback(_log_failure)
+
+    def check_stream(self, worker_id: str, bus_id: str) -> None:
+        """Ask ``worker_id`` where the stream ``bus_id`` stands (``gateway/stream_check.py``);
+        a check that cannot go out now is sent again."""
+        check = StreamCheck(bus_id, self.inbox)
+        self.spawn(self._publish(self.bus.subjects.decode(worker_id), check))
 
     async def cancel(self, request_id: str, index: int | None = None) -> None:
         """Cancel a request on every worker, or only its choice ``index``."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -34,7 +33,9 @@ from pdserve.gateway.inflight import (
 )
 from pdserve.gateway.logprob_format import TokenTexts, chat_logprobs, completion_logprobs
 from pdserve.gateway.state import ARRIVED_KEY, REQUEST_ID_KEY, Gateway
+from pdserve.gateway.vllm_output import trim_alternatives
 from pdserve.shared import tracing as tr
+from pdserve.shared.logprobs import TokenLogprobs
 from pdserve.shared.sampling import SamplingParams
 
 log = logging.getLogger("pdserve.gateway")
@@ -119,7 +120,9 @@ async def serve_generation(
     params: GenerationParams,
     prompts: list[Prompt],
 ) -> web.StreamResponse:
-    from pdserve.gateway.streaming import stream_response  # streaming builds on this module
+    # both build on this module
+    from pdserve.gateway.streaming import stream_response
+    from pdserve.gateway.whole_answer import complete
 
     rid: str = request[REQUEST_ID_KEY]
     limit = gw.context_limit()
@@ -157,7 +160,7 @@ async def serve_generation(
             Progress(prompt_tokens=total_prompt, arrived=request[ARRIVED_KEY]),
         )
         try:
-            return await (stream_response(request, gen) if params.stream else _complete(gen))
+            return await (stream_response(request, gen) if params.stream else complete(gen))
         except BaseException:
             if gen.progress.finish_reason is None:
                 gen.progress.finish_reason = "abort"  # client gone or an unexpected fault
@@ -210,9 +213,11 @@ class Generation:
         self.texts = TokenTexts(tok) if tok is not None else None
         with_logprobs = self.params.logprobs is not None
         self.choices = [
-            ChoiceOutput(i, tok, self.params.stop, with_logprobs)
+            ChoiceOutput(i, tok, self.params.stop, with_logprobs, i // self.per_prompt)
             for i in range(len(self.prompts) * self.per_prompt)
         ]
+        # each prompt's log-probs, when the engine computed them (echo, prompt_logprobs)
+        self.prompt_logprobs: list[TokenLogprobs | None] = [None] * len(self.prompts)
 
     @property
     def chat(self) -> bool:
@@ -285,21 +290,19 @@ class Generation:
             choices,
         )
         started: set[int] = set()
-        # The prompt's log-probs come once, with choice 0's first event; echo repeats them in
-        # every choice of the prompt, as OpenAI and vLLM do.
-        prompt_logprobs = None
         try:
             async with contextlib.aclosing(events):
                 async for event in events:
                     self.progress.tokens(self.gw, event)
+                    # The prompt's log-probs come once, with choice 0's first event; echo
+                    # repeats them in every choice of the prompt, as OpenAI and vLLM do.
+                    if event.prompt_logprobs is not None:
+                        self.prompt_logprobs[p] = event.prompt_logprobs
                     for choice in mine if fanout else [mine[event.index]]:
-                        prompt_logprobs = prompt_logprobs or event.prompt_logprobs
                         if self.params.echo and choice.index not in started:
                             started.add(choice.index)
-                            yield (
-                                choice,
-                                choice.prepend_prompt(prompt.text, prompt.ids, prompt_logprobs),
-                            )
+                            echoed = self._echoed_logprobs(p)
+                            yield choice, choice.prepend_prompt(prompt.text, prompt.ids, echoed)
                         piece = choice.add(event)
                         if (
                             choice.done
@@ -318,6 +321,12 @@ class Generation:
                 yield choice, choice.end("stop")
         self.progress.finish_reason = mine[-1].finish_reason
 
+    def _echoed_logprobs(self, p: int) -> TokenLogprobs | None:
+        """Prompt ``p``'s log-probs with echo's ``logprobs`` alternatives (prompt_logprobs may
+        have asked the engine for more)."""
+        logprobs, k = self.prompt_logprobs[p], self.params.logprobs
+        return logprobs if logprobs is None or k is None else trim_alternatives(logprobs, k)
+
     def returned(self) -> list[ChoiceOutput]:
         """The choices a complete answer returns: with best_of, each prompt's n likeliest
         (highest cumulative log-prob of their tokens), renumbered in that order."""
@@ -332,39 +341,3 @@ class Generation:
                 choice.index = p * n + j
                 best.append(choice)
         return best
-
-
-async def _complete(gen: Generation) -> web.Response:
-    try:
-        async with contextlib.aclosing(gen.pieces()) as pieces:
-            async for _ in pieces:
-                pass
-    except FAULTS as exc:
-        raise fault_error(exc) from None
-    body: dict[str, Any] = {
-        "id": gen.response_id,
-        "object": "chat.completion" if gen.chat else "text_completion",
-        "created": int(time.time()),
-        "model": gen.params.model,
-        "choices": [_choice_json(gen, c) for c in gen.returned()],
-        "usage": gen.progress.usage(),
-    }
-    return web.json_response(body, dumps=_dumps)
-
-
-def _choice_json(gen: Generation, choice: ChoiceOutput) -> dict[str, Any]:
-    logprobs = None
-    if choice.logprobs is not None:
-        whole = Piece(choice.text, choice.logprobs.entries)
-        logprobs = gen.logprobs_json(choice, whole, 0)
-    finish = choice.finish_reason or "stop"
-    if gen.chat:
-        message = {"role": "assistant", "content": choice.text}
-        return {"index": choice.index, "message": message, "logprobs": logprobs,
-                "finish_reason": finish}  # fmt: skip
-    return {"index": choice.index, "text": choice.text, "logprobs": logprobs,
-            "finish_reason": finish}  # fmt: skip
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False)

@@ -1,5 +1,6 @@
-"""Structured output: OpenAI's ``response_format`` and vLLM's ``guided_json``, ``guided_regex``
-and ``guided_choice``, read into one ``pdserve.shared.sampling.GuidedDecoding``.
+"""Structured output: OpenAI's ``response_format`` and vLLM's ``guided_json``, ``guided_regex``,
+``guided_choice`` and ``structured_outputs``, read into one
+``pdserve.shared.sampling.GuidedDecoding``.
 
 - ``{"type": "text"}``: no constraint.
 - ``{"type": "json_object"}``: any JSON object (kind ``json_object``).
@@ -8,6 +9,8 @@ and ``guided_choice``, read into one ``pdserve.shared.sampling.GuidedDecoding``.
   ``json.dumps(schema)``.
 - ``guided_regex``: kind ``regex``; ``guided_choice`` (non-empty strings): kind ``choice``, the
   spec is ``json.dumps`` of the list.
+- ``structured_outputs`` (vLLM's current spelling, ``structured_outputs_field.py``): the same
+  kinds, and ``grammar`` (Lark or GBNF).
 
 At most one of them may constrain a request. Only their shape is checked here (a schema is an
 object, a spec is at most ``MAX_GUIDED_SPEC_CHARS``); whether a grammar compiles is checked where
@@ -17,47 +20,17 @@ it is compiled.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, PrivateAttr, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import Field, PrivateAttr, model_validator
 
-from pdserve.gateway.json_body import loads_bounded
-from pdserve.gateway.schema_base import StrictModel, field_error, shaped
+from pdserve.gateway.guide_specs import Choices, Guide, GuidedJson, Regex, SchemaObject
+from pdserve.gateway.schema_base import StrictModel, field_error
 from pdserve.gateway.schema_errors import INVALID_VALUE, MISSING
+from pdserve.gateway.structured_outputs_field import StructuredOutputs
 from pdserve.shared.sampling import MAX_GUIDED_SPEC_CHARS, GuidedDecoding
 
 SCHEMA_NAME = "^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for json_schema.name
-
-
-def _schema_from_text(text: str) -> dict[str, Any]:
-    try:
-        value = loads_bounded(text)
-    except ValueError as exc:
-        raise PydanticCustomError(
-            INVALID_VALUE, "as a JSON string {why}", {"why": str(exc)}
-        ) from None
-    if not isinstance(value, dict):
-        raise PydanticCustomError(INVALID_VALUE, "must hold a JSON object (a schema)")
-    return value
-
-
-SchemaObject = dict[str, Any]
-SchemaText = Annotated[
-    str, Field(max_length=MAX_GUIDED_SPEC_CHARS), AfterValidator(_schema_from_text)
-]
-GuidedJson = Annotated[
-    Any,
-    shaped(
-        SchemaObject,
-        SchemaText,
-        pick=lambda v: 0 if isinstance(v, dict) else 1 if isinstance(v, str) else None,
-        otherwise="must be a JSON schema: an object, or a string holding one",
-    ),
-]
-Regex = Annotated[str, Field(min_length=1, max_length=MAX_GUIDED_SPEC_CHARS)]
-Choices = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
-Guide = tuple[str, str, tuple[str, ...]]  # (kind, spec, where the spec came from)
 
 
 class JsonSchemaFormat(StrictModel):
@@ -95,7 +68,7 @@ class ResponseFormat(StrictModel):
         return None  # "text"
 
 
-GUIDES = ("response_format", "guided_json", "guided_regex", "guided_choice")
+GUIDES = ("response_format", "guided_json", "guided_regex", "guided_choice", "structured_outputs")
 
 
 class GuidedFields(StrictModel):
@@ -111,7 +84,13 @@ class GuidedFields(StrictModel):
     guided_choice: Choices | None = Field(
         None, description="vLLM's: output is exactly one of these strings"
     )
+    structured_outputs: StructuredOutputs | None = Field(
+        None,
+        description="vLLM's current name for guided_*: one of json, regex, choice, grammar "
+        "(Lark or GBNF) or json_object",
+    )
     _guided: GuidedDecoding | None = PrivateAttr(None)
+    _guided_param: str | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _one_guide_that_fits(self) -> GuidedFields:
@@ -134,6 +113,11 @@ class GuidedFields(StrictModel):
                     spec[:100],
                 )
             self._guided = GuidedDecoding(kind, spec)
+            # What a grammar that fails to compile is reported at: the field, or within
+            # structured_outputs its key.
+            self._guided_param = ".".join(
+                where[:2] if where[0] == "structured_outputs" else where[:1]
+            )
         return self
 
     def _guide(self, name: str) -> Guide | None:
@@ -145,9 +129,16 @@ class GuidedFields(StrictModel):
             return "regex", self.guided_regex, (name,)
         if name == "guided_choice" and self.guided_choice is not None:
             return "choice", json.dumps(self.guided_choice), (name,)
+        if name == "structured_outputs" and self.structured_outputs is not None:
+            return self.structured_outputs.guide()
         return None
 
     @property
     def guided(self) -> GuidedDecoding | None:
         """The request's output constraint, if any."""
         return self._guided
+
+    @property
+    def guided_param(self) -> str | None:
+        """The parameter that set ``guided`` (``structured_outputs.regex``, ``guided_json``)."""
+        return self._guided_param

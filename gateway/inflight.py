@@ -1,12 +1,22 @@
-"""One request in flight on the bus, from the gateway's side: its ids, deadline, inbox queue
+"""One request in flight on the bus, from the gateway's side: its ids, deadlines, inbox queue
 and stage, and the two stages it goes through.
 
 ``InFlight.prefill()`` sends the prompt to a prefill worker (retrying elsewhere when one refuses
 or vanishes) and returns the first token with the KV handle; ``InFlight.decode()`` sends the
 request - with that handle, or without one to have the decode worker prefill it locally - to a
 decode worker and yields its tokens, moving on to another decode worker when one refuses before
-its first token. Every wait is bounded by the stage's deadline; the dispatcher feeds the queue
-(worker answers, the departure of a worker this request is waiting on, a reconnect of the bus).
+its first token. Every wait is bounded by the request's deadline; the dispatcher feeds the
+queue (worker answers, the departure of a worker this request is waiting on, a reconnect of the
+bus).
+
+Deadlines follow progress, not the wall clock: a long answer that keeps streaming is never cut
+off. The first token is due within ``--first-token-timeout`` of arrival (queues, prefill, KV
+pull), each later token within ``--stall-timeout`` of the one before, and the first token of a
+leg re-sent to another decode worker within ``--first-token-timeout`` again (it prefills prompt
++ delivered tokens); ``--request-timeout`` caps the whole request only where the operator sets
+it. A request past its deadline ends with a timeout (504, or an error event mid-stream) and is
+cancelled on its workers. Workers enforce a request's ``deadline`` only until its first token
+(``services/worker_base.py``): past that, only the gateway judges a stall.
 
 The decode stage lives in ``gateway/decode_stage.py``: a decode worker lost mid-stream does not
 fail the request there, its DecodeRequests ("legs", ``gateway/legs.py``) are migrated - re-sent
@@ -18,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import defaultdict
 from typing import TYPE_CHECKING
@@ -44,6 +55,8 @@ from pdserve.gateway.inflight_types import (
     WorkerFailure,
     WorkerLeft,
     check_ending,
+    due_in,
+    on_wire,
 )
 from pdserve.gateway.legs import Leg
 from pdserve.shared.protocol import KVHandle, PrefillRequest, PrefillResult
@@ -95,7 +108,11 @@ class InFlight(DecodeStage):
         self.sampling = sampling
         self.context = context
         self.headers = headers
-        self.deadline = time.time() + dispatcher.request_timeout
+        cap = dispatcher.request_timeout
+        self.cap = time.time() + cap if cap > 0 else math.inf  # --request-timeout, if set
+        # when the next progress is due while no leg is on a decode worker (prefill, between
+        # legs); legs keep their own (``Leg.due``)
+        self.due = due_in(dispatcher.first_token_timeout)
         self.queue: asyncio.Queue[Item] = asyncio.Queue()
         self.watching: set[str] = set()  # workers whose departure should wake this request
         self.stage = "route"
@@ -132,6 +149,17 @@ class InFlight(DecodeStage):
             self.d.unregister(bus_id)
         return ids
 
+    @property
+    def deadline(self) -> float:
+        """What every wait is bounded by: the total cap, and the earliest progress due - of the
+        legs on decode workers, or the request's own while it has none."""
+        dues = [leg.due for leg in self.legs.values()] or [self.due]
+        return min(self.cap, *dues)
+
+    def progressed(self) -> None:
+        """A token came: the next one is due within --stall-timeout."""
+        self.due = due_in(self.d.stall_timeout)
+
     async def _next(self, deadline: float) -> Item:
         remaining = deadline - time.time()
         try:
@@ -139,9 +167,26 @@ class InFlight(DecodeStage):
                 raise asyncio.TimeoutError
             if not self.queue.empty():  # already here: no timer and no task to wait
                 return self.queue.get_nowait()
+            if math.isinf(remaining):
+                return await self.queue.get()  # every limit is off
             return await asyncio.wait_for(self.queue.get(), remaining)
         except asyncio.TimeoutError:
-            raise StageTimeout(f"the {self.stage} stage passed its deadline") from None
+            raise StageTimeout(self._overdue(deadline)) from None
+
+    def _overdue(self, deadline: float) -> str:
+        """Why a wait that ended at ``deadline`` timed out, naming the option that set it."""
+        d = self.d
+        if deadline >= self.cap:
+            why = f"the request took longer than --request-timeout ({d.request_timeout:g} s)"
+        elif deadline < self.deadline:
+            why = f"the stage passed its --prefill-timeout ({d.prefill_timeout:g} s)"
+        else:
+            legs = [leg for leg in self.legs.values() if leg.due <= deadline]
+            if legs[0].streamed if legs else any(self.delivered.values()):
+                why = f"no new token for --stall-timeout ({d.stall_timeout:g} s)"
+            else:
+                why = f"no first token within --first-token-timeout ({d.first_token_timeout:g} s)"
+        return f"{why} in the {self.stage} stage"
 
     def _annotate(self, key: str, worker_id: str) -> None:
         trace.get_current_span(self.context).set_attribute(key, worker_id)
@@ -186,7 +231,7 @@ class InFlight(DecodeStage):
                     prompt_token_ids=self.prompt,
                     sampling=self.sampling,
                     reply_to=self.d.inbox,
-                    deadline=deadline,
+                    deadline=on_wire(deadline),
                     client_request_id=self.client_id,
                 ),
                 self.headers,
@@ -214,6 +259,7 @@ class InFlight(DecodeStage):
         check_ending(result.finish_reason, result.worker_id)
         if result.first_token is not None:
             self.delivered[0].append(result.first_token)
+            self.progressed()
         if result.finish_reason is not None:
             self.choices.ended(0)  # done at the first token (max_tokens=1, EOS, ...)
         if self.choices.open:

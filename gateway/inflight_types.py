@@ -4,6 +4,8 @@ its consumer, the choices it tracks, and the items its queue receives (``gateway
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,7 +19,24 @@ TYPICAL_OUTPUT_TOKENS = 256
 DEFAULT_MAX_MIGRATIONS = 3  # a request's re-dispatches after losing its decode worker
 # why a request was migrated (the reason label of pdserve_request_migrations_total)
 MIGRATE_WORKER_LOST = "worker_lost"  # its decode worker left the registry (gone, or dead)
-MIGRATE_BUS_RECONNECT = "bus_reconnect"  # our NATS connection broke: tokens may be lost
+# tokens of its stream were lost on the bus: a gap in their positions, or a check after a NATS
+# reconnect found the stream over or unknown on its worker, or unanswered (gateway/stream_check.py)
+MIGRATE_BUS_RECONNECT = "bus_reconnect"
+# The latest deadline a message carries when no limit applies: the wire's bound is 1e12 (a
+# deadline is a Unix time) and infinity is not JSON; this is the year 5138.
+WIRE_NO_DEADLINE = 1e11
+# How long a leg migrated away after it streamed is remembered, to cancel it again if its worker
+# turns up: such a leg has no deadline on its worker, which would run it to its end.
+ABANDONED_STREAM_SECONDS = 3600.0
+
+
+def due_in(seconds: float) -> float:
+    """The time ``seconds`` from now, or never when the limit is off (0)."""
+    return time.time() + seconds if seconds > 0 else math.inf
+
+
+def on_wire(deadline: float) -> float:
+    return min(deadline, WIRE_NO_DEADLINE)
 
 
 class NoWorker(Exception):
@@ -82,15 +101,29 @@ class WorkerLeft:
 
 
 @dataclass
+class WorkerRejoined(WorkerLeft):
+    """Put on a request's queue when a worker it waits on says its NATS connection broke and is
+    back: what it was sent or sent meanwhile may be lost. To a prefill that is as good as a
+    departure (retried elsewhere); decode legs on it are checked (``gateway/stream_check.py``)."""
+
+
+@dataclass
 class BusReconnected:
     """Put on every request's queue when the gateway's NATS connection is back after a break:
-    whatever was published while it was down (tokens, requests, cancels) may be lost, so what
-    was sent before it is sent again - prefill elsewhere, decode legs as a migration."""
+    whatever was published while it was down (tokens, requests, cancels) may be lost, so
+    prefills are sent again elsewhere and decode legs checked (``gateway/stream_check.py``)."""
 
     epoch: int  # the dispatcher's bus epoch since this reconnect
 
 
-Item = PrefillResult | TokenItem | WorkerLeft | BusReconnected
+@dataclass
+class CheckDue:
+    """A timer of a leg's stream check: ask again, or give up (``gateway/stream_check.py``)."""
+
+    bus_id: str
+
+
+Item = PrefillResult | TokenItem | WorkerLeft | BusReconnected | CheckDue
 
 
 def check_ending(finish_reason: str | None, worker_id: str) -> None:

@@ -24,6 +24,7 @@ given it (``choice_seed``); its items say index 0, which the gateway maps back t
 from __future__ import annotations
 
 import dataclasses
+import math
 import secrets
 from dataclasses import dataclass, field
 
@@ -56,6 +57,11 @@ class Leg:
     tried: set[str] = field(default_factory=set)  # decode workers that refused it
     streamed: bool = False  # that worker has sent tokens for it
     epoch: int = 0  # the dispatcher's bus epoch when it was sent (see BusReconnected)
+    # while its stream is checked after a reconnect: when to give up (gateway/stream_check.py)
+    check_until: float | None = None
+    # when its worker's next sign of life is due: its first token within --first-token-timeout
+    # of being sent, then each item within --stall-timeout of the last (inf: no limit)
+    due: float = math.inf
 
     def choice(self, item_index: int) -> int:
         """The request's choice an item of this leg belongs to."""

@@ -2,7 +2,7 @@
 the validation and the ``/openapi.json`` schemas both come from these classes.
 
 Each body is its endpoint's own fields plus the shared groups (sampling, streaming, structured
-output, the fields accepted and ignored). The rules that tie fields together are the models'
+output, vLLM's extensions, the fields accepted and ignored). The rules that tie fields together are the models'
 ``after`` validators, each naming the field a client has to change; they run once every field
 is valid on its own. Where OpenAI is silent, vLLM's OpenAI server is the reference.
 """
@@ -21,6 +21,7 @@ from pdserve.gateway.sampling_fields import SamplingFields
 from pdserve.gateway.schema_base import StrictModel, field_error, refused, shaped
 from pdserve.gateway.schema_errors import INVALID_VALUE
 from pdserve.gateway.stream_options import StreamFields
+from pdserve.gateway.vllm_fields import ChatVllmFields, VllmFields
 from pdserve.shared.sampling import MAX_MAX_TOKENS
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's legacy completions default
@@ -77,7 +78,7 @@ class CommonFields(NeutralFields, GuidedFields, StreamFields, SamplingFields, Mo
             )
 
 
-class CompletionBody(CommonFields):
+class CompletionBody(VllmFields, CommonFields):
     """A text completion (OpenAI's legacy API, with vLLM's extensions). Other fields are a 400
     `unsupported_parameter` unless null."""
 
@@ -143,7 +144,7 @@ class CompletionBody(CommonFields):
         return list(self.prompt)
 
 
-class ChatCompletionBody(ChatNeutralFields, CommonFields):
+class ChatCompletionBody(ChatNeutralFields, ChatVllmFields, CommonFields):
     """A chat completion, rendered with the model's chat template. Tool calling is not
     supported: `tools` and `tool_choice` are a 400. Other fields are a 400
     `unsupported_parameter` unless null."""

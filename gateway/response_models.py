@@ -91,8 +91,9 @@ class CompletionLogprobs(ResponseModel):
         "first token"
     )
     top_logprobs: list[dict[str, float] | None] = Field(
-        description="each token's likeliest alternatives, text -> log-prob (tokens sharing a "
-        "text keep the likeliest); null for the prompt's first token"
+        description="text -> log-prob: the token itself, then the logprobs likeliest "
+        "(up to logprobs + 1 entries; other tokens sharing a text keep the likeliest); null "
+        "for the prompt's first token"
     )
     text_offset: list[int] = Field(
         description="where each token's text starts in the choice's text (a stream keeps "
@@ -118,6 +119,28 @@ class ChatLogprobs(ResponseModel):
     content: list[ChatTokenLogprob]
 
 
+class PromptLogprob(ResponseModel):
+    """vLLM's log-prob of one token at one prompt position."""
+
+    logprob: float = Field(description="-9999.0 stands for -inf")
+    rank: int = Field(description="1 + how many tokens were likelier there")
+    decoded_token: str = Field(description="the token's own text")
+
+
+# ----------------------------------------------------------------------------- vLLM's fields
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+_PROMPT_LOGPROBS = (
+    "with prompt_logprobs (vLLM's): per prompt token, null for the first, then token id -> "
+    "log-prob: the prompt's own token first (its true rank), then the prompt_logprobs likeliest "
+    "(ranks 1..k)"
+)
+_PROMPT_IDS = "with return_token_ids (vLLM's): the prompt's token ids, after any truncation"
+_TOKEN_IDS = "with return_token_ids (vLLM's): the choice's generated token ids"
+_CHUNK_TOKEN_IDS = "with return_token_ids (vLLM's): this chunk's token ids"
+_CHUNK_PROMPT_IDS = _PROMPT_IDS + "; on each choice's first chunk"
+
+
 # ----------------------------------------------------------------------------- completions
 
 _INDEX = "the choice's place: prompt i's choice j is i * n + j"
@@ -130,6 +153,9 @@ class CompletionChoice(ResponseModel):
     text: str = Field(description="the generated text (after the prompt, with echo)")
     logprobs: CompletionLogprobs | None = Field(description=_LOGPROBS)
     finish_reason: FinishReason
+    prompt_logprobs: PromptLogprobs = omitted(_PROMPT_LOGPROBS)
+    prompt_token_ids: list[int] = omitted(_PROMPT_IDS)
+    token_ids: list[int] = omitted(_TOKEN_IDS)
 
 
 class Completion(ResponseModel):
@@ -148,6 +174,8 @@ class CompletionChunkChoice(ResponseModel):
     text: str = Field(description="the next piece of the choice's text ('' on its last chunk)")
     logprobs: CompletionLogprobs | None = Field(description="of the piece's tokens; " + _LOGPROBS)
     finish_reason: FinishReason | None = Field(description="set on the choice's last chunk")
+    prompt_token_ids: list[int] = omitted(_CHUNK_PROMPT_IDS)
+    token_ids: list[int] = omitted(_CHUNK_TOKEN_IDS)
 
 
 _CHUNK_USAGE = (
@@ -172,9 +200,15 @@ class CompletionChunk(ResponseModel):
 # ----------------------------------------------------------------------------- chat
 
 
+# The reply's role: the assistant's, or with add_generation_prompt false the last message's
+ReplyRole = Literal["assistant", "user", "system", "developer"]
+
+
 class ChatMessage(ResponseModel):
-    role: Literal["assistant"]
-    content: str
+    role: ReplyRole = Field(
+        description="'assistant', or with add_generation_prompt false the last message's role"
+    )
+    content: str = Field(description="with echo (vLLM's), after the last message's content")
 
 
 class ChatChoice(ResponseModel):
@@ -182,6 +216,7 @@ class ChatChoice(ResponseModel):
     message: ChatMessage
     logprobs: ChatLogprobs | None = Field(description=_LOGPROBS)
     finish_reason: FinishReason
+    token_ids: list[int] = omitted(_TOKEN_IDS)
 
 
 class ChatCompletion(ResponseModel):
@@ -193,12 +228,14 @@ class ChatCompletion(ResponseModel):
     model: str = Field(description="the model named in the request")
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs = omitted(_PROMPT_LOGPROBS)
+    prompt_token_ids: list[int] = omitted(_PROMPT_IDS)
 
 
 class ChatDelta(ResponseModel):
     """What a chunk adds to the message: the role (first chunk), text, or nothing (last)."""
 
-    role: Literal["assistant"] = omitted("on each choice's first chunk only")
+    role: ReplyRole = omitted("on each choice's first chunk only")
     content: str = omitted("the next piece of text ('' on the first chunk)")
 
 
@@ -207,6 +244,7 @@ class ChatChunkChoice(ResponseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = Field(description="of the piece's tokens; " + _LOGPROBS)
     finish_reason: FinishReason | None = Field(description="set on the choice's last chunk")
+    token_ids: list[int] = omitted(_CHUNK_TOKEN_IDS)
 
 
 class ChatCompletionChunk(ResponseModel):
@@ -218,6 +256,7 @@ class ChatCompletionChunk(ResponseModel):
     model: str = Field(description="the model named in the request")
     choices: list[ChatChunkChoice] = Field(description="one choice, or none on the usage chunk")
     usage: Usage | RunningUsage | None = Field(None, description=_CHUNK_USAGE)
+    prompt_token_ids: list[int] = omitted(_PROMPT_IDS + "; on each choice's role chunk")
 
 
 # ----------------------------------------------------------------------------- models

@@ -24,7 +24,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from pdserve.gateway.api_models import (
     ChatRequest,
     CompletionRequest,
-    check_logit_bias,
+    GenerationParams,
+    check_param_token_ids,
     check_token_ids,
     parse_chat,
     parse_completion,
@@ -41,13 +42,14 @@ from pdserve.gateway.errors import (
 from pdserve.gateway.generation import Prompt, serve_generation
 from pdserve.gateway.json_body import parse_json_body
 from pdserve.gateway.openapi import openapi_spec
+from pdserve.gateway.prompt_truncation import truncate_prompt
 from pdserve.gateway.state import ARRIVED_KEY, GATEWAY_KEY, REQUEST_ID_KEY, Gateway, new_gateway_id
 from pdserve.gateway.tokenizer import ModelTokenizer
 from pdserve.shared import structured_output
 from pdserve.shared import tracing as tr
+from pdserve.shared.bus import Bus
 from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig, build
 from pdserve.shared.metrics import metrics_handler
-from pdserve.shared.sampling import GuidedDecoding
 from pdserve.shared.subjects import is_subject_token
 
 log = logging.getLogger("pdserve.gateway")
@@ -177,14 +179,18 @@ async def completions(request: web.Request) -> web.StreamResponse:
     for i, prompt in enumerate(req.prompts):
         where = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
         if isinstance(prompt, str):
-            ids = await _encode(tok, prompt, add_special_tokens=True)
-            prompts.append(Prompt(ids, prompt))
+            given = await _encode(tok, prompt, add_special_tokens=True)
         else:
             check_token_ids(prompt, tok.vocab_size, where)
-            text = tok.decode(prompt, skip_special_tokens=False) if req.params.echo else ""
-            prompts.append(Prompt(prompt, text))
-    check_logit_bias(req.params.logit_bias, tok.vocab_size)
-    await _check_guided(gw, req.params.guided)
+            given = prompt
+        ids = _truncated(gw, req.params, given)
+        # echo returns the prompt as given, or as served when it was truncated or token ids
+        text = prompt if isinstance(prompt, str) and ids is given else ""
+        if req.params.echo and not text:
+            text = tok.decode(ids, skip_special_tokens=False)
+        prompts.append(Prompt(ids, text))
+    check_param_token_ids(req.params, tok.vocab_size)
+    await _check_guided(gw, req.params)
     return await serve_generation(request, gw, "text_completion", req.params, prompts)
 
 
@@ -195,33 +201,44 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if gw.model.chat is None:
         raise bad_request("This model has no chat template; use /v1/completions", "messages")
     try:
-        text = gw.model.chat.render(req.messages, add_generation_prompt=True)
+        text = gw.model.chat.render(
+            req.messages,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            variables=req.template_kwargs,
+        )
     except TemplateInputError as exc:
-        raise bad_request(f"The chat template rejected the messages: {exc}", "messages") from None
+        message = f"The chat template rejected the messages: {exc}"
+        raise bad_request(message, exc.param) from None
     except TemplateFailure as exc:
         log.error("chat template failed: %s", exc)
         raise server_error("the model's chat template failed to render") from None
     # The template writes BOS itself, so no special tokens are added (as transformers does).
     prompt_ids = await _encode(gw.model.tokenizer, text, add_special_tokens=False)
-    check_logit_bias(req.params.logit_bias, gw.model.tokenizer.vocab_size)
-    await _check_guided(gw, req.params.guided)
+    prompt_ids = _truncated(gw, req.params, prompt_ids)
+    check_param_token_ids(req.params, gw.model.tokenizer.vocab_size)
+    await _check_guided(gw, req.params)
     return await serve_generation(request, gw, "chat", req.params, [Prompt(prompt_ids, text)])
 
 
-_GUIDE_PARAMS = {"regex": "guided_regex", "choice": "guided_choice"}
+def _truncated(gw: Gateway, params: GenerationParams, ids: list[int]) -> list[int]:
+    limit, most = gw.context_limit(), gw.config.max_prompt_tokens
+    return truncate_prompt(ids, params.truncate_prompt_tokens, params.max_tokens, limit, most)
 
 
-async def _check_guided(gw: Gateway, guided: GuidedDecoding | None) -> None:
+async def _check_guided(gw: Gateway, params: GenerationParams) -> None:
     """A grammar that does not compile is the client's 400 here, not a worker's error later.
     Off the event loop: the first check builds the tokenizer's grammar compiler (~0.3 s for a
     50k vocabulary), and a large schema takes a while to compile."""
-    if guided is None:
+    if params.guided is None:
         return
     try:
-        await asyncio.to_thread(structured_output.check, guided, gw.model.tokenizer.tokenizer)
+        await asyncio.to_thread(
+            structured_output.check, params.guided, gw.model.tokenizer.tokenizer
+        )
     except ValueError as exc:
-        param = _GUIDE_PARAMS.get(guided.kind, "response_format")
-        raise bad_request(f"Invalid structured output: {exc}", param, "invalid_grammar") from None
+        message = f"Invalid structured output: {exc}"
+        raise bad_request(message, params.guided_param, "invalid_grammar") from None
 
 
 def _check_model(gw: Gateway, model: str) -> None:
@@ -243,8 +260,9 @@ def create_app(
     engine: EngineConfig | None = None,
     bus: BusConfig | None = None,
     gateway_id: str | None = None,
+    message_bus: Bus | None = None,  # tests: an in-memory bus (shared/bus_memory.py)
 ) -> web.Application:
-    gw = Gateway(config, engine or EngineConfig(), bus or BusConfig(), gateway_id)
+    gw = Gateway(config, engine or EngineConfig(), bus or BusConfig(), gateway_id, message_bus)
     app = web.Application(
         client_max_size=config.max_body_bytes,
         middlewares=[
@@ -306,7 +324,7 @@ def run(ns: argparse.Namespace) -> int:
     tr.setup_tracing(tr.SERVICE_GATEWAY, gateway_id)
     try:
         app = create_app(config, engine, bus, gateway_id)
-        drain = min(config.request_timeout, DRAIN_SECONDS)
+        drain = min(config.request_timeout or DRAIN_SECONDS, DRAIN_SECONDS)  # 0: no cap
         asyncio.run(serve(app, config.host, config.port, drain_seconds=drain))
     finally:
         tr.shutdown_tracing()

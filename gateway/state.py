@@ -129,6 +129,7 @@ class Gateway:
         engine: EngineConfig,
         bus_config: BusConfig,
         gateway_id: str | None = None,
+        bus: Bus | None = None,  # default: NATS as bus_config says
     ) -> None:
         self.config = config
         self.bus_config = bus_config
@@ -137,7 +138,7 @@ class Gateway:
         self.block_size = engine.block_size
         self.metrics_registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.metrics_registry)
-        self.bus = Bus(bus_config, self.gateway_id)
+        self.bus = bus if bus is not None else Bus(bus_config, self.gateway_id)
         self.workers = WorkerRegistry(self.bus, config.worker_timeout)
         self.metrics_registry.register(WorkerLoadCollector(self.workers.loads))
         self.router = Router(
@@ -156,6 +157,8 @@ class Gateway:
             config.prefill_timeout,
             config.max_migrations,
             self.metrics.migrations,
+            first_token_timeout=config.first_token_timeout,
+            stall_timeout=config.stall_timeout,
         )
         self.requests = InFlightRequests(config.max_queue, self.metrics.in_flight)
 
@@ -221,7 +224,7 @@ class Gateway:
             # max_tokens 0 generates nothing: the choices would all be the same empty one
             n=1 if max_tokens == 0 else max(p.n, p.best_of or 1),
             logprobs=logprobs,
-            prompt_logprobs=p.logprobs if p.echo else None,
+            prompt_logprobs=_prompt_logprobs(p),
             presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty,
@@ -231,6 +234,13 @@ class Gateway:
             guided=p.guided,
             speculate=p.speculate,
         )
+
+
+def _prompt_logprobs(p: GenerationParams) -> int | None:
+    """Alternatives per prompt token the engine computes: for echo's log-probs and for vLLM's
+    prompt_logprobs, the more of the two (each response field keeps its own count)."""
+    asked = [k for k in (p.logprobs if p.echo else None, p.prompt_logprobs) if k is not None]
+    return max(asked) if asked else None
 
 
 GATEWAY_KEY = web.AppKey("gateway", Gateway)

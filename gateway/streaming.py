@@ -2,7 +2,10 @@
 
 Each chunk carries one choice (its ``index``), as OpenAI and vLLM send them. The stream opens at
 the first generated piece, so faults before it still get a real HTTP status; after it, a fault
-travels as an error event.
+travels as an error event. With vLLM's ``return_token_ids`` every chunk with a choice carries
+that chunk's ``token_ids``, and the prompt's ``prompt_token_ids`` come once per choice (on its
+first chunk; chat: at the top of its role chunk). Chat ``echo`` is one chunk per choice after
+the role chunk, holding the last message's content.
 """
 
 from __future__ import annotations
@@ -38,9 +41,15 @@ class Chunks:
         }
         self.offsets: dict[int, int] = {}  # completions: each choice's text_offset so far
         self.opened: set[int] = set()  # chat: choices whose role chunk went out
+        self.ids_sent: set[int] = set()  # return_token_ids: choices whose prompt ids went out
 
     def __call__(
-        self, text: str | None, finish: str | None, index: int = 0, logprobs: Any = None
+        self,
+        text: str | None,
+        finish: str | None,
+        index: int = 0,
+        logprobs: Any = None,
+        token_ids: list[int] | None = None,
     ) -> dict[str, Any]:
         if self.gen.chat:
             delta: dict[str, Any] = {} if text is None else {"content": text}
@@ -50,6 +59,12 @@ class Chunks:
                       "finish_reason": finish}  # fmt: skip
         payload = {**self.base, "choices": [choice]}
         params = self.gen.params
+        if params.return_token_ids:
+            choice["token_ids"] = token_ids or []
+            if index not in self.ids_sent:
+                self.ids_sent.add(index)
+                where = payload if self.gen.chat else choice
+                where["prompt_token_ids"] = self.gen.prompts[index // self.gen.per_prompt].ids
         if params.include_usage:
             payload["usage"] = (
                 self.gen.progress.running_usage() if params.continuous_usage else None
@@ -58,7 +73,7 @@ class Chunks:
 
     def role_chunk(self, index: int) -> dict[str, Any]:
         first = self(None, None, index)
-        first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        first["choices"][0]["delta"] = {"role": self.gen.params.reply_role, "content": ""}
         if self.gen.params.continuous_usage:
             # The role comes before any generated text: none counted yet, as in vLLM.
             prompt = self.gen.progress.prompt_tokens
@@ -72,9 +87,10 @@ class Chunks:
             offset = self.offsets.get(choice.index, 0)
             logprobs = self.gen.logprobs_json(choice, piece, offset)
             self.offsets[choice.index] = offset + text_length(piece.logprobs, self.gen.texts)
-        if not piece.text and logprobs is None:
+        tokens = self.gen.params.return_token_ids and piece.token_ids
+        if not piece.text and logprobs is None and not tokens:
             return None
-        return self(piece.text, None, choice.index, logprobs)
+        return self(piece.text, None, choice.index, logprobs, piece.token_ids)
 
     def usage_chunk(self) -> dict[str, Any]:
         return {**self.base, "choices": [], "usage": self.gen.progress.usage()}
@@ -84,6 +100,8 @@ class Chunks:
         if self.gen.chat:
             for choice in self.gen.choices:
                 await w.send(self.role_chunk(choice.index))
+            for choice in self.gen.choices if self.gen.params.chat_echo else []:
+                await w.send(self(self.gen.params.chat_echo, None, choice.index))
         return w
 
 

@@ -20,6 +20,10 @@ class RequestState:
     first_scheduled_ns: int | None = None
     num_prompt_tokens: int = 0
     client_request_id: str | None = None  # the client's x-request-id, if the gateway sent it
+    # Its first token went out: its deadline no longer applies here. A long answer that keeps
+    # streaming must not be cut off by a wall clock; the gateway ends one that stalls, and its
+    # Cancel frees what the request holds here.
+    started: bool = False
 
     @property
     def public_id(self) -> str:

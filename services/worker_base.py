@@ -195,7 +195,8 @@ class Worker:
         return at is not None and time.monotonic() - at < CANCEL_MEMORY_SECONDS
 
     async def check_requests(self) -> bool:
-        """Deadlines, a dead engine thread, subclass housekeeping. False: the worker must stop."""
+        """Deadlines (of requests without a first token yet: queued, pulling, prefilling), a
+        dead engine thread, subclass housekeeping. False: the worker must stop."""
         if self._engine_thread is not None and self._engine_thread.error is not None:
             log.error("engine thread died; failing %d requests and stopping", len(self.states))
             error = f"the {self.role} worker's engine failed: {self._engine_thread.error!r}"
@@ -204,10 +205,11 @@ class Worker:
             self._stop.set()
             return False
         now = time.time()
-        for state in [s for s in self.states.values() if s.deadline < now]:
+        for state in [s for s in self.states.values() if s.deadline < now and not s.started]:
             if self.states.get(state.request_id) is state:
                 log.warning("request %s passed its deadline", state.request_id)
-                await self.fail(state, "deadline", f"request deadline passed during {self.role}")
+                why = f"request deadline passed before its first token ({self.role})"
+                await self.fail(state, "deadline", why)
         await self.housekeeping()
         self.update_metrics()
         return True
@@ -268,10 +270,11 @@ class Worker:
 
     async def _on_bus_reconnect(self) -> None:
         """Our NATS node went away (a cluster node died, a restart): what we published into the
-        dead connection, and what was sent to us while our subscriptions were gone, is lost,
-        and no gateway can tell. So leave and rejoin at once: the gateways treat our requests
-        as lost (decode legs migrate, prefills are retried) and cancel the old ones here."""
-        log.warning("reconnected to NATS: leaving and rejoining so gateways re-send our requests")
+        dead connection, and what was sent to us while our subscriptions were gone, may be
+        lost. Say so (``WorkerGone(rejoining=True)``; we keep our requests): gateways retry
+        their prefills here, check their streams here (``gateway/stream_check.py``: those
+        that lost tokens migrate, the others go on) and cancel again what they abandoned."""
+        log.warning("reconnected to NATS: telling gateways that messages may be lost")
         subject = self.subjects.load(self.role, self.worker_id)
         await self.bus.publish(subject, WorkerGone(self.worker_id, self.role, rejoining=True))
         if self._heartbeat is not None:

@@ -4,7 +4,8 @@
 authentication and TLS from ``BusConfig``, namespaced subjects (``bus.subjects``), headers for
 trace context, and a hard filter on input - every received message is size-limited and fully
 schema-checked by ``pdserve.shared.protocol.decode`` before a handler sees it. Bad messages are counted
-and logged (rate-limited), never raised into the subscription loop.
+and logged (rate-limited), never raised into the subscription loop. What is published while the
+connection is down is dropped, except replayable messages (``shared/bus_replay.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import AuthorizationError
 
+from pdserve.shared.bus_replay import ReplayWindow
 from pdserve.shared.config import BusConfig
 from pdserve.shared.protocol import Message, ProtocolError, decode_as, encode
 from pdserve.shared.subjects import Subjects
@@ -111,6 +113,7 @@ class Bus:
         # From a lost connection until our reconnect callbacks have run: publishes are dropped
         self._suspended = False
         self._auth_rejected: asyncio.Future | None = None
+        self._replay = ReplayWindow()  # replayable messages (shared/bus_replay.py)
 
     # -- connection -------------------------------------------------------------------------
 
@@ -170,7 +173,13 @@ class Bus:
     async def _reconnected_cb(self) -> None:
         self.stats.reconnects += 1
         log.info("reconnected to NATS %s", _url(self.nc))
-        # Publishing again, callbacks first: nothing else runs before the first one publishes.
+        # What may have gone into the dead connection, then what waited for this one, in order;
+        # then publishing again, callbacks first: nothing else runs before the first publishes.
+        for entry in self._replay.window():
+            await self._resend(entry)
+        while held := self._replay.take_held():  # (a publish while we resend is held too)
+            for entry in held:
+                await self._resend(entry)
         self._suspended = False
         for callback in self._on_reconnect:
             try:
@@ -196,17 +205,46 @@ class Bus:
     # -- messages ---------------------------------------------------------------------------
 
     async def publish(
-        self, subject: str, msg: Message, headers: dict[str, str] | None = None
+        self,
+        subject: str,
+        msg: Message,
+        headers: dict[str, str] | None = None,
+        *,
+        replayable: bool = False,
     ) -> None:
+        """Send ``msg``; while the connection is down it is dropped (``_drop``). A
+        ``replayable`` one (its receiver drops what it already has: token positions) is held
+        instead, and sent again after a reconnect or when asked (``replay``)."""
         if self.nc is None:
             raise ConnectionError("bus is not connected")
-        if self._suspended or getattr(self.nc, "is_reconnecting", False):
-            self._drop(subject, msg)
-            return
         data = encode(msg)
         if len(data) > self.max_bytes:
             raise ProtocolError(f"{msg.TYPE} of {len(data)} bytes exceeds {self.max_bytes}")
-        await self.nc.publish(subject, data, headers=headers or None)
+        headers = headers or None
+        if self._suspended or getattr(self.nc, "is_reconnecting", False):
+            if not (replayable and self._replay.hold(subject, data, headers)):
+                self._drop(subject, msg)
+            return
+        if replayable:
+            self._replay.sent(subject, data, headers)
+        await self.nc.publish(subject, data, headers=headers)
+
+    async def replay(self, subject: str) -> int:
+        """Send ``subject`` again the replayable messages it was sent lately and not replayed
+        yet (a receiver back from a reconnect asks). Returns how many."""
+        if self._suspended or getattr(self.nc, "is_reconnecting", False):
+            return 0
+        entries = self._replay.for_subject(subject)
+        for entry in entries:
+            await self._resend(entry)
+        return len(entries)
+
+    async def _resend(self, entry: tuple[float, str, bytes, dict[str, str] | None]) -> None:
+        _, subject, data, headers = entry
+        try:
+            await self.nc.publish(subject, data, headers=headers)
+        except Exception as exc:  # broken again: what is lost shows as a gap
+            log.debug("could not send %s again: %s", subject, exc)
 
     async def flush(self, timeout: float = 2.0) -> None:
         if self.nc is not None:
@@ -247,9 +285,10 @@ class Bus:
     def _drop(self, subject: str, msg: Message) -> None:
         """A message published while the connection is down goes nowhere, never into nats-py's
         reconnect buffer: what we wrote into the dead connection is already lost, so whatever
-        we sent after it would reach the other side behind a gap it cannot see (a token stream
-        missing tokens in the middle). Dropped, the loss is a clean tail, which the reconnect
-        callbacks repair (the gateway re-sends its requests; a worker leaves and rejoins)."""
+        we sent after it would reach the other side behind a gap it cannot see. Dropped, the
+        loss is a clean tail, which the reconnect callbacks repair (the gateway re-sends its
+        requests, a worker announces its reconnect). Replayable messages are the exception:
+        their receivers drop what they already have, so they are held and sent again."""
         self._suspended = True
         self.stats.dropped += 1
         log.debug("dropped %s on %s while disconnected", msg.TYPE, subject)

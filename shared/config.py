@@ -174,8 +174,22 @@ class GatewayConfig:
     )
     max_body_bytes: int = opt(4 * 1024 * 1024, "largest accepted HTTP request body")
     max_prompt_tokens: int = opt(0, "longest accepted prompt; 0 means the model's context")
+    # A long answer that keeps producing tokens is never cut off by default: the limits that
+    # are on by default catch requests that are stuck (queued, silent), not slow ones.
     request_timeout: float = opt(
-        600.0, "deadline of one request from arrival to last token, seconds"
+        0.0,
+        "total cap on one request, arrival to last token, seconds; 0 (the default) = none, so "
+        "an answer that keeps streaming may run to the context length",
+    )
+    first_token_timeout: float = opt(
+        300.0,
+        "longest wait for a request's first token (queues, prefill, KV pull), and for the next "
+        "token of a stream re-sent to another decode worker, seconds; 0 = none",
+    )
+    stall_timeout: float = opt(
+        60.0,
+        "longest silence between two tokens of a stream before it ends with a timeout error "
+        "and is cancelled on its worker, seconds; 0 = none",
     )
     prefill_timeout: float = opt(60.0, "deadline for the prefill stage, seconds")
     max_queue: int = opt(1024, "in-flight requests beyond which new ones get 503")
@@ -192,6 +206,12 @@ class GatewayConfig:
         "times one request may move to another decode worker when its own is lost mid-stream "
         "(it continues exactly from the tokens already sent); 0 ends it with an error instead",
     )
+
+    def __post_init__(self) -> None:
+        for name in ("request_timeout", "first_token_timeout", "stall_timeout"):
+            if getattr(self, name) < 0:
+                flag = "--" + name.replace("_", "-")
+                raise StartupError(f"{flag} must be >= 0 (0 = no limit), got {getattr(self, name)}")
 
 
 @dataclass

@@ -9,6 +9,7 @@ msgpack never instantiates objects, and nothing is ever unpickled.
 Flow of one request (subjects from ``Subjects``):
   gateway  -PrefillRequest->  {ns}.prefill.{worker}      prefill replies PrefillResult to reply_to
   gateway  -DecodeRequest->   {ns}.decode.{worker}       decode streams TokenBatch to reply_to
+  gateway  -StreamCheck->     {ns}.decode.{worker}       after a gap or reconnect; answered in-stream
   decode   -ReleaseLease->    {ns}.lease.{prefill}       after pulling the KV (or giving up)
   gateway  -Cancel->          {ns}.cancel                broadcast; every worker drops the request
   workers  -WorkerLoad->      {ns}.load.{role}.{worker}  heartbeats; WorkerGone when leaving
@@ -20,6 +21,7 @@ Flow of one request (subjects from ``Subjects``):
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -58,7 +60,7 @@ from pdserve.shared.wire_fields import (
     tokens,
 )
 
-PROTOCOL_VERSION = 3  # 3: n choices, log-probs, penalties, structured output
+PROTOCOL_VERSION = 4  # 3: n choices, log-probs, penalties, structured output; 4: positions
 
 ROLES = ("prefill", "decode")
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -66,10 +68,11 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 ERROR_CODES = {
     "overloaded": "the worker's queue is full (retry elsewhere)",
     "draining": "the worker is shutting down (retry elsewhere)",
-    "deadline": "the request's deadline passed in this worker",
+    "deadline": "the request's deadline passed in this worker before its first token",
     "invalid": "this model cannot serve the request (too long, token id out of range...)",
     "kv_transfer": "the decode worker could not pull the KV (policy fail)",
     "internal": "a bug or an unexpected fault",
+    "unknown": "answers a StreamCheck: the decode worker has no such request (over, or lost)",
 }
 
 
@@ -139,6 +142,8 @@ class DecodeRequest:
     sampling: SamplingParams = bounded()
     kv: KVHandle | None = bounded()  # None: the decode worker prefills locally
     reply_to: str = subject()
+    # the first token's: a worker drops the request when it passes before then (queued,
+    # pulling, prefilling), never once it streams - the gateway judges stalls from there
     deadline: float = seconds()
     client_request_id: str | None = ident(default=None)  # as in PrefillRequest
 
@@ -146,7 +151,8 @@ class DecodeRequest:
 @dataclass
 class TokenItem:
     """New tokens of one request; with ``error`` set it is the request's last item, has no
-    tokens and ``finish_reason == "error"``."""
+    tokens and ``finish_reason == "error"``. No tokens and no finish_reason: it answers a
+    StreamCheck (``position`` is then where the choice's next token goes)."""
 
     request_id: str = ident()
     token_ids: list[int] = tokens()
@@ -160,6 +166,9 @@ class TokenItem:
     logprobs: TokenLogprobs | None = bounded(default=None)  # of token_ids, when logprobs were asked
     # with the first item of a request prefilled here, when prompt_logprobs were asked
     prompt_logprobs: TokenLogprobs | None = bounded(default=None)
+    # index of token_ids[0] in the choice's output (output_token_ids included): a receiver
+    # sees lost items as a gap (gateway/stream_check.py)
+    position: int = count(hi=MAX_TOKENS, default=0)
 
 
 @dataclass
@@ -168,6 +177,16 @@ class TokenBatch:
 
     TYPE: ClassVar[str] = "token_batch"
     items: list[TokenItem] = bounded(max_len=MAX_BATCH_ITEMS)
+
+
+@dataclass
+class StreamCheck:
+    """Where does the stream of ``request_id`` stand? The worker sends ``reply_to`` its recent
+    token batches again, then a TokenItem without tokens per choice, or an "unknown" error."""
+
+    TYPE: ClassVar[str] = "stream_check"
+    request_id: str = ident()
+    reply_to: str = subject()
 
 
 @dataclass
@@ -249,8 +268,8 @@ class KVEvents:
 @dataclass
 class WorkerGone:
     """A worker's last word when it leaves cleanly (drain finished): drop it from registries.
-    ``rejoining``: the same process joins again at once (after a NATS reconnect) - its requests
-    are lost, but its UCX address stays valid, so peers keep their endpoints to it."""
+    ``rejoining``: not gone - its NATS connection broke and is back; it keeps its requests, but
+    what it sent or was sent meanwhile may be lost (gateways check), and peers keep its UCX."""
 
     TYPE: ClassVar[str] = "worker_gone"
     worker_id: str = ident()
@@ -263,26 +282,14 @@ Message = (
     | PrefillResult
     | DecodeRequest
     | TokenBatch
+    | StreamCheck
     | ReleaseLease
     | Cancel
     | WorkerLoad
     | WorkerGone
     | KVEvents
 )
-MESSAGE_TYPES: dict[str, type] = {
-    cls.TYPE: cls
-    for cls in (
-        PrefillRequest,
-        PrefillResult,
-        DecodeRequest,
-        TokenBatch,
-        ReleaseLease,
-        Cancel,
-        WorkerLoad,
-        WorkerGone,
-        KVEvents,
-    )
-}
+MESSAGE_TYPES: dict[str, type] = {cls.TYPE: cls for cls in typing.get_args(Message)}
 
 # SamplingParams' bounds are written once, in shared.sampling; the class itself refuses what
 # its bounds' open ends and special values (top_k 0) exclude.

@@ -16,7 +16,7 @@ MAX_LOGIT_BIAS = 1024  # entries
 MAX_LOGIT_BIAS_VALUE = 100.0
 MAX_REPETITION_PENALTY = 10.0
 MAX_GUIDED_SPEC_CHARS = 64 * 1024
-GUIDED_KINDS = ("json_object", "json_schema", "regex", "choice")
+GUIDED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 
 
 @dataclass(frozen=True)
@@ -52,8 +52,9 @@ class GuidedDecoding:
     """Structured output: every sampled token must keep the output inside this language.
 
     ``kind`` is one of ``GUIDED_KINDS``; ``spec`` is the JSON schema (``json_schema``), the
-    regular expression (``regex``), a JSON array of the allowed strings (``choice``), or empty
-    (``json_object``: any JSON object)."""
+    regular expression (``regex``), a JSON array of the allowed strings (``choice``), a
+    context-free grammar in Lark or GBNF syntax (``grammar``), or empty (``json_object``: any
+    JSON object)."""
 
     kind: str
     spec: str = ""

@@ -6,10 +6,11 @@ dispatched. The engine (``services/engine/guided.py``) asks a ``GrammarCompiler`
 matcher per guided sequence and fills token masks from it.
 
 llguidance was picked by measurement (``perf/structured_bench.py``, ``perf/README.md``): it
-covers the four kinds, compiles in well under a millisecond, refuses unimplemented schema
-keywords instead of ignoring them, and imports in 0.1 s with no dependency (no torch), which
-matters to the gateway. Its ``llguidance.torch`` helpers are never imported: that module runs
-``torch.compile`` at import (seconds).
+covers every kind (JSON schema or object, regex, choice, a Lark or GBNF grammar), compiles in
+well under a millisecond, refuses unimplemented schema keywords instead of ignoring them, and
+imports in 0.1 s with no dependency (no torch), which matters to the gateway. Its
+``llguidance.torch`` helpers are never imported: that module runs ``torch.compile`` at import
+(seconds).
 
 JSON (``json_schema``, ``json_object``) allows at most ``JSON_MAX_WHITESPACE`` whitespace
 characters between tokens: enough for pretty-printed output, and a bound, so that a schema with
@@ -53,6 +54,12 @@ def grammar_text(guided: GuidedDecoding) -> str:
         if not guided.spec:
             raise ValueError("regex is empty")
         return M.grammar_from_regex(guided.spec)
+    if guided.kind == "grammar":
+        if not guided.spec.strip():
+            raise ValueError("grammar is empty")
+        # Lark as is, GBNF (llama.cpp's EBNF, what vLLM's xgrammar backend takes) converted to
+        # Lark: llguidance's own reading of vLLM's "grammar", as vLLM's guidance backend does.
+        return llguidance.grammar_from("grammar", guided.spec)
     choices = _parse_json(guided.spec, "choice")
     if not (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)):
         raise ValueError("choice must be a non-empty JSON array of strings")

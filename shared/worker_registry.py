@@ -6,7 +6,11 @@ in its prefix cache. A worker whose heartbeats stop for ``timeout`` seconds stop
 at once, but is reported gone only when a ping confirms it: NATS answers "no responders" at once
 for a process that died (kill -9 closes its connection), while a live worker that was merely
 slow - a busy engine thread starving its event loop - answers late and keeps its requests.
-Listeners hear about joins and departures, e.g. to fail the streams of a decode worker that died.
+Silence is judged only while our own connection is up, counted from our latest reconnect: a
+gateway cut off from NATS hears nobody, which says nothing about the workers.
+Listeners hear about joins and departures, e.g. to fail the streams of a decode worker that died,
+and about a worker whose own connection broke and is back (``REJOINED``: it kept its requests,
+but what it sent or was sent meanwhile may be lost).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +38,7 @@ log = logging.getLogger("pdserve.discovery")
 
 JOINED = "joined"
 LEFT = "left"
+REJOINED = "rejoined"  # WorkerGone(rejoining=True): its connection broke and is back
 # A silent worker is pinged before it is reported gone; a live one answers within this many
 # multiples of the heartbeat timeout even when its event loop is starved.
 CONFIRM_TIMEOUT_FACTOR = 2.0
@@ -108,9 +114,10 @@ class WorkerRegistry:
         self._confirming: dict[str, asyncio.Task] = {}
         self._listeners: list[Listener] = []
         self._reaper: asyncio.Task | None = None
+        self._back = -math.inf  # clock() at our latest reconnect: silence counts from there
 
     def add_listener(self, listener: Listener) -> None:
-        """``listener(JOINED|LEFT, load)``; called on the event loop, must not block."""
+        """``listener(JOINED|LEFT|REJOINED, load)``; called on the event loop, must not block."""
         self._listeners.append(listener)
 
     async def start(self) -> None:
@@ -118,6 +125,7 @@ class WorkerRegistry:
             self.bus.subjects.all_loads, self._on_message, (WorkerLoad, WorkerGone)
         )
         await self.bus.subscribe(self.bus.subjects.all_kv, self._on_kv_events, (KVEvents,))
+        self.bus.on_reconnect(self._on_reconnect)
         self._reaper = asyncio.create_task(self._reap_loop(), name="registry-reaper")
 
     async def stop(self) -> None:
@@ -129,7 +137,17 @@ class WorkerRegistry:
                 await task
         self._confirming.clear()
 
+    async def _on_reconnect(self) -> None:
+        self._back = self.clock()
+
     async def _on_message(self, msg: WorkerLoad | WorkerGone, headers: dict[str, str]) -> None:
+        if isinstance(msg, WorkerGone) and msg.rejoining:
+            entry = self.entries.get(msg.worker_id) or self.suspects.get(msg.worker_id)
+            if entry is not None:  # else its next heartbeat makes it join
+                log.info("%s worker %s reconnected to NATS", msg.role, msg.worker_id)
+                self.cached.pop(msg.worker_id, None)  # events may be lost: its next snapshot
+                self._notify(REJOINED, entry.load)
+            return
         if isinstance(msg, WorkerGone):
             entry = self.entries.pop(msg.worker_id, None) or self.suspects.pop(msg.worker_id, None)
             if entry is not None:
@@ -178,9 +196,11 @@ class WorkerRegistry:
 
     def prune(self) -> None:
         """Stop routing to workers whose last heartbeat is older than ``timeout``; ping them."""
+        if self.bus is not None and not self.bus.connected:
+            return  # we hear nobody now: their silence says nothing
         now = self.clock()
         for worker_id, entry in list(self.entries.items()):
-            if now - entry.last_seen > self.timeout:
+            if now - max(entry.last_seen, self._back) > self.timeout:
                 del self.entries[worker_id]
                 try:
                     asyncio.get_running_loop()
@@ -195,11 +215,16 @@ class WorkerRegistry:
     async def _confirm(self, entry: Entry) -> None:
         """Ping a silent worker: an answer makes it live again; none means it is gone."""
         load = entry.load
+        asked = self.clock()
         answer = await self.ping(load.worker_id, self.confirm_timeout)
         if self._confirming.get(load.worker_id) is asyncio.current_task():
             del self._confirming[load.worker_id]
         if self.suspects.get(load.worker_id) is not entry:
             return  # a heartbeat or WorkerGone settled it meanwhile
+        if answer is None and (not self.bus.connected or self._back > asked):
+            # our own connection broke meanwhile: no verdict; silence counts from our reconnect
+            self.entries[load.worker_id] = self.suspects.pop(load.worker_id)
+            return
         if answer is not None and answer.instance == load.instance:
             log.info("%s worker %s answered a ping: still alive", load.role, load.worker_id)
             self._heard(answer)

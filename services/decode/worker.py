@@ -27,11 +27,11 @@ on what each step returns (tokens, and ``KVPull``s for blocks just reserved)::
                  |                                                re-admitted and recomputed
                  '-- stop token / max_tokens / context full ---> FINISHED "stop" / "length"
 
-    abort (cancel, deadline, engine failure): FINISHED at once from any status but
-    WAITING_FOR_REMOTE_KV, whose blocks the pull is still writing: it finishes when the pull
-    answers. A pull handed out for a request the worker has already dropped is answered with
-    kv_failed without pulling. A request whose first token already ends it finishes when it
-    is added: nothing is pulled.
+    abort (cancel, deadline before the first token, engine failure): FINISHED at once from
+    any status but WAITING_FOR_REMOTE_KV, whose blocks the pull is still writing: it finishes
+    when the pull answers. A pull handed out for a request the worker has already dropped is
+    answered with kv_failed without pulling. A request whose first token already ends it
+    finishes when it is added: nothing is pulled.
 
 On a prefill worker (``prefill_only``) the same engine runs WAITING -> RUNNING (prompt chunks)
 -> PREFILLED: parked with its blocks, which the worker leases for the pull, until ``release``
@@ -44,7 +44,8 @@ request ends here when its last choice ends (``request_finished``), and a cancel
 choice only (a stop string matched in its text at the gateway).
 
 After every engine step the worker publishes one ``TokenBatch`` per gateway inbox with every token
-that step produced for that inbox. The lease on the prefill worker's blocks is this worker's to
+that step produced for that inbox, each item with its position (``state.py``: also how a
+``StreamCheck`` is answered). The lease on the prefill worker's blocks is this worker's to
 release, exactly once: after the pull, or at once when the request ends without one.
 """
 
@@ -53,8 +54,8 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from dataclasses import dataclass
 
+from pdserve.services.decode.state import DecodeState, check_answer, record_generate
 from pdserve.services.engine.engine import LLMEngine
 from pdserve.services.engine.outputs import KVPull, StepOutput, StepResult
 from pdserve.services.engine.spec.speculator import SpecCounters
@@ -70,6 +71,7 @@ from pdserve.shared.protocol import (
     DecodeRequest,
     KVHandle,
     ReleaseLease,
+    StreamCheck,
     TokenBatch,
     TokenItem,
     WorkerGone,
@@ -79,23 +81,6 @@ from pdserve.shared.protocol import (
 log = logging.getLogger("pdserve.decode")
 
 PULL_TIMEOUT = 30.0  # one request's KV pull, beyond which it counts as failed
-
-
-# decode.generate's speculative-decoding attributes (when the request's tokens were drafted)
-ATTR_SPEC_DRAFT_TOKENS = "pdserve.spec.draft_tokens"  # draft tokens verified for the request
-ATTR_SPEC_ACCEPTED_TOKENS = "pdserve.spec.accepted_tokens"  # ... and accepted
-ATTR_SPEC_ACCEPTANCE_RATE = "pdserve.spec.acceptance_rate"  # accepted / draft tokens
-
-
-@dataclass
-class DecodeState(RequestState):
-    num_output_tokens: int = 0
-    num_draft_tokens: int = 0  # speculative decoding, over all its choices
-    num_accepted_tokens: int = 0
-    first_step_ns: int | None = None  # first decode step (start of decode.generate)
-    local_prefill: bool = False  # prefilled here: its first item reports the cached tokens
-    reported_cached: bool = False
-    lease: KVHandle | None = None  # prefill worker's KV whose lease is ours to release still
 
 
 class DecodeWorker(Worker):
@@ -128,7 +113,7 @@ class DecodeWorker(Worker):
 
     async def subscribe(self) -> None:
         await self.bus.subscribe(
-            self.subjects.decode(self.worker_id), self._on_request, (DecodeRequest,)
+            self.subjects.decode(self.worker_id), self._on_request, (DecodeRequest, StreamCheck)
         )
         await self.bus.subscribe(
             self.subjects.loads_of("prefill"), self._on_prefill_load, (WorkerLoad, WorkerGone)
@@ -184,11 +169,14 @@ class DecodeWorker(Worker):
 
     # -- requests ------------------------------------------------------------------------------
 
-    async def _on_request(self, req: DecodeRequest, headers: dict[str, str]) -> None:
+    async def _on_request(self, req: DecodeRequest | StreamCheck, headers: dict[str, str]) -> None:
         if not self.reply_ok(req.reply_to):
             log.warning(
                 "dropping %s: reply subject %r is not a gateway inbox", req.request_id, req.reply_to
             )
+            return
+        if isinstance(req, StreamCheck):
+            self._answer_check(req)
             return
         if self.was_cancelled(req.request_id):  # the gateway gave up on it already
             if req.kv is not None:
@@ -207,6 +195,7 @@ class DecodeWorker(Worker):
         state.client_request_id = req.client_request_id
         state.local_prefill = req.kv is None
         state.lease = req.kv
+        state.positions[0] = len(req.output_token_ids)  # forked choices start empty
         try:
             self.engine.add_request(
                 req.request_id,
@@ -291,11 +280,25 @@ class DecodeWorker(Worker):
     async def _fail_request(self, reply_to: str, request_id: str, code: str, text: str) -> None:
         await self._publish_batch(reply_to, [TokenItem(request_id, [], "error", text, code)])
 
-    async def _publish_batch(self, reply_to: str, items: list[TokenItem]) -> None:
+    async def _publish_batch(
+        self, reply_to: str, items: list[TokenItem], replayable: bool = False
+    ) -> None:
+        # Token batches are replayable (state.py); refusals and check answers are not: a
+        # refused leg is re-sent elsewhere under the same id, and an answer holds for its check.
         try:
-            await self.bus.publish(reply_to, TokenBatch(items))
+            await self.bus.publish(reply_to, TokenBatch(items), replayable=replayable)
         except Exception as exc:
             log.warning("could not publish %d token items to %s: %s", len(items), reply_to, exc)
+
+    def _answer_check(self, check: StreamCheck) -> None:
+        # Spawned like the token batches, after them: tasks start in order and each publish is
+        # in the connection's buffer before it yields, so the answer follows what it counts.
+        items = check_answer(check, self.states.get(check.request_id), self.worker_id)
+        self.spawn(self._replay_and_answer(check.reply_to, items))
+
+    async def _replay_and_answer(self, reply_to: str, items: list[TokenItem]) -> None:
+        await self.bus.replay(reply_to)  # what that gateway may have missed, then the answer
+        await self._publish_batch(reply_to, items)
 
     # -- engine outputs ------------------------------------------------------------------------
 
@@ -319,7 +322,7 @@ class DecodeWorker(Worker):
                 item = self._item(state, out, step)
                 batches.setdefault(state.reply_to, []).append(item)
         for reply_to, items in batches.items():
-            self.spawn(self._publish_batch(reply_to, items))
+            self.spawn(self._publish_batch(reply_to, items, replayable=True))
         self.update_metrics()
 
     def _item(self, state: DecodeState, out: StepOutput, step: StepResult) -> TokenItem:
@@ -327,10 +330,12 @@ class DecodeWorker(Worker):
         if out.finish_reason == "error":  # the pull failed under the fail policy
             self._end(state)
             return TokenItem(rid, [], "error", out.error, "kv_transfer")
+        state.started = True  # from now on the gateway judges stalls, not the deadline
         if state.first_step_ns is None:
             state.first_step_ns = step.start_ns
             # pulled KV: queued (the pull included) until this step
             self.mark_scheduled(state, tracing.SPAN_DECODE_QUEUE, step.start_ns)
+        position = state.advance(out.index, len(out.new_token_ids))
         item = TokenItem(
             rid,
             list(out.new_token_ids),
@@ -338,6 +343,7 @@ class DecodeWorker(Worker):
             index=out.index,
             logprobs=out.logprobs,
             prompt_logprobs=out.prompt_logprobs,
+            position=position,
         )
         if state.local_prefill and not state.reported_cached:
             item.cached_tokens = out.num_prefix_hit_tokens
@@ -347,32 +353,8 @@ class DecodeWorker(Worker):
         state.num_accepted_tokens += out.num_accepted_tokens
         if out.request_finished:  # every choice is over
             self._end(state)
-            self._record_generate(state, out.finish_reason or "stop", step.end_ns)
+            record_generate(state, self.worker_id, out.finish_reason or "stop", step.end_ns)
         return item
-
-    def _record_generate(self, state: DecodeState, reason: str, end_ns: int) -> None:
-        start = state.first_step_ns or end_ns
-        n = state.num_output_tokens
-        tpot_ms = (end_ns - start) / 1e6 / max(1, n - 1) if n > 1 else 0.0
-        attributes = {
-            **state.attributes(self.worker_id),
-            tracing.GEN_AI_USAGE_OUTPUT_TOKENS: n,
-            tracing.ATTR_TPOT_MS: tpot_ms,
-            tracing.GEN_AI_RESPONSE_FINISH_REASONS: [reason],
-        }
-        if state.num_draft_tokens:
-            attributes[ATTR_SPEC_DRAFT_TOKENS] = state.num_draft_tokens
-            attributes[ATTR_SPEC_ACCEPTED_TOKENS] = state.num_accepted_tokens
-            attributes[ATTR_SPEC_ACCEPTANCE_RATE] = (
-                state.num_accepted_tokens / state.num_draft_tokens
-            )
-        tracing.record_span(
-            tracing.SPAN_DECODE_GENERATE,
-            start,
-            end_ns,
-            context=state.context,
-            attributes=attributes,
-        )
 
     # -- cancel, deadlines ---------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ import aiohttp
 import nats
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.shared.protocol import DecodeRequest, decode
+from pdserve.shared.protocol import DecodeRequest, TokenBatch, TokenItem, decode
 from tests.integration.stack import Child, free_port, log_text, start_service
 
 WORKER_OPTIONS = {
@@ -163,25 +163,46 @@ async def wait_idle(stack: Stack, timeout: float = 20.0) -> None:
 
 class DecodeSpy:
     """Every DecodeRequest on the bus: client request id -> decode workers (and the sampling
-    seeds they were given), in order."""
+    seeds they were given), in order; and every token item sent to a gateway, by bus id."""
 
     def __init__(self) -> None:
         self.sent: dict[str, list[str]] = defaultdict(list)
         self.seeds: dict[str, list[int | None]] = defaultdict(list)
+        self.first: dict[str, DecodeRequest] = {}  # client request id -> its first leg
+        self.items: dict[str, list[TokenItem]] = defaultdict(list)
         self.nc = None
 
     async def start(self, url: str) -> DecodeSpy:
-        self.nc = await nats.connect(url)
+        self.nc = await nats.connect(url, reconnect_time_wait=0.1, max_reconnect_attempts=-1)
 
         async def on_msg(msg) -> None:
             body = decode(msg.data)
             if isinstance(body, DecodeRequest):
                 self.sent[body.client_request_id].append(msg.subject.rsplit(".", 1)[1])
                 self.seeds[body.client_request_id].append(body.sampling.seed)
+                self.first.setdefault(body.client_request_id, body)
+            elif isinstance(body, TokenBatch):
+                for item in body.items:
+                    self.items[item.request_id].append(item)
 
         await self.nc.subscribe("pdserve.decode.*", cb=on_msg)
+        await self.nc.subscribe("pdserve.gw.*", cb=on_msg)
         await self.nc.flush()
         return self
+
+    def lost(self, rid: str) -> bool:
+        """Whether some token of ``rid``'s first leg, up to the furthest its worker said it
+        had sent, never crossed the bus here (once, or again in a replay)."""
+        leg = self.first[rid]
+        have: dict[int, set[int]] = defaultdict(set)
+        upto = {0: len(leg.output_token_ids)}
+        for item in self.items[leg.request_id]:
+            if item.error is None:
+                end = item.position + len(item.token_ids)
+                have[item.index].update(range(item.position, end))
+                upto[item.index] = max(upto.get(item.index, 0), end)
+        start = {0: len(leg.output_token_ids)}
+        return any(set(range(start.get(i, 0), end)) - have[i] for i, end in upto.items())
 
     def worker_of(self, rid: str) -> str:
         return self.sent[rid][-1]

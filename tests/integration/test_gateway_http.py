@@ -173,11 +173,11 @@ class ScriptedDecodeWorker:
                 self.heartbeat._task = asyncio.create_task(self.heartbeat._loop())
             if req.sampling.seed == FAIL_SEED and i == 2:
                 item = TokenItem(req.request_id, [], "error", "injected failure", "internal")
-            elif req.sampling.seed == ABORT_SEED and i == 2:
-                item = TokenItem(req.request_id, [self.script[i]], "abort")  # no message
+            elif req.sampling.seed == ABORT_SEED and i == 2:  # an abort with no message
+                item = TokenItem(req.request_id, [self.script[i]], "abort", position=i)
             else:
                 finish = "length" if i == n - 1 else None
-                item = TokenItem(req.request_id, [self.script[i]], finish)
+                item = TokenItem(req.request_id, [self.script[i]], finish, position=i)
             await self.bus.publish(req.reply_to, TokenBatch([item]))
             if item.finish_reason:
                 return
@@ -791,7 +791,7 @@ async def test_dead_decode_worker_ends_its_streams_with_an_error(nats_url, model
         assert status == 200 and events[-1] == "[DONE]"
         assert_openai_error(events[-2])
         assert "stopped" in events[-2]["error"]["message"]
-        # Within the registry timeout, not the request deadline (600 s).
+        # Within the registry timeout, not --stall-timeout (60 s).
         assert time.monotonic() - started < DEATH_TIMEOUT + 5
         assert harness.app_state().in_flight == 0
 

@@ -333,13 +333,14 @@ async def test_deadlines(gw) -> None:
     assert items[-1].error_code == "deadline"
     result = await gw.prefill("p0", "late-p", PROMPTS[1], deadline=time.time() - 1)
     assert result.error_code == "deadline" and result.kv is None
-    # passing mid-generation: an explicit error soon after, blocks freed
+    # passing mid-generation: the answer is not cut off (the deadline bounds the wait for the
+    # first token; past it the gateway judges stalls and cancels), and its blocks are freed
     long = SamplingParams(temperature=0.0, max_tokens=450, ignore_eos=True)
     t0 = time.time()
     items = await gw.decode("d0", "slow", PROMPTS[1], [], None, sampling=long, deadline=t0 + 0.3)
-    assert items[-1].error_code == "deadline"
-    assert time.time() - t0 < 2.0
-    assert len(tokens(items)) < 450
+    assert time.time() - t0 > 0.3 + 0.25  # 450 tokens outlast the deadline and a check after it
+    assert items[-1].finish_reason == "length" and len(tokens(items)) == 450
+    assert not any(item.error_code for item in items)
     await gw.until_idle("d0")
 
 
@@ -372,8 +373,8 @@ async def test_workers_survive_a_nats_restart(gw, stack, expected) -> None:
     result = await gw.prefill("p0", "after-restart", PROMPTS[2])
     items = await gw.decode("d0", "after-restart", PROMPTS[2], [result.first_token], result.kv)
     assert [result.first_token] + tokens(items) == expected[2]
-    # p0 left and rejoined (WorkerGone rejoining): d0 kept its UCX endpoint to p0, whose twin
-    # p0 sends on - aborting it failed pulls until p0 noticed
+    # p0 announced its reconnect (WorkerGone rejoining): d0 kept its UCX endpoint to p0, whose
+    # twin p0 sends on - aborting it failed pulls until p0 noticed
     (d0,) = [c for c in stack.children if c.name == "d0"]
     assert "was stale" not in log_text(d0, 100_000)
 

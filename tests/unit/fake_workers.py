@@ -3,7 +3,9 @@
 A ``FakeWorker`` speaks the real protocol (its messages go through ``Bus.publish`` and the
 gateway's checked ``subscribe``) but answers only when a test tells it to: a test awaits the
 next request it received, then answers, refuses, streams tokens, restarts or crashes, in
-whatever order the scenario needs - no timing, no model.
+whatever order the scenario needs - no timing, no model. Its token items carry their positions
+as a decode worker's do; a test may lose some on the way (``lose``) to make a gap, and have the
+worker send them again when a gateway checks the stream (``answer(check, replay=True)``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pdserve.shared.protocol import (
     PrefillRequest,
     PrefillResult,
     ReleaseLease,
+    StreamCheck,
     TokenBatch,
     TokenItem,
     WorkerGone,
@@ -73,6 +76,10 @@ class FakeWorker:
         self.cancels: list[str] = []
         self.released: list[str] = []
         self.headers: list[dict[str, str]] = []
+        self.checks: asyncio.Queue[StreamCheck] = asyncio.Queue()
+        # (bus id, choice) -> position of its next token, as a decode worker keeps them
+        self.positions: dict[tuple[str, int], int] = {}
+        self.history: dict[str, list[TokenItem]] = {}  # bus id -> every item sent (or lost)
 
     @property
     def worker_id(self) -> str:
@@ -85,7 +92,9 @@ class FakeWorker:
             await self.bus.subscribe(s.prefill(self.worker_id), self._on_request, (PrefillRequest,))
             await self.bus.subscribe(s.lease(self.worker_id), self._on_release, (ReleaseLease,))
         else:
-            await self.bus.subscribe(s.decode(self.worker_id), self._on_request, (DecodeRequest,))
+            await self.bus.subscribe(
+                s.decode(self.worker_id), self._on_request, (DecodeRequest, StreamCheck)
+            )
         await self.bus.subscribe(s.cancel, self._on_cancel, (Cancel,))
         await self.bus.nc.subscribe(s.ping(self.worker_id), cb=self._on_ping)
         await self.beat()
@@ -94,6 +103,11 @@ class FakeWorker:
     # -- what it hears -----------------------------------------------------------------------
 
     async def _on_request(self, msg, headers: dict[str, str]) -> None:
+        if isinstance(msg, StreamCheck):
+            self.checks.put_nowait(msg)
+            return
+        if isinstance(msg, DecodeRequest):
+            self.positions[msg.request_id, 0] = len(msg.output_token_ids)
         self.received.append(msg)
         self.headers.append(headers)
         self.requests.put_nowait(msg)
@@ -122,6 +136,12 @@ class FakeWorker:
         """A clean exit: the registry drops it at once."""
         gone = WorkerGone(self.worker_id, self.load.role)
         await self.bus.publish(self.bus.subjects.load(self.load.role, self.worker_id), gone)
+
+    async def reconnected(self) -> None:
+        """Its NATS connection broke and is back: it says so, keeps its requests, and beats."""
+        back = WorkerGone(self.worker_id, self.load.role, rejoining=True)
+        await self.bus.publish(self.bus.subjects.load(self.load.role, self.worker_id), back)
+        await self.beat()
 
     async def restart(self) -> None:
         """Back under the same id as a new incarnation: the old one's requests are lost."""
@@ -165,11 +185,51 @@ class FakeWorker:
             msg = TokenBatch([item])
         await self.bus.publish(request.reply_to, msg)
 
+    def item(
+        self, request: DecodeRequest, token_ids: list[int], finish: str | None = None, index=0
+    ) -> TokenItem:
+        """The next item of choice ``index`` of ``request``'s stream, at its position."""
+        key = (request.request_id, index)
+        position = self.positions.get(key, 0)
+        self.positions[key] = position + len(token_ids)
+        item = TokenItem(request.request_id, token_ids, finish, index=index, position=position)
+        self.history.setdefault(request.request_id, []).append(item)
+        return item
+
     async def tokens(
-        self, request: DecodeRequest, token_ids: list[int], finish: str | None = None
+        self, request: DecodeRequest, token_ids: list[int], finish: str | None = None, index=0
     ) -> None:
-        item = TokenItem(request.request_id, token_ids, finish)
+        item = self.item(request, token_ids, finish, index)
         await self.bus.publish(request.reply_to, TokenBatch([item]))
+
+    def lose(self, request: DecodeRequest, token_ids: list[int], finish=None, index=0) -> None:
+        """An item the bus loses on the way: it counts for the stream's positions only."""
+        self.item(request, token_ids, finish, index)
+
+    async def next_check(self, timeout: float = 2.0) -> StreamCheck:
+        return await asyncio.wait_for(self.checks.get(), timeout)
+
+    async def answer(self, check: StreamCheck, *, replay: bool = False, forgot: bool = False):
+        """Answer ``check`` as a decode worker does: with ``replay``, every item of the stream
+        again first (a worker replays what it sent lately); then where each choice stands, or
+        "unknown" (``forgot``: the request is over here, or never arrived)."""
+        rid = check.request_id
+        if replay:
+            await self.bus.publish(check.reply_to, TokenBatch(self.history.get(rid, [])))
+        if forgot:
+            items = [TokenItem(rid, [], "error", "no such request", "unknown")]
+        else:
+            known = sorted((i, p) for (r, i), p in self.positions.items() if r == rid)
+            items = [TokenItem(rid, [], index=i, position=p) for i, p in known]
+        await self.bus.publish(check.reply_to, TokenBatch(items))
+
+    async def trickle(
+        self, request: DecodeRequest, token_ids: list[int], every: float, finish: str = "length"
+    ) -> None:
+        """A slow but live worker: one token every ``every`` seconds, the last with ``finish``."""
+        for i, token in enumerate(token_ids):
+            await asyncio.sleep(every)
+            await self.tokens(request, [token], finish if i == len(token_ids) - 1 else None)
 
 
 class GatewaySide:
@@ -181,6 +241,8 @@ class GatewaySide:
         *,
         request_timeout: float = 10.0,
         prefill_timeout: float = 10.0,
+        first_token_timeout: float = 10.0,
+        stall_timeout: float = 10.0,
         worker_timeout: float = 30.0,
         max_message_bytes: int = 8 * 1024 * 1024,
     ) -> None:
@@ -192,7 +254,14 @@ class GatewaySide:
             self.workers.routable, BLOCK_SIZE, model=MODEL, cached_hits=self.workers.prefix_hits
         )
         self.dispatcher = Dispatcher(
-            self.bus, self.workers, self.router, "gw1", request_timeout, prefill_timeout
+            self.bus,
+            self.workers,
+            self.router,
+            "gw1",
+            request_timeout,
+            prefill_timeout,
+            first_token_timeout=first_token_timeout,
+            stall_timeout=stall_timeout,
         )
 
     async def start(self) -> GatewaySide:

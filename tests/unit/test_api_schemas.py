@@ -259,7 +259,7 @@ CHAT_BAD = [
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
     ({"best_of": 2}, "best_of"),  # completions' field
-    ({"echo": True}, "echo"),
+    ({"echo": "yes"}, "echo"),  # chat echo is vLLM's, and a boolean
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"max_completion_tokens": 4, "min_tokens": 5}, "min_tokens"),

@@ -18,7 +18,7 @@ from pdserve.gateway.dispatch import StageTimeout, TokenEvent, WorkerFailure
 from pdserve.gateway.inflight import Choices
 from pdserve.shared.bus_memory import MemoryNetwork
 from pdserve.shared.metrics import GatewayMetrics
-from pdserve.shared.protocol import DecodeRequest, TokenBatch, TokenItem
+from pdserve.shared.protocol import DecodeRequest, TokenBatch
 from pdserve.shared.sampling import SamplingParams, choice_seed
 from tests.unit.fake_workers import FakeWorker, GatewaySide, settle
 
@@ -75,8 +75,7 @@ class Run:
 
 
 async def send(worker: FakeWorker, dec: DecodeRequest, tokens: list[int], finish=None, index=0):
-    item = TokenItem(dec.request_id, tokens, finish, index=index)
-    await worker.bus.publish(dec.reply_to, TokenBatch([item]))
+    await worker.tokens(dec, tokens, finish, index)
 
 
 async def first_decode(w: dict[str, FakeWorker]) -> tuple[FakeWorker, FakeWorker, DecodeRequest]:
@@ -152,7 +151,7 @@ async def test_lost_before_its_first_token_the_request_moves_and_reports_its_cac
         await first.leave()
         again = await other.next_request()
         assert again.output_token_ids == [] and again.sampling == dec.sampling
-        item = TokenItem(again.request_id, [4], None, cached_tokens=16)
+        item = dataclasses.replace(other.item(again, [4]), cached_tokens=16)
         await other.bus.publish(again.reply_to, TokenBatch([item]))
         await send(other, again, [5], "length")
         events = await run.result()
@@ -282,36 +281,6 @@ async def test_n_choices_before_any_fork_migrate_as_the_whole_request(net) -> No
         await send(other, again, [1, 2, 3, 4], "length", index=1)
         await run.result()
         assert run.tokens(0) == [7, 8, 9, 10] and run.tokens(1) == [1, 2, 3, 4]
-
-
-async def test_a_bus_reconnect_migrates_to_workers_heard_since(net) -> None:
-    async with stack(net, ("prefill", "p0"), ("decode", "d0"), ("decode", "d1")) as (gw, w):
-        decoding = Run(gw, SamplingParams(max_tokens=6, seed=4), rid="decoding")
-        pre = await w["p0"].next_request()
-        await w["p0"].prefilled(pre, first_token=1)
-        first, other, dec = await first_decode(w)
-        await send(first, dec, [2])
-        await settle()
-        prefilling = Run(gw, SamplingParams(max_tokens=2, seed=4), rid="prefilling")
-        pre2 = await w["p0"].next_request()
-        await gw.bus.nc.reconnect()  # what was published while it was down may be lost
-        await settle()
-        gw.now += 1  # then only `first` is heard again: a resend waits for a worker heard
-        await first.beat()
-        again = await first.next_request()
-        assert again.request_id != dec.request_id and again.output_token_ids == [1, 2]
-        assert dec.request_id in first.cancels
-        # The prefill, maybe lost too, is retried: no other prefill worker, so locally.
-        local = await first.next_request()
-        assert local.client_request_id == "prefilling" and local.kv is None
-        assert local.request_id == pre2.request_id
-        await send(first, again, [3, 4, 5, 6], "length")
-        await send(first, local, [9, 9], "length")
-        await decoding.result()
-        await prefilling.result()
-        assert decoding.tokens() == [1, 2, 3, 4, 5, 6] and prefilling.tokens() == [9, 9]
-        assert migrations(gw, "bus_reconnect") == 1 and migrations(gw) == 0
-        assert other.received == []
 
 
 async def test_a_worker_back_after_a_partition_gets_the_cancels_it_missed(net) -> None:

@@ -20,6 +20,7 @@ from pdserve.shared.protocol import (
     PrefillResult,
     ProtocolError,
     ReleaseLease,
+    StreamCheck,
     TokenBatch,
     TokenItem,
     WorkerGone,
@@ -72,6 +73,8 @@ SAMPLES = [
     KVEvents("prefill-0", "a1b2", 16, 8, [9, 10], [], snapshot=True, part=1, parts=3),
     PrefillRequest("bus-1", [1], SamplingParams(), "pdserve.gw.g1", 1.0, "client:7"),
     TokenBatch([TokenItem("req-3", [7], None, cached_tokens=32)]),
+    TokenBatch([TokenItem("req-4", [8, 9], None, index=1, position=12)]),
+    StreamCheck("req-4", "pdserve.gw.g1"),
 ]
 
 

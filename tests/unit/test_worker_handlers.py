@@ -24,6 +24,7 @@ from pdserve.shared.protocol import (
     PrefillRequest,
     PrefillResult,
     ReleaseLease,
+    StreamCheck,
     TokenBatch,
     TokenItem,
 )
@@ -270,8 +271,9 @@ async def test_deadlines(stack, engines, monkeypatch) -> None:
     assert late.error_code == "deadline" and late.kv is None
     items = await gw.decode("d0", "late-d", PROMPTS[1], [], None, deadline=time.time() - 1)
     assert [i.error_code for i in items] == ["deadline"]
-    # A deadline that passes mid-generation. The tiny model can make 200 tokens before the
-    # worker's next deadline check on a quiet machine, so its steps are slowed to >= 10 ms.
+    # A deadline that passes mid-generation does not cut a streaming answer off: it bounds
+    # the wait for the first token only (the gateway judges stalls after that, and cancels).
+    # Steps are slowed to >= 10 ms so that the 60 tokens outlast the deadline for sure.
     step = engines["d0"].step
 
     def slow_step():
@@ -279,10 +281,12 @@ async def test_deadlines(stack, engines, monkeypatch) -> None:
         return step()
 
     monkeypatch.setattr(engines["d0"], "step", slow_step)
-    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     t0 = time.time()
     items = await gw.decode("d0", "slow", PROMPTS[1], [], None, sp=long, deadline=t0 + 0.3)
-    assert items[-1].error_code == "deadline" and len(tokens(items)) < 200
+    assert time.time() > t0 + 0.3 + 0.25  # past the deadline and a deadline check after it
+    assert items[-1].finish_reason == "length" and len(tokens(items)) == 60
+    assert not any(i.error_code for i in items)
     monkeypatch.undo()
     # a deadline that passes while the pull is in flight: error now, blocks after the pull
     result = await gw.prefill("slow-pull", PROMPTS[0])
@@ -342,4 +346,47 @@ async def test_cancellation(stack) -> None:
     await gw.send_decode("d0", "c-early", PROMPTS[1], [], None)
     await gw.decode("d0", "after", PROMPTS[1], [], None)  # handled after "c-early"
     assert gw.queue("c-early").empty()
+    await stack.idle("p0", "d0")
+
+
+async def test_items_carry_positions_and_a_stream_check_is_answered_in_line(
+    stack, expected
+) -> None:
+    """Each item says where its first token sits in its choice's output (the tokens the request
+    came with included; a forked choice starts empty). A StreamCheck makes the worker send
+    that inbox again what it sent it lately (the gateway drops what it has), then answer
+    behind every item before it: the positions then, or "unknown" once the request is over."""
+    gw = stack.gw
+    check = StreamCheck("pos", gw.inbox)
+    result = await gw.prefill("pos", PROMPTS[0])
+    await gw.send_decode("d0", "pos", PROMPTS[0], [result.first_token], result.kv)
+    await gw.bus.publish(gw.bus.subjects.decode("d0"), check)
+    got, answered = [result.first_token], False
+    while len(got) < MAX_TOKENS or not answered:
+        item = await asyncio.wait_for(gw.queue("pos").get(), 10)
+        if item.token_ids and item.position < len(got):  # sent again: what we have
+            assert got[item.position : item.position + len(item.token_ids)] == item.token_ids
+        elif item.token_ids:
+            assert item.position == len(got)
+            got += item.token_ids
+        else:  # the answer: where the stream stood, or gone once it had ended
+            answered = True
+            done = item.error_code == "unknown" and len(got) == MAX_TOKENS
+            assert done or (item.position == len(got) and item.error is None)
+    assert got == expected[0]
+    await gw.bus.publish(gw.bus.subjects.decode("d0"), check)
+    replayed = []
+    while (item := await asyncio.wait_for(gw.queue("pos").get(), 10)).error is None:
+        replayed += item.token_ids  # what came after the first check's replay
+    assert item.error_code == "unknown" and item.finish_reason == "error"
+    assert replayed == got[len(got) - len(replayed) :]
+    two = SamplingParams(temperature=1.0, seed=5, max_tokens=4, n=2)
+    await gw.send_decode("d0", "pos-2", PROMPTS[1], [], None, sp=two)
+    counts, finished = {0: 0, 1: 0}, 0
+    while finished < 2:
+        item = await asyncio.wait_for(gw.queue("pos-2").get(), 10)
+        assert item.position == counts[item.index]
+        counts[item.index] += len(item.token_ids)
+        finished += item.finish_reason is not None
+    assert counts == {0: 4, 1: 4}
     await stack.idle("p0", "d0")

@@ -1,0 +1,71 @@
+"""A generation answered as one JSON body (no ``stream``): every choice collected, then the
+completion or chat completion with the usage, and vLLM's extra fields when asked
+(``vllm_output.py``: ``prompt_logprobs``, ``prompt_token_ids``, ``token_ids``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from typing import Any
+
+from aiohttp import web
+
+from pdserve.gateway.choice_output import ChoiceOutput, Piece
+from pdserve.gateway.generation import FAULTS, Generation, fault_error
+from pdserve.gateway.vllm_output import prompt_logprobs_json
+
+
+async def complete(gen: Generation) -> web.Response:
+    try:
+        async with contextlib.aclosing(gen.pieces()) as pieces:
+            async for _ in pieces:
+                pass
+    except FAULTS as exc:
+        raise fault_error(exc) from None
+    body: dict[str, Any] = {
+        "id": gen.response_id,
+        "object": "chat.completion" if gen.chat else "text_completion",
+        "created": int(time.time()),
+        "model": gen.params.model,
+        "choices": [_choice_json(gen, c) for c in gen.returned()],
+        "usage": gen.progress.usage(),
+    }
+    if gen.chat:  # vLLM puts a chat's prompt fields at the top, a completion's in each choice
+        body.update(_prompt_fields(gen, 0))
+    return web.json_response(body, dumps=_dumps)
+
+
+def _choice_json(gen: Generation, choice: ChoiceOutput) -> dict[str, Any]:
+    logprobs = None
+    if choice.logprobs is not None:
+        whole = Piece(choice.text, choice.logprobs.entries)
+        logprobs = gen.logprobs_json(choice, whole, 0)
+    finish = choice.finish_reason or "stop"
+    if gen.chat:
+        # chat echo: the reply starts with the last message (its log-probs are not repeated)
+        message = {"role": gen.params.reply_role, "content": gen.params.chat_echo + choice.text}
+        item = {"index": choice.index, "message": message, "logprobs": logprobs,
+                "finish_reason": finish}  # fmt: skip
+    else:
+        item = {"index": choice.index, "text": choice.text, "logprobs": logprobs,
+                "finish_reason": finish}  # fmt: skip
+        item.update(_prompt_fields(gen, choice.prompt))
+    if gen.params.return_token_ids:
+        item["token_ids"] = choice.token_ids
+    return item
+
+
+def _prompt_fields(gen: Generation, p: int) -> dict[str, Any]:
+    """Prompt ``p``'s prompt_logprobs and prompt_token_ids, those that were asked."""
+    out: dict[str, Any] = {}
+    ids, logprobs, k = gen.prompts[p].ids, gen.prompt_logprobs[p], gen.params.prompt_logprobs
+    if k is not None and logprobs is not None and gen.texts is not None:
+        out["prompt_logprobs"] = prompt_logprobs_json(ids, logprobs, k, gen.texts)
+    if gen.params.return_token_ids:
+        out["prompt_token_ids"] = ids
+    return out
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False)
