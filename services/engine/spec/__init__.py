@@ -5,8 +5,8 @@ One step, with speculation on:
 1. ``Speculator.propose`` (``speculator.py``) asks the proposer (``proposer.py``; n-gram
    prompt lookup in ``ngram.py``, a draft model in ``draft.py``) for drafts of the running
    sequences about to decode, each limited by its adaptive budget (``adaptive.py``: its
-   acceptance rate against a draft token's measured cost, ``cost.py``), ``max_tokens`` and
-   the context.
+   acceptance rates, per kind of draft, against each draft length's measured cost,
+   ``cost.py``), ``max_tokens`` and the context.
 2. The scheduler gives a sequence with k drafts a row of 1 + k query tokens - its last sampled
    token, then the drafts - cutting the draft to the step's token budget, or dropping it rather
    than preempting anyone for its blocks. Decode rows, verification rows and prefill chunks

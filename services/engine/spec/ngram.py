@@ -44,14 +44,22 @@ class TokenArray:
 
 def find_draft(tokens: np.ndarray, min_n: int, max_n: int, max_tokens: int) -> np.ndarray:
     """The tokens that followed the best earlier match of the last n tokens (empty if none)."""
+    return find_match(tokens, min_n, max_n, max_tokens)[0]
+
+
+def find_match(
+    tokens: np.ndarray, min_n: int, max_n: int, max_tokens: int
+) -> tuple[np.ndarray, int]:
+    """``find_draft``'s draft and the length of the match it follows (0: none)."""
     size = len(tokens)
+    none = tokens[:0], 0
     if size < min_n + 1:
-        return tokens[:0]
+        return none
     # candidate match ends: earlier positions holding the last token (the last one itself is
     # the suffix, not a match)
     ends = np.flatnonzero(tokens[:-1] == tokens[-1])
     if not len(ends):
-        return tokens[:0]
+        return none
     # how far back each candidate agrees with the suffix, up to max_n tokens
     lengths = np.ones(len(ends), dtype=np.int64)
     alive = np.ones(len(ends), dtype=bool)
@@ -65,16 +73,18 @@ def find_draft(tokens: np.ndarray, min_n: int, max_n: int, max_tokens: int) -> n
         lengths += alive
     good = lengths >= min_n
     if not good.any():
-        return tokens[:0]
+        return none
     ends, lengths = ends[good], lengths[good]
     follow = np.minimum(size - 1 - ends, max_tokens)  # tokens after the match, up to the limit
     # longest match, then the longest continuation, then the latest
     best = np.lexsort((ends, follow, lengths))[-1]
     start = ends[best] + 1
-    return tokens[start : start + follow[best]]
+    return tokens[start : start + follow[best]], int(lengths[best])
 
 
 class NgramProposer(Proposer):
+    looks_first = True  # a lookup is tens of microseconds
+
     def __init__(self, min_n: int, max_n: int) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
@@ -89,6 +99,6 @@ class NgramProposer(Proposer):
             array = self._arrays.get(seq)
             if array is None:
                 array = self._arrays[seq] = TokenArray()
-            draft = find_draft(array.sync(seq.token_ids), self.min_n, self.max_n, limit)
-            out.append(Proposal(draft.tolist()) if len(draft) else None)
+            draft, n = find_match(array.sync(seq.token_ids), self.min_n, self.max_n, limit)
+            out.append(Proposal(draft.tolist(), kind=n) if len(draft) else None)
         return out

@@ -11,7 +11,7 @@ rejection sampling needs (``rejection.py``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -28,6 +28,10 @@ class Proposal:
     # [len(token_ids), V] float32: the distribution each token was drawn from (a draft model's),
     # on the engine's device; None for a point mass (q = 1 on the drafted token: n-gram)
     probs: torch.Tensor | None = None
+    # how the draft was found, where that predicts its acceptance (n-gram: the length of the
+    # matched suffix; a 1-token match drafts far worse than a 4-token one): adaptive K keeps
+    # its acceptance rates per kind
+    kind: int = field(default=0, compare=False)
 
 
 class Proposer(ABC):
@@ -36,6 +40,10 @@ class Proposer(ABC):
     # what drafting one token took the last ``propose`` (a draft model's passes), None when
     # drafting costs no forward pass (n-gram): adaptive K adds it to a draft token's cost
     step_seconds: float | None = None
+    # looking for a draft costs next to nothing (n-gram): the speculator asks for K tokens
+    # first and then lets the draft's kind decide how many to verify, rather than sizing the
+    # request from the sequence's acceptance before knowing what was found
+    looks_first: bool = False
 
     @abstractmethod
     def propose(self, seqs: list[Sequence], max_tokens: list[int]) -> list[Proposal | None]:
