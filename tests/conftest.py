@@ -23,3 +23,19 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def llama_dir(checkpoints) -> Path:
     return checkpoints["llama-gqa"]
+
+
+@pytest.fixture(scope="session")
+def hf(llama_dir):
+    """transformers on the tiny llama checkpoint: the oracle for log-probs and greedy output."""
+    from tests.hf_reference import HFReference
+
+    return HFReference(llama_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_tok(llama_dir):
+    """The checkpoint's own tokenizer and chat template, as transformers reads them."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(llama_dir))

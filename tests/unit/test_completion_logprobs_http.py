@@ -18,28 +18,16 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import PreTrainedTokenizerFast
 
 import tests.unit.test_response_models as memory_stack
 from pdserve.shared.bus_memory import MemoryClient, RawMessage
 from pdserve.shared.protocol import DecodeRequest, ProtocolError, TokenBatch, decode
-from tests.hf_reference import HFReference
 from tests.unit.test_response_models import Stack
 
 TOL = 1e-4
 # the real stack's fixtures, module-scoped engine included
 engine_config, engine, stack = memory_stack.engine_config, memory_stack.engine, memory_stack.stack
 PROMPT = [random.Random(26).randrange(5, 380) for _ in range(12)]
-
-
-@pytest.fixture(scope="module")
-def hf(llama_dir) -> HFReference:
-    return HFReference(llama_dir)
-
-
-@pytest.fixture(scope="module")
-def hf_tok(llama_dir) -> PreTrainedTokenizerFast:
-    return PreTrainedTokenizerFast.from_pretrained(str(llama_dir))
 
 
 class Tap:

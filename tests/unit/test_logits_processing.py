@@ -8,7 +8,6 @@ import math
 import random
 from collections import Counter
 
-import pytest
 import torch
 
 from pdserve.services.engine.logits_processing import apply_token_bitmask
@@ -16,7 +15,6 @@ from pdserve.services.engine.sampler import process_logits
 from pdserve.services.engine.sequence import Sequence
 from pdserve.shared.sampling import SamplingParams
 from tests.engine_support import make_engine, random_prompts
-from tests.hf_reference import HFReference
 
 EOS = (1,)  # the tiny checkpoints' eos_token_id
 
@@ -37,11 +35,6 @@ def reference(logits: torch.Tensor, prompt: list[int], output: list[int], sp: Sa
         for t in set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(EOS)):
             out[t] = -math.inf
     return out
-
-
-@pytest.fixture(scope="module")
-def hf(llama_dir) -> HFReference:
-    return HFReference(llama_dir)
 
 
 CASES = [

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
 
 import pdserve.services.engine.logprobs as logprobs_module
@@ -16,11 +15,6 @@ from pdserve.shared.logprobs import MIN_LOGPROB, TokenLogprobs
 from pdserve.shared.sampling import SamplingParams
 from tests.engine_support import make_engine, random_prompts, step_outputs
 from tests.hf_reference import HFReference, assert_logprobs_match
-
-
-@pytest.fixture(scope="module")
-def hf(llama_dir) -> HFReference:
-    return HFReference(llama_dir)
 
 
 def fp32_engine(llama_dir, **overrides) -> LLMEngine:

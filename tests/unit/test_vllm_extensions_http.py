@@ -34,16 +34,6 @@ PROMPTS = [[17, 250, 9, 331, 42, 120, 77, 300, 5], [3, 99, 140, 260]]
 CONTINUED = [{"role": "user", "content": "The quick"}, {"role": "assistant", "content": "brown"}]
 
 
-@pytest.fixture(scope="module")
-def hf(llama_dir) -> HFReference:
-    return HFReference(llama_dir)
-
-
-@pytest.fixture(scope="module")
-def hf_tok(llama_dir) -> PreTrainedTokenizerFast:
-    return PreTrainedTokenizerFast.from_pretrained(str(llama_dir))
-
-
 def template_ids(hf_tok: PreTrainedTokenizerFast, messages: list[dict], **kwargs: Any) -> list[int]:
     ids = hf_tok.apply_chat_template(messages, tokenize=True, **kwargs)
     return list(ids if isinstance(ids, list) else ids["input_ids"])  # a BatchEncoding in v5
