@@ -198,3 +198,26 @@ def test_import_stays_light():
 
 def test_grammar_text_needs_no_tokenizer():
     assert grammar_text(GuidedDecoding("choice", r'["a", "b\\"]')) == r'start: "a" | "b\\"'
+
+
+# vLLM's structured_outputs.grammar: llguidance reads GBNF and Lark alike
+@pytest.mark.parametrize(
+    "spec",
+    [
+        'root ::= "the " animal\nanimal ::= "fox" | "dog" "s"?',  # GBNF (llama.cpp, xgrammar)
+        'start: "the " animal\nanimal: "fox" | "dog" "s"?',  # Lark
+    ],
+    ids=["gbnf", "lark"],
+)
+def test_grammar_kind_follows_the_grammar(compiler, tokenizer, spec):
+    guided = GuidedDecoding("grammar", spec)
+    for text in ("the fox", "the dog", "the dogs"):
+        assert run(compiler, guided, text, tokenizer), text
+    for text in ("the cat", "the foxs", "the", "fox"):
+        assert not run(compiler, guided, text, tokenizer), text
+
+
+@pytest.mark.parametrize("spec", ['root ::= "a', "start: undefined_rule", "   "])
+def test_bad_grammars_raise_value_error(compiler, spec):
+    with pytest.raises(ValueError):
+        compiler.compile(GuidedDecoding("grammar", spec))

@@ -1,7 +1,8 @@
 """The parts behind vLLM's request extensions, each against its oracle: the chat template's
 ``continue_final_message`` and ``chat_template_kwargs`` against transformers'
-apply_chat_template, the ``grammar`` kind of structured output against a real tokenizer's
-masks, prompt truncation, and the ``prompt_logprobs`` shape built from the engine's lists."""
+apply_chat_template, prompt truncation, and the ``prompt_logprobs`` shape built from the
+engine's lists. The ``grammar`` kind of structured output is tested with the other kinds, in
+test_structured_output.py."""
 
 from __future__ import annotations
 
@@ -14,12 +15,8 @@ from pdserve.gateway.errors import APIError
 from pdserve.gateway.prompt_truncation import prompt_room, truncate_prompt
 from pdserve.gateway.vllm_output import prompt_logprobs_json, trim_alternatives
 from pdserve.shared.logprobs import TokenLogprobs
-from pdserve.shared.sampling import GuidedDecoding
-from pdserve.shared.structured_output import GrammarCompiler
-from tests.checkpoints import train_tokenizer
 from tests.unit.gateway_fixtures import LLAMA_LIKE_TEMPLATE, train_byte_level, write_model_dir
 from tests.unit.test_chat_template import RICH_TEMPLATE
-from tests.unit.test_structured_output import EOS, run
 
 # Reads a variable only a client's chat_template_kwargs sets, as Qwen3's template does.
 THINKING_TEMPLATE = (
@@ -88,41 +85,6 @@ def test_a_message_the_template_drops_cannot_be_continued():
     hides = ChatTemplate("{% for m in messages %}{{ m['content'][:3] }}{% endfor %}", None, None)
     with pytest.raises(TemplateInputError, match="cannot be continued"):
         hides.render(CONTINUED, add_generation_prompt=False, continue_final_message=True)
-
-
-# ----------------------------------------------------------------------------- grammar
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return train_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer.to_str(), eos_token_ids=(EOS,))
-
-
-@pytest.mark.parametrize(
-    "spec",
-    [
-        'root ::= "the " animal\nanimal ::= "fox" | "dog" "s"?',  # GBNF (llama.cpp, xgrammar)
-        'start: "the " animal\nanimal: "fox" | "dog" "s"?',  # Lark
-    ],
-    ids=["gbnf", "lark"],
-)
-def test_grammar_kind_follows_the_grammar(compiler, tokenizer, spec):
-    guided = GuidedDecoding("grammar", spec)
-    for text in ("the fox", "the dog", "the dogs"):
-        assert run(compiler, guided, text, tokenizer), text
-    for text in ("the cat", "the foxs", "the", "fox"):
-        assert not run(compiler, guided, text, tokenizer), text
-
-
-@pytest.mark.parametrize("spec", ['root ::= "a', "start: undefined_rule", "   "])
-def test_bad_grammars_raise_value_error(compiler, spec):
-    with pytest.raises(ValueError):
-        compiler.compile(GuidedDecoding("grammar", spec))
 
 
 # ----------------------------------------------------------------------------- truncation
