@@ -46,9 +46,9 @@ from pdserve.gateway.inflight_types import (
 )
 from pdserve.gateway.legs import Leg, new_bus_id, replan
 from pdserve.gateway.stream_check import SKIP, StreamChecks
-from pdserve.shared import tracing as tr
-from pdserve.shared.kv_layout import layout_id
-from pdserve.shared.protocol import DecodeRequest, PrefillResult, TokenItem
+from pdserve.shared.bus.protocol import DecodeRequest, PrefillResult, TokenItem
+from pdserve.shared.kv.layout import layout_id
+from pdserve.shared.telemetry import tracing as tr
 
 if TYPE_CHECKING:
     from pdserve.gateway.inflight import InFlight

@@ -52,9 +52,9 @@ from pdserve.gateway.inflight import (
 from pdserve.gateway.inflight_types import WorkerRejoined
 from pdserve.gateway.legs import BUS_ID_SUFFIX, new_bus_id, with_fixed_seed
 from pdserve.gateway.router import Router
-from pdserve.shared import protocol
-from pdserve.shared.bus import Bus
-from pdserve.shared.protocol import (
+from pdserve.shared.bus import protocol
+from pdserve.shared.bus.connection import Bus
+from pdserve.shared.bus.protocol import (
     Cancel,
     DecodeRequest,
     PrefillRequest,
@@ -65,9 +65,9 @@ from pdserve.shared.protocol import (
     TokenItem,
     WorkerLoad,
 )
+from pdserve.shared.discovery.worker_registry import JOINED, LEFT, REJOINED, WorkerRegistry
 from pdserve.shared.sampling import SamplingParams
-from pdserve.shared.tracing import ATTR_REQUEST_ID, SPAN_ROUTE, inject_headers, tracer
-from pdserve.shared.worker_registry import JOINED, LEFT, REJOINED, WorkerRegistry
+from pdserve.shared.telemetry.tracing import ATTR_REQUEST_ID, SPAN_ROUTE, inject_headers, tracer
 
 __all__ = [
     "BUS_ID_SUFFIX",

@@ -34,9 +34,9 @@ from pdserve.gateway.inflight import (
 from pdserve.gateway.logprob_format import TokenTexts, chat_logprobs, completion_logprobs
 from pdserve.gateway.state import ARRIVED_KEY, REQUEST_ID_KEY, Gateway
 from pdserve.gateway.vllm_output import trim_alternatives
-from pdserve.shared import tracing as tr
 from pdserve.shared.logprobs import TokenLogprobs
 from pdserve.shared.sampling import SamplingParams
+from pdserve.shared.telemetry import tracing as tr
 
 log = logging.getLogger("pdserve.gateway")
 

@@ -59,7 +59,7 @@ from pdserve.gateway.inflight_types import (
     on_wire,
 )
 from pdserve.gateway.legs import Leg
-from pdserve.shared.protocol import KVHandle, PrefillRequest, PrefillResult
+from pdserve.shared.bus.protocol import KVHandle, PrefillRequest, PrefillResult
 from pdserve.shared.sampling import SamplingParams
 
 if TYPE_CHECKING:

@@ -9,8 +9,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.shared.bus.protocol import PrefillResult, TokenItem
 from pdserve.shared.logprobs import TokenLogprobs
-from pdserve.shared.protocol import PrefillResult, TokenItem
 
 PREFILL_ATTEMPTS = 3  # prefill is idempotent: a dead or overloaded worker's request goes elsewhere
 DECODE_ATTEMPTS = 3  # a decode worker that refuses a request before its first token

@@ -28,9 +28,9 @@ import math
 import secrets
 from dataclasses import dataclass, field
 
-from pdserve.shared.protocol import KVHandle
+from pdserve.shared.bus.protocol import KVHandle
+from pdserve.shared.bus.subjects import MAX_ID_CHARS
 from pdserve.shared.sampling import MAX_SEED, SamplingParams, choice_seed
-from pdserve.shared.subjects import MAX_ID_CHARS
 
 BUS_ID_SUFFIX = 16  # hex digits of randomness in a request's bus id
 

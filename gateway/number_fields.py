@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field
 
-from pdserve.shared.protocol import MAX_TOKEN_ID
+from pdserve.shared.bus.protocol import MAX_TOKEN_ID
 from pdserve.shared.sampling import BOUNDS
 
 

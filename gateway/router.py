@@ -39,8 +39,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from pdserve.shared.block_hash import prefix_block_hashes
-from pdserve.shared.protocol import WorkerLoad
+from pdserve.shared.bus.protocol import WorkerLoad
+from pdserve.shared.kv.block_hash import prefix_block_hashes
 
 MAX_REMEMBER_SECONDS = 2.0  # a few heartbeat intervals
 # Cost of one prompt block a worker must compute, relative to one block of work queued there.

@@ -18,7 +18,7 @@ from pydantic_core import PydanticCustomError
 from pdserve.gateway.number_fields import TokenId, bounded_integer, bounded_number
 from pdserve.gateway.schema_base import StrictModel, reported_whole, shaped
 from pdserve.gateway.schema_errors import INVALID_VALUE
-from pdserve.shared.protocol import MAX_TOKEN_ID
+from pdserve.shared.bus.protocol import MAX_TOKEN_ID
 from pdserve.shared.sampling import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_STOP_TOKEN_IDS
 
 MAX_STOP_STRINGS = 16

@@ -46,11 +46,11 @@ from pdserve.gateway.prompt_truncation import truncate_prompt
 from pdserve.gateway.state import ARRIVED_KEY, GATEWAY_KEY, REQUEST_ID_KEY, Gateway, new_gateway_id
 from pdserve.gateway.tokenizer import ModelTokenizer
 from pdserve.shared import structured_output
-from pdserve.shared import tracing as tr
-from pdserve.shared.bus import Bus
+from pdserve.shared.bus.connection import Bus
+from pdserve.shared.bus.subjects import is_subject_token
 from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig, build
-from pdserve.shared.metrics import metrics_handler
-from pdserve.shared.subjects import is_subject_token
+from pdserve.shared.telemetry import tracing as tr
+from pdserve.shared.telemetry.metrics import metrics_handler
 
 log = logging.getLogger("pdserve.gateway")
 _tracer = tr.tracer(__name__)
@@ -260,7 +260,7 @@ def create_app(
     engine: EngineConfig | None = None,
     bus: BusConfig | None = None,
     gateway_id: str | None = None,
-    message_bus: Bus | None = None,  # tests: an in-memory bus (shared/bus_memory.py)
+    message_bus: Bus | None = None,  # tests: an in-memory bus (tests/bus_memory.py)
 ) -> web.Application:
     gw = Gateway(config, engine or EngineConfig(), bus or BusConfig(), gateway_id, message_bus)
     app = web.Application(

@@ -24,11 +24,11 @@ from pdserve.gateway.dispatch import Dispatcher
 from pdserve.gateway.errors import APIError, overloaded
 from pdserve.gateway.router import Router
 from pdserve.gateway.tokenizer import ModelTokenizer
-from pdserve.shared.bus import Bus
+from pdserve.shared.bus.connection import Bus
 from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig
-from pdserve.shared.metrics import GatewayMetrics, WorkerLoadCollector
+from pdserve.shared.discovery.worker_registry import WorkerRegistry
 from pdserve.shared.sampling import SamplingParams
-from pdserve.shared.worker_registry import WorkerRegistry
+from pdserve.shared.telemetry.metrics import GatewayMetrics, WorkerLoadCollector
 
 log = logging.getLogger("pdserve.gateway")
 

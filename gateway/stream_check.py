@@ -6,7 +6,7 @@ while its own connection was down (or before its subscriptions were back), and w
 wrote into its dead connection before it noticed. Every ``TokenItem`` carries the position of
 its first token in its choice's output, so each item is held against what the client already
 has (``offset``): the next one is delivered, one the client has is dropped (a worker sends its
-recent token batches again after a reconnect: ``shared/bus_replay.py``), and one further on
+recent token batches again after a reconnect: ``shared/bus/replay.py``), and one further on
 shows a gap.
 
 A gap is not a migration yet: the leg is *checked*. Its worker is asked (``StreamCheck``); it
@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING
 
 from pdserve.gateway.inflight_types import CheckDue
 from pdserve.gateway.legs import Leg
-from pdserve.shared.protocol import TokenItem
-from pdserve.shared.worker_registry import CONFIRM_TIMEOUT_FACTOR
+from pdserve.shared.bus.protocol import TokenItem
+from pdserve.shared.discovery.worker_registry import CONFIRM_TIMEOUT_FACTOR
 
 if TYPE_CHECKING:
     from pdserve.gateway.inflight import InFlight

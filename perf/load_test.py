@@ -145,7 +145,7 @@ def service_pids(launcher_pid: int) -> dict[str, int]:
         except (OSError, ValueError, IndexError):
             continue  # exited meanwhile
         for role in ("gateway", "prefill", "decode"):
-            if "pdserve.shared.cli" in argv and role in argv:
+            if "pdserve.cli" in argv and role in argv:
                 found[role] = int(entry)
         if any(a.endswith("nats-server") for a in argv):
             found["nats"] = int(entry)
@@ -166,7 +166,7 @@ class Stack:
         self.port = port
         self.log_path = log_path
         argv = [
-            sys.executable, "-m", "pdserve.shared.cli", "up", "--model", "demo",
+            sys.executable, "-m", "pdserve.cli", "up", "--model", "demo",
             "--prefill-workers", "1", "--decode-workers", "1",
             "--port", str(port), "--max-queue", str(max_queue),
             "--request-timeout", str(request_timeout), *(extra or []),

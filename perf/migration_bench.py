@@ -43,7 +43,7 @@ from pdserve.services.processes import Child, NatsServer, free_port, spawn
 from pdserve.shared.bench.arrivals import arrival_offsets, paced
 from pdserve.shared.bench.client import discover_model
 from pdserve.shared.bench.datasets import BenchRequest
-from pdserve.shared.protocol import DecodeRequest, decode
+from pdserve.shared.bus.protocol import DecodeRequest, decode
 from perf.bench.topology import registered_workers
 
 QUIET = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",

@@ -61,7 +61,7 @@ def start_stack(policy: str, port: int, log: Path) -> subprocess.Popen:
         "MKL_NUM_THREADS": "1",
         "PDSERVE_PREFILL_ROUTING": policy,
     }
-    argv = [sys.executable, "-m", "pdserve.shared.cli", "up", "--model", "demo",
+    argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", "demo",
             "--prefill-workers", "2", "--decode-workers", "1", "--port", str(port)]  # fmt: skip
     return subprocess.Popen(
         argv, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True

@@ -76,7 +76,7 @@ def start_stack(
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     env.update(STACK_OPTIONS, UCX_WARN_UNUSED_ENV_VARS="n", TOKENIZERS_PARALLELISM="false")
-    argv = [sys.executable, "-m", "pdserve.shared.cli", "up", "--model", str(model_dir)]
+    argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(model_dir)]
     argv += ["--prefill-workers", str(prefill_workers), "--decode-workers", "1"]
     argv += ["--port", str(port), *extra]
     with open(log, "wb") as out:

@@ -1,6 +1,6 @@
 """``pdserve up``: NATS, prefill workers, decode workers and the gateway on one machine.
 
-Each service runs as its own process (``python -m pdserve.shared.cli <cmd>``) in its own process group,
+Each service runs as its own process (``python -m pdserve.cli <cmd>``) in its own process group,
 exactly as compose runs them, so local runs exercise the real wiring. Options reach the children
 as ``PDSERVE_*`` environment variables (secrets stay out of ``ps``). Children get SIGTERM from the
 kernel if the launcher itself dies (PR_SET_PDEATHSIG), and on Ctrl-C/SIGTERM the launcher stops
@@ -115,7 +115,7 @@ def service_env(values: dict[str, object], base: dict[str, str] | None = None) -
 
 
 def service_argv(command: str) -> list[str]:
-    return [sys.executable, "-m", "pdserve.shared.cli", command]
+    return [sys.executable, "-m", "pdserve.cli", command]
 
 
 def _values(*configs: object) -> dict[str, object]:

@@ -1,4 +1,4 @@
-"""The workers' side of ``pdserve doctor``'s stack check (messages: ``shared/kv_probe.py``).
+"""The workers' side of ``pdserve doctor``'s stack check (messages: ``shared/kv/probe.py``).
 
 A probe moves one KV block through the real transfer path without touching serving: it asks the
 engine for a block from the free list (``engine.hold_block``), never one a sequence holds, and
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.services.engine.commands import BlockHoldRefused
-from pdserve.shared import ucx_check
-from pdserve.shared.kv_probe import (
+from pdserve.shared.kv import ucx_check
+from pdserve.shared.kv.probe import (
     MAX_PROBE_LEASES,
     MAX_PROBE_TTL,
     PROBE_PREFIX,
@@ -32,7 +32,7 @@ from pdserve.shared.kv_probe import (
     ProbePullReply,
     ProbePullRequest,
 )
-from pdserve.shared.kv_transfer import KVTransferError
+from pdserve.shared.kv.transfer import KVTransferError
 
 if TYPE_CHECKING:
     from pdserve.services.decode.worker import DecodeWorker

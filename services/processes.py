@@ -223,7 +223,7 @@ class NatsCluster:
     which nodes re-dial forever, so a node that comes back rejoins by itself).
 
     ``client_url(i)`` lists node ``i`` first and the others after it: the bus keeps that order
-    (``pdserve.shared.bus``), so a process stays on its own node and fails over to the rest."""
+    (``pdserve.shared.bus.connection``), so a process stays on its own node and fails over to the rest."""
 
     nodes: list[NatsServer]
 

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.services.engine.outputs import StepResult
-from pdserve.shared import tracing
+from pdserve.shared.telemetry import tracing
 
 
 @dataclass

@@ -28,13 +28,18 @@ from pdserve.services.engine.engine_thread import EngineThread
 from pdserve.services.engine.outputs import StepResult
 from pdserve.services.request_state import RequestState, record_queue
 from pdserve.services.worker_process import default_worker_id, set_torch_threads
-from pdserve.shared import tracing, ucx_config
-from pdserve.shared.announce import HeartbeatPublisher, KVEventPublisher, register_micro_service
-from pdserve.shared.bus import Bus
+from pdserve.shared.bus.connection import Bus
+from pdserve.shared.bus.protocol import Cancel, WorkerGone, WorkerLoad
 from pdserve.shared.config import BusConfig, EngineConfig, WorkerConfig, build
-from pdserve.shared.kv_layout import layout_id
-from pdserve.shared.metrics import WorkerMetrics, start_metrics_server
-from pdserve.shared.protocol import Cancel, WorkerGone, WorkerLoad
+from pdserve.shared.discovery.announce import (
+    HeartbeatPublisher,
+    KVEventPublisher,
+    register_micro_service,
+)
+from pdserve.shared.kv import ucx_config
+from pdserve.shared.kv.layout import layout_id
+from pdserve.shared.telemetry import tracing
+from pdserve.shared.telemetry.metrics import WorkerMetrics, start_metrics_server
 
 log = logging.getLogger("pdserve.worker")
 

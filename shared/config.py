@@ -143,7 +143,7 @@ def speculative_problem(cfg: EngineConfig) -> str | None:
 class WorkerConfig:
     worker_id: str | None = opt(None, "unique worker name (default: role-host-pid)")
     # Both KV-transfer ends listen (the prefill side for requests, the decode side for the data),
-    # through UCX's TCP transport on this address's interface only; see shared/ucx_config.py.
+    # through UCX's TCP transport on this address's interface only; see shared/kv/ucx_config.py.
     ucx_host: str = opt(
         "127.0.0.1",
         "this worker's address: KV transfer (UCX TCP) and /metrics listen only there; "

@@ -115,7 +115,7 @@ def pdserve_up(
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     env.update(TOKENIZERS_PARALLELISM="false", UCX_WARN_UNUSED_ENV_VARS="n", PYTHONUNBUFFERED="1")
-    argv = [sys.executable, "-m", "pdserve.shared.cli", "up", "--model", model]
+    argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", model]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", *extra_args]
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:

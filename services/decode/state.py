@@ -4,7 +4,7 @@ when a gateway asks, and its ``decode.generate`` span.
 Positions: every ``TokenItem`` says where its first token sits in its choice's output (the
 request's ``output_token_ids`` included; a forked choice starts empty), so a gateway sees lost
 items as a gap and drops those it has already. That makes token batches replayable
-(``shared/bus_replay.py``): held while the bus is down, sent again after a reconnect, and to a
+(``shared/bus/replay.py``): held while the bus is down, sent again after a reconnect, and to a
 gateway that asks. A ``StreamCheck`` is that question: the worker replays what it sent that
 gateway lately, then answers in the stream itself, behind every item sent before: an empty item
 per choice at the position of its next token, or the error "unknown" for a request that is over
@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.services.request_state import RequestState
-from pdserve.shared import tracing
-from pdserve.shared.protocol import KVHandle, StreamCheck, TokenItem
+from pdserve.shared.bus.protocol import KVHandle, StreamCheck, TokenItem
+from pdserve.shared.telemetry import tracing
 
 # decode.generate's speculative-decoding attributes (when the request's tokens were drafted)
 ATTR_SPEC_DRAFT_TOKENS = "pdserve.spec.draft_tokens"  # draft tokens verified for the request

@@ -63,11 +63,8 @@ from pdserve.services.probe import pull_probe
 from pdserve.services.request_state import RequestState, record_prefill_forward
 from pdserve.services.worker_base import Worker
 from pdserve.services.worker_process import exit_now
-from pdserve.shared import tracing, ucx_check
-from pdserve.shared.bus import Bus
-from pdserve.shared.kv_probe import ProbePullRequest, answer_probes
-from pdserve.shared.kv_transfer import KVClient, KVTransferError
-from pdserve.shared.protocol import (
+from pdserve.shared.bus.connection import Bus
+from pdserve.shared.bus.protocol import (
     DecodeRequest,
     KVHandle,
     ReleaseLease,
@@ -77,6 +74,10 @@ from pdserve.shared.protocol import (
     WorkerGone,
     WorkerLoad,
 )
+from pdserve.shared.kv import ucx_check
+from pdserve.shared.kv.probe import ProbePullRequest, answer_probes
+from pdserve.shared.kv.transfer import KVClient, KVTransferError
+from pdserve.shared.telemetry import tracing
 
 log = logging.getLogger("pdserve.decode")
 

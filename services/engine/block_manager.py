@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from pdserve.services.engine.sequence import Sequence
-from pdserve.shared.block_hash import ROOT_HASH, hash_block, prefix_block_hashes
+from pdserve.shared.kv.block_hash import ROOT_HASH, hash_block, prefix_block_hashes
 
 
 class BlockManager:

@@ -22,11 +22,12 @@ from pdserve.services.probe import lease_probe
 from pdserve.services.request_state import RequestState, record_prefill_forward
 from pdserve.services.worker_base import Worker
 from pdserve.services.worker_process import exit_now
-from pdserve.shared import tracing, ucx_check
-from pdserve.shared.bus import Bus
-from pdserve.shared.kv_probe import ProbeLeaseRequest, answer_probes
-from pdserve.shared.kv_transfer import KVServer, Lease, LeaseTable
-from pdserve.shared.protocol import KVHandle, PrefillRequest, PrefillResult, ReleaseLease
+from pdserve.shared.bus.connection import Bus
+from pdserve.shared.bus.protocol import KVHandle, PrefillRequest, PrefillResult, ReleaseLease
+from pdserve.shared.kv import ucx_check
+from pdserve.shared.kv.probe import ProbeLeaseRequest, answer_probes
+from pdserve.shared.kv.transfer import KVServer, Lease, LeaseTable
+from pdserve.shared.telemetry import tracing
 
 log = logging.getLogger("pdserve.prefill")
 

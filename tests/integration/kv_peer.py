@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from pdserve.shared.kv_transfer import KVServer, LeaseTable
+from pdserve.shared.kv.transfer import KVServer, LeaseTable
 
 LAYERS, BLOCK, HEADS, DIM = 2, 4, 2, 8
 NUM_BLOCKS = 32

@@ -17,7 +17,7 @@ import aiohttp
 import nats
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.shared.protocol import DecodeRequest, TokenBatch, TokenItem, decode
+from pdserve.shared.bus.protocol import DecodeRequest, TokenBatch, TokenItem, decode
 from tests.integration.stack import Child, free_port, log_text, start_service
 
 WORKER_OPTIONS = {

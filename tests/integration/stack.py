@@ -15,7 +15,7 @@ API:
 - ``start_nats(workdir, **kw) -> NatsServer``: nats-server on a free loopback port; ``.url``,
   ``.stop()``, ``.restart(down_seconds)`` (same port), ``.child.pid``.
 - ``start_service(command, nats_url, log_dir, env=None, options=None) -> Child``: runs
-  ``python -m pdserve.shared.cli <command>`` in its own process group. ``options`` maps option names
+  ``python -m pdserve.cli <command>`` in its own process group. ``options`` maps option names
   (``{"num_kv_blocks": 64}``) to values; they travel as ``PDSERVE_*`` env like ``pdserve up``
   does; ``model`` defaults to ``"demo"``. ``Child``: ``.pid``, ``.alive()``, ``.signal(sig)``, ``.wait(t)``, ``.stop(t)`` (SIGTERM
   then SIGKILL of the group), ``.log_text()`` for failure messages.
@@ -198,7 +198,7 @@ def pdserve_up(
     full_env.pop("OMP_NUM_THREADS", None)  # pdserve up sizes its workers' threads itself
     full_env.pop("MKL_NUM_THREADS", None)
     full_env.update(env or {})
-    argv = [sys.executable, "-m", "pdserve.shared.cli", "up", *args]
+    argv = [sys.executable, "-m", "pdserve.cli", "up", *args]
     repo = Path(__file__).resolve().parents[2]
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, cwd=repo, env=full_env, stdout=out, stderr=subprocess.STDOUT)

@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 from aiohttp import web
 
+from pdserve.cli import main as cli_main
 from pdserve.shared.bench.client import ClientConfig, LoadConfig, RequestRecord, run_benchmark
 from pdserve.shared.bench.datasets import BenchRequest
-from pdserve.shared.cli import main as cli_main
 
 TTFT_S = 0.040
 ITL_S = 0.008
@@ -448,7 +448,7 @@ def test_engine_step_scrape_and_overhead_report() -> None:
 
     from pdserve.shared.bench.metrics import compute_metrics
     from pdserve.shared.bench.report import RunResult
-    from pdserve.shared.metrics import WorkerMetrics
+    from pdserve.shared.telemetry.metrics import WorkerMetrics
     from perf import scenarios
     from perf.bench import topology
     from perf.bench.compare import scenario_report

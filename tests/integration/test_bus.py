@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.shared.bus import Bus
+from pdserve.shared.bus.connection import Bus
+from pdserve.shared.bus.protocol import Cancel, ReleaseLease, WorkerLoad, encode
 from pdserve.shared.config import BusConfig
-from pdserve.shared.protocol import Cancel, ReleaseLease, WorkerLoad, encode
-from pdserve.shared.worker_registry import WorkerRegistry
+from pdserve.shared.discovery.worker_registry import WorkerRegistry
 from tests.integration.stack import NatsServer, free_port, start_nats
 
 
@@ -228,8 +228,8 @@ async def watched_registry(
 
 
 async def test_heartbeats_registry_and_ageing_out(nats) -> None:
-    from pdserve.shared.announce import HeartbeatPublisher
-    from pdserve.shared.worker_registry import JOINED, LEFT
+    from pdserve.shared.discovery.announce import HeartbeatPublisher
+    from pdserve.shared.discovery.worker_registry import JOINED, LEFT
 
     async with watched_registry(nats.url, timeout=0.6) as (worker_bus, registry, events):
         state = {"draining": False}
@@ -275,8 +275,8 @@ async def test_heartbeats_registry_and_ageing_out(nats) -> None:
 async def test_silent_worker_that_answers_pings_is_not_reported_gone(nats) -> None:
     """A live worker whose heartbeats are late (a starved event loop) stops being routable
     while silent, but keeps its requests: the registry pings before it reports a departure."""
-    from pdserve.shared.announce import HeartbeatPublisher
-    from pdserve.shared.worker_registry import LEFT
+    from pdserve.shared.discovery.announce import HeartbeatPublisher
+    from pdserve.shared.discovery.worker_registry import LEFT
 
     async with watched_registry(nats.url, timeout=0.3) as (worker_bus, registry, events):
         # one beat, then silence far beyond the timeout; the ping subscription stays
@@ -295,7 +295,7 @@ async def test_silent_worker_that_answers_pings_is_not_reported_gone(nats) -> No
 async def test_micro_service_registration(nats) -> None:
     import json
 
-    from pdserve.shared.announce import register_micro_service
+    from pdserve.shared.discovery.announce import register_micro_service
 
     bus = bus_for(nats.url)
     await bus.connect()

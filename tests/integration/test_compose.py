@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from pdserve.shared.cli import COMMANDS, make_parser
+from pdserve.cli import COMMANDS, make_parser
 from pdserve.shared.config import all_option_names, build, env_name
 
 REPO = Path(__file__).resolve().parents[2]
@@ -633,7 +633,7 @@ def cpu_profile_stack(tmp_path_factory) -> Iterator[LocalStack]:
 
                 ensure_demo_model()
             full_env = {**base, **env}
-            argv = [sys.executable, "-m", "pdserve.shared.cli", *command[1:]]
+            argv = [sys.executable, "-m", "pdserve.cli", *command[1:]]
             child = spawn(name, argv, full_env, logs / f"{name}.log")
             children.append(child)
             started.append((name, child, full_env, service))
@@ -669,7 +669,7 @@ def cpu_profile_stack(tmp_path_factory) -> Iterator[LocalStack]:
     run=False,
 )
 def test_cpu_profile_serves_a_request_end_to_end(cpu_profile_stack: LocalStack) -> None:
-    from pdserve.shared.tracing import (
+    from pdserve.shared.telemetry.tracing import (
         ATTR_KV_TRANSPORT,
         ATTR_REQUEST_ID,
         SERVICE_DECODE,

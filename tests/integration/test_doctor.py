@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.shared.bus import Bus
+from pdserve.shared.bus.connection import Bus
+from pdserve.shared.bus.protocol import WorkerLoad
 from pdserve.shared.config import BusConfig
-from pdserve.shared.protocol import WorkerLoad
-from pdserve.shared.ucx_config import interface_addresses
+from pdserve.shared.kv.ucx_config import interface_addresses
 from tests.integration.stack import QUIET_ENV, free_port, start_nats, start_service, stop_all
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,7 +25,7 @@ QUICK = ["--sizes-mib", "1", "--reps", "2"]
 def doctor(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     return subprocess.run(
-        [sys.executable, "-m", "pdserve.shared.cli", "doctor", *args],
+        [sys.executable, "-m", "pdserve.cli", "doctor", *args],
         cwd=ROOT,
         env={**env, **QUIET_ENV},
         capture_output=True,

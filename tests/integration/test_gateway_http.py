@@ -31,10 +31,8 @@ from pdserve.gateway.router import Router
 from pdserve.gateway.server import create_app
 from pdserve.gateway.state import GATEWAY_KEY, Gateway
 from pdserve.gateway.tokenizer import ModelTokenizer
-from pdserve.shared.announce import HeartbeatPublisher
-from pdserve.shared.bus import Bus
-from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig
-from pdserve.shared.protocol import (
+from pdserve.shared.bus.connection import Bus
+from pdserve.shared.bus.protocol import (
     Cancel,
     DecodeRequest,
     KVHandle,
@@ -45,6 +43,8 @@ from pdserve.shared.protocol import (
     TokenItem,
     WorkerLoad,
 )
+from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig
+from pdserve.shared.discovery.announce import HeartbeatPublisher
 from tests.integration.stack import free_port, log_text, start_nats, start_service
 from tests.otlp_receiver import OtlpReceiver
 from tests.unit.gateway_fixtures import train_byte_level, write_model_dir

@@ -2,7 +2,7 @@
 at rest: after serving disaggregated requests, every process - launcher, NATS, gateway, both
 workers - stays under a generous CPU bound while idle. This is a resource test, not a speed
 test: the bound (10% of a core) is far above what an idle process uses (<1%) and far below the
-full core that a spinning UCX progress loop burnt before ``pdserve.shared.ucx_progress``."""
+full core that a spinning UCX progress loop burnt before ``pdserve.shared.kv.ucx_progress``."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def workers(proc: subprocess.Popen) -> dict[str, int]:
     for pid in descendants(proc.pid):
         cmd = command_of(pid)
         for role in ("prefill", "decode", "gateway"):
-            if "pdserve.shared.cli" in cmd and cmd.rstrip().endswith(role):
+            if "pdserve.cli" in cmd and cmd.rstrip().endswith(role):
                 out[role] = pid
     return out
 

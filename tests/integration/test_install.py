@@ -63,7 +63,7 @@ def test_the_wheel_holds_one_top_level_name(wheel: Path) -> None:
     assert top_level == ["pdserve"]
     assert {n.split("/")[0] for n in names} == {"pdserve", dist_info}
     assert "pdserve/__init__.py" not in names  # an implicit namespace, like its folders
-    assert "pdserve = pdserve.shared.cli:main" in entry_points
+    assert "pdserve = pdserve.cli:main" in entry_points
     # every module of the four folders made it in, and the data file the quantizer reads
     wanted = {
         "pdserve/" + p.relative_to(REPO).as_posix()
@@ -133,7 +133,7 @@ from transformers.integrations import hub_kernels  # imports Hugging Face's `ker
 import kernels
 assert hasattr(kernels, "CUDAProperties"), kernels.__file__
 assert Path(kernels.__file__).is_relative_to(Path(md.distribution("kernels").locate_file(""))), kernels.__file__
-import pdserve.kernels.ops, pdserve.shared.cli, pdserve.gateway.server, pdserve.services.launcher
+import pdserve.kernels.ops, pdserve.cli, pdserve.gateway.server, pdserve.services.launcher
 assert Path(pdserve.kernels.ops.__file__) == repo / "kernels" / "ops.py"
 print("ok", LlamaConfig.__name__, hub_kernels.__name__)
 """
@@ -153,7 +153,7 @@ def test_hugging_face_kernels_and_ours_import_side_by_side(where: str, tmp_path:
 
 def test_the_cli_runs_as_a_module_from_the_root() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "pdserve.shared.cli", "--help"],
+        [sys.executable, "-m", "pdserve.cli", "--help"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0 and "doctor" in proc.stdout, proc.stderr[-3000:]

@@ -16,7 +16,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from pdserve.shared.kv_transfer import (
+from pdserve.shared.bus.protocol import KVHandle
+from pdserve.shared.kv.transfer import (
     FingerprintMismatch,
     KVClient,
     KVServer,
@@ -25,8 +26,7 @@ from pdserve.shared.kv_transfer import (
     block_runs,
     format_address,
 )
-from pdserve.shared.protocol import KVHandle
-from pdserve.shared.ucx_config import interface_addresses
+from pdserve.shared.kv.ucx_config import interface_addresses
 from tests.integration.kv_peer import BLOCK, DIM, HEADS, LAYERS, NUM_BLOCKS, peer_cache
 from tests.integration.kv_peer import fingerprint as peer_fingerprint
 from tests.integration.stack import listening_sockets

@@ -236,7 +236,7 @@ def pids_of(up: Up, command: str) -> list[int]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"pdserve.shared.cli" in cmd and command.encode() in cmd:
+        if b"pdserve.cli" in cmd and command.encode() in cmd:
             out.append(pid)
     return out
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.shared.block_hash import prefix_block_hashes
-from pdserve.shared.protocol import (
+from pdserve.shared.bus.protocol import (
     Cancel,
     PrefillRequest,
     ReleaseLease,
 )
+from pdserve.shared.kv.block_hash import prefix_block_hashes
 from pdserve.shared.sampling import SamplingParams
 from tests.integration.stack import (
     Child,

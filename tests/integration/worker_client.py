@@ -9,9 +9,8 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import replace
 
-from pdserve.shared.bus import Bus
-from pdserve.shared.config import BusConfig
-from pdserve.shared.protocol import (
+from pdserve.shared.bus.connection import Bus
+from pdserve.shared.bus.protocol import (
     DecodeRequest,
     PrefillRequest,
     PrefillResult,
@@ -19,8 +18,9 @@ from pdserve.shared.protocol import (
     TokenItem,
     WorkerLoad,
 )
+from pdserve.shared.config import BusConfig
+from pdserve.shared.discovery.worker_registry import WorkerRegistry
 from pdserve.shared.sampling import SamplingParams
-from pdserve.shared.worker_registry import WorkerRegistry
 from tests.integration.stack import Child, log_text
 
 MAX_TOKENS = 8

@@ -11,9 +11,9 @@ from pathlib import Path
 import nats
 
 from pdserve.services.processes import NatsCluster
-from pdserve.shared.bus import Bus, connect_options, nats_servers
+from pdserve.shared.bus.connection import Bus, connect_options, nats_servers
+from pdserve.shared.bus.protocol import Cancel, decode
 from pdserve.shared.config import BusConfig
-from pdserve.shared.protocol import Cancel, decode
 
 
 def test_nats_url_lists_servers_in_order() -> None:

@@ -142,7 +142,7 @@ def doctor_on(stack, host_name: str, tmp_path: Path) -> tuple[subprocess.Complet
     argv = host.argv(
         sys.executable,
         "-m",
-        "pdserve.shared.cli",
+        "pdserve.cli",
         "doctor",
         "--nats-url",
         stack.nats_url_of(host_name),

@@ -18,9 +18,7 @@ from typing import Any
 
 from pdserve.gateway.dispatch import Dispatcher
 from pdserve.gateway.router import Router
-from pdserve.shared.bus_memory import MemoryBus, MemoryNetwork
-from pdserve.shared.config import BusConfig
-from pdserve.shared.protocol import (
+from pdserve.shared.bus.protocol import (
     Cancel,
     DecodeRequest,
     KVHandle,
@@ -34,7 +32,9 @@ from pdserve.shared.protocol import (
     WorkerLoad,
     encode,
 )
-from pdserve.shared.worker_registry import WorkerRegistry
+from pdserve.shared.config import BusConfig
+from pdserve.shared.discovery.worker_registry import WorkerRegistry
+from tests.bus_memory import MemoryBus, MemoryNetwork
 
 NAMESPACE = "t"
 MODEL = "fake-model"

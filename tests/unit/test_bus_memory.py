@@ -9,9 +9,16 @@ import pytest
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from pdserve.shared.bus_memory import MemoryBus, MemoryNetwork, subject_matches
+from pdserve.shared.bus.protocol import (
+    Cancel,
+    ProtocolError,
+    TokenBatch,
+    TokenItem,
+    WorkerLoad,
+    encode,
+)
 from pdserve.shared.config import BusConfig
-from pdserve.shared.protocol import Cancel, ProtocolError, TokenBatch, TokenItem, WorkerLoad, encode
+from tests.bus_memory import MemoryBus, MemoryNetwork, subject_matches
 
 
 async def buses(n: int, **config) -> list[MemoryBus]:

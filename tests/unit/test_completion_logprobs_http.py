@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import tests.unit.test_response_models as memory_stack
-from pdserve.shared.bus_memory import MemoryClient, RawMessage
-from pdserve.shared.protocol import DecodeRequest, ProtocolError, TokenBatch, decode
+from pdserve.shared.bus.protocol import DecodeRequest, ProtocolError, TokenBatch, decode
+from tests.bus_memory import MemoryClient, RawMessage
 from tests.unit.test_response_models import Stack
 
 TOL = 1e-4

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from pdserve.gateway.dispatch import NotSendable, NoWorker, StageTimeout, TokenEvent, WorkerFailure
-from pdserve.shared.bus_memory import MemoryNetwork
-from pdserve.shared.protocol import DecodeRequest, PrefillRequest
+from pdserve.shared.bus.protocol import DecodeRequest, PrefillRequest
 from pdserve.shared.sampling import SamplingParams
+from tests.bus_memory import MemoryNetwork
 from tests.unit.fake_workers import FakeWorker, GatewaySide, settle
 
 PROMPT = list(range(1, 41))  # 40 tokens: 3 blocks of 16
@@ -346,8 +346,8 @@ async def test_registry_pings_a_silent_worker_before_reporting_it_gone(net) -> N
 
 
 async def test_router_uses_the_registry_model_filter_and_kv_events(net) -> None:
-    from pdserve.shared.announce import KVEventPublisher
-    from pdserve.shared.block_hash import prefix_block_hashes
+    from pdserve.shared.discovery.announce import KVEventPublisher
+    from pdserve.shared.kv.block_hash import prefix_block_hashes
 
     gw = await GatewaySide(net).start()
     other = await FakeWorker(net, "decode", "other", model="another-model").start()

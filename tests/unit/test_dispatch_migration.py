@@ -16,10 +16,10 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.gateway.dispatch import StageTimeout, TokenEvent, WorkerFailure
 from pdserve.gateway.inflight import Choices
-from pdserve.shared.bus_memory import MemoryNetwork
-from pdserve.shared.metrics import GatewayMetrics
-from pdserve.shared.protocol import DecodeRequest, TokenBatch
+from pdserve.shared.bus.protocol import DecodeRequest, TokenBatch
 from pdserve.shared.sampling import SamplingParams, choice_seed
+from pdserve.shared.telemetry.metrics import GatewayMetrics
+from tests.bus_memory import MemoryNetwork
 from tests.unit.fake_workers import FakeWorker, GatewaySide, settle
 
 PROMPT = list(range(1, 41))

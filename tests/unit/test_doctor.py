@@ -8,18 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.shared import doctor_ucx, ucx_check
-from pdserve.shared.doctor_report import FAIL, INFO, OK, WARN, Report
-from pdserve.shared.doctor_ucx import PeerRun, parse_ucx_log, tag_send_tables
-from pdserve.shared.kv_probe import (
+from pdserve.shared.bus.protocol import KVHandle, ProtocolError, decode, encode
+from pdserve.shared.bus.subjects import Subjects
+from pdserve.shared.doctor import ucx as doctor_ucx
+from pdserve.shared.doctor.report import FAIL, INFO, OK, WARN, Report
+from pdserve.shared.doctor.ucx import PeerRun, parse_ucx_log, tag_send_tables
+from pdserve.shared.kv import ucx_check
+from pdserve.shared.kv.probe import (
     ProbeLeaseReply,
     ProbePullReply,
     ProbePullRequest,
     probe_subject,
 )
-from pdserve.shared.protocol import KVHandle, ProtocolError, decode, encode
-from pdserve.shared.subjects import Subjects
-from pdserve.shared.ucx_check import HostDevices, transport_findings
+from pdserve.shared.kv.ucx_check import HostDevices, transport_findings
 
 RDMA_HOST = HostDevices(rdma=["mlx5_0:1"])
 GPU_HOST = HostDevices(cuda=["0000:17:00.0"])
@@ -267,10 +268,10 @@ def test_probe_messages_round_trip_and_are_checked() -> None:
 
 
 async def test_stack_check_summarises_many_pairs_and_lists_each_failure() -> None:
+    from pdserve.shared.bus.protocol import WorkerLoad
     from pdserve.shared.config import BusConfig
-    from pdserve.shared.doctor_stack import StackCheck
-    from pdserve.shared.kv_probe import ProbeLeaseRequest
-    from pdserve.shared.protocol import WorkerLoad
+    from pdserve.shared.doctor.stack import StackCheck
+    from pdserve.shared.kv.probe import ProbeLeaseRequest
 
     check = StackCheck(BusConfig(), timeout=1.0)  # never connected: releases are best effort
     decode = [f"d{i}" for i in range(8)]

@@ -83,7 +83,7 @@ def test_cli_prints_one_line_not_a_traceback(tmp_path, good) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     env["PDSERVE_CACHE_DIR"] = str(tmp_path / "cache")
     proc = subprocess.run(
-        [sys.executable, "-m", "pdserve.shared.cli", "gateway", "--model", str(cut)],
+        [sys.executable, "-m", "pdserve.cli", "gateway", "--model", str(cut)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2
@@ -170,7 +170,7 @@ def test_half_written_entries_are_never_used(own_cache, good, monkeypatch) -> No
 def test_processes_starting_together_convert_once(tmp_path, good) -> None:
     code = (
         "import logging, sys; logging.basicConfig(level=logging.INFO);"
-        "from shared.models.resolve import resolve; print(resolve(sys.argv[1]).path)"
+        "from pdserve.shared.models.resolve import resolve; print(resolve(sys.argv[1]).path)"
     )
     env = {**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path / "shared-cache")}
     procs = [

@@ -1,7 +1,7 @@
 """The layering DESIGN.md fixes, checked on every import statement (lazy ones inside functions
 too): ``pdserve.shared`` and ``pdserve.kernels`` never import upward, and ``pdserve.gateway`` and
-``pdserve.services`` never import each other. The CLI reaches commands by "module:function"
-strings, not imports. Project code reaches its own folders only through the ``pdserve``
+``pdserve.services`` never import each other, and only the CLI (``pdserve.cli``, the root's
+``cli.py``) sees them all, with plain imports. Project code reaches its own folders only through the ``pdserve``
 namespace: a bare ``import kernels`` would be Hugging Face's package, not ours."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 NAMESPACED = {"gateway", "services", "shared", "kernels"}
 FORBIDDEN = {
-    "shared": {"services", "gateway", "perf", "tests"},
-    "kernels": {"services", "gateway", "perf", "tests", "shared"},
-    "gateway": {"services", "perf", "tests"},
-    "services": {"gateway", "perf", "tests"},
+    "shared": {"services", "gateway", "cli", "perf", "tests"},
+    "kernels": {"services", "gateway", "cli", "perf", "tests", "shared"},
+    "gateway": {"services", "cli", "perf", "tests"},
+    "services": {"gateway", "cli", "perf", "tests"},
 }
 
 
@@ -43,7 +43,8 @@ def imported_packages(path: Path) -> set[tuple[str, int]]:
 
 def project_files() -> list[Path]:
     return sorted(
-        path for folder in (*NAMESPACED, "perf", "tests") for path in (REPO / folder).rglob("*.py")
+        [REPO / "cli.py"]
+        + [p for folder in (*NAMESPACED, "perf", "tests") for p in (REPO / folder).rglob("*.py")]
     )
 
 

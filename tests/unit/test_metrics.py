@@ -1,4 +1,4 @@
-"""pdserve.shared.metrics served over real HTTP and read back with prometheus_client's own parser."""
+"""pdserve.shared.telemetry.metrics served over real HTTP and read back with prometheus_client's own parser."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from prometheus_client.openmetrics.parser import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.shared import metrics
-from pdserve.shared.protocol import WorkerLoad
+from pdserve.shared.bus.protocol import WorkerLoad
+from pdserve.shared.telemetry import metrics
 
 
 def parse(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

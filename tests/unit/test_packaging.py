@@ -39,7 +39,13 @@ def test_every_package_folder_is_listed_in_pyproject() -> None:
         for d in [REPO / folder, *(REPO / folder).rglob("*")]
         if d.is_dir() and d.name != "__pycache__" and any(d.glob("*.py"))
     }
-    assert listed == on_disk
+    assert listed == on_disk | {"pdserve"}
+
+
+def test_the_root_holds_one_module_the_cli() -> None:
+    """`pdserve` itself is the repository root (so the CLI, above every layer, is `pdserve.cli`):
+    any other .py file there would ship in the wheel as `pdserve.<name>`."""
+    assert sorted(p.name for p in REPO.glob("*.py")) == ["cli.py"]
 
 
 def test_the_editable_install_maps_only_the_pdserve_namespace() -> None:
@@ -60,8 +66,10 @@ def test_the_editable_install_maps_only_the_pdserve_namespace() -> None:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value
         if node.target.id in ("MAPPING", "NAMESPACES")
     }
-    assert set(tables["MAPPING"]) == {f"pdserve.{f}" for f in FOLDERS}
+    # `pdserve` is the root (for pdserve.cli); the four folders hang under it as namespaces
+    assert tables["MAPPING"] == {"pdserve": str(REPO)}
+    assert {f"pdserve.{f}" for f in FOLDERS} <= set(tables["NAMESPACES"])
     assert {name.split(".")[0] for name in tables["NAMESPACES"]} == {"pdserve"}
     # and the console script comes from the namespace
     [script] = [ep for ep in dist.entry_points if ep.group == "console_scripts"]
-    assert (script.name, script.value) == ("pdserve", "pdserve.shared.cli:main")
+    assert (script.name, script.value) == ("pdserve", "pdserve.cli:main")

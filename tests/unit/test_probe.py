@@ -14,8 +14,8 @@ from pdserve.services.engine.engine_thread import EngineThread
 from pdserve.services.prefill.worker import PrefillWorker
 from pdserve.services.probe import block_matches, lease_probe, pull_probe
 from pdserve.shared.config import EngineConfig
-from pdserve.shared.kv_probe import MAX_PROBE_LEASES, ProbeLeaseRequest, ProbePullRequest
-from pdserve.shared.kv_transfer import KVTransferError, LeaseTable, TransferStats
+from pdserve.shared.kv.probe import MAX_PROBE_LEASES, ProbeLeaseRequest, ProbePullRequest
+from pdserve.shared.kv.transfer import KVTransferError, LeaseTable, TransferStats
 from pdserve.shared.sampling import SamplingParams
 
 BLOCKS = MAX_PROBE_LEASES + 1

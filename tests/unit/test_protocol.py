@@ -7,7 +7,7 @@ import math
 import msgpack
 import pytest
 
-from pdserve.shared.protocol import (
+from pdserve.shared.bus.protocol import (
     MAX_KV_EVENT_HASHES,
     MAX_TOKEN_ID,
     PROTOCOL_VERSION,
@@ -29,8 +29,8 @@ from pdserve.shared.protocol import (
     decode_as,
     encode,
 )
+from pdserve.shared.bus.subjects import Subjects
 from pdserve.shared.sampling import SamplingParams
-from pdserve.shared.subjects import Subjects
 
 FINGERPRINT = {
     "model": "tiny",

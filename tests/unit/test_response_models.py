@@ -40,8 +40,8 @@ from pdserve.gateway.server import create_app
 from pdserve.gateway.state import GATEWAY_KEY
 from pdserve.services.decode.worker import DecodeWorker
 from pdserve.services.engine.engine import LLMEngine
-from pdserve.shared.bus_memory import MemoryBus, MemoryNetwork
 from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig
+from tests.bus_memory import MemoryBus, MemoryNetwork
 
 NS = "t"
 MESSAGES = [{"role": "user", "content": "The quick brown fox"}]

@@ -11,12 +11,12 @@ from dataclasses import replace
 from pdserve.gateway.router import Router
 from pdserve.services.engine.block_manager import BlockManager
 from pdserve.services.engine.sequence import Sequence
-from pdserve.shared.announce import KVEventPublisher
-from pdserve.shared.block_hash import prefix_block_hashes
-from pdserve.shared.kv_layout import layout_id
-from pdserve.shared.protocol import KVEvents, WorkerLoad
+from pdserve.shared.bus.protocol import KVEvents, WorkerLoad
+from pdserve.shared.discovery.announce import KVEventPublisher
+from pdserve.shared.discovery.worker_registry import WorkerRegistry
+from pdserve.shared.kv.block_hash import prefix_block_hashes
+from pdserve.shared.kv.layout import layout_id
 from pdserve.shared.sampling import SamplingParams
-from pdserve.shared.worker_registry import WorkerRegistry
 
 BS = 16
 MODEL = "m"
@@ -157,7 +157,7 @@ async def test_events_and_evictions_reach_the_registry_and_the_router():
 
 
 async def test_snapshots_split_over_parts_apply_only_when_complete(monkeypatch):
-    import pdserve.shared.announce as announce
+    import pdserve.shared.discovery.announce as announce
 
     monkeypatch.setattr(announce, "MAX_KV_EVENT_HASHES", 3)
     registry = WorkerRegistry(bus=None, timeout=60.0)  # type: ignore[arg-type]

@@ -212,7 +212,7 @@ def test_cli_says_what_is_wrong_in_one_line() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     env["PDSERVE_NGRAM_MIN"] = "6"  # from the environment, past argparse's checks
     proc = subprocess.run(
-        [sys.executable, "-m", "pdserve.shared.cli", "decode", "--speculative", "ngram"],
+        [sys.executable, "-m", "pdserve.cli", "decode", "--speculative", "ngram"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2 and "Traceback" not in proc.stderr

@@ -1,5 +1,5 @@
 """Token positions, replays and stream checks (``gateway/stream_check.py``,
-``shared/bus_replay.py``) below the real bus: a NATS blip migrates only the streams whose tokens
+``shared/bus/replay.py``) below the real bus: a NATS blip migrates only the streams whose tokens
 are really gone. Scripted workers on the in-memory bus (real protocol messages), the real
 registry, router and dispatcher; tokens "lost on the bus" are items a worker counts but never
 sends (``FakeWorker.lose``). The same against real processes and a real nats-server restart:
@@ -13,10 +13,10 @@ import pytest
 
 from pdserve.gateway import stream_check
 from pdserve.gateway.stream_check import is_answer, offset
-from pdserve.shared.bus_memory import MemoryBus, MemoryNetwork
+from pdserve.shared.bus.protocol import Cancel, DecodeRequest, TokenBatch, TokenItem
 from pdserve.shared.config import BusConfig
-from pdserve.shared.protocol import Cancel, DecodeRequest, TokenBatch, TokenItem
 from pdserve.shared.sampling import SamplingParams
+from tests.bus_memory import MemoryBus, MemoryNetwork
 from tests.unit.fake_workers import FakeWorker, settle
 from tests.unit.test_dispatch_migration import Run, first_decode, migrations, stack
 

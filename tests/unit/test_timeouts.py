@@ -24,10 +24,10 @@ from pdserve.gateway.dispatch import StageTimeout
 from pdserve.gateway.inflight_types import WIRE_NO_DEADLINE
 from pdserve.gateway.server import create_app
 from pdserve.gateway.state import GATEWAY_KEY
-from pdserve.shared.bus_memory import MemoryBus, MemoryNetwork
 from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig, add_options, build
 from pdserve.shared.errors import StartupError
 from pdserve.shared.sampling import SamplingParams
+from tests.bus_memory import MemoryBus, MemoryNetwork
 from tests.unit.fake_workers import MODEL, NAMESPACE, FakeWorker, GatewaySide, settle
 from tests.unit.gateway_fixtures import train_byte_level, write_model_dir
 

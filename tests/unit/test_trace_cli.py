@@ -29,7 +29,7 @@ from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, Resou
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from pdserve.shared import trace_cli, tracing
+from pdserve.shared.telemetry import trace_cli, tracing
 from tests.otlp_receiver import OtlpReceiver, to_jaeger
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "jaeger_traces.json"
@@ -287,7 +287,7 @@ async def jaeger(fixture_traces) -> AsyncIterator[tuple[JaegerStandIn, str]]:
 
 async def cli(base_url: str, *argv: str) -> tuple[int, str]:
     """Run ``pdserve trace`` with the real argument parser; the CLI is blocking, so in a thread."""
-    from pdserve.shared.cli import make_parser
+    from pdserve.cli import make_parser
 
     ns = make_parser().parse_args(["trace", "--jaeger", base_url, *argv])
     out = io.StringIO()

@@ -1,4 +1,4 @@
-"""pdserve.shared.tracing against real OTLP receivers: env-only config, resources, propagation, flushing."""
+"""pdserve.shared.telemetry.tracing against real OTLP receivers: env-only config, resources, propagation, flushing."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.util._once import Once
 
-from pdserve.shared import tracing
+from pdserve.shared.telemetry import tracing
 from tests.otlp_receiver import OtlpGrpcReceiver, OtlpReceiver
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 # span reaches the receiver only if the atexit flush works (the batch delay is the default 5 s).
 PREFILL_PROCESS = """
 import json, sys
-from pdserve.shared import tracing
+from pdserve.shared.telemetry import tracing
 tracing.setup_tracing(tracing.SERVICE_PREFILL, "prefill-test-1")
 incoming = json.loads(sys.argv[1])
 ctx = tracing.extract_context(incoming)

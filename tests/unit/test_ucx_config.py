@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.shared import ucx_config
-from pdserve.shared.ucx_config import (
+from pdserve.shared.kv import ucx_config
+from pdserve.shared.kv.ucx_config import (
     UCXConfigError,
     interface_addresses,
     interface_for,
@@ -77,7 +77,7 @@ def test_configure_sets_the_process_environment_once(monkeypatch: pytest.MonkeyP
 
 
 def test_a_link_local_ucx_host_is_warned_about(caplog):
-    from pdserve.shared.ucx_config import warn_if_link_local
+    from pdserve.shared.kv.ucx_config import warn_if_link_local
 
     assert warn_if_link_local("169.254.7.2")
     assert "link-local" in caplog.text

@@ -14,10 +14,7 @@ import pytest
 from pdserve.services.decode.worker import DecodeWorker
 from pdserve.services.engine.engine import LLMEngine
 from pdserve.services.prefill.worker import PrefillWorker
-from pdserve.shared.bus_memory import MemoryBus, MemoryNetwork
-from pdserve.shared.config import BusConfig, EngineConfig
-from pdserve.shared.kv_transfer import KVTransferError, TransferStats
-from pdserve.shared.protocol import (
+from pdserve.shared.bus.protocol import (
     Cancel,
     DecodeRequest,
     KVHandle,
@@ -28,7 +25,10 @@ from pdserve.shared.protocol import (
     TokenBatch,
     TokenItem,
 )
+from pdserve.shared.config import BusConfig, EngineConfig
+from pdserve.shared.kv.transfer import KVTransferError, TransferStats
 from pdserve.shared.sampling import SamplingParams
+from tests.bus_memory import MemoryBus, MemoryNetwork
 
 NS = "t"
 MAX_TOKENS = 6

@@ -9,9 +9,9 @@ import logging
 import numpy as np
 import torch
 
-from pdserve.shared import ucx_config, ucx_progress
-from pdserve.shared.kv_transfer.lease import Lease, LeaseTable
-from pdserve.shared.kv_transfer.wire import (
+from pdserve.shared.kv import ucx_config, ucx_progress
+from pdserve.shared.kv.transfer.lease import Lease, LeaseTable
+from pdserve.shared.kv.transfer.wire import (
     MAX_CONTROL_BYTES,
     MAX_PENDING_REQUESTS,
     ORPHAN_GRACE,

@@ -3,7 +3,7 @@
 Workers are found by their heartbeats on the bus. Each prefill worker is asked for a probe lease
 of one block, each decode worker pulls every such lease a few times and reports how long each
 pull took and whether the bytes were right, then the leases are released (see
-``shared/kv_probe.py``; the workers' side is ``services/probe.py``). The first pull of a pair
+``shared/kv/probe.py``; the workers' side is ``services/probe.py``). The first pull of a pair
 includes setting up its UCX endpoint unless the decode worker had already connected.
 """
 
@@ -20,10 +20,11 @@ from urllib.parse import urlsplit
 
 from nats.errors import NoRespondersError
 
-from pdserve.shared.bus import Bus
+from pdserve.shared.bus.connection import Bus
+from pdserve.shared.bus.protocol import ReleaseLease, WorkerGone, WorkerLoad
 from pdserve.shared.config import BusConfig
-from pdserve.shared.doctor_report import FAIL, INFO, OK, WARN, DoctorInputError, Report
-from pdserve.shared.kv_probe import (
+from pdserve.shared.doctor.report import FAIL, INFO, OK, WARN, DoctorInputError, Report
+from pdserve.shared.kv.probe import (
     PROBE_PREFIX,
     ProbeLeaseReply,
     ProbeLeaseRequest,
@@ -32,7 +33,6 @@ from pdserve.shared.kv_probe import (
     probe_subject,
     request,
 )
-from pdserve.shared.protocol import ReleaseLease, WorkerGone, WorkerLoad
 
 PROBE_PULLS = 3
 PROBE_TTL = 15.0

@@ -4,11 +4,11 @@ UCX never fails over to a slow path loudly - a build without RDMA, or a UCX_TLS 
 out, just moves the KV over TCP at a hundredth of the speed. The doctor looks before anyone
 benchmarks:
 
-1. locally, in two child processes over ``--ucx-host`` (``shared/doctor_ucx.py``): UCX's
+1. locally, in two child processes over ``--ucx-host`` (``shared/doctor/ucx.py``): UCX's
    version and build, the transports and devices UCX selected for their endpoint, RDMA or CUDA
    hardware that UCX left unused, and pdserve's KV pull against a raw UCX send of the same bytes
    at each ``--sizes-mib``;
-2. with ``--nats-url``, against a running stack (``shared/doctor_stack.py``): every decode
+2. with ``--nats-url``, against a running stack (``shared/doctor/stack.py``): every decode
    worker pulls a one-block probe lease from every prefill worker.
 
 Exit status: 0 when nothing failed (warnings allowed), 1 when a check failed, 2 when the input
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.shared.config import BusConfig, add_options, build, opt
-from pdserve.shared.doctor_report import (
+from pdserve.shared.doctor.report import (
     EXIT_BAD_INPUT,
     INFO,
     OK,
@@ -84,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _validate(cfg: DoctorConfig) -> None:
-    from pdserve.shared.ucx_config import UCXConfigError, interface_for
+    from pdserve.shared.kv.ucx_config import UCXConfigError, interface_for
 
     try:
         interface_for(cfg.ucx_host)
@@ -96,13 +96,13 @@ def _validate(cfg: DoctorConfig) -> None:
 
 
 async def diagnose(cfg: DoctorConfig, bus: BusConfig, sizes: list[float]) -> Report:
-    from pdserve.shared import doctor_ucx
-    from pdserve.shared.ucx_config import interface_for
+    from pdserve.shared.doctor import ucx as doctor_ucx
+    from pdserve.shared.kv.ucx_config import interface_for
 
     report = Report(header=[host_line()])
     stack = None
     if cfg.nats_url:
-        from pdserve.shared.doctor_stack import StackCheck
+        from pdserve.shared.doctor.stack import StackCheck
 
         bus.nats_url = cfg.nats_url
         stack = StackCheck(bus, cfg.timeout)

@@ -14,14 +14,14 @@ alternate (ABBA order, so neither always runs on a warmer cache):
   into the decode cache: the best UCX can do with those bytes, plus the request round trip any
   pull needs to start.
 
-Every UCX operation goes through ``pdserve.shared.ucx_progress`` (ucxx's own ``ep.send``/``recv`` spin
+Every UCX operation goes through ``pdserve.shared.kv.ucx_progress`` (ucxx's own ``ep.send``/``recv`` spin
 on ``sleep(0)``, which would tax the raw baseline with the busy-waiting a worker never does).
 
 Patterns: ``contiguous`` (blocks 0..N-1 on both sides: one message) and ``fragmented`` (a random
 permutation on each side, as a block manager hands out blocks after churn: one message per block).
 
-    python -m pdserve.shared.kv_peer_test --serve BLOCKS --geometry JSON [--host H]   (prefill side)
-    python -m pdserve.shared.kv_peer_test --measure --result FILE [--sizes-mib ...]  (decode side, doctor)
+    python -m pdserve.shared.doctor.kv_peer --serve BLOCKS --geometry JSON [--host H]   (prefill side)
+    python -m pdserve.shared.doctor.kv_peer --measure --result FILE [--sizes-mib ...]  (decode side, doctor)
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdserve.shared import ucx_progress
-from pdserve.shared.kv_peer_result import CaseResult
-from pdserve.shared.kv_transfer import KVClient, KVServer, LeaseTable, block_runs, parse_address
-from pdserve.shared.protocol import KVHandle
+from pdserve.shared.bus.protocol import KVHandle
+from pdserve.shared.doctor.kv_peer_result import CaseResult
+from pdserve.shared.kv import ucx_progress
+from pdserve.shared.kv.transfer import KVClient, KVServer, LeaseTable, block_runs, parse_address
 
 LEASE_ID = "kv-peer-test"
 PATTERNS = ("contiguous", "fragmented")
@@ -275,7 +275,7 @@ async def measure(
     num_blocks = geometry.blocks_for(max(sizes_mib))
     token = secrets.token_urlsafe(16)
     child = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.shared.kv_peer_test", "--serve", str(num_blocks),
+        [sys.executable, "-m", "pdserve.shared.doctor.kv_peer", "--serve", str(num_blocks),
          "--geometry", json.dumps(asdict(geometry)), "--host", host],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -313,7 +313,7 @@ async def measure(
 
 def _measure_to_file(args: argparse.Namespace) -> int:
     """Decode side for ``pdserve doctor``: cases and UCX facts to ``--result`` as JSON."""
-    from pdserve.shared import ucx_check
+    from pdserve.shared.kv import ucx_check
 
     outcome: dict[str, Any] = {}
     try:
@@ -334,7 +334,7 @@ def _measure_to_file(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pdserve.shared.kv_peer_test")
+    p = argparse.ArgumentParser(prog="python -m pdserve.shared.doctor.kv_peer")
     p.add_argument("--serve", type=int, help="prefill side: serve this many blocks")
     p.add_argument("--geometry", default="{}", help="Geometry fields as JSON")
     p.add_argument("--host", default="127.0.0.1", help="--ucx-host of both ends")

@@ -11,7 +11,7 @@ Both are NATS request/reply: the reply goes to the requester's own inbox, so a p
 publishes on a subject a message chose. The prefill worker fills the block with a pattern
 derived from the probe id and the decode worker checks it, so a probe also proves the bytes
 landed in the right place. A worker refuses a probe (``status="refused"``) rather than take a
-block a request may need. These types live here, registered into ``pdserve.shared.protocol``'s table,
+block a request may need. These types live here, registered into ``pdserve.shared.bus.protocol``'s table,
 because only the doctor and the workers' probe handlers speak them.
 """
 
@@ -22,8 +22,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from pdserve.shared.bus import Bus
-from pdserve.shared.protocol import (
+from pdserve.shared.bus.connection import Bus
+from pdserve.shared.bus.protocol import (
     MESSAGE_TYPES,
     KVHandle,
     ProtocolError,
@@ -34,7 +34,7 @@ from pdserve.shared.protocol import (
     seconds,
     text,
 )
-from pdserve.shared.subjects import Subjects, is_subject_token
+from pdserve.shared.bus.subjects import Subjects, is_subject_token
 
 log = logging.getLogger("pdserve.probe")
 

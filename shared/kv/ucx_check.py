@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.shared.ucx_config import rdma_devices
+from pdserve.shared.kv.ucx_config import rdma_devices
 
 log = logging.getLogger("pdserve.ucx")
 

@@ -15,7 +15,7 @@ import msgpack
 import numpy as np
 import torch
 
-from pdserve.shared import ucx_progress
+from pdserve.shared.kv import ucx_progress
 
 MAX_CONTROL_BYTES = 1 << 20  # a pull request lists runs, never data
 MAX_ADDRESS_BYTES = 8192  # a UCX worker address: a few hundred bytes, more with many RDMA ports

@@ -15,7 +15,7 @@ Flow of one request (subjects from ``Subjects``):
   workers  -WorkerLoad->      {ns}.load.{role}.{worker}  heartbeats; WorkerGone when leaving
   workers  -KVEvents->        {ns}.kv.{worker}           prefix-cache changes and snapshots
   gateway  -(empty request)-> {ns}.ping.{worker}         answered with a WorkerLoad (liveness)
-  doctor   -Probe*Request->   {ns}.probe.{worker}        request/reply, types in shared/kv_probe.py
+  doctor   -Probe*Request->   {ns}.probe.{worker}        request/reply, types in shared/kv/probe.py
 """
 
 from __future__ import annotations
@@ -27,21 +27,8 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from pdserve.shared.logprobs import MIN_LOGPROB, TokenLogprobs
-from pdserve.shared.sampling import BOUNDS as SAMPLING_BOUNDS
-from pdserve.shared.sampling import (
-    GUIDED_KINDS,
-    MAX_GUIDED_SPEC_CHARS,
-    MAX_LOGIT_BIAS,
-    MAX_LOGIT_BIAS_VALUE,
-    MAX_LOGPROBS,
-    MAX_N,
-    MAX_STOP_TOKEN_IDS,
-    GuidedDecoding,
-    SamplingParams,
-)
-from pdserve.shared.wire_check import Checker, ProtocolError
-from pdserve.shared.wire_fields import (
+from pdserve.shared.bus.wire_check import Checker, ProtocolError
+from pdserve.shared.bus.wire_fields import (
     MAX_BATCH_ITEMS,
     MAX_BLOCKS,
     MAX_DEPTH,
@@ -58,6 +45,19 @@ from pdserve.shared.wire_fields import (
     subject,
     text,
     tokens,
+)
+from pdserve.shared.logprobs import MIN_LOGPROB, TokenLogprobs
+from pdserve.shared.sampling import BOUNDS as SAMPLING_BOUNDS
+from pdserve.shared.sampling import (
+    GUIDED_KINDS,
+    MAX_GUIDED_SPEC_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_VALUE,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP_TOKEN_IDS,
+    GuidedDecoding,
+    SamplingParams,
 )
 
 PROTOCOL_VERSION = 4  # 3: n choices, log-probs, penalties, structured output; 4: positions

@@ -2,7 +2,7 @@
 
 ``MemoryNetwork`` plays the NATS server: subjects with ``*`` and ``>`` wildcards, queue groups
 (one member of each group gets a message), request-reply with an answer of "no responders" at
-once when nobody listens, and a payload limit. ``MemoryBus`` is a ``pdserve.shared.bus.Bus`` whose
+once when nobody listens, and a payload limit. ``MemoryBus`` is a ``pdserve.shared.bus.connection.Bus`` whose
 connection (``bus.nc``) is a ``MemoryClient`` on such a network instead of nats-py, so
 ``publish``/``subscribe``/``close``/``on_reconnect``, the size limit, the stats and the
 schema check are the real ``Bus`` code: every message is still ``protocol.encode``-d on the way
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from pdserve.shared.bus import Bus
+from pdserve.shared.bus.connection import Bus
 from pdserve.shared.config import BusConfig
 
 log = logging.getLogger("pdserve.bus.memory")
@@ -240,7 +240,7 @@ class MemoryClient:
 
 
 class MemoryBus(Bus):
-    """``pdserve.shared.bus.Bus`` on a ``MemoryNetwork`` instead of a NATS server.
+    """``pdserve.shared.bus.connection.Bus`` on a ``MemoryNetwork`` instead of a NATS server.
 
     Without ``network`` the bus gets a network of its own (a one-process test); give several
     buses the same network to let them talk.

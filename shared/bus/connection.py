@@ -3,9 +3,9 @@
 ``Bus`` wraps nats-py with what every pdserve process needs: reconnects that never give up,
 authentication and TLS from ``BusConfig``, namespaced subjects (``bus.subjects``), headers for
 trace context, and a hard filter on input - every received message is size-limited and fully
-schema-checked by ``pdserve.shared.protocol.decode`` before a handler sees it. Bad messages are counted
+schema-checked by ``pdserve.shared.bus.protocol.decode`` before a handler sees it. Bad messages are counted
 and logged (rate-limited), never raised into the subscription loop. What is published while the
-connection is down is dropped, except replayable messages (``shared/bus_replay.py``).
+connection is down is dropped, except replayable messages (``shared/bus/replay.py``).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import AuthorizationError
 
-from pdserve.shared.bus_replay import ReplayWindow
+from pdserve.shared.bus.protocol import Message, ProtocolError, decode_as, encode
+from pdserve.shared.bus.replay import ReplayWindow
+from pdserve.shared.bus.subjects import Subjects
 from pdserve.shared.config import BusConfig
-from pdserve.shared.protocol import Message, ProtocolError, decode_as, encode
-from pdserve.shared.subjects import Subjects
 
 log = logging.getLogger("pdserve.bus")
 
@@ -113,7 +113,7 @@ class Bus:
         # From a lost connection until our reconnect callbacks have run: publishes are dropped
         self._suspended = False
         self._auth_rejected: asyncio.Future | None = None
-        self._replay = ReplayWindow()  # replayable messages (shared/bus_replay.py)
+        self._replay = ReplayWindow()  # replayable messages (shared/bus/replay.py)
 
     # -- connection -------------------------------------------------------------------------
 

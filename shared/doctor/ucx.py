@@ -1,7 +1,7 @@
 """The doctor's local checks: which transports UCX really picks between two pdserve processes,
 and how fast pdserve's pull is next to a raw UCX send of the same bytes.
 
-Both come from one run of ``pdserve.shared.kv_peer_test`` in child processes (a decode side that
+Both come from one run of ``pdserve.shared.doctor.kv_peer`` in child processes (a decode side that
 measures and the prefill side it starts), so the doctor itself never loads UCX. The children run
 with ``UCX_PROTO_INFO=y``: when UCX sets up an endpoint it logs, per operation and message size,
 the protocol it chose and the lanes (``transport/device``) that carry it. That table - written to
@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.shared import ucx_check
-from pdserve.shared.doctor_report import FAIL, INFO, OK, WARN, Report
-from pdserve.shared.ucx_check import is_cuda, is_rdma
+from pdserve.shared.doctor.report import FAIL, INFO, OK, WARN, Report
+from pdserve.shared.kv import ucx_check
+from pdserve.shared.kv.ucx_check import is_cuda, is_rdma
 
 TARGET_RATIO = 0.8  # perf/kv_bench's target: below it the doctor warns
 BANDWIDTH_BOUND_MIB = 8.0  # pulls from this size on are judged against --min-ratio/--min-gbps
@@ -34,7 +34,7 @@ _LANE = re.compile(r"\b([a-z][a-z0-9_]*)/([A-Za-z0-9_.:\-]+)")
 _BUILD_FLAG = re.compile(
     r"--with(?:out)?-(?:verbs|rdmacm|cuda|rocm|gdrcopy|mlx5|efa|knem|xpmem)\S*"
 )
-PEER_MODULE = "pdserve.shared.kv_peer_test"
+PEER_MODULE = "pdserve.shared.doctor.kv_peer"
 # set for the test's children only: not what a worker runs with, so not reported as such
 DOCTOR_ONLY_ENV = ("UCX_PROTO_INFO", "UCX_LOG_FILE", "UCX_WARN_UNUSED_ENV_VARS")
 

@@ -1,5 +1,5 @@
 """Who is alive and how loaded, as the gateway sees it (the workers' side is
-``pdserve.shared.announce``).
+``pdserve.shared.discovery.announce``).
 
 The gateway runs a ``WorkerRegistry``: it keeps each worker's latest load and the block hashes
 in its prefix cache. A worker whose heartbeats stop for ``timeout`` seconds stops being routable
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 from nats.errors import NoRespondersError
 
-from pdserve.shared.bus import Bus
-from pdserve.shared.protocol import (
+from pdserve.shared.bus.connection import Bus
+from pdserve.shared.bus.protocol import (
     KVEvents,
     ProtocolError,
     WorkerGone,

@@ -1,7 +1,7 @@
-"""Bounds and field helpers for the wire messages in ``pdserve.shared.protocol``.
+"""Bounds and field helpers for the wire messages in ``pdserve.shared.bus.protocol``.
 
 A message field says what it may hold (``ident()``, ``tokens()``, ``count(lo, hi)``...) in its
-dataclass metadata; the checker in ``pdserve.shared.wire_check`` reads those bounds when it
+dataclass metadata; the checker in ``pdserve.shared.bus.wire_check`` reads those bounds when it
 decodes a message, so a bound is written once, next to the field it limits.
 """
 
@@ -11,8 +11,8 @@ import dataclasses
 from dataclasses import field
 from typing import Any
 
-from pdserve.shared.subjects import MAX_ID_CHARS, SUBJECT_RE, TOKEN_RE
-from pdserve.shared.wire_check import INT64_MAX
+from pdserve.shared.bus.subjects import MAX_ID_CHARS, SUBJECT_RE, TOKEN_RE
+from pdserve.shared.bus.wire_check import INT64_MAX
 
 # Bounds that hold for any sane deployment; the bus also caps whole messages (max_message_bytes).
 MAX_SUBJECT_CHARS = 256

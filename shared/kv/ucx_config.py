@@ -14,7 +14,7 @@ ucxx is also set to progress in ``blocking`` mode (``UCXPY_PROGRESS_MODE``): the
 waits on UCX's own file descriptor instead of a progress thread handing every completion over. On 2 cores that doubled a 1 MiB pull's bandwidth (0.45 -> 1.1 GB/s,
 ``perf/kv_bench.py``); ``polling`` was as fast but keeps a core busy, which a worker's engine
 needs. ucxx's own ``blocking`` mode never re-arms the worker and spins once UCX has seen an
-event; ``pdserve.shared.ucx_progress`` replaces it with one that does.
+event; ``pdserve.shared.kv.ucx_progress`` replaces it with one that does.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import socket
 import struct
 from pathlib import Path
 
-from pdserve.shared import ucx_progress
+from pdserve.shared.kv import ucx_progress
 
 log = logging.getLogger("pdserve.ucx")
 

@@ -12,8 +12,9 @@ import msgpack
 import numpy as np
 import torch
 
-from pdserve.shared import ucx_config, ucx_progress
-from pdserve.shared.kv_transfer.wire import (
+from pdserve.shared.bus.protocol import KVHandle
+from pdserve.shared.kv import ucx_config, ucx_progress
+from pdserve.shared.kv.transfer.wire import (
     MAX_CONTROL_BYTES,
     REPLY_BYTES,
     Endpoints,
@@ -30,7 +31,6 @@ from pdserve.shared.kv_transfer.wire import (
     retrieve,
     unpack_reply,
 )
-from pdserve.shared.protocol import KVHandle
 
 log = logging.getLogger("pdserve.kv")
 

@@ -1,4 +1,4 @@
-"""Every NATS subject pdserve uses, under one namespace (the flow is in shared/protocol.py)."""
+"""Every NATS subject pdserve uses, under one namespace (the flow is in shared/bus/protocol.py)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ and moves each run as a single UCX message - no per-layer or per-token chatter.
 
 Both ends connect by UCX *worker address* (``KVServer.address``, published on the bus), never
 through a sockaddr listener: ucxx's listener can only bind the wildcard address, while the worker
-address path listens only where ``pdserve.shared.ucx_config`` lets UCX's transports listen
+address path listens only where ``pdserve.shared.kv.ucx_config`` lets UCX's transports listen
 (``--ucx-host``/``--ucx-port``). Tags are 64-bit; every pull draws a fresh random tag ``T``, so
 pulls on one endpoint run concurrently and never see each other's messages::
 
@@ -30,10 +30,10 @@ block belongs to the lease. Leased blocks are pinned while they are being sent, 
 expires mid-transfer is freed only after the last byte left.
 """
 
-from pdserve.shared.kv_transfer.client import KVClient
-from pdserve.shared.kv_transfer.lease import Lease, LeaseTable
-from pdserve.shared.kv_transfer.server import KVServer
-from pdserve.shared.kv_transfer.wire import (
+from pdserve.shared.kv.transfer.client import KVClient
+from pdserve.shared.kv.transfer.lease import Lease, LeaseTable
+from pdserve.shared.kv.transfer.server import KVServer
+from pdserve.shared.kv.transfer.wire import (
     FingerprintMismatch,
     KVTransferError,
     TransferStats,

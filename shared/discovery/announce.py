@@ -1,4 +1,4 @@
-"""How a worker makes itself known (the gateway's side is ``pdserve.shared.worker_registry``).
+"""How a worker makes itself known (the gateway's side is ``pdserve.shared.discovery.worker_registry``).
 
 A ``HeartbeatPublisher`` sends a ``WorkerLoad`` on ``{ns}.load.{role}.{worker}`` every
 ``heartbeat_seconds`` (and at once after a NATS reconnect), a ``WorkerGone`` when the worker
@@ -18,8 +18,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from pdserve.shared.bus import Bus
-from pdserve.shared.protocol import (
+from pdserve.shared.bus.connection import Bus
+from pdserve.shared.bus.protocol import (
     MAX_KV_EVENT_HASHES,
     KVEvents,
     WorkerGone,

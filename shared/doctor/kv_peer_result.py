@@ -1,4 +1,4 @@
-"""One size and block pattern of the two-process KV transfer test (``pdserve.shared.kv_peer_test``):
+"""One size and block pattern of the two-process KV transfer test (``pdserve.shared.doctor.kv_peer``):
 the pull's and the raw send's times, and what they come to."""
 
 from __future__ import annotations

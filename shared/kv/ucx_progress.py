@@ -24,7 +24,7 @@ timer (``SAFETY_PROGRESS_SECONDS``) progresses the worker regardless, as ucxx's 
 so UCX keepalives and an event a transport fails to signal are never starved.
 
 ``install()`` puts ``ArmedProgress`` in place of ucxx's ``BlockingMode``; it runs before the
-first ucxx call of the process (``pdserve.shared.ucx_config.configure`` calls it).
+first ucxx call of the process (``pdserve.shared.kv.ucx_config.configure`` calls it).
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def driver() -> ArmedProgress:
     if not isinstance(found, ArmedProgress):
         raise RuntimeError(
             f"UCX progress is {type(found).__name__}, not pdserve's armed mode: "
-            "pdserve.shared.ucx_config.configure must run before the first ucxx call"
+            "pdserve.shared.kv.ucx_config.configure must run before the first ucxx call"
         )
     return found
 

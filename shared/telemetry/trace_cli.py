@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, TextIO
 
-from pdserve.shared import tracing
+from pdserve.shared.telemetry import tracing
 
 PHASES: dict[str, tuple[str, ...]] = {
     "queue": (tracing.SPAN_PREFILL_QUEUE, tracing.SPAN_DECODE_QUEUE),

@@ -1,0 +1,1 @@
+"""The bus: the NATS connection, its subjects, the typed messages on it and their checker."""

@@ -1,0 +1,1 @@
+"""Discovery: workers announce themselves and their load; the gateway keeps the registry."""

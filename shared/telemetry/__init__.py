@@ -1,0 +1,1 @@
+"""Telemetry: OpenTelemetry tracing, Prometheus metrics, and ``pdserve trace`` over Jaeger."""
