@@ -84,7 +84,7 @@ class DecodeStage(StreamChecks):
                     await self._migrate([leg], MIGRATE_BUS_RECONNECT)
             elif isinstance(item, PrefillResult):
                 await self.d.release_stale(item)  # a late answer of a retried prefill
-            elif (leg := self.legs.get(item.request_id)) is not None:
+            elif (leg := self.legs.get(item.bus_id)) is not None:
                 if (lost := self._screen(leg, item)) is None:
                     event = await self._on_item(leg, item)
                     if event is not None:
@@ -163,7 +163,7 @@ class DecodeStage(StreamChecks):
         await self.d.send_decode(
             worker,
             DecodeRequest(
-                request_id=leg.bus_id,
+                bus_id=leg.bus_id,
                 prompt_token_ids=self.prompt,
                 output_token_ids=leg.output,
                 sampling=leg.sampling,
@@ -171,7 +171,7 @@ class DecodeStage(StreamChecks):
                 reply_to=self.d.inbox,
                 # the worker enforces it only until its first token (services/worker_base.py)
                 deadline=on_wire(min(self.cap, leg.due)),
-                client_request_id=self.client_id,
+                client_id=self.client_id,
             ),
             self.headers,
         )

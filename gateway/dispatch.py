@@ -138,13 +138,13 @@ class Dispatcher:
 
     async def _on_message(self, msg: PrefillResult | TokenBatch, headers: dict[str, str]) -> None:
         if isinstance(msg, PrefillResult):
-            self._deliver(msg.request_id, msg)
+            self._deliver(msg.bus_id, msg)
             return
         for item in msg.items:
-            self._deliver(item.request_id, item)
+            self._deliver(item.bus_id, item)
 
-    def _deliver(self, request_id: str, item: PrefillResult | TokenItem) -> None:
-        request = self._pending.get(request_id)
+    def _deliver(self, bus_id: str, item: PrefillResult | TokenItem) -> None:
+        request = self._pending.get(bus_id)
         if request is not None:
             request.put(item)
         elif isinstance(item, PrefillResult) and item.kv is not None:
@@ -279,22 +279,22 @@ class Dispatcher:
         check = StreamCheck(bus_id, self.inbox)
         self.spawn(self._publish(self.bus.subjects.decode(worker_id), check))
 
-    async def cancel(self, request_id: str, index: int | None = None) -> None:
+    async def cancel(self, bus_id: str, index: int | None = None) -> None:
         """Cancel a request on every worker, or only its choice ``index``."""
-        await self._publish(self.bus.subjects.cancel, Cancel(request_id, index))
+        await self._publish(self.bus.subjects.cancel, Cancel(bus_id, index))
 
     async def release_stale(self, item: object) -> None:
         """Free the leased KV blocks of a prefill answer nobody will pull."""
         if isinstance(item, PrefillResult) and item.kv is not None:
             await self._publish(
-                self.bus.subjects.lease(item.kv.worker_id), ReleaseLease(item.request_id)
+                self.bus.subjects.lease(item.kv.worker_id), ReleaseLease(item.bus_id)
             )
 
     # -- one request -------------------------------------------------------------------------
 
     async def generate(
         self,
-        request_id: str,
+        client_id: str,
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         context: Context | None = None,
@@ -302,7 +302,7 @@ class Dispatcher:
     ) -> AsyncIterator[TokenEvent]:
         """Yield the request's tokens as they arrive; the last event has a finish reason.
 
-        ``request_id`` is the client's x-request-id: it names the request on spans; on the bus
+        ``client_id`` is the client's x-request-id: it names the request on spans; on the bus
         the request travels under a unique id of its own (``new_bus_id``).
 
         With ``sampling.n > 1`` events carry their choice's index, and ``choices`` lets the caller
@@ -315,11 +315,11 @@ class Dispatcher:
         Closing the generator early (client gone, stop string) cancels the request.
         """
         sampling = with_fixed_seed(sampling)
-        bus_id = new_bus_id(request_id)
+        bus_id = new_bus_id(client_id)
         self._check_wire(bus_id, prompt_token_ids, sampling)
         request = InFlight(
             self,
-            request_id,
+            client_id,
             bus_id,
             prompt_token_ids,
             sampling,
@@ -362,10 +362,10 @@ class Dispatcher:
                 raise NoWorker("no decode worker is available")
         return use_prefill
 
-    def _check_wire(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> None:
+    def _check_wire(self, bus_id: str, prompt: list[int], sampling: SamplingParams) -> None:
         """Refuse up front what a worker's decoder would drop: a dropped request would only
         surface as a timeout much later."""
-        probe = DecodeRequest(request_id, prompt, [], sampling, None, self.inbox, time.time())
+        probe = DecodeRequest(bus_id, prompt, [], sampling, None, self.inbox, time.time())
         try:
             protocol.decode(protocol.encode(probe), self.bus.max_bytes)
         except protocol.ProtocolError as exc:

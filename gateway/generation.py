@@ -32,7 +32,7 @@ from pdserve.gateway.inflight import (
     WorkerFailure,
 )
 from pdserve.gateway.logprob_format import TokenTexts, chat_logprobs, completion_logprobs
-from pdserve.gateway.state import ARRIVED_KEY, REQUEST_ID_KEY, Gateway
+from pdserve.gateway.state import ARRIVED_KEY, CLIENT_ID_KEY, Gateway
 from pdserve.gateway.vllm_output import trim_alternatives
 from pdserve.shared.logprobs import TokenLogprobs
 from pdserve.shared.sampling import SamplingParams
@@ -124,14 +124,14 @@ async def serve_generation(
     from pdserve.gateway.streaming import stream_response
     from pdserve.gateway.whole_answer import complete
 
-    rid: str = request[REQUEST_ID_KEY]
+    client_id: str = request[CLIENT_ID_KEY]
     limit = gw.context_limit()
     max_tokens = [
         check_length(len(p.ids), params.max_tokens, limit, gw.config.max_prompt_tokens)
         for p in prompts
     ]
     total_prompt = sum(len(p.ids) for p in prompts)
-    with gw.requests.admit(rid):
+    with gw.requests.admit(client_id):
         root = trace.get_current_span()
         root.set_attributes(
             {
@@ -156,7 +156,7 @@ async def serve_generation(
             params,
             prompts,
             [gw.sampling_params(params, m) for m in max_tokens],
-            rid,
+            client_id,
             Progress(prompt_tokens=total_prompt, arrived=request[ARRIVED_KEY]),
         )
         try:
@@ -174,11 +174,11 @@ async def serve_generation(
                 progress.completion_tokens,
                 e2e,
             )
-            _finish_span(root, progress, rid, e2e)
+            _finish_span(root, progress, client_id, e2e)
 
 
-def _finish_span(span: trace.Span, progress: Progress, rid: str, e2e: float) -> None:
-    span.set_attribute(tr.GEN_AI_RESPONSE_ID, rid)
+def _finish_span(span: trace.Span, progress: Progress, client_id: str, e2e: float) -> None:
+    span.set_attribute(tr.GEN_AI_RESPONSE_ID, client_id)
     span.set_attribute(tr.GEN_AI_USAGE_OUTPUT_TOKENS, progress.completion_tokens)
     span.set_attribute(tr.GEN_AI_RESPONSE_FINISH_REASONS, [progress.finish_reason or "abort"])
     span.set_attribute(tr.GEN_AI_LATENCY_E2E, e2e)
@@ -204,7 +204,7 @@ class Generation:
     params: GenerationParams
     prompts: list[Prompt]
     samplings: list[SamplingParams]  # one per prompt
-    rid: str
+    client_id: str
     progress: Progress
     choices: list[ChoiceOutput] = field(init=False)
 
@@ -225,7 +225,7 @@ class Generation:
 
     @property
     def response_id(self) -> str:
-        return ("chatcmpl-" if self.chat else "cmpl-") + self.rid
+        return ("chatcmpl-" if self.chat else "cmpl-") + self.client_id
 
     @property
     def per_prompt(self) -> int:
@@ -283,7 +283,7 @@ class Generation:
         choices = Choices(sampling.n)
         context = trace.set_span_in_context(trace.get_current_span())
         events = self.gw.dispatcher.generate(
-            self.rid if len(self.prompts) == 1 else f"{self.rid}-{p}",
+            self.client_id if len(self.prompts) == 1 else f"{self.client_id}-{p}",
             prompt.ids,
             sampling,
             context,

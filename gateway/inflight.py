@@ -200,7 +200,7 @@ class InFlight(DecodeStage):
         tried: set[str] = set()
         for _ in range(PREFILL_ATTEMPTS):
             skip = tried | await self.d.recovered(self.deadline)
-            worker = self.d.router.pick_prefill(self.prompt, exclude=skip, request_id=self.bus_id)
+            worker = self.d.router.pick_prefill(self.prompt, exclude=skip, bus_id=self.bus_id)
             if worker is None:
                 return None
             tried.add(worker)
@@ -227,12 +227,12 @@ class InFlight(DecodeStage):
             await self.d.send_prefill(
                 worker,
                 PrefillRequest(
-                    request_id=self.bus_id,
+                    bus_id=self.bus_id,
                     prompt_token_ids=self.prompt,
                     sampling=self.sampling,
                     reply_to=self.d.inbox,
                     deadline=on_wire(deadline),
-                    client_request_id=self.client_id,
+                    client_id=self.client_id,
                 ),
                 self.headers,
             )

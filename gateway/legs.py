@@ -35,13 +35,13 @@ from pdserve.shared.sampling import MAX_SEED, SamplingParams, choice_seed
 BUS_ID_SUFFIX = 16  # hex digits of randomness in a request's bus id
 
 
-def new_bus_id(client_request_id: str) -> str:
+def new_bus_id(client_id: str) -> str:
     """A request's id on the bus: the client's x-request-id (readable in worker logs) plus a
     random suffix. Clients reuse ids (retries, two tabs, two gateways behind one balancer), and
     a shared bus id would let one request's cancel or tokens reach the other. Each leg of a
     migrated request gets a fresh one, so the lost worker's late tokens never reach it."""
     keep = MAX_ID_CHARS - BUS_ID_SUFFIX - 1
-    return f"{client_request_id[:keep]}-{secrets.token_hex(BUS_ID_SUFFIX // 2)}"
+    return f"{client_id[:keep]}-{secrets.token_hex(BUS_ID_SUFFIX // 2)}"
 
 
 @dataclass

@@ -173,11 +173,11 @@ class Router:
         return out
 
     def pick_prefill(
-        self, prompt: list[int], exclude: set[str] | None = None, request_id: str | None = None
+        self, prompt: list[int], exclude: set[str] | None = None, bus_id: str | None = None
     ) -> str | None:
         """The prefill worker with the lowest cost for this prompt (see the module docstring).
 
-        With ``request_id``, call ``prefill_done(request_id)`` when its prefill answer arrives:
+        With ``bus_id``, call ``prefill_done(bus_id)`` when its prefill answer arrives:
         its work then stops counting as queued at once, not only at the worker's next report.
         """
         live = self.serving("prefill")
@@ -204,13 +204,13 @@ class Router:
             best.new_blocks if not t else t + TYPICAL_DECAY * (best.new_blocks - t)
         )
         self._remember(worker_id, best.new_blocks)
-        if request_id is not None:
-            self._in_prefill[request_id] = (worker_id, self._sent[worker_id][-1])
+        if bus_id is not None:
+            self._in_prefill[bus_id] = (worker_id, self._sent[worker_id][-1])
         self._expect(worker_id, best.hashes)
         return worker_id
 
-    def prefill_done(self, request_id: str) -> None:
-        worker_id, sent = self._in_prefill.pop(request_id, (None, None))
+    def prefill_done(self, bus_id: str) -> None:
+        worker_id, sent = self._in_prefill.pop(bus_id, (None, None))
         if worker_id is not None:
             with contextlib.suppress(ValueError):
                 self._sent.get(worker_id, []).remove(sent)
@@ -219,11 +219,11 @@ class Router:
         self,
         total_tokens: int,
         exclude: set[str] | None = None,
-        request_id: str | None = None,
+        bus_id: str | None = None,
         kv_layout: str = "",
     ) -> str | None:
         """The decode worker with the fewest requests (see the module docstring), then the most
-        free blocks. With ``request_id``, the request counts there until ``decode_done``.
+        free blocks. With ``bus_id``, the request counts there until ``decode_done``.
         ``kv_layout``: the prefilled blocks' layout (shared.kv_layout): only workers that can
         pull them qualify, unless none can (its pull refusal then reaches the client)."""
         candidates = [w for w in self.serving("decode") if w.worker_id not in (exclude or set())]
@@ -232,8 +232,8 @@ class Router:
         if kv_layout:
             fitting = [w for w in candidates if w.kv_layout in (kv_layout, "")]
             candidates = fitting or candidates
-        if request_id is not None:
-            self.decode_done(request_id)  # a retry moves it
+        if bus_id is not None:
+            self.decode_done(bus_id)  # a retry moves it
 
         blocks = self.blocks_for(total_tokens)
 
@@ -244,13 +244,13 @@ class Router:
 
         best = min(candidates, key=busy).worker_id
         self._remember(best, blocks)
-        if request_id is not None:
-            self._in_decode[request_id] = best
+        if bus_id is not None:
+            self._in_decode[bus_id] = best
             self._decoding[best] += 1
         return best
 
-    def decode_done(self, request_id: str) -> None:
-        worker_id = self._in_decode.pop(request_id, None)
+    def decode_done(self, bus_id: str) -> None:
+        worker_id = self._in_decode.pop(bus_id, None)
         if worker_id is not None:
             self._decoding[worker_id] -= 1
             if not self._decoding[worker_id]:

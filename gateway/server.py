@@ -43,7 +43,7 @@ from pdserve.gateway.generation import Prompt, serve_generation
 from pdserve.gateway.json_body import parse_json_body
 from pdserve.gateway.openapi import openapi_spec
 from pdserve.gateway.prompt_truncation import truncate_prompt
-from pdserve.gateway.state import ARRIVED_KEY, GATEWAY_KEY, REQUEST_ID_KEY, Gateway, new_gateway_id
+from pdserve.gateway.state import ARRIVED_KEY, CLIENT_ID_KEY, GATEWAY_KEY, Gateway, new_gateway_id
 from pdserve.gateway.tokenizer import ModelTokenizer
 from pdserve.shared import structured_output
 from pdserve.shared.bus.connection import Bus
@@ -67,10 +67,10 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 @web.middleware
 async def request_id_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     request[ARRIVED_KEY] = time.monotonic()  # TTFT and E2E count from here
-    rid = request.headers.get("x-request-id")
-    if rid is None or rid == "":
-        rid = uuid.uuid4().hex
-    elif not is_subject_token(rid):
+    client_id = request.headers.get("x-request-id")
+    if client_id is None or client_id == "":
+        client_id = uuid.uuid4().hex
+    elif not is_subject_token(client_id):
         err = bad_request(
             "x-request-id must be 1-128 characters of letters, digits, '_', '-' or ':'",
             "x-request-id",
@@ -79,10 +79,10 @@ async def request_id_middleware(request: web.Request, handler: Handler) -> web.S
         response = err.response()
         response.headers["x-request-id"] = uuid.uuid4().hex
         return response
-    request[REQUEST_ID_KEY] = rid
+    request[CLIENT_ID_KEY] = client_id
     response = await handler(request)
     if not response.prepared:
-        response.headers["x-request-id"] = rid
+        response.headers["x-request-id"] = client_id
     return response
 
 
@@ -95,7 +95,7 @@ async def tracing_middleware(request: web.Request, handler: Handler) -> web.Stre
     with _tracer.start_as_current_span(
         f"POST {request.path}", context=parent, kind=SpanKind.SERVER
     ) as span:
-        span.set_attribute(tr.ATTR_REQUEST_ID, request[REQUEST_ID_KEY])
+        span.set_attribute(tr.ATTR_REQUEST_ID, request[CLIENT_ID_KEY])
         span.set_attribute("http.request.method", "POST")
         span.set_attribute("url.path", request.path)
         response = await handler(request)

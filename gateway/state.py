@@ -94,13 +94,13 @@ class InFlightRequests:
         return len(self._ids)
 
     @contextlib.contextmanager
-    def admit(self, rid: str) -> Iterator[None]:
-        """Hold ``rid`` in flight for the block; refuse a duplicate id (409) or a full gateway
+    def admit(self, client_id: str) -> Iterator[None]:
+        """Hold ``client_id`` in flight for the block; refuse a duplicate id (409) or a full gateway
         (429)."""
-        if rid in self._ids:
+        if client_id in self._ids:
             raise APIError(
                 409,
-                f"a request with x-request-id {rid} is already in flight",
+                f"a request with x-request-id {client_id} is already in flight",
                 param="x-request-id",
                 code="duplicate_request_id",
             )
@@ -108,13 +108,13 @@ class InFlightRequests:
             raise overloaded(
                 f"the gateway has {len(self._ids)} requests in flight", retry_after=1.0
             )
-        self._ids.add(rid)
+        self._ids.add(client_id)
         self.idle.clear()
         self._gauge.inc()
         try:
             yield
         finally:
-            self._ids.discard(rid)
+            self._ids.discard(client_id)
             self._gauge.dec()
             if not self._ids:
                 self.idle.set()
@@ -244,5 +244,5 @@ def _prompt_logprobs(p: GenerationParams) -> int | None:
 
 
 GATEWAY_KEY = web.AppKey("gateway", Gateway)
-REQUEST_ID_KEY = web.RequestKey("request_id", str)
+CLIENT_ID_KEY = web.RequestKey("bus_id", str)
 ARRIVED_KEY = web.RequestKey("arrived", float)  # time.monotonic() when the request came in

@@ -96,7 +96,7 @@ class Chunks:
         return {**self.base, "choices": [], "usage": self.gen.progress.usage()}
 
     async def open(self, request: web.Request) -> SSEWriter:
-        w = await SSEWriter.open(request, {"x-request-id": self.gen.rid})
+        w = await SSEWriter.open(request, {"x-request-id": self.gen.client_id})
         if self.gen.chat:
             for choice in self.gen.choices:
                 await w.send(self.role_chunk(choice.index))
@@ -124,7 +124,7 @@ async def stream_response(request: web.Request, gen: Generation) -> web.StreamRe
         err = fault_error(exc)
         if writer is None:
             raise err from None
-        log.warning("request %s failed mid-stream: %s", gen.rid, exc)
+        log.warning("request %s failed mid-stream: %s", gen.client_id, exc)
         await writer.send(err.body())
         await writer.done()
         return writer.response
@@ -133,7 +133,7 @@ async def stream_response(request: web.Request, gen: Generation) -> web.StreamRe
         raise
     except Exception:
         # A bug must not look like a short but successful stream: end it with an error event.
-        log.exception("request %s failed", gen.rid)
+        log.exception("request %s failed", gen.client_id)
         progress.finish_reason = "error"
         if writer is None:
             raise

@@ -141,8 +141,8 @@ class DecodeSpy:
 
         async def on_msg(msg) -> None:
             body = decode(msg.data)
-            if isinstance(body, DecodeRequest) and body.client_request_id:
-                self.sent[body.client_request_id].append(msg.subject.rsplit(".", 1)[1])
+            if isinstance(body, DecodeRequest) and body.client_id:
+                self.sent[body.client_id].append(msg.subject.rsplit(".", 1)[1])
 
         await self.nc.subscribe("pdserve.decode.*", cb=on_msg)
         await self.nc.flush()

@@ -61,7 +61,7 @@ def prompt_logprobs(engine, prompts: dict[str, list[int]]) -> dict[str, TokenLog
         result = engine.step()
         for out in result.outputs if result else ():
             if out.prompt_logprobs is not None:
-                got[out.request_id].extend(out.prompt_logprobs)
+                got[out.bus_id].extend(out.prompt_logprobs)
     for rid, token_ids in prompts.items():
         if len(got[rid]) != len(token_ids) - 1:
             raise RuntimeError(

@@ -12,26 +12,23 @@ from pdserve.shared.telemetry import tracing
 
 @dataclass
 class RequestState:
-    request_id: str
+    bus_id: str
     reply_to: str
     deadline: float
     context: object  # OTel context extracted from the message headers
     arrival_ns: int = field(default_factory=time.time_ns)
     first_scheduled_ns: int | None = None
     num_prompt_tokens: int = 0
-    client_request_id: str | None = None  # the client's x-request-id, if the gateway sent it
+    # The id spans and logs carry: the one clients and operators know (their x-request-id), or
+    # the bus id where the sender named none.
+    client_id: str = ""
     # Its first token went out: its deadline no longer applies here. A long answer that keeps
     # streaming must not be cut off by a wall clock; the gateway ends one that stalls, and its
     # Cancel frees what the request holds here.
     started: bool = False
 
-    @property
-    def public_id(self) -> str:
-        """The id spans carry: the one clients and operators know (their x-request-id)."""
-        return self.client_request_id or self.request_id
-
     def attributes(self, worker_id: str) -> dict:
-        return {tracing.ATTR_REQUEST_ID: self.public_id, tracing.ATTR_WORKER_ID: worker_id}
+        return {tracing.ATTR_REQUEST_ID: self.client_id, tracing.ATTR_WORKER_ID: worker_id}
 
 
 def record_queue(state: RequestState, worker_id: str, span: str, start_ns: int) -> float | None:
@@ -62,7 +59,7 @@ def record_prefill_forward(state: RequestState, worker_id: str, step: StepResult
             **state.attributes(worker_id),
             tracing.ATTR_BATCH_SIZE: stats.num_seqs,
             tracing.ATTR_BATCH_TOKENS: stats.num_tokens,
-            tracing.ATTR_CACHED_TOKENS: stats.prefill_seqs.get(state.request_id, 0),
+            tracing.ATTR_CACHED_TOKENS: stats.prefill_seqs.get(state.bus_id, 0),
             **extra,
         },
     )

@@ -101,10 +101,10 @@ class Worker:
     async def housekeeping(self) -> None:
         """Periodic checks beyond deadlines (lease expiry...)."""
 
-    async def on_cancel(self, request_id: str) -> None:
+    async def on_cancel(self, bus_id: str) -> None:
         raise NotImplementedError
 
-    async def on_cancel_choice(self, request_id: str, index: int) -> None:
+    async def on_cancel_choice(self, bus_id: str, index: int) -> None:
         """Stop one choice of a request with several (only decode workers generate them)."""
 
     async def fail(self, state: RequestState, code: str, text: str) -> None:
@@ -182,21 +182,21 @@ class Worker:
 
     async def _on_cancel(self, msg: Cancel, headers: dict[str, str]) -> None:
         if msg.index is not None:
-            await self.on_cancel_choice(msg.request_id, msg.index)
+            await self.on_cancel_choice(msg.bus_id, msg.index)
             return
         # Cancels and requests travel on different subscriptions, so a cancel can overtake the
         # request it cancels: remember it for a while and drop that request when it arrives.
         now = time.monotonic()
-        self._recent_cancels[msg.request_id] = now
+        self._recent_cancels[msg.bus_id] = now
         while self._recent_cancels:
             rid, at = next(iter(self._recent_cancels.items()))
             if now - at < CANCEL_MEMORY_SECONDS and len(self._recent_cancels) <= CANCEL_MEMORY:
                 break
             del self._recent_cancels[rid]
-        await self.on_cancel(msg.request_id)
+        await self.on_cancel(msg.bus_id)
 
-    def was_cancelled(self, request_id: str) -> bool:
-        at = self._recent_cancels.get(request_id)
+    def was_cancelled(self, bus_id: str) -> bool:
+        at = self._recent_cancels.get(bus_id)
         return at is not None and time.monotonic() - at < CANCEL_MEMORY_SECONDS
 
     async def check_requests(self) -> bool:
@@ -211,8 +211,8 @@ class Worker:
             return False
         now = time.time()
         for state in [s for s in self.states.values() if s.deadline < now and not s.started]:
-            if self.states.get(state.request_id) is state:
-                log.warning("request %s passed its deadline", state.request_id)
+            if self.states.get(state.bus_id) is state:
+                log.warning("request %s passed its deadline", state.bus_id)
                 why = f"request deadline passed before its first token ({self.role})"
                 await self.fail(state, "deadline", why)
         await self.housekeeping()

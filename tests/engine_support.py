@@ -51,7 +51,7 @@ def run_staggered(
             engine.add_request(f"r{i}", p, sampling)
             outputs[f"r{i}"] = []
         for out in step_outputs(engine):
-            outputs[out.request_id].extend(out.new_token_ids)
+            outputs[out.bus_id].extend(out.new_token_ids)
     return [outputs[f"r{i}"] for i in range(len(prompts))]
 
 

@@ -152,10 +152,10 @@ class _SpanStore:
             out.setdefault(span.trace_id, []).append(span)
         return out
 
-    def request_spans(self, request_id: str) -> list[ReceivedSpan]:
+    def request_spans(self, client_id: str) -> list[ReceivedSpan]:
         """Every span of the trace(s) in which some span carries ``pdserve.request_id``."""
         spans = self.spans
-        ids = {s.trace_id for s in spans if s.attributes.get("pdserve.request_id") == request_id}
+        ids = {s.trace_id for s in spans if s.attributes.get("pdserve.request_id") == client_id}
         return sorted((s for s in spans if s.trace_id in ids), key=lambda s: s.start_ns)
 
     def wait_for_sync(

@@ -46,7 +46,7 @@ class DecodeState(RequestState):
 
 def check_answer(check: StreamCheck, state: DecodeState | None, worker_id: str) -> list[TokenItem]:
     """The items that answer ``check``, ``state`` being its request's here (None: none)."""
-    rid = check.request_id
+    rid = check.bus_id
     if state is None:
         return [TokenItem(rid, [], "error", f"decode worker {worker_id} has no {rid}", "unknown")]
     return [TokenItem(rid, [], index=i, position=p) for i, p in sorted(state.positions.items())]

@@ -173,67 +173,67 @@ class DecodeWorker(Worker):
     async def _on_request(self, req: DecodeRequest | StreamCheck, headers: dict[str, str]) -> None:
         if not self.reply_ok(req.reply_to):
             log.warning(
-                "dropping %s: reply subject %r is not a gateway inbox", req.request_id, req.reply_to
+                "dropping %s: reply subject %r is not a gateway inbox", req.bus_id, req.reply_to
             )
             return
         if isinstance(req, StreamCheck):
             self._answer_check(req)
             return
-        if self.was_cancelled(req.request_id):  # the gateway gave up on it already
+        if self.was_cancelled(req.bus_id):  # the gateway gave up on it already
             if req.kv is not None:
-                await self._release_lease(req.request_id, req.kv)
+                await self._release_lease(req.bus_id, req.kv)
             return
         refusal = self._refusal(req)
         if refusal is not None:
-            await self._fail_request(req.reply_to, req.request_id, *refusal)
+            await self._fail_request(req.reply_to, req.bus_id, *refusal)
             if req.kv is not None and refusal[0] != "invalid":
-                await self._release_lease(req.request_id, req.kv)  # its KV is of no use now
+                await self._release_lease(req.bus_id, req.kv)  # its KV is of no use now
             return
         state = DecodeState(
-            req.request_id, req.reply_to, req.deadline, tracing.extract_context(headers)
+            req.bus_id, req.reply_to, req.deadline, tracing.extract_context(headers)
         )
         state.num_prompt_tokens = len(req.prompt_token_ids)
-        state.client_request_id = req.client_request_id
+        state.client_id = req.client_id or req.bus_id
         state.local_prefill = req.kv is None
         state.lease = req.kv
         state.positions[0] = len(req.output_token_ids)  # forked choices start empty
         try:
             self.engine.add_request(
-                req.request_id,
+                req.bus_id,
                 req.prompt_token_ids,
                 req.sampling,
                 req.output_token_ids,
                 remote_kv=req.kv is not None,
             )
         except ValueError as exc:  # invalid for this model (too long, token id out of range...)
-            await self._fail_request(req.reply_to, req.request_id, "invalid", str(exc))
+            await self._fail_request(req.reply_to, req.bus_id, "invalid", str(exc))
             if req.kv is not None:
-                await self._release_lease(req.request_id, req.kv)
+                await self._release_lease(req.bus_id, req.kv)
             return
-        self.states[req.request_id] = state
+        self.states[req.bus_id] = state
 
     def _refusal(self, req: DecodeRequest) -> tuple[str, str] | None:
         if self.draining:
             return "draining", f"decode worker {self.worker_id} is draining"
         if req.deadline < time.time():
             return "deadline", "the request's deadline passed before decode"
-        if req.request_id in self.states:
-            return "invalid", f"duplicate request id {req.request_id}"
+        if req.bus_id in self.states:
+            return "invalid", f"duplicate request id {req.bus_id}"
         if len(self.states) >= self.config.max_queue:
             return "overloaded", f"decode worker {self.worker_id} is full"
         return None
 
     def _start_pull(self, pull: KVPull) -> None:
         """The engine reserved blocks for a request's KV: pull into them, or say why not."""
-        state = self.states.get(pull.request_id)
+        state = self.states.get(pull.bus_id)
         if state is None or state.lease is None:  # dropped meanwhile (its lease went with it)
-            self.engine.kv_failed(pull.request_id, "the request ended before its pull")
+            self.engine.kv_failed(pull.bus_id, "the request ended before its pull")
             return
         handle, state.lease = state.lease, None  # the pull releases the lease when done
         self.spawn(self._pull(state, handle, pull.block_ids))
 
     async def _pull(self, state: DecodeState, handle: KVHandle, blocks: list[int]) -> None:
-        rid = state.request_id
+        rid = state.bus_id
         start_ns = time.time_ns()
         timeout = max(0.1, min(PULL_TIMEOUT, state.deadline - time.time()))
         try:
@@ -257,7 +257,7 @@ class DecodeWorker(Worker):
             context=state.context,
             attributes={
                 **tracing.kv_transfer_attributes(
-                    state.public_id, stats.num_bytes, stats.num_blocks, stats.seconds, "ucx"
+                    state.client_id, stats.num_bytes, stats.num_blocks, stats.seconds, "ucx"
                 ),
                 tracing.ATTR_WORKER_ID: self.worker_id,
                 "pdserve.kv.messages": stats.num_messages,
@@ -265,21 +265,21 @@ class DecodeWorker(Worker):
             },
         )
 
-    async def _release_lease(self, request_id: str, handle: KVHandle) -> None:
+    async def _release_lease(self, bus_id: str, handle: KVHandle) -> None:
         try:
-            await self.bus.publish(self.subjects.lease(handle.worker_id), ReleaseLease(request_id))
+            await self.bus.publish(self.subjects.lease(handle.worker_id), ReleaseLease(bus_id))
         except Exception as exc:  # the lease expires on its own
-            log.info("could not release the lease of %s: %s", request_id, exc)
+            log.info("could not release the lease of %s: %s", bus_id, exc)
 
     def _end(self, state: DecodeState) -> None:
         """The request leaves this worker (finished, failed, cancelled)."""
-        self.states.pop(state.request_id, None)
+        self.states.pop(state.bus_id, None)
         if state.lease is not None:  # never pulled: the prefill worker can free it now
-            self.spawn(self._release_lease(state.request_id, state.lease))
+            self.spawn(self._release_lease(state.bus_id, state.lease))
             state.lease = None
 
-    async def _fail_request(self, reply_to: str, request_id: str, code: str, text: str) -> None:
-        await self._publish_batch(reply_to, [TokenItem(request_id, [], "error", text, code)])
+    async def _fail_request(self, reply_to: str, bus_id: str, code: str, text: str) -> None:
+        await self._publish_batch(reply_to, [TokenItem(bus_id, [], "error", text, code)])
 
     async def _publish_batch(
         self, reply_to: str, items: list[TokenItem], replayable: bool = False
@@ -294,7 +294,7 @@ class DecodeWorker(Worker):
     def _answer_check(self, check: StreamCheck) -> None:
         # Spawned like the token batches, after them: tasks start in order and each publish is
         # in the connection's buffer before it yields, so the answer follows what it counts.
-        items = check_answer(check, self.states.get(check.request_id), self.worker_id)
+        items = check_answer(check, self.states.get(check.bus_id), self.worker_id)
         self.spawn(self._replay_and_answer(check.reply_to, items))
 
     async def _replay_and_answer(self, reply_to: str, items: list[TokenItem]) -> None:
@@ -318,7 +318,7 @@ class DecodeWorker(Worker):
             self._start_pull(pull)
         batches: dict[str, list[TokenItem]] = {}
         for out in step.outputs:
-            state = self.states.get(out.request_id)
+            state = self.states.get(out.bus_id)
             if state is not None:
                 item = self._item(state, out, step)
                 batches.setdefault(state.reply_to, []).append(item)
@@ -327,7 +327,7 @@ class DecodeWorker(Worker):
         self.update_metrics()
 
     def _item(self, state: DecodeState, out: StepOutput, step: StepResult) -> TokenItem:
-        rid = out.request_id
+        rid = out.bus_id
         if out.finish_reason == "error":  # the pull failed under the fail policy
             self._end(state)
             return TokenItem(rid, [], "error", out.error, "kv_transfer")
@@ -359,20 +359,20 @@ class DecodeWorker(Worker):
 
     # -- cancel, deadlines ---------------------------------------------------------------------
 
-    async def on_cancel(self, request_id: str) -> None:
-        state = self.states.get(request_id)
+    async def on_cancel(self, bus_id: str) -> None:
+        state = self.states.get(bus_id)
         if state is None:
             return
         self._end(state)
-        self.engine.abort(request_id)  # mid-pull: freed once the pull stops writing
+        self.engine.abort(bus_id)  # mid-pull: freed once the pull stops writing
 
-    async def on_cancel_choice(self, request_id: str, index: int) -> None:
-        if request_id in self.states:
-            self.engine.abort(request_id, index)
+    async def on_cancel_choice(self, bus_id: str, index: int) -> None:
+        if bus_id in self.states:
+            self.engine.abort(bus_id, index)
 
     async def fail(self, state: RequestState, code: str, text: str) -> None:
-        await self.on_cancel(state.request_id)
-        await self._fail_request(state.reply_to, state.request_id, code, text)
+        await self.on_cancel(state.bus_id)
+        await self._fail_request(state.reply_to, state.bus_id, code, text)
 
 
 def run(ns: argparse.Namespace) -> int:

@@ -43,7 +43,7 @@ def fork_choice(parent: Sequence, index: int) -> Sequence:
     if sampling.prompt_logprobs is not None:
         sampling = dataclasses.replace(sampling, prompt_logprobs=None)
     child = Sequence(
-        parent.request_id,
+        parent.bus_id,
         parent.token_ids[: parent.num_prompt_tokens],
         sampling,
         choice_seed(parent.seed, index),
@@ -56,7 +56,7 @@ def fork_choice(parent: Sequence, index: int) -> Sequence:
 
 @dataclass
 class ChoiceGroup:
-    request_id: str
+    bus_id: str
     seqs: dict[int, Sequence]  # by choice index: the sequences that hold state in the engine
     unfinished: set[int]  # choices neither finished nor aborted, forked or not
     unforked: list[int] = field(default_factory=list)  # choices still to fork from choice 0
@@ -64,7 +64,7 @@ class ChoiceGroup:
     @classmethod
     def start(cls, seq: Sequence, n: int) -> ChoiceGroup:
         """A new request: its choice 0, and ``n - 1`` more to fork later."""
-        return cls(seq.request_id, {0: seq}, set(range(n)), list(range(1, n)))
+        return cls(seq.bus_id, {0: seq}, set(range(n)), list(range(1, n)))
 
     def needs(self, seq: Sequence) -> bool:
         """Still generating its choice, or carrying the prompt's KV for choices still to fork."""

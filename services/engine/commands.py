@@ -18,7 +18,7 @@ from pdserve.shared.sampling import SamplingParams
 
 @dataclass(frozen=True)
 class AddRequest:
-    request_id: str
+    bus_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     output_token_ids: tuple[int, ...] = ()  # tokens generated elsewhere (the first token)
@@ -27,23 +27,23 @@ class AddRequest:
 
 @dataclass(frozen=True)
 class Abort:
-    request_id: str
+    bus_id: str
     index: int | None = None  # one choice (sampling.n > 1), or None: the whole request
 
 
 @dataclass(frozen=True)
 class Release:
-    request_id: str  # a parked (PREFILLED) request or a held block
+    bus_id: str  # a parked (PREFILLED) request or a held block
 
 
 @dataclass(frozen=True)
 class KVReady:
-    request_id: str
+    bus_id: str
 
 
 @dataclass(frozen=True)
 class KVFailed:
-    request_id: str
+    bus_id: str
     error: str
 
 

@@ -175,7 +175,7 @@ class LLMEngine(RequestLifecycle):
 
     def add_request(
         self,
-        request_id: str,
+        bus_id: str,
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         output_token_ids: list[int] | tuple[int, ...] = (),
@@ -186,29 +186,27 @@ class LLMEngine(RequestLifecycle):
         them; with ``remote_kv`` its prompt's KV is pulled into blocks the engine reserves."""
         self.validate(prompt_token_ids, sampling)
         self._post(
-            AddRequest(
-                request_id, list(prompt_token_ids), sampling, tuple(output_token_ids), remote_kv
-            )
+            AddRequest(bus_id, list(prompt_token_ids), sampling, tuple(output_token_ids), remote_kv)
         )
 
-    def abort(self, request_id: str, index: int | None = None) -> None:
+    def abort(self, bus_id: str, index: int | None = None) -> None:
         """Drop a request wherever it is, or only its choice ``index`` (sampling.n > 1); blocks
         return to the free list (after its pull, if KV is being pulled into them). Aborted
         choices produce no output. Unknown ids and choices are ignored."""
-        self._post(Abort(request_id, index))
+        self._post(Abort(bus_id, index))
 
-    def release(self, request_id: str) -> None:
+    def release(self, bus_id: str) -> None:
         """Free a parked (prefill-only) sequence's blocks, or a block from ``hold_block``."""
-        self._post(Release(request_id))
+        self._post(Release(bus_id))
 
-    def kv_ready(self, request_id: str) -> None:
+    def kv_ready(self, bus_id: str) -> None:
         """The pull of a ``KVPull`` completed: the sequence joins the running batch."""
-        self._post(KVReady(request_id))
+        self._post(KVReady(bus_id))
 
-    def kv_failed(self, request_id: str, error: str) -> None:
+    def kv_failed(self, bus_id: str, error: str) -> None:
         """The pull of a ``KVPull`` failed (or was not attempted): ``kv_failure_policy`` decides
         between computing the prompt here and finishing with an error output."""
-        self._post(KVFailed(request_id, error))
+        self._post(KVFailed(bus_id, error))
 
     def hold_block(self, hold_id: str) -> Future:
         """One free block under ``hold_id`` until ``release`` (the doctor's probes). Refused
@@ -258,7 +256,7 @@ class LLMEngine(RequestLifecycle):
         stats = StepStats()
         pulls: list[KVPull] = []
         if batch is not None:
-            pulls = [KVPull(s.request_id, list(s.block_table)) for s in batch.pulls]
+            pulls = [KVPull(s.bus_id, list(s.block_table)) for s in batch.pulls]
             if batch.seqs:
                 stats = self._forward(batch, outputs)
         self._publish()
@@ -305,7 +303,7 @@ class LLMEngine(RequestLifecycle):
             if self._fork(seq):  # it only carried the prompt for its request's other choices
                 continue
             out = StepOutput(
-                seq.request_id, new_tokens, reason, seq.num_prefix_hit_tokens, index=seq.index
+                seq.bus_id, new_tokens, reason, seq.num_prefix_hit_tokens, index=seq.index
             )
             out.num_draft_tokens, out.num_accepted_tokens = drafted, accepted
             if new_tokens and i in run.logprobs:
@@ -318,7 +316,7 @@ class LLMEngine(RequestLifecycle):
                 out.kv_block_ids, out.num_kv_tokens = list(seq.block_table), seq.num_computed_tokens
             outputs.append(out)
         prefills = batch.seqs[batch.num_decodes + batch.num_verifies :]
-        stats.prefill_seqs = {s.request_id: s.num_prefix_hit_tokens for s in prefills}
+        stats.prefill_seqs = {s.bus_id: s.num_prefix_hit_tokens for s in prefills}
         if self.speculator is not None and not prefills:  # what a draft token costs here
             self.speculator.cost.observe(batch.num_tokens, elapsed)
         return stats
@@ -374,5 +372,5 @@ class LLMEngine(RequestLifecycle):
         while self.has_unfinished():
             result = self.step()
             for out in result.outputs if result else ():
-                outputs[out.request_id][out.index].extend(out.new_token_ids)
+                outputs[out.bus_id][out.index].extend(out.new_token_ids)
         return [outputs[rid] for rid in ids]

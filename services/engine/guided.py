@@ -102,7 +102,7 @@ class GuidedDecoder:
                 state.failed = True
                 error = matcher.get_error().strip().splitlines()[:1]  # (then a state dump)
                 log.warning("%s: output token %d broke its grammar (%s); only EOS from here",
-                            seq.request_id, token, error[0] if error else "?")  # fmt: skip
+                            seq.bus_id, token, error[0] if error else "?")  # fmt: skip
 
     def bitmask(
         self, seqs: list[Sequence], device: torch.device | None = None

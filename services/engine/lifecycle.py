@@ -57,7 +57,7 @@ class RequestLifecycle:
             self._add(cmd, outputs)
         elif isinstance(cmd, HoldBlock):
             self._hold(cmd)
-        elif (group := self.requests.get(cmd.request_id)) is None:
+        elif (group := self.requests.get(cmd.bus_id)) is None:
             return  # finished or aborted meanwhile
         elif isinstance(cmd, Abort):
             self._abort(group, cmd.index)
@@ -76,7 +76,7 @@ class RequestLifecycle:
             self._kv_failed(seq, cmd.error, outputs)
 
     def _add(self, cmd: AddRequest, outputs: list[StepOutput]) -> None:
-        rid = cmd.request_id
+        rid = cmd.bus_id
         if rid in self.requests:
             log.error("dropping a second request with id %r", rid)
             return
@@ -101,7 +101,7 @@ class RequestLifecycle:
 
     def _register(self, seq: Sequence, n: int) -> None:
         self.seqs[seq.seq_id] = seq
-        self.requests[seq.request_id] = ChoiceGroup.start(seq, n)
+        self.requests[seq.bus_id] = ChoiceGroup.start(seq, n)
 
     def _abort(self, group: ChoiceGroup, index: int | None) -> None:
         for seq in group.end_choice(index):
@@ -121,11 +121,9 @@ class RequestLifecycle:
         if self.kv_failure_policy == "fail":  # the whole request: no choice was forked yet
             self._finish(seq, "error")
             text = f"KV transfer failed: {error}"
-            outputs.append(
-                StepOutput(seq.request_id, [], "error", error=text, request_finished=True)
-            )
+            outputs.append(StepOutput(seq.bus_id, [], "error", error=text, request_finished=True))
             return
-        log.info("recomputing the prefill of %s here: %s", seq.request_id, error)
+        log.info("recomputing the prefill of %s here: %s", seq.bus_id, error)
         self.scheduler.remove(seq)  # frees its blocks: the pull is over
         seq.remote_kv = False
         seq.num_computed_tokens = 0
@@ -136,7 +134,7 @@ class RequestLifecycle:
         complete and first token sampled) if they are still to fork (``choices.py``). True when
         ``seq`` only carried the prompt for them (its own choice is over) and has left: it has
         nothing to say."""
-        group = self.requests[seq.request_id]
+        group = self.requests[seq.bus_id]
         if not group.unforked or self.prefill_only:  # a prefill worker's: forked after the pull
             return False
         children, copies = group.fork(seq, self.block_manager, self.scheduler)
@@ -179,8 +177,8 @@ class RequestLifecycle:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self.seqs[seq.seq_id]
-        group = self.requests[seq.request_id]
+        group = self.requests[seq.bus_id]
         request_finished = group.remove(seq)
         if not group.seqs:  # (choices never forked here, e.g. on a prefill worker, end too)
-            del self.requests[seq.request_id]
+            del self.requests[seq.bus_id]
         return request_finished

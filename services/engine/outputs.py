@@ -11,7 +11,7 @@ from pdserve.shared.logprobs import TokenLogprobs
 
 @dataclass
 class StepOutput:
-    request_id: str
+    bus_id: str
     new_token_ids: list[int]
     # Of choice ``index``: "stop", "length", "error" (e.g. a failed KV pull under the fail
     # policy: it ends the whole request), or None while the choice goes on. Aborted choices
@@ -57,7 +57,7 @@ class KVPull:
     """The engine reserved ``block_ids`` for a sequence whose prompt KV a prefill worker holds:
     the worker pulls into them and answers ``kv_ready`` or ``kv_failed`` (exactly once)."""
 
-    request_id: str
+    bus_id: str
     block_ids: list[int]
 
 

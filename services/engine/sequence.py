@@ -26,19 +26,19 @@ class SequenceStatus(Enum):
 class Sequence:
     def __init__(
         self,
-        request_id: str,
+        bus_id: str,
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         seed: int,
         arrival: float,
         index: int = 0,
     ) -> None:
-        self.request_id = request_id
+        self.bus_id = bus_id
         # The choice this sequence generates (sampling.n > 1: choices 1.. are forked from
         # choice 0 once its prompt's KV is complete, see ``choices.py``), and its name in the
         # engine: the request id for choice 0, "<request id>#<index>" for the others.
         self.index = index
-        self.seq_id = request_id if index == 0 else f"{request_id}#{index}"
+        self.seq_id = bus_id if index == 0 else f"{bus_id}#{index}"
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling = sampling

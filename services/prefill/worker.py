@@ -82,40 +82,40 @@ class PrefillWorker(Worker):
     async def _on_request(self, req: PrefillRequest, headers: dict[str, str]) -> None:
         if not self.reply_ok(req.reply_to):
             log.warning(
-                "dropping %s: reply subject %r is not a gateway inbox", req.request_id, req.reply_to
+                "dropping %s: reply subject %r is not a gateway inbox", req.bus_id, req.reply_to
             )
             return
-        if self.was_cancelled(req.request_id):
+        if self.was_cancelled(req.bus_id):
             return  # the gateway gave up on it already
         refusal = self._refusal(req)
         if refusal is not None:
             code, text = refusal
             await self._reply(
-                req.reply_to, PrefillResult.failure(req.request_id, self.worker_id, code, text)
+                req.reply_to, PrefillResult.failure(req.bus_id, self.worker_id, code, text)
             )
             return
         state = RequestState(
-            req.request_id, req.reply_to, req.deadline, tracing.extract_context(headers)
+            req.bus_id, req.reply_to, req.deadline, tracing.extract_context(headers)
         )
         state.num_prompt_tokens = len(req.prompt_token_ids)
-        state.client_request_id = req.client_request_id
+        state.client_id = req.client_id or req.bus_id
         try:
-            self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling)
+            self.engine.add_request(req.bus_id, req.prompt_token_ids, req.sampling)
         except ValueError as exc:  # invalid for this model (too long, token id out of range...)
             await self._reply(
                 req.reply_to,
-                PrefillResult.failure(req.request_id, self.worker_id, "invalid", str(exc)),
+                PrefillResult.failure(req.bus_id, self.worker_id, "invalid", str(exc)),
             )
             return
-        self.states[req.request_id] = state
+        self.states[req.bus_id] = state
 
     def _refusal(self, req: PrefillRequest) -> tuple[str, str] | None:
         if self.draining:
             return "draining", f"prefill worker {self.worker_id} is draining"
         if req.deadline < time.time():
             return "deadline", "the request's deadline passed before prefill"
-        if req.request_id in self.states or self.leases.get(req.request_id) is not None:
-            return "invalid", f"duplicate request id {req.request_id}"
+        if req.bus_id in self.states or self.leases.get(req.bus_id) is not None:
+            return "invalid", f"duplicate request id {req.bus_id}"
         if len(self.states) >= self.config.max_queue:
             return "overloaded", f"prefill worker {self.worker_id} queue is full"
         return None
@@ -126,16 +126,16 @@ class PrefillWorker(Worker):
         try:
             await self.bus.publish(subject, result, headers)
         except Exception as exc:
-            log.warning("could not reply for %s: %s", result.request_id, exc)
+            log.warning("could not reply for %s: %s", result.bus_id, exc)
 
     # -- engine outputs ------------------------------------------------------------------------
 
     def on_step(self, step: StepResult) -> None:
         self._record_forward(step)
         for out in step.outputs:
-            state = self.states.pop(out.request_id, None)
+            state = self.states.pop(out.bus_id, None)
             if state is None:  # cancelled meanwhile: make sure nothing stays parked
-                self.engine.release(out.request_id)
+                self.engine.release(out.bus_id)
                 continue
             self.metrics.prefill_time.observe(
                 (step.end_ns - (state.first_scheduled_ns or step.start_ns)) / 1e9
@@ -144,11 +144,11 @@ class PrefillWorker(Worker):
             kv = None
             if out.kv_block_ids is not None:  # parked: its blocks go under a lease
                 lease = self.leases.add(
-                    out.request_id, out.kv_block_ids, out.num_kv_tokens, self.config.lease_seconds
+                    out.bus_id, out.kv_block_ids, out.num_kv_tokens, self.config.lease_seconds
                 )
                 kv = self.make_handle(lease)
             result = PrefillResult(
-                request_id=out.request_id,
+                bus_id=out.bus_id,
                 worker_id=self.worker_id,
                 first_token=token,
                 finish_reason=out.finish_reason,
@@ -186,23 +186,23 @@ class PrefillWorker(Worker):
 
     # -- leases, cancel, deadlines ---------------------------------------------------------------
 
-    def _free_lease(self, request_id: str) -> None:
-        self.engine.release(request_id)  # waiting prompts may fit now
+    def _free_lease(self, bus_id: str) -> None:
+        self.engine.release(bus_id)  # waiting prompts may fit now
 
     async def _on_release(self, msg: ReleaseLease, headers: dict[str, str]) -> None:
-        self.leases.release(msg.request_id)
+        self.leases.release(msg.bus_id)
         self.update_metrics()
 
-    async def on_cancel(self, request_id: str) -> None:
-        if self.states.pop(request_id, None) is not None:
-            self.engine.abort(request_id)
+    async def on_cancel(self, bus_id: str) -> None:
+        if self.states.pop(bus_id, None) is not None:
+            self.engine.abort(bus_id)
         else:
-            self.leases.release(request_id)
+            self.leases.release(bus_id)
 
     async def fail(self, state: RequestState, code: str, text: str) -> None:
-        self.states.pop(state.request_id, None)
-        self.engine.abort(state.request_id)
-        result = PrefillResult.failure(state.request_id, self.worker_id, code, text)
+        self.states.pop(state.bus_id, None)
+        self.engine.abort(state.bus_id)
+        result = PrefillResult.failure(state.bus_id, self.worker_id, code, text)
         await self._reply(state.reply_to, result)
 
     async def housekeeping(self) -> None:

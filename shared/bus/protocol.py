@@ -60,7 +60,8 @@ from pdserve.shared.sampling import (
     SamplingParams,
 )
 
-PROTOCOL_VERSION = 4  # 3: n choices, log-probs, penalties, structured output; 4: positions
+PROTOCOL_VERSION = 5  # 3: n choices, log-probs, penalties, structured output; 4: positions;
+# 5: one name per id (bus_id on the bus, client_id for the x-request-id)
 
 ROLES = ("prefill", "decode")
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -100,20 +101,20 @@ class KVHandle:
 @dataclass
 class PrefillRequest:
     TYPE: ClassVar[str] = "prefill_request"
-    request_id: str = ident()
+    bus_id: str = ident()
     prompt_token_ids: list[int] = tokens()
     sampling: SamplingParams = bounded()
     reply_to: str = subject()
     deadline: float = seconds()
     # the client's x-request-id: the bus id above is the gateway's own (unique), this one names
     # the request on spans and in logs, where people look it up
-    client_request_id: str | None = ident(default=None)
+    client_id: str | None = ident(default=None)
 
 
 @dataclass
 class PrefillResult:
     TYPE: ClassVar[str] = "prefill_result"
-    request_id: str = ident()
+    bus_id: str = ident()
     worker_id: str = ident()
     first_token: int | None = count(hi=MAX_TOKEN_ID)
     finish_reason: str | None = text(max_len=16, choices=FINISH_REASONS)
@@ -128,15 +129,15 @@ class PrefillResult:
     prompt_logprobs: TokenLogprobs | None = bounded(default=None)
 
     @classmethod
-    def failure(cls, request_id: str, worker_id: str, code: str, error: str) -> PrefillResult:
-        """The prefill of ``request_id`` ended with an error (``code``: see ERROR_CODES)."""
-        return cls(request_id, worker_id, None, "error", None, error, 0, code)
+    def failure(cls, bus_id: str, worker_id: str, code: str, error: str) -> PrefillResult:
+        """The prefill of ``bus_id`` ended with an error (``code``: see ERROR_CODES)."""
+        return cls(bus_id, worker_id, None, "error", None, error, 0, code)
 
 
 @dataclass
 class DecodeRequest:
     TYPE: ClassVar[str] = "decode_request"
-    request_id: str = ident()
+    bus_id: str = ident()
     prompt_token_ids: list[int] = tokens()
     output_token_ids: list[int] = tokens()  # already generated, e.g. [first_token]
     sampling: SamplingParams = bounded()
@@ -145,7 +146,7 @@ class DecodeRequest:
     # the first token's: a worker drops the request when it passes before then (queued,
     # pulling, prefilling), never once it streams - the gateway judges stalls from there
     deadline: float = seconds()
-    client_request_id: str | None = ident(default=None)  # as in PrefillRequest
+    client_id: str | None = ident(default=None)  # as in PrefillRequest
 
 
 @dataclass
@@ -154,7 +155,7 @@ class TokenItem:
     tokens and ``finish_reason == "error"``. No tokens and no finish_reason: it answers a
     StreamCheck (``position`` is then where the choice's next token goes)."""
 
-    request_id: str = ident()
+    bus_id: str = ident()
     token_ids: list[int] = tokens()
     finish_reason: str | None = text(max_len=16, choices=FINISH_REASONS, default=None)
     error: str | None = text(default=None)
@@ -181,24 +182,24 @@ class TokenBatch:
 
 @dataclass
 class StreamCheck:
-    """Where does the stream of ``request_id`` stand? The worker sends ``reply_to`` its recent
+    """Where does the stream of ``bus_id`` stand? The worker sends ``reply_to`` its recent
     token batches again, then a TokenItem without tokens per choice, or an "unknown" error."""
 
     TYPE: ClassVar[str] = "stream_check"
-    request_id: str = ident()
+    bus_id: str = ident()
     reply_to: str = subject()
 
 
 @dataclass
 class ReleaseLease:
     TYPE: ClassVar[str] = "release_lease"
-    request_id: str = ident()
+    bus_id: str = ident()
 
 
 @dataclass
 class Cancel:
     TYPE: ClassVar[str] = "cancel"
-    request_id: str = ident()
+    bus_id: str = ident()
     # one choice of a request with sampling.n > 1 (a stop string ended it); None: all of it
     index: int | None = count(hi=MAX_N - 1, default=None)
 

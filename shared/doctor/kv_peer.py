@@ -122,7 +122,7 @@ async def serve(geometry: Geometry, num_blocks: int, token: str, host: str) -> N
     cache = geometry.empty_cache(num_blocks)
     # block b holds the word b everywhere, so the puller can check which block landed where
     block_words(cache).copy_(torch.arange(num_blocks, dtype=torch.int16)[:, None])
-    leases = LeaseTable(on_free=lambda request_id: None)
+    leases = LeaseTable(on_free=lambda bus_id: None)
     leases.add(LEASE_ID, list(range(num_blocks)), num_blocks * geometry.block_size, ttl=1e9)
     leases.leases[LEASE_ID].token = token
     server = KVServer(cache, geometry.fingerprint(), leases, host=host)

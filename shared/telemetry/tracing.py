@@ -251,12 +251,12 @@ def record_span(
 
 
 def kv_transfer_attributes(
-    request_id: str, num_bytes: int, num_blocks: int, seconds: float, transport: str
+    client_id: str, num_bytes: int, num_blocks: int, seconds: float, transport: str
 ) -> dict[str, Any]:
     """The ``kv.transfer`` span attributes, with GB/s computed the same way everywhere."""
     gbps = num_bytes / seconds / 1e9 if seconds > 0 else 0.0
     return {
-        ATTR_REQUEST_ID: request_id,
+        ATTR_REQUEST_ID: client_id,
         ATTR_KV_BYTES: int(num_bytes),
         ATTR_KV_BLOCKS: int(num_blocks),
         ATTR_KV_SECONDS: float(seconds),

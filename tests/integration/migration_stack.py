@@ -178,12 +178,12 @@ class DecodeSpy:
         async def on_msg(msg) -> None:
             body = decode(msg.data)
             if isinstance(body, DecodeRequest):
-                self.sent[body.client_request_id].append(msg.subject.rsplit(".", 1)[1])
-                self.seeds[body.client_request_id].append(body.sampling.seed)
-                self.first.setdefault(body.client_request_id, body)
+                self.sent[body.client_id].append(msg.subject.rsplit(".", 1)[1])
+                self.seeds[body.client_id].append(body.sampling.seed)
+                self.first.setdefault(body.client_id, body)
             elif isinstance(body, TokenBatch):
                 for item in body.items:
-                    self.items[item.request_id].append(item)
+                    self.items[item.bus_id].append(item)
 
         await self.nc.subscribe("pdserve.decode.*", cb=on_msg)
         await self.nc.subscribe("pdserve.gw.*", cb=on_msg)
@@ -196,7 +196,7 @@ class DecodeSpy:
         leg = self.first[rid]
         have: dict[int, set[int]] = defaultdict(set)
         upto = {0: len(leg.output_token_ids)}
-        for item in self.items[leg.request_id]:
+        for item in self.items[leg.bus_id]:
             if item.error is None:
                 end = item.position + len(item.token_ids)
                 have[item.index].update(range(item.position, end))

@@ -693,7 +693,7 @@ def test_cpu_profile_serves_a_request_end_to_end(cpu_profile_stack: LocalStack) 
     status, _, models = http_json(f"{url}/v1/models")
     assert status == 200, models
     model = models["data"][0]["id"]
-    request_id = f"compose-{uuid.uuid4().hex[:12]}"
+    client_id = f"compose-{uuid.uuid4().hex[:12]}"
     body = {
         "model": model,
         "prompt": "compose keeps in step",
@@ -702,10 +702,10 @@ def test_cpu_profile_serves_a_request_end_to_end(cpu_profile_stack: LocalStack) 
         "ignore_eos": True,
     }
     status, headers, reply = http_json(
-        f"{url}/v1/completions", body, headers={"x-request-id": request_id}
+        f"{url}/v1/completions", body, headers={"x-request-id": client_id}
     )
     assert status == 200, reply
-    assert {k.lower(): v for k, v in headers.items()}.get("x-request-id") == request_id
+    assert {k.lower(): v for k, v in headers.items()}.get("x-request-id") == client_id
     choice = reply["choices"][0]
     assert isinstance(choice["text"], str)
     assert choice["finish_reason"] == "length"
@@ -725,7 +725,7 @@ def test_cpu_profile_serves_a_request_end_to_end(cpu_profile_stack: LocalStack) 
     def complete_trace(spans: list) -> bool:
         by_trace: dict[str, set[tuple[str, str]]] = {}
         for span in spans:
-            if span.attributes.get(ATTR_REQUEST_ID) != request_id:
+            if span.attributes.get(ATTR_REQUEST_ID) != client_id:
                 continue
             seen = by_trace.setdefault(span.trace_id, set())
             seen.add((span.service, SERVER if span.kind == 2 else span.name))
@@ -735,7 +735,7 @@ def test_cpu_profile_serves_a_request_end_to_end(cpu_profile_stack: LocalStack) 
     transfer = next(
         s
         for s in spans
-        if s.name == SPAN_KV_TRANSFER and s.attributes.get(ATTR_REQUEST_ID) == request_id
+        if s.name == SPAN_KV_TRANSFER and s.attributes.get(ATTR_REQUEST_ID) == client_id
     )
     assert transfer.attributes.get(ATTR_KV_TRANSPORT) == "ucx", transfer.attributes
     # The worker ids the compose file sets reached the processes.
@@ -743,6 +743,6 @@ def test_cpu_profile_serves_a_request_end_to_end(cpu_profile_stack: LocalStack) 
         service = SERVICE_PREFILL if role == "prefill" else SERVICE_DECODE
         named = set()
         for span in spans:
-            if span.service == service and span.attributes.get(ATTR_REQUEST_ID) == request_id:
+            if span.service == service and span.attributes.get(ATTR_REQUEST_ID) == client_id:
                 named.update(str(v) for v in (*span.attributes.values(), *span.resource.values()))
-        assert worker_id in named, f"{role} spans of {request_id} do not name worker {worker_id}"
+        assert worker_id in named, f"{role} spans of {client_id} do not name worker {worker_id}"

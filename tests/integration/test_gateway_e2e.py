@@ -140,7 +140,7 @@ class BusSpy:
             worker = msg.subject.rsplit(".", 1)[1]
             body = decode(msg.data)
             # the client's x-request-id (the bus id is the gateway's own, unique one)
-            rid = body.client_request_id or body.request_id
+            rid = body.client_id or body.bus_id
             if isinstance(body, PrefillRequest):
                 self.prefill[rid] = worker
             elif isinstance(body, DecodeRequest):

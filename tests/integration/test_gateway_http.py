@@ -141,7 +141,7 @@ class ScriptedDecodeWorker:
         await self.bus.close()
 
     async def on_cancel(self, msg: Cancel, headers: dict[str, str]) -> None:
-        self.cancelled.update((msg.request_id, client_id(msg.request_id)))
+        self.cancelled.update((msg.bus_id, client_id(msg.bus_id)))
 
     async def on_decode(self, msg: DecodeRequest, headers: dict[str, str]) -> None:
         self.requests.append(msg)
@@ -152,7 +152,7 @@ class ScriptedDecodeWorker:
 
     async def generate(self, req: DecodeRequest) -> None:
         if self.refuse:
-            item = TokenItem(req.request_id, [], "error", "worker full", "overloaded")
+            item = TokenItem(req.bus_id, [], "error", "worker full", "overloaded")
             await self.bus.publish(req.reply_to, TokenBatch([item]))
             return
         delay = 0.05 if req.sampling.seed == SLOW_SEED else 0.002
@@ -160,7 +160,7 @@ class ScriptedDecodeWorker:
         start = len(req.output_token_ids)  # after a prefill worker made the first token
         for i in range(start, n):
             await asyncio.sleep(delay)
-            if req.request_id in self.cancelled:
+            if req.bus_id in self.cancelled:
                 return
             if req.sampling.seed == DIE_SEED and i == start + 2:
                 await self.heartbeat.stop(gone=False)  # as if kill -9: no goodbye, no tokens
@@ -172,12 +172,12 @@ class ScriptedDecodeWorker:
                 await asyncio.sleep(DEATH_TIMEOUT + 2.0)
                 self.heartbeat._task = asyncio.create_task(self.heartbeat._loop())
             if req.sampling.seed == FAIL_SEED and i == 2:
-                item = TokenItem(req.request_id, [], "error", "injected failure", "internal")
+                item = TokenItem(req.bus_id, [], "error", "injected failure", "internal")
             elif req.sampling.seed == ABORT_SEED and i == 2:  # an abort with no message
-                item = TokenItem(req.request_id, [self.script[i]], "abort", position=i)
+                item = TokenItem(req.bus_id, [self.script[i]], "abort", position=i)
             else:
                 finish = "length" if i == n - 1 else None
-                item = TokenItem(req.request_id, [self.script[i]], finish, position=i)
+                item = TokenItem(req.bus_id, [self.script[i]], finish, position=i)
             await self.bus.publish(req.reply_to, TokenBatch([item]))
             if item.finish_reason:
                 return
@@ -223,7 +223,7 @@ class ScriptedPrefillWorker:
         await self.bus.close()
 
     async def on_release(self, msg: ReleaseLease, headers) -> None:
-        self.released.append(client_id(msg.request_id))
+        self.released.append(client_id(msg.bus_id))
 
     async def on_prefill(self, req: PrefillRequest, headers) -> None:
         self.requests.append(req)
@@ -234,7 +234,7 @@ class ScriptedPrefillWorker:
             return
         if self.mode == "overloaded":
             result = PrefillResult(
-                req.request_id, self.worker_id, None, None, None, "queue full", 0, "overloaded"
+                req.bus_id, self.worker_id, None, None, None, "queue full", 0, "overloaded"
             )
         else:
             kv = KVHandle(
@@ -246,9 +246,7 @@ class ScriptedPrefillWorker:
                 lease_expires=time.time() + 30,
             )
             finish = "length" if req.sampling.max_tokens == 1 else None
-            result = PrefillResult(
-                req.request_id, self.worker_id, self.script[0], finish, kv, None, 3
-            )
+            result = PrefillResult(req.bus_id, self.worker_id, self.script[0], finish, kv, None, 3)
         await self.bus.publish(req.reply_to, result)
 
 
@@ -459,8 +457,8 @@ async def test_request_id_is_honoured_and_validated(gw: Harness):
     assert payload["id"] == "cmpl-my-req:1"
     # On the bus the request has a unique id of its own; the client's names it on spans.
     sent = gw.worker.requests[-1]
-    assert sent.client_request_id == "my-req:1"
-    assert sent.request_id.startswith("my-req:1-") and sent.request_id != "my-req:1"
+    assert sent.client_id == "my-req:1"
+    assert sent.bus_id.startswith("my-req:1-") and sent.bus_id != "my-req:1"
     code, payload, _ = await gw.post("/v1/completions", COMPLETION, headers={"x-request-id": "a b"})
     assert code == 400
     assert_openai_error(payload, "x-request-id")

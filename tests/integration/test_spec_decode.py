@@ -87,13 +87,13 @@ def counters(url: str, prefix: str) -> dict[str, float]:
     return out
 
 
-def complete(base: str, prompt: list[int], request_id: str, **extra) -> str:
+def complete(base: str, prompt: list[int], client_id: str, **extra) -> str:
     body = {"model": "llama-gqa", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, **extra}  # fmt: skip
     req = urllib.request.Request(
         f"{base}/v1/completions",
         json.dumps(body).encode(),
-        {"Content-Type": "application/json", "x-request-id": request_id},
+        {"Content-Type": "application/json", "x-request-id": client_id},
     )
     with urllib.request.urlopen(req, timeout=120) as resp:
         answer = json.loads(resp.read())

@@ -120,9 +120,9 @@ async def test_disaggregated_greedy_matches_hf(gw, expected) -> None:
     outputs = await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
     assert outputs == expected
     # one TokenBatch per step for this inbox: concurrent requests share messages
-    dis = [b for b in gw.batches if any(it.request_id.startswith("dis-") for it in b.items)]
+    dis = [b for b in gw.batches if any(it.bus_id.startswith("dis-") for it in b.items)]
     assert any(len(b.items) > 1 for b in dis)
-    assert all(len({it.request_id for it in b.items}) == len(b.items) for b in dis)
+    assert all(len({it.bus_id for it in b.items}) == len(b.items) for b in dis)
     # leases released by the decode side's ReleaseLease, well before they would expire
     await gw.until_idle("p0", "d0", timeout=LEASE_SECONDS - 1.0)
 

@@ -46,11 +46,11 @@ class TestGateway:
 
     async def _on_message(self, msg, headers) -> None:
         if isinstance(msg, PrefillResult):
-            self.queue(msg.request_id).put_nowait(msg)
+            self.queue(msg.bus_id).put_nowait(msg)
             return
         self.batches.append(msg)
         for item in msg.items:
-            self.queue(item.request_id).put_nowait(item)
+            self.queue(item.bus_id).put_nowait(item)
 
     def queue(self, rid: str) -> asyncio.Queue:
         return self.queues.setdefault(rid, asyncio.Queue())

@@ -34,7 +34,7 @@ async def test_failover_to_the_next_node_drops_the_outage_and_calls_back(tmp_pat
     reconnected = asyncio.Event()
 
     async def on_msg(msg) -> None:
-        got.append(decode(msg.data).request_id)
+        got.append(decode(msg.data).bus_id)
 
     async def on_reconnect() -> None:
         # runs before anything else may publish: the first message after the outage

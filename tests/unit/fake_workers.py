@@ -107,16 +107,16 @@ class FakeWorker:
             self.checks.put_nowait(msg)
             return
         if isinstance(msg, DecodeRequest):
-            self.positions[msg.request_id, 0] = len(msg.output_token_ids)
+            self.positions[msg.bus_id, 0] = len(msg.output_token_ids)
         self.received.append(msg)
         self.headers.append(headers)
         self.requests.put_nowait(msg)
 
     async def _on_release(self, msg: ReleaseLease, headers: dict[str, str]) -> None:
-        self.released.append(msg.request_id)
+        self.released.append(msg.bus_id)
 
     async def _on_cancel(self, msg: Cancel, headers: dict[str, str]) -> None:
-        self.cancels.append(msg.request_id)
+        self.cancels.append(msg.bus_id)
 
     async def _on_ping(self, raw: Any) -> None:
         await raw.respond(encode(dataclasses.replace(self.load, ts=time.time())))
@@ -166,7 +166,7 @@ class FakeWorker:
         self, request: PrefillRequest, first_token: int = 7, finish: str | None = None
     ) -> PrefillResult:
         result = PrefillResult(
-            request.request_id,
+            request.bus_id,
             self.worker_id,
             first_token,
             finish,
@@ -179,9 +179,9 @@ class FakeWorker:
 
     async def refuse(self, request: Any, code: str = "overloaded", error: str = "full") -> None:
         if isinstance(request, PrefillRequest):
-            msg: Any = PrefillResult.failure(request.request_id, self.worker_id, code, error)
+            msg: Any = PrefillResult.failure(request.bus_id, self.worker_id, code, error)
         else:
-            item = TokenItem(request.request_id, [], "error", error, code)
+            item = TokenItem(request.bus_id, [], "error", error, code)
             msg = TokenBatch([item])
         await self.bus.publish(request.reply_to, msg)
 
@@ -189,11 +189,11 @@ class FakeWorker:
         self, request: DecodeRequest, token_ids: list[int], finish: str | None = None, index=0
     ) -> TokenItem:
         """The next item of choice ``index`` of ``request``'s stream, at its position."""
-        key = (request.request_id, index)
+        key = (request.bus_id, index)
         position = self.positions.get(key, 0)
         self.positions[key] = position + len(token_ids)
-        item = TokenItem(request.request_id, token_ids, finish, index=index, position=position)
-        self.history.setdefault(request.request_id, []).append(item)
+        item = TokenItem(request.bus_id, token_ids, finish, index=index, position=position)
+        self.history.setdefault(request.bus_id, []).append(item)
         return item
 
     async def tokens(
@@ -213,7 +213,7 @@ class FakeWorker:
         """Answer ``check`` as a decode worker does: with ``replay``, every item of the stream
         again first (a worker replays what it sent lately); then where each choice stands, or
         "unknown" (``forgot``: the request is over here, or never arrived)."""
-        rid = check.request_id
+        rid = check.bus_id
         if replay:
             await self.bus.publish(check.reply_to, TokenBatch(self.history.get(rid, [])))
         if forgot:

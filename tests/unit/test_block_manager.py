@@ -131,7 +131,7 @@ def test_undrained_events_stay_bounded():
 
 
 def child_of(parent: Sequence, index: int) -> Sequence:
-    return Sequence(parent.request_id, parent.token_ids, SamplingParams(), 0, 0.0, index=index)
+    return Sequence(parent.bus_id, parent.token_ids, SamplingParams(), 0, 0.0, index=index)
 
 
 def test_fork_shares_full_blocks_and_copies_the_one_of_the_last_token():

@@ -55,7 +55,7 @@ async def test_messages_are_encoded_checked_and_decoded() -> None:
     await a.publish("t.x", Cancel("r1"), {"traceparent": "00-abc"})
     await a.publish("t.x", WorkerLoad("w", "decode", "m", 1, 1, 0, 0))  # a type it does not take
     await a.nc.publish("t.x", b"\x93junk")  # not msgpack of a message
-    bad = msgpack.packb({"v": 2, "type": "cancel", "request_id": "has space"})
+    bad = msgpack.packb({"v": 2, "type": "cancel", "bus_id": "has space"})
     await a.nc.publish("t.x", bad)  # fails the schema check
     await settle()
     assert got == [(Cancel("r1"), {"traceparent": "00-abc"})]
@@ -88,7 +88,7 @@ async def test_queue_groups_and_ordering() -> None:
     def handler(name):
         async def h(msg, headers):
             await asyncio.sleep(0)  # one at a time per subscription, in order
-            seen[name].append(msg.request_id)
+            seen[name].append(msg.bus_id)
 
         return h
 

@@ -70,10 +70,10 @@ async def test_prefill_then_decode_with_the_kv_handle(net) -> None:
         run = Run(gw)
         pre: PrefillRequest = await w["p0"].next_request()
         assert pre.prompt_token_ids == PROMPT and pre.reply_to == gw.dispatcher.inbox
-        assert pre.client_request_id == "req-1" and pre.request_id.startswith("req-1-")
+        assert pre.client_id == "req-1" and pre.bus_id.startswith("req-1-")
         result = await w["p0"].prefilled(pre, first_token=7)
         dec: DecodeRequest = await w["d0"].next_request()
-        assert dec.request_id == pre.request_id and dec.kv == result.kv
+        assert dec.bus_id == pre.bus_id and dec.kv == result.kv
         assert dec.output_token_ids == [7] and dec.deadline >= pre.deadline
         await w["d0"].tokens(dec, [8, 9])
         await w["d0"].tokens(dec, [10], "length")
@@ -108,7 +108,7 @@ async def test_done_at_the_first_token_releases_the_lease_and_skips_decode(net) 
         assert [(e.token_ids, e.finish_reason) for e in events] == [([5], "length")]
         await settle()
         assert w["d0"].received == [] and w["p0"].cancels == []
-        assert w["p0"].released == [pre.request_id]  # nobody will pull that KV
+        assert w["p0"].released == [pre.bus_id]  # nobody will pull that KV
 
 
 async def test_no_decode_worker_and_unsendable_requests_fail_before_anything_is_sent(net) -> None:
@@ -135,7 +135,7 @@ async def test_prefill_worker_lost_mid_request_retries_on_another(net) -> None:
         gw.workers.prune()
         gw.now -= 31
         retry = await w[other].next_request()
-        assert retry.request_id == pre.request_id
+        assert retry.bus_id == pre.bus_id
         await w[other].prefilled(retry)
         dec = await w["d0"].next_request()
         assert dec.kv.worker_id == other
@@ -170,7 +170,7 @@ async def test_a_late_answer_from_a_replaced_prefill_worker_is_released(net) -> 
         # ...but the old incarnation answers anyway: its lease must be released, not used.
         await first.prefilled(pre, first_token=99)
         await settle()
-        assert first.released == [pre.request_id]
+        assert first.released == [pre.bus_id]
         await other.prefilled(retry, first_token=7)
         dec = await w["d0"].next_request()
         assert dec.kv.worker_id == other.worker_id and dec.output_token_ids == [7]
@@ -182,8 +182,8 @@ async def test_a_late_answer_from_a_replaced_prefill_worker_is_released(net) -> 
         await w["d0"].tokens(dec, [9], "stop")
         await first.prefilled(pre)
         await settle()
-        assert other.released == [retry.request_id]
-        assert first.released == [pre.request_id, pre.request_id]
+        assert other.released == [retry.bus_id]
+        assert first.released == [pre.bus_id, pre.bus_id]
         assert gw.bus.stats.handler_errors == 0
         await p1.bus.close()
 
@@ -196,7 +196,7 @@ async def test_the_request_deadline_ends_a_silent_decode_and_cancels_it(net) -> 
         with pytest.raises(StageTimeout, match="decode stage"):
             await run.result()
         await settle()
-        assert w["d0"].cancels == [dec.request_id]
+        assert w["d0"].cancels == [dec.bus_id]
 
 
 async def test_the_prefill_deadline_is_the_shorter_stage_deadline(net) -> None:
@@ -207,7 +207,7 @@ async def test_the_prefill_deadline_is_the_shorter_stage_deadline(net) -> None:
         with pytest.raises(StageTimeout, match="prefill stage"):
             await run.result()
         await settle()
-        assert w["p0"].cancels == [pre.request_id] and w["d0"].received == []
+        assert w["p0"].cancels == [pre.bus_id] and w["d0"].received == []
 
 
 async def test_a_refused_pull_moves_the_request_to_another_decode_worker(net) -> None:
@@ -264,7 +264,7 @@ async def test_closing_the_stream_early_cancels_on_the_workers(net) -> None:
         assert (await first).token_ids == [1]
         await gen.aclose()  # a stop string matched, say
         await settle()
-        assert w["d0"].cancels == [dec.request_id]
+        assert w["d0"].cancels == [dec.bus_id]
         assert gw.dispatcher._pending == {} and gw.router._in_decode == {}
 
 
@@ -276,10 +276,10 @@ async def test_a_client_gone_mid_prefill_cancels_and_frees_the_late_lease(net) -
         with pytest.raises(asyncio.CancelledError):
             await run.task
         await settle()
-        assert w["p0"].cancels == [pre.request_id]
+        assert w["p0"].cancels == [pre.bus_id]
         await w["p0"].prefilled(pre)  # answered anyway, before it saw the cancel
         await settle()
-        assert w["p0"].released == [pre.request_id]
+        assert w["p0"].released == [pre.bus_id]
 
 
 async def test_trace_context_rides_in_the_headers(net) -> None:

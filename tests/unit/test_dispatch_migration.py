@@ -98,7 +98,7 @@ async def test_a_lost_decode_worker_hands_the_stream_to_another_exactly(net) -> 
         assert seed is not None  # fixed by the gateway: the worker must not draw its own
         await w["p0"].prefilled(pre, first_token=7)
         first, other, dec = await first_decode(w)
-        assert dec.request_id == pre.request_id and dec.kv is not None
+        assert dec.bus_id == pre.bus_id and dec.kv is not None
         await send(first, dec, [8, 9])
         await settle()
         await first.crash()  # kill -9: silence; the registry pings, nobody answers
@@ -106,7 +106,7 @@ async def test_a_lost_decode_worker_hands_the_stream_to_another_exactly(net) -> 
         gw.workers.prune()
         again = await other.next_request()
         # A fresh bus id; everything delivered goes along; the new worker prefills it locally.
-        assert again.request_id != dec.request_id and again.client_request_id == "req-1"
+        assert again.bus_id != dec.bus_id and again.client_id == "req-1"
         assert again.kv is None and again.output_token_ids == [7, 8, 9]
         assert again.prompt_token_ids == PROMPT and again.deadline == dec.deadline
         assert again.sampling.seed == seed and again.sampling.n == 1
@@ -122,7 +122,7 @@ async def test_a_lost_decode_worker_hands_the_stream_to_another_exactly(net) -> 
         assert [e.cached_tokens for e in events] == [3, None, None, None]
         await settle()
         assert migrations(gw) == 1
-        assert dec.request_id in other.cancels  # so a worker not really gone frees its blocks
+        assert dec.bus_id in other.cancels  # so a worker not really gone frees its blocks
         assert gw.dispatcher._pending == {} and gw.router._in_decode == {}
         assert gw.router._decoding == {}
 
@@ -223,7 +223,7 @@ async def test_a_migrated_leg_refused_before_its_first_token_moves_on(net) -> No
         await settle()
         third = next(x for x in w.values() if x not in (first, second))
         last = await third.next_request()
-        assert last.request_id == again.request_id and last.output_token_ids == [1]
+        assert last.bus_id == again.bus_id and last.output_token_ids == [1]
         await send(third, last, [2, 3], "length")
         await run.result()
         assert run.tokens() == [1, 2, 3] and migrations(gw) == 1
@@ -249,14 +249,14 @@ async def test_n_choices_migrate_as_one_request_each_with_its_seed(net) -> None:
             assert leg.sampling.n == 1 and leg.sampling.seed == choice_seed(11, index)
             assert leg.sampling.logprobs == 1 and leg.kv is None
         assert legs[0].output_token_ids == [10] and legs[1].output_token_ids == [20, 21]
-        assert len({legs[0].request_id, legs[1].request_id, dec.request_id}) == 3
+        assert len({legs[0].bus_id, legs[1].bus_id, dec.bus_id}) == 3
         # Their items say choice 0: the gateway maps each back to its choice.
         await send(other, legs[1], [22])
         await settle()
         run.choices.stop(1)  # a stop string in choice 1's text: its leg is cancelled whole
         await settle()
-        assert legs[1].request_id in other.cancels  # (cancels are broadcast)
-        assert legs[0].request_id not in other.cancels
+        assert legs[1].bus_id in other.cancels  # (cancels are broadcast)
+        assert legs[0].bus_id not in other.cancels
         await send(other, legs[1], [23], "length")  # under way before the cancel: dropped
         await send(other, legs[0], [11, 12, 13], "length")
         await run.result()
@@ -302,7 +302,7 @@ async def test_a_worker_back_after_a_partition_gets_the_cancels_it_missed(net) -
             net._add(sub)
         await first.beat()  # back: the registry sees it join again
         await settle()
-        assert first.cancels == [dec.request_id]
+        assert first.cancels == [dec.bus_id]
         await send(other, again, [2, 3], "length")
         await run.result()
 

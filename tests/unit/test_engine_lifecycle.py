@@ -39,15 +39,15 @@ def pull(decode: LLMEngine, result: StepResult, prefill: LLMEngine, src: list[in
     (p,) = result.pulls
     for s, d in zip(src, p.block_ids, strict=False):
         decode.kv_cache[d].copy_(prefill.kv_cache[s])
-    decode.kv_ready(p.request_id)
-    return p.request_id
+    decode.kv_ready(p.bus_id)
+    return p.bus_id
 
 
 def drain(engine: LLMEngine) -> dict[str, list]:
     outputs: dict[str, list] = {}
     while engine.has_unfinished():
         for out in step_outputs(engine):
-            outputs.setdefault(out.request_id, []).append(out)
+            outputs.setdefault(out.bus_id, []).append(out)
     return outputs
 
 
@@ -85,7 +85,7 @@ def test_a_failed_pull_recomputes_or_errors_by_policy(llama_dir, policy) -> None
     decode = make_engine(llama_dir, kv_failure_policy=policy)
     decode.add_request("b", prompt, GREEDY, expected[:1], remote_kv=True)
     (p,) = decode.step().pulls
-    decode.kv_failed(p.request_id, "no lease")
+    decode.kv_failed(p.bus_id, "no lease")
     outs = drain(decode)["b"]
     if policy == "recompute":
         assert expected[:1] + tokens(outs) == expected
@@ -122,18 +122,18 @@ def test_pulled_and_local_requests_share_one_admission_queue(llama_dir) -> None:
     decode.add_request("p2", [7] * 40, sp, [8], remote_kv=True)
     decode.add_request("local", [9] * 4, sp)
     result = decode.step()
-    assert [p.request_id for p in result.pulls] == ["p1"]
+    assert [p.bus_id for p in result.pulls] == ["p1"]
     assert decode.stats().waiting == 2 and decode.stats().pulling == 1
     decode.kv_ready("p1")
     seen: list[str] = []
     while decode.has_unfinished():
         result = decode.step()
         for p in result.pulls if result else ():
-            seen.append(p.request_id)
-            decode.kv_ready(p.request_id)
+            seen.append(p.bus_id)
+            decode.kv_ready(p.bus_id)
         for out in result.outputs if result else ():
             if out.finish_reason:
-                seen.append(out.request_id)
+                seen.append(out.bus_id)
     assert seen == ["p1", "p2", "p2", "local"]  # finished, admitted, finished, finished
     assert all_free(decode)
 
@@ -142,7 +142,7 @@ def test_a_request_finished_by_its_first_token_is_not_pulled(llama_dir) -> None:
     decode = make_engine(llama_dir)
     decode.add_request("e", [5] * 20, SamplingParams(max_tokens=1), [6], remote_kv=True)
     result = decode.step()
-    assert result.pulls == [] and [(o.request_id, o.finish_reason) for o in result.outputs] == [
+    assert result.pulls == [] and [(o.bus_id, o.finish_reason) for o in result.outputs] == [
         ("e", "length")
     ]
     assert all_free(decode)

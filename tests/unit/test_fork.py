@@ -246,7 +246,7 @@ def test_abort_all_mid_pull_frees_the_blocks_when_the_pull_answers(llama_dir) ->
 def test_a_failed_pull_ends_every_choice(llama_dir) -> None:
     decode = make_engine(llama_dir)
     decode.add_request("f", [5] * 40, SEEDED, [6], remote_kv=True)
-    decode.kv_failed(decode.step().pulls[0].request_id, "no lease")
+    decode.kv_failed(decode.step().pulls[0].bus_id, "no lease")
     (out,) = step_outputs(decode)
     assert (out.index, out.finish_reason, out.request_finished) == (0, "error", True)
     assert all_free(decode) and not decode.has_unfinished()
@@ -257,7 +257,7 @@ def test_a_failed_pull_recomputed_here_still_forks(llama_dir, reference) -> None
     want = singles(reference, prompt, SEEDED)
     decode = make_engine(llama_dir, kv_failure_policy="recompute")
     decode.add_request("f", prompt, SEEDED, want[0][:1], remote_kv=True)
-    decode.kv_failed(decode.step().pulls[0].request_id, "no lease")
+    decode.kv_failed(decode.step().pulls[0].bus_id, "no lease")
     got = Collector(SEEDED.n)
     got.tokens[0] = want[0][:1]
     assert got.drain(decode).tokens == want and all_free(decode)

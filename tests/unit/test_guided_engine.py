@@ -231,8 +231,8 @@ def test_decode_engine_continues_the_prefill_engines_grammar(llama_dir, engine, 
         whole = engine.generate(prompts, params)  # the same requests in one engine
         for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
             prefill.add_request(f"{kind}{i}", prompt, sp)
-            (out,) = [o for o in step_outputs(prefill) if o.request_id == f"{kind}{i}"]
-            prefill.release(out.request_id)
+            (out,) = [o for o in step_outputs(prefill) if o.bus_id == f"{kind}{i}"]
+            prefill.release(out.bus_id)
             step_outputs(prefill)
             first = out.new_token_ids
             engine.add_request(f"{kind}{i}", prompt, sp, output_token_ids=first)

@@ -98,9 +98,9 @@ def run(engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[s
     while engine.has_unfinished():
         result = engine.step()
         for out in result.outputs if result else ():
-            tokens[out.request_id].extend(out.new_token_ids)
+            tokens[out.bus_id].extend(out.new_token_ids)
             if out.finish_reason is not None:
-                finished[out.request_id] = out.finish_reason
+                finished[out.bus_id] = out.finish_reason
     return {rid: (tokens[rid], finished[rid]) for rid in requests}
 
 

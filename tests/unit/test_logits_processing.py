@@ -122,7 +122,7 @@ def test_min_tokens_delays_eos(llama_dir, hf):
     outs = []
     while engine.has_unfinished():
         result = engine.step()
-        outs += [o for o in (result.outputs if result else []) if o.request_id == "m"]
+        outs += [o for o in (result.outputs if result else []) if o.bus_id == "m"]
     tokens = [t for o in outs for t in o.new_token_ids]
     expected = hf.greedy(prompt, 5, lambda logits, out: reference(logits, prompt, out, sp))
     assert tokens == expected and tokens[4] == EOS[0] and EOS[0] not in tokens[:4]

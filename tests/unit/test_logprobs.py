@@ -30,7 +30,7 @@ def drain(engine: LLMEngine) -> dict[str, list[StepOutput]]:
     outputs: dict[str, list[StepOutput]] = {}
     while engine.has_unfinished():
         for out in step_outputs(engine):
-            outputs.setdefault(out.request_id, []).append(out)
+            outputs.setdefault(out.bus_id, []).append(out)
     return outputs
 
 
@@ -153,7 +153,7 @@ def test_a_prefill_only_engine_returns_first_token_and_prompt_logprobs(llama_dir
     check_prompt_logprobs(first.prompt_logprobs, hf, prompt, 2)
     ref = hf.logprobs(prompt)[-1:]
     assert_logprobs_match(first.logprobs, ref, first.new_token_ids, 2)
-    prefill.release(first.request_id)
+    prefill.release(first.bus_id)
     (done,) = drain_one(prefill, prompt, SamplingParams(max_tokens=0, prompt_logprobs=2))
     assert done.finish_reason == "length" and done.kv_block_ids is None
     check_prompt_logprobs(done.prompt_logprobs, hf, prompt, 2)
@@ -186,7 +186,7 @@ def test_preemption_mid_prefill_neither_duplicates_nor_loses_prompt_logprobs(lla
     preempted_mid_prompt = False
     while engine.has_unfinished():
         for out in step_outputs(engine):
-            outputs.setdefault(out.request_id, []).append(out)
+            outputs.setdefault(out.bus_id, []).append(out)
         a = engine.seqs.get("a")
         if a is not None and a.num_computed_tokens == 0 and len(a.prompt_logprobs_so_far):
             preempted_mid_prompt = True

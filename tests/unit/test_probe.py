@@ -73,7 +73,7 @@ class CopyClient:
     def __call__(self, engine: LLMEngine) -> None:
         self.engine = engine
 
-    async def pull(self, request_id, handle, dst, timeout) -> TransferStats:
+    async def pull(self, bus_id, handle, dst, timeout) -> TransferStats:
         if self.fail:
             raise KVTransferError("unreachable")
         self.pulls += 1

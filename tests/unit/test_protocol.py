@@ -109,12 +109,12 @@ def test_decode_as_rejects_other_types() -> None:
         (lambda b: b.update(v=True), "version"),
         (lambda b: b.update(type="launch_missiles"), "unknown message type"),
         (lambda b: b.update(type=["decode_request"]), "unknown message type"),
-        (lambda b: b.pop("request_id"), "missing"),
+        (lambda b: b.pop("bus_id"), "missing"),
         (lambda b: b.update(extra=1), "unknown fields"),
-        (lambda b: b.update(request_id="a.b"), "identifier"),  # would escape its subject
-        (lambda b: b.update(request_id="*"), "identifier"),
-        (lambda b: b.update(request_id="x" * 500), "longer"),
-        (lambda b: b.update(request_id=5), "expected str"),
+        (lambda b: b.update(bus_id="a.b"), "identifier"),  # would escape its subject
+        (lambda b: b.update(bus_id="*"), "identifier"),
+        (lambda b: b.update(bus_id="x" * 500), "longer"),
+        (lambda b: b.update(bus_id=5), "expected str"),
         (lambda b: b.update(reply_to="pdserve.gw.>"), "identifier"),
         (lambda b: b.update(prompt_token_ids=[1, -2]), "ints in"),
         (lambda b: b.update(prompt_token_ids=[1, MAX_TOKEN_ID + 1]), "ints in"),
@@ -160,7 +160,7 @@ def test_rejects_malformed_fields(mutate, match) -> None:
         b"\xd4\x01\x00",  # ext type: msgpack must not build custom objects
         pack({1: 2}),  # non-string keys
         b"\x81\xa1v" + b"\x91" * 100_000 + b"\xc0",  # absurd nesting
-        pack({"v": 1, "type": "cancel", "request_id": "ok"}) + b"trailing",
+        pack({"v": 1, "type": "cancel", "bus_id": "ok"}) + b"trailing",
     ],
 )
 def test_rejects_garbage(data) -> None:
@@ -246,8 +246,8 @@ def test_kv_events_at_the_size_limit_fit_a_nats_payload() -> None:
 
 def test_client_request_id_is_optional_and_checked() -> None:
     b = body(SAMPLES[0])
-    assert b["client_request_id"] is None and decode(pack(b)) == SAMPLES[0]
-    b["client_request_id"] = "a.b"  # could not name a subject token either
+    assert b["client_id"] is None and decode(pack(b)) == SAMPLES[0]
+    b["client_id"] = "a.b"  # could not name a subject token either
     with pytest.raises(ProtocolError, match="identifier"):
         decode(pack(b))
     b = body(SAMPLES[5])

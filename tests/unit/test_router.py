@@ -49,11 +49,11 @@ def test_picks_the_worker_holding_the_prefix():
     prompt = system + [7, 8, 9]
     costs = router.prefill_costs(prompt)
     assert costs["p1"] < costs["p0"] == costs["p2"]
-    assert router.pick_prefill(prompt, request_id="r1") == "p1"
+    assert router.pick_prefill(prompt, bus_id="r1") == "p1"
     router.prefill_done("r1")
     # held prefix beats a little queued work ...
     workers[1].waiting = 1
-    assert router.pick_prefill(system + [4], request_id="r2") == "p1"
+    assert router.pick_prefill(system + [4], bus_id="r2") == "p1"
     router.prefill_done("r2")
     # ... but not a long queue: a cache hit is not worth waiting behind many prompts
     workers[1].waiting = 20
@@ -94,11 +94,11 @@ def test_a_prefix_just_sent_counts_before_the_workers_events_arrive():
     chat = list(range(300, 300 + 6 * BS))
     workers = [load("p0"), load("p1")]
     router = router_over(workers, {})
-    first = router.pick_prefill(chat + [1], request_id="turn-1")
+    first = router.pick_prefill(chat + [1], bus_id="turn-1")
     router.prefill_done("turn-1")
     # the worker's report still shows the finished prefill as running (it lags a heartbeat)
     next(w for w in workers if w.worker_id == first).running = 1
-    assert router.pick_prefill(chat + [1, 50, 51, 52], request_id="turn-2") == first
+    assert router.pick_prefill(chat + [1, 50, 51, 52], bus_id="turn-2") == first
 
 
 class _Sink:
@@ -204,17 +204,17 @@ def test_a_decode_burst_splits_evenly_between_heartbeats():
     for burst in (8, 16, 32):
         workers = [decode_load("d0"), decode_load("d1", free=990)]
         router = Router(lambda role, ws=workers: ws, BS, model=MODEL)
-        picks = Counter(router.pick_decode(200, request_id=f"r{i}") for i in range(burst))
+        picks = Counter(router.pick_decode(200, bus_id=f"r{i}") for i in range(burst))
         assert abs(picks["d0"] - picks["d1"]) <= 1, (burst, picks)
     # d0's requests end: the next ones go there, even though no report says so yet
     for i in range(0, 32, 2):
         if router._in_decode.get(f"r{i}") == "d0":
             router.decode_done(f"r{i}")
-    assert {router.pick_decode(200, request_id=f"s{i}") for i in range(4)} == {"d0"}
+    assert {router.pick_decode(200, bus_id=f"s{i}") for i in range(4)} == {"d0"}
     # a retry moves the request: it no longer counts where it was refused
-    first = router.pick_decode(200, request_id="moved")
+    first = router.pick_decode(200, bus_id="moved")
     counted = router._decoding[first]
-    again = router.pick_decode(200, exclude={first}, request_id="moved")
+    again = router.pick_decode(200, exclude={first}, bus_id="moved")
     assert router._in_decode["moved"] == again != first
     assert router._decoding[first] == counted - 1
 
@@ -223,10 +223,10 @@ def test_decode_reports_of_other_gateways_still_count():
     # another gateway's 5 requests on d0 show only in d0's report: d1 takes the next ones
     workers = [decode_load("d0", running=5), decode_load("d1")]
     router = Router(lambda role: workers, BS, model=MODEL)
-    assert [router.pick_decode(100, request_id=f"r{i}") for i in range(5)] == ["d1"] * 5
+    assert [router.pick_decode(100, bus_id=f"r{i}") for i in range(5)] == ["d1"] * 5
     # a worker without room for the request loses to one that has it, however busy
     workers[1] = decode_load("d1", free=2)
-    assert router.pick_decode(100, request_id="big") == "d0"
+    assert router.pick_decode(100, bus_id="big") == "d0"
 
 
 def test_prefill_and_decode_pair_only_where_the_blocks_fit():

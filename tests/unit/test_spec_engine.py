@@ -44,7 +44,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], sps: list[SamplingParams]) 
         engine.add_request(f"r{i}", p, sp)
     while engine.has_unfinished():
         for o in step_outputs(engine):
-            key = (o.request_id, o.index)
+            key = (o.bus_id, o.index)
             assert out.reasons.get(key) is None, f"{key} spoke after it ended"
             out.tokens.setdefault(key, []).extend(o.new_token_ids)
             out.reasons[key] = o.finish_reason
@@ -195,7 +195,7 @@ def test_a_step_verifies_drafts_beside_plain_decodes_and_prefill_chunks(llama_di
             if not engine.has_unfinished():
                 break
             for out in step_outputs(engine):
-                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                tokens.setdefault(out.bus_id, []).extend(out.new_token_ids)
     assert [tokens[f"r{i}"] for i in range(7)] == hf_greedy(llama_dir, prompts, GREEDY.max_tokens)
     assert all_free(engine)
 

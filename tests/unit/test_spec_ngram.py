@@ -154,12 +154,12 @@ class Recorder(Proposer):
         self.asked: list[tuple[list[str], list[int]]] = []
 
     def propose(self, seqs, max_tokens):
-        self.asked.append(([s.request_id for s in seqs], list(max_tokens)))
+        self.asked.append(([s.bus_id for s in seqs], list(max_tokens)))
         return [Proposal([5] * k) for k in max_tokens]
 
 
 def named(name: str, s: Sequence) -> Sequence:
-    s.request_id = s.seq_id = name
+    s.bus_id = s.seq_id = name
     return s
 
 

@@ -80,8 +80,8 @@ async def test_a_gap_the_worker_cannot_fill_migrates_from_what_was_delivered(net
         await first.tokens(dec, [4])
         await first.answer(await first.next_check())  # at 4, with 2 delivered: gone
         worker, again = await resent(first, other)
-        assert again.output_token_ids == [1, 2] and again.request_id != dec.request_id
-        assert dec.request_id in first.cancels
+        assert again.output_token_ids == [1, 2] and again.bus_id != dec.bus_id
+        assert dec.bus_id in first.cancels
         await worker.tokens(again, [3, 4, 5, 6], "length")
         await run.result()
         assert run.tokens() == [1, 2, 3, 4, 5, 6]
@@ -109,7 +109,7 @@ async def test_after_a_reconnect_streams_without_a_gap_go_on_and_one_with_a_gap_
         await settle()
         # Every stream under way is checked where it runs; neither worker sent anything since.
         checks = {first: await first.next_check(), other: await other.next_check()}
-        assert {c.request_id for c in checks.values()} == {dec.request_id, dec2.request_id}
+        assert {c.bus_id for c in checks.values()} == {dec.bus_id, dec2.bus_id}
         await first.tokens(dec, [3])  # under way behind the check: it still counts
         await first.answer(checks[first])
         other.lose(dec2, [8])
@@ -119,10 +119,10 @@ async def test_after_a_reconnect_streams_without_a_gap_go_on_and_one_with_a_gap_
         # worker was heard since: only `first` was, so it prefills the one and takes the other.
         gw.now += 1
         await first.beat()
-        sent = {r.client_request_id: r for r in [await first.next_request() for _ in "12"]}
+        sent = {r.client_id: r for r in [await first.next_request() for _ in "12"]}
         local, again = sent["prefilling"], sent["gapped"]
-        assert local.kv is None and local.request_id == pre3.request_id
-        assert again.output_token_ids == [7] and again.request_id != dec2.request_id
+        assert local.kv is None and local.bus_id == pre3.bus_id
+        assert again.output_token_ids == [7] and again.bus_id != dec2.bus_id
         await first.tokens(again, [8, 9], "length")
         await first.tokens(dec, [4, 5, 6], "length")
         await first.tokens(local, [9, 9], "length")
@@ -132,7 +132,7 @@ async def test_after_a_reconnect_streams_without_a_gap_go_on_and_one_with_a_gap_
         assert whole.tokens() == [1, 2, 3, 4, 5, 6] and gapped.tokens() == [7, 8, 9]
         assert prefilling.tokens() == [9, 9]
         assert migrations(gw, "bus_reconnect") == 1 and migrations(gw) == 0
-        assert dec.request_id not in first.cancels
+        assert dec.bus_id not in first.cancels
 
 
 @pytest.mark.parametrize("replayed", [True, False])
@@ -167,7 +167,7 @@ async def test_an_unanswered_check_is_asked_again_then_the_stream_moves(net, mon
         gw.now += 1
         await other.beat()
         # its subscription was not back yet, say: asked again until the window closes
-        assert {(await first.next_check()).request_id for _ in range(3)} == {dec.request_id}
+        assert {(await first.next_check()).bus_id for _ in range(3)} == {dec.bus_id}
         worker, again = await resent(first, other)
         assert worker is other and again.output_token_ids == [1]
         await worker.tokens(again, [2, 3], "length")
@@ -192,12 +192,12 @@ async def test_a_worker_that_reconnected_has_only_its_streams_checked(net) -> No
         await settle()
         assert {load.worker_id for load in gw.workers.loads()} == {"p0", "d0", "d1"}
         check = await w["d0"].next_check()
-        assert check.request_id == decs["d0"].request_id and w["d1"].checks.empty()
+        assert check.bus_id == decs["d0"].bus_id and w["d1"].checks.empty()
         await w["d0"].answer(check)
         # The prefill is retried (its request or answer may be lost), not on p0 again: there
         # is no other prefill worker, so a decode worker prefills it.
         worker, local = await resent(w["d0"], w["d1"])
-        assert local.client_request_id == "prefilling" and local.kv is None
+        assert local.client_id == "prefilling" and local.kv is None
         for wid, dec in decs.items():
             await w[wid].tokens(dec, [3], "length")
         await worker.tokens(local, [5, 6], "length")

@@ -131,7 +131,7 @@ async def test_a_total_cap_applies_where_the_operator_sets_one(model_dir, tokens
         assert 1.0 <= time.monotonic() - started < 2.0
         assert status == 200 and events[-1] == "[DONE]"
         assert_timeout_error(events[-2], "--request-timeout")
-        await until(lambda: d0.cancels == [dec.request_id], "the cancel")
+        await until(lambda: d0.cancels == [dec.bus_id], "the cancel")
 
 
 async def test_a_stalled_stream_ends_with_a_timeout_event_and_is_cancelled(
@@ -147,7 +147,7 @@ async def test_a_stalled_stream_ends_with_a_timeout_event_and_is_cancelled(
         assert status == 200 and events[-1] == "[DONE]"
         assert events[0]["choices"][0]["text"]  # the tokens it had went out first
         assert_timeout_error(events[-2], "--stall-timeout")
-        await until(lambda: d0.cancels == [dec.request_id], "the cancel that frees the worker")
+        await until(lambda: d0.cancels == [dec.bus_id], "the cancel that frees the worker")
         assert client.app[GATEWAY_KEY].in_flight == 0
 
 
@@ -159,7 +159,7 @@ async def test_a_stalled_answer_is_a_504(model_dir, tokens) -> None:
         response = await asyncio.wait_for(answer, 10)
         assert response.status == 504
         assert_timeout_error(await response.json(), "--stall-timeout")
-        await until(lambda: d0.cancels == [dec.request_id], "the cancel")
+        await until(lambda: d0.cancels == [dec.bus_id], "the cancel")
 
 
 async def test_no_first_token_is_a_504_and_the_worker_would_drop_it_too(model_dir) -> None:
@@ -172,7 +172,7 @@ async def test_no_first_token_is_a_504_and_the_worker_would_drop_it_too(model_di
         status, (payload,) = await asyncio.wait_for(answer, 10)
         assert status == 504
         assert_timeout_error(payload, "--first-token-timeout")
-        await until(lambda: d0.cancels == [dec.request_id], "the cancel")
+        await until(lambda: d0.cancels == [dec.bus_id], "the cancel")
 
 
 # -- below HTTP: the dispatcher ------------------------------------------------------------

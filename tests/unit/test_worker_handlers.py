@@ -63,16 +63,16 @@ class CopyKV:
         self.gate: asyncio.Event | None = None  # set: pulls wait for it
         self.started = asyncio.Event()
 
-    async def pull(self, request_id, handle: KVHandle, dst, timeout) -> TransferStats:
+    async def pull(self, bus_id, handle: KVHandle, dst, timeout) -> TransferStats:
         self.started.set()
         if self.gate is not None:
             await self.gate.wait()
         worker = self.prefills.get(handle.worker_id)
         if worker is None:
             raise KVTransferError(f"{handle.worker_id} is unreachable")
-        lease = worker.leases.get(request_id)
+        lease = worker.leases.get(bus_id)
         if lease is None or lease.token != handle.token:
-            raise KVTransferError(f"{handle.worker_id} has no lease for {request_id}")
+            raise KVTransferError(f"{handle.worker_id} has no lease for {bus_id}")
         for s, d in zip(lease.block_ids, dst, strict=False):
             self.decode.kv_cache[d].copy_(worker.engine.kv_cache[s])
         block = self.decode.kv_cache[0]
@@ -103,7 +103,7 @@ class Gateway:
     async def _on_message(self, msg, headers) -> None:
         items = [msg] if isinstance(msg, PrefillResult) else msg.items
         for item in items:
-            self.queue(item.request_id).put_nowait(item)
+            self.queue(item.bus_id).put_nowait(item)
 
     def queue(self, rid: str) -> asyncio.Queue:
         return self.queues.setdefault(rid, asyncio.Queue())

@@ -12,7 +12,7 @@ address path listens only where ``pdserve.shared.kv.ucx_config`` lets UCX's tran
 (``--ucx-host``/``--ucx-port``). Tags are 64-bit; every pull draws a fresh random tag ``T``, so
 pulls on one endpoint run concurrently and never see each other's messages::
 
-    decode -> prefill   on the server's control tag: u32 length + msgpack {request_id, token,
+    decode -> prefill   on the server's control tag: u32 length + msgpack {bus_id, token,
                         fingerprint, runs: [[src, n]..], reply_to: the decode worker's UCX
                         address, tag: T}
     prefill -> decode   on T+1: one fixed-size reply (ok, or the reason for a refusal)

@@ -89,7 +89,7 @@ class KVClient:
             self.endpoints.drop(raw, ep)
 
     async def pull(
-        self, request_id: str, handle: KVHandle, dst_block_ids: list[int], timeout: float = 30.0
+        self, bus_id: str, handle: KVHandle, dst_block_ids: list[int], timeout: float = 30.0
     ) -> TransferStats:
         """Copy the handle's first ``ceil(num_tokens / block_size)`` blocks into ``dst_block_ids``."""
         self.own_address()  # UCX is configured before its first use, whoever pulls first
@@ -117,7 +117,7 @@ class KVClient:
             pull = _Pull(ep)
             try:
                 stats = await asyncio.wait_for(
-                    self._pull(pull, control_tag, request_id, handle, runs),
+                    self._pull(pull, control_tag, bus_id, handle, runs),
                     deadline - time.monotonic(),
                 )
                 break
@@ -145,14 +145,14 @@ class KVClient:
         self,
         pull: _Pull,
         control_tag: int,
-        request_id: str,
+        bus_id: str,
         handle: KVHandle,
         runs: list[tuple[int, int, int]],
     ) -> TransferStats:
         ep, tag = pull.ep, pull_tag()
         body = msgpack.packb(
             {
-                "request_id": request_id,
+                "bus_id": bus_id,
                 "token": handle.token,
                 "fingerprint": handle.fingerprint,
                 "runs": [[s, n] for s, _, n in runs],

@@ -15,7 +15,7 @@ log = logging.getLogger("pdserve.kv")
 
 @dataclass
 class Lease:
-    request_id: str
+    bus_id: str
     block_ids: list[int]
     num_tokens: int
     expires: float  # unix seconds
@@ -28,7 +28,7 @@ class Lease:
 class LeaseTable:
     """Blocks a prefill worker holds for decode workers to pull.
 
-    ``on_free(request_id)`` is called exactly once per lease, when it is released or expired and
+    ``on_free(bus_id)`` is called exactly once per lease, when it is released or expired and
     no transfer is reading it; the worker then returns the blocks to its engine. The tokens of
     the last ``remember`` dropped leases are kept, so a late puller can be told its lease is gone
     without answering anyone who never held a token. Used from one event loop only.
@@ -49,25 +49,25 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self.leases)
 
-    def add(self, request_id: str, block_ids: list[int], num_tokens: int, ttl: float) -> Lease:
-        if request_id in self.leases:
-            raise ValueError(f"lease for {request_id!r} exists")
-        lease = Lease(request_id, list(block_ids), num_tokens, self.clock() + ttl)
-        self.leases[request_id] = lease
+    def add(self, bus_id: str, block_ids: list[int], num_tokens: int, ttl: float) -> Lease:
+        if bus_id in self.leases:
+            raise ValueError(f"lease for {bus_id!r} exists")
+        lease = Lease(bus_id, list(block_ids), num_tokens, self.clock() + ttl)
+        self.leases[bus_id] = lease
         return lease
 
-    def get(self, request_id: str) -> Lease | None:
-        lease = self.leases.get(request_id)
+    def get(self, bus_id: str) -> Lease | None:
+        lease = self.leases.get(bus_id)
         return None if lease is None or lease.dropped else lease
 
-    def token_of(self, request_id: str) -> str | None:
+    def token_of(self, bus_id: str) -> str | None:
         """The secret of a live or recently dropped lease."""
-        lease = self.leases.get(request_id)
-        return lease.token if lease is not None else self.dropped_tokens.get(request_id)
+        lease = self.leases.get(bus_id)
+        return lease.token if lease is not None else self.dropped_tokens.get(bus_id)
 
-    def release(self, request_id: str) -> bool:
+    def release(self, bus_id: str) -> bool:
         """Drop a lease (pull done, cancel). False if there was none."""
-        lease = self.leases.get(request_id)
+        lease = self.leases.get(bus_id)
         if lease is None or lease.dropped:
             return False
         lease.dropped = True
@@ -97,8 +97,8 @@ class LeaseTable:
             self._free(lease)
 
     def _free(self, lease: Lease) -> None:
-        if self.leases.pop(lease.request_id, None) is not None:
-            self.dropped_tokens[lease.request_id] = lease.token
+        if self.leases.pop(lease.bus_id, None) is not None:
+            self.dropped_tokens[lease.bus_id] = lease.token
             while len(self.dropped_tokens) > self.remember:
                 self.dropped_tokens.popitem(last=False)
-            self.on_free(lease.request_id)
+            self.on_free(lease.bus_id)

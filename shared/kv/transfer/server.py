@@ -114,7 +114,7 @@ class KVServer:
         if type(tag) is not int or not 0 <= tag < 1 << 63:  # T+2 must fit in 64 bits
             self._drop("bad tag")
             return
-        rid, reply_to = req.get("request_id"), req.get("reply_to")
+        rid, reply_to = req.get("bus_id"), req.get("reply_to")
         if not self._authentic(req):
             self._drop(f"no valid lease token for {str(rid)[:64]!r}")
             return
@@ -175,7 +175,7 @@ class KVServer:
 
     def _authentic(self, req: dict) -> bool:
         """Whether the request shows the token of a live or recently dropped lease."""
-        rid, token, reply_to = (req.get(k) for k in ("request_id", "token", "reply_to"))
+        rid, token, reply_to = (req.get(k) for k in ("bus_id", "token", "reply_to"))
         if type(rid) is not str or type(token) is not str or type(reply_to) is not bytes:
             return False
         expected = self.leases.token_of(rid)
@@ -183,7 +183,7 @@ class KVServer:
 
     def _admit(self, req: dict) -> tuple[Lease | None, str | None]:
         """Check an authentic pull request completely before any KV byte moves."""
-        rid, fp, runs = (req.get(k) for k in ("request_id", "fingerprint", "runs"))
+        rid, fp, runs = (req.get(k) for k in ("bus_id", "fingerprint", "runs"))
         if type(fp) is not dict:
             return None, "malformed pull request"
         if fp != self.fingerprint:
