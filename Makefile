@@ -42,10 +42,13 @@ lock: setup
 run: setup
 	$(VENV)/bin/pdserve up $(ARGS)
 
-test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+# The model-free tier first (a broken protocol or scheduler fails in seconds), then the rest:
+# tests/engine (tiny checkpoints, HF as oracle), tests/kernels (Triton interpreter),
+# tests/integration and tests/multihost (real nats-server, UCX, HTTP, `pdserve up`).
+test: test-fast
+	$(PY) -m pytest -q --ignore=tests/unit $(PYTEST_ARGS)
 
-# The model-free tier (unit tests, no subprocess stacks): under a minute on 2 cores.
+# The model-free tier: no weights, no subprocess stacks; under a minute on 2 cores.
 test-fast: setup
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 

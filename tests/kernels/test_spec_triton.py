@@ -15,7 +15,7 @@ import pytest
 
 from pdserve.shared.sampling import SamplingParams
 from tests.engine_support import make_engine
-from tests.unit.test_spec_engine import NGRAM, repeating_prompts
+from tests.engine.test_spec_engine import NGRAM, repeating_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 10
@@ -24,7 +24,7 @@ SCRIPT = """
 import json, sys
 from pdserve.shared.sampling import SamplingParams
 from tests.engine_support import make_engine
-from tests.unit.test_spec_engine import NGRAM, repeating_prompts
+from tests.engine.test_spec_engine import NGRAM, repeating_prompts
 engine = make_engine(sys.argv[1], dtype="float32", **NGRAM)
 prompts = repeating_prompts(3, seed=4)
 sp = SamplingParams(temperature=0.0, max_tokens=int(sys.argv[2]), ignore_eos=True)

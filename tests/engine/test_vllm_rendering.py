@@ -16,7 +16,7 @@ from pdserve.gateway.prompt_truncation import prompt_room, truncate_prompt
 from pdserve.gateway.vllm_output import prompt_logprobs_json, trim_alternatives
 from pdserve.shared.logprobs import TokenLogprobs
 from tests.unit.gateway_fixtures import LLAMA_LIKE_TEMPLATE, train_byte_level, write_model_dir
-from tests.unit.test_chat_template import RICH_TEMPLATE
+from tests.engine.test_chat_template import RICH_TEMPLATE
 
 # Reads a variable only a client's chat_template_kwargs sets, as Qwen3's template does.
 THINKING_TEMPLATE = (

@@ -17,14 +17,14 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-import tests.unit.test_response_models as memory_stack
+import tests.engine.test_response_models as memory_stack
 from pdserve.gateway.chat_template import ChatTemplate
 from pdserve.gateway.state import GATEWAY_KEY
 from pdserve.gateway.tokenizer import ModelTokenizer
 from pdserve.gateway.vllm_fields import TEMPLATE_KWARGS_MAX_KEYS
 from tests.hf_reference import HFReference
-from tests.unit.test_response_models import Stack, check, check_chunks, ref
-from tests.unit.test_vllm_rendering import THINKING_TEMPLATE
+from tests.engine.test_response_models import Stack, check, check_chunks, ref
+from tests.engine.test_vllm_rendering import THINKING_TEMPLATE
 
 TOL = 1e-4
 CONTEXT = 512  # the checkpoint's max_position_embeddings

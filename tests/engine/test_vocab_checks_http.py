@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-import tests.unit.test_response_models as memory_stack
-from tests.unit.test_response_models import Stack
+import tests.engine.test_response_models as memory_stack
+from tests.engine.test_response_models import Stack
 
 # the real stack's fixtures, module-scoped engine included
 engine_config, engine, stack = memory_stack.engine_config, memory_stack.engine, memory_stack.stack

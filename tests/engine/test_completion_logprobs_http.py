@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import torch
 
-import tests.unit.test_response_models as memory_stack
+import tests.engine.test_response_models as memory_stack
 from pdserve.shared.bus.protocol import DecodeRequest, ProtocolError, TokenBatch, decode
 from tests.bus_memory import MemoryClient, RawMessage
-from tests.unit.test_response_models import Stack
+from tests.engine.test_response_models import Stack
 
 TOL = 1e-4
 # the real stack's fixtures, module-scoped engine included

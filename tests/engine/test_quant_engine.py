@@ -15,7 +15,7 @@ from pdserve.services.engine.quant.options import quantization_problem
 from pdserve.shared.errors import StartupError
 from pdserve.shared.sampling import SamplingParams
 from tests.engine_support import make_engine
-from tests.unit.test_spec_engine import GREEDY, NGRAM, repeating_prompts
+from tests.engine.test_spec_engine import GREEDY, NGRAM, repeating_prompts
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64])

@@ -16,7 +16,7 @@ from pdserve.services.engine.outputs import StepOutput
 from pdserve.shared.sampling import SamplingParams
 from tests.engine_support import make_engine, random_prompts, step_outputs
 from tests.oracle import hf_greedy
-from tests.unit.test_engine_lifecycle import all_free, pull
+from tests.engine.test_engine_lifecycle import all_free, pull
 
 SEEDED = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=7, n=4)
 
