@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SOURCES = ("pyproject.toml", "README.md", "gateway", "services", "shared", "kernels")
+SOURCES = ("pyproject.toml", "README.md", "cli.py", "gateway", "services", "shared", "kernels")
 
 
 def run(*argv: str | Path, cwd: Path) -> subprocess.CompletedProcess:
