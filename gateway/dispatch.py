@@ -10,9 +10,9 @@ stages of the design:
 
 or, when no prefill worker is alive or the prompt is short, straight to a decode worker that
 prefills locally. Every wait has a deadline; a worker leaving the registry has its requests
-retried (prefill) or migrated (decode: ``gateway/decode_stage.py``) at once; and a request that
+retried (prefill) or migrated (decode: ``gateway/inflight.py``) at once; and a request that
 ends early - client gone, stop string, error - is cancelled on the workers so they free its KV
-blocks.
+blocks. The ``Dispatcher`` is the ``DispatchPort`` through which each request sends.
 
 When the gateway's own NATS connection breaks, anything published meanwhile may be lost (NATS
 core keeps nothing for a subscriber that is away). After the reconnect every request is told
@@ -21,6 +21,17 @@ tokens migrate, the others go on (``gateway/stream_check.py``); a worker whose o
 broke says so (``REJOINED``), with the same effect on what it serves. Until the workers are
 heard again on the new connection - which also means their subscriptions are back - new
 messages go only to workers that have been, and a migration waits for one (``recovered``).
+
+Each fact about a request in flight has one owner. ``Dispatcher._pending`` (bus id ->
+``InFlight``) is the one routing table: where the inbox delivers, who hears of departures and
+reconnects, and what is dropped - and cancelled, unless it finished - when the request ends
+(``_tracking``: its one way out; a leg that ends earlier leaves through ``unregister``). The
+``InFlight`` owns its progress: its legs (their workers are what it watches) and what its
+consumer has. The router keeps only load: what this gateway sent or runs on each worker, and
+per bus id where that was counted, to take it off there (``prefill_done``, called by the
+request's prefill attempt; ``decode_done``, by ``unregister``). ``state.InFlightRequests``
+admits HTTP requests by the client's x-request-id; one may be several on the bus (a prompt
+array).
 """
 
 from __future__ import annotations
@@ -29,28 +40,26 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any
 
 from opentelemetry.context import Context
 
-from pdserve.gateway.inflight import (
-    DECODE_ATTEMPTS,
+from pdserve.gateway.inflight import InFlight
+from pdserve.gateway.inflight_types import (
     DEFAULT_MAX_MIGRATIONS,
-    PREFILL_ATTEMPTS,
-    RETRYABLE_CODES,
-    TYPICAL_OUTPUT_TOKENS,
     BusReconnected,
-    Choices,
-    InFlight,
+    Limits,
     NotSendable,
     NoWorker,
+    OpenChoices,
     StageTimeout,
     TokenEvent,
     WorkerFailure,
+    WorkerLeft,
+    WorkerRejoined,
 )
-from pdserve.gateway.inflight_types import WorkerRejoined
-from pdserve.gateway.legs import BUS_ID_SUFFIX, new_bus_id, with_fixed_seed
+from pdserve.gateway.legs import new_bus_id, with_fixed_seed
 from pdserve.gateway.router import Router
 from pdserve.shared.bus import protocol
 from pdserve.shared.bus.connection import Bus
@@ -68,23 +77,6 @@ from pdserve.shared.bus.protocol import (
 from pdserve.shared.discovery.worker_registry import JOINED, LEFT, REJOINED, WorkerRegistry
 from pdserve.shared.sampling import SamplingParams
 from pdserve.shared.telemetry.tracing import ATTR_REQUEST_ID, SPAN_ROUTE, inject_headers, tracer
-
-__all__ = [
-    "BUS_ID_SUFFIX",
-    "Choices",
-    "DECODE_ATTEMPTS",
-    "DEFAULT_MAX_MIGRATIONS",
-    "PREFILL_ATTEMPTS",
-    "RETRYABLE_CODES",
-    "TYPICAL_OUTPUT_TOKENS",
-    "Dispatcher",
-    "NoWorker",
-    "NotSendable",
-    "StageTimeout",
-    "TokenEvent",
-    "WorkerFailure",
-    "new_bus_id",
-]
 
 log = logging.getLogger("pdserve.gateway.dispatch")
 _tracer = tracer(__name__)
@@ -157,7 +149,8 @@ class Dispatcher:
         # ping confirmed (a slow but live worker answers it and keeps its requests).
         if event == LEFT:
             for request in self._requests():
-                request.worker_left(load.worker_id)
+                if load.worker_id in request.watching:
+                    request.put(WorkerLeft(load.worker_id))
         elif event == JOINED:
             # back after a partition? Cancels sent while it was away never reached it.
             self._cancel_abandoned(load.worker_id)
@@ -229,7 +222,7 @@ class Dispatcher:
     def _cancel_abandoned(self, worker_id: str | None) -> None:
         now = time.time()
         for bus_id, (worker, deadline) in list(self._abandoned.items()):
-            if deadline < now:  # its worker is done with it (see DecodeStage._drop_leg)
+            if deadline < now:  # its worker is done with it (see Leg.abandoned_until)
                 del self._abandoned[bus_id]
             elif worker_id is None or worker == worker_id:
                 self.spawn(self.cancel(bus_id))
@@ -252,6 +245,19 @@ class Dispatcher:
         self._pending.pop(bus_id, None)
         self.router.decode_done(bus_id)
 
+    # -- the router's picks, for a request in flight --------------------------------------------
+
+    def pick_prefill(self, prompt: list[int], exclude: set[str], bus_id: str) -> str | None:
+        return self.router.pick_prefill(prompt, exclude, bus_id)
+
+    def prefill_done(self, bus_id: str) -> None:
+        self.router.prefill_done(bus_id)
+
+    def pick_decode(
+        self, total_tokens: int, exclude: set[str], bus_id: str, kv_layout: str
+    ) -> str | None:
+        return self.router.pick_decode(total_tokens, exclude, bus_id, kv_layout)
+
     # -- outgoing ----------------------------------------------------------------------------
 
     async def _publish(self, subject: str, msg, headers: dict[str, str] | None = None) -> None:
@@ -260,13 +266,15 @@ class Dispatcher:
         except Exception as exc:  # closed or never-connected bus: fail the request, loudly
             raise WorkerFailure(f"message bus unavailable: {exc}", "bus_unavailable") from exc
 
-    async def send_prefill(self, worker: str, msg: PrefillRequest, headers: dict[str, str]):
-        await self._publish(self.bus.subjects.prefill(worker), msg, headers)
+    async def send(
+        self, worker: str, msg: PrefillRequest | DecodeRequest, headers: dict[str, str]
+    ) -> None:
+        """Send a request (or a leg of one) to the prefill or decode ``worker``."""
+        subjects = self.bus.subjects
+        subject = subjects.prefill if isinstance(msg, PrefillRequest) else subjects.decode
+        await self._publish(subject(worker), msg, headers)
 
-    async def send_decode(self, worker: str, msg: DecodeRequest, headers: dict[str, str]):
-        await self._publish(self.bus.subjects.decode(worker), msg, headers)
-
-    def spawn(self, coro) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Fire-and-forget publish that survives the cancellation of the request's task."""
         task = asyncio.ensure_future(coro)
         self._background.add(task)
@@ -298,7 +306,7 @@ class Dispatcher:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         context: Context | None = None,
-        choices: Choices | None = None,
+        choices: OpenChoices | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """Yield the request's tokens as they arrive; the last event has a finish reason.
 
@@ -308,7 +316,7 @@ class Dispatcher:
         With ``sampling.n > 1`` events carry their choice's index, and ``choices`` lets the caller
         stop one choice early (a stop string in its text).
 
-        A request whose decode worker is lost is migrated (``gateway/decode_stage.py``); for
+        A request whose decode worker is lost is migrated (``gateway/legs.py``); for
         its randomness to continue exactly, a sampled request without a seed gets one here.
 
         Raises NoWorker before anything was sent, StageTimeout or WorkerFailure on faults.
@@ -317,15 +325,9 @@ class Dispatcher:
         sampling = with_fixed_seed(sampling)
         bus_id = new_bus_id(client_id)
         self._check_wire(bus_id, prompt_token_ids, sampling)
+        limits, headers = self._limits(), inject_headers(context=context)
         request = InFlight(
-            self,
-            client_id,
-            bus_id,
-            prompt_token_ids,
-            sampling,
-            context,
-            inject_headers(context=context),
-            choices,
+            self, limits, client_id, bus_id, prompt_token_ids, sampling, context, headers, choices
         )
         with self._tracking(request):
             if self._route(request):
@@ -336,19 +338,29 @@ class Dispatcher:
                 async for event in request.decode():
                     yield event
 
+    def _limits(self) -> Limits:
+        """What a request arriving now runs under."""
+        return Limits(
+            self.request_timeout, self.prefill_timeout, self.first_token_timeout,
+            self.stall_timeout, self.max_migrations, self.workers.timeout,
+        )  # fmt: skip
+
     @contextlib.contextmanager
     def _tracking(self, request: InFlight) -> Iterator[None]:
-        """Route the request's messages to it while it lives; cancel it if it ends early."""
-        request.listen(request.bus_id)
+        """Route the request's messages to it while it lives. Its one way out, however it ends:
+        every bus id still routed to it is unregistered, and cancelled on the workers unless the
+        request finished normally."""
+        self.register(request.bus_id, request)
         try:
             yield
         finally:
-            ids = request.close()
-            self.router.prefill_done(request.bus_id)
+            ids = sorted(bus_id for bus_id, r in self._pending.items() if r is request)
+            for bus_id in ids:
+                self.unregister(bus_id)
             if not request.finished:
                 # Runs even while the handler is being cancelled (client gone), so it must not
                 # await anything that the cancellation could interrupt.
-                for bus_id in sorted(ids):
+                for bus_id in ids:
                     self.spawn(self.cancel(bus_id))
 
     def _route(self, request: InFlight) -> bool:
@@ -356,7 +368,10 @@ class Dispatcher:
         with _tracer.start_as_current_span(SPAN_ROUTE, context=request.context) as span:
             span.set_attribute(ATTR_REQUEST_ID, request.client_id)
             span.set_attribute("pdserve.bus_request_id", request.bus_id)
-            use_prefill = self._wants_prefill(len(request.prompt))
+            # short prompts go straight to a decode worker (the workers advertise the threshold)
+            use_prefill = self.router.has_prefill() and (
+                len(request.prompt) >= self.router.local_prefill_threshold()
+            )
             span.set_attribute("pdserve.route.prefill", use_prefill)
             if not self.router.has_decode():  # even with a prefill worker: none could decode
                 raise NoWorker("no decode worker is available")
@@ -370,11 +385,6 @@ class Dispatcher:
             protocol.decode(protocol.encode(probe), self.bus.max_bytes)
         except protocol.ProtocolError as exc:
             raise NotSendable(str(exc)) from None
-
-    def _wants_prefill(self, prompt_len: int) -> bool:
-        if not self.router.has_prefill():
-            return False
-        return prompt_len >= self.router.local_prefill_threshold()
 
     async def close(self) -> None:
         for task in list(self._background):

@@ -1,44 +1,39 @@
-"""Serving one generation request: tokens from the dispatcher in, OpenAI responses out.
+"""One admitted generation request: tokens from the dispatcher in, each choice's text out.
 
-``serve_generation`` admits the request, sends each of its prompts to the workers (a prompt
-array becomes independent requests; ``n``/``best_of`` choices are forked on one decode worker),
-streams it as SSE (``gateway/streaming.py``) or collects it into one JSON body, and accounts
-usage, metrics and the request span's GenAI attributes. Each choice's text and log-probs are
-assembled by a ``ChoiceOutput``.
+A ``Generation`` sends each of the request's prompts to the workers (a prompt array becomes
+independent requests; ``n``/``best_of`` choices are forked on one decode worker) and yields every
+choice's pieces as they come; a ``ResponseChoice`` assembles each choice's text and log-probs,
+and ``Progress`` counts usage and latency. Serving it - streamed or whole - is
+``gateway/serving.py``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import web
 from opentelemetry import trace
 
-from pdserve.gateway.api_models import GenerationParams, check_length
-from pdserve.gateway.choice_output import ChoiceOutput, Piece
+from pdserve.gateway.api_models import GenerationParams
 from pdserve.gateway.errors import APIError, overloaded, timeout_error
-from pdserve.gateway.inflight import (
-    Choices,
+from pdserve.gateway.inflight_types import (
     NotSendable,
     NoWorker,
+    OpenChoices,
     StageTimeout,
     TokenEvent,
     WorkerFailure,
 )
 from pdserve.gateway.logprob_format import TokenTexts, chat_logprobs, completion_logprobs
-from pdserve.gateway.state import ARRIVED_KEY, CLIENT_ID_KEY, Gateway
+from pdserve.gateway.response_choice import Piece, ResponseChoice
+from pdserve.gateway.state import Gateway
 from pdserve.gateway.vllm_output import trim_alternatives
 from pdserve.shared.logprobs import TokenLogprobs
 from pdserve.shared.sampling import SamplingParams
-from pdserve.shared.telemetry import tracing as tr
-
-log = logging.getLogger("pdserve.gateway")
 
 
 @dataclass
@@ -113,88 +108,6 @@ def fault_error(exc: Exception) -> APIError:
     raise exc
 
 
-async def serve_generation(
-    request: web.Request,
-    gw: Gateway,
-    operation: str,
-    params: GenerationParams,
-    prompts: list[Prompt],
-) -> web.StreamResponse:
-    # both build on this module
-    from pdserve.gateway.streaming import stream_response
-    from pdserve.gateway.whole_answer import complete
-
-    client_id: str = request[CLIENT_ID_KEY]
-    limit = gw.context_limit()
-    max_tokens = [
-        check_length(len(p.ids), params.max_tokens, limit, gw.config.max_prompt_tokens)
-        for p in prompts
-    ]
-    total_prompt = sum(len(p.ids) for p in prompts)
-    with gw.requests.admit(client_id):
-        root = trace.get_current_span()
-        root.set_attributes(
-            {
-                tr.GEN_AI_OPERATION_NAME: operation,
-                tr.GEN_AI_SYSTEM: "pdserve",
-                tr.GEN_AI_REQUEST_MODEL: params.model,
-                tr.GEN_AI_RESPONSE_MODEL: gw.model.name,
-                tr.GEN_AI_REQUEST_MAX_TOKENS: max(max_tokens),
-                tr.GEN_AI_REQUEST_TEMPERATURE: params.temperature,
-                tr.GEN_AI_REQUEST_TOP_P: params.top_p,
-                tr.GEN_AI_REQUEST_TOP_K: params.top_k,
-                tr.GEN_AI_USAGE_INPUT_TOKENS: total_prompt,
-            }
-        )
-        if params.seed is not None:
-            root.set_attribute(tr.GEN_AI_REQUEST_SEED, params.seed)
-        if params.n > 1:
-            root.set_attribute(tr.GEN_AI_REQUEST_CHOICE_COUNT, params.n)
-        gen = Generation(
-            gw,
-            operation,
-            params,
-            prompts,
-            [gw.sampling_params(params, m) for m in max_tokens],
-            client_id,
-            Progress(prompt_tokens=total_prompt, arrived=request[ARRIVED_KEY]),
-        )
-        try:
-            return await (stream_response(request, gen) if params.stream else complete(gen))
-        except BaseException:
-            if gen.progress.finish_reason is None:
-                gen.progress.finish_reason = "abort"  # client gone or an unexpected fault
-            raise
-        finally:
-            progress = gen.progress
-            e2e = time.monotonic() - progress.arrived
-            gw.metrics.request_finished(
-                progress.finish_reason or "abort",
-                progress.prompt_tokens,
-                progress.completion_tokens,
-                e2e,
-            )
-            _finish_span(root, progress, client_id, e2e)
-
-
-def _finish_span(span: trace.Span, progress: Progress, client_id: str, e2e: float) -> None:
-    span.set_attribute(tr.GEN_AI_RESPONSE_ID, client_id)
-    span.set_attribute(tr.GEN_AI_USAGE_OUTPUT_TOKENS, progress.completion_tokens)
-    span.set_attribute(tr.GEN_AI_RESPONSE_FINISH_REASONS, [progress.finish_reason or "abort"])
-    span.set_attribute(tr.GEN_AI_LATENCY_E2E, e2e)
-    span.set_attribute(tr.ATTR_CACHED_TOKENS, progress.cached_tokens)
-    if progress.first_token_at is not None:
-        span.set_attribute(
-            tr.GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN, progress.first_token_at - progress.arrived
-        )
-    if progress.first_token_at is not None and progress.last_token_at is not None:
-        # As the gateway sees it: first token to last. Queue and forward times per phase are on
-        # the workers' own spans.
-        span.set_attribute(
-            tr.GEN_AI_LATENCY_TIME_IN_MODEL_DECODE, progress.last_token_at - progress.first_token_at
-        )
-
-
 @dataclass
 class Generation:
     """One admitted generation request: its prompts, their choices, and what they produced."""
@@ -206,14 +119,14 @@ class Generation:
     samplings: list[SamplingParams]  # one per prompt
     client_id: str
     progress: Progress
-    choices: list[ChoiceOutput] = field(init=False)
+    choices: list[ResponseChoice] = field(init=False)
 
     def __post_init__(self) -> None:
         tok = self.gw.model.tokenizer if self.gw is not None else None
         self.texts = TokenTexts(tok) if tok is not None else None
         with_logprobs = self.params.logprobs is not None
         self.choices = [
-            ChoiceOutput(i, tok, self.params.stop, with_logprobs, i // self.per_prompt)
+            ResponseChoice(i, tok, self.params.stop, with_logprobs, i // self.per_prompt)
             for i in range(len(self.prompts) * self.per_prompt)
         ]
         # each prompt's log-probs, when the engine computed them (echo, prompt_logprobs)
@@ -232,7 +145,7 @@ class Generation:
         """Choices generated per prompt: best_of of them when the n best are returned."""
         return max(self.params.n, self.params.best_of or 1)
 
-    def logprobs_json(self, choice: ChoiceOutput, piece: Piece, offset: int) -> Any:
+    def logprobs_json(self, choice: ResponseChoice, piece: Piece, offset: int) -> Any:
         """A piece's log-probs in the endpoint's shape (None when none were asked)."""
         if choice.logprobs is None:
             return None
@@ -240,7 +153,7 @@ class Generation:
             return chat_logprobs(piece.logprobs, self.texts)
         return completion_logprobs(piece.logprobs, self.texts, offset)
 
-    async def pieces(self) -> AsyncIterator[tuple[ChoiceOutput, Piece]]:
+    async def pieces(self) -> AsyncIterator[tuple[ResponseChoice, Piece]]:
         """Every choice's text as it is generated, in arrival order: ``(choice, piece)``; after
         a choice's last piece ``choice.done`` is true. Raises the dispatcher's faults."""
         if len(self.prompts) == 1:
@@ -248,7 +161,7 @@ class Generation:
                 async for item in pieces:
                     yield item
             return
-        queue: asyncio.Queue[tuple[ChoiceOutput, Piece] | BaseException | None] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[ResponseChoice, Piece] | BaseException | None] = asyncio.Queue()
 
         async def feed(p: int) -> None:
             try:
@@ -275,12 +188,12 @@ class Generation:
                 task.cancel()  # closes their dispatcher streams, which cancels the requests
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _prompt_pieces(self, p: int) -> AsyncIterator[tuple[ChoiceOutput, Piece]]:
+    async def _prompt_pieces(self, p: int) -> AsyncIterator[tuple[ResponseChoice, Piece]]:
         prompt, sampling = self.prompts[p], self.samplings[p]
         mine = self.choices[p * self.per_prompt : (p + 1) * self.per_prompt]
         # max_tokens 0 generates nothing: one engine choice stands for all of them
         fanout = sampling.n == 1 and len(mine) > 1
-        choices = Choices(sampling.n)
+        choices = OpenChoices(sampling.n)
         context = trace.set_span_in_context(trace.get_current_span())
         events = self.gw.dispatcher.generate(
             self.client_id if len(self.prompts) == 1 else f"{self.client_id}-{p}",
@@ -327,13 +240,13 @@ class Generation:
         logprobs, k = self.prompt_logprobs[p], self.params.logprobs
         return logprobs if logprobs is None or k is None else trim_alternatives(logprobs, k)
 
-    def returned(self) -> list[ChoiceOutput]:
+    def returned(self) -> list[ResponseChoice]:
         """The choices a complete answer returns: with best_of, each prompt's n likeliest
         (highest cumulative log-prob of their tokens), renumbered in that order."""
         n, per = self.params.n, self.per_prompt
         if per == n:
             return self.choices
-        best: list[ChoiceOutput] = []
+        best: list[ResponseChoice] = []
         for p in range(len(self.prompts)):
             group = self.choices[p * per : (p + 1) * per]
             ranked = sorted(group, key=lambda c: c.cumulative_logprob, reverse=True)[:n]

@@ -1,13 +1,16 @@
-"""One request in flight on the bus, from the gateway's side: its ids, deadlines, inbox queue
-and stage, and the two stages it goes through.
+"""One request in flight on the bus, from the gateway's side: its ids, deadlines, queue, stage
+and decode legs, and the two stages it goes through. ``InFlight`` holds that state and reaches
+the rest of the gateway only through ``DispatchPort``, declared below: ``Dispatcher``
+(``gateway/dispatch.py``) implements it, feeds the queue (worker answers, the departure of a
+worker the request waits on, a reconnect of the bus), drives the stages and ends the request.
 
-``InFlight.prefill()`` sends the prompt to a prefill worker (retrying elsewhere when one refuses
-or vanishes) and returns the first token with the KV handle; ``InFlight.decode()`` sends the
-request - with that handle, or without one to have the decode worker prefill it locally - to a
-decode worker and yields its tokens, moving on to another decode worker when one refuses before
-its first token. Every wait is bounded by the request's deadline; the dispatcher feeds the
-queue (worker answers, the departure of a worker this request is waiting on, a reconnect of the
-bus).
+``prefill()`` sends the prompt to a prefill worker (retrying elsewhere when one refuses or
+vanishes) and returns the first token with the KV handle. ``decode()`` sends the first leg
+(``gateway/legs.py``) - with that handle, or without one to have the decode worker prefill
+locally - and yields the tokens its worker streams back. A worker that refuses a leg before its
+first token hands it to another. A worker lost mid-stream, or whose tokens the bus lost
+(``gateway/stream_check.py``), has its legs migrated: re-sent to live decode workers with the
+tokens the client already has, from which they continue exactly (``gateway/legs.py``).
 
 Deadlines follow progress, not the wall clock: a long answer that keeps streaming is never cut
 off. The first token is due within ``--first-token-timeout`` of arrival (queues, prefill, KV
@@ -17,137 +20,134 @@ leg re-sent to another decode worker within ``--first-token-timeout`` again (it 
 it. A request past its deadline ends with a timeout (504, or an error event mid-stream) and is
 cancelled on its workers. Workers enforce a request's ``deadline`` only until its first token
 (``services/worker_base.py``): past that, only the gateway judges a stall.
-
-The decode stage lives in ``gateway/decode_stage.py``: a decode worker lost mid-stream does not
-fail the request there, its DecodeRequests ("legs", ``gateway/legs.py``) are migrated - re-sent
-to live decode workers with the tokens the client already has, which the new worker prefills and
-continues from exactly - up to ``--max-migrations`` times a request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
-from collections import defaultdict
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Coroutine, Iterable
+from typing import Any, Protocol
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from pdserve.gateway.decode_stage import DecodeStage
 from pdserve.gateway.inflight_types import (
     DECODE_ATTEMPTS,
-    DEFAULT_MAX_MIGRATIONS,
     MIGRATE_BUS_RECONNECT,
+    MIGRATE_WHY,
     MIGRATE_WORKER_LOST,
     PREFILL_ATTEMPTS,
     RETRYABLE_CODES,
-    TYPICAL_OUTPUT_TOKENS,
     BusReconnected,
-    Choices,
+    CheckDue,
+    Delivered,
     Item,
-    NotSendable,
+    Limits,
     NoWorker,
+    OpenChoices,
     StageTimeout,
     TokenEvent,
     WorkerFailure,
     WorkerLeft,
+    WorkerRejoined,
     check_ending,
     due_in,
+    next_item,
     on_wire,
 )
-from pdserve.gateway.legs import Leg
-from pdserve.shared.bus.protocol import KVHandle, PrefillRequest, PrefillResult
+from pdserve.gateway.legs import Leg, new_bus_id, record_migration, replan
+from pdserve.gateway.stream_check import GAP, SKIP, check, check_due, screen
+from pdserve.shared.bus.protocol import (
+    DecodeRequest,
+    KVHandle,
+    PrefillRequest,
+    PrefillResult,
+    TokenItem,
+)
+from pdserve.shared.kv.layout import layout_id
 from pdserve.shared.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from pdserve.gateway.dispatch import Dispatcher
-
-__all__ = [
-    "DECODE_ATTEMPTS",
-    "DEFAULT_MAX_MIGRATIONS",
-    "MIGRATE_BUS_RECONNECT",
-    "MIGRATE_WORKER_LOST",
-    "PREFILL_ATTEMPTS",
-    "RETRYABLE_CODES",
-    "TYPICAL_OUTPUT_TOKENS",
-    "BusReconnected",
-    "Choices",
-    "InFlight",
-    "NoWorker",
-    "NotSendable",
-    "StageTimeout",
-    "TokenEvent",
-    "WorkerFailure",
-    "WorkerLeft",
-]
 
 log = logging.getLogger("pdserve.gateway.dispatch")
 
 
-class InFlight(DecodeStage):
+class DispatchPort(Protocol):
+    """What a request in flight may ask of the gateway's bus side; ``Dispatcher`` has it."""
+
+    inbox: str  # the subject workers answer this gateway on
+    bus_epoch: int  # reconnects of the gateway's bus so far (see BusReconnected)
+
+    async def recovered(self, deadline: float) -> set[str]: ...  # workers to skip meanwhile
+    # the router's picks; a prefill's work stops counting on its worker at ``prefill_done``
+    def pick_prefill(self, prompt: list[int], exclude: set[str], bus_id: str) -> str | None: ...
+    def prefill_done(self, bus_id: str) -> None: ...
+    def pick_decode(
+        self, total_tokens: int, exclude: set[str], bus_id: str, kv_layout: str
+    ) -> str | None: ...
+    async def send(
+        self, worker: str, msg: PrefillRequest | DecodeRequest, headers: dict[str, str]
+    ) -> None: ...
+    async def cancel(self, bus_id: str, index: int | None = None) -> None: ...
+    async def release_stale(self, item: object) -> None: ...  # a KV lease nobody will pull
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None: ...  # outlives the request
+    def check_stream(self, worker_id: str, bus_id: str) -> None: ...
+    # cancel a leg migrated away, now and again if its worker turns up before ``deadline``
+    def abandon(self, worker_id: str, bus_id: str, deadline: float) -> None: ...
+    # route the messages for ``bus_id`` to ``request`` (and stop: unregister)
+    def register(self, bus_id: str, request: InFlight) -> None: ...
+    def unregister(self, bus_id: str) -> None: ...
+    def count_migration(self, reason: str) -> None: ...
+
+
+class InFlight:
     """One request on the bus: created by ``Dispatcher.generate``, which drives its stages."""
 
     def __init__(
         self,
-        dispatcher: Dispatcher,
+        port: DispatchPort,
+        limits: Limits,
         client_id: str,
         bus_id: str,
         prompt: list[int],
         sampling: SamplingParams,
         context: Context | None,
         headers: dict[str, str],
-        choices: Choices | None = None,
+        choices: OpenChoices | None = None,
     ) -> None:
-        self.d = dispatcher
+        self.port = port
+        self.limits = limits
         self.client_id = client_id  # the client's x-request-id: names the request on spans
         self.bus_id = bus_id  # unique: names it on the bus (see new_bus_id), and its first leg
         self.prompt = prompt
         self.sampling = sampling
         self.context = context
         self.headers = headers
-        cap = dispatcher.request_timeout
-        self.cap = time.time() + cap if cap > 0 else math.inf  # --request-timeout, if set
+        self.cap = due_in(limits.request_timeout)  # --request-timeout, if set
         # when the next progress is due while no leg is on a decode worker (prefill, between
         # legs); legs keep their own (``Leg.due``)
-        self.due = due_in(dispatcher.first_token_timeout)
+        self.due = due_in(limits.first_token_timeout)
         self.queue: asyncio.Queue[Item] = asyncio.Queue()
-        self.watching: set[str] = set()  # workers whose departure should wake this request
+        self.prefill_worker: str | None = None  # the one it waits on, during an attempt
         self.stage = "route"
-        # tokens handed to the consumer, by choice: what a migration replays
-        self.delivered: dict[int, list[int]] = defaultdict(list)
         self.kv: KVHandle | None = None
         self.finished = False  # ended normally: nothing to cancel on the workers
-        self.choices = choices or Choices(sampling.n)
+        self.choices = choices or OpenChoices(sampling.n)
         self.choices.bind(self._cancel_choice)
+        self.delivered = Delivered(self.choices)  # what the consumer has: what migrations replay
         self.legs: dict[str, Leg] = {}  # by bus id: the DecodeRequests in flight
-        self.bus_ids: set[str] = set()  # every id the dispatcher routes to this request
         self.migrations = 0
-        self.prompt_logprobs_sent = False
-        self.cached_reported = False
 
     # -- the dispatcher's side ---------------------------------------------------------------
 
     def put(self, item: Item) -> None:
         self.queue.put_nowait(item)
 
-    def worker_left(self, worker_id: str) -> None:
-        if worker_id in self.watching:
-            self.put(WorkerLeft(worker_id))
-
-    def listen(self, bus_id: str) -> None:
-        """Have the dispatcher route messages for ``bus_id`` here."""
-        self.bus_ids.add(bus_id)
-        self.d.register(bus_id, self)
-
-    def close(self) -> set[str]:
-        """The request is over: stop routing to it. Returns the ids it still had on the bus."""
-        ids, self.bus_ids = self.bus_ids, set()
-        for bus_id in ids:
-            self.d.unregister(bus_id)
-        return ids
+    @property
+    def watching(self) -> set[str]:
+        """The workers whose departure or reconnect concerns it: its prefill or decode workers."""
+        workers = {leg.worker for leg in self.legs.values()}
+        return workers | {self.prefill_worker} if self.prefill_worker else workers
 
     @property
     def deadline(self) -> float:
@@ -158,38 +158,25 @@ class InFlight(DecodeStage):
 
     def progressed(self) -> None:
         """A token came: the next one is due within --stall-timeout."""
-        self.due = due_in(self.d.stall_timeout)
+        self.due = due_in(self.limits.stall_timeout)
 
     async def _next(self, deadline: float) -> Item:
-        remaining = deadline - time.time()
-        try:
-            if remaining <= 0:
-                raise asyncio.TimeoutError
-            if not self.queue.empty():  # already here: no timer and no task to wait
-                return self.queue.get_nowait()
-            if math.isinf(remaining):
-                return await self.queue.get()  # every limit is off
-            return await asyncio.wait_for(self.queue.get(), remaining)
-        except asyncio.TimeoutError:
-            raise StageTimeout(self._overdue(deadline)) from None
+        item = await next_item(self.queue, deadline)
+        if item is None:
+            raise StageTimeout(self._overdue(deadline))
+        return item
 
     def _overdue(self, deadline: float) -> str:
         """Why a wait that ended at ``deadline`` timed out, naming the option that set it."""
-        d = self.d
         if deadline >= self.cap:
-            why = f"the request took longer than --request-timeout ({d.request_timeout:g} s)"
+            limit = "request"
         elif deadline < self.deadline:
-            why = f"the stage passed its --prefill-timeout ({d.prefill_timeout:g} s)"
+            limit = "prefill"
         else:
             legs = [leg for leg in self.legs.values() if leg.due <= deadline]
-            if legs[0].streamed if legs else any(self.delivered.values()):
-                why = f"no new token for --stall-timeout ({d.stall_timeout:g} s)"
-            else:
-                why = f"no first token within --first-token-timeout ({d.first_token_timeout:g} s)"
-        return f"{why} in the {self.stage} stage"
-
-    def _annotate(self, key: str, worker_id: str) -> None:
-        trace.get_current_span(self.context).set_attribute(key, worker_id)
+            streamed = legs[0].streamed if legs else self.delivered.has_tokens()
+            limit = "stall" if streamed else "first_token"
+        return self.limits.overdue(limit, self.stage)
 
     # -- prefill -----------------------------------------------------------------------------
 
@@ -199,8 +186,8 @@ class InFlight(DecodeStage):
         self.stage = "prefill"
         tried: set[str] = set()
         for _ in range(PREFILL_ATTEMPTS):
-            skip = tried | await self.d.recovered(self.deadline)
-            worker = self.d.router.pick_prefill(self.prompt, exclude=skip, bus_id=self.bus_id)
+            skip = tried | await self.port.recovered(self.deadline)
+            worker = self.port.pick_prefill(self.prompt, skip, self.bus_id)
             if worker is None:
                 return None
             tried.add(worker)
@@ -217,25 +204,19 @@ class InFlight(DecodeStage):
         return None
 
     async def _prefill_on(self, worker: str) -> PrefillResult | None:
-        """Send the prompt to ``worker`` and wait for its answer; None if it left meanwhile (or
-        our bus connection broke, which may have lost the request or its answer)."""
-        self.watching.add(worker)
-        self._annotate("pdserve.prefill_worker", worker)
-        deadline = min(self.deadline, time.time() + self.d.prefill_timeout)
-        epoch = self.d.bus_epoch
+        """Send the prompt to ``worker`` (just picked) and wait for its answer; None if it left
+        meanwhile (or our bus connection broke, which may have lost the request or its answer).
+        However it ends, the prompt stops counting as work queued on that worker."""
         try:
-            await self.d.send_prefill(
-                worker,
-                PrefillRequest(
-                    bus_id=self.bus_id,
-                    prompt_token_ids=self.prompt,
-                    sampling=self.sampling,
-                    reply_to=self.d.inbox,
-                    deadline=on_wire(deadline),
-                    client_id=self.client_id,
-                ),
-                self.headers,
-            )
+            self.prefill_worker = worker
+            trace.get_current_span(self.context).set_attribute("pdserve.prefill_worker", worker)
+            deadline = min(self.deadline, time.time() + self.limits.prefill_timeout)
+            epoch = self.port.bus_epoch
+            msg = PrefillRequest(
+                self.bus_id, self.prompt, self.sampling, self.port.inbox, on_wire(deadline),
+                self.client_id,
+            )  # fmt: skip
+            await self.port.send(worker, msg, self.headers)
             while True:
                 item = await self._next(deadline)
                 if isinstance(item, WorkerLeft):
@@ -249,30 +230,168 @@ class InFlight(DecodeStage):
                 elif isinstance(item, PrefillResult) and item.worker_id == worker:
                     return item
                 else:
-                    await self.d.release_stale(item)  # a late answer of an earlier attempt
+                    await self.port.release_stale(item)  # a late answer of an earlier attempt
         finally:
-            self.watching.discard(worker)
-            self.d.router.prefill_done(self.bus_id)  # no longer queued work on that worker
+            self.prefill_worker = None
+            self.port.prefill_done(self.bus_id)
 
     def _first_token(self, result: PrefillResult) -> TokenEvent:
-        """Choice 0's first token (a prefill worker never forks: the decode worker does)."""
         check_ending(result.finish_reason, result.worker_id)
         if result.first_token is not None:
-            self.delivered[0].append(result.first_token)
             self.progressed()
-        if result.finish_reason is not None:
-            self.choices.ended(0)  # done at the first token (max_tokens=1, EOS, ...)
+        event = self.delivered.first_token(result)
         if self.choices.open:
             self.kv = result.kv
         else:
             self.finished = True
-            self.d.spawn(self.d.release_stale(result))  # its KV is not needed
-        self.prompt_logprobs_sent = result.prompt_logprobs is not None
-        self.cached_reported = True
-        return TokenEvent(
-            list(self.delivered[0]),
-            result.finish_reason,
-            result.cached_tokens,
-            logprobs=result.first_logprobs,
-            prompt_logprobs=result.prompt_logprobs,
+            self.port.spawn(self.port.release_stale(result))  # its KV is not needed
+        return event
+
+    # -- decode --------------------------------------------------------------------------------
+
+    async def decode(self) -> AsyncIterator[TokenEvent]:
+        """Yield the tokens of decode workers until the request finishes. A worker that refuses
+        before its first token (full or draining) hands its leg to another; a worker that is
+        lost, or whose tokens the bus lost, has its legs migrated (``legs.py``). After a NATS
+        reconnect (ours, or the worker's) the legs it may concern are checked."""
+        self.stage = "decode"
+        first = Leg(self.bus_id, None, list(self.delivered.tokens[0]), self.sampling, self.kv)
+        await self._send_first(first)
+        while not self.finished:
+            item = await self._next(self.deadline)
+            if isinstance(item, WorkerRejoined):  # (a WorkerLeft to a prefill)
+                self._check(leg for leg in self.legs.values() if leg.worker == item.worker_id)
+            elif isinstance(item, WorkerLeft):
+                lost = [leg for leg in self.legs.values() if leg.worker == item.worker_id]
+                await self._migrate(lost, MIGRATE_WORKER_LOST)  # (none: nothing to do)
+            elif isinstance(item, BusReconnected):
+                self._check(leg for leg in self.legs.values() if leg.epoch < item.epoch)
+            elif isinstance(item, CheckDue):
+                leg = self.legs.get(item.bus_id)
+                if leg is not None and check_due(leg, self.port.check_stream, self.put):
+                    log.warning("%s: no answer from %s to a stream check", leg.bus_id, leg.worker)
+                    await self._migrate([leg], MIGRATE_BUS_RECONNECT)
+            elif isinstance(item, PrefillResult):
+                await self.port.release_stale(item)  # a late answer of a retried prefill
+            elif (leg := self.legs.get(item.bus_id)) is not None:
+                verdict = screen(leg, item, self.choices.open, self.delivered.tokens)
+                if verdict is None:
+                    event = await self._on_item(leg, item)
+                    if event is not None:
+                        yield event
+                elif verdict == GAP:
+                    self._check([leg])  # its worker sends again what it sent lately
+                elif verdict != SKIP:
+                    log.warning("%s lost tokens from %s: %s", leg.bus_id, leg.worker, verdict)
+                    await self._migrate([leg], MIGRATE_BUS_RECONNECT)
+            # else: a late item of a leg migrated away (its worker is gone): dropped
+
+    async def _on_item(self, leg: Leg, item: TokenItem) -> TokenEvent | None:
+        if item.error is not None:
+            retry = not leg.streamed and len(leg.tried) < DECODE_ATTEMPTS
+            if not retry or item.error_code not in RETRYABLE_CODES:
+                raise WorkerFailure(item.error, item.error_code)
+            # The refusing worker dropped any KV lease, so the next one prefills locally.
+            log.info("decode worker %s refused %s", leg.worker, leg.bus_id)
+            leg.kv = None
+            await self._send_first(leg)
+            return None
+        check_ending(item.finish_reason, leg.worker)
+        leg.streamed = True
+        if item.token_ids:  # progress: the next token is due within --stall-timeout
+            leg.due = due_in(self.limits.stall_timeout)
+            self.progressed()
+        event = self.delivered.item(leg.choice(item.index), item)
+        if event is not None and item.finish_reason is not None:
+            self.finished = not self.choices.open
+            if leg.index is not None:  # its one choice is over, and its worker is done with it
+                self._drop_leg(leg, cancel=False)
+        return event
+
+    async def _send_first(self, leg: Leg) -> None:
+        """Send ``leg`` to a decode worker it has not tried yet: the request's first leg, or a
+        leg that a worker refused before its first token."""
+        if not await self._send_leg(leg, await self.port.recovered(self.deadline)):
+            if self.delivered.has_tokens():  # the client has tokens: this is now a failure
+                raise WorkerFailure("no decode worker can take the request", "no_worker")
+            raise NoWorker("no decode worker can take the request")
+
+    async def _send_leg(self, leg: Leg, skip: set[str]) -> bool:
+        """Send ``leg`` to the decode worker the router picks, not one in ``leg.tried`` or
+        ``skip``. False when there is none."""
+        expected = leg.expected_tokens(len(self.prompt))
+        layout = layout_id(leg.kv.fingerprint) if leg.kv is not None else ""
+        worker = self.port.pick_decode(expected, leg.tried | skip, leg.bus_id, layout)
+        if worker is None:
+            return False
+        leg.tried.add(worker)
+        leg.worker = worker
+        leg.epoch = self.port.bus_epoch
+        # a new worker starts with a queue, a KV pull or a local prefill of prompt + output
+        leg.due = due_in(self.limits.first_token_timeout)
+        self.legs[leg.bus_id] = leg
+        self.port.register(leg.bus_id, self)
+        trace.get_current_span(self.context).set_attribute("pdserve.decode_worker", worker)
+        # the worker enforces the deadline only until its first token (services/worker_base.py)
+        deadline = on_wire(min(self.cap, leg.due))
+        msg = leg.request(self.prompt, self.port.inbox, deadline, self.client_id)
+        await self.port.send(worker, msg, self.headers)
+        return True
+
+    def _drop_leg(self, leg: Leg, cancel: bool) -> None:
+        """``leg`` is over here: its worker finished it, or it is migrated away (``cancel``: so
+        a worker that is not really gone frees its blocks). The request's own end drops the
+        rest (``Dispatcher._tracking``)."""
+        self.legs.pop(leg.bus_id, None)
+        self.port.unregister(leg.bus_id)
+        if cancel:  # and again if its worker turns up while it might still run it
+            self.port.abandon(leg.worker, leg.bus_id, leg.abandoned_until(self.cap))
+
+    def _cancel_choice(self, index: int) -> None:
+        """The consumer stopped choice ``index`` (a stop string): stop it on its worker."""
+        for leg in list(self.legs.values()):
+            if leg.index == index:
+                self._drop_leg(leg, cancel=True)
+                return
+            if leg.index is None:
+                self.port.spawn(self.port.cancel(leg.bus_id, index))
+                return
+        self.port.spawn(self.port.cancel(self.bus_id, index))  # not in decode yet
+
+    def _check(self, legs: Iterable[Leg]) -> None:
+        """Ask the workers of ``legs`` where their streams stand (``gateway/stream_check.py``)."""
+        check(legs, self.port.check_stream, self.put, self.limits.worker_timeout)
+
+    # -- migration ---------------------------------------------------------------------------
+
+    async def _migrate(self, lost: list[Leg], reason: str) -> None:
+        """Carry the open choices of the ``lost`` legs on, on live decode workers, from the
+        tokens already delivered (``legs.py``); at most ``--max-migrations`` times a request."""
+        old = sorted({leg.worker for leg in lost})
+        carried: set[int] = set()
+        for leg in lost:
+            carried |= leg.carries(self.choices.open)
+            self._drop_leg(leg, cancel=True)
+        if not carried:
+            return
+        what = f"decode worker {', '.join(old)} " + MIGRATE_WHY[reason]
+        limit = self.limits.max_migrations
+        if self.migrations >= limit:
+            raise WorkerFailure(
+                f"{what}; migrated {self.migrations} time(s) already (--max-migrations {limit})",
+                "worker_lost",
+            )
+        skip = await self.port.recovered(self.deadline)
+        self.migrations += 1
+        sent = self.delivered.prompt_logprobs_sent
+        plans = replan(carried, self.delivered.tokens, self.sampling, sent)
+        new: list[Leg] = []
+        for index, output, sampling in plans:
+            leg = Leg(new_bus_id(self.client_id), index, output, sampling)
+            if not await self._send_leg(leg, skip):
+                raise WorkerFailure(f"{what}; no live decode worker to take it", "worker_lost")
+            new.append(leg)
+        self.port.count_migration(reason)
+        record_migration(
+            self.client_id, self.bus_id, reason, old, new, self.migrations, limit, self.context
         )

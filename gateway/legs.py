@@ -19,20 +19,41 @@ A request with ``n > 1`` is re-sent whole (one leg, the engine forks the choices
 while no choice but the first has a token yet. Otherwise each open choice becomes a leg of its
 own: an ``n = 1`` request with the choice's delivered tokens and the seed the engine would have
 given it (``choice_seed``); its items say index 0, which the gateway maps back to the choice.
+
+The client's stream goes on: no token is repeated, skipped or reordered (tokens are delivered
+only from the live legs, and each continues from precisely what was delivered), and each choice
+ends once. At most ``--max-migrations`` times a request, and only to a live decode worker;
+otherwise the stream ends with ``worker_lost``. Each migration is a log line naming both
+workers, a ``pdserve.migration`` event on the request's span (``record_migration``), and one
+count of ``pdserve_request_migrations_total{reason}``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import secrets
+import time
 from dataclasses import dataclass, field
 
-from pdserve.shared.bus.protocol import KVHandle
+from opentelemetry import trace
+from opentelemetry.context import Context
+
+from pdserve.shared.bus.protocol import DecodeRequest, KVHandle
 from pdserve.shared.bus.subjects import MAX_ID_CHARS
 from pdserve.shared.sampling import MAX_SEED, SamplingParams, choice_seed
+from pdserve.shared.telemetry import tracing as tr
+
+log = logging.getLogger("pdserve.gateway.dispatch")
 
 BUS_ID_SUFFIX = 16  # hex digits of randomness in a request's bus id
+# Most requests stop long before max_tokens (which for chat defaults to the whole context), so
+# the load estimate of a leg counts only a typical output length.
+TYPICAL_OUTPUT_TOKENS = 256
+# How long a leg migrated away after it streamed is remembered, to cancel it again if its worker
+# turns up: such a leg has no deadline on its worker, which would run it to its end.
+ABANDONED_STREAM_SECONDS = 3600.0
 
 
 def new_bus_id(client_id: str) -> str:
@@ -66,6 +87,28 @@ class Leg:
     def choice(self, item_index: int) -> int:
         """The request's choice an item of this leg belongs to."""
         return item_index if self.index is None else self.index
+
+    def carries(self, open_choices: set[int]) -> set[int]:
+        """The open choices it generates."""
+        return open_choices if self.index is None else {self.index} & open_choices
+
+    def abandoned_until(self, cap: float) -> float:
+        """How long its worker might still run it once it is migrated away (``cap``: the
+        request's): until its deadline before its first token, for a while once streaming."""
+        return time.time() + ABANDONED_STREAM_SECONDS if self.streamed else min(cap, self.due)
+
+    def expected_tokens(self, prompt_len: int) -> int:
+        """The tokens it is expected to hold on its worker (the router's load estimate)."""
+        remaining = max(0, self.sampling.max_tokens - len(self.output))
+        return prompt_len + len(self.output) + min(remaining, TYPICAL_OUTPUT_TOKENS)
+
+    def request(
+        self, prompt: list[int], reply_to: str, deadline: float, client_id: str
+    ) -> DecodeRequest:
+        """The DecodeRequest that sends it (``deadline``: its first token's, on the wire)."""
+        return DecodeRequest(
+            self.bus_id, prompt, self.output, self.sampling, self.kv, reply_to, deadline, client_id
+        )
 
 
 def with_fixed_seed(sampling: SamplingParams) -> SamplingParams:
@@ -106,3 +149,35 @@ def replan(
         )
         legs.append((i, list(delivered.get(i, [])), one))
     return legs
+
+
+def record_migration(
+    client_id: str,
+    bus_id: str,
+    reason: str,
+    old: list[str],
+    new: list[Leg],
+    count: int,
+    limit: int,
+    context: Context | None,
+) -> None:
+    """Report a migration from the decode workers ``old`` to the legs ``new`` (the request's
+    ``count``-th of at most ``limit``): a log line naming both sides and an event on the
+    request's span (the metric is the dispatcher's)."""
+    to = sorted({leg.worker for leg in new})
+    tokens = sum(len(leg.output) for leg in new)
+    log.warning(
+        "migrated %s (%s) from decode worker %s to %s with %d delivered token(s) (%s; "
+        "migration %d of at most %d)",
+        client_id, bus_id, ",".join(old), ",".join(to), tokens, reason, count, limit,
+    )  # fmt: skip
+    trace.get_current_span(context).add_event(
+        tr.EVENT_MIGRATION,
+        {
+            tr.ATTR_MIGRATION_REASON: reason,
+            tr.ATTR_MIGRATION_FROM: old,
+            tr.ATTR_MIGRATION_TO: to,
+            tr.ATTR_MIGRATION_TOKENS: tokens,
+            tr.ATTR_MIGRATION_COUNT: count,
+        },
+    )

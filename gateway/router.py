@@ -27,6 +27,10 @@ the larger of that and the worker's reported running + waiting: the count is exa
 for this gateway's own requests, the report covers other gateways' with a heartbeat's lag. It
 likewise remembers the blocks it sent each worker since that worker's last report and takes
 them off the reported free blocks (the next report already includes them).
+
+The router keeps load, not requests: per bus id only the worker where that id's load is counted
+(``_in_prefill``, ``_in_decode``), so that ``prefill_done`` and ``decode_done`` take it off
+there. Which requests are in flight is the dispatcher's table (``gateway/dispatch.py``).
 """
 
 from __future__ import annotations

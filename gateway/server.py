@@ -39,10 +39,11 @@ from pdserve.gateway.errors import (
     payload_too_large,
     server_error,
 )
-from pdserve.gateway.generation import Prompt, serve_generation
+from pdserve.gateway.generation import Prompt
 from pdserve.gateway.json_body import parse_json_body
 from pdserve.gateway.openapi import openapi_spec
 from pdserve.gateway.prompt_truncation import truncate_prompt
+from pdserve.gateway.serving import serve_generation
 from pdserve.gateway.state import ARRIVED_KEY, CLIENT_ID_KEY, GATEWAY_KEY, Gateway, new_gateway_id
 from pdserve.gateway.tokenizer import ModelTokenizer
 from pdserve.shared import structured_output

@@ -14,7 +14,7 @@ sends this gateway again what it sent it lately, then answers in the stream itse
 every item before it, with the position of each choice - or "unknown" once the request is over
 there (or never arrived). Items past a gap are dropped meanwhile (the replay brings them again).
 The answer is exact: at the delivered positions the stream simply goes on; further on, tokens
-are gone and the leg migrates (``gateway/decode_stage.py``: re-sent with the delivered tokens,
+are gone and the leg migrates (``gateway/inflight.py``: re-sent with the delivered tokens,
 from which another worker continues exactly); "unknown" while the stream is open migrates too.
 
 A stream whose last items (its finish among them) were lost shows no gap: nothing follows. So
@@ -31,23 +31,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Mapping
 
 from pdserve.gateway.inflight_types import CheckDue
 from pdserve.gateway.legs import Leg
 from pdserve.shared.bus.protocol import TokenItem
 from pdserve.shared.discovery.worker_registry import CONFIRM_TIMEOUT_FACTOR
 
-if TYPE_CHECKING:
-    from pdserve.gateway.inflight import InFlight
-
 CHECK_RETRY_SECONDS = 0.5
 # a worker silent for one registry timeout after our reconnect is pinged, and gone when the
 # ping goes unanswered for CONFIRM_TIMEOUT_FACTOR more
 CHECK_TIMEOUTS = 1.0 + CONFIRM_TIMEOUT_FACTOR
 UNKNOWN = "unknown"  # the error code of a worker's answer: it has no such request
-SKIP = "skip"  # what ``_screen`` says of an item the client must not get
+SKIP = "skip"  # what ``screen`` says of an item the client must not get
+GAP = "gap"  # ... of one past a gap: dropped too, and its leg checked (unless it is already)
 
 
 def is_answer(item: TokenItem) -> bool:
@@ -67,50 +64,60 @@ def offset(
     return item.position - len(delivered.get(index, ()))
 
 
-class StreamChecks:
-    """The stream checks of ``InFlight``'s decode stage (a mixin: the request owns the state)."""
-
-    def _check(self: InFlight, legs: Iterable[Leg]) -> None:
-        """Ask the workers of ``legs`` where their streams stand."""
-        until = time.time() + CHECK_TIMEOUTS * self.d.workers.timeout
-        for leg in legs:
-            if leg.check_until is None:  # else its timer runs already
-                self._check_later(leg.bus_id)
-            leg.check_until = until
-            self.d.check_stream(leg.worker, leg.bus_id)
-
-    def _check_later(self: InFlight, bus_id: str) -> None:
-        asyncio.get_running_loop().call_later(CHECK_RETRY_SECONDS, self.put, CheckDue(bus_id))
-
-    def _check_due(self: InFlight, due: CheckDue) -> Leg | None:
-        """The leg whose check went unanswered for too long (to migrate), else None."""
-        leg = self.legs.get(due.bus_id)
-        if leg is None or leg.check_until is None:
-            return None  # answered, or the leg is over
-        if time.time() >= leg.check_until:
-            return leg
-        self.d.check_stream(leg.worker, leg.bus_id)
-        self._check_later(leg.bus_id)
-        return None
-
-    def _screen(self: InFlight, leg: Leg, item: TokenItem) -> str | None:
-        """What becomes of ``item`` of ``leg``: None, delivered (the decode stage handles it);
-        ``SKIP``, dropped; otherwise why the stream's tokens are gone (migrate it)."""
-        if item.error is not None:
-            return "its worker no longer has it" if item.error_code == UNKNOWN else None
-        index = leg.choice(item.index)
-        ahead = offset(index, item, self.choices.open, self.delivered)
-        if is_answer(item):
-            if ahead > 0:
-                return f"choice {index} is {ahead} token(s) past what arrived"
-            if ahead == 0:
-                leg.check_until = None
-            return SKIP  # (below 0: an earlier answer, overtaken by a replay)
-        if ahead < 0:
-            # a replay of what the client has; one reaching past it would be a worker bug
-            return SKIP if ahead + len(item.token_ids) <= 0 else "items overlap"
+def screen(
+    leg: Leg, item: TokenItem, open_choices: set[int], delivered: Mapping[int, list[int]]
+) -> str | None:
+    """What becomes of ``item`` of ``leg``: None, delivered (the decode stage handles it);
+    ``SKIP``, dropped; ``GAP``, dropped and the leg to be checked (its worker sends again what
+    it sent lately); otherwise why the stream's tokens are gone (migrate it). An answer at the
+    delivered positions ends the leg's check."""
+    if item.error is not None:
+        return "its worker no longer has it" if item.error_code == UNKNOWN else None
+    index = leg.choice(item.index)
+    ahead = offset(index, item, open_choices, delivered)
+    if is_answer(item):
         if ahead > 0:
-            if leg.check_until is None:
-                self._check([leg])  # its worker sends again what it sent lately
-            return SKIP
-        return None
+            return f"choice {index} is {ahead} token(s) past what arrived"
+        if ahead == 0:
+            leg.check_until = None
+        return SKIP  # (below 0: an earlier answer, overtaken by a replay)
+    if ahead < 0:
+        # a replay of what the client has; one reaching past it would be a worker bug
+        return SKIP if ahead + len(item.token_ids) <= 0 else "items overlap"
+    if ahead > 0:
+        return GAP if leg.check_until is None else SKIP  # (checked already)
+    return None
+
+
+def check(
+    legs: Iterable[Leg],
+    ask: Callable[[str, str], None],
+    put: Callable[[CheckDue], None],
+    worker_timeout: float,
+) -> None:
+    """Ask the workers of ``legs`` where their streams stand (``ask(worker, bus_id)``), and have
+    ``put`` get each leg's ``CheckDue`` in ``CHECK_RETRY_SECONDS`` (``check_due``). A leg's
+    check gives up ``CHECK_TIMEOUTS`` registry timeouts (``worker_timeout``) after the last."""
+    until = time.time() + CHECK_TIMEOUTS * worker_timeout
+    for leg in legs:
+        if leg.check_until is None:  # else its timer runs already
+            _again_later(put, leg.bus_id)
+        leg.check_until = until
+        ask(leg.worker, leg.bus_id)
+
+
+def check_due(leg: Leg, ask: Callable[[str, str], None], put: Callable[[CheckDue], None]) -> bool:
+    """At a ``CheckDue`` of ``leg``: whether its check went unanswered for too long (migrate
+    it); else it is asked again if still unanswered."""
+    if leg.check_until is None:
+        return False  # answered
+    if time.time() >= leg.check_until:
+        return True
+    # a check sent before the worker's subscriptions were back is lost
+    ask(leg.worker, leg.bus_id)
+    _again_later(put, leg.bus_id)
+    return False
+
+
+def _again_later(put: Callable[[CheckDue], None], bus_id: str) -> None:
+    asyncio.get_running_loop().call_later(CHECK_RETRY_SECONDS, put, CheckDue(bus_id))

@@ -17,10 +17,10 @@ from typing import Any
 
 from aiohttp import web
 
-from pdserve.gateway.choice_output import ChoiceOutput, Piece
 from pdserve.gateway.errors import server_error
 from pdserve.gateway.generation import FAULTS, Generation, fault_error
 from pdserve.gateway.logprob_format import text_length
+from pdserve.gateway.response_choice import Piece, ResponseChoice
 from pdserve.gateway.sse import SSEWriter
 
 log = logging.getLogger("pdserve.gateway")
@@ -80,7 +80,7 @@ class Chunks:
             first["usage"] = {**first["usage"], "completion_tokens": 0, "total_tokens": prompt}
         return first
 
-    def piece(self, choice: ChoiceOutput, piece: Piece) -> dict[str, Any] | None:
+    def piece(self, choice: ResponseChoice, piece: Piece) -> dict[str, Any] | None:
         """The chunk for a piece of ``choice``'s output, or None when it carries nothing."""
         logprobs = None
         if choice.logprobs is not None and piece.logprobs:

@@ -11,8 +11,8 @@ from typing import Any
 
 from aiohttp import web
 
-from pdserve.gateway.choice_output import ChoiceOutput, Piece
 from pdserve.gateway.generation import FAULTS, Generation, fault_error
+from pdserve.gateway.response_choice import Piece, ResponseChoice
 from pdserve.gateway.vllm_output import prompt_logprobs_json
 
 
@@ -36,7 +36,7 @@ async def complete(gen: Generation) -> web.Response:
     return web.json_response(body, dumps=_dumps)
 
 
-def _choice_json(gen: Generation, choice: ChoiceOutput) -> dict[str, Any]:
+def _choice_json(gen: Generation, choice: ResponseChoice) -> dict[str, Any]:
     logprobs = None
     if choice.logprobs is not None:
         whole = Piece(choice.text, choice.logprobs.entries)

@@ -9,7 +9,13 @@ import time
 
 import pytest
 
-from pdserve.gateway.dispatch import NotSendable, NoWorker, StageTimeout, TokenEvent, WorkerFailure
+from pdserve.gateway.inflight_types import (
+    NotSendable,
+    NoWorker,
+    StageTimeout,
+    TokenEvent,
+    WorkerFailure,
+)
 from pdserve.shared.bus.protocol import DecodeRequest, PrefillRequest
 from pdserve.shared.sampling import SamplingParams
 from tests.bus_memory import MemoryNetwork

@@ -14,8 +14,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
-from pdserve.gateway.dispatch import StageTimeout, TokenEvent, WorkerFailure
-from pdserve.gateway.inflight import Choices
+from pdserve.gateway.inflight_types import OpenChoices, StageTimeout, TokenEvent, WorkerFailure
 from pdserve.shared.bus.protocol import DecodeRequest, TokenBatch
 from pdserve.shared.sampling import SamplingParams, choice_seed
 from pdserve.shared.telemetry.metrics import GatewayMetrics
@@ -54,7 +53,7 @@ class Run:
 
     def __init__(self, gw: GatewaySide, sampling: SamplingParams, rid: str = "req-1") -> None:
         self.events: list[TokenEvent] = []
-        self.choices = Choices(sampling.n)
+        self.choices = OpenChoices(sampling.n)
         self.gen = gw.dispatcher.generate(rid, PROMPT, sampling, None, self.choices)
         self.task = asyncio.create_task(self._consume())
 

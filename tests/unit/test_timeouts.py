@@ -20,8 +20,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from tokenizers import Tokenizer
 
-from pdserve.gateway.dispatch import StageTimeout
-from pdserve.gateway.inflight_types import WIRE_NO_DEADLINE
+from pdserve.gateway.inflight_types import WIRE_NO_DEADLINE, StageTimeout
 from pdserve.gateway.server import create_app
 from pdserve.gateway.state import GATEWAY_KEY
 from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig, add_options, build

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.gateway.detokenizer import IncrementalDetokenizer
-from pdserve.gateway.inflight import TokenEvent
+from pdserve.gateway.inflight_types import TokenEvent
 from pdserve.gateway.logprob_format import LogprobEntry, LogprobList
 from pdserve.gateway.stop import StopStringMatcher
 from pdserve.gateway.tokenizer import ModelTokenizer
@@ -42,7 +42,7 @@ class Piece:
     token_ids: list[int] = field(default_factory=list)
 
 
-class ChoiceOutput:
+class ResponseChoice:
     """One choice: ``index`` is its place in the response (prompt i's choice j is i * n + j),
     ``prompt`` the prompt it answers."""
 
