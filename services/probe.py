@@ -10,6 +10,9 @@ answer and the block are taken at one moment.
 
 The probe's sequence id is the probe id itself, so it cannot collide with a request's (those are
 gateway ids) and shows up under that name in logs if anything goes wrong.
+
+Each handler is handed exactly what it uses - the worker's engine, its lease table or KV client,
+its id and whether it drains - so this module knows no worker (the workers import it).
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
 from pdserve.services.engine.commands import BlockHoldRefused
+from pdserve.services.engine.engine import LLMEngine
+from pdserve.shared.bus.protocol import KVHandle
 from pdserve.shared.kv import ucx_check
 from pdserve.shared.kv.probe import (
     MAX_PROBE_LEASES,
@@ -32,11 +37,7 @@ from pdserve.shared.kv.probe import (
     ProbePullReply,
     ProbePullRequest,
 )
-from pdserve.shared.kv.transfer import KVTransferError
-
-if TYPE_CHECKING:
-    from pdserve.services.decode.worker import DecodeWorker
-    from pdserve.services.prefill.worker import PrefillWorker
+from pdserve.shared.kv.transfer import KVClient, KVTransferError, Lease, LeaseTable
 
 log = logging.getLogger("pdserve.probe")
 
@@ -61,67 +62,79 @@ def block_matches(block: torch.Tensor, probe_id: str) -> bool:
     return bool(torch.equal(flat.cpu(), probe_pattern(flat.numel(), probe_id)))
 
 
-def _bad_probe(worker: PrefillWorker, probe_id: str) -> str | None:
+def _bad_probe(leases: LeaseTable, probe_id: str) -> str | None:
     if not probe_id.startswith(PROBE_PREFIX):
         return f"probe ids start with {PROBE_PREFIX!r}"
-    if worker.leases.token_of(probe_id) is not None:
+    if leases.token_of(probe_id) is not None:
         return f"probe {probe_id} exists"
-    if sum(rid.startswith(PROBE_PREFIX) for rid in worker.leases.leases) >= MAX_PROBE_LEASES:
+    if sum(rid.startswith(PROBE_PREFIX) for rid in leases.leases) >= MAX_PROBE_LEASES:
         return f"busy: {MAX_PROBE_LEASES} probe leases held already"
     return None
 
 
-async def _hold_block(worker: PrefillWorker | DecodeWorker, probe_id: str) -> int | str:
+async def _hold_block(
+    engine: LLMEngine, probe_id: str, worker_id: str, draining: bool
+) -> int | str:
     """A free block held under the probe's id, or why there is none to spare."""
-    if worker.draining:
-        return f"{worker.worker_id} is draining"
-    held = worker.engine.hold_block(probe_id)
+    if draining:
+        return f"{worker_id} is draining"
+    held = engine.hold_block(probe_id)
     try:
         return await asyncio.wrap_future(held)
     except BlockHoldRefused as exc:
         return str(exc)
     except asyncio.CancelledError:
-        worker.engine.release(probe_id)  # applied after the hold: a block taken goes back
+        engine.release(probe_id)  # applied after the hold: a block taken goes back
         raise
 
 
-async def lease_probe(worker: PrefillWorker, req: ProbeLeaseRequest) -> ProbeLeaseReply:
-    """Lease one block filled with the probe's pattern, as a prefill result leases its KV."""
-    reply = ProbeLeaseReply(req.probe_id, worker.worker_id, "refused")
+async def lease_probe(
+    req: ProbeLeaseRequest,
+    engine: LLMEngine,
+    leases: LeaseTable,
+    make_handle: Callable[[Lease], KVHandle],
+    worker_id: str,
+    draining: bool,
+) -> ProbeLeaseReply:
+    """Lease one block filled with the probe's pattern, as a prefill result leases its KV
+    (``make_handle``: the prefill worker's, which names its KV server)."""
+    reply = ProbeLeaseReply(req.probe_id, worker_id, "refused")
     reply.warnings = ucx_check.transport_warnings()
-    reply.error = _bad_probe(worker, req.probe_id)
-    block = reply.error or await _hold_block(worker, req.probe_id)
+    reply.error = _bad_probe(leases, req.probe_id)
+    block = reply.error or await _hold_block(engine, req.probe_id, worker_id, draining)
     if isinstance(block, str):
         reply.error = block
         return reply
     try:
-        await asyncio.to_thread(fill_block, worker.engine.kv_cache[block], req.probe_id)
+        await asyncio.to_thread(fill_block, engine.kv_cache[block], req.probe_id)
     except BaseException:
-        worker.engine.release(req.probe_id)
+        engine.release(req.probe_id)
         raise
     ttl = min(max(req.ttl, 0.1), MAX_PROBE_TTL)
     # from here the lease owns the block: released by the doctor, or freed on expiry
-    reply.kv = worker.make_handle(worker.leases.add(req.probe_id, [block], 1, ttl))
+    reply.kv = make_handle(leases.add(req.probe_id, [block], 1, ttl))
     reply.status, reply.error = "ok", None
     return reply
 
 
-async def pull_probe(worker: DecodeWorker, req: ProbePullRequest) -> ProbePullReply:
+async def pull_probe(
+    req: ProbePullRequest, engine: LLMEngine, kv_client: KVClient, worker_id: str, draining: bool
+) -> ProbePullReply:
     """Pull the probe's block ``req.pulls`` times into a free block, check it, free it."""
-    reply = ProbePullReply(req.probe_id, worker.worker_id, "refused")
+    reply = ProbePullReply(req.probe_id, worker_id, "refused")
     reply.warnings = ucx_check.transport_warnings()
-    block = await _hold_block(worker, req.probe_id)
+    block = await _hold_block(engine, req.probe_id, worker_id, draining)
     if isinstance(block, str):
         reply.error = block
         return reply
     try:
         for _ in range(req.pulls):
-            stats = await worker.kv_client.pull(
+            stats = await kv_client.pull(
                 req.probe_id, req.kv, [block], timeout=max(0.1, req.timeout)
             )
             reply.pull_seconds.append(stats.seconds)
             reply.num_bytes = stats.num_bytes
-        cache = worker.engine.kv_cache
+        cache = engine.kv_cache
         reply.verified = await asyncio.to_thread(block_matches, cache[block], req.probe_id)
         reply.status = "ok" if reply.verified else "failed"
         reply.error = None if reply.verified else "the pulled block does not hold the probe bytes"
@@ -129,6 +142,6 @@ async def pull_probe(worker: DecodeWorker, req: ProbePullRequest) -> ProbePullRe
         reply.status, reply.error = "failed", str(exc)[:1000]
     finally:
         # a failed pull aborted its endpoint, so nothing writes into the block any more
-        worker.engine.release(req.probe_id)
+        engine.release(req.probe_id)
     log.info("probe %s from %s: %s", req.probe_id, req.kv.worker_id, reply.error or "ok")
     return reply

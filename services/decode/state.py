@@ -13,6 +13,7 @@ here or never arrived (the gateway's side: ``gateway/stream_check.py``).
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 from pdserve.services.request_state import RequestState
@@ -31,11 +32,19 @@ class DecodeState(RequestState):
     num_draft_tokens: int = 0  # speculative decoding, over all its choices
     num_accepted_tokens: int = 0
     first_step_ns: int | None = None  # first decode step (start of decode.generate)
-    local_prefill: bool = False  # prefilled here: its first item reports the cached tokens
-    reported_cached: bool = False
-    lease: KVHandle | None = None  # prefill worker's KV whose lease is ours to release still
+    # The prefill worker's KV the request came with (None: prefilled here). Whether it waits
+    # for its pull is the engine's status (WAITING_FOR_REMOTE_KV, announced by a KVPull); the
+    # worker keeps only what it does about it: the pull it runs, which releases the lease.
+    # Before that pull starts, ending the request releases it.
+    kv: KVHandle | None = None
+    pull: asyncio.Task | None = None
     # choice -> position of its next token: what went out so far, output_token_ids included
     positions: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def local_prefill(self) -> bool:
+        """Prefilled here: its first item reports the prefix-cache hits of that prefill."""
+        return self.kv is None
 
     def advance(self, index: int, num_tokens: int) -> int:
         """The position of choice ``index``'s next ``num_tokens`` tokens, which then go out."""

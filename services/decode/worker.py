@@ -1,52 +1,21 @@
 """The decode worker: pulls a prefilled request's KV, then generates in the continuous batch.
 
-A request's life, here and in the engine (``SequenceStatus``). Only the engine thread changes
-it: the worker posts commands (``add_request``, ``kv_ready``, ``kv_failed``, ``abort``) and acts
-on what each step returns (tokens, and ``KVPull``s for blocks just reserved)::
-
-    DecodeRequest with a KV handle             DecodeRequest without one (local prefill: short
-      add_request(remote_kv=True)              prompt, no prefill worker alive, aggregated mode)
-                 |                               add_request()
-                 v                                    |
-              WAITING  <------------------------------'
-                 |   one queue in arrival order; admission (Scheduler.fits) takes the head when
-                 |   its blocks fit, else everyone behind it waits too. A local request goes
-                 |   straight to RUNNING; a remote one gets its blocks reserved and is handed
-                 v   to the worker as a KVPull in that step's result
-    WAITING_FOR_REMOTE_KV
-                 |   the worker pulls the prefill worker's blocks over UCX straight into the
-                 |   reserved ones, releases the prefill worker's lease, and answers once:
-                 |-- kv_ready ----------------------------------> RUNNING
-                 |-- kv_failed, --kv-failure-policy recompute --> WAITING (at the front: the
-                 |                                                 prompt is computed here)
-                 '-- kv_failed, --kv-failure-policy fail -------> FINISHED "error" (an error
-                                                                   item, never text)
-              RUNNING  --- one token per step for every running sequence (more when it
-                 |             verifies a speculative draft: services/engine/spec)
-                 |-- out of blocks: the newest is preempted ---> PREEMPTED -> WAITING's front,
-                 |                                                re-admitted and recomputed
-                 '-- stop token / max_tokens / context full ---> FINISHED "stop" / "length"
-
-    abort (cancel, deadline before the first token, engine failure): FINISHED at once from
-    any status but WAITING_FOR_REMOTE_KV, whose blocks the pull is still writing: it finishes
-    when the pull answers. A pull handed out for a request the worker has already dropped is
-    answered with kv_failed without pulling. A request whose first token already ends it
-    finishes when it is added: nothing is pulled.
-
-On a prefill worker (``prefill_only``) the same engine runs WAITING -> RUNNING (prompt chunks)
--> PREFILLED: parked with its blocks, which the worker leases for the pull, until ``release``
-(pulled, cancelled, lease expired) -> FINISHED. A doctor probe's block is held the same way.
-
-A request with ``sampling.n > 1`` runs as one sequence (choice 0) until its prompt's KV is
-complete - computed here, or pulled - and then forks the other choices, which share the
-prompt's blocks (``services/engine/choices.py``). Outputs name their choice (``index``); the
-request ends here when its last choice ends (``request_finished``), and a cancel may end one
-choice only (a stop string matched in its text at the gateway).
+A request's life here is the engine's status machine, drawn beside the statuses in
+``services/engine/sequence.py``: the worker posts commands (``add_request``, with
+``remote_kv=True`` when the request came with a KV handle, ``kv_ready``, ``kv_failed``,
+``abort``) and acts on what each step returns (tokens, and a ``KVPull`` when the engine has
+reserved blocks for a request's KV: the worker pulls into them over UCX and answers once). A
+request without a KV handle (short prompt, no prefill worker alive, aggregated mode) is
+prefilled here. A request with ``sampling.n > 1`` forks its other choices once its prompt's KV
+is here (``services/engine/sequence_group.py``): outputs name their choice (``index``), the
+request ends when its last choice ends (``request_finished``), and a cancel may end one choice
+only (a stop string matched in its text at the gateway).
 
 After every engine step the worker publishes one ``TokenBatch`` per gateway inbox with every token
 that step produced for that inbox, each item with its position (``state.py``: also how a
 ``StreamCheck`` is answered). The lease on the prefill worker's blocks is this worker's to
-release, exactly once: after the pull, or at once when the request ends without one.
+release, exactly once: by the pull when it is done, or at once when the request ends before the
+engine handed out its pull.
 """
 
 from __future__ import annotations
@@ -75,7 +44,7 @@ from pdserve.shared.bus.protocol import (
     WorkerLoad,
 )
 from pdserve.shared.kv import ucx_check
-from pdserve.shared.kv.probe import ProbePullRequest, answer_probes
+from pdserve.shared.kv.probe import ProbePullReply, ProbePullRequest, answer_probes
 from pdserve.shared.kv.transfer import KVClient, KVTransferError
 from pdserve.shared.telemetry import tracing
 
@@ -119,9 +88,10 @@ class DecodeWorker(Worker):
         await self.bus.subscribe(
             self.subjects.loads_of("prefill"), self._on_prefill_load, (WorkerLoad, WorkerGone)
         )
-        await answer_probes(
-            self.bus, self.worker_id, (ProbePullRequest,), lambda req: pull_probe(self, req)
-        )
+        await answer_probes(self.bus, self.worker_id, (ProbePullRequest,), self._on_probe)
+
+    async def _on_probe(self, req: ProbePullRequest) -> ProbePullReply:
+        return await pull_probe(req, self.engine, self.kv_client, self.worker_id, self.draining)
 
     async def _on_prefill_load(
         self, load: WorkerLoad | WorkerGone, headers: dict[str, str]
@@ -194,8 +164,7 @@ class DecodeWorker(Worker):
         )
         state.num_prompt_tokens = len(req.prompt_token_ids)
         state.client_id = req.client_id or req.bus_id
-        state.local_prefill = req.kv is None
-        state.lease = req.kv
+        state.kv = req.kv
         state.positions[0] = len(req.output_token_ids)  # forked choices start empty
         try:
             self.engine.add_request(
@@ -226,13 +195,13 @@ class DecodeWorker(Worker):
     def _start_pull(self, pull: KVPull) -> None:
         """The engine reserved blocks for a request's KV: pull into them, or say why not."""
         state = self.states.get(pull.bus_id)
-        if state is None or state.lease is None:  # dropped meanwhile (its lease went with it)
+        if state is None or state.kv is None:  # dropped meanwhile (its lease went with it)
             self.engine.kv_failed(pull.bus_id, "the request ended before its pull")
             return
-        handle, state.lease = state.lease, None  # the pull releases the lease when done
-        self.spawn(self._pull(state, handle, pull.block_ids))
+        state.pull = self.spawn(self._pull(state, state.kv, pull.block_ids))
 
     async def _pull(self, state: DecodeState, handle: KVHandle, blocks: list[int]) -> None:
+        """Pull ``handle``'s blocks into ``blocks``, release its lease, answer the engine."""
         rid = state.bus_id
         start_ns = time.time_ns()
         timeout = max(0.1, min(PULL_TIMEOUT, state.deadline - time.time()))
@@ -273,10 +242,10 @@ class DecodeWorker(Worker):
 
     def _end(self, state: DecodeState) -> None:
         """The request leaves this worker (finished, failed, cancelled)."""
-        self.states.pop(state.bus_id, None)
-        if state.lease is not None:  # never pulled: the prefill worker can free it now
-            self.spawn(self._release_lease(state.bus_id, state.lease))
-            state.lease = None
+        if self.states.pop(state.bus_id, None) is not state:
+            return  # it left already
+        if state.kv is not None and state.pull is None:  # never pulled: free it there now
+            self.spawn(self._release_lease(state.bus_id, state.kv))
 
     async def _fail_request(self, reply_to: str, bus_id: str, code: str, text: str) -> None:
         await self._publish_batch(reply_to, [TokenItem(bus_id, [], "error", text, code)])
@@ -332,7 +301,8 @@ class DecodeWorker(Worker):
             self._end(state)
             return TokenItem(rid, [], "error", out.error, "kv_transfer")
         state.started = True  # from now on the gateway judges stalls, not the deadline
-        if state.first_step_ns is None:
+        first = state.first_step_ns is None  # its first output: the step that ended its prefill
+        if first:
             state.first_step_ns = step.start_ns
             # pulled KV: queued (the pull included) until this step
             self.mark_scheduled(state, tracing.SPAN_DECODE_QUEUE, step.start_ns)
@@ -346,9 +316,10 @@ class DecodeWorker(Worker):
             prompt_logprobs=out.prompt_logprobs,
             position=position,
         )
-        if state.local_prefill and not state.reported_cached:
+        if first and state.local_prefill:
+            # a fact of that prefill; the gateway reports a request's once (a migration prefills
+            # again, and only the gateway knows it)
             item.cached_tokens = out.num_prefix_hit_tokens
-            state.reported_cached = True
         state.num_output_tokens += len(out.new_token_ids)
         state.num_draft_tokens += out.num_draft_tokens
         state.num_accepted_tokens += out.num_accepted_tokens

@@ -16,9 +16,21 @@ ordered least-recently-freed first, so allocation evicts the coldest cached bloc
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from pdserve.services.engine.sequence import Sequence
 from pdserve.shared.kv.block_hash import ROOT_HASH, hash_block, prefix_block_hashes
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """The longest cached prefix of a sequence's tokens, as looked up: nothing is attached to
+    the sequence or counted until ``BlockManager.attach_prefix``."""
+
+    hashes: list[int]  # of the full blocks looked up
+    block_ids: list[int]  # the blocks caching the first ``len(block_ids)`` of them
+    num_free_blocks: int  # of those, on the free list: attaching them takes them off it
+    num_tokens: int  # the tokens whose KV they hold
 
 
 class BlockManager:
@@ -50,11 +62,29 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free)
 
-    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+    def blocks_needed(
+        self, seq: Sequence, num_tokens: int, prefix: CachedPrefix | None = None
+    ) -> int:
+        """New blocks ``seq`` needs to cover ``num_tokens`` tokens (beyond ``prefix``, when
+        that is to be attached first)."""
+        held = len(seq.block_table) + (len(prefix.block_ids) if prefix is not None else 0)
+        return max(0, -(-num_tokens // self.block_size) - held)
 
-    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_tokens) <= len(self.free)
+    def can_allocate(
+        self, seq: Sequence, num_tokens: int, prefix: CachedPrefix | None = None, headroom: int = 0
+    ) -> bool:
+        """May ``seq`` cover ``num_tokens`` tokens (``prefix`` attached first: its free blocks
+        leave the free list too) and leave ``headroom`` blocks free?"""
+        reclaimed = prefix.num_free_blocks if prefix is not None else 0
+        need = self.blocks_needed(seq, num_tokens, prefix) + reclaimed + headroom
+        return need <= len(self.free)
+
+    def room(self, seq: Sequence, num_tokens: int, reserved: int) -> int:
+        """How many tokens past its first ``num_tokens`` ``seq`` could write into the blocks it
+        holds and free ones, leaving ``reserved`` blocks free for others."""
+        blocks = max(len(seq.block_table), -(-num_tokens // self.block_size))
+        spare = len(self.free) - self.blocks_needed(seq, num_tokens) - reserved
+        return (blocks + max(0, spare)) * self.block_size - num_tokens
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow ``seq.block_table`` so it covers ``num_tokens`` tokens."""
@@ -73,32 +103,41 @@ class BlockManager:
         self.ref_counts[block_id] = 1
         return block_id
 
-    def match_prefix(self, seq: Sequence) -> int:
-        """Attach cached blocks for the longest cached prefix of a fresh sequence.
+    def find_prefix(self, seq: Sequence) -> CachedPrefix:
+        """Look up the longest cached prefix of a fresh sequence, changing nothing (admission
+        checks that the rest fits before it attaches anything).
 
-        Returns the number of tokens whose KV is reused. At least one token is always left to
-        compute, because the engine needs the last position's logits to sample.
+        At least one token is always left to compute, because the engine needs the last
+        position's logits to sample.
         """
         if seq.block_table:
             raise RuntimeError(f"{seq.seq_id} already has blocks")
-        hashes = prefix_block_hashes(seq.token_ids[: seq.num_tokens - 1], self.block_size)
         if not self.enable_prefix_cache:
-            self.seq_hashes[seq.seq_id] = []
-            return 0
-        self.prefix_queries += len(hashes)
-        matched: list[int] = []
+            return CachedPrefix([], [], 0, 0)
+        hashes = prefix_block_hashes(seq.token_ids[: seq.num_tokens - 1], self.block_size)
+        blocks: list[int] = []
         for h in hashes:
             block_id = self.hash_to_block.get(h)
             if block_id is None:
                 break
-            matched.append(h)
+            blocks.append(block_id)
+        free = sum(1 for block_id in blocks if self.ref_counts[block_id] == 0)
+        return CachedPrefix(hashes, blocks, free, len(blocks) * self.block_size)
+
+    def attach_prefix(self, seq: Sequence, prefix: CachedPrefix) -> int:
+        """Attach ``prefix``, just looked up for ``seq``, and count the lookup in the prefix
+        cache's queries and hits. Returns the number of tokens whose KV is reused."""
+        if seq.block_table:
+            raise RuntimeError(f"{seq.seq_id} already has blocks")
+        self.prefix_queries += len(prefix.hashes)
+        for block_id in prefix.block_ids:
             if self.ref_counts[block_id] == 0:
                 del self.free[block_id]
             self.ref_counts[block_id] += 1
             seq.block_table.append(block_id)
-        self.prefix_hits += len(matched)
-        self.seq_hashes[seq.seq_id] = matched
-        return len(matched) * self.block_size
+        self.prefix_hits += len(prefix.block_ids)
+        self.seq_hashes[seq.seq_id] = prefix.hashes[: len(prefix.block_ids)]
+        return prefix.num_tokens
 
     def commit(self, seq: Sequence) -> None:
         """Register the full blocks whose KV is now computed, so later prompts can reuse them."""

@@ -1,8 +1,10 @@
 """The in-process engine: prefill and decode with continuous batching over a paged KV cache.
 
-The engine owns every request's lifecycle, a status machine (``SequenceStatus``) written out
-once, in the decode worker's module docstring (``services/decode/worker.py``). A request with
-``sampling.n > 1`` prefills once and forks its other choices after that (``choices.py``).
+A step is nano-vllm's: schedule, run, postprocess. The scheduler owns every request's lifecycle,
+a status machine (``SequenceStatus``, drawn in ``sequence.py``): it picks each step's batch and
+applies the runner's output (``Scheduler.update_from_output``). The engine around it owns the
+model, the KV cache and the threading. A request with ``sampling.n > 1`` prefills once and forks
+its other choices after that (``sequence_group.py``).
 
 With ``--speculative``, a decode step also verifies drafted tokens of running sequences inside
 the same forward pass (``spec/``; a prefill-only engine never drafts).
@@ -10,11 +12,11 @@ the same forward pass (``spec/``; a prefill-only engine never drafts).
 The aggregated baseline runs this engine alone. Disaggregated workers run it too: a prefill worker
 with ``prefill_only=True``, a decode worker adding requests with ``remote_kv=True`` and answering
 each ``KVPull`` of a step's result with ``kv_ready`` or ``kv_failed`` (``kv_failure_policy``
-decides between local recompute and an error); the decode worker's docstring tells that story.
+decides between local recompute and an error), as ``sequence.py``'s diagram draws.
 
 Threading: one thread changes engine state, the one that calls ``step()``. Every other method
-posts a command (``services/engine/commands.py``) that the next ``step()`` applies
-(``lifecycle.py``) before it schedules, so there is no lock. ``EngineThread`` steps a worker's
+posts a command (``services/engine/commands.py``) that the next ``step()`` hands to the
+scheduler before it schedules, so there is no lock. ``EngineThread`` steps a worker's
 engine; tests and benchmarks call ``step()`` in their own thread. ``stats()`` is a snapshot
 taken at the end of each step.
 """
@@ -22,7 +24,6 @@ taken at the end of each step.
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections import deque
@@ -31,10 +32,10 @@ from concurrent.futures import Future
 import torch
 
 from pdserve.services.engine.block_manager import BlockManager
-from pdserve.services.engine.choices import ChoiceGroup, num_choices
 from pdserve.services.engine.commands import (
     Abort,
     AddRequest,
+    BlockHoldRefused,
     Command,
     HoldBlock,
     KVEventFeed,
@@ -43,15 +44,20 @@ from pdserve.services.engine.commands import (
     Release,
 )
 from pdserve.services.engine.guided import GuidedDecoder
-from pdserve.services.engine.lifecycle import RequestLifecycle
 from pdserve.services.engine.loader import load_model, resolve_device_dtype
 from pdserve.services.engine.model_config import ModelConfig
 from pdserve.services.engine.model_runner import ModelRunner
-from pdserve.services.engine.outputs import EngineStats, KVPull, StepOutput, StepResult, StepStats
+from pdserve.services.engine.outputs import (
+    EngineStats,
+    KVPull,
+    ScheduledBatch,
+    StepOutput,
+    StepResult,
+    StepStats,
+)
 from pdserve.services.engine.quant.kv_cache import kv_cache_spec
 from pdserve.services.engine.quant.options import quantization_problem
-from pdserve.services.engine.scheduler import ScheduledBatch, Scheduler
-from pdserve.services.engine.sequence import Sequence
+from pdserve.services.engine.scheduler import KV_FAILURE_POLICIES, Scheduler
 from pdserve.services.engine.spec import TargetModel, build_speculator
 from pdserve.shared.config import EngineConfig
 from pdserve.shared.errors import StartupError
@@ -60,10 +66,8 @@ from pdserve.shared.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-KV_FAILURE_POLICIES = ("fail", "recompute")
 
-
-class LLMEngine(RequestLifecycle):
+class LLMEngine:
     def __init__(
         self, config: EngineConfig, prefill_only: bool = False, kv_failure_policy: str = "fail"
     ) -> None:
@@ -102,9 +106,6 @@ class LLMEngine(RequestLifecycle):
 
         # Engine-thread state: only ``step()`` and what it calls touch these.
         self.block_manager = BlockManager(self.num_blocks, self.block_size, config.prefix_cache)
-        self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
-        )
         self.guided = GuidedDecoder(self.model_dir, cfg.vocab_size, cfg.eos_token_ids)
         self.runner = ModelRunner(model, self.kv_cache, self.block_size, self.device, self.guided)
         # speculative decoding (``spec/``): decode-side only, a prefill worker never drafts
@@ -113,9 +114,17 @@ class LLMEngine(RequestLifecycle):
         self.speculator = (
             None if prefill_only else build_speculator(config, self.max_model_len, target)
         )
-        self.seqs: dict[str, Sequence] = {}  # by seq_id
-        self.requests: dict[str, ChoiceGroup] = {}  # by request id: its choices' sequences
-        self._seed_rng = random.Random(config.seed)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            cfg.eos_token_ids,
+            self.max_model_len,
+            prefill_only=prefill_only,
+            kv_failure_policy=kv_failure_policy,
+            speculator=self.speculator,
+            seed=config.seed,
+        )
         # Crossing threads: commands in (a deque's append/popleft are atomic), a wake-up event,
         # and the latest stats snapshot and prefix-cache events out.
         self._commands: deque[Command] = deque()
@@ -245,11 +254,15 @@ class LLMEngine(RequestLifecycle):
     # ---- the step: the engine thread ---------------------------------------------------------
 
     def step(self) -> StepResult | None:
-        """Apply posted commands, schedule, run one forward pass. None when nothing happened."""
+        """Apply posted commands, schedule, run one forward pass, apply its output. None when
+        nothing happened."""
         start_ns = time.time_ns()
         outputs: list[StepOutput] = []
         while self._commands:
-            self._apply(self._commands.popleft(), outputs)
+            out = self._apply(self._commands.popleft())
+            if out is not None:
+                outputs.append(out)
+            self._copy_blocks()  # a pull's answer may fork choices
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
@@ -264,73 +277,50 @@ class LLMEngine(RequestLifecycle):
             return None
         return StepResult(outputs, pulls, stats, start_ns, time.time_ns())
 
+    def _apply(self, cmd: Command) -> StepOutput | None:
+        sch = self.scheduler
+        if isinstance(cmd, AddRequest):
+            return sch.add_request(cmd)
+        if isinstance(cmd, KVFailed):
+            return sch.kv_failed(cmd.bus_id, cmd.error)
+        if isinstance(cmd, Abort):
+            sch.abort(cmd.bus_id, cmd.index)
+        elif isinstance(cmd, Release):
+            sch.release(cmd.bus_id)
+        elif isinstance(cmd, KVReady):
+            sch.kv_ready(cmd.bus_id)
+        elif isinstance(cmd, HoldBlock):
+            self._hold(cmd)
+        return None
+
+    def _hold(self, cmd: HoldBlock) -> None:
+        if not cmd.reply.set_running_or_notify_cancel():
+            return  # the asker gave up
+        try:
+            cmd.reply.set_result(self.scheduler.hold_block(cmd.hold_id))
+        except BlockHoldRefused as exc:
+            cmd.reply.set_exception(exc)
+
     def _forward(self, batch: ScheduledBatch, outputs: list[StepOutput]) -> StepStats:
         t0 = time.perf_counter()
         run = self.runner.run(batch)
         elapsed = time.perf_counter() - t0
-        stats = StepStats(
-            num_seqs=len(batch.seqs),
-            num_decodes=batch.num_decodes + batch.num_verifies,
-            num_tokens=batch.num_tokens,
-            seconds=elapsed,
-        )
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
-            if i in run.prompt_logprobs:
-                seq.prompt_logprobs_so_far.extend(run.prompt_logprobs[i])
-            sampled = run.sampled.get(i)
-            if sampled is None:  # a prompt chunk that is not the last
-                seq.num_computed_tokens += n
-                self.block_manager.commit(seq)
-                continue
-            drafted, accepted = run.drafted.get(i, 0), len(sampled) - 1
-            seq.spec_token_ids, seq.spec_probs = [], None
-            prompt_lp = seq.prompt_logprobs_to_send()  # before the token makes it an output
-            # max_tokens 0: prompt log-probs only
-            new_tokens, reason = (
-                self._append(seq, sampled) if seq.sampling.max_tokens else ([], "length")
-            )
-            # the KV computed is the row's, less its rejected drafts' (they are rolled back)
-            seq.num_computed_tokens = min(
-                seq.num_computed_tokens + n - drafted + accepted, seq.num_tokens
-            )
-            if drafted:
-                self.block_manager.trim(seq)
-                self.speculator.verified(seq, drafted, accepted)
-                stats.spec_drafts += 1
-                stats.spec_draft_tokens += drafted
-                stats.spec_accepted_tokens += accepted
-            self.block_manager.commit(seq)
-            if self._fork(seq):  # it only carried the prompt for its request's other choices
-                continue
-            out = StepOutput(
-                seq.bus_id, new_tokens, reason, seq.num_prefix_hit_tokens, index=seq.index
-            )
-            out.num_draft_tokens, out.num_accepted_tokens = drafted, accepted
-            if new_tokens and i in run.logprobs:
-                out.logprobs = run.logprobs[i].slice(0, len(new_tokens))
-            out.prompt_logprobs = prompt_lp
-            if reason is not None and not (self.prefill_only and num_choices(seq.sampling) > 1):
-                out.request_finished = self._finish(seq, reason)
-            elif self.prefill_only:  # n > 1: even if choice 0 ended, the others fork from its KV
-                self.scheduler.park(seq)
-                out.kv_block_ids, out.num_kv_tokens = list(seq.block_table), seq.num_computed_tokens
-            outputs.append(out)
-        prefills = batch.seqs[batch.num_decodes + batch.num_verifies :]
-        stats.prefill_seqs = {s.bus_id: s.num_prefix_hit_tokens for s in prefills}
-        if self.speculator is not None and not prefills:  # what a draft token costs here
+        produced, stats = self.scheduler.update_from_output(batch, run)
+        outputs += produced
+        self._copy_blocks()  # choices forked from prompts completed in this pass
+        stats.seconds = elapsed
+        if self.speculator is not None and not stats.prefill_seqs:  # what a draft token costs
             self.speculator.cost.observe(batch.num_tokens, elapsed)
         return stats
 
-    def _append(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], str | None]:
-        """Append a row's tokens up to the first that ends the sequence (a stop token or EOS
-        among accepted drafts ends it there, as it would one token per step); returns those
-        appended and why the sequence ended, if it did."""
-        for count, token in enumerate(tokens, start=1):
-            seq.token_ids.append(token)
-            reason = self._finished_reason(seq)
-            if reason is not None:
-                return tokens[:count], reason
-        return tokens, None
+    def _copy_blocks(self) -> None:
+        """Copy-on-write for forked choices: each child's block of its last prompt token, made
+        before anything else may write into the KV cache."""
+        copies = self.scheduler.block_copies
+        if copies:
+            src, dst = zip(*copies, strict=True)
+            self.kv_cache[list(dst)] = self.kv_cache[list(src)]
+            copies.clear()
 
     def _publish(self) -> None:
         bm, sch = self.block_manager, self.scheduler

@@ -12,7 +12,6 @@ buffers with non-blocking copies so the host keeps building while they travel.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
@@ -30,28 +29,14 @@ from pdserve.services.engine.logprobs import (
     token_logprobs,
 )
 from pdserve.services.engine.model import AttentionMetadata, ChunkGroup, LlamaForCausalLM
+from pdserve.services.engine.outputs import RunnerOutput, ScheduledBatch
 from pdserve.services.engine.sampler import SamplerOutput, SamplingTensors, sample
-from pdserve.services.engine.scheduler import ScheduledBatch
 from pdserve.services.engine.sequence import Sequence
 from pdserve.services.engine.spec import verify
 from pdserve.services.engine.spec.rejection import DraftDistributions
 from pdserve.services.engine.spec.verify import DraftPosition
-from pdserve.shared.logprobs import TokenLogprobs
 
 VERIFY_IN_DECODE = True
-
-
-@dataclass
-class StepRun:
-    """What one forward pass produced, keyed by index in ``batch.seqs``."""
-
-    # the tokens each sequence whose last token was computed emits: the one it sampled, or
-    # for a verified draft the accepted drafts and the token after them (1 + accepted)
-    sampled: dict[int, list[int]] = field(default_factory=dict)
-    drafted: dict[int, int] = field(default_factory=dict)  # draft tokens verified, where any
-    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # of them, where asked
-    # prompt log-probs this chunk gathered (to append to the sequence's), where asked
-    prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -88,7 +73,7 @@ class ModelRunner:
         return host.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> StepRun:
+    def run(self, batch: ScheduledBatch) -> RunnerOutput:
         """Runs the batch; the sequences whose last token was computed sample (partial prefill
         chunks sample nothing; a verification row samples at its every position), and the
         log-probs asked are gathered."""
@@ -129,7 +114,7 @@ class ModelRunner:
                 prompt_plan.k,
             )
         # Everything is queued; the first read-back waits for it, the others only copy.
-        run = StepRun()
+        run = RunnerOutput()
         if sampler_out is not None:
             self._emitted(run, sampling_rows, sampling_seqs, sampler_out)
         if prompt_plan is not None and prompt_lp is not None:
@@ -203,7 +188,7 @@ class ModelRunner:
 
     def _emitted(
         self,
-        run: StepRun,
+        run: RunnerOutput,
         sampling_rows: list[int],
         seqs: list[Sequence],
         out: SamplerOutput,

@@ -1,12 +1,58 @@
-"""What the engine hands out: each step's result, and a snapshot of its load for workers and
-metrics. Both are plain values, made on the engine thread and read anywhere."""
+"""What a step passes along, as plain values: the scheduler's batch for the runner
+(``ScheduledBatch``), the runner's output for the scheduler (``RunnerOutput``), and what the
+engine hands out - each step's result, and a snapshot of its load for workers and metrics, made
+on the engine thread and read anywhere."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from pdserve.services.engine.spec.speculator import SpecCounters
 from pdserve.shared.logprobs import TokenLogprobs
+
+if TYPE_CHECKING:  # the spec package loads models; the scheduler's tests import this module
+    from pdserve.services.engine.sequence import Sequence
+    from pdserve.services.engine.spec.speculator import SpecCounters
+
+
+@dataclass
+class ScheduledBatch:
+    """What the scheduler picked for a step: rows to compute, and blocks reserved for pulls."""
+
+    seqs: list[Sequence]  # decodes (one new token each) first, then prefill chunks
+    num_new_tokens: list[int]
+    num_decodes: int
+    pulls: list[Sequence] = field(default_factory=list)  # blocks just reserved for remote KV
+    # after the decodes: rows verifying a draft (1 + len(seq.spec_token_ids) tokens each)
+    num_verifies: int = 0
+
+    @classmethod
+    def build(cls, rows: list[tuple[Sequence, int]], pulls: list[Sequence]) -> ScheduledBatch:
+        """The batch of ``rows`` (sequence, tokens to compute). Decode attention serves
+        q_len == 1 rows: they come first, then verification rows (attended as a group of
+        their own), then prefill chunks."""
+        rows = sorted(rows, key=lambda row: 1 if row[0].spec_token_ids else 0 if row[1] == 1 else 2)
+        num_verifies = sum(1 for s, _ in rows if s.spec_token_ids)
+        num_decodes = sum(1 for s, n in rows if n == 1 and not s.spec_token_ids)
+        return cls([s for s, _ in rows], [n for _, n in rows], num_decodes, pulls, num_verifies)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+@dataclass
+class RunnerOutput:
+    """What one forward pass produced, keyed by index in ``ScheduledBatch.seqs``
+    (``Scheduler.update_from_output`` applies it)."""
+
+    # the tokens each sequence whose last token was computed emits: the one it sampled, or
+    # for a verified draft the accepted drafts and the token after them (1 + accepted)
+    sampled: dict[int, list[int]] = field(default_factory=dict)
+    drafted: dict[int, int] = field(default_factory=dict)  # draft tokens verified, where any
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # of them, where asked
+    # prompt log-probs this chunk gathered (to append to the sequence's), where asked
+    prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
 
 
 @dataclass
@@ -50,6 +96,22 @@ class StepStats:
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+
+    @classmethod
+    def of(cls, batch: ScheduledBatch) -> StepStats:
+        """The counts of a forward pass over ``batch`` (``seconds`` and drafts: added later)."""
+        prefills = batch.seqs[batch.num_decodes + batch.num_verifies :]
+        return cls(
+            num_seqs=len(batch.seqs),
+            num_decodes=batch.num_decodes + batch.num_verifies,
+            num_tokens=batch.num_tokens,
+            prefill_seqs={s.bus_id: s.num_prefix_hit_tokens for s in prefills},
+        )
+
+    def count_draft(self, num_drafted: int, num_accepted: int) -> None:
+        self.spec_drafts += 1
+        self.spec_draft_tokens += num_drafted
+        self.spec_accepted_tokens += num_accepted
 
 
 @dataclass

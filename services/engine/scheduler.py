@@ -1,47 +1,43 @@
-"""Continuous batching with a token budget per step, chunked prefill and preemption.
+"""The scheduler: every status change of every sequence (``sequence.py`` draws the machine), and
+the batch of each step.
 
-Each step first serves running sequences oldest-first (one token for a decode, the next chunk for
-a prompt still being prefilled), then admits waiting ones in arrival order while sequence slots,
-budget and blocks last. Admission has one policy, ``fits``: the blocks a sequence needs, plus a
-little headroom once others are running, must be free. A sequence whose prompt KV comes from a
-prefill worker (``remote_kv``) is admitted by the same policy: its blocks are reserved and it is
-handed out as a pull (``ScheduledBatch.pulls``) instead of being computed; it costs no token
-budget. When a running sequence cannot get a block, the newest running sequence is preempted:
-its blocks are freed and it goes back to the front of the queue to be recomputed later.
+After the engine's commands (``add_request``, ``abort``, ``release``, ``kv_ready``,
+``kv_failed``, ``hold_block``), ``schedule`` picks the batch, the runner computes it, and
+``update_from_output`` applies its output: tokens appended up to a stop, drafts accepted or
+rolled back, choices forked, sequences finished or parked. Nothing here touches a tensor: the KV
+copies a fork needs wait in ``block_copies`` for the engine.
 
-A running sequence with a speculative draft (``services/engine/spec``) asks for 1 + k tokens:
-its last one and the k drafted after it. The draft is cut to the token budget and to blocks
-that no later running sequence may need, so speculation never causes a preemption.
-
-The other choices of a request (``sampling.n > 1``) join when the engine forks them from choice 0
-(``add_forked``): straight into the running batch when a sequence slot is free (their blocks are
-already theirs), else at the front of the queue, to be computed like a preempted sequence.
+A batch serves running sequences oldest-first (a decode's token, a prompt's next chunk, a
+draft's 1 + k tokens), then admits waiting ones in arrival order while slots, token budget and
+blocks last. One admission policy for local prompts and pulls (``remote_kv``: blocks reserved,
+no budget): the blocks needed, plus a little headroom once others run, must be free - checked
+before anything is attached, so a head that does not fit leaves the prefix cache and its
+counters as they were. A running sequence short of a block preempts the newest one; a draft is
+cut to the budget and to blocks no later running sequence may need, so it never preempts.
 """
 
 from __future__ import annotations
 
 import logging
+import random
+import time
 from collections import deque
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.services.engine.block_manager import BlockManager
+from pdserve.services.engine.commands import AddRequest, BlockHoldRefused
+from pdserve.services.engine.outputs import RunnerOutput, ScheduledBatch, StepOutput, StepStats
 from pdserve.services.engine.sequence import Sequence, SequenceStatus
+from pdserve.services.engine.sequence_group import SequenceGroup, num_choices
+from pdserve.shared.sampling import SamplingParams
+
+if TYPE_CHECKING:  # the spec package loads models: the scheduler only calls back into it
+    from pdserve.services.engine.spec.speculator import Speculator
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class ScheduledBatch:
-    seqs: list[Sequence]  # decodes (one new token each) first, then prefill chunks
-    num_new_tokens: list[int]
-    num_decodes: int
-    pulls: list[Sequence] = field(default_factory=list)  # blocks just reserved for remote KV
-    # after the decodes: rows verifying a draft (1 + len(seq.spec_token_ids) tokens each)
-    num_verifies: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
+KV_FAILURE_POLICIES = ("fail", "recompute")
+_HOLD_SAMPLING = SamplingParams(max_tokens=1)
 
 
 class Scheduler:
@@ -50,85 +46,178 @@ class Scheduler:
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+        *,
+        prefill_only: bool = False,
+        kv_failure_policy: str = "fail",
+        speculator: Speculator | None = None,
+        seed: int = 0,
     ) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.prefill_only = prefill_only
+        self.kv_failure_policy = kv_failure_policy
+        self.speculator = speculator
+        self.seqs: dict[str, Sequence] = {}  # every sequence held, by seq_id
+        self.requests: dict[str, SequenceGroup] = {}  # by bus id: its choices' sequences
+        self.waiting: deque[Sequence] = deque()  # WAITING and PREEMPTED, in admission order
         self.running: list[Sequence] = []
         self.pulling: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KV, by seq_id
+        # (source, new) block copies of forks, for the engine to make before its next forward
+        self.block_copies: list[tuple[int, int]] = []
         self.num_preemptions = 0
         # Admission keeps a little headroom so running decodes can grow without instant preemption.
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
+        self._seed_rng = random.Random(seed)  # seeds of requests that name none
         self._blocked: Sequence | None = None  # head of the queue last logged as not fitting
 
-    def add(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.WAITING
+    # ---- commands: requests in, answers of pulls ---------------------------------------------
+
+    def add_request(self, req: AddRequest) -> StepOutput | None:
+        """Queue a request as its choice 0. Returns its output when the tokens it came with
+        already end it (e.g. max_tokens reached by a prefill worker's first token)."""
+        if req.bus_id in self.requests:
+            log.error("dropping a second request with id %r", req.bus_id)
+            return None
+        sp = req.sampling
+        seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
+        seq = Sequence(req.bus_id, req.prompt_token_ids, sp, seed, time.monotonic())
+        seq.token_ids.extend(req.output_token_ids)
+        seq.remote_kv = req.remote_kv
+        self._register(seq, num_choices(sp))
         self.waiting.append(seq)
+        reason = self._ended(seq)
+        if reason is None:
+            return None
+        # nothing to do, unless choices are still to fork from its prompt (it carries their KV)
+        out = StepOutput(req.bus_id, [], reason)
+        if (group := self.requests[req.bus_id]).unforked:
+            group.end_choice(0)
+        else:
+            out.request_finished = self._finish(seq, reason)
+        return out
 
-    def requeue_first(self, seq: Sequence) -> None:
-        """Back to the front of the queue, to be computed here (a failed pull to recompute)."""
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+    def abort(self, bus_id: str, index: int | None = None) -> None:
+        """End choice ``index`` (None: all) without an output; unknown ids are ignored."""
+        group = self.requests.get(bus_id)
+        for seq in group.end_choice(index) if group is not None else ():
+            if seq.status is SequenceStatus.WAITING_FOR_REMOTE_KV:
+                seq.finish_reason = "abort"  # a pull writes into its blocks until it answers
+            else:
+                self._finish(seq, "abort")
 
-    def start_running(self, seq: Sequence) -> None:
-        """A pulled sequence: its KV is in its blocks now; it joins the batch."""
+    def release(self, bus_id: str) -> None:
+        """A parked sequence (or a held block) gives its blocks back."""
+        seq = self._choice_0(bus_id)
+        if seq is not None and seq.status is SequenceStatus.PREFILLED:
+            self._finish(seq, None)
+
+    def kv_ready(self, bus_id: str) -> None:
+        """The pull into a sequence's reserved blocks completed: it joins the batch."""
+        seq = self._answered_pull(bus_id, "KVReady")
+        if seq is None:
+            return
+        seq.remote_kv = False
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.bm.commit(seq)
         del self.pulling[seq.seq_id]
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        self._run(seq)
+        self._fork(seq)  # the prefill worker sampled choice 0's first token: the others now
 
-    def has_free_slot(self, joining: int = 0) -> bool:
-        """May one more sequence run (or pull) beside ``joining`` others, within
-        ``max_num_seqs``?"""
-        return len(self.running) + len(self.pulling) + joining < self.max_num_seqs
+    def kv_failed(self, bus_id: str, error: str) -> StepOutput | None:
+        """The pull failed: the error output ends the request (policy "fail"), or the prompt
+        goes to the front of the queue to be computed here (its choices fork after that)."""
+        seq = self._answered_pull(bus_id, "KVFailed")
+        if seq is None:
+            return None
+        if self.kv_failure_policy == "fail":  # the whole request: no choice was forked yet
+            self._finish(seq, "error")
+            text = f"KV transfer failed: {error}"
+            return StepOutput(seq.bus_id, [], "error", error=text, request_finished=True)
+        log.info("recomputing the prefill of %s here: %s", seq.bus_id, error)
+        del self.pulling[seq.seq_id]
+        self.bm.free_sequence(seq)  # the pull is over: nothing writes into them
+        seq.remote_kv = False
+        seq.num_computed_tokens = 0
+        self._wait_first(seq)
+        return None
 
-    def add_forked(self, running: list[Sequence], queued: list[Sequence]) -> None:
-        """Forked choices: ``running`` hold their blocks and join the batch (newest, so first
-        to be preempted); ``queued`` have none and wait at the front of the queue, in order."""
-        for seq in running:
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-        for seq in reversed(queued):
-            seq.status = SequenceStatus.WAITING
-            self.waiting.appendleft(seq)
+    def hold_block(self, hold_id: str) -> int:
+        """One free block held under ``hold_id`` (parked until ``release``), or
+        ``BlockHoldRefused`` when requests wait or admission could not spare it."""
+        waiting = len(self.waiting)
+        if hold_id in self.requests:
+            raise BlockHoldRefused(f"{hold_id} exists")
+        if waiting:
+            raise BlockHoldRefused(
+                f"busy: {waiting} request(s) waiting; no block is taken from them"
+            )
+        seq = Sequence(hold_id, [0], _HOLD_SAMPLING, 0, time.monotonic())
+        if not self.bm.can_allocate(seq, 1, headroom=self._headroom()):
+            raise BlockHoldRefused("busy: no free KV block")
+        self.bm.allocate(seq, 1)
+        seq.status = SequenceStatus.PREFILLED
+        self._register(seq, 1)
+        return seq.block_table[0]
+
+    def _register(self, seq: Sequence, n: int) -> None:
+        self.seqs[seq.seq_id] = seq
+        self.requests[seq.bus_id] = SequenceGroup.start(seq, n)
+
+    def _choice_0(self, bus_id: str) -> Sequence | None:
+        """Choice 0 of a request still here: the one that carries its prompt before any fork."""
+        return group.seqs.get(0) if (group := self.requests.get(bus_id)) is not None else None
+
+    def _answered_pull(self, bus_id: str, answer: str) -> Sequence | None:
+        """The sequence whose pull just answered, when it goes on (None: unknown or ended, or
+        aborted during its pull, which finishes it now that nothing writes into its blocks)."""
+        seq = self._choice_0(bus_id)
+        if seq is None:
+            return None
+        if seq.status is not SequenceStatus.WAITING_FOR_REMOTE_KV:
+            log.warning("%s for %s, which is %s", answer, seq, seq.status.name)
+            return None
+        if seq.finish_reason is not None:
+            self._finish(seq, seq.finish_reason)
+            return None
+        return seq
+
+    # ---- the batch ---------------------------------------------------------------------------
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.pulling)
 
-    def fits(self, num_blocks: int) -> bool:
-        """The admission policy: may a new sequence take ``num_blocks`` free blocks now?"""
-        busy = self.running or self.pulling
-        return num_blocks + (self.watermark_blocks if busy else 0) <= self.bm.num_free_blocks
-
     def schedule(self) -> ScheduledBatch | None:
         budget = self.max_num_batched_tokens
-        scheduled: list[tuple[Sequence, int]] = []
+        rows: list[tuple[Sequence, int]] = []
         pulls: list[Sequence] = []
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.spec_token_ids:
-                self._fit_draft(seq, budget, later=len(self.running) - i - 1)
+            if seq.spec_token_ids:  # cut to the budget and to blocks no later one may need
+                later = len(self.running) - i - 1
+                seq.cut_draft(min(len(seq.spec_token_ids), budget - seq.num_uncomputed_tokens,
+                                  self.bm.room(seq, seq.num_tokens, later)))  # fmt: skip
             n = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget)
             while not self.bm.can_allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
-                self.preempt(victim)
+                self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break
             self.bm.allocate(seq, seq.num_computed_tokens + n)
-            scheduled.append((seq, n))
+            rows.append((seq, n))
             budget -= n
             i += 1
 
-        while (
-            not preempted
-            and self.waiting
-            and len(self.running) + len(self.pulling) < self.max_num_seqs
-        ):
+        while not preempted and self.waiting and self._num_slots() > 0:
             seq = self.waiting[0]
             if seq.remote_kv:
                 if not self._admit_pull(seq):
@@ -137,52 +226,44 @@ class Scheduler:
                 continue
             if budget <= 0:
                 break
-            if not seq.block_table and not seq.needs_prompt_logprobs:  # those score every token
-                seq.num_computed_tokens = self.bm.match_prefix(seq)
-                seq.num_prefix_hit_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self.fits(self.bm.blocks_needed(seq, seq.num_computed_tokens + n)):
-                self._unmatch(seq)
-                self._log_blocked(seq)
+            n = self._admit(seq, budget)
+            if not n:
                 break
-            self.waiting.popleft()
-            self.bm.allocate(seq, seq.num_computed_tokens + n)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            scheduled.append((seq, n))
+            rows.append((seq, n))
             budget -= n
+        return ScheduledBatch.build(rows, pulls) if rows or pulls else None
 
-        if not scheduled and not pulls:
-            return None
-        # Decode attention serves q_len == 1 rows: they come first, then verification rows
-        # (attended as a group of their own), then prefill chunks.
-        scheduled.sort(key=lambda item: 1 if item[0].spec_token_ids else 0 if item[1] == 1 else 2)
-        num_verifies = sum(1 for s, _ in scheduled if s.spec_token_ids)
-        num_decodes = sum(1 for s, n in scheduled if n == 1 and not s.spec_token_ids)
-        return ScheduledBatch(
-            [s for s, _ in scheduled], [n for _, n in scheduled], num_decodes, pulls, num_verifies
-        )
+    def _num_slots(self) -> int:
+        """How many more sequences may run (or pull) within ``max_num_seqs``."""
+        return self.max_num_seqs - len(self.running) - len(self.pulling)
 
-    def _fit_draft(self, seq: Sequence, budget: int, later: int) -> None:
-        """Cut ``seq``'s draft (``services/engine/spec``) to the step's token budget and to the
-        blocks no one else may need this step: ``later`` running sequences each may need one.
-        A draft never preempts anyone; one that does not fit at all is dropped."""
-        base = seq.num_computed_tokens + seq.num_uncomputed_tokens
-        bs = self.bm.block_size
-        blocks = max(len(seq.block_table), -(-base // bs))
-        spare = self.bm.num_free_blocks - self.bm.blocks_needed(seq, base) - later
-        room = min(len(seq.spec_token_ids), budget - seq.num_uncomputed_tokens,
-                   (blocks + max(0, spare)) * bs - base)  # fmt: skip
-        if room <= 0:
-            seq.spec_token_ids, seq.spec_probs = [], None
-        elif room < len(seq.spec_token_ids):
-            seq.spec_token_ids = seq.spec_token_ids[:room]
-            if seq.spec_probs is not None:
-                seq.spec_probs = seq.spec_probs[:room]
+    def _headroom(self) -> int:
+        """Free blocks admission leaves once others run, so their decodes can grow without
+        instant preemption."""
+        return self.watermark_blocks if self.running or self.pulling else 0
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Admit the head of the queue to compute its next ``n`` tokens (returned; 0 when its
+        blocks do not fit, and then nothing is attached to it). Its cached prefix is looked up
+        first and attached only once the rest fits (prompt log-probs score every token, so a
+        sequence that asks for them takes no prefix)."""
+        prefix = None if seq.needs_prompt_logprobs else self.bm.find_prefix(seq)
+        computed = prefix.num_tokens if prefix is not None else seq.num_computed_tokens
+        n = min(seq.num_tokens - computed, budget)
+        if not self.bm.can_allocate(seq, computed + n, prefix, self._headroom()):
+            self._log_blocked(seq)
+            return 0
+        if prefix is not None:
+            seq.num_computed_tokens = self.bm.attach_prefix(seq, prefix)
+            seq.num_prefix_hit_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+        self.waiting.popleft()
+        self.bm.allocate(seq, seq.num_computed_tokens + n)
+        self._run(seq)
+        return n
 
     def _admit_pull(self, seq: Sequence) -> bool:
         """Reserve blocks for the prompt a prefill worker computed; False when they do not fit."""
-        if not self.fits(self.bm.blocks_needed(seq, seq.num_prompt_tokens)):
+        if not self.bm.can_allocate(seq, seq.num_prompt_tokens, headroom=self._headroom()):
             self._log_blocked(seq)
             return False
         self.waiting.popleft()
@@ -196,27 +277,102 @@ class Scheduler:
             self._blocked = seq
             log.info("%s waits for KV blocks (%d queued)", seq.seq_id, len(self.waiting))
 
-    def _unmatch(self, seq: Sequence) -> None:
-        self.bm.free_sequence(seq)
-        seq.num_computed_tokens = 0
-        seq.num_prefix_hit_tokens = 0
-
-    def preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.free_sequence(seq)
         seq.num_computed_tokens = 0
-        seq.spec_token_ids, seq.spec_probs = [], None
-        seq.status = SequenceStatus.PREEMPTED
-        self.waiting.appendleft(seq)
+        seq.cut_draft(0)
+        self._wait_first(seq, SequenceStatus.PREEMPTED)
         self.num_preemptions += 1
 
-    def park(self, seq: Sequence) -> None:
-        """Stop scheduling a sequence but keep its blocks (a prefill worker's leased KV)."""
-        self.running.remove(seq)
-        seq.status = SequenceStatus.PREFILLED
+    def _run(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
-    def remove(self, seq: Sequence) -> None:
-        """Take a sequence out of the queues and free its blocks (it finished, or was released)."""
+    def _wait_first(self, seq: Sequence, status: SequenceStatus = SequenceStatus.WAITING) -> None:
+        """Back to the front of the queue, to be computed (again) before anyone else."""
+        seq.status = status
+        self.waiting.appendleft(seq)
+
+    # ---- what the forward pass produced ------------------------------------------------------
+
+    def update_from_output(
+        self, batch: ScheduledBatch, run: RunnerOutput
+    ) -> tuple[list[StepOutput], StepStats]:
+        """Apply the runner's output to the batch's sequences: what each one says this step,
+        and the step's counts. One pass over the batch, which the runner already made."""
+        outputs: list[StepOutput] = []
+        stats = StepStats.of(batch)
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            if i in run.prompt_logprobs:
+                seq.prompt_logprobs_so_far.extend(run.prompt_logprobs[i])
+            sampled = run.sampled.get(i)
+            if sampled is None:  # a prompt chunk that is not the last
+                seq.num_computed_tokens += n
+                self.bm.commit(seq)
+                continue
+            drafted, accepted = run.drafted.get(i, 0), len(sampled) - 1
+            seq.cut_draft(0)
+            prompt_lp = seq.prompt_logprobs_to_send()  # before the token makes it an output
+            # max_tokens 0: prompt log-probs only
+            new_tokens, reason = (
+                seq.append_tokens(sampled, self.eos_token_ids, self.max_model_len)
+                if seq.sampling.max_tokens
+                else ([], "length")
+            )
+            # the KV computed is the row's, less its rejected drafts' (they are rolled back)
+            seq.num_computed_tokens = min(
+                seq.num_computed_tokens + n - drafted + accepted, seq.num_tokens
+            )
+            if drafted:
+                self.bm.trim(seq)
+                self.speculator.verified(seq, drafted, accepted)
+                stats.count_draft(drafted, accepted)
+            self.bm.commit(seq)
+            if self._fork(seq):  # it only carried the prompt for its request's other choices
+                continue
+            out = StepOutput(
+                seq.bus_id, new_tokens, reason, seq.num_prefix_hit_tokens, index=seq.index
+            )
+            out.num_draft_tokens, out.num_accepted_tokens = drafted, accepted
+            if new_tokens and i in run.logprobs:
+                out.logprobs = run.logprobs[i].slice(0, len(new_tokens))
+            out.prompt_logprobs = prompt_lp
+            if reason is not None and not (self.prefill_only and num_choices(seq.sampling) > 1):
+                out.request_finished = self._finish(seq, reason)
+            elif self.prefill_only:  # n > 1: even if choice 0 ended, the others fork from its KV
+                self.running.remove(seq)  # parked: its blocks stay, leased for the pull
+                seq.status = SequenceStatus.PREFILLED
+                out.kv_block_ids, out.num_kv_tokens = list(seq.block_table), seq.num_computed_tokens
+            outputs.append(out)
+        return outputs, stats
+
+    def _ended(self, seq: Sequence) -> str | None:
+        return seq.ended_by(self.eos_token_ids, self.max_model_len)
+
+    def _fork(self, seq: Sequence) -> bool:
+        """Fork the request's other choices from ``seq`` (choice 0, whose prompt's KV is
+        complete and first token sampled) if they are still to fork (``sequence_group.py``).
+        True when ``seq`` only carried the prompt for them (its own choice is over) and has
+        left: it has nothing to say."""
+        group = self.requests[seq.bus_id]
+        if not group.unforked or self.prefill_only:  # a prefill worker's: forked after the pull
+            return False
+        fork = group.fork(seq, self.bm, self._num_slots())
+        for child in fork.running:  # they hold their blocks: newest, so first to be preempted
+            self._run(child)
+        for child in reversed(fork.queued):  # none yet: computed like preempted sequences
+            self._wait_first(child)
+        self.seqs.update((child.seq_id, child) for child in fork.running + fork.queued)
+        self.block_copies += fork.copies
+        if group.needs(seq):
+            return False
+        self._finish(seq, seq.finish_reason)
+        return True
+
+    def _finish(self, seq: Sequence, reason: str | None) -> bool:
+        """``seq`` leaves the engine, its blocks freed. True when it was its request's last
+        open choice."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
@@ -224,3 +380,13 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING_FOR_REMOTE_KV:
             del self.pulling[seq.seq_id]
         self.bm.free_sequence(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self.seqs[seq.seq_id]
+        group = self.requests[seq.bus_id]
+        request_finished = group.remove(seq)
+        if not group.seqs:  # (choices never forked here, e.g. on a prefill worker, end too)
+            del self.requests[seq.bus_id]
+        return request_finished

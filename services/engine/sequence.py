@@ -1,6 +1,49 @@
 """A request's state inside the engine: its tokens, its blocks, how far its KV is computed, and
-where it is in its lifecycle (``SequenceStatus``; the transitions are described in
-``services/decode/worker.py`` and ``services/engine/engine.py``)."""
+where it is in its lifecycle, ``SequenceStatus``.
+
+Only the scheduler changes a status (``services/engine/scheduler.py``), on the engine thread:
+workers post commands (``add_request``, ``kv_ready``, ``kv_failed``, ``abort``, ``release``) and
+act on what each step returns (tokens, and ``KVPull``s for blocks just reserved)::
+
+    add_request(remote_kv=True): the prompt's        add_request(): computed here (a decode
+      KV is on a prefill worker (a KV handle)        worker's local prefill, a prefill worker)
+                 |                                         |
+                 v                                         |
+              WAITING  <-----------------------------------'
+                 |   one queue in arrival order; admission (Scheduler.schedule) takes the head
+                 |   when its blocks fit, else everyone behind it waits too. A local one goes
+                 |   straight to RUNNING; a remote one gets its blocks reserved and is handed
+                 v   to the worker as a KVPull in that step's result
+    WAITING_FOR_REMOTE_KV
+                 |   the worker pulls the prefill worker's blocks over UCX straight into the
+                 |   reserved ones, releases the prefill worker's lease, and answers once:
+                 |-- kv_ready ----------------------------------> RUNNING
+                 |-- kv_failed, --kv-failure-policy recompute --> WAITING (at the front: the
+                 |                                                 prompt is computed here)
+                 '-- kv_failed, --kv-failure-policy fail -------> FINISHED "error" (an error
+                                                                   item, never text)
+              RUNNING  --- one token per step for every running sequence (more when it
+                 |             verifies a speculative draft: services/engine/spec)
+                 |-- out of blocks: the newest is preempted ---> PREEMPTED -> WAITING's front,
+                 |                                                re-admitted and recomputed
+                 |-- stop token / max_tokens / context full ---> FINISHED "stop" / "length"
+                 '-- prefill-only engine, prompt done ----------> PREFILLED: parked with its
+                                                                   blocks (the prefill worker
+                                                                   leases them for the pull)
+                                                                   until release -> FINISHED
+
+    abort (cancel, deadline before the first token, engine failure): FINISHED at once from
+    any status but WAITING_FOR_REMOTE_KV, whose blocks the pull is still writing: it finishes
+    when the pull answers. A pull handed out for a request the worker has already dropped is
+    answered with kv_failed without pulling. A request whose first token already ends it
+    finishes when it is added: nothing is pulled. A doctor probe's block is held as a
+    PREFILLED sequence (``hold_block``) until release.
+
+A request with ``sampling.n > 1`` runs as one sequence (choice 0) until its prompt's KV is
+complete - computed here, or pulled - and then forks the other choices, which share the
+prompt's blocks (``sequence_group.py``). Outputs name their choice (``index``); the request
+ends when its last choice ends (``request_finished``), and an abort may end one choice only.
+"""
 
 from __future__ import annotations
 
@@ -35,7 +78,7 @@ class Sequence:
     ) -> None:
         self.bus_id = bus_id
         # The choice this sequence generates (sampling.n > 1: choices 1.. are forked from
-        # choice 0 once its prompt's KV is complete, see ``choices.py``), and its name in the
+        # choice 0 once its prompt's KV is complete, see ``sequence_group.py``), and its name in the
         # engine: the request id for choice 0, "<request id>#<index>" for the others.
         self.index = index
         self.seq_id = bus_id if index == 0 else f"{bus_id}#{index}"
@@ -99,6 +142,28 @@ class Sequence:
             return None
         done = len(self.prompt_logprobs_so_far) == max(0, self.num_prompt_tokens - 1)
         return self.prompt_logprobs_so_far if done else None
+
+    def cut_draft(self, k: int) -> None:
+        """Keep the first ``k`` tokens of the speculative draft (none when ``k <= 0``)."""
+        if k <= 0:
+            self.spec_token_ids, self.spec_probs = [], None
+        elif k < len(self.spec_token_ids):
+            self.spec_token_ids = self.spec_token_ids[:k]
+            if self.spec_probs is not None:
+                self.spec_probs = self.spec_probs[:k]
+
+    def append_tokens(
+        self, tokens: list[int], eos_token_ids: tuple[int, ...], max_model_len: int
+    ) -> tuple[list[int], str | None]:
+        """Append a row's tokens up to the first that ends the sequence (a stop token or EOS
+        among accepted drafts ends it there, as it would one token per step); returns those
+        appended and why the sequence ended, if it did."""
+        for count, token in enumerate(tokens, start=1):
+            self.token_ids.append(token)
+            reason = self.ended_by(eos_token_ids, max_model_len)
+            if reason is not None:
+                return tokens[:count], reason
+        return tokens, None
 
     def ended_by(self, eos_token_ids: tuple[int, ...], max_model_len: int) -> str | None:
         """Why the sequence is done after its last token ("stop", "length"), or None."""

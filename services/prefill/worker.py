@@ -25,7 +25,7 @@ from pdserve.services.worker_process import exit_now
 from pdserve.shared.bus.connection import Bus
 from pdserve.shared.bus.protocol import KVHandle, PrefillRequest, PrefillResult, ReleaseLease
 from pdserve.shared.kv import ucx_check
-from pdserve.shared.kv.probe import ProbeLeaseRequest, answer_probes
+from pdserve.shared.kv.probe import ProbeLeaseReply, ProbeLeaseRequest, answer_probes
 from pdserve.shared.kv.transfer import KVServer, Lease, LeaseTable
 from pdserve.shared.telemetry import tracing
 
@@ -67,8 +67,11 @@ class PrefillWorker(Worker):
         await self.bus.subscribe(
             self.subjects.lease(self.worker_id), self._on_release, (ReleaseLease,)
         )
-        await answer_probes(
-            self.bus, self.worker_id, (ProbeLeaseRequest,), lambda req: lease_probe(self, req)
+        await answer_probes(self.bus, self.worker_id, (ProbeLeaseRequest,), self._on_probe)
+
+    async def _on_probe(self, req: ProbeLeaseRequest) -> ProbeLeaseReply:
+        return await lease_probe(
+            req, self.engine, self.leases, self.make_handle, self.worker_id, self.draining
         )
 
     def load_extra(self) -> dict:

@@ -98,9 +98,7 @@ def test_eos_stops_unless_ignored(llama_dir):
     engine = make_engine(llama_dir)
     prompt = random_prompts(1, seed=6)[0]
     free_run = engine.generate([prompt], GREEDY)[0]
-    engine.model_config = engine.model_config.__class__(
-        **{**engine.model_config.__dict__, "eos_token_ids": (free_run[2],)}
-    )
+    engine.scheduler.eos_token_ids = (free_run[2],)  # the stop check's EOS ids
     stopped = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))[0]
     assert stopped == free_run[: free_run.index(free_run[2]) + 1]
     assert engine.generate([prompt], GREEDY)[0] == free_run

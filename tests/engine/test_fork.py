@@ -1,8 +1,8 @@
-"""n choices from one prefill (services/engine/choices.py), on the real engine: every choice equals
-what HF (greedy) or a single n=1 run with that choice's seed generates, whether the prompt was
-computed here or its KV pulled from a prefill engine, wherever the last prompt token sits in its
-block, under preemption, and when a choice cannot be forked at once; aborts of one choice or all
-of them at any point, and every block free afterwards."""
+"""n choices from one prefill (services/engine/sequence_group.py), on the real engine: every
+choice equals what HF (greedy) or a single n=1 run with that choice's seed generates, whether the
+prompt was computed here or its KV pulled from a prefill engine, wherever the last prompt token
+sits in its block, under preemption, and when a choice cannot be forked at once; aborts of one
+choice or all of them at any point, and every block free afterwards."""
 
 from __future__ import annotations
 
@@ -10,13 +10,12 @@ from dataclasses import replace
 
 import pytest
 
-from pdserve.services.engine.choices import choice_seed
 from pdserve.services.engine.engine import LLMEngine
 from pdserve.services.engine.outputs import StepOutput
-from pdserve.shared.sampling import SamplingParams
+from pdserve.shared.sampling import SamplingParams, choice_seed
+from tests.engine.test_engine_lifecycle import all_free, pull
 from tests.engine_support import make_engine, random_prompts, step_outputs
 from tests.oracle import hf_greedy
-from tests.engine.test_engine_lifecycle import all_free, pull
 
 SEEDED = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=7, n=4)
 
@@ -88,7 +87,7 @@ def test_children_share_full_prompt_blocks_and_copy_the_last(llama_dir) -> None:
     engine.add_request("r", prompt, SEEDED)
     outs = step_outputs(engine)  # the whole prefill, choice 0's first token, then the fork
     assert [(o.index, len(o.new_token_ids)) for o in outs] == [(0, 1)]
-    seqs = [engine.seqs["r"]] + [engine.seqs[f"r#{i}"] for i in range(1, 4)]
+    seqs = [engine.scheduler.seqs["r"]] + [engine.scheduler.seqs[f"r#{i}"] for i in range(1, 4)]
     parent = seqs[0].block_table
     bm = engine.block_manager
     assert [bm.ref_counts[b] for b in parent[:2]] == [4, 4]
@@ -181,7 +180,7 @@ def test_abort_one_choice_after_the_fork(llama_dir, reference) -> None:
     assert len(got.tokens[2]) == 1 and got.reasons[2] is None  # aborted: no more output
     assert [got.tokens[i] for i in (0, 1, 3)] == [want[i] for i in (0, 1, 3)]
     assert got.request_finished == 1 and got.after_finished == 0
-    assert all_free(engine) and not engine.seqs and not engine.requests
+    assert all_free(engine) and not engine.scheduler.seqs and not engine.scheduler.requests
 
 
 def test_abort_choices_before_the_fork(llama_dir, prefill, reference) -> None:
@@ -228,7 +227,7 @@ def test_abort_all_choices_frees_everything(llama_dir, when) -> None:
     assert (engine.stats().running == SEEDED.n) == (when in ("after-fork", "later"))
     engine.abort("r")
     assert step_outputs(engine) == [] and not engine.has_unfinished()  # aborted: nothing said
-    assert all_free(engine) and not engine.seqs and not engine.requests
+    assert all_free(engine) and not engine.scheduler.seqs and not engine.scheduler.requests
     assert engine.block_manager.ref_counts == [0] * engine.num_blocks
 
 
@@ -240,7 +239,7 @@ def test_abort_all_mid_pull_frees_the_blocks_when_the_pull_answers(llama_dir) ->
     assert decode.step() is None and decode.stats().free_blocks == 8 - 3
     decode.kv_ready("c")
     assert decode.step() is None  # no fork, nothing said
-    assert all_free(decode) and not decode.requests
+    assert all_free(decode) and not decode.scheduler.requests
 
 
 def test_a_failed_pull_ends_every_choice(llama_dir) -> None:

@@ -13,9 +13,9 @@ import jsonschema
 import pytest
 from tokenizers import Tokenizer
 
-from pdserve.services.engine.choices import fork_choice
 from pdserve.services.engine.guided import GuidedDecoder
 from pdserve.services.engine.sequence import Sequence
+from pdserve.services.engine.sequence_group import fork_choice
 from pdserve.shared.sampling import GuidedDecoding, SamplingParams
 from tests.engine_support import make_engine, random_prompts, step_outputs
 

@@ -187,7 +187,7 @@ def test_preemption_mid_prefill_neither_duplicates_nor_loses_prompt_logprobs(lla
     while engine.has_unfinished():
         for out in step_outputs(engine):
             outputs.setdefault(out.bus_id, []).append(out)
-        a = engine.seqs.get("a")
+        a = engine.scheduler.seqs.get("a")
         if a is not None and a.num_computed_tokens == 0 and len(a.prompt_logprobs_so_far):
             preempted_mid_prompt = True
     assert preempted_mid_prompt and engine.stats().preemptions > 0

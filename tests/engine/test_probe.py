@@ -9,10 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from pdserve.services import probe
 from pdserve.services.engine.engine import LLMEngine
 from pdserve.services.engine.engine_thread import EngineThread
 from pdserve.services.prefill.worker import PrefillWorker
-from pdserve.services.probe import block_matches, lease_probe, pull_probe
+from pdserve.services.probe import block_matches
 from pdserve.shared.config import EngineConfig
 from pdserve.shared.kv.probe import MAX_PROBE_LEASES, ProbeLeaseRequest, ProbePullRequest
 from pdserve.shared.kv.transfer import KVTransferError, LeaseTable, TransferStats
@@ -50,6 +51,16 @@ async def until(predicate, timeout: float = 10.0) -> None:
 
 def free(engine: LLMEngine) -> int:
     return engine.stats().free_blocks
+
+
+async def lease_probe(p: SimpleNamespace, req: ProbeLeaseRequest):
+    """What the prefill worker's probe handler passes."""
+    return await probe.lease_probe(req, p.engine, p.leases, p.make_handle, p.worker_id, p.draining)
+
+
+async def pull_probe(d: SimpleNamespace, req: ProbePullRequest):
+    """What the decode worker's probe handler passes."""
+    return await probe.pull_probe(req, d.engine, d.kv_client, d.worker_id, d.draining)
 
 
 def prefill_worker(engine: LLMEngine) -> SimpleNamespace:

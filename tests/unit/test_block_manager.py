@@ -13,6 +13,11 @@ def seq(rid: str, tokens: list[int]) -> Sequence:
     return Sequence(rid, tokens, SamplingParams(), 0, 0.0)
 
 
+def match_prefix(bm: BlockManager, s: Sequence) -> int:
+    """Look the cached prefix up and attach it at once, as admission does once it fits."""
+    return bm.attach_prefix(s, bm.find_prefix(s))
+
+
 def computed(bm: BlockManager, s: Sequence, n: int | None = None) -> Sequence:
     bm.allocate(s, s.num_tokens)
     s.num_computed_tokens = s.num_tokens if n is None else n
@@ -37,7 +42,7 @@ def test_prefix_reuse_and_refcounts():
     bm = BlockManager(num_blocks=8, block_size=4)
     a = computed(bm, seq("a", list(range(10))))  # blocks: 2 full + 1 partial
     b = seq("b", list(range(8)) + [99, 98, 97])
-    assert bm.match_prefix(b) == 8
+    assert match_prefix(bm, b) == 8
     assert b.block_table == a.block_table[:2]
     assert [bm.ref_counts[x] for x in a.block_table] == [2, 2, 1]
     bm.free_sequence(a)
@@ -51,13 +56,13 @@ def test_match_leaves_one_token_to_compute():
     computed(bm, seq("a", list(range(8))))
     again = seq("b", list(range(8)))
     # all 8 tokens are cached, but the last one must run to produce logits: only 1 block reused
-    assert bm.match_prefix(again) == 4
+    assert match_prefix(bm, again) == 4
 
 
 def test_partial_blocks_are_never_shared():
     bm = BlockManager(num_blocks=8, block_size=4)
     computed(bm, seq("a", list(range(6))))
-    assert bm.match_prefix(seq("b", list(range(6)) + [7])) == 4
+    assert match_prefix(bm, seq("b", list(range(6)) + [7])) == 4
 
 
 def test_lru_eviction_only_when_space_is_needed():
@@ -71,7 +76,7 @@ def test_lru_eviction_only_when_space_is_needed():
     fresh = seq("fresh", [1000] * 5)
     bm.allocate(fresh, 5)
     assert len(bm.hash_to_block) == 3
-    assert bm.match_prefix(seq("probe_old", list(range(9)))) == 4  # old's first block survived
+    assert match_prefix(bm, seq("probe_old", list(range(9)))) == 4  # old's first block survived
     bm.free_sequence(fresh)
 
 
@@ -82,13 +87,13 @@ def test_eviction_under_pressure_keeps_outputs_consistent():
     b = seq("b", list(range(50, 62)))
     bm.allocate(b, 12)  # needs every block: all of a's cached blocks are evicted
     assert bm.hash_to_block == {}
-    assert bm.match_prefix(seq("c", list(range(9)))) == 0
+    assert match_prefix(bm, seq("c", list(range(9)))) == 0
 
 
 def test_disabled_cache_never_matches():
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_cache=False)
     computed(bm, seq("a", list(range(12))))
-    assert bm.match_prefix(seq("b", list(range(12)))) == 0
+    assert match_prefix(bm, seq("b", list(range(12)))) == 0
     assert bm.hash_to_block == {}
 
 

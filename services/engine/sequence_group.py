@@ -1,19 +1,20 @@
-"""A request's choices (``sampling.n``): one prefill, then a fork into n sequences.
+"""The sequences of one request (``sampling.n``): one prefill, then a fork into n sequences.
 
 A request with ``n > 1`` runs as one sequence, choice 0, until its prompt's KV is complete and
 choice 0 has its first token: after the last prompt chunk computed here, or when the KV pulled
 from a prefill worker is ready (that worker sampled choice 0's first token; a prefill-only
-engine never forks). The engine then forks choices 1..n-1 (``fork_choice``): each shares the
+engine never forks). The scheduler then forks choices 1..n-1 (``fork_choice``): each shares the
 prompt's full blocks by reference, gets a private copy of the block holding the last prompt
 token, and starts one token short of the prompt. Its first step recomputes that token as a
 one-token decode row and samples its own first token, so each choice costs one token of compute
 and nothing else changes: the sampler, the wire, and exact reproducibility (choice i samples
 with ``choice_seed(seed, i)``, so the request's seed reproduces all of them).
 
-``ChoiceGroup`` keeps the bookkeeping: which choices are still open, which are still to fork,
+``SequenceGroup`` keeps the bookkeeping: which choices are still open, which are still to fork,
 and which sequences hold state. Choice 0's sequence may outlive its own choice (its first token
 ended it, or it was aborted) while choices remain to be forked from its KV: it carries the
-prompt until the fork, then leaves quietly.
+prompt until the fork, then leaves quietly. The scheduler makes every status change; this
+module only says who exists and who is still needed.
 """
 
 from __future__ import annotations
@@ -22,11 +23,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from pdserve.services.engine.block_manager import BlockManager
-from pdserve.services.engine.scheduler import Scheduler
 from pdserve.services.engine.sequence import Sequence
 from pdserve.shared.sampling import SamplingParams, choice_seed
-
-__all__ = ["ChoiceGroup", "choice_seed", "fork_choice", "num_choices"]
 
 
 def num_choices(sampling: SamplingParams) -> int:
@@ -55,14 +53,25 @@ def fork_choice(parent: Sequence, index: int) -> Sequence:
 
 
 @dataclass
-class ChoiceGroup:
+class Fork:
+    """What forking a request's choices made: children that hold their blocks and may run at
+    once, children with none that wait (in order), and the (source, new) block copies the KV
+    cache needs before the next forward pass."""
+
+    running: list[Sequence] = field(default_factory=list)
+    queued: list[Sequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class SequenceGroup:
     bus_id: str
     seqs: dict[int, Sequence]  # by choice index: the sequences that hold state in the engine
     unfinished: set[int]  # choices neither finished nor aborted, forked or not
     unforked: list[int] = field(default_factory=list)  # choices still to fork from choice 0
 
     @classmethod
-    def start(cls, seq: Sequence, n: int) -> ChoiceGroup:
+    def start(cls, seq: Sequence, n: int) -> SequenceGroup:
         """A new request: its choice 0, and ``n - 1`` more to fork later."""
         return cls(seq.bus_id, {0: seq}, set(range(n)), list(range(1, n)))
 
@@ -84,28 +93,21 @@ class ChoiceGroup:
         self.unfinished.discard(seq.index)
         return was_open and not self.unfinished
 
-    def fork(
-        self, parent: Sequence, bm: BlockManager, scheduler: Scheduler
-    ) -> tuple[list[Sequence], list[tuple[int, int]]]:
+    def fork(self, parent: Sequence, bm: BlockManager, free_slots: int) -> Fork:
         """Fork the choices still to fork from ``parent`` (choice 0: its prompt's KV complete,
-        its first token sampled). A child that gets a sequence slot and a block for its copy
-        runs from the next step; the others wait at the front of the queue, to be computed like
-        preempted sequences. Returns the children and the (source, new) block copies to make in
-        the KV cache before the next forward pass."""
-        running: list[Sequence] = []
-        queued: list[Sequence] = []
-        copies: list[tuple[int, int]] = []
+        its first token sampled). Up to ``free_slots`` children that get a block for their copy
+        may run from the next step; the others wait, to be computed like preempted sequences."""
+        fork = Fork()
         for index in self.unforked:
             child = self.seqs[index] = fork_choice(parent, index)
             copy = None
-            if scheduler.has_free_slot(len(running)):  # (they join after the loop)
+            if len(fork.running) < free_slots:
                 copy = bm.fork(parent, child, parent.num_prompt_tokens)
             if copy is None:
-                queued.append(child)
+                fork.queued.append(child)
                 continue
-            copies.append(copy)
+            fork.copies.append(copy)
             child.num_computed_tokens = parent.num_prompt_tokens - 1  # recompute the last one
-            running.append(child)
+            fork.running.append(child)
         self.unforked = []
-        scheduler.add_forked(running, queued)
-        return running + queued, copies
+        return fork
