@@ -4,9 +4,9 @@ dataclasses (``GenerationParams``, ``CompletionRequest``, ``ChatRequest``).
 
 Anything a client sends that we do not support is refused with a 400 naming it, rather than
 silently ignored, so nobody believes a parameter took effect when it did not. The exceptions are
-fields that change nothing (``neutral_fields.py``: ``user``, ``metadata``, ...), accepted so
+fields that change nothing (``sampling_fields.py``: ``user``, ``metadata``, ...), accepted so
 clients that always send them work, and type-checked all the same. Every bad value is one
-OpenAI-shaped 400 naming the field (``schema_errors.py``).
+OpenAI-shaped 400 naming the field (``schema_base.py``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from pydantic import ValidationError
 
 from pdserve.gateway.errors import APIError, bad_request
 from pdserve.gateway.request_bodies import ChatCompletionBody, CompletionBody
-from pdserve.gateway.schema_base import StrictModel
-from pdserve.gateway.schema_errors import api_error
+from pdserve.gateway.schema_base import StrictModel, api_error
 from pdserve.shared.sampling import GuidedDecoding
 
 

@@ -28,10 +28,14 @@ from pdserve.gateway.inflight_types import (
     TokenEvent,
     WorkerFailure,
 )
-from pdserve.gateway.logprob_format import TokenTexts, chat_logprobs, completion_logprobs
+from pdserve.gateway.logprob_format import (
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    trim_alternatives,
+)
 from pdserve.gateway.response_choice import Piece, ResponseChoice
 from pdserve.gateway.state import Gateway
-from pdserve.gateway.vllm_output import trim_alternatives
 from pdserve.shared.logprobs import TokenLogprobs
 from pdserve.shared.sampling import SamplingParams
 

@@ -1,4 +1,25 @@
-"""Structured output: OpenAI's ``response_format`` and vLLM's ``guided_json``, ``guided_regex``,
+"""Structured output's request fields, in OpenAI's and vLLM's spellings, read into one
+``pdserve.shared.sampling.GuidedDecoding``. The value types of the specs are shared by every
+spelling, so each spec is checked the same way whichever field carries it.
+
+vLLM's ``structured_outputs`` object, its current name for the ``guided_*`` fields, is read into
+the same one ``GuidedDecoding``, the only guide of a request.
+
+Exactly one constraint: ``json`` (a schema, or a string holding one), ``regex``, ``choice``,
+``grammar`` (Lark, or GBNF as llama.cpp and vLLM's xgrammar backend write it; llguidance reads
+both, as vLLM's guidance backend does) or ``json_object: true``. Of the options,
+``disable_additional_properties`` is honoured as vLLM does it: a schema object that lists
+``properties`` or ``patternProperties`` and says nothing of ``additionalProperties`` gets
+``false``. The rest are refused with a 400 naming them, rather than accepted and not honoured:
+
+- ``structural_tag``: vLLM takes two incompatible formats (the legacy ``triggers`` /
+  ``structures`` one and xgrammar's nested ``format`` one); llguidance has no reading of the
+  second, and its tags treat ``<...>`` triggers as special tokens by guesswork.
+- ``disable_any_whitespace: true`` and ``whitespace_pattern``: pdserve's JSON grammar has one
+  whitespace rule (at most ``JSON_MAX_WHITESPACE`` characters between tokens), so compact or
+  custom whitespace cannot be promised.
+
+The fields: OpenAI's ``response_format`` and vLLM's ``guided_json``, ``guided_regex``,
 ``guided_choice`` and ``structured_outputs``, read into one
 ``pdserve.shared.sampling.GuidedDecoding``.
 
@@ -9,7 +30,7 @@
   ``json.dumps(schema)``.
 - ``guided_regex``: kind ``regex``; ``guided_choice`` (non-empty strings): kind ``choice``, the
   spec is ``json.dumps`` of the list.
-- ``structured_outputs`` (vLLM's current spelling, ``structured_outputs_field.py``): the same
+- ``structured_outputs`` (vLLM's current spelling, above): the same
   kinds, and ``grammar`` (Lark or GBNF).
 
 At most one of them may constrain a request. Only their shape is checked here (a schema is an
@@ -19,16 +40,167 @@ it is compiled.
 
 from __future__ import annotations
 
+import copy
 import json
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import AfterValidator, Field, PrivateAttr, model_validator
+from pydantic_core import PydanticCustomError
 
-from pdserve.gateway.guide_specs import Choices, Guide, GuidedJson, Regex, SchemaObject
-from pdserve.gateway.schema_base import StrictModel, field_error
-from pdserve.gateway.schema_errors import INVALID_VALUE, MISSING
-from pdserve.gateway.structured_outputs_field import StructuredOutputs
+from pdserve.gateway.json_body import loads_bounded
+from pdserve.gateway.schema_base import (
+    INVALID_VALUE,
+    MISSING,
+    UNSUPPORTED,
+    StrictModel,
+    field_error,
+    refused,
+    shaped,
+)
 from pdserve.shared.sampling import MAX_GUIDED_SPEC_CHARS, GuidedDecoding
+from pdserve.shared.structured_output import JSON_MAX_WHITESPACE
+
+
+def _schema_from_text(text: str) -> dict[str, Any]:
+    try:
+        value = loads_bounded(text)
+    except ValueError as exc:
+        raise PydanticCustomError(
+            INVALID_VALUE, "as a JSON string {why}", {"why": str(exc)}
+        ) from None
+    if not isinstance(value, dict):
+        raise PydanticCustomError(INVALID_VALUE, "must hold a JSON object (a schema)")
+    return value
+
+
+SchemaObject = dict[str, Any]
+
+
+SchemaText = Annotated[
+    str, Field(max_length=MAX_GUIDED_SPEC_CHARS), AfterValidator(_schema_from_text)
+]
+
+
+GuidedJson = Annotated[
+    Any,
+    shaped(
+        SchemaObject,
+        SchemaText,
+        pick=lambda v: 0 if isinstance(v, dict) else 1 if isinstance(v, str) else None,
+        otherwise="must be a JSON schema: an object, or a string holding one",
+    ),
+]
+
+
+Regex = Annotated[str, Field(min_length=1, max_length=MAX_GUIDED_SPEC_CHARS)]
+
+
+Choices = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+
+
+Grammar = Annotated[str, Field(min_length=1, max_length=MAX_GUIDED_SPEC_CHARS)]
+
+
+Guide = tuple[str, str, tuple[str, ...]]  # (kind, spec, where the spec came from)
+
+
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _only_false(value: bool) -> bool:
+    if value:
+        raise PydanticCustomError(
+            UNSUPPORTED,
+            "JSON output may hold up to {n} whitespace characters between tokens; compact JSON "
+            "is not enforced",
+            {"n": JSON_MAX_WHITESPACE},
+        )
+    return value
+
+
+def no_additional_properties(schema: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``disable_additional_properties``: ``schema`` (a copy) with
+    ``"additionalProperties": false`` on every object that has ``properties`` or
+    ``patternProperties`` and does not say otherwise."""
+    schema = copy.deepcopy(schema)
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for value in node.values():
+                walk(value)
+            if "additionalProperties" not in node and (
+                "properties" in node or "patternProperties" in node
+            ):
+                node["additionalProperties"] = False
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+
+    walk(schema)
+    return schema
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's structured output: exactly one of json, regex, choice, grammar or json_object."""
+
+    json_: GuidedJson | None = Field(
+        None,
+        alias="json",
+        description="output follows this JSON schema (an object, or a string holding one)",
+    )
+    regex: Regex | None = Field(None, description="output matches this regular expression")
+    choice: Choices | None = Field(None, description="output is exactly one of these strings")
+    grammar: Grammar | None = Field(
+        None, description="output follows this context-free grammar (Lark or GBNF syntax)"
+    )
+    json_object: bool | None = Field(None, description="true: output is any JSON object")
+    disable_additional_properties: bool | None = Field(
+        None,
+        description="with json: an object schema with properties and no additionalProperties "
+        "gets additionalProperties false, as in vLLM",
+    )
+    disable_any_whitespace: Annotated[bool, AfterValidator(_only_false)] | None = Field(
+        None, description="only false: compact JSON is not enforced (true is a 400)"
+    )
+    whitespace_pattern: refused("a custom JSON whitespace pattern is not supported") = None
+    structural_tag: refused("structural tags are not supported") = None
+
+    @model_validator(mode="after")
+    def _exactly_one_constraint(self) -> StructuredOutputs:
+        given = [name for name in CONSTRAINTS if self._value(name) not in (None, False)]
+        if not given:
+            raise field_error(
+                (), MISSING, f"needs a constraint: one of {', '.join(CONSTRAINTS)}", None
+            )
+        if len(given) > 1:
+            raise field_error(
+                given[1],
+                INVALID_VALUE,
+                f"cannot be combined with '{given[0]}': give one of {', '.join(CONSTRAINTS)}",
+                self._value(given[1]),
+            )
+        return self
+
+    def _value(self, name: str) -> Any:
+        return self.json_ if name == "json" else getattr(self, name)
+
+    def guide(self) -> Guide:
+        """(kind, spec, where): ``where`` is the spec's path, for a grammar that fails to
+        compile (``structured_outputs.grammar``)."""
+        where: tuple[str, ...] = ("structured_outputs",)
+        if self.json_ is not None:
+            schema = self.json_
+            if self.disable_additional_properties:
+                schema = no_additional_properties(schema)
+            return "json_schema", json.dumps(schema), (*where, "json")
+        if self.regex is not None:
+            return "regex", self.regex, (*where, "regex")
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice), (*where, "choice")
+        if self.grammar is not None:
+            return "grammar", self.grammar, (*where, "grammar")
+        return "json_object", "", (*where, "json_object")
+
 
 SCHEMA_NAME = "^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for json_schema.name
 

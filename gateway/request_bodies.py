@@ -1,6 +1,10 @@
 """The request bodies of ``/v1/completions`` and ``/v1/chat/completions`` as pydantic models:
 the validation and the ``/openapi.json`` schemas both come from these classes.
 
+A chat request's messages: roles ``system``, ``developer``, ``user`` and ``assistant``, and
+content as a string or a list of ``{"type": "text"}`` parts (images, audio and tool messages are
+refused with a 400 naming the part or role).
+
 Each body is its endpoint's own fields plus the shared groups (sampling, streaming, structured
 output, vLLM's extensions, the fields accepted and ignored). The rules that tie fields together are the models'
 ``after`` validators, each naming the field a client has to change; they run once every field
@@ -9,26 +13,89 @@ is valid on its own. Where OpenAI is silent, vLLM's OpenAI server is the referen
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
+from pydantic_core import PydanticCustomError
 
-from pdserve.gateway.chat_messages import Message
 from pdserve.gateway.guided_fields import GuidedFields
-from pdserve.gateway.neutral_fields import ChatNeutralFields, NeutralFields
-from pdserve.gateway.number_fields import TokenId, bounded_integer
-from pdserve.gateway.sampling_fields import SamplingFields
-from pdserve.gateway.schema_base import StrictModel, field_error, refused, shaped
-from pdserve.gateway.schema_errors import INVALID_VALUE
-from pdserve.gateway.stream_options import StreamFields
+from pdserve.gateway.sampling_fields import (
+    ChatNeutralFields,
+    NeutralFields,
+    SamplingFields,
+    StreamFields,
+    TokenId,
+    bounded_integer,
+)
+from pdserve.gateway.schema_base import (
+    INVALID_VALUE,
+    MISSING,
+    StrictModel,
+    field_error,
+    refused,
+    shaped,
+)
 from pdserve.gateway.vllm_fields import ChatVllmFields, VllmFields
 from pdserve.shared.sampling import MAX_MAX_TOKENS
 
+Role = Literal["system", "developer", "user", "assistant"]
+
+
+def _only_text(kind: Any) -> Any:
+    if isinstance(kind, str) and kind != "text":
+        raise PydanticCustomError(
+            "unsupported_content_type",
+            "{kind} is not supported; only 'text' parts are",
+            {"kind": repr(kind[:40])},
+        )
+    return kind  # not a string: the Literal check says what it must be
+
+
+class TextPart(StrictModel):
+    type: Annotated[Literal["text"], BeforeValidator(_only_text)]
+    text: str
+
+
+Content = Annotated[
+    Any,
+    shaped(
+        str,
+        list[TextPart],
+        pick=lambda v: 0 if isinstance(v, str) else 1 if isinstance(v, list) else None,
+        otherwise="must be a string or an array of text parts",
+    ),
+]
+
+
+class Message(StrictModel):
+    role: Role
+    content: Content | None = Field(None, description="required except for the assistant")
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> Message:
+        if self.content is None and self.role != "assistant":
+            raise field_error("content", MISSING, "is required", None)
+        return self
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's legacy completions default
+
+
 MAX_PROMPTS = 64  # prompts in one completions request
+
+
 MAX_CHOICES = 128  # choices sampled for one request: (best_of or n) times the prompts
 
+
 PromptText = Annotated[str, Field(min_length=1)]
+
+
 TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_MAX_TOKENS)]
 
 
@@ -57,10 +124,20 @@ Prompt = Annotated[
         "of token-id arrays",
     ),
 ]
+
+
 CompletionMaxTokens = bounded_integer("max_tokens")  # 0 only with echo
+
+
 ChatMaxTokens = bounded_integer("max_tokens", minimum=1)
+
+
 Logprobs = bounded_integer("logprobs")
+
+
 BestOf = bounded_integer("n")
+
+
 ToolCalling = refused("tool calling is not supported")
 
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.gateway.detokenizer import IncrementalDetokenizer
+from pdserve.gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pdserve.gateway.inflight_types import TokenEvent
 from pdserve.gateway.logprob_format import LogprobEntry, LogprobList
-from pdserve.gateway.stop import StopStringMatcher
 from pdserve.gateway.tokenizer import ModelTokenizer
 from pdserve.shared.logprobs import TokenLogprobs
 

@@ -3,6 +3,11 @@
 ``create_app`` builds the application: middlewares for request ids, tracing, errors and API
 keys; the endpoints; and, on start-up, the NATS connection, the worker registry and the
 dispatcher. ``run`` is the ``pdserve gateway`` command.
+
+API keys are optional Bearer tokens (``--api-key``, several allowed). Only the API under
+``/v1/`` is protected. ``/health`` stays open for load balancers and orchestrators, and
+``/metrics`` and ``/openapi.json`` stay open for scrapers and tooling, as in other
+OpenAI-compatible servers; none of them reveals prompts or output.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hmac
 import logging
 import os
 import signal
@@ -30,7 +36,6 @@ from pdserve.gateway.api_models import (
     parse_chat,
     parse_completion,
 )
-from pdserve.gateway.auth import api_key_middleware
 from pdserve.gateway.chat_template import TemplateFailure, TemplateInputError
 from pdserve.gateway.errors import (
     APIError,
@@ -38,14 +43,14 @@ from pdserve.gateway.errors import (
     model_not_found,
     payload_too_large,
     server_error,
+    unauthorized,
 )
 from pdserve.gateway.generation import Prompt
 from pdserve.gateway.json_body import parse_json_body
 from pdserve.gateway.openapi import openapi_spec
-from pdserve.gateway.prompt_truncation import truncate_prompt
 from pdserve.gateway.serving import serve_generation
 from pdserve.gateway.state import ARRIVED_KEY, CLIENT_ID_KEY, GATEWAY_KEY, Gateway, new_gateway_id
-from pdserve.gateway.tokenizer import ModelTokenizer
+from pdserve.gateway.tokenizer import ModelTokenizer, truncate_prompt
 from pdserve.shared import structured_output
 from pdserve.shared.bus.connection import Bus
 from pdserve.shared.bus.subjects import is_subject_token
@@ -53,16 +58,58 @@ from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig, build
 from pdserve.shared.telemetry import tracing as tr
 from pdserve.shared.telemetry.metrics import metrics_handler
 
-log = logging.getLogger("pdserve.gateway")
-_tracer = tr.tracer(__name__)
+PROTECTED_PREFIX = "/v1/"
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-DRAIN_SECONDS = 30.0  # on SIGTERM, how long in-flight requests may finish
-BIG_PROMPT_CHARS = 20_000  # tokenize longer prompts off the event loop
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-# ----------------------------------------------------------------------------- middlewares
+Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
+
+
+def key_matches(presented: str, keys: list[bytes]) -> bool:
+    candidate = presented.encode("utf-8", "surrogateescape")
+    # Compare against every key in constant time, so timing reveals neither key nor which one.
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(candidate, key)
+    return matched
+
+
+def api_key_middleware(api_keys: list[str]) -> Middleware:
+    keys = [k.encode("utf-8") for k in api_keys if k]
+
+    @web.middleware
+    async def check_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not keys or not request.path.startswith(PROTECTED_PREFIX):
+            return await handler(request)
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise unauthorized("Missing API key: send 'Authorization: Bearer <key>'")
+        if not key_matches(token.strip(), keys):
+            raise unauthorized("Incorrect API key provided")
+        return await handler(request)
+
+    return check_api_key
+
+
+log = logging.getLogger("pdserve.gateway")
+
+
+_tracer = tr.tracer(__name__)
+
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+DRAIN_SECONDS = 30.0  # on SIGTERM, how long in-flight requests may finish
+
+
+BIG_PROMPT_CHARS = 20_000  # tokenize longer prompts off the event loop
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @web.middleware
@@ -126,9 +173,6 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return server_error("internal server error").response()
-
-
-# ----------------------------------------------------------------------------- endpoints
 
 
 async def health(request: web.Request) -> web.Response:
@@ -251,9 +295,6 @@ async def _encode(tok: ModelTokenizer, text: str, add_special_tokens: bool) -> l
     if len(text) > BIG_PROMPT_CHARS:
         return await asyncio.to_thread(tok.encode, text, add_special_tokens)
     return tok.encode(text, add_special_tokens)
-
-
-# ----------------------------------------------------------------------------- app
 
 
 def create_app(

@@ -31,9 +31,8 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from pdserve.gateway.number_fields import bounded_integer, integer
-from pdserve.gateway.schema_base import StrictModel, field_error, reported_whole
-from pdserve.gateway.schema_errors import INVALID_VALUE
+from pdserve.gateway.sampling_fields import bounded_integer, integer
+from pdserve.gateway.schema_base import INVALID_VALUE, StrictModel, field_error, reported_whole
 from pdserve.shared.sampling import MAX_LOGPROBS, MAX_MAX_TOKENS
 
 TEMPLATE_KWARGS_MAX_KEYS = 32

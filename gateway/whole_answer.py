@@ -1,6 +1,6 @@
 """A generation answered as one JSON body (no ``stream``): every choice collected, then the
 completion or chat completion with the usage, and vLLM's extra fields when asked
-(``vllm_output.py``: ``prompt_logprobs``, ``prompt_token_ids``, ``token_ids``)."""
+(``logprob_format.py``: ``prompt_logprobs``, ``prompt_token_ids``, ``token_ids``)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.gateway.generation import FAULTS, Generation, fault_error
+from pdserve.gateway.logprob_format import prompt_logprobs_json
 from pdserve.gateway.response_choice import Piece, ResponseChoice
-from pdserve.gateway.vllm_output import prompt_logprobs_json
 
 
 async def complete(gen: Generation) -> web.Response:

@@ -6,8 +6,7 @@ import random
 
 import pytest
 
-from pdserve.gateway.detokenizer import IncrementalDetokenizer
-from pdserve.gateway.stop import StopStringMatcher
+from pdserve.gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pdserve.gateway.tokenizer import ModelTokenizer
 from tests.unit.gateway_fixtures import (
     CORPUS,

@@ -1,5 +1,5 @@
 """vLLM's request extensions through the pydantic request models (``gateway/vllm_fields.py``,
-``gateway/structured_outputs_field.py``): what each accepted value becomes, the one 400 naming
+``gateway/guided_fields.py``): what each accepted value becomes, the one 400 naming
 the field for every bad one, and ``/openapi.json`` documenting them. (Over real HTTP:
 test_vllm_extensions_http.py.)"""
 
