@@ -15,10 +15,6 @@ from torch import Tensor
 KV_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
 
-def is_quantized_kv(cache: Tensor) -> bool:
-    return cache.dtype in KV_QMAX
-
-
 def quantize_kv(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """x [..., D] -> (values [..., D] of ``dtype``, scales [...] float32); x ~= values * scale."""
     xf = x.to(torch.float32)

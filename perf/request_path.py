@@ -30,7 +30,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-HOOK = '''
+HOOK = """
 import os, signal, sys, threading
 _out = os.environ["PDSERVE_PATH_OUT"]
 _seen = set()
@@ -50,7 +50,7 @@ def _toggle(signum, frame):
 sys.setprofile(_profile)
 threading.setprofile(_profile)
 signal.signal(signal.SIGUSR1, _toggle)
-'''
+"""
 
 FOLDERS = ("gateway", "services", "shared", "kernels")
 

@@ -46,19 +46,19 @@ from typing import Any
 import numpy as np
 
 from pdserve.services.processes import find_nats_server, free_port
-from pdserve.shared.bench.cli import (
+from pdserve.shared.bench.cli import describe, make_parser
+from pdserve.shared.bench.client import ClientConfig, discover_model, warm_up
+from pdserve.shared.bench.metrics import compute_metrics, parse_goodput
+from pdserve.shared.bench.report import write_outputs
+from pdserve.shared.bench.results import RunResult, jsonable
+from pdserve.shared.bench.sweep import (
     CALIBRATION_SEED_OFFSET,
     WARMUP_SEED_OFFSET,
     build_dataset,
     client_config,
-    describe,
-    make_parser,
     measure_rate,
     print_summary,
 )
-from pdserve.shared.bench.client import ClientConfig, discover_model, warm_up
-from pdserve.shared.bench.metrics import compute_metrics, parse_goodput
-from pdserve.shared.bench.report import RunResult, jsonable, write_outputs
 from perf.bench.compare import Targets, scenario_report
 from perf.bench.topology import (
     EngineSteps,

@@ -10,6 +10,18 @@ os.environ.setdefault(
     "PDSERVE_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".pytest_cache" / "pdserve")
 )
 
+# Tiers of real processes and networks (nats-server, UCX, HTTP, `pdserve up`, namespaces, docker):
+# marked `slow` as a whole, so `pytest -m "not slow"` leaves the unit, engine and kernel tiers.
+SLOW_TIERS = [
+    Path(__file__).resolve().parent / tier for tier in ("integration", "multihost", "docker")
+]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(item.path.is_relative_to(tier) for tier in SLOW_TIERS):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pdserve.shared.bench.metrics import max_goodput_rate
-from pdserve.shared.bench.report import RunResult
+from pdserve.shared.bench.results import RunResult
 from perf.bench.topology import EngineSteps
 
 

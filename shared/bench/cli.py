@@ -9,8 +9,10 @@ throughput/goodput-vs-rate PNGs. Any server that takes token-id prompts works (v
 pdserve). `--tokenizer MODEL_DIR` draws prompt ids from the model's vocabulary; without it ids
 come from --token-id-range (printable ASCII bytes, ordinary tokens in every common vocabulary).
 
-Only argparse is imported at module level: the CLI imports this module to build its parser,
-and `pdserve --help` must not pay for numpy, aiohttp or matplotlib.
+This module is the command: its options and `run`. The work of a run (datasets, warm-up, one
+measured run per rate, the printed summary) is ``sweep``; the files written, ``report``. Only
+argparse is imported at module level: the CLI imports this module to build its parser, and
+`pdserve --help` must not pay for numpy, aiohttp or matplotlib.
 """
 
 from __future__ import annotations
@@ -206,185 +208,10 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
-# Seed offsets: each rate of a sweep and the warm-up get prompts of their own, so a server's
-# prefix cache can never answer a later run from an earlier one. Every side of a comparison
-# still gets the very same prompts for the same rate.
-WARMUP_SEED_OFFSET = 1_000_003
-CLIENT_BUSY = 0.7  # client CPU per wall second above which its numbers are suspect
-CALIBRATION_SEED_OFFSET = 2_000_003
-# pdserve's gateway learns its workers' speculation totals from their heartbeats (0.5 s apart
-# by default): wait that long after a run before reading them
-SPEC_SETTLE_S = 1.0
-
-
-def build_dataset(
-    ns: argparse.Namespace, seed_offset: int = 0, num_requests: int | None = None
-) -> list[Any]:
-    import numpy as np
-
-    from pdserve.shared.bench import datasets as ds
-
-    rng = np.random.default_rng(ns.seed + seed_offset)
-    if ns.tokenizer:
-        tokens = ds.token_space_from_tokenizer(ns.tokenizer)
-    else:
-        lo, hi = ns.token_id_range
-        tokens = ds.TokenSpace(lo, hi + 1)
-    n = ns.num_requests if num_requests is None else num_requests
-    if ns.dataset == "random":
-        reqs = ds.random_dataset(n, ns.input_len, ns.output_len, ns.range_ratio, tokens, rng)
-    elif ns.dataset == "chat":
-        reqs = ds.chat_dataset(
-            n,
-            ns.input_len,
-            ns.output_len,
-            tokens,
-            rng,
-            ns.input_sigma,
-            ns.output_sigma,
-            ns.max_input_len,
-            ns.max_output_len,
-        )
-    else:
-        reqs = ds.shared_prefix_dataset(
-            n,
-            ns.num_prefixes,
-            ns.prefix_len,
-            ns.input_len,
-            ns.output_len,
-            ns.range_ratio,
-            tokens,
-            rng,
-        )
-    if ns.long_fraction > 0:
-        reqs = ds.with_long_prompts(reqs, ns.long_fraction, ns.long_input_range, tokens, rng)
-    return reqs
-
-
 def describe(ns: argparse.Namespace) -> dict[str, Any]:
     """The options that define the workload, stored with every result."""
     skip = {"api_key", "command", "progress", "plots", "detailed"}
     return {k: v for k, v in sorted(vars(ns).items()) if k not in skip and not k.startswith("_")}
-
-
-def client_config(ns: argparse.Namespace, base_url: str, model: str) -> Any:
-    from pdserve.shared.bench.client import ClientConfig
-
-    return ClientConfig(
-        base_url=base_url,
-        model=model,
-        endpoint=ns.endpoint,
-        api_key=ns.api_key,
-        temperature=ns.temperature,
-        ignore_eos=ns.ignore_eos,
-        timeout=ns.timeout,
-    )
-
-
-async def measure_rate(
-    ns: argparse.Namespace,
-    cfg: Any,
-    requests: list[Any],
-    rate: float,
-    slos: dict[str, float],
-    series: str,
-    seed_offset: int = 0,
-    max_concurrency: int | None = None,
-) -> Any:
-    """One measured run of `requests` at `rate`; returns a RunResult with its metrics."""
-    import asyncio
-
-    from pdserve.shared.bench.client import LoadConfig, run_benchmark
-    from pdserve.shared.bench.metrics import compute_metrics
-    from pdserve.shared.bench.report import RunResult
-    from pdserve.shared.bench.spec_counters import scrape_spec
-
-    conc = max_concurrency if max_concurrency is not None else ns.max_concurrency
-    load = LoadConfig(rate, ns.burstiness, conc, ns.seed + seed_offset)
-    spec_before = await asyncio.to_thread(scrape_spec, cfg.base_url, cfg.api_key)
-    run = await run_benchmark(requests, cfg, load, ns.progress, desc=f"{series} @ {rate:g}/s")
-    metrics = compute_metrics(run.records, run.duration, slos, ns.percentiles)
-    metrics.client_cpu_fraction = run.client_cpu_s / run.duration
-    if spec_before is not None:  # the server speculates: what did this run draft and accept?
-        await asyncio.sleep(SPEC_SETTLE_S)
-        spec_after = await asyncio.to_thread(scrape_spec, cfg.base_url, cfg.api_key)
-        if spec_after is not None:
-            spec = spec_after.since(spec_before)
-            metrics.spec_drafts = int(spec.drafts)
-            metrics.spec_draft_tokens = int(spec.draft_tokens)
-            metrics.spec_accepted_tokens = int(spec.accepted_tokens)
-    return RunResult(series, rate, ns.burstiness, conc, metrics, run.records)
-
-
-async def bench_sweep(ns: argparse.Namespace) -> list[Any]:
-    """Warm up, then run the workload once per request rate against ns.base_url."""
-    from pdserve.shared.bench.client import discover_model, warm_up
-    from pdserve.shared.bench.metrics import parse_goodput
-
-    if ns.endpoint.rstrip("/").endswith("chat/completions"):
-        # exact prompt lengths need token ids, which only the completions API accepts
-        raise RuntimeError("use a completions endpoint (/v1/completions): prompts are token ids")
-    slos = parse_goodput(ns.goodput)
-    model = ns.model or await discover_model(ns.base_url, ns.api_key)
-    cfg = client_config(ns, ns.base_url, model)
-    if ns.warmup_requests > 0:
-        await warm_up(cfg, build_dataset(ns, WARMUP_SEED_OFFSET, ns.warmup_requests))
-    results = []
-    for i, rate in enumerate(ns.request_rate):
-        requests = build_dataset(ns, seed_offset=i)
-        result = await measure_rate(ns, cfg, requests, rate, slos, ns.label, seed_offset=i)
-        print_summary(result)
-        results.append(result)
-    return results
-
-
-def print_summary(result: Any) -> None:
-    m = result.metrics
-    lines = [
-        f"== {result.series} @ {result.rate_label} req/s ==",
-        f"requests ok/failed: {m.completed}/{m.failed} in {m.duration_s:.2f} s",
-        f"throughput: {m.request_throughput:.2f} req/s, {m.output_throughput:.1f} out tok/s, "
-        f"{m.total_token_throughput:.1f} total tok/s",
-    ]
-    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
-        d = getattr(m, name)
-        pct = ", ".join(f"{k} {v:.2f}" for k, v in d.percentiles.items())
-        lines.append(f"{name[:-3].upper():5s} ms: mean {d.mean:.2f}, median {d.median:.2f}, {pct}")
-    if m.goodput_slos_ms:
-        lines.append(
-            f"goodput: {m.request_goodput:.2f} req/s, SLO attainment {100 * m.slo_attainment:.1f}%"
-        )
-    if m.spec_acceptance_rate is not None and m.spec_mean_acceptance_length is not None:
-        lines.append(
-            f"speculative decoding: acceptance {100 * m.spec_acceptance_rate:.1f}% "
-            f"({m.spec_accepted_tokens}/{m.spec_draft_tokens} draft tokens), "
-            f"mean acceptance length {m.spec_mean_acceptance_length:.2f} over {m.spec_drafts} drafts"
-        )
-    if m.client_cpu_fraction > CLIENT_BUSY:
-        lines.append(
-            f"warning: the bench client used {m.client_cpu_fraction:.0%} of a core; it may be "
-            "the bottleneck (run it on its own cores, or lower the load)"
-        )
-    if m.output_len_mismatches:
-        lines.append(f"warning: {m.output_len_mismatches} requests returned != max_tokens tokens")
-    if m.failed:
-        first = next(r for r in result.records if not r.success)
-        lines.append(f"first failure: {first.error}")
-    print("\n".join(lines), flush=True)
-
-
-def sweep_summary(results: list[Any], target: float) -> dict[str, Any]:
-    from pdserve.shared.bench.metrics import max_goodput_rate
-
-    summary: dict[str, Any] = {}
-    for series in dict.fromkeys(r.series for r in results):
-        group = [r for r in results if r.series == series]
-        if group and group[0].metrics.goodput_slos_ms and len(group) > 1:
-            points = [(r.request_rate, r.metrics.slo_attainment) for r in group]
-            summary[f"{series}: max rate with >= {target:.0%} SLO attainment"] = max_goodput_rate(
-                points, target
-            )
-    return summary
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -394,6 +221,7 @@ def run(ns: argparse.Namespace) -> int:
     import aiohttp
 
     from pdserve.shared.bench.report import write_outputs
+    from pdserve.shared.bench.sweep import bench_sweep, sweep_summary
 
     try:
         results = asyncio.run(bench_sweep(ns))

@@ -41,7 +41,6 @@ class BusStats:
     rejected: int = 0  # oversized or failed the schema check
     handler_errors: int = 0
     reconnects: int = 0
-    disconnects: int = 0
     dropped: int = 0  # published while the connection was down (see Bus.publish)
     last_reject_log: float = field(default=0.0, repr=False)
 
@@ -166,7 +165,6 @@ class Bus:
 
     async def _disconnected_cb(self) -> None:
         self._suspended = True
-        self.stats.disconnects += 1
         if not self._closing:
             log.warning("disconnected from NATS: dropping what we publish until we reconnect")
 

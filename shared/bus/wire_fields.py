@@ -20,7 +20,6 @@ MAX_TEXT_CHARS = 4096
 MAX_UCX_ADDRESS_CHARS = 12000  # base64 of a UCX worker address (<= 8 KiB) and a tag
 MAX_TOKENS = 1 << 20  # prompt/output token lists
 MAX_BLOCKS = 1 << 20
-MAX_STOP_TOKENS = 1024
 MAX_BATCH_ITEMS = 4096
 MAX_TOKEN_ID = (1 << 31) - 1
 MAX_DEPTH = 8

@@ -60,7 +60,6 @@ class ArmedProgress:
         self.watching = False
         self.arming: asyncio.Task | None = None
         self.posted: list[_Posted] = []
-        self.wakeups = 0  # times the descriptor fired (tests read it: at rest it stays put)
         self._start_arming()
         self._timer = event_loop.call_later(SAFETY_PROGRESS_SECONDS, self._safety_progress)
         weakref.finalize(self, _close, event_loop, self.fd, self._timer)
@@ -104,7 +103,6 @@ class ArmedProgress:
             self.watching = False
 
     def _on_event(self) -> None:
-        self.wakeups += 1
         self._unwatch()  # level-triggered: it would fire on every loop turn until armed
         self.progress()
         self._start_arming()

@@ -61,9 +61,6 @@ class GGUFFile:
                     f"{t.data_offset + t.n_bytes}, the file has {size}"
                 )
 
-    def has(self, key: str) -> bool:
-        return key in self._reader.fields
-
     def get(self, key: str, default: Any = None) -> Any:
         """A metadata value as str, int, float, bool or list; ``default`` when absent."""
         field = self._reader.fields.get(key)
@@ -75,12 +72,6 @@ class GGUFFile:
             raise ModelLoadError(
                 f"{self.path}: unreadable metadata {key!r}: {_short(exc)}"
             ) from None
-
-    def require(self, key: str) -> Any:
-        value = self.get(key)
-        if value is None:
-            raise ModelLoadError(f"{self.path}: missing metadata {key!r}")
-        return value
 
     def integer(self, key: str, default: int | None = None) -> int | None:
         value = self.get(key, default)

@@ -21,7 +21,6 @@ from pathlib import Path
 from pdserve.shared.errors import ModelLoadError
 
 DEMO = "demo"
-DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 @dataclass(frozen=True)

@@ -49,14 +49,6 @@ SPAN_PREFILL_FORWARD = "prefill.forward"
 SPAN_KV_TRANSFER = "kv.transfer"
 SPAN_DECODE_QUEUE = "decode.queue"
 SPAN_DECODE_GENERATE = "decode.generate"
-PHASE_SPANS = (
-    SPAN_ROUTE,
-    SPAN_PREFILL_QUEUE,
-    SPAN_PREFILL_FORWARD,
-    SPAN_KV_TRANSFER,
-    SPAN_DECODE_QUEUE,
-    SPAN_DECODE_GENERATE,
-)
 
 # --- service names (resource service.name) ----------------------------------------------------
 SERVICE_GATEWAY = "pdserve-gateway"
@@ -102,8 +94,6 @@ GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 # Latencies in seconds, named after vLLM's request-span attributes.
 GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN = "gen_ai.latency.time_to_first_token"
-GEN_AI_LATENCY_TIME_IN_QUEUE = "gen_ai.latency.time_in_queue"
-GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL = "gen_ai.latency.time_in_model_prefill"
 GEN_AI_LATENCY_TIME_IN_MODEL_DECODE = "gen_ai.latency.time_in_model_decode"
 GEN_AI_LATENCY_E2E = "gen_ai.latency.e2e"
 

@@ -19,11 +19,11 @@ import torch
 
 from pdserve.shared.errors import StartupError
 from pdserve.shared.sampling import SamplingParams
-from tests.engine_support import make_engine, run_staggered, step_outputs
-from tests.oracle import hf_greedy
 from tests.engine.test_engine_lifecycle import all_free, prefill_one, pull
 from tests.engine.test_spec_engine import GREEDY, repeating_prompts, run
 from tests.engine.test_spec_rejection import PROMPT, assert_same_law, save_tiny_vocab_model
+from tests.engine_support import make_engine, run_staggered, step_outputs
+from tests.oracle import hf_greedy
 
 FIXED_K = {"speculative": "draft", "spec_token_cost": 0.0}
 

@@ -14,9 +14,9 @@ import pytest
 
 from pdserve.services.engine.engine import LLMEngine
 from pdserve.shared.sampling import GuidedDecoding, SamplingParams
+from tests.engine.test_engine_lifecycle import all_free, prefill_one, pull
 from tests.engine_support import make_engine, random_prompts, run_staggered, step_outputs
 from tests.oracle import hf_greedy
-from tests.engine.test_engine_lifecycle import all_free, prefill_one, pull
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 # drafts as free (fixed K): the tiny model's own timings never decide what is tested

@@ -22,9 +22,9 @@ from pdserve.gateway.chat_template import ChatTemplate
 from pdserve.gateway.state import GATEWAY_KEY
 from pdserve.gateway.tokenizer import ModelTokenizer
 from pdserve.gateway.vllm_fields import TEMPLATE_KWARGS_MAX_KEYS
-from tests.hf_reference import HFReference
 from tests.engine.test_response_models import Stack, check, check_chunks, ref
 from tests.engine.test_vllm_rendering import THINKING_TEMPLATE
+from tests.hf_reference import HFReference
 
 TOL = 1e-4
 CONTEXT = 512  # the checkpoint's max_position_embeddings

@@ -237,8 +237,8 @@ def test_cli_writes_consistent_outputs(server_url: str, tmp_path: Path) -> None:
         assert f"]({png})" in md
 
     # a saved result loads back whole and re-renders elsewhere without touching its data
-    from pdserve.shared.bench.report import load_runs
     from pdserve.shared.bench.report import main as report_main
+    from pdserve.shared.bench.results import load_runs
 
     runs, _ = load_runs(tmp_path / "fake.json")
     assert [len(r.records) for r in runs] == [10, 10]
@@ -447,7 +447,7 @@ def test_engine_step_scrape_and_overhead_report() -> None:
     from prometheus_client import CollectorRegistry, start_http_server
 
     from pdserve.shared.bench.metrics import compute_metrics
-    from pdserve.shared.bench.report import RunResult
+    from pdserve.shared.bench.results import RunResult
     from pdserve.shared.telemetry.metrics import WorkerMetrics
     from perf import scenarios
     from perf.bench import topology

@@ -964,7 +964,7 @@ valid_options = {
         {}, optional={"include_usage": st.booleans(), "continuous_usage_stats": st.booleans()}
     ),  # a 400 unless stream is true
     "ignore_eos": st.booleans(),
-    # accepted at their neutral values (gateway/neutral_fields.py)
+    # accepted at their neutral values (gateway/sampling_fields.py)
     "user": st.text(max_size=8),
     "frequency_penalty": st.sampled_from([0, 0.0]),
     "presence_penalty": st.sampled_from([0, 0.0]),

@@ -1,7 +1,7 @@
 """Issue 26 on the model that exposed it: SmolLM2-135M-Instruct (the default model) answered a
 guided request with a token its grammar refused - seed 12 drew a uniform noise of exactly 1.0 on
 " hash", and the sampler's exponential race picked that masked token (the fault and the sampler
-tests: tests/unit/test_guided_sampling.py). The worker logged "broke its grammar" and the answer
+tests: tests/unit/test_sampler.py). The worker logged "broke its grammar" and the answer
 ended "...": 2049 hash", finish_reason "stop".
 
 Here the exact reproduction runs in-process, then through a real ``pdserve up``, disaggregated
@@ -68,8 +68,8 @@ def tokenizer(model_dir):
 
 def chat_prompt(tokenizer, message: str) -> list[int]:
     """The token ids the gateway sends for one user message (chat template, no added BOS)."""
-    from pdserve.gateway.chat_messages import Message
     from pdserve.gateway.chat_template import ChatTemplate
+    from pdserve.gateway.request_bodies import Message
 
     chat = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
     text = chat.render([Message(role="user", content=message)], add_generation_prompt=True)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.shared.sampling import SamplingParams
-from tests.engine_support import make_engine
 from tests.engine.test_spec_engine import NGRAM, repeating_prompts
+from tests.engine_support import make_engine
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 10

@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.shared.bench import datasets as ds
 from pdserve.shared.bench.arrivals import arrival_offsets
-from pdserve.shared.bench.cli import build_dataset, make_parser
+from pdserve.shared.bench.cli import make_parser
 from pdserve.shared.bench.client import RequestRecord
 from pdserve.shared.bench.metrics import (
     Distribution,
@@ -20,6 +20,7 @@ from pdserve.shared.bench.metrics import (
     parse_goodput,
     request_tpot,
 )
+from pdserve.shared.bench.sweep import build_dataset
 
 
 def rec(
@@ -280,7 +281,8 @@ def test_cli_module_stays_light() -> None:
 
 
 def test_activity_timeline_conserves_tokens() -> None:
-    from pdserve.shared.bench.report import RunResult, _activity
+    from pdserve.shared.bench.report import _activity
+    from pdserve.shared.bench.results import RunResult
 
     a = rec(0, 0.2, [0.5, 0.5], 6, start=0.0, usage=6)  # 3 chunks at 0.2, 0.7, 1.2 s: 2 each
     b = rec(1, 0.1, [], 1, start=1.5)  # one chunk at 1.6 s
@@ -293,7 +295,8 @@ def test_activity_timeline_conserves_tokens() -> None:
 
 
 def test_attainment_at_slo_scales(records: list[RequestRecord]) -> None:
-    from pdserve.shared.bench.report import RunResult, attainment_at_scales
+    from pdserve.shared.bench.report import attainment_at_scales
+    from pdserve.shared.bench.results import RunResult
 
     run = RunResult("s", 1.0, 1.0, None, compute_metrics(records, 2.0), records)
     # TTFTs 100..400 ms plus one failure; SLO 200 ms scaled by 0.5, 1, 2

@@ -2,7 +2,8 @@
 too): ``pdserve.shared`` and ``pdserve.kernels`` never import upward, and ``pdserve.gateway`` and
 ``pdserve.services`` never import each other, and only the CLI (``pdserve.cli``, the root's
 ``cli.py``) sees them all, with plain imports. Project code reaches its own folders only through the ``pdserve``
-namespace: a bare ``import kernels`` would be Hugging Face's package, not ours."""
+namespace: a bare ``import kernels`` would be Hugging Face's package, not ours. Within the
+layers, no modules import each other in a circle, and no file of product code passes 400 lines."""
 
 from __future__ import annotations
 
@@ -76,3 +77,156 @@ def test_the_check_sees_lazy_imports(tmp_path: Path) -> None:
         "    import kernels\n"
     )
     assert imported_packages(module) == {("services", 2), ("perf", 3), ("bare:kernels", 4)}
+
+
+# ---- no import circles ----------------------------------------------------------------------
+# A circle makes import order matter (one side must hide its import in a function) and ties
+# modules that should be read and tested apart. Every import counts: lazy ones and those under
+# TYPE_CHECKING too, since hiding an import is how a circle is usually papered over. A package's
+# implicit import of its own __init__ is not an edge (ours hold docstrings only).
+
+
+def project_modules(root: Path = REPO) -> dict[str, Path]:
+    """pdserve's own modules by dotted name: the four folders and the root's cli.py."""
+    modules = {"pdserve.cli": root / "cli.py"}
+    for folder in sorted(NAMESPACED):
+        for path in (root / folder).rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            modules[".".join(("pdserve", *parts))] = path
+    return modules
+
+
+def imported_project_modules(name: str, path: Path, modules: dict[str, Path]) -> dict[str, int]:
+    """The project modules ``name`` imports, each with the line of its first import there.
+    ``from pkg import x`` is the module ``pkg.x`` when there is one, else ``pkg`` itself."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found: dict[str, int] = {}
+
+    def add(module: str, line: int) -> None:
+        if module in modules and module != name:
+            found.setdefault(module, line)
+
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the importer's package, up level - 1
+                parent = package[: len(package) - node.level + 1]
+                base = ".".join([*parent, *([base] if base else [])])
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                add(submodule if submodule in modules else base, node.lineno)
+    return found
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, dict[str, int]]:
+    return {name: imported_project_modules(name, path, modules) for name, path in modules.items()}
+
+
+def import_circles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative
+    so that a long import chain cannot reach the recursion limit), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            child = next(edges, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    circles.append(sorted(component))
+    return sorted(circles)
+
+
+def describe_circles(circles: list[list[str]], graph: dict[str, dict[str, int]]) -> str:
+    """Each circle, then every import inside it with its line: where the circle can be cut."""
+    modules = project_modules()
+    out = []
+    for circle in circles:
+        out.append("circle: " + " <-> ".join(circle))
+        for name in circle:
+            where = modules[name].relative_to(REPO) if name in modules else name
+            out += [
+                f"    {where}:{line} imports {target}"
+                for target, line in sorted(graph[name].items())
+                if target in circle
+            ]
+    return "\n".join(out)
+
+
+def test_no_import_circles() -> None:
+    graph = import_graph(project_modules())
+    circles = import_circles(graph)
+    assert not circles, f"{len(circles)} import circle(s):\n" + describe_circles(circles, graph)
+
+
+def test_the_circle_check_counts_hidden_imports(tmp_path: Path) -> None:
+    """A lazy ``from package import module`` one way and a TYPE_CHECKING import back make a
+    circle; a relative import is resolved; a chain without a way back is none."""
+    (tmp_path / "gateway" / "pkg").mkdir(parents=True)
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "cli.py").write_text("import pdserve.gateway.a\n")
+    (tmp_path / "gateway" / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pdserve.gateway.pkg.b import B\n"
+    )
+    (tmp_path / "gateway" / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "gateway" / "pkg" / "b.py").write_text(
+        "def f():\n    from pdserve.gateway import a\n    from . import c\n"
+    )
+    (tmp_path / "gateway" / "pkg" / "c.py").write_text("from pdserve.shared import d\n")
+    (tmp_path / "shared" / "d.py").write_text("import os\n")
+    graph = import_graph(project_modules(tmp_path))
+    assert graph["pdserve.gateway.pkg.b"] == {"pdserve.gateway.a": 2, "pdserve.gateway.pkg.c": 3}
+    assert graph["pdserve.gateway.pkg.c"] == {"pdserve.shared.d": 1}
+    assert import_circles(graph) == [["pdserve.gateway.a", "pdserve.gateway.pkg.b"]]
+    graph["pdserve.shared.d"]["pdserve.cli"] = 1  # d -> cli -> a -> b -> c -> d
+    assert import_circles(graph) == [
+        ["pdserve.cli", "pdserve.gateway.a", "pdserve.gateway.pkg.b", "pdserve.gateway.pkg.c",
+         "pdserve.shared.d"]
+    ]  # fmt: skip
+
+
+# ---- file size -------------------------------------------------------------------------------
+
+MAX_LINES = 400  # a module one can read in a sitting; past it, split by concern
+
+
+def test_no_project_file_exceeds_400_lines() -> None:
+    too_long = [
+        f"{path.relative_to(REPO)}: {lines} lines"
+        for path in sorted(project_modules().values())
+        if (lines := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+    ]
+    assert not too_long, f"over {MAX_LINES} lines:\n" + "\n".join(too_long)

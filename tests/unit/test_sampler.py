@@ -74,3 +74,61 @@ def test_a_seeded_row_samples_the_same_beside_processed_rows():
     assert torch.equal(mixed.tokens[:32], plain.tokens)
     assert (mixed.tokens[32:] != 1).all() and (mixed.tokens[32:] == 3).sum() > 8
     assert mixed.logprobs.top_ids.shape == (2, 3)
+
+
+# ---- issue 26: a guided request never emits a token its grammar refuses --------------------
+# The fault was in the noise: ``uniform_noise`` cast its float64 draws to float32, which rounds
+# those within 2^-25 of 1 up to 1.0. Every exponential race, argmax(p / E) with E = -log(u), then
+# divides by -0.0 there: a token of probability 0 (masked by a grammar, cut by top-k or top-p)
+# gets 0 / -0.0 = NaN, which argmax picks, and any other gets -inf, a certain loss. Over
+# SmolLM2's 49152 ids that is one row in ~700. Seed 12 drew u = 1.0 on token 15345 (" hash") at
+# output position 42: the issue's reproduction, pinned here on the sampler alone (the property
+# test over an engine is tests/engine/test_guided_sampling.py, the real model
+# tests/integration/test_guided_smollm2.py).
+
+SEED, STEP, VOCAB, TOKEN = 12, 42, 49152, 15345
+
+
+def test_the_noise_stays_below_one_where_float32_rounded_it_up():
+    u = uniform_noise(torch.tensor([SEED]), torch.tensor([STEP]), VOCAB)[0]
+    assert u[TOKEN].item() == 1.0 - 2.0**-24  # float32's nearest value below 1
+    assert u.max() < 1 and u.min() > 0
+    race = -torch.log(u)
+    assert torch.isfinite(race).all() and (race > 0).all()
+
+
+def _tensors(top_k: int = VOCAB, top_p: float = 1.0) -> SamplingTensors:
+    return SamplingTensors(
+        temperatures=torch.ones(1), top_ks=torch.tensor([top_k]), top_ps=torch.tensor([top_p]),
+        seeds=torch.tensor([SEED]), steps=torch.tensor([STEP]),
+        needs_filter=top_k < VOCAB or top_p < 1.0, all_greedy=False,
+    )  # fmt: skip
+
+
+def _logits() -> torch.Tensor:
+    return torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(0))
+
+
+def test_a_token_the_mask_refuses_is_never_drawn():
+    allowed = [2, 198, 4000, 30000]
+    mask = torch.zeros(1, VOCAB // 32, dtype=torch.int64)
+    for t in allowed:
+        mask[0, t // 32] |= 1 << (t % 32)
+    st = _tensors()
+    st.token_bitmask = torch.where(mask >= 1 << 31, mask - (1 << 32), mask).to(torch.int32)
+    assert sample(_logits(), st).tokens.item() in allowed
+
+
+def test_a_token_top_k_or_top_p_cut_is_never_drawn():
+    logits = _logits()
+    top5 = set(logits[0].topk(5).indices.tolist())
+    assert sample(logits, _tensors(top_k=5)).tokens.item() in top5
+    assert sample(logits, _tensors(top_p=1e-6)).tokens.item() == logits.argmax().item()
+
+
+def test_the_token_drawn_at_one_is_not_excluded_either():
+    """The other half: -log(1.0) is -0.0, so a token of probability p > 0 got p / -0.0 = -inf
+    and could not be drawn, however likely."""
+    logits = torch.full((1, VOCAB), -30.0)
+    logits[0, TOKEN] = 0.0  # all but ~5e-9 of the mass
+    assert sample(logits, _tensors()).tokens.item() == TOKEN

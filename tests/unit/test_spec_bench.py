@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pdserve.shared.bench.cli import print_summary
 from pdserve.shared.bench.metrics import BenchMetrics, Distribution
-from pdserve.shared.bench.report import RunResult
+from pdserve.shared.bench.results import RunResult
 from pdserve.shared.bench.spec_counters import SpecTotals, parse_spec
+from pdserve.shared.bench.sweep import print_summary
 
 PDSERVE_GATEWAY = """\
 # HELP pdserve_spec_decode_num_drafts_total Speculative drafts verified per decode worker.

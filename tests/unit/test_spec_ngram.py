@@ -1,12 +1,8 @@
 """Speculative decoding's host side: n-gram lookup, the adaptive draft budget, which sequences
-draft and how much, and the start-up checks of the speculative options."""
+draft and how much, and the start-up checks of the speculative options (the CLI's one-line
+report of them, in a process of its own: tests/integration/test_cli_startup_errors.py)."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,8 +17,6 @@ from pdserve.services.engine.spec.speculator import Speculator
 from pdserve.shared.config import EngineConfig
 from pdserve.shared.errors import StartupError
 from pdserve.shared.sampling import GuidedDecoding, SamplingParams
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def draft(tokens: list[int], min_n: int = 1, max_n: int = 4, k: int = 4) -> list[int]:
@@ -206,14 +200,3 @@ def test_bad_speculative_options_fail_at_start_up(options, message) -> None:
     with pytest.raises(StartupError) as err:
         EngineConfig(**{"speculative": "ngram", **options})
     assert message in str(err.value) and "\n" not in str(err.value)
-
-
-def test_cli_says_what_is_wrong_in_one_line() -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
-    env["PDSERVE_NGRAM_MIN"] = "6"  # from the environment, past argparse's checks
-    proc = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "decode", "--speculative", "ngram"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip() == "pdserve decode: --ngram-min (6) exceeds --ngram-max (4)"

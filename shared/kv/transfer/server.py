@@ -52,7 +52,6 @@ class KVServer:
         self.endpoints = Endpoints()
         self._accept_task: asyncio.Task | None = None
         self._requests: set[asyncio.Task] = set()
-        self.bytes_served = 0
         self.pulls_served = 0
         self.pulls_refused = 0  # answered with a reason
         self.requests_dropped = 0  # malformed, unauthenticated or over the limit: not answered
@@ -137,7 +136,6 @@ class KVServer:
                 await self._send_all(asyncio.gather(*sends), lease)
             finally:
                 self.leases.unpin(lease)
-            self.bytes_served += sum(v.numel() * v.element_size() for v in views)
             self.pulls_served += 1
         except asyncio.CancelledError:
             raise
