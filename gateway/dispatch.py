@@ -17,7 +17,7 @@ blocks. The ``Dispatcher`` is the ``DispatchPort`` through which each request se
 When the gateway's own NATS connection breaks, anything published meanwhile may be lost (NATS
 core keeps nothing for a subscriber that is away). After the reconnect every request is told
 (``BusReconnected``): prefills in flight are retried, decode legs checked - those that lost
-tokens migrate, the others go on (``gateway/stream_check.py``); a worker whose own connection
+tokens migrate, the others go on (``gateway/legs.py``); a worker whose own connection
 broke says so (``REJOINED``), with the same effect on what it serves. Until the workers are
 heard again on the new connection - which also means their subscriptions are back - new
 messages go only to workers that have been, and a migration waits for one (``recovered``).
@@ -282,7 +282,7 @@ class Dispatcher:
         task.add_done_callback(_log_failure)
 
     def check_stream(self, worker_id: str, bus_id: str) -> None:
-        """Ask ``worker_id`` where the stream ``bus_id`` stands (``gateway/stream_check.py``);
+        """Ask ``worker_id`` where the stream ``bus_id`` stands (``gateway/legs.py``);
         a check that cannot go out now is sent again."""
         check = StreamCheck(bus_id, self.inbox)
         self.spawn(self._publish(self.bus.subjects.decode(worker_id), check))

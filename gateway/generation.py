@@ -36,8 +36,7 @@ from pdserve.gateway.logprob_format import (
 )
 from pdserve.gateway.response_choice import Piece, ResponseChoice
 from pdserve.gateway.state import Gateway
-from pdserve.shared.logprobs import TokenLogprobs
-from pdserve.shared.sampling import SamplingParams
+from pdserve.shared.sampling import SamplingParams, TokenLogprobs
 
 
 @dataclass

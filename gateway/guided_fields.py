@@ -47,13 +47,13 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
-from pdserve.gateway.json_body import loads_bounded
 from pdserve.gateway.schema_base import (
     INVALID_VALUE,
     MISSING,
     UNSUPPORTED,
     StrictModel,
     field_error,
+    loads_bounded,
     refused,
     shaped,
 )

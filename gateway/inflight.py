@@ -9,7 +9,7 @@ vanishes) and returns the first token with the KV handle. ``decode()`` sends the
 (``gateway/legs.py``) - with that handle, or without one to have the decode worker prefill
 locally - and yields the tokens its worker streams back. A worker that refuses a leg before its
 first token hands it to another. A worker lost mid-stream, or whose tokens the bus lost
-(``gateway/stream_check.py``), has its legs migrated: re-sent to live decode workers with the
+(``gateway/legs.py``), has its legs migrated: re-sent to live decode workers with the
 tokens the client already has, from which they continue exactly (``gateway/legs.py``).
 
 Deadlines follow progress, not the wall clock: a long answer that keeps streaming is never cut
@@ -33,6 +33,7 @@ from typing import Any, Protocol
 from opentelemetry import trace
 from opentelemetry.context import Context
 
+from pdserve.gateway import legs
 from pdserve.gateway.inflight_types import (
     DECODE_ATTEMPTS,
     MIGRATE_BUS_RECONNECT,
@@ -57,8 +58,7 @@ from pdserve.gateway.inflight_types import (
     next_item,
     on_wire,
 )
-from pdserve.gateway.legs import Leg, new_bus_id, record_migration, replan
-from pdserve.gateway.stream_check import GAP, SKIP, check, check_due, screen
+from pdserve.gateway.legs import Leg
 from pdserve.shared.bus.protocol import (
     DecodeRequest,
     KVHandle,
@@ -173,8 +173,8 @@ class InFlight:
         elif deadline < self.deadline:
             limit = "prefill"
         else:
-            legs = [leg for leg in self.legs.values() if leg.due <= deadline]
-            streamed = legs[0].streamed if legs else self.delivered.has_tokens()
+            late = [leg for leg in self.legs.values() if leg.due <= deadline]
+            streamed = late[0].streamed if late else self.delivered.has_tokens()
             limit = "stall" if streamed else "first_token"
         return self.limits.overdue(limit, self.stage)
 
@@ -268,20 +268,20 @@ class InFlight:
                 self._check(leg for leg in self.legs.values() if leg.epoch < item.epoch)
             elif isinstance(item, CheckDue):
                 leg = self.legs.get(item.bus_id)
-                if leg is not None and check_due(leg, self.port.check_stream, self.put):
+                if leg is not None and legs.check_due(leg, self.port.check_stream, self.put):
                     log.warning("%s: no answer from %s to a stream check", leg.bus_id, leg.worker)
                     await self._migrate([leg], MIGRATE_BUS_RECONNECT)
             elif isinstance(item, PrefillResult):
                 await self.port.release_stale(item)  # a late answer of a retried prefill
             elif (leg := self.legs.get(item.bus_id)) is not None:
-                verdict = screen(leg, item, self.choices.open, self.delivered.tokens)
+                verdict = legs.screen(leg, item, self.choices.open, self.delivered.tokens)
                 if verdict is None:
                     event = await self._on_item(leg, item)
                     if event is not None:
                         yield event
-                elif verdict == GAP:
+                elif verdict == legs.GAP:
                     self._check([leg])  # its worker sends again what it sent lately
-                elif verdict != SKIP:
+                elif verdict != legs.SKIP:
                     log.warning("%s lost tokens from %s: %s", leg.bus_id, leg.worker, verdict)
                     await self._migrate([leg], MIGRATE_BUS_RECONNECT)
             # else: a late item of a leg migrated away (its worker is gone): dropped
@@ -358,9 +358,9 @@ class InFlight:
                 return
         self.port.spawn(self.port.cancel(self.bus_id, index))  # not in decode yet
 
-    def _check(self, legs: Iterable[Leg]) -> None:
-        """Ask the workers of ``legs`` where their streams stand (``gateway/stream_check.py``)."""
-        check(legs, self.port.check_stream, self.put, self.limits.worker_timeout)
+    def _check(self, which: Iterable[Leg]) -> None:
+        """Ask the workers of the legs ``which`` where their streams stand."""
+        legs.check(which, self.port.check_stream, self.put, self.limits.worker_timeout)
 
     # -- migration ---------------------------------------------------------------------------
 
@@ -384,14 +384,14 @@ class InFlight:
         skip = await self.port.recovered(self.deadline)
         self.migrations += 1
         sent = self.delivered.prompt_logprobs_sent
-        plans = replan(carried, self.delivered.tokens, self.sampling, sent)
+        plans = legs.replan(carried, self.delivered.tokens, self.sampling, sent)
         new: list[Leg] = []
         for index, output, sampling in plans:
-            leg = Leg(new_bus_id(self.client_id), index, output, sampling)
+            leg = Leg(legs.new_bus_id(self.client_id), index, output, sampling)
             if not await self._send_leg(leg, skip):
                 raise WorkerFailure(f"{what}; no live decode worker to take it", "worker_lost")
             new.append(leg)
         self.port.count_migration(reason)
-        record_migration(
+        legs.record_migration(
             self.client_id, self.bus_id, reason, old, new, self.migrations, limit, self.context
         )

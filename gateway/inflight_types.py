@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 from pdserve.shared.bus.protocol import PrefillResult, TokenItem
-from pdserve.shared.logprobs import TokenLogprobs
+from pdserve.shared.sampling import TokenLogprobs
 
 PREFILL_ATTEMPTS = 3  # prefill is idempotent: a dead or overloaded worker's request goes elsewhere
 DECODE_ATTEMPTS = 3  # a decode worker that refuses a request before its first token
@@ -23,7 +23,7 @@ DEFAULT_MAX_MIGRATIONS = 3  # a request's re-dispatches after losing its decode 
 # why a request was migrated (the reason label of pdserve_request_migrations_total)
 MIGRATE_WORKER_LOST = "worker_lost"  # its decode worker left the registry (gone, or dead)
 # tokens of its stream were lost on the bus: a gap in their positions, or a check after a NATS
-# reconnect found the stream over or unknown on its worker, or unanswered (gateway/stream_check.py)
+# reconnect found the stream over or unknown on its worker, or unanswered (gateway/legs.py)
 MIGRATE_BUS_RECONNECT = "bus_reconnect"
 MIGRATE_WHY = {  # what the error says when a stream cannot migrate
     MIGRATE_WORKER_LOST: "stopped while serving the request",
@@ -186,21 +186,21 @@ class WorkerLeft:
 class WorkerRejoined(WorkerLeft):
     """Put on a request's queue when a worker it waits on says its NATS connection broke and is
     back: what it was sent or sent meanwhile may be lost. To a prefill that is as good as a
-    departure (retried elsewhere); decode legs on it are checked (``gateway/stream_check.py``)."""
+    departure (retried elsewhere); decode legs on it are checked (``gateway/legs.py``)."""
 
 
 @dataclass
 class BusReconnected:
     """Put on every request's queue when the gateway's NATS connection is back after a break:
     whatever was published while it was down (tokens, requests, cancels) may be lost, so
-    prefills are sent again elsewhere and decode legs checked (``gateway/stream_check.py``)."""
+    prefills are sent again elsewhere and decode legs checked (``gateway/legs.py``)."""
 
     epoch: int  # the dispatcher's bus epoch since this reconnect
 
 
 @dataclass
 class CheckDue:
-    """A timer of a leg's stream check: ask again, or give up (``gateway/stream_check.py``)."""
+    """A timer of a leg's stream check: ask again, or give up (``gateway/legs.py``)."""
 
     bus_id: str
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.gateway.tokenizer import ModelTokenizer
-from pdserve.shared.logprobs import TokenLogprobs
+from pdserve.shared.sampling import TokenLogprobs
 
 
 class TokenTexts:

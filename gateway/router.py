@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pdserve.shared.bus.protocol import WorkerLoad
-from pdserve.shared.kv.block_hash import prefix_block_hashes
+from pdserve.shared.kv.layout import prefix_block_hashes
 
 MAX_REMEMBER_SECONDS = 2.0  # a few heartbeat intervals
 # Cost of one prompt block a worker must compute, relative to one block of work queued there.

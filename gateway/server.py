@@ -36,7 +36,6 @@ from pdserve.gateway.api_models import (
     parse_chat,
     parse_completion,
 )
-from pdserve.gateway.chat_template import TemplateFailure, TemplateInputError
 from pdserve.gateway.errors import (
     APIError,
     bad_request,
@@ -46,11 +45,16 @@ from pdserve.gateway.errors import (
     unauthorized,
 )
 from pdserve.gateway.generation import Prompt
-from pdserve.gateway.json_body import parse_json_body
 from pdserve.gateway.openapi import openapi_spec
+from pdserve.gateway.schema_base import parse_json_body
 from pdserve.gateway.serving import serve_generation
 from pdserve.gateway.state import ARRIVED_KEY, CLIENT_ID_KEY, GATEWAY_KEY, Gateway, new_gateway_id
-from pdserve.gateway.tokenizer import ModelTokenizer, truncate_prompt
+from pdserve.gateway.tokenizer import (
+    ModelTokenizer,
+    TemplateFailure,
+    TemplateInputError,
+    truncate_prompt,
+)
 from pdserve.shared import structured_output
 from pdserve.shared.bus.connection import Bus
 from pdserve.shared.bus.subjects import is_subject_token

@@ -19,11 +19,10 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge
 
 from pdserve.gateway.api_models import GenerationParams
-from pdserve.gateway.chat_template import ChatTemplate
 from pdserve.gateway.dispatch import Dispatcher
 from pdserve.gateway.errors import APIError, overloaded
 from pdserve.gateway.router import Router
-from pdserve.gateway.tokenizer import ModelTokenizer
+from pdserve.gateway.tokenizer import ChatTemplate, ModelTokenizer
 from pdserve.shared.bus.connection import Bus
 from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig
 from pdserve.shared.discovery.worker_registry import WorkerRegistry

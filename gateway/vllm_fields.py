@@ -14,7 +14,7 @@ Both endpoints:
 Chat only:
 
 - ``add_generation_prompt`` (default true) goes to the template; ``continue_final_message``
-  renders the last message open-ended so the model continues it (``chat_template.py``). As in
+  renders the last message open-ended so the model continues it (``tokenizer.py``). As in
   vLLM, the two cannot both be true; unlike vLLM (whose renderer then fails), a request that sends
   only ``continue_final_message: true`` gets ``add_generation_prompt`` false.
 - ``echo``: the reply starts with the last message's content when that message has the reply's

@@ -14,11 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pdserve.kernels.reference_decode import DecodePlan, decode_attention
-from pdserve.kernels.reference_paged import compute_dtype, gather_paged, token_rows
+from pdserve.kernels.reference_paged import (
+    DecodePlan,
+    compute_dtype,
+    decode_attention,
+    gather_paged,
+    token_rows,
+)
 from pdserve.kernels.reference_quant import quantize_kv
 
-__all__ = ["DecodePlan", "decode_attention"]  # the decode twin lives in reference_decode
+__all__ = ["DecodePlan", "decode_attention"]  # the decode twin lives in reference_paged
 
 
 def rms_norm(

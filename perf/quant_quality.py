@@ -15,8 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.shared.logprobs import TokenLogprobs
-from pdserve.shared.sampling import SamplingParams
+from pdserve.shared.sampling import SamplingParams, TokenLogprobs
 
 QUALITY_TEXT = Path(__file__).parent / "data" / "quality_text.txt"
 

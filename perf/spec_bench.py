@@ -77,8 +77,7 @@ class CaseResult:
 def chat_prompts(model_dir: Path, messages: list[str]) -> list[list[int]]:
     """Token ids of each message as a one-turn chat, rendered as the gateway renders it."""
     from pdserve.gateway.api_models import ChatMessage
-    from pdserve.gateway.chat_template import ChatTemplate
-    from pdserve.gateway.tokenizer import ModelTokenizer
+    from pdserve.gateway.tokenizer import ChatTemplate, ModelTokenizer
 
     tok = ModelTokenizer.from_dir(model_dir)
     assert tok.chat_template is not None, "the model has no chat template"

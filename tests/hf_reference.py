@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.shared.logprobs import TokenLogprobs
+from pdserve.shared.sampling import TokenLogprobs
 
 # (logits of the next token [V] float64, the output tokens so far) -> processed logits
 Processor = Callable[[torch.Tensor, list[int]], torch.Tensor]

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from pdserve.services.engine.sequence import Sequence
-from pdserve.shared.kv.block_hash import ROOT_HASH, hash_block, prefix_block_hashes
+from pdserve.shared.kv.layout import ROOT_HASH, hash_block, prefix_block_hashes
 
 
 @dataclass(frozen=True)

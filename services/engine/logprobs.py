@@ -1,6 +1,6 @@
 """Log-probs of chosen tokens, their ranks and the top alternatives, gathered for a whole step.
 
-Which logits: those the logit processors left (``services/engine/logits_processing.py``:
+Which logits: those the logit processors left (``services/engine/sampler.py``:
 the grammar mask, penalties, logit_bias, min_tokens), before temperature, top-k and top-p. With
 no processor active they are the ``log_softmax`` of the model's logits whatever the temperature
 (as vLLM documents its default). -inf (a masked token) is reported as ``MIN_LOGPROB``.
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.shared.logprobs import MIN_LOGPROB, TokenLogprobs
+from pdserve.shared.sampling import MIN_LOGPROB, TokenLogprobs
 
 if TYPE_CHECKING:
     from pdserve.services.engine.sequence import Sequence

@@ -18,11 +18,6 @@ import torch
 
 from pdserve.kernels import ops
 from pdserve.services.engine.guided import GuidedDecoder
-from pdserve.services.engine.logits_processing import (
-    build_logit_bias,
-    build_min_tokens_mask,
-    build_penalties,
-)
 from pdserve.services.engine.logprobs import (
     PromptLogprobsPlan,
     gather_prompt_logprobs,
@@ -30,7 +25,14 @@ from pdserve.services.engine.logprobs import (
 )
 from pdserve.services.engine.model import AttentionMetadata, ChunkGroup, LlamaForCausalLM
 from pdserve.services.engine.outputs import RunnerOutput, ScheduledBatch
-from pdserve.services.engine.sampler import SamplerOutput, SamplingTensors, sample
+from pdserve.services.engine.sampler import (
+    SamplerOutput,
+    SamplingTensors,
+    build_logit_bias,
+    build_min_tokens_mask,
+    build_penalties,
+    sample,
+)
 from pdserve.services.engine.sequence import Sequence
 from pdserve.services.engine.spec import verify
 from pdserve.services.engine.spec.rejection import DraftDistributions

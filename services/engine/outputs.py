@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pdserve.shared.logprobs import TokenLogprobs
+from pdserve.shared.sampling import TokenLogprobs
 
 if TYPE_CHECKING:  # the spec package loads models; the scheduler's tests import this module
     from pdserve.services.engine.sequence import Sequence

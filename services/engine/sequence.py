@@ -50,8 +50,7 @@ from __future__ import annotations
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
-from pdserve.shared.logprobs import TokenLogprobs
-from pdserve.shared.sampling import SamplingParams
+from pdserve.shared.sampling import SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:
     import torch

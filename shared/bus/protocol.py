@@ -46,7 +46,6 @@ from pdserve.shared.bus.wire_fields import (
     text,
     tokens,
 )
-from pdserve.shared.logprobs import MIN_LOGPROB, TokenLogprobs
 from pdserve.shared.sampling import BOUNDS as SAMPLING_BOUNDS
 from pdserve.shared.sampling import (
     GUIDED_KINDS,
@@ -56,8 +55,10 @@ from pdserve.shared.sampling import (
     MAX_LOGPROBS,
     MAX_N,
     MAX_STOP_TOKEN_IDS,
+    MIN_LOGPROB,
     GuidedDecoding,
     SamplingParams,
+    TokenLogprobs,
 )
 
 PROTOCOL_VERSION = 5  # 3: n choices, log-probs, penalties, structured output; 4: positions;
@@ -168,7 +169,7 @@ class TokenItem:
     # with the first item of a request prefilled here, when prompt_logprobs were asked
     prompt_logprobs: TokenLogprobs | None = bounded(default=None)
     # index of token_ids[0] in the choice's output (output_token_ids included): a receiver
-    # sees lost items as a gap (gateway/stream_check.py)
+    # sees lost items as a gap (gateway/legs.py)
     position: int = count(hi=MAX_TOKENS, default=0)
 
 

@@ -1,20 +1,47 @@
-"""A short, stable name for a KV-cache layout fingerprint (``LLMEngine.layout_fingerprint``).
+"""How processes name KV blocks and the layouts that can exchange them.
+
+A short, stable name for a KV-cache layout fingerprint (``LLMEngine.layout_fingerprint``).
 
 Workers advertise theirs in every heartbeat (``WorkerLoad.kv_layout``); the gateway computes the
 same name from a prefilled request's ``KVHandle.fingerprint``. So it pairs a prefill worker only
 with decode workers that can pull its blocks - the same model, dtype, block size and KV-cache
 element type - and a fleet in the middle of a change (say, to ``--kv-cache-dtype int8``) keeps
 serving without failed pulls.
+
+Chained block hashes of a token sequence name prefix-cache blocks.
+
+A full block of ``block_size`` tokens is named by blake2b(parent block's hash + its tokens)
+over a fixed byte encoding, so every process - workers storing blocks, the gateway's KV-aware
+router predicting them - computes the same value for the same prefix, across restarts too.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+import struct
+from collections.abc import Mapping, Sequence
 
 
 def layout_id(fingerprint: Mapping[str, object]) -> str:
     """16 hex digits naming ``fingerprint``; equal fingerprints give equal names on any host."""
     blob = json.dumps(dict(fingerprint), sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.blake2b(blob.encode(), digest_size=8).hexdigest()
+
+
+ROOT_HASH = 0
+
+
+def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
+    data = struct.pack(f"<Q{len(token_ids)}I", parent_hash, *token_ids)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of every full block of ``token_ids``."""
+    hashes: list[int] = []
+    parent = ROOT_HASH
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes

@@ -6,8 +6,12 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from pdserve.gateway.api_models import ChatMessage
-from pdserve.gateway.chat_template import ChatTemplate, TemplateFailure, TemplateInputError
-from pdserve.gateway.tokenizer import ModelTokenizer
+from pdserve.gateway.tokenizer import (
+    ChatTemplate,
+    ModelTokenizer,
+    TemplateFailure,
+    TemplateInputError,
+)
 from tests.unit.gateway_fixtures import LLAMA_LIKE_TEMPLATE, train_byte_level, write_model_dir
 
 # A template in the style of recent instruct models: system prompt hoisting, tojson, loop

@@ -10,8 +10,7 @@ from collections import Counter
 
 import torch
 
-from pdserve.services.engine.logits_processing import apply_token_bitmask
-from pdserve.services.engine.sampler import process_logits
+from pdserve.services.engine.sampler import apply_token_bitmask, process_logits
 from pdserve.services.engine.sequence import Sequence
 from pdserve.shared.sampling import SamplingParams
 from tests.engine_support import make_engine, random_prompts

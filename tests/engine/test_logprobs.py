@@ -11,8 +11,7 @@ import pdserve.services.engine.logprobs as logprobs_module
 from pdserve.services.engine.engine import LLMEngine
 from pdserve.services.engine.outputs import StepOutput
 from pdserve.services.engine.sampler import SamplingTensors, sample
-from pdserve.shared.logprobs import MIN_LOGPROB, TokenLogprobs
-from pdserve.shared.sampling import SamplingParams
+from pdserve.shared.sampling import MIN_LOGPROB, SamplingParams, TokenLogprobs
 from tests.engine_support import make_engine, random_prompts, step_outputs
 from tests.hf_reference import HFReference, assert_logprobs_match
 

@@ -10,7 +10,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from pdserve.gateway.api_models import ChatMessage
-from pdserve.gateway.chat_template import ChatTemplate, TemplateInputError
+from pdserve.gateway.tokenizer import ChatTemplate, TemplateInputError
 from tests.engine.test_chat_template import RICH_TEMPLATE
 from tests.unit.gateway_fixtures import LLAMA_LIKE_TEMPLATE, train_byte_level, write_model_dir
 

@@ -68,8 +68,8 @@ def tokenizer(model_dir):
 
 def chat_prompt(tokenizer, message: str) -> list[int]:
     """The token ids the gateway sends for one user message (chat template, no added BOS)."""
-    from pdserve.gateway.chat_template import ChatTemplate
     from pdserve.gateway.request_bodies import Message
+    from pdserve.gateway.tokenizer import ChatTemplate
 
     chat = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
     text = chat.render([Message(role="user", content=message)], add_generation_prompt=True)

@@ -129,7 +129,7 @@ def test_tokenization_matches_hf(ours, hf_tokenizer) -> None:
 
 def test_chat_template_matches_hf(ours, hf_tokenizer) -> None:
     from pdserve.gateway.api_models import ChatMessage
-    from pdserve.gateway.chat_template import ChatTemplate
+    from pdserve.gateway.tokenizer import ChatTemplate
 
     template = ChatTemplate(ours.chat_template, ours.bos_token, ours.eos_token)
     conversations = [

@@ -17,7 +17,7 @@ from pdserve.shared.bus.protocol import (
     PrefillRequest,
     ReleaseLease,
 )
-from pdserve.shared.kv.block_hash import prefix_block_hashes
+from pdserve.shared.kv.layout import prefix_block_hashes
 from pdserve.shared.sampling import SamplingParams
 from tests.integration.stack import (
     Child,

@@ -5,7 +5,7 @@ import sys
 
 from pdserve.services.engine.block_manager import BlockManager
 from pdserve.services.engine.sequence import Sequence
-from pdserve.shared.kv.block_hash import prefix_block_hashes
+from pdserve.shared.kv.layout import prefix_block_hashes
 from pdserve.shared.sampling import SamplingParams
 
 
@@ -28,7 +28,7 @@ def computed(bm: BlockManager, s: Sequence, n: int | None = None) -> Sequence:
 def test_hashes_are_stable_across_processes():
     tokens = list(range(100))
     here = prefix_block_hashes(tokens, 16)
-    code = "from pdserve.shared.kv.block_hash import prefix_block_hashes as h; print(h(list(range(100)), 16))"
+    code = "from pdserve.shared.kv.layout import prefix_block_hashes as h; print(h(list(range(100)), 16))"
     there = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout

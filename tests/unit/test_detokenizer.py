@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from pdserve.gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from pdserve.gateway.response_choice import IncrementalDetokenizer, StopStringMatcher
 from pdserve.gateway.tokenizer import ModelTokenizer
 from tests.unit.gateway_fixtures import (
     CORPUS,

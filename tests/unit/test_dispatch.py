@@ -353,7 +353,7 @@ async def test_registry_pings_a_silent_worker_before_reporting_it_gone(net) -> N
 
 async def test_router_uses_the_registry_model_filter_and_kv_events(net) -> None:
     from pdserve.shared.discovery.announce import KVEventPublisher
-    from pdserve.shared.kv.block_hash import prefix_block_hashes
+    from pdserve.shared.kv.layout import prefix_block_hashes
 
     gw = await GatewaySide(net).start()
     other = await FakeWorker(net, "decode", "other", model="another-model").start()

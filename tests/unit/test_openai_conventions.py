@@ -21,8 +21,7 @@ from pdserve.gateway.api_models import (
 from pdserve.gateway.errors import APIError
 from pdserve.gateway.generation import Generation, Progress, Prompt
 from pdserve.gateway.openapi import openapi_spec
-from pdserve.gateway.sse import encode_event
-from pdserve.gateway.streaming import Chunks
+from pdserve.gateway.streaming import Chunks, encode_event
 
 COMPLETION = {"model": "m", "prompt": "hello"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

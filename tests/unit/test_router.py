@@ -14,8 +14,7 @@ from pdserve.services.engine.sequence import Sequence
 from pdserve.shared.bus.protocol import KVEvents, WorkerLoad
 from pdserve.shared.discovery.announce import KVEventPublisher
 from pdserve.shared.discovery.worker_registry import WorkerRegistry
-from pdserve.shared.kv.block_hash import prefix_block_hashes
-from pdserve.shared.kv.layout import layout_id
+from pdserve.shared.kv.layout import layout_id, prefix_block_hashes
 from pdserve.shared.sampling import SamplingParams
 
 BS = 16

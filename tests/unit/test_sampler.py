@@ -4,8 +4,7 @@ import math
 
 import torch
 
-from pdserve.services.engine.logits_processing import SparseLogits
-from pdserve.services.engine.sampler import SamplingTensors, sample, uniform_noise
+from pdserve.services.engine.sampler import SamplingTensors, SparseLogits, sample, uniform_noise
 
 
 def tensors(

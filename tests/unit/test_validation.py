@@ -13,7 +13,7 @@ from pdserve.gateway.api_models import (
     parse_completion,
 )
 from pdserve.gateway.errors import APIError
-from pdserve.gateway.json_body import parse_json_body
+from pdserve.gateway.schema_base import parse_json_body
 
 
 def error_of(fn, *args) -> APIError:

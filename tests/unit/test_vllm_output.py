@@ -10,7 +10,7 @@ import pytest
 from pdserve.gateway.errors import APIError
 from pdserve.gateway.logprob_format import prompt_logprobs_json, trim_alternatives
 from pdserve.gateway.tokenizer import prompt_room, truncate_prompt
-from pdserve.shared.logprobs import TokenLogprobs
+from pdserve.shared.sampling import TokenLogprobs
 
 # ----------------------------------------------------------------------------- truncation
 
