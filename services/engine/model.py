@@ -9,13 +9,13 @@ All heavy ops go through ``pdserve.kernels.ops``, the one dispatch point between
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from pdserve.kernels import ops
+from pdserve.services.engine.few_rows import FewRowsLinear
 from pdserve.services.engine.model_config import ModelConfig
 from pdserve.services.engine.quant.kv_cache import KVCacheSpec
 
@@ -52,44 +52,14 @@ class AttentionMetadata:
     decode_max_seqlen_q: int = 1
 
 
-# On the CPU a matmul of a few rows (a speculative verification row of 1 + k tokens at batch 1)
-# can run at very different speeds as x @ weight.T and as (weight @ x.T).T, and which form wins
-# depends on the CPU: on issue 17's machine the second was up to twice as fast at 2-6 rows
-# (presumably the GEMM repacked the large weight operand in the first form); on issue 26's the
-# first was 1.4-2.7x faster (a 2-token row cost as much as a 5-token one, which made drafts look
-# dear to adaptive K). So the form is chosen per row count by timing both, once per process, on
-# the first layer that meets that count. One row (a GEMV) is as fast either way, and from about
-# 8 rows on the usual form was as fast or faster.
-CPU_FEW_ROWS = range(2, 8)
-_TRANSPOSED_WINS: dict[int, bool] = {}  # row count -> (weight @ x.T).T was faster here
-
-
-def _transposed_wins(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    rows = x.shape[0]
-    wins = _TRANSPOSED_WINS.get(rows)
-    if wins is None:
-        usual = min(_seconds(lambda: torch.mm(x, weight.t())) for _ in range(5))
-        flipped = min(_seconds(lambda: torch.mm(weight, x.t()).t().contiguous()) for _ in range(5))
-        wins = _TRANSPOSED_WINS[rows] = flipped < usual
-    return wins
-
-
-def _seconds(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 class Linear(nn.Linear):
+    _few_rows: FewRowsLinear | None = None  # made at the first call, after loading
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda or x.dim() != 2 or x.shape[0] not in CPU_FEW_ROWS:
-            return super().forward(x)
-        if not _transposed_wins(x, self.weight):
-            return super().forward(x)
-        out = torch.mm(self.weight, x.t()).t()
-        if self.bias is not None:
-            out = out + self.bias
-        return out.contiguous()
+        if self._few_rows is None or not self._few_rows.serves(self.weight):
+            self._few_rows = FewRowsLinear(self.weight, self.bias)
+        out = self._few_rows(x)
+        return super().forward(x) if out is None else out
 
 
 class RMSNorm(nn.Module):
