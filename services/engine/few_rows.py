@@ -4,18 +4,24 @@ or a small decode batch.
 On the CPU a matmul of 2-8 rows can cost far more than one row although it reads the same
 weight: the BLAS switches from GEMV to a GEMM that repacks the large weight operand on every
 call. Measured on issue 26's machine (SmolLM2-135M's projections and LM head, fp32, one
-thread): 4 rows cost 1.8x one row and 8 rows 2.4x, which made every draft beyond the second
+thread): 4 rows cost 1.75x one row and 5 rows 1.85x, which made every draft beyond the second
 look too dear to adaptive K. Three forms compete:
 
 - ``usual``: ``x @ weight.T``;
 - ``flipped``: ``(weight @ x.T).T``, up to twice as fast at 2-6 rows on issue 17's machine;
 - ``packed``: MKL's packed GEMM (``torch.ops.mkl._mkl_linear``, what inductor uses for CPU
-  linears), the weight packed once for a row count of 4 or 8 and the rows zero-padded up to it.
-  Here 4 rows cost 1.2x one row and 8 rows 1.4x.
+  linears) on a copy of the weight packed once; 4 rows then cost 1.2x one row, 5 rows 1.3x.
 
 Which wins depends on the CPU, so each row count is timed once per process on the first layer
-that meets it, and the winner serves every layer from then on. A packed weight is an extra
-copy of the weight (one per pack size in use), made only where packing won.
+that meets it, and the winner serves every layer from then on. The packed copy doubles the
+weights' memory, so it is made only where packing won.
+
+Packing is offered up to 5 rows, a batch-1 verification of up to 4 drafts. At 6-8 rows it wins
+too (8 rows: 1.4x one row against 2.4x), which makes plain decoding of a batch of 8 about twice
+as fast, but the verification steps of such a batch (9-40 rows) cannot use it, and adaptive K,
+pricing a draft from the step sizes around it, then drafts where it no longer pays (open-ended
+work at batch 8 measured 0.60x of no speculation). Taking that gain needs a cost model that
+prices the jump after 8 rows for the whole batch.
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ from collections.abc import Callable
 
 import torch
 
-FEW_ROWS = range(2, 9)  # one row is a GEMV (fast in any form); from ~9 rows GEMM amortises
-PACK_SIZES = (4, 8)  # rows are padded up to the next of these for the packed form
+FEW_ROWS = range(2, 8)  # one row is a GEMV (fast in any form); from ~8 rows GEMM amortises
+MAX_PACKED_ROWS = 5  # see above
+PACKED_FOR = 8  # the row count the weight is packed for: the packed form serves 1-8 rows alike
 _FORM: dict[int, str] = {}  # row count -> the form that won the timing
 
 
@@ -38,18 +45,14 @@ def can_pack(weight: torch.Tensor) -> bool:
     )
 
 
-def pack_size(rows: int) -> int:
-    return next(p for p in PACK_SIZES if p >= rows)
-
-
 class FewRowsLinear:
-    """The few-rows forms of one linear layer (its weight, bias and packed copies)."""
+    """The few-rows forms of one linear layer (its weight, its bias, its packed copy)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight
         self.bias = bias
-        self._version = weight._version  # packed copies are stale once the weight is written
-        self._packed: dict[int, torch.Tensor] = {}
+        self._version = weight._version  # the packed copy is stale once the weight is written
+        self._packed: torch.Tensor | None = None
 
     def serves(self, weight: torch.Tensor) -> bool:
         return weight is self.weight and weight._version == self._version
@@ -69,23 +72,16 @@ class FewRowsLinear:
         return self._packed_mm(x)
 
     def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
-        rows, size = x.shape[0], pack_size(x.shape[0])
-        packed = self._packed.get(size)
-        if packed is None:
-            packed = self._packed[size] = torch.ops.mkl._mkl_reorder_linear_weight(
-                self.weight, size
-            )
-        if rows < size:
-            x = torch.cat([x, x.new_zeros(size - rows, x.shape[1])])
-        out = torch.ops.mkl._mkl_linear(x, packed, self.weight, self.bias, size)
-        return out[:rows]
+        if self._packed is None:
+            self._packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, PACKED_FOR)
+        return torch.ops.mkl._mkl_linear(x, self._packed, self.weight, self.bias, x.shape[0])
 
     def _time_forms(self, x: torch.Tensor) -> str:
         forms: dict[str, Callable[[], object]] = {
             "usual": lambda: torch.mm(x, self.weight.t()),
             "flipped": lambda: torch.mm(self.weight, x.t()).t().contiguous(),
         }
-        if can_pack(self.weight) and not x.requires_grad:
+        if x.shape[0] <= MAX_PACKED_ROWS and can_pack(self.weight) and not x.requires_grad:
             forms["packed"] = lambda: self._packed_mm(x)
             self._packed_mm(x)  # packs outside the timing
         best = min(forms, key=lambda name: min(_seconds(forms[name]) for _ in range(5)))
