@@ -96,7 +96,9 @@ def project_module(path: str, repo: Path) -> str | None:
     return None
 
 
-def measure(repo: Path, python: str, cli: str, max_tokens: int) -> dict[str, list[str]]:
+def measure(
+    repo: Path, python: str, cli: str, max_tokens: int, model: str | None = None
+) -> dict[str, list[str]]:
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         hook_dir, out_dir = Path(tmp, "hook"), Path(tmp, "out")
@@ -107,6 +109,7 @@ def measure(repo: Path, python: str, cli: str, max_tokens: int) -> dict[str, lis
         env.update(PYTHONPATH=str(hook_dir), PDSERVE_PATH_OUT=str(out_dir))
         log = Path(tmp, "up.log")
         argv = [python, "-m", cli, "up", "--port", str(port)]
+        argv += ["--model", model] if model else []
         with open(log, "wb") as out:
             proc = subprocess.Popen(
                 argv, cwd=repo, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -160,8 +163,9 @@ def main() -> int:
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--cli", default="pdserve.cli", help="the module `-m` runs the CLI from")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--model", help="what pdserve up serves (default: its own default)")
     ns = p.parse_args()
-    found = measure(ns.repo.resolve(), ns.python, ns.cli, ns.max_tokens)
+    found = measure(ns.repo.resolve(), ns.python, ns.cli, ns.max_tokens, ns.model)
     chunks = found.pop("_chunks")[0]
     union = sorted({m for mods in found.values() for m in mods})
     for role, mods in sorted(found.items()):

@@ -113,3 +113,16 @@ def test_engine_and_stack_benches_compare_against_hf(tmp_path: Path) -> None:
     assert [s["prefill_workers"] for s in stack["stacks"]] == [1, 0]
     assert all(s["vs_hf"] > 0 for s in stack["stacks"])
     assert stack["output_tokens"] == engine["output_tokens"]
+
+
+def test_request_path_counts_the_modules_each_process_runs() -> None:
+    """perf/request_path.py, the measure of issue 27, on the demo model: each process reports
+    the modules of its own role, and none of another's."""
+    proc = run_module("perf.request_path", "--model", "demo", "--max-tokens", "4", timeout=300)
+    out = proc.stdout
+    roles = {line.split(":")[0] for line in out.splitlines() if line.endswith(" modules")}
+    assert {"gateway", "prefill", "decode"} <= roles, out
+    section = out.split("gateway:")[1].split("\n", 1)[1].split(":")[0]
+    assert "gateway/inflight.py" in section and "services/" not in section, out
+    assert "services/engine/scheduler.py" in out.split("decode:")[1], out
+    assert "one streamed disaggregated chat request" in out, out
