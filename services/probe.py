@@ -67,7 +67,7 @@ def _bad_probe(leases: LeaseTable, probe_id: str) -> str | None:
         return f"probe ids start with {PROBE_PREFIX!r}"
     if leases.token_of(probe_id) is not None:
         return f"probe {probe_id} exists"
-    if sum(rid.startswith(PROBE_PREFIX) for rid in leases.leases) >= MAX_PROBE_LEASES:
+    if leases.count(PROBE_PREFIX) >= MAX_PROBE_LEASES:
         return f"busy: {MAX_PROBE_LEASES} probe leases held already"
     return None
 

@@ -49,6 +49,10 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self.leases)
 
+    def count(self, prefix: str) -> int:
+        """Leases held under ids starting with ``prefix`` (the doctor's probes, say)."""
+        return sum(bus_id.startswith(prefix) for bus_id in self.leases)
+
     def add(self, bus_id: str, block_ids: list[int], num_tokens: int, ttl: float) -> Lease:
         if bus_id in self.leases:
             raise ValueError(f"lease for {bus_id!r} exists")
