@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 # ---- tokenizers --------------------------------------------------------------------------------
+from pdserve.shared.models.demo import bytes_to_unicode
 
 
 @dataclass
@@ -24,15 +25,8 @@ class TokenizerCase:
 
 
 def _byte_level_decoder() -> dict[str, int]:
-    """GPT-2's byte-to-unicode table, inverted: the printable stand-in char -> the byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    table, extra = {chr(b): b for b in printable}, 0
-    for b in range(256):
-        if b not in printable:
-            table[chr(256 + extra)] = b
-            extra += 1
-    return table
+    """GPT-2's byte-to-unicode table (the ByteLevel pre-tokenizer's), inverted."""
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 def load_tokenizer(name: str, tokenizer, eos: int) -> TokenizerCase:

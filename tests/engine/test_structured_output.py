@@ -12,6 +12,7 @@ import sys
 import llguidance
 import pytest
 
+from pdserve.shared.models.demo import bytes_to_unicode
 from pdserve.shared.sampling import GuidedDecoding
 from pdserve.shared.structured_output import GrammarCompiler, check, compiler_for, grammar_text
 from tests.checkpoints import train_tokenizer
@@ -30,15 +31,8 @@ def compiler(tokenizer) -> GrammarCompiler:
 
 
 def _byte_decoder() -> dict[str, int]:
-    """GPT-2's printable stand-in for each byte, inverted (the ByteLevel pre-tokenizer's)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    table, extra = {chr(b): b for b in printable}, 0
-    for b in range(256):
-        if b not in printable:
-            table[chr(256 + extra)] = b
-            extra += 1
-    return table
+    """GPT-2's byte-to-unicode table (the ByteLevel pre-tokenizer's), inverted."""
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 @pytest.fixture(scope="module")
