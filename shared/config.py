@@ -90,6 +90,11 @@ class EngineConfig:
     torch_threads: int = opt(
         0, "torch CPU threads of a worker; 0 = one per CPU the process may run on (its affinity)"
     )
+    tensor_parallel_size: int = opt(
+        1,
+        "ranks (processes) one worker's model is sharded across: NCCL on CUDA (a GPU each), "
+        "gloo on CPU (the worker's CPUs split between them); rank 0 speaks NATS and schedules",
+    )
     speculative: str = opt(
         "off",
         "speculative decoding on decode workers: ngram = prompt lookup (drafts copied from the "
@@ -119,6 +124,8 @@ class EngineConfig:
 
 def speculative_problem(cfg: EngineConfig) -> str | None:
     """What is wrong with the speculative-decoding options, in one line, or None."""
+    if cfg.tensor_parallel_size < 1:
+        return f"--tensor-parallel-size must be at least 1, got {cfg.tensor_parallel_size}"
     if cfg.speculative not in SPECULATIVE_METHODS:
         methods = ", ".join(SPECULATIVE_METHODS)
         return f"--speculative must be one of {methods}, got {cfg.speculative!r}"
