@@ -318,8 +318,7 @@ class LLMEngine:
         before anything else may write into the KV cache."""
         copies = self.scheduler.block_copies
         if copies:
-            src, dst = zip(*copies, strict=True)
-            self.kv_cache[list(dst)] = self.kv_cache[list(src)]
+            self.runner.copy_blocks(list(copies))
             copies.clear()
 
     def _publish(self) -> None:

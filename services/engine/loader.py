@@ -18,6 +18,7 @@ from torch import nn
 
 from pdserve.services.engine.model import LlamaForCausalLM
 from pdserve.services.engine.model_config import ModelConfig
+from pdserve.services.engine.parallel.shard import SINGLE, Shard, shard_piece
 from pdserve.services.engine.quant.int8_linear import (
     WeightOnlyInt8Linear,
     quantization_targets,
@@ -147,16 +148,19 @@ def load_model(
     dtype: torch.dtype,
     quantization: str = "none",
     weight_only: bool | None = None,
+    shard: Shard = SINGLE,
 ) -> LlamaForCausalLM:
     """The checkpoint's model on ``device`` in ``dtype``; ``quantization`` int8 then swaps every
     linear layer for its INT8 form (services/engine/quant/), weight-only off the CPU or when
-    ``weight_only`` says so (``int8_linear.uses_weight_only``)."""
+    ``weight_only`` says so (``int8_linear.uses_weight_only``). With a ``shard`` of TP > 1, only
+    this rank's slice of each sharded tensor is kept (``parallel/shard.py``); INT8 rounding then
+    runs per rank on its slice, its calibration pass a sharded forward that every rank runs."""
     files = CheckpointFiles(model_dir)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, shard)
     direct: dict[str, nn.Module] = {}
     if quantization == "int8" and uses_weight_only(device, weight_only):
-        direct = q8_0_int8_linears(files, model, cfg, device, dtype)
+        direct = q8_0_int8_linears(files, model, cfg, device, dtype, shard)
         for name in direct:  # a placeholder, so materialising the model allocates no float copy
             model.set_submodule(name, nn.Identity())
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -165,7 +169,7 @@ def load_model(
         if ours.rpartition(".")[0] in direct:
             continue
         expected = params[ours].shape
-        pieces = [files.get(name) for name in sources]
+        pieces = [shard_piece(ours, i, files.get(n), cfg, shard) for i, n in enumerate(sources)]
         tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
         check_shape(files, ours, sources, pieces, tensor.shape, expected)
         loaded[ours] = tensor.to(device=device, dtype=dtype)
@@ -191,6 +195,7 @@ def q8_0_int8_linears(
     cfg: ModelConfig,
     device: torch.device,
     dtype: torch.dtype,
+    shard: Shard = SINGLE,
 ) -> dict[str, nn.Module]:
     """Weight-only INT8 layers built from the checkpoint's Q8_0 values and group scales as they
     are (a fused layer's rows concatenated), by module name; a layer with any piece in another
@@ -207,7 +212,8 @@ def q8_0_int8_linears(
         weights = sources.get(f"{name}.weight", [])
         if not weights or not all(w in files.q8_0 for w in weights):
             continue
-        pieces = [files.q8_0_weight(w) for w in weights]
+        pieces = [_shard_int8(f"{name}.weight", i, files.q8_0_weight(w), cfg, shard)
+                  for i, w in enumerate(weights)]  # fmt: skip
         qweight = torch.cat([p.qweight for p in pieces])
         check_shape(files, name, weights, [p.qweight for p in pieces], qweight.shape,
                     linear.weight.shape)  # fmt: skip
@@ -215,7 +221,9 @@ def q8_0_int8_linears(
         bias_names = sources.get(f"{name}.bias")
         bias = None
         if bias_names:
-            bias = torch.cat([files.get(b) for b in bias_names]).to(device=device, dtype=dtype)
+            parts = [shard_piece(f"{name}.bias", i, files.get(b), cfg, shard)
+                     for i, b in enumerate(bias_names)]  # fmt: skip
+            bias = torch.cat(parts).to(device=device, dtype=dtype)
         out[name] = WeightOnlyInt8Linear(weight.to(device), bias)
     if out and cfg.tie_word_embeddings and "lm_head" in targets:
         embedding = files.get("model.embed_tokens.weight").float()
@@ -223,6 +231,22 @@ def q8_0_int8_linears(
         if torch.equal(head.dequantize(torch.float32), embedding):
             out["lm_head"] = WeightOnlyInt8Linear(head.to(device), None)
     return out
+
+
+def _shard_int8(name: str, index: int, w: Int8Weight, cfg: ModelConfig, shard: Shard) -> Int8Weight:
+    """This rank's slice of a Q8_0 weight: its values as a float weight's, its group scales
+    cut at the same input columns (every rank's slice starts on a group boundary)."""
+    if shard.size == 1:
+        return w
+    qweight = shard_piece(name, index, w.qweight, cfg, shard)
+    if qweight.shape[0] != w.qweight.shape[0]:  # column-parallel: output rows
+        return Int8Weight(qweight, shard_piece(name, index, w.scale, cfg, shard))
+    group = w.qweight.shape[1] // w.scale.shape[1]
+    cols = shard_piece(name, index, torch.arange(w.qweight.shape[1]).unsqueeze(0), cfg, shard)[0]
+    lo, hi = int(cols[0]), int(cols[-1]) + 1
+    if lo % group or hi % group:
+        raise ModelLoadError(f"{name}: rank {shard.rank}'s columns cut a Q8_0 group of {group}")
+    return Int8Weight(qweight, w.scale[:, lo // group : hi // group])
 
 
 def check_shape(

@@ -17,6 +17,7 @@ from torch import nn
 from pdserve.kernels import ops
 from pdserve.services.engine.few_rows import FewRowsLinear
 from pdserve.services.engine.model_config import ModelConfig
+from pdserve.services.engine.parallel.shard import SINGLE, Shard
 from pdserve.services.engine.quant.kv_cache import KVCacheSpec
 
 
@@ -73,13 +74,17 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard = SINGLE) -> None:
         super().__init__()
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        # this rank's heads (all of them at TP 1): q/k/v are column-parallel, o row-parallel
+        lo, hi = shard.heads(cfg)
+        kv_lo, kv_hi = shard.kv_heads(cfg)
+        self.shard = shard
+        self.num_heads = hi - lo
+        self.num_kv_heads = kv_hi - kv_lo
         self.head_dim = cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         # q, k and v share one matmul; the loader concatenates the checkpoint's three tensors.
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
@@ -147,28 +152,30 @@ class Attention(nn.Module):
                 )
             )
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.shard.reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard = SINGLE) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        lo, hi = shard.channels(cfg)  # gate/up column-parallel, down row-parallel
+        self.shard = shard
+        self.intermediate = hi - lo
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = Linear(self.intermediate, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.shard.reduce(self.down_proj(nn.functional.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard)
 
     def forward(self, positions, h, residual, meta, cos_sin):
         if residual is None:
@@ -181,11 +188,15 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
+        self.shard = shard  # the part of the model this rank holds (parallel/)
+        kv_lo, kv_hi = shard.kv_heads(cfg)
+        self.num_local_kv_heads = kv_hi - kv_lo  # what this rank's KV cache holds per token
+        # whole on every rank: a vocab-parallel lookup would add an all-reduce per step
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, shard) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

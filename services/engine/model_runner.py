@@ -24,7 +24,7 @@ from pdserve.services.engine.logprobs import (
     token_logprobs,
 )
 from pdserve.services.engine.model import AttentionMetadata, ChunkGroup, LlamaForCausalLM
-from pdserve.services.engine.outputs import RunnerOutput, ScheduledBatch
+from pdserve.services.engine.outputs import RunnerOutput, ScheduledBatch, StepInputs
 from pdserve.services.engine.sampler import (
     SamplerOutput,
     SamplingTensors,
@@ -65,6 +65,10 @@ class ModelRunner:
         # worker. Otherwise a greedy request's n choices could disagree on their first token.
         self.prefill_reads_cache = model.kv_spec is not None and model.kv_spec.quantized
         model.bind_kv_cache(kv_cache)
+        # TP > 1: rank 0's link to the other ranks (parallel/group.py), which gets each step's
+        # inputs; fork copies wait in ``block_copies`` to travel with the next step
+        self.ranks = None
+        self.block_copies: list[tuple[int, int]] = []
 
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
         if not self.pinned:
@@ -86,7 +90,6 @@ class ModelRunner:
             for s, c, st in zip(seqs, counts, starts_list, strict=True)
             for t in _row_tokens(s, st, c)
         ]
-        meta, positions = self._metadata(batch, starts_list, len(input_ids))
         offsets = list(accumulate(counts, initial=0))
         drafts = [len(s.spec_token_ids) for s in seqs]
         sampling_rows = [
@@ -99,7 +102,12 @@ class ModelRunner:
         ]
         num_sampled = len(read)
         read += prompt_plan.flat_indices if prompt_plan else []
-        hidden = self.model(self._tensor(input_ids), positions, meta, self._tensor(read))
+        inputs = StepInputs(input_ids, counts, starts_list, [s.block_table for s in seqs],
+                            batch.num_decodes, batch.num_verifies, read)  # fmt: skip
+        if self.ranks is not None:
+            inputs.block_copies, self.block_copies = self.block_copies, []
+            self.ranks.send_step(inputs)
+        hidden = self.forward(inputs)
 
         sampler_out = None
         sampling_seqs = [seqs[i] for i in sampling_rows]
@@ -126,28 +134,41 @@ class ModelRunner:
             }
         return run
 
-    def _metadata(
-        self, batch: ScheduledBatch, starts_list: list[int], num_tokens: int
-    ) -> tuple[AttentionMetadata, torch.Tensor]:
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The model over the step's flat batch: the final hidden states at ``inputs.read``.
+        Every rank runs this (the other ranks from the inputs rank 0 sent them)."""
+        meta, positions = self._metadata(inputs)
+        return self.model(
+            self._tensor(inputs.input_ids), positions, meta, self._tensor(inputs.read)
+        )
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write of forked choices: block ``dst`` becomes a copy of ``src``."""
+        if copies:
+            src, dst = zip(*copies, strict=True)
+            self.kv_cache[list(dst)] = self.kv_cache[list(src)]
+            if self.ranks is not None:
+                self.block_copies += copies
+
+    def _metadata(self, inputs: StepInputs) -> tuple[AttentionMetadata, torch.Tensor]:
         """The attention metadata of the flat token batch, and each token's position."""
-        seqs, counts = batch.seqs, batch.num_new_tokens
-        nd, nv = batch.num_decodes, batch.num_verifies
+        counts, starts_list, tables = inputs.counts, inputs.starts, inputs.block_tables
+        nd, nv, num_rows = inputs.num_decodes, inputs.num_verifies, len(inputs.counts)
+        num_tokens = len(inputs.input_ids)
         q_lens = self._tensor(counts)
         starts = self._tensor(starts_list)
         ctx_lens = starts + q_lens
-        cu_q = torch.zeros(len(seqs) + 1, dtype=torch.int64, device=self.device)
+        cu_q = torch.zeros(num_rows + 1, dtype=torch.int64, device=self.device)
         cu_q[1:] = q_lens.cumsum(0)
         seq_of_token = torch.repeat_interleave(
-            torch.arange(len(seqs), device=self.device), q_lens, output_size=num_tokens
+            torch.arange(num_rows, device=self.device), q_lens, output_size=num_tokens
         )
         positions = (
             starts[seq_of_token] + torch.arange(num_tokens, device=self.device) - cu_q[seq_of_token]
         )
 
-        max_blocks = max(len(s.block_table) for s in seqs)
-        block_tables = self._tensor(
-            [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs], torch.int32
-        )
+        max_blocks = max(len(t) for t in tables)
+        block_tables = self._tensor([t + [0] * (max_blocks - len(t)) for t in tables], torch.int32)
         block_of_token = block_tables[seq_of_token, positions // self.block_size].to(torch.int64)
         slot_mapping = block_of_token * self.block_size + positions % self.block_size
 
@@ -172,7 +193,7 @@ class ModelRunner:
             meta = AttentionMetadata(
                 slot_mapping=slot_mapping, num_decodes=nq, decode_block_tables=tables,
                 decode_context_lens=lens, decode_plan=ops.decode_plan(tables, lens, cu, longest),
-                verify=None, prefill=group(nq, len(seqs)), num_decode_tokens=sum(counts[:nq]),
+                verify=None, prefill=group(nq, num_rows), num_decode_tokens=sum(counts[:nq]),
                 decode_cu_seqlens_q=cu, decode_max_seqlen_q=longest,
             )  # fmt: skip
             return meta, positions
@@ -184,7 +205,7 @@ class ModelRunner:
             decode_context_lens=decode_lens,
             decode_plan=ops.decode_plan(decode_tables, decode_lens) if nd else None,
             verify=group(nd, nd + nv),
-            prefill=group(nd + nv, len(seqs)),
+            prefill=group(nd + nv, num_rows),
         )
         return meta, positions
 

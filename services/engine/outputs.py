@@ -42,6 +42,23 @@ class ScheduledBatch:
 
 
 @dataclass
+class StepInputs:
+    """What every rank needs for a step's forward pass, as plain host lists: rank 0 builds it
+    from the batch and sends it to the other ranks once per step (``parallel/``)."""
+
+    input_ids: list[int]  # the flat batch: each row's new tokens (a verification row's drafts last)
+    counts: list[int]  # new tokens per row
+    starts: list[int]  # tokens of each row already in the cache
+    block_tables: list[list[int]]
+    num_decodes: int
+    num_verifies: int
+    read: list[int]  # flat positions whose final hidden states are read (sampling, log-probs)
+    # fork copies (src, dst) made on rank 0 since the last step: the other ranks' caches make
+    # them before this pass, which is the first that may write into those blocks
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
 class RunnerOutput:
     """What one forward pass produced, keyed by index in ``ScheduledBatch.seqs``
     (``Scheduler.update_from_output`` applies it)."""

@@ -71,7 +71,7 @@ def _plain_forward(model: nn.Module, token_ids: list[int]) -> Tensor:
     device = model.embed_tokens.weight.device
     n = len(token_ids)
     model.init_rope(n, device)
-    shape = (1, cfg.num_layers, 2, 1, cfg.num_kv_heads, cfg.head_dim)
+    shape = (1, cfg.num_layers, 2, 1, model.num_local_kv_heads, cfg.head_dim)
     model.bind_kv_cache(torch.zeros(shape, dtype=model.embed_tokens.weight.dtype, device=device))
     cu = torch.tensor([0, n], dtype=torch.int32, device=device)
     meta = AttentionMetadata(
