@@ -44,9 +44,10 @@ from pdserve.services.engine.commands import (
     Release,
 )
 from pdserve.services.engine.guided import GuidedDecoder
-from pdserve.services.engine.loader import load_model, resolve_device_dtype
+from pdserve.services.engine.loader import resolve_device_dtype
 from pdserve.services.engine.model_config import ModelConfig
 from pdserve.services.engine.model_runner import ModelRunner
+from pdserve.services.engine.model_setup import build_rank_model
 from pdserve.services.engine.outputs import (
     EngineStats,
     KVPull,
@@ -55,12 +56,14 @@ from pdserve.services.engine.outputs import (
     StepResult,
     StepStats,
 )
-from pdserve.services.engine.quant.kv_cache import kv_cache_spec
+from pdserve.services.engine.parallel.group import RankFailed, RankGroup
+from pdserve.services.engine.parallel.shard import Shard
 from pdserve.services.engine.quant.options import quantization_problem
 from pdserve.services.engine.scheduler import KV_FAILURE_POLICIES, Scheduler
 from pdserve.services.engine.spec import TargetModel, build_speculator
 from pdserve.shared.config import EngineConfig
 from pdserve.shared.errors import StartupError
+from pdserve.shared.kv.tp_layout import TP_KEY, tp_problem
 from pdserve.shared.models.resolve import describe, resolve
 from pdserve.shared.sampling import SamplingParams
 
@@ -88,26 +91,30 @@ class LLMEngine:
         problem = quantization_problem(
             config.quantization, config.kv_cache_dtype, self.device, self.dtype
         )
+        tp = config.tensor_parallel_size
+        if problem is None:
+            devices = torch.cuda.device_count() if self.device.type == "cuda" else None
+            problem = tp_problem(cfg.num_heads, cfg.num_kv_heads, tp, devices)
         if problem is not None:
             raise StartupError(problem)
-        torch.manual_seed(config.seed)
-        model = load_model(self.model_dir, cfg, self.device, self.dtype, config.quantization)
-
+        # TP > 1: start the other ranks first, so they load their shards while we load ours
+        self.ranks = RankGroup.start(config, self.model_dir, cfg, self.device) if tp > 1 else None
+        shard = self.ranks.shard if self.ranks is not None else Shard()
+        built = build_rank_model(config, cfg, self.model_dir, self.device, self.dtype, shard)
+        model, self.kv_spec, self.kv_cache = built.model, built.kv_spec, built.kv_cache
+        self.shard = shard
         self.block_size = config.block_size
-        self.kv_spec = kv_cache_spec(config.kv_cache_dtype, self.dtype, cfg.num_layers,
-                                     self.block_size, cfg.num_kv_heads, cfg.head_dim)  # fmt: skip
-        self.num_blocks = config.num_kv_blocks or self._blocks_for_memory(config.kv_cache_gib)
-        # float: [blocks, layers, 2, block_size, kv_heads, head_dim]; quantized: [blocks, bytes]
-        self.kv_cache = self.kv_spec.allocate(self.num_blocks, self.device)
-        model.kv_spec = self.kv_spec
-        capacity = self.num_blocks * self.block_size
-        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, capacity)
-        model.init_rope(self.max_model_len, self.device)
+        self.num_blocks = built.num_blocks
+        self.max_model_len = built.max_model_len
+        if self.ranks is not None:
+            self.ranks.wait_ready()
+            self.ranks.on_failure(lambda _why: self.wake())
 
         # Engine-thread state: only ``step()`` and what it calls touch these.
         self.block_manager = BlockManager(self.num_blocks, self.block_size, config.prefix_cache)
         self.guided = GuidedDecoder(self.model_dir, cfg.vocab_size, cfg.eos_token_ids)
         self.runner = ModelRunner(model, self.kv_cache, self.block_size, self.device, self.guided)
+        self.runner.ranks = self.ranks
         # speculative decoding (``spec/``): decode-side only, a prefill worker never drafts
         target = TargetModel(self.model_dir, cfg, self.num_blocks, self.block_size, self.device,
                              self.dtype)  # fmt: skip
@@ -144,9 +151,6 @@ class LLMEngine:
     def bytes_per_block(self) -> int:
         return self.kv_spec.bytes_per_block
 
-    def _blocks_for_memory(self, gib: float) -> int:
-        return max(1, int(gib * (1 << 30)) // self.bytes_per_block)
-
     def layout_fingerprint(self) -> dict[str, object]:
         """What must match between two engines for KV blocks to be copied as bytes."""
         cfg = self.model_config
@@ -157,6 +161,7 @@ class LLMEngine:
             "num_layers": cfg.num_layers,
             "num_kv_heads": cfg.num_kv_heads,
             "head_dim": cfg.head_dim,
+            TP_KEY: self.shard.size,  # which heads each rank holds (shared/kv/tp_layout.py)
             **self.kv_spec.fingerprint(),  # element type and scale layout of the blocks
         }
 
@@ -256,6 +261,8 @@ class LLMEngine:
     def step(self) -> StepResult | None:
         """Apply posted commands, schedule, run one forward pass, apply its output. None when
         nothing happened."""
+        if self.ranks is not None and self.ranks.failure is not None:
+            raise RankFailed(self.ranks.failure)
         start_ns = time.time_ns()
         outputs: list[StepOutput] = []
         while self._commands:

@@ -1,0 +1,216 @@
+"""Rank 0's side of a tensor-parallel worker: it starts ranks 1..N-1, joins them into one
+torch.distributed group, sends each step's inputs, and notices when one dies.
+
+Each rank gets a control connection (a local socket, shown a random key first) besides the
+process group. Steps travel on it, not as a collective: a rank at rest blocks in a plain read
+(no CPU, and no collective timeout however long the worker idles), and a rank 0 that dies
+ends that read at once, so the other ranks exit with it. The process group carries only the
+all-reduces inside a step: gloo on CPU, NCCL on CUDA (a GPU per rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+import logging
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+from pdserve.services.engine.model_config import ModelConfig
+from pdserve.services.engine.outputs import StepInputs
+from pdserve.services.engine.parallel.shard import Shard
+from pdserve.shared.config import EngineConfig
+
+log = logging.getLogger("pdserve.tp")
+
+START_SECONDS = 600.0  # ranks connecting and joining the group (they load afterwards)
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a collective waits at most for a rank's load
+
+
+class RankFailed(RuntimeError):
+    """A rank of this worker died or cannot be reached: the worker cannot step any more."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def split_cpus(cpus: list[int], size: int) -> list[list[int]] | None:
+    """Contiguous CPU shares, one per rank, or None when there are fewer CPUs than ranks."""
+    if len(cpus) < size:
+        return None
+    per, extra = divmod(len(cpus), size)
+    shares, start = [], 0
+    for r in range(size):
+        end = start + per + (1 if r < extra else 0)
+        shares.append(cpus[start:end])
+        start = end
+    return shares
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank ``rank``'s device: one GPU each from rank 0's, the CPU for all on CPU."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+@dataclasses.dataclass
+class RankSpec:
+    """Everything a rank process needs to build its shard (sent as JSON on its command line)."""
+
+    rank: int
+    size: int
+    control: tuple[str, int]
+    key: str
+    init_port: int
+    config: dict
+    model_dir: str
+    device: str
+    cpus: list[int] | None
+
+
+class RankGroup:
+    """Ranks 1..N-1 of this worker, as rank 0 sees them."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.shard = Shard(0, size)
+        self.procs: list[subprocess.Popen] = []
+        self.conns: list[Connection] = []
+        self.ready: list[dict] = []  # what each rank reported once built (index: rank - 1)
+        self.failure: str | None = None
+        self._closing = False
+        self._listeners: list[Callable[[str], None]] = []
+
+    @classmethod
+    def start(
+        cls, config: EngineConfig, model_dir: Path, cfg: ModelConfig, device: torch.device
+    ) -> RankGroup:
+        """Start the other ranks, join the process group with them; they then load their shards
+        while the caller loads rank 0's. The CPUs of this process are split between the ranks
+        (unless ``--torch-threads`` fixes the threads)."""
+        import torch.distributed as dist
+
+        group = cls(config.tensor_parallel_size)
+        shares = None
+        if not config.torch_threads:
+            shares = split_cpus(sorted(os.sched_getaffinity(0)), group.size)
+        if shares is not None:
+            os.sched_setaffinity(0, shares[0])
+            torch.set_num_threads(len(shares[0]))
+        server = socket.create_server(("127.0.0.1", 0))
+        server.settimeout(1.0)
+        key, init_port = secrets.token_hex(16), free_port()
+        try:
+            for rank in range(1, group.size):
+                spec = RankSpec(rank, group.size, server.getsockname()[:2], key, init_port,
+                                dataclasses.asdict(config), str(model_dir), str(device),
+                                shares[rank] if shares else None)  # fmt: skip
+                argv = [sys.executable, "-m", "pdserve.services.engine.parallel.rank"]
+                group.procs.append(subprocess.Popen([*argv, json.dumps(dataclasses.asdict(spec))]))
+            group._accept(server, key)
+        except BaseException:
+            group.close()
+            raise
+        finally:
+            server.close()
+        for rank, proc in enumerate(group.procs, start=1):
+            threading.Thread(target=group._watch, args=(rank, proc), daemon=True).start()
+        dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{init_port}",
+                                rank=0, world_size=group.size, timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
+        group.shard.group = dist.group.WORLD
+        log.info("tensor parallel: %d ranks (%s), pids %s", group.size, backend_for(device),
+                 [p.pid for p in group.procs])  # fmt: skip
+        return group
+
+    def _accept(self, server: socket.socket, key: str) -> None:
+        by_rank: dict[int, Connection] = {}
+        deadline = time.monotonic() + START_SECONDS
+        while len(by_rank) < self.size - 1:
+            for rank, proc in enumerate(self.procs, start=1):
+                if proc.poll() is not None:
+                    raise RankFailed(f"TP rank {rank} exited with code {proc.returncode} at start")
+            if time.monotonic() > deadline:
+                raise RankFailed(f"TP ranks did not connect within {START_SECONDS:.0f}s")
+            try:
+                sock, _ = server.accept()
+            except TimeoutError:
+                continue
+            sock.settimeout(None)
+            conn = Connection(sock.detach())
+            hello = conn.recv()
+            if not (isinstance(hello, tuple) and hmac.compare_digest(str(hello[0]), key)):
+                conn.close()  # not one of ours
+                continue
+            by_rank[int(hello[1])] = conn
+        self.conns = [by_rank[r] for r in range(1, self.size)]
+
+    def wait_ready(self) -> None:
+        """Wait until every rank has built its shard; keep what each reported."""
+        self.ready = [self._recv(rank, conn) for rank, conn in enumerate(self.conns, start=1)]
+
+    def _recv(self, rank: int, conn: Connection) -> dict:
+        try:
+            kind, body = conn.recv()
+        except (EOFError, OSError) as exc:
+            raise RankFailed(self.failure or f"TP rank {rank} is gone ({exc!r})") from exc
+        if kind == "error":
+            raise RankFailed(f"TP rank {rank} failed: {body}")
+        return body
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        self._listeners.append(callback)
+
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if self._closing:
+            return
+        self.failure = f"TP rank {rank} (pid {proc.pid}) exited with code {code}"
+        log.error("%s: this worker cannot step any more", self.failure)
+        for callback in self._listeners:
+            callback(self.failure)
+
+    def send_step(self, inputs: StepInputs) -> None:
+        """The step's inputs to every other rank: once per step, before rank 0's own pass."""
+        if self.failure is not None:
+            raise RankFailed(self.failure)
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                conn.send(("step", inputs))
+            except OSError as exc:
+                raise RankFailed(self.failure or f"TP rank {rank} is gone ({exc!r})") from exc
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._closing = True
+        for conn in self.conns:
+            try:
+                conn.send(("stop", None))
+                conn.close()
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

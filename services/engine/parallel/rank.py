@@ -1,0 +1,95 @@
+"""A tensor-parallel rank other than 0: ``python -m pdserve.services.engine.parallel.rank SPEC``.
+
+It builds its shard of the model and KV cache exactly as rank 0 builds its own
+(``model_setup.py``), then runs every step rank 0 sends it, until rank 0 says stop or goes away.
+It never schedules, samples or speaks NATS.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+from pdserve.services.engine.loader import resolve_device_dtype
+from pdserve.services.engine.model_config import ModelConfig
+from pdserve.services.engine.model_runner import ModelRunner
+from pdserve.services.engine.model_setup import build_rank_model
+from pdserve.services.engine.parallel.group import (
+    COLLECTIVE_TIMEOUT,
+    RankSpec,
+    backend_for,
+    rank_device,
+)
+from pdserve.services.engine.parallel.shard import Shard
+from pdserve.shared.config import EngineConfig
+
+log = logging.getLogger("pdserve.tp")
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to end this process when rank 0 does, however rank 0 ends."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # not Linux: the closed control connection still ends the loop
+
+
+def serve(spec: RankSpec) -> None:
+    import torch.distributed as dist
+
+    die_with_parent()
+    if spec.cpus:
+        os.sched_setaffinity(0, spec.cpus)
+    config = EngineConfig(**spec.config)
+    torch.set_num_threads(config.torch_threads or len(os.sched_getaffinity(0)))
+    conn = Connection(socket.create_connection(tuple(spec.control)).detach())
+    conn.send((spec.key, spec.rank))
+    device, dtype = resolve_device_dtype(spec.device, config.dtype)
+    device = rank_device(device, spec.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{spec.init_port}",
+                            rank=spec.rank, world_size=spec.size, timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
+    shard = Shard(spec.rank, spec.size, dist.group.WORLD)
+    model_dir = Path(spec.model_dir)
+    try:
+        built = build_rank_model(
+            config, ModelConfig.from_dir(model_dir), model_dir, device, dtype, shard
+        )
+    except Exception as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"[:500]))
+        raise
+    runner = ModelRunner(built.model, built.kv_cache, config.block_size, device)
+    conn.send(("ready", {"rank": spec.rank, "pid": os.getpid(), "num_blocks": built.num_blocks}))
+    with torch.inference_mode():
+        while True:
+            try:
+                kind, body = conn.recv()
+            except (EOFError, OSError):
+                return  # rank 0 is gone: so is this worker
+            if kind == "stop":
+                return
+            runner.copy_blocks(body.block_copies)
+            runner.forward(body)
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
+    spec = RankSpec(**json.loads(argv[0]))
+    serve(spec)
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown of torch and gloo (seconds, and nothing to flush)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
