@@ -14,9 +14,20 @@ pulls on one endpoint run concurrently and never see each other's messages::
 
     decode -> prefill   on the server's control tag: u32 length + msgpack {bus_id, token,
                         fingerprint, runs: [[src, n]..], reply_to: the decode worker's UCX
-                        address, tag: T}
-    prefill -> decode   on T+1: one fixed-size reply (ok, or the reason for a refusal)
+                        address, tag: T, heads: [lo, hi], whole: bool}
+    prefill -> decode   on T+1: one fixed-size reply (ok as blocks, ok as head slices, or the
+                        reason for a refusal)
     prefill -> decode   on T+2: one message per run, straight from / into the cache tensors
+
+Tensor parallelism: each rank's cache holds only its KV heads ``[lo, hi)`` (``heads=``), and the
+two ends may run different TP sizes (fingerprints are compared without ``tensor_parallel_size``).
+A decode rank pulls each piece of its ``tp_layout.pull_plan`` from the prefill rank that holds it
+(``pull(address=, heads=)``). ``whole`` says the heads are all the puller holds; if they are also
+all the server holds, whole blocks move as above. Otherwise a run's message is, for each part of
+the storage (``split=``: values, then scales for a quantized cache), its ``[run, :, :, :, heads]``
+slice made contiguous, concatenated: packed into staging by the server (sent in place when the
+slice is contiguous), unpacked from staging into the puller's head slice (received in place when
+contiguous). The server refuses heads it does not hold.
 
 The puller posts the receive for the reply before it sends the request, and its receives into
 its blocks once the reply says yes, all on its endpoint to the server. If the data does not come

@@ -14,6 +14,8 @@ import torch
 
 from pdserve.shared.bus.protocol import KVHandle
 from pdserve.shared.kv import ucx_config, ucx_progress
+from pdserve.shared.kv.tp_layout import without_tp
+from pdserve.shared.kv.transfer.heads import Heads, HeadSlicer, Split, settle
 from pdserve.shared.kv.transfer.wire import (
     MAX_CONTROL_BYTES,
     REPLY_BYTES,
@@ -28,6 +30,7 @@ from pdserve.shared.kv.transfer.wire import (
     own_address,
     parse_address,
     pull_tag,
+    reply_sliced,
     retrieve,
     unpack_reply,
 )
@@ -38,11 +41,17 @@ log = logging.getLogger("pdserve.kv")
 @dataclass
 class _Pull:
     ep: Any
-    receiving: bool = False  # receives into our blocks are posted and not all done
+    # the server said yes, so KV is headed our way on this endpoint (and, once receives are
+    # posted, into our blocks): until all of it is in, only aborting the endpoint stops it
+    incoming: bool = False
 
 
 class KVClient:
-    """Pulls KV handles into ``kv_cache``; keeps one endpoint per prefill worker."""
+    """Pulls KV handles into ``kv_cache``; keeps one endpoint per prefill worker.
+
+    ``heads``: the global KV heads ``(lo, hi)`` this rank's cache holds (None: all of the
+    fingerprint's ``num_kv_heads``, TP 1). ``split``: the storage's parts, each ``[n, layers, 2,
+    block_size, heads, X]`` (None: the storage is its one part) - see ``heads.HeadSlicer``."""
 
     def __init__(
         self,
@@ -51,8 +60,12 @@ class KVClient:
         block_size: int,
         host: str = "127.0.0.1",
         port: int = 0,
+        *,
+        heads: Heads | None = None,
+        split: Split | None = None,
     ) -> None:
         self.kv_cache = kv_cache
+        self.slicer = HeadSlicer(kv_cache, fingerprint, heads, split)
         self.fingerprint = dict(fingerprint)
         self.block_size = block_size
         self.host = host
@@ -61,11 +74,12 @@ class KVClient:
         self._address: bytes | None = None
 
     def check(self, handle: KVHandle) -> None:
-        """Raise FingerprintMismatch unless ``handle``'s layout equals ours."""
-        if handle.fingerprint != self.fingerprint:
+        """Raise FingerprintMismatch unless ``handle``'s layout equals ours but for TP (which
+        head-sliced pulls bridge)."""
+        ours, theirs = without_tp(self.fingerprint), without_tp(handle.fingerprint)
+        if theirs != ours:
             raise FingerprintMismatch(
-                f"KV layout of {handle.worker_id} differs "
-                f"({fingerprint_diff(self.fingerprint, handle.fingerprint)})"
+                f"KV layout of {handle.worker_id} differs ({fingerprint_diff(ours, theirs)})"
             )
 
     def own_address(self) -> bytes:
@@ -89,11 +103,27 @@ class KVClient:
             self.endpoints.drop(raw, ep)
 
     async def pull(
-        self, bus_id: str, handle: KVHandle, dst_block_ids: list[int], timeout: float = 30.0
+        self,
+        bus_id: str,
+        handle: KVHandle,
+        dst_block_ids: list[int],
+        timeout: float = 30.0,
+        *,
+        address: str | None = None,
+        heads: Heads | None = None,
     ) -> TransferStats:
-        """Copy the handle's first ``ceil(num_tokens / block_size)`` blocks into ``dst_block_ids``."""
+        """Copy the handle's first ``ceil(num_tokens / block_size)`` blocks into ``dst_block_ids``:
+        global KV heads ``heads`` (default: all ours) from the KV server at ``address`` (default:
+        the handle's), which must hold all of them - one piece of a ``tp_layout.pull_plan``."""
         self.own_address()  # UCX is configured before its first use, whoever pulls first
         self.check(handle)
+        own = self.slicer.heads
+        want = own if heads is None else (int(heads[0]), int(heads[1]))
+        if not own[0] <= want[0] < want[1] <= own[1]:
+            raise KVTransferError(f"KV heads {list(want)} are not all held here {list(own)}")
+        whole = want == own
+        if not whole and self.slicer.parts is None:
+            raise KVTransferError("this KV cache cannot be head-sliced (no split given)")
         n = blocks_for_tokens(handle.num_tokens, self.block_size)
         if len(handle.block_ids) < n or len(dst_block_ids) < n:
             raise KVTransferError(
@@ -103,7 +133,7 @@ class KVClient:
         num_blocks = self.kv_cache.shape[0]
         if not all(0 <= b < num_blocks for b in dst_block_ids[:n]):
             raise KVTransferError("destination block id out of range")
-        control_tag, raw = parse_address(handle.ucx_address)
+        control_tag, raw = parse_address(address or handle.ucx_address)
         runs = block_runs(handle.block_ids[:n], dst_block_ids[:n])
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
@@ -117,17 +147,19 @@ class KVClient:
             pull = _Pull(ep)
             try:
                 stats = await asyncio.wait_for(
-                    self._pull(pull, control_tag, bus_id, handle, runs),
+                    self._pull(pull, control_tag, bus_id, handle, runs, want),
                     deadline - time.monotonic(),
                 )
                 break
             except asyncio.TimeoutError:
-                if pull.receiving:  # receives point into our blocks: only an abort cancels them
+                if pull.incoming:  # receives point into our blocks: only an abort cancels them
                     self.endpoints.drop(raw, ep)
                 raise KVTransferError(
                     f"KV pull from {handle.worker_id} timed out after {timeout}s"
                 ) from None
             except KVTransferError:  # refused: nothing of ours is left posted
+                if pull.incoming:  # unless it said yes in a form we cannot take
+                    self.endpoints.drop(raw, ep)
                 raise
             except BaseException as exc:
                 self.endpoints.drop(raw, ep)
@@ -148,8 +180,10 @@ class KVClient:
         bus_id: str,
         handle: KVHandle,
         runs: list[tuple[int, int, int]],
+        heads: Heads,
     ) -> TransferStats:
         ep, tag = pull.ep, pull_tag()
+        whole = heads == self.slicer.heads
         body = msgpack.packb(
             {
                 "bus_id": bus_id,
@@ -158,6 +192,8 @@ class KVClient:
                 "runs": [[s, n] for s, _, n in runs],
                 "reply_to": self.own_address(),
                 "tag": tag,
+                "heads": list(heads),
+                "whole": whole,
             },
             use_bin_type=True,
         )
@@ -173,16 +209,30 @@ class KVClient:
         error = unpack_reply(reply)
         if error is not None:
             raise KVTransferError(f"{handle.worker_id} refused the pull: {error}")
+        pull.incoming = True
+        sliced = reply_sliced(reply)
+        if sliced and self.slicer.parts is None or not sliced and not whole:
+            # whole blocks would overwrite heads we did not ask for; slices need our parts
+            raise KVTransferError(f"{handle.worker_id} answered in a form this cache cannot take")
         # Only now receive into our blocks: a refusal leaves nothing posted that points there.
-        views = [self.kv_cache[dst : dst + count] for _, dst, count in runs]
-        pull.receiving = True
-        received = [asyncio.ensure_future(ucx_progress.recv(ep, buffer(v), tag + 2)) for v in views]
+        if sliced:
+            landing = [self.slicer.landing(dst, count, heads) for _, dst, count in runs]
+        else:
+            landing = [(self.kv_cache[dst : dst + count], False) for _, dst, count in runs]
+        received = [
+            asyncio.ensure_future(ucx_progress.recv(ep, buffer(t), tag + 2)) for t, _ in landing
+        ]
         for fut in received:
             fut.add_done_callback(retrieve)
         await asyncio.gather(*received)
-        pull.receiving = False
+        for (_, dst, count), (staging, staged) in zip(runs, landing, strict=True):
+            if staged:
+                self.slicer.unpack(staging, dst, count, heads)
+        pull.incoming = False
+        await settle([t for t, staged in landing if staged])  # the KV is in when we return
         return TransferStats(
-            num_bytes=sum(v.numel() * v.element_size() for v in views), num_messages=len(views)
+            num_bytes=sum(t.numel() * t.element_size() for t, _ in landing),
+            num_messages=len(landing),
         )
 
     async def close(self) -> None:

@@ -10,6 +10,8 @@ import numpy as np
 import torch
 
 from pdserve.shared.kv import ucx_config, ucx_progress
+from pdserve.shared.kv.tp_layout import without_tp
+from pdserve.shared.kv.transfer.heads import Heads, HeadSlicer, Split, settle
 from pdserve.shared.kv.transfer.lease import Lease, LeaseTable
 from pdserve.shared.kv.transfer.wire import (
     MAX_CONTROL_BYTES,
@@ -32,7 +34,11 @@ log = logging.getLogger("pdserve.kv")
 
 
 class KVServer:
-    """Serves leased blocks of ``kv_cache`` to pullers that show the lease's token."""
+    """Serves leased blocks of ``kv_cache`` to pullers that show the lease's token.
+
+    ``heads``: the global KV heads ``(lo, hi)`` this rank's cache holds (None: all of the
+    fingerprint's ``num_kv_heads``, TP 1). ``split``: the storage's parts, each ``[n, layers, 2,
+    block_size, heads, X]`` (None: the storage is its one part) - see ``heads.HeadSlicer``."""
 
     def __init__(
         self,
@@ -41,8 +47,12 @@ class KVServer:
         leases: LeaseTable,
         host: str = "127.0.0.1",
         port: int = 0,
+        *,
+        heads: Heads | None = None,
+        split: Split | None = None,
     ) -> None:
         self.kv_cache = kv_cache
+        self.slicer = HeadSlicer(kv_cache, fingerprint, heads, split)
         self.fingerprint = dict(fingerprint)
         self.leases = leases
         self.host = host
@@ -117,7 +127,11 @@ class KVServer:
         if not self._authentic(req):
             self._drop(f"no valid lease token for {str(rid)[:64]!r}")
             return
-        lease, error = self._admit(req)
+        try:
+            lease, heads, sliced = self._admit(req)
+            error = None
+        except Refusal as exc:
+            lease, heads, sliced, error = None, self.slicer.heads, False, str(exc)
         ep = None
         try:
             ep, _ = await self.endpoints.get(reply_to)
@@ -129,8 +143,8 @@ class KVServer:
                 return
             self.leases.pin(lease)
             try:
-                views = [self.kv_cache[start : start + count] for start, count in req["runs"]]
-                sends = [ucx_progress.send(ep, pack_reply(None), tag + 1)]
+                views = await self._messages(req["runs"], heads, sliced)
+                sends = [ucx_progress.send(ep, pack_reply(None, sliced), tag + 1)]
                 # every run in flight at once: UCX pipelines them, one tag keeps their order
                 sends += [ucx_progress.send(ep, buffer(v), tag + 2) for v in views]
                 await self._send_all(asyncio.gather(*sends), lease)
@@ -143,6 +157,17 @@ class KVServer:
             log.info("KV pull of %s aborted: %r", rid, exc)
             if ep is not None:
                 self.endpoints.drop(reply_to, ep)  # cancels whatever is still being sent
+
+    async def _messages(
+        self, runs: list[list[int]], heads: Heads, sliced: bool
+    ) -> list[torch.Tensor]:
+        """One message per run: the blocks themselves, or their head slice (packed unless it is
+        one contiguous piece of the cache)."""
+        if not sliced:
+            return [self.kv_cache[start : start + count] for start, count in runs]
+        packed = [self.slicer.pack(start, count, heads) for start, count in runs]
+        await settle([t for t, copied in packed if copied])  # UCX must not read half a copy
+        return [t for t, _ in packed]
 
     async def _send_all(self, sends: asyncio.Future, lease: Lease) -> None:
         """Wait for a transfer's sends. A puller that gave up has cancelled its receives, so our
@@ -179,18 +204,24 @@ class KVServer:
         expected = self.leases.token_of(rid)
         return expected is not None and hmac.compare_digest(expected, token)
 
-    def _admit(self, req: dict) -> tuple[Lease | None, str | None]:
-        """Check an authentic pull request completely before any KV byte moves."""
+    def _admit(self, req: dict) -> tuple[Lease, Heads, bool]:
+        """Check an authentic pull request completely before any KV byte moves: the lease, the
+        heads to send and whether as head slices; or raise Refusal with the reason."""
         rid, fp, runs = (req.get(k) for k in ("bus_id", "fingerprint", "runs"))
         if type(fp) is not dict:
-            return None, "malformed pull request"
-        if fp != self.fingerprint:
-            return None, f"KV layout mismatch ({fingerprint_diff(self.fingerprint, fp)})"
+            raise Refusal("malformed pull request")
+        ours, theirs = without_tp(self.fingerprint), without_tp(fp)
+        if theirs != ours:  # TP alone may differ: head-sliced pulls bridge it
+            raise Refusal(f"KV layout mismatch ({fingerprint_diff(ours, theirs)})")
+        try:
+            heads, whole = self.slicer.requested(req.get("heads"), req.get("whole"))
+        except ValueError as exc:
+            raise Refusal(str(exc)) from None
         lease = self.leases.get(rid)
         if lease is None:
-            return None, f"no lease for {rid} (expired or released)"
+            raise Refusal(f"no lease for {rid} (expired or released)")
         if type(runs) is not list or not runs:
-            return None, "malformed runs"
+            raise Refusal("malformed runs")
         leased = set(lease.block_ids)
         for run in runs:
             if (
@@ -200,5 +231,10 @@ class KVServer:
                 or run[1] < 1
                 or not set(range(run[0], run[0] + run[1])) <= leased
             ):
-                return None, "requested blocks are not part of the lease"
-        return lease, None
+                raise Refusal("requested blocks are not part of the lease")
+        # whole blocks only where both caches hold exactly these heads: the same block layout
+        return lease, heads, not (whole and heads == self.slicer.heads)
+
+
+class Refusal(Exception):
+    """Why an authentic pull request is answered no."""

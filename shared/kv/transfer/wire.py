@@ -132,10 +132,13 @@ def unpack_request(data: bytes) -> dict:
     return body
 
 
-def pack_reply(error: str | None) -> np.ndarray:
+REPLY_RAW, REPLY_SLICED = 1, 2  # a yes, and how the runs travel: whole blocks or head slices
+
+
+def pack_reply(error: str | None, sliced: bool = False) -> np.ndarray:
     out = np.zeros(REPLY_BYTES, dtype=np.uint8)
     if error is None:
-        out[0] = 1
+        out[0] = REPLY_SLICED if sliced else REPLY_RAW
     else:
         text = error.encode()[: REPLY_BYTES - 1]
         out[1 : 1 + len(text)] = np.frombuffer(text, dtype=np.uint8)
@@ -143,9 +146,14 @@ def pack_reply(error: str | None) -> np.ndarray:
 
 
 def unpack_reply(reply: np.ndarray) -> str | None:
-    if reply[0] == 1:
+    if reply[0] in (REPLY_RAW, REPLY_SLICED):
         return None
     return reply[1:].tobytes().rstrip(b"\0").decode(errors="replace") or "refused"
+
+
+def reply_sliced(reply: np.ndarray) -> bool:
+    """Whether a yes says the runs come as head slices rather than whole blocks."""
+    return bool(reply[0] == REPLY_SLICED)
 
 
 class Endpoints:
