@@ -6,11 +6,18 @@ as ``PDSERVE_*`` environment variables (secrets stay out of ``ps``). Children ge
 kernel if the launcher itself dies (PR_SET_PDEATHSIG), and on Ctrl-C/SIGTERM the launcher stops
 the gateway, lets workers drain, then stops NATS: nothing is left behind.
 
-CPUs: with at least as many CPUs as workers, each worker runs on a share of its own
-(``cpu_shares``, sched affinity) and sizes its torch thread pool to that share, so two workers'
-GEMMs never preempt each other (on 2 cores, 1P1D: one core each). With fewer CPUs, the workers
-share them all and split the thread count instead. The gateway and NATS, light and mostly
-waiting, float. ``--no-split-cpus`` and ``--torch-threads`` override both.
+CPUs: with at least as many CPUs as worker ranks (a worker of TP N is N ranks), each worker runs
+on a share of its own (``cpu_shares``, sched affinity; a TP-2 worker's share is twice a TP-1
+worker's, and its rank 0 splits it between its ranks) and sizes its torch thread pool to that
+share, so two workers' GEMMs never preempt each other (on 2 cores, 1P1D: one core each). With
+fewer CPUs, the workers share them all and split the thread count between all ranks instead. The
+gateway and NATS, light and mostly waiting, float. ``--no-split-cpus`` and ``--torch-threads``
+override both.
+
+Tensor parallelism: each role runs at its own TP size (``--prefill-tensor-parallel-size``,
+``--decode-tensor-parallel-size``, else ``--tensor-parallel-size``). A size the model's heads or
+the GPUs cannot take is refused before anything starts, in one line, instead of N workers failing
+to load one after another.
 
 NATS: one private nats-server, or with ``--nats-cluster N`` N nodes routed to each other on
 loopback (a way to try a cluster, and to watch a node die: each worker connects to node
@@ -23,9 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +38,17 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from pdserve.services.processes import Child, NatsCluster, NatsServer, http_ok, spawn
+from pdserve.services.engine.model_config import ModelConfig
+from pdserve.services.processes import (
+    Child,
+    NatsCluster,
+    NatsServer,
+    cpu_shares,
+    gpu_for_worker,
+    http_ok,
+    spawn,
+    visible_gpus,
+)
 from pdserve.shared.config import (
     BusConfig,
     EngineConfig,
@@ -43,49 +58,30 @@ from pdserve.shared.config import (
     build,
     env_name,
 )
+from pdserve.shared.errors import StartupError
+from pdserve.shared.kv.tp_layout import tp_problem
 
 READY_TIMEOUT = 600.0  # loading a large model can take minutes
 STOP_GRACE = 5.0  # beyond the drain time, before SIGKILL
 
 
-def visible_gpus(env: dict[str, str] | None = None) -> list[str]:
-    """GPU ids this launcher may hand out: CUDA_VISIBLE_DEVICES if set, else ``nvidia-smi -L``.
-
-    Found without importing torch, so ``pdserve up`` starts in a blink on any machine."""
-    env = os.environ if env is None else env
-    if "CUDA_VISIBLE_DEVICES" in env:
-        return [g.strip() for g in env["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return []
-    try:
-        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
-
-
-def gpu_for_worker(index: int, gpus: list[str]) -> str | None:
-    """Round-robin over the GPUs in start order (prefill workers first, then decode), so with
-    as many GPUs as workers prefill and decode never share one. None: leave placement alone."""
-    if len(gpus) < 2:
-        return None
-    return gpus[index % len(gpus)]
-
-
-def cpu_shares(cpus: list[int], workers: int) -> list[list[int]] | None:
-    """Split ``cpus`` into one contiguous share per worker (prefill workers, which start first,
-    take the remainder: prefill is the compute-bound phase); None when there are fewer CPUs than
-    workers, which then share them all."""
-    if workers < 1 or len(cpus) < workers:
-        return None
-    size, extra = divmod(len(cpus), workers)
-    shares, start = [], 0
-    for i in range(workers):
-        end = start + size + (1 if i < extra else 0)
-        shares.append(cpus[start:end])
-        start = end
-    return shares
+def tp_refusal(
+    up: UpConfig, engine: EngineConfig, num_heads: int, num_kv_heads: int, devices: int | None
+) -> str | None:
+    """Why a role's TP size cannot serve a model with these heads on ``devices`` GPUs (None: on
+    the CPU), in one line naming the role, the flag that set the size and the numbers; or None.
+    Only roles that run workers count (no prefill worker with --prefill-workers 0)."""
+    for role, workers in (("prefill", up.prefill_workers), ("decode", up.decode_workers)):
+        tp = up.role_tensor_parallel_size(role, engine.tensor_parallel_size)
+        if workers < 1 or (problem := tp_problem(num_heads, num_kv_heads, tp, devices)) is None:
+            continue
+        own = getattr(up, f"{role}_tensor_parallel_size")
+        flag = f"--{role}-tensor-parallel-size" if own else "--tensor-parallel-size"
+        return (
+            f"{role} workers: {problem.replace('--tensor-parallel-size', flag)} (the model has "
+            f"{num_heads} attention heads and {num_kv_heads} KV heads)"
+        )
+    return None
 
 
 def registered_workers(base_url: str) -> int:
@@ -138,6 +134,10 @@ class Launcher:
         self.gpus: list[str] = []
         self.children: list[Child] = []
         self.cpu_shares: list[list[int]] | None = None  # per worker, in start order
+        self.tps = {
+            role: self.up.role_tensor_parallel_size(role, self.engine.tensor_parallel_size)
+            for role in ("prefill", "decode")
+        }
         self.stopping = False
         self.force = False
 
@@ -153,6 +153,8 @@ class Launcher:
         from pdserve.shared.models.resolve import resolve
 
         self.model = resolve(self.engine.model)
+        self.gpus = visible_gpus() if self.engine.device == "auto" else []
+        self._check_tensor_parallel()
         if self.up.nats_url:
             nats_url = self.up.nats_url
         elif self.up.nats_cluster > 1:
@@ -171,13 +173,9 @@ class Launcher:
             nats_url = self.nats.url
         bus = dataclasses.replace(self.bus, nats_url=nats_url)
         common = _values(bus, self.engine)
-        self.gpus = visible_gpus() if self.engine.device == "auto" else []
-        cpus = sorted(os.sched_getaffinity(0))
-        workers = self.up.prefill_workers + self.up.decode_workers
-        self.cpu_shares = cpu_shares(cpus, workers) if self.up.split_cpus else None
-        if self.cpu_shares is None and not self.engine.torch_threads and workers:
-            # sharing every CPU: together the workers' torch threads still fill them once
-            common["torch_threads"] = max(1, len(cpus) // workers)
+        threads = self._plan_cpus(sorted(os.sched_getaffinity(0)))
+        if threads is not None:
+            common["torch_threads"] = threads
         for i in range(self.up.prefill_workers):
             self._start_worker("prefill", i, common)
         for i in range(self.up.decode_workers):
@@ -190,6 +188,41 @@ class Launcher:
             print(f"pdserve: worker CPUs ({placed})", flush=True)
         env = service_env({**common, **_values(self.gateway)})
         self.children.append(spawn("gateway", service_argv("gateway"), env))
+
+    def _check_tensor_parallel(self) -> None:
+        """Refuse a TP size the model or the GPUs cannot take, before any process starts."""
+        if all(self.tps[role] == 1 for role, n in self._worker_counts().items() if n):
+            return  # TP 1 fits every model: no need to read its config
+        assert self.model is not None
+        config = ModelConfig.from_dir(self.model.path)
+        devices = None  # CPU ranks (gloo): as many as there are heads to split
+        if self.engine.device.startswith("cuda"):
+            devices = len(visible_gpus()) or None  # none found: leave it to CUDA to say
+        elif self.gpus:
+            devices = len(self.gpus)
+        problem = tp_refusal(self.up, self.engine, config.num_heads, config.num_kv_heads, devices)
+        if problem is not None:
+            raise StartupError(problem)
+
+    def _plan_cpus(self, cpus: list[int]) -> int | None:
+        """Give each worker its share of ``cpus`` (``self.cpu_shares``), weighed by its ranks.
+        Returns the torch threads of every rank where they share all CPUs instead (None: each
+        sizes its pool to its own share, or to --torch-threads)."""
+        ranks = [self.tps[role] for role, n in self._worker_counts().items() for _ in range(n)]
+        self.cpu_shares = cpu_shares(cpus, ranks) if self.up.split_cpus else None
+        if self.cpu_shares is not None or self.engine.torch_threads or not ranks:
+            return None
+        return max(1, len(cpus) // sum(ranks))  # together, all ranks' threads fill them once
+
+    def _worker_counts(self) -> dict[str, int]:
+        return {"prefill": self.up.prefill_workers, "decode": self.up.decode_workers}
+
+    def workers_banner(self) -> str:
+        """``prefill workers: 1 (TP 2), decode workers: 2``: the TP only where it is not 1."""
+        return ", ".join(
+            f"{role} workers: {n}" + (f" (TP {self.tps[role]})" if self.tps[role] > 1 else "")
+            for role, n in self._worker_counts().items()
+        )
 
     def _start_cluster(self) -> NatsCluster:
         if self.up.nats_cluster > 9:
@@ -207,18 +240,21 @@ class Launcher:
         return cluster
 
     def _start_worker(self, role: str, index: int, common: dict[str, object]) -> None:
+        # slot: the worker's place in start order (prefill first); first_rank: its first rank's
+        tp, slot, first_rank = self.tps[role], index, index * self.tps[role]
+        if role == "decode":
+            slot += self.up.prefill_workers
+            first_rank += self.up.prefill_workers * self.tps["prefill"]
         worker = dataclasses.replace(self.worker)
         worker.worker_id = f"{self.worker.worker_id or role}-{index}"
         if worker.metrics_port:
-            offset = index + (self.up.prefill_workers if role == "decode" else 0)
-            worker.metrics_port += offset
-        if worker.ucx_port:
-            worker.ucx_port += index + (self.up.prefill_workers if role == "decode" else 0)
-        slot = index + (self.up.prefill_workers if role == "decode" else 0)
+            worker.metrics_port += slot
+        if worker.ucx_port:  # room for a port per rank: the next worker's ports start past them
+            worker.ucx_port += first_rank
         if self.nats_cluster is not None:  # spread the workers over the nodes, each its own first
             common = {**common, "nats_url": self.nats_cluster.client_url(slot)}
-        env = service_env({**common, **_values(worker)})
-        gpu = gpu_for_worker(slot, self.gpus)
+        env = service_env({**common, **_values(worker), "tensor_parallel_size": tp})
+        gpu = gpu_for_worker(first_rank, self.gpus, tp)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
         cpus = self.cpu_shares[slot] if self.cpu_shares else None
@@ -338,11 +374,9 @@ def run(ns: argparse.Namespace) -> int:
     try:
         launcher.start()
         if launcher.wait_ready():
-            up = launcher.up
             print(
                 f"pdserve ready at http://{launcher._http_host()}:{launcher.gateway.port} "
-                f"(prefill workers: {up.prefill_workers}, decode workers: {up.decode_workers}, "
-                f"{launcher.nats_banner()})",
+                f"({launcher.workers_banner()}, {launcher.nats_banner()})",
                 flush=True,
             )
             print(f"pdserve model: {launcher.model_banner()}", flush=True)

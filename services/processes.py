@@ -1,6 +1,7 @@
 """The processes pdserve starts for itself and for tests: each service a child that leads its
 own process group (so it is stopped as a whole), and a private nats-server or a cluster of them
-(``NatsCluster``: every node routed to every other, clients listing their own node first)."""
+(``NatsCluster``: every node routed to every other, clients listing their own node first). Also
+where ``pdserve up`` places each worker: its GPUs (``gpu_for_worker``) and CPUs (``cpu_shares``)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,50 @@ def _own_group_die_with_parent() -> None:
     with contextlib.suppress(Exception):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def visible_gpus(env: dict[str, str] | None = None) -> list[str]:
+    """GPU ids this launcher may hand out: CUDA_VISIBLE_DEVICES if set, else ``nvidia-smi -L``.
+
+    Found without importing torch, so ``pdserve up`` starts in a blink on any machine."""
+    env = os.environ if env is None else env
+    if "CUDA_VISIBLE_DEVICES" in env:
+        return [g.strip() for g in env["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+
+
+def gpu_for_worker(first_rank: int, gpus: list[str], tp: int = 1) -> str | None:
+    """CUDA_VISIBLE_DEVICES of the worker whose ``tp`` ranks come ``first_rank``-th in start
+    order (prefill workers first, then decode): round-robin over the GPUs, one per rank, so with
+    as many GPUs as ranks prefill and decode never share one, and a worker's own ranks never do
+    while ``tp <= len(gpus)`` (larger is refused at start). None: leave placement alone."""
+    if len(gpus) < 2:
+        return None
+    return ",".join(gpus[(first_rank + r) % len(gpus)] for r in range(tp))
+
+
+def cpu_shares(cpus: list[int], ranks: list[int]) -> list[list[int]] | None:
+    """Split ``cpus`` into one contiguous share per worker, ``ranks[i]`` being worker i's TP
+    size. Every rank weighs the same (a TP-2 worker gets twice a TP-1 worker's share), and the
+    first ranks take the remainder: prefill workers start first, and prefill is the compute-bound
+    phase. None when there are fewer CPUs than ranks: the workers then share them all."""
+    total = sum(ranks)
+    if total < 1 or len(cpus) < total:
+        return None
+    size, extra = divmod(len(cpus), total)
+    shares, start, rank = [], 0, 0
+    for n in ranks:
+        end = start + n * size + max(0, min(n, extra - rank))
+        shares.append(cpus[start:end])
+        start, rank = end, rank + n
+    return shares
 
 
 @dataclass

@@ -240,6 +240,33 @@ class UpConfig:
         "NATS nodes pdserve up starts when --nats-url is not given; above 1 they form a cluster "
         "(routes between them on loopback) and each worker prefers its own node, round-robin",
     )
+    # Prefill is compute-bound and decode memory-bound, so the two roles may want different
+    # shardings of one model; head-sliced KV pulls bridge any pair of sizes (shared/kv/tp_layout).
+    prefill_tensor_parallel_size: int = opt(
+        0, "ranks of each prefill worker; 0 = --tensor-parallel-size"
+    )
+    decode_tensor_parallel_size: int = opt(
+        0,
+        "ranks of each decode worker (also the aggregated workers of --prefill-workers 0); "
+        "0 = --tensor-parallel-size",
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_tensor_parallel_size", "decode_tensor_parallel_size"):
+            if getattr(self, name) < 0:
+                flag = "--" + name.replace("_", "-")
+                raise StartupError(
+                    f"{flag} must be >= 0 (0 = --tensor-parallel-size), got {getattr(self, name)}"
+                )
+
+    def role_tensor_parallel_size(self, role: str, default: int) -> int:
+        """The TP size of ``role``'s workers: its own option, else ``default`` (the engine's)."""
+        own = (
+            self.prefill_tensor_parallel_size
+            if role == "prefill"
+            else self.decode_tensor_parallel_size
+        )
+        return own or default
 
 
 def env_name(name: str) -> str:

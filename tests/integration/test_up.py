@@ -302,13 +302,3 @@ def test_gpu_placement_without_torch() -> None:
     assert [gpu_for_worker(i, ["0", "1", "2", "3"]) for i in range(4)] == ["0", "1", "2", "3"]
     assert [gpu_for_worker(i, ["0", "1"]) for i in range(3)] == ["0", "1", "0"]
     assert gpu_for_worker(0, ["0"]) is None  # one GPU (or none): the engine decides
-
-
-def test_cpu_shares_split_the_cpus_between_workers() -> None:
-    from pdserve.services.launcher import cpu_shares
-
-    assert cpu_shares([0, 1], 2) == [[0], [1]]
-    assert cpu_shares([0, 1, 2, 3, 4], 2) == [[0, 1, 2], [3, 4]]  # prefill (first) gets more
-    assert cpu_shares(list(range(8)), 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert cpu_shares([0, 1], 4) is None  # fewer CPUs than workers: they share them all
-    assert cpu_shares([0, 1], 0) is None
