@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.services.engine.engine import LLMEngine
 from pdserve.services.engine.engine_thread import EngineThread
 from pdserve.services.engine.outputs import StepResult
+from pdserve.services.engine.parallel.kv_link import RankLink
 from pdserve.services.request_state import RequestState, record_queue
 from pdserve.services.worker_process import default_worker_id, set_torch_threads
 from pdserve.shared.bus.connection import Bus
@@ -79,6 +80,7 @@ class Worker:
         self._tasks: set[asyncio.Task] = set()
         self._counted = (0, 0, 0)  # engine's (preemptions, prefix queries, hits) already counted
         self._recent_cancels: dict[str, float] = {}  # request id -> when (insertion ordered)
+        self.rank_link: RankLink | None = None  # TP > 1: the other ranks' KV endpoints
 
     # -- hooks for subclasses -----------------------------------------------------------------
 
@@ -118,6 +120,21 @@ class Worker:
         """Release subclass resources (UCX listener...)."""
 
     # -- shared machinery ---------------------------------------------------------------------
+
+    async def start_rank_link(self) -> list[dict]:
+        """TP > 1: start the other ranks' KV endpoints as ours (rank r on ``--ucx-port`` + r);
+        what each reported, by rank from 1."""
+        ranks = self.engine.ranks
+        if ranks is None:
+            return []
+        self.rank_link = RankLink(ranks.kv_conns)
+        self.rank_link.start()
+        fp, port = self.engine.layout_fingerprint(), self.config.ucx_port
+        return await asyncio.gather(*(
+            self.rank_link.call(r, "start", role=self.role, fingerprint=fp,
+                                host=self.config.ucx_host, port=port + r if port else 0)
+            for r in range(1, ranks.size)
+        ))  # fmt: skip
 
     def mark_scheduled(self, state: RequestState, queue_span: str, start_ns: int) -> None:
         """The request's first engine step: it ends its queue span and its queue-time sample."""
@@ -203,6 +220,11 @@ class Worker:
         """Deadlines (of requests without a first token yet: queued, pulling, prefilling), a
         dead engine thread, subclass housekeeping. False: the worker must stop."""
         if self._engine_thread is not None and self._engine_thread.error is not None:
+            lost = self.engine.ranks.failure if self.engine.ranks is not None else None
+            if lost is not None:  # as if this worker died: gateways migrate its streams
+                log.error("%s; leaving with %d requests for others", lost, len(self.states))
+                self._stop.set()
+                return False
             log.error("engine thread died; failing %d requests and stopping", len(self.states))
             error = f"the {self.role} worker's engine failed: {self._engine_thread.error!r}"
             for state in list(self.states.values()):

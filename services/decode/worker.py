@@ -24,6 +24,7 @@ import argparse
 import logging
 import time
 
+from pdserve.services.decode.rank_pull import RankPuller
 from pdserve.services.decode.state import DecodeState, check_answer, record_generate
 from pdserve.services.engine.engine import LLMEngine
 from pdserve.services.engine.outputs import KVPull, StepOutput, StepResult
@@ -60,6 +61,7 @@ class DecodeWorker(Worker):
     def __init__(self, ns: argparse.Namespace | dict, bus: Bus | None = None) -> None:
         super().__init__(ns, bus)
         self.kv_client: KVClient | None = None
+        self.puller: RankPuller | None = None  # every rank's pieces of a pull (rank_pull.py)
         self.kv_servers: dict[str, str] = {}  # prefill worker id -> KV address connected to
         self._spec_counted = SpecCounters()  # the engine's totals already in the metrics
 
@@ -73,8 +75,14 @@ class DecodeWorker(Worker):
             self.engine.block_size,
             host=self.config.ucx_host,
             port=self.config.ucx_port,
+            heads=self.engine.kv_heads,
+            split=self.engine.kv_split,
         )
         self.kv_client.own_address()  # configure UCX now: a bad --ucx-host fails at start-up
+        await self.start_rank_link()
+        self.puller = RankPuller(
+            self.kv_client, self.rank_link, self.engine.model_config.num_kv_heads
+        )
         ucx_check.warn_at_startup(self.role)  # RDMA/GPUs UCX cannot use: TCP would carry KV
 
     async def close_extra(self) -> None:
@@ -206,7 +214,7 @@ class DecodeWorker(Worker):
         start_ns = time.time_ns()
         timeout = max(0.1, min(PULL_TIMEOUT, state.deadline - time.time()))
         try:
-            stats = await self.kv_client.pull(rid, handle, blocks, timeout=timeout)
+            stats, pieces = await self.puller.pull(rid, handle, blocks, timeout)
         except KVTransferError as exc:
             log.warning("KV pull for %s from %s failed: %s", rid, handle.worker_id, exc)
             self.engine.kv_failed(rid, str(exc))
@@ -219,20 +227,25 @@ class DecodeWorker(Worker):
         self.engine.kv_ready(rid)
         self.metrics.kv_transfer_seconds.observe(stats.seconds)
         self.metrics.kv_transfer_bytes.inc(stats.num_bytes)
-        tracing.record_span(
-            tracing.SPAN_KV_TRANSFER,
-            start_ns,
-            time.time_ns(),
-            context=state.context,
-            attributes={
+        for piece in pieces:  # one span per rank pair
+            attributes = {
                 **tracing.kv_transfer_attributes(
-                    state.client_id, stats.num_bytes, stats.num_blocks, stats.seconds, "ucx"
-                ),
+                    state.client_id,
+                    piece.stats.num_bytes,
+                    piece.stats.num_blocks,
+                    piece.stats.seconds,
+                    "ucx",
+                ),  # fmt: skip
                 tracing.ATTR_WORKER_ID: self.worker_id,
-                "pdserve.kv.messages": stats.num_messages,
+                "pdserve.kv.messages": piece.stats.num_messages,
                 "pdserve.prefill_worker": handle.worker_id,
-            },
-        )
+                "pdserve.kv.decode_rank": piece.decode_rank,
+                "pdserve.kv.prefill_rank": piece.piece.prefill_rank,
+                "pdserve.kv.heads": f"{piece.piece.lo}-{piece.piece.hi}",
+            }
+            end_ns = start_ns + int(piece.stats.seconds * 1e9)
+            tracing.record_span(tracing.SPAN_KV_TRANSFER, start_ns, end_ns,
+                                context=state.context, attributes=attributes)  # fmt: skip
 
     async def _release_lease(self, bus_id: str, handle: KVHandle) -> None:
         try:

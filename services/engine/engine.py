@@ -47,7 +47,7 @@ from pdserve.services.engine.guided import GuidedDecoder
 from pdserve.services.engine.loader import resolve_device_dtype
 from pdserve.services.engine.model_config import ModelConfig
 from pdserve.services.engine.model_runner import ModelRunner
-from pdserve.services.engine.model_setup import build_rank_model
+from pdserve.services.engine.model_setup import build_rank_model, kv_parts
 from pdserve.services.engine.outputs import (
     EngineStats,
     KVPull,
@@ -64,6 +64,7 @@ from pdserve.services.engine.spec import TargetModel, build_speculator
 from pdserve.shared.config import EngineConfig
 from pdserve.shared.errors import StartupError
 from pdserve.shared.kv.tp_layout import TP_KEY, tp_problem
+from pdserve.shared.kv.transfer.heads import Split
 from pdserve.shared.models.resolve import describe, resolve
 from pdserve.shared.sampling import SamplingParams
 
@@ -146,6 +147,20 @@ class LLMEngine:
             )
 
     # ---- sizing and layout -------------------------------------------------------------------
+
+    @property
+    def kv_heads(self) -> tuple[int, int]:
+        """The global KV heads this rank's cache holds (all of them at TP 1)."""
+        return self.shard.kv_heads(self.model_config)
+
+    @property
+    def kv_split(self) -> Split:
+        return kv_parts(self.kv_spec)
+
+    def close(self) -> None:
+        """Stop the other TP ranks (tests and benchmarks; a worker process just exits)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     @property
     def bytes_per_block(self) -> int:

@@ -14,6 +14,7 @@ from pdserve.services.engine.model_config import ModelConfig
 from pdserve.services.engine.parallel.shard import Shard
 from pdserve.services.engine.quant.kv_cache import KVCacheSpec, kv_cache_spec
 from pdserve.shared.config import EngineConfig
+from pdserve.shared.kv.transfer.heads import Split
 
 
 def cache_spec(
@@ -31,6 +32,12 @@ def num_blocks_for(config: EngineConfig, spec: KVCacheSpec) -> int:
     return config.num_kv_blocks or max(
         1, int(config.kv_cache_gib * (1 << 30)) // spec.bytes_per_block
     )
+
+
+def kv_parts(spec: KVCacheSpec) -> Split:
+    """How the KV transfer cuts this cache's storage into parts with a heads dim (values, and
+    a quantized cache's scales): what head-sliced pulls slice."""
+    return lambda storage: [t for t in spec.split(storage) if t is not None]
 
 
 @dataclass

@@ -40,6 +40,7 @@ class PrefillWorker(Worker):
         super().__init__(ns, bus)
         self.leases = LeaseTable(self._free_lease)
         self.kv_server: KVServer | None = None
+        self.rank_addresses: list[str] = []  # TP > 1: every rank's KV server, by rank
 
     def make_engine(self) -> LLMEngine:
         return LLMEngine(self.engine_config, prefill_only=True)
@@ -51,8 +52,13 @@ class PrefillWorker(Worker):
             self.leases,
             host=self.config.ucx_host,
             port=self.config.ucx_port,
+            heads=self.engine.kv_heads,
+            split=self.engine.kv_split,
         )
         await self.kv_server.start()
+        others = await self.start_rank_link()
+        if others:  # TP > 1: each rank serves its own heads
+            self.rank_addresses = [self.kv_server.address] + [r["address"] for r in others]
         ucx_check.warn_at_startup(self.role)  # RDMA/GPUs UCX cannot use: TCP would carry KV
 
     async def close_extra(self) -> None:
@@ -161,9 +167,8 @@ class PrefillWorker(Worker):
                 first_logprobs=out.logprobs,
                 prompt_logprobs=out.prompt_logprobs,
             )
-            self.spawn(
-                self._reply(state.reply_to, result, tracing.inject_headers(context=state.context))
-            )
+            headers = tracing.inject_headers(context=state.context)
+            self.spawn(self._mirror_then_reply(state.reply_to, result, headers))
         self.update_metrics()
 
     def make_handle(self, lease: Lease) -> KVHandle:
@@ -176,7 +181,25 @@ class PrefillWorker(Worker):
             fingerprint=self.engine.layout_fingerprint(),
             lease_expires=lease.expires,
             token=lease.token,
+            rank_addresses=list(self.rank_addresses),
         )
+
+    async def _mirror_then_reply(self, reply_to: str, result: PrefillResult, headers: dict) -> None:
+        """TP > 1: every rank knows the lease before any decode worker can ask for it."""
+        lease = self.leases.get(result.bus_id) if result.kv is not None else None
+        if lease is not None and self.rank_link is not None:
+            try:
+                await self.rank_link.call_all("lease", bus_id=lease.bus_id,
+                                              block_ids=lease.block_ids,
+                                              num_tokens=lease.num_tokens,
+                                              expires=lease.expires, token=lease.token)  # fmt: skip
+            except Exception as exc:  # a rank is gone: the pull fails and the worker leaves
+                log.error("could not hand the lease of %s to every rank: %s", lease.bus_id, exc)
+        await self._reply(reply_to, result, headers)
+
+    def _release(self, bus_id: str) -> None:
+        if self.leases.release(bus_id) and self.rank_link is not None:
+            self.spawn(self.rank_link.call_all("release", bus_id=bus_id))
 
     def _record_forward(self, step: StepResult) -> None:
         """prefill.queue once per request, prefill.forward per forward pass it took part in."""
@@ -193,14 +216,14 @@ class PrefillWorker(Worker):
         self.engine.release(bus_id)  # waiting prompts may fit now
 
     async def _on_release(self, msg: ReleaseLease, headers: dict[str, str]) -> None:
-        self.leases.release(msg.bus_id)
+        self._release(msg.bus_id)
         self.update_metrics()
 
     async def on_cancel(self, bus_id: str) -> None:
         if self.states.pop(bus_id, None) is not None:
             self.engine.abort(bus_id)
         else:
-            self.leases.release(bus_id)
+            self._release(bus_id)
 
     async def fail(self, state: RequestState, code: str, text: str) -> None:
         self.states.pop(state.bus_id, None)

@@ -61,8 +61,8 @@ from pdserve.shared.sampling import (
     TokenLogprobs,
 )
 
-PROTOCOL_VERSION = 5  # 3: n choices, log-probs, penalties, structured output; 4: positions;
-# 5: one name per id (bus_id on the bus, client_id for the x-request-id)
+PROTOCOL_VERSION = 6  # 3: n choices, log-probs, penalties, structured output; 4: positions;
+# 5: one name per id (bus_id on the bus, client_id for the x-request-id); 6: TP ranks' KV servers
 
 ROLES = ("prefill", "decode")
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -97,6 +97,8 @@ class KVHandle:
     # Per-lease secret: the KV server answers only whoever shows it, so a peer that can reach
     # UCX but did not read the PrefillResult off the bus gets nothing, not even a reply.
     token: str = text(max_len=64, default="")
+    # a prefill worker of TP > 1: every rank's KV server (rank 0's is ucx_address), by rank
+    rank_addresses: list[str] = bounded(default=[], max_len=64)
 
 
 @dataclass

@@ -95,7 +95,8 @@ class RankGroup:
         self.size = size
         self.shard = Shard(0, size)
         self.procs: list[subprocess.Popen] = []
-        self.conns: list[Connection] = []
+        self.conns: list[Connection] = []  # steps, rank r at index r - 1
+        self.kv_conns: list[Connection] = []  # the ranks' KV agents (kv_link.py)
         self.ready: list[dict] = []  # what each rank reported once built (index: rank - 1)
         self.failure: str | None = None
         self._closing = False
@@ -143,9 +144,9 @@ class RankGroup:
         return group
 
     def _accept(self, server: socket.socket, key: str) -> None:
-        by_rank: dict[int, Connection] = {}
+        by_rank: dict[tuple[int, str], Connection] = {}
         deadline = time.monotonic() + START_SECONDS
-        while len(by_rank) < self.size - 1:
+        while len(by_rank) < 2 * (self.size - 1):
             for rank, proc in enumerate(self.procs, start=1):
                 if proc.poll() is not None:
                     raise RankFailed(f"TP rank {rank} exited with code {proc.returncode} at start")
@@ -161,8 +162,9 @@ class RankGroup:
             if not (isinstance(hello, tuple) and hmac.compare_digest(str(hello[0]), key)):
                 conn.close()  # not one of ours
                 continue
-            by_rank[int(hello[1])] = conn
-        self.conns = [by_rank[r] for r in range(1, self.size)]
+            by_rank[int(hello[1]), str(hello[2])] = conn
+        self.conns = [by_rank[r, "step"] for r in range(1, self.size)]
+        self.kv_conns = [by_rank[r, "kv"] for r in range(1, self.size)]
 
     def wait_ready(self) -> None:
         """Wait until every rank has built its shard; keep what each reported."""
@@ -204,6 +206,11 @@ class RankGroup:
         for conn in self.conns:
             try:
                 conn.send(("stop", None))
+                conn.close()
+            except OSError:
+                pass
+        for conn in self.kv_conns:
+            try:
                 conn.close()
             except OSError:
                 pass

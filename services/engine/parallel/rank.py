@@ -22,13 +22,14 @@ import torch
 from pdserve.services.engine.loader import resolve_device_dtype
 from pdserve.services.engine.model_config import ModelConfig
 from pdserve.services.engine.model_runner import ModelRunner
-from pdserve.services.engine.model_setup import build_rank_model
+from pdserve.services.engine.model_setup import build_rank_model, kv_parts
 from pdserve.services.engine.parallel.group import (
     COLLECTIVE_TIMEOUT,
     RankSpec,
     backend_for,
     rank_device,
 )
+from pdserve.services.engine.parallel.kv_agent import KVAgent
 from pdserve.services.engine.parallel.shard import Shard
 from pdserve.shared.config import EngineConfig
 
@@ -53,7 +54,9 @@ def serve(spec: RankSpec) -> None:
     config = EngineConfig(**spec.config)
     torch.set_num_threads(config.torch_threads or len(os.sched_getaffinity(0)))
     conn = Connection(socket.create_connection(tuple(spec.control)).detach())
-    conn.send((spec.key, spec.rank))
+    conn.send((spec.key, spec.rank, "step"))
+    kv_conn = Connection(socket.create_connection(tuple(spec.control)).detach())
+    kv_conn.send((spec.key, spec.rank, "kv"))
     device, dtype = resolve_device_dtype(spec.device, config.dtype)
     device = rank_device(device, spec.rank)
     if device.type == "cuda":
@@ -70,6 +73,9 @@ def serve(spec: RankSpec) -> None:
         conn.send(("error", f"{type(exc).__name__}: {exc}"[:500]))
         raise
     runner = ModelRunner(built.model, built.kv_cache, config.block_size, device)
+    agent = KVAgent(kv_conn, built.kv_cache, shard.kv_heads(built.model.cfg),
+                    kv_parts(built.kv_spec), config.block_size)  # fmt: skip
+    agent.start()
     conn.send(("ready", {"rank": spec.rank, "pid": os.getpid(), "num_blocks": built.num_blocks}))
     with torch.inference_mode():
         while True:
