@@ -22,10 +22,17 @@ import json
 import struct
 from collections.abc import Mapping, Sequence
 
+from pdserve.shared.kv.tp_layout import without_tp
+
 
 def layout_id(fingerprint: Mapping[str, object]) -> str:
-    """16 hex digits naming ``fingerprint``; equal fingerprints give equal names on any host."""
-    blob = json.dumps(dict(fingerprint), sort_keys=True, separators=(",", ":"), default=str)
+    """16 hex digits naming what a puller must share with ``fingerprint``; equal on any host.
+
+    Everything but the tensor-parallel size: head-sliced pulls move KV between any two TP
+    layouts of one model (``tp_layout.py``), so a TP-2 prefill worker pairs with TP-1 decode
+    workers, and the gateway routes by what can actually be pulled."""
+    blob = json.dumps(without_tp(dict(fingerprint)), sort_keys=True, separators=(",", ":"),
+                      default=str)  # fmt: skip
     return hashlib.blake2b(blob.encode(), digest_size=8).hexdigest()
 
 

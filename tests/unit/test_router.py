@@ -15,6 +15,7 @@ from pdserve.shared.bus.protocol import KVEvents, WorkerLoad
 from pdserve.shared.discovery.announce import KVEventPublisher
 from pdserve.shared.discovery.worker_registry import WorkerRegistry
 from pdserve.shared.kv.layout import layout_id, prefix_block_hashes
+from pdserve.shared.kv.tp_layout import TP_KEY
 from pdserve.shared.sampling import SamplingParams
 
 BS = 16
@@ -257,3 +258,17 @@ def test_layout_id_is_stable_and_order_free():
     assert layout_id(a) == layout_id(dict(reversed(list(a.items()))))
     assert layout_id(a) != layout_id({**a, "kv_dtype": "float32"})
     assert len(layout_id(a)) == 16
+
+
+def test_tp_sizes_pair_where_head_sliced_pulls_bridge_them():
+    """A TP-2 prefill worker's blocks go to TP-1 decode workers of the same layout: each decode
+    rank pulls its heads from whichever prefill ranks hold them (shared/kv/tp_layout.py)."""
+    base = {"model": MODEL, "dtype": "float32", "block_size": 16, "num_kv_heads": 4}
+    tp1, tp2 = layout_id({**base, TP_KEY: 1}), layout_id({**base, TP_KEY: 2})
+    assert tp1 == tp2 == layout_id(base)
+    decode = [
+        replace(decode_load("d-tp1"), kv_layout=tp1),
+        replace(decode_load("d-int8"), kv_layout=layout_id({**base, "kv_dtype": "int8"})),
+    ]
+    router = Router(lambda role: [] if role == "prefill" else decode, BS, model=MODEL)
+    assert router.pick_decode(100, kv_layout=tp2) == "d-tp1"
