@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 
+from pdserve.services.decode.rank_pull import RankPuller
 from pdserve.services.decode.worker import DecodeWorker
 from pdserve.services.engine.engine import LLMEngine
 from pdserve.services.prefill.worker import PrefillWorker
@@ -63,7 +64,10 @@ class CopyKV:
         self.gate: asyncio.Event | None = None  # set: pulls wait for it
         self.started = asyncio.Event()
 
-    async def pull(self, bus_id, handle: KVHandle, dst, timeout) -> TransferStats:
+    def check(self, handle: KVHandle) -> None:
+        pass
+
+    async def pull(self, bus_id, handle: KVHandle, dst, timeout, address=None, heads=None):
         self.started.set()
         if self.gate is not None:
             await self.gate.wait()
@@ -152,6 +156,7 @@ class Stack:
         self.kv = {d: CopyKV(engines[d], self.prefills) for d in ("d0", "d1")}
         for d, client in self.kv.items():
             self.workers[d].kv_client = client
+            self.workers[d].puller = RankPuller(client, None, engines[d].model_config.num_kv_heads)
 
     def _bus(self, wid: str) -> MemoryBus:
         return MemoryBus(BusConfig(namespace=NS), wid, network=self.net)
