@@ -2,15 +2,31 @@
 # One-shot kernel check for a lent GPU machine (torch + triton, no internet, minutes of time):
 #   1. the Triton kernel tests (multi-query decode included), compiled on CUDA in bf16 (no
 #      interpreter), vs the float64 twins and per-sequence float64 attention;
-#   2. the kernel benchmark on the two target cases with a config sweep (tuning data);
-#   3. the full kernel benchmark with the default configs;
-#   4. issue 18's quantized kernels: INT8 weight-only linear vs bf16 cuBLAS, decode attention
+#   2. the engine's tensor-parallel code path at TP 1 on the GPU (issue 28, perf/tp_check.py):
+#      LLMEngine with tensor_parallel_size=1 on cuda (the default, given explicitly), a short
+#      greedy generate of the demo model, and its layout fingerprint's tensor_parallel_size = 1;
+#   3. the kernel benchmark on the two target cases with a config sweep (tuning data);
+#   4. the full kernel benchmark with the default configs;
+#   5. issue 18's quantized kernels: INT8 weight-only linear vs bf16 cuBLAS, decode attention
 #      over int8 / fp8_e4m3 caches vs bf16 (perf/quant_kernels_bench.py --quick).
 # Everything lands in OUTDIR (default perf/results/gpu_check). Each step has its own timeout;
-# the worst case stays under ~9.5 minutes. Exit status: 0 only if tests pass and every timed
-# Triton result matched SDPA.
+# the worst case stays under ~10 minutes. Exit status: 0 only if tests pass, the TP-1 engine
+# check passes and every timed Triton result matched SDPA.
 #
 #   bash perf/gpu_check.sh [OUTDIR]
+#
+# A lent machine has one GPU, so NCCL at TP 2 (a GPU per rank) is not run here. On a host with
+# two or more GPUs (perf/README.md, "Tensor parallelism on GPUs"):
+#   python -m perf.tp_check --device cuda --tensor-parallel-size 2 --dtype float32 --compare
+#   pdserve up --device cuda --prefill-tensor-parallel-size 2 --decode-tensor-parallel-size 2 \
+#       --model demo              # rank r of every worker on cuda:r (--device auto: round-robin)
+#   pdserve doctor --nats-url URL   # URL: the "nats:" line of up; lists each rank's transports
+#
+# Python packages a bare torch machine may lack are borrowed from a dev venv that travelled
+# along (.venv/lib/python3.*/site-packages) or from the folder $GPU_CHECK_SITE: pytest (pytest
+# _pytest pluggy iniconfig packaging pygments) for step 1, and llguidance (+ its .dist-info),
+# msgpack and safetensors for step 2 (abi3 builds, and msgpack falls back to pure Python: any
+# Python 3 takes them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-perf/results/gpu_check}"
@@ -44,24 +60,41 @@ export PDSERVE_KERNEL_TEST_DTYPE=bfloat16
 unset TRITON_INTERPRET
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-# pytest is pure Python: if the machine lacks it, borrow the dev venv's copy when it travelled
-# along (carry .venv/lib/python3.*/site-packages/{pytest,_pytest,pluggy,iniconfig,packaging,pygments}).
-if ! "$PY" -c "import pytest" > /dev/null 2>&1; then
-    for site in .venv/lib/python3*/site-packages; do
-        [ -d "$site/_pytest" ] || continue
+# `pdserve` is the repository itself (pyproject maps the namespace onto its folders): without an
+# install, a link named pdserve to it does the same.
+if ! "$PY" -c "import pdserve.kernels" > /dev/null 2>&1; then
+    shim="$(mktemp -d)"
+    ln -s "$PWD" "$shim/pdserve"
+    export PYTHONPATH="$shim:$PYTHONPATH"
+fi
+
+# borrow MODULE PACKAGE...: when "$PY" cannot import MODULE, link PACKAGE... (names in a
+# site-packages folder, globs allowed) from the first folder that has them (see the header).
+borrow() {
+    local module="$1" shim site entry path
+    shift
+    "$PY" -c "import $module" > /dev/null 2>&1 && return 0
+    for site in ${GPU_CHECK_SITE:-} .venv/lib/python3*/site-packages; do
+        [ -e "$site/$1" ] || continue
         shim="$(mktemp -d)"
-        for pkg in pytest _pytest pluggy iniconfig packaging pygments py.py; do
-            [ -e "$site/$pkg" ] && ln -s "$PWD/$site/$pkg" "$shim/$pkg"
+        for entry in "$@"; do
+            for path in "$site"/$entry; do
+                [ -e "$path" ] && ln -s "$(cd "$(dirname "$path")" && pwd)/$(basename "$path")" "$shim/"
+            done
         done
         export PYTHONPATH="$PYTHONPATH:$shim"
-        break
+        return 0
     done
-fi
+}
+borrow pytest pytest _pytest pluggy iniconfig packaging pygments py.py
+borrow llguidance llguidance "llguidance-*.dist-info"
+borrow msgpack msgpack
+borrow safetensors safetensors
 
 status=0
 if "$PY" -c "import pytest" > /dev/null 2>&1; then
     log "kernel tests (cuda, bf16)..."
-    timeout -k 5 240 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" \
+    timeout -k 5 200 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" \
         tests/kernels/test_triton_kernels.py tests/kernels/test_verify_attention.py \
         tests/kernels/test_kv_quant*.py tests/kernels/test_int8_group.py \
         --junitxml="$OUT/kernel_tests.xml" \
@@ -73,6 +106,14 @@ else
     log "pytest not importable: kernel tests skipped (the benchmark still checks against SDPA)"
     status=1
 fi
+
+log "engine at TP 1 on cuda (tensor-parallel path, issue 28)..."
+# the demo model's weights go to a throwaway cache, not the machine's
+PDSERVE_CACHE_DIR="$(mktemp -d)" timeout -k 5 60 "$PY" -m perf.tp_check --device cuda \
+    --tensor-parallel-size 1 --json "$OUT/tp1.json" > "$OUT/tp1.txt" 2>&1
+rc=$?
+log "tp1 rc=$rc: $(grep '^tp_check' "$OUT/tp1.txt" || tail -n 1 "$OUT/tp1.txt")"
+[ $rc -eq 0 ] || status=1
 
 log "benchmark, target cases, config sweep..."
 timeout -k 5 120 "$PY" -m perf.kernels_bench --quick --sweep --json "$OUT/bench_sweep.json" \

@@ -12,7 +12,8 @@ The probe's sequence id is the probe id itself, so it cannot collide with a requ
 gateway ids) and shows up under that name in logs if anything goes wrong.
 
 Each handler is handed exactly what it uses - the worker's engine, its lease table or KV client,
-its id and whether it drains - so this module knows no worker (the workers import it).
+its id, whether it drains and its TP ranks - so this module knows no worker (the workers import
+it). Every reply says which UCX transports the worker's ranks use, for the doctor to report.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -88,6 +89,14 @@ async def _hold_block(
         raise
 
 
+def _with_ranks(reply: ProbeLeaseReply | ProbePullReply, ranks: Sequence[dict]) -> None:
+    """The worker's transport facts: its warnings, and a TP worker's ranks (``Worker.tp_ranks``:
+    pid and UCX transports of each, by rank)."""
+    reply.warnings = ucx_check.transport_warnings()
+    reply.rank_pids = [r["pid"] for r in ranks]
+    reply.rank_transports = [list(r["transports"]) for r in ranks]
+
+
 async def lease_probe(
     req: ProbeLeaseRequest,
     engine: LLMEngine,
@@ -95,11 +104,12 @@ async def lease_probe(
     make_handle: Callable[[Lease], KVHandle],
     worker_id: str,
     draining: bool,
+    ranks: Sequence[dict] = (),
 ) -> ProbeLeaseReply:
     """Lease one block filled with the probe's pattern, as a prefill result leases its KV
     (``make_handle``: the prefill worker's, which names its KV server)."""
     reply = ProbeLeaseReply(req.probe_id, worker_id, "refused")
-    reply.warnings = ucx_check.transport_warnings()
+    _with_ranks(reply, ranks)
     reply.error = _bad_probe(leases, req.probe_id)
     block = reply.error or await _hold_block(engine, req.probe_id, worker_id, draining)
     if isinstance(block, str):
@@ -118,11 +128,16 @@ async def lease_probe(
 
 
 async def pull_probe(
-    req: ProbePullRequest, engine: LLMEngine, kv_client: KVClient, worker_id: str, draining: bool
+    req: ProbePullRequest,
+    engine: LLMEngine,
+    kv_client: KVClient,
+    worker_id: str,
+    draining: bool,
+    ranks: Sequence[dict] = (),
 ) -> ProbePullReply:
     """Pull the probe's block ``req.pulls`` times into a free block, check it, free it."""
     reply = ProbePullReply(req.probe_id, worker_id, "refused")
-    reply.warnings = ucx_check.transport_warnings()
+    _with_ranks(reply, ranks)
     block = await _hold_block(engine, req.probe_id, worker_id, draining)
     if isinstance(block, str):
         reply.error = block

@@ -37,7 +37,7 @@ from pdserve.shared.discovery.announce import (
     KVEventPublisher,
     register_micro_service,
 )
-from pdserve.shared.kv import ucx_config
+from pdserve.shared.kv import ucx_check, ucx_config
 from pdserve.shared.kv.layout import layout_id
 from pdserve.shared.telemetry import tracing
 from pdserve.shared.telemetry.metrics import WorkerMetrics, start_metrics_server
@@ -81,6 +81,8 @@ class Worker:
         self._counted = (0, 0, 0)  # engine's (preemptions, prefix queries, hits) already counted
         self._recent_cancels: dict[str, float] = {}  # request id -> when (insertion ordered)
         self.rank_link: RankLink | None = None  # TP > 1: the other ranks' KV endpoints
+        # TP > 1: every rank's pid and UCX transports, by rank (the doctor's probes report them)
+        self.tp_ranks: list[dict] = []
 
     # -- hooks for subclasses -----------------------------------------------------------------
 
@@ -123,18 +125,25 @@ class Worker:
 
     async def start_rank_link(self) -> list[dict]:
         """TP > 1: start the other ranks' KV endpoints as ours (rank r on ``--ucx-port`` + r);
-        what each reported, by rank from 1."""
+        what each reported, by rank from 1. Call it once our own endpoint is up: ``tp_ranks``
+        gets each rank's pid and UCX transports, ours included."""
         ranks = self.engine.ranks
         if ranks is None:
             return []
         self.rank_link = RankLink(ranks.kv_conns)
         self.rank_link.start()
         fp, port = self.engine.layout_fingerprint(), self.config.ucx_port
-        return await asyncio.gather(*(
+        others = await asyncio.gather(*(
             self.rank_link.call(r, "start", role=self.role, fingerprint=fp,
                                 host=self.config.ucx_host, port=port + r if port else 0)
             for r in range(1, ranks.size)
         ))  # fmt: skip
+        mine = {"pid": os.getpid(), "transports": ucx_check.process_transports()}
+        self.tp_ranks = [
+            {"rank": r, "pid": got["pid"], "transports": got["transports"]}
+            for r, got in enumerate([mine, *others])
+        ]
+        return others
 
     def mark_scheduled(self, state: RequestState, queue_span: str, start_ns: int) -> None:
         """The request's first engine step: it ends its queue span and its queue-time sample."""

@@ -99,7 +99,8 @@ class DecodeWorker(Worker):
         await answer_probes(self.bus, self.worker_id, (ProbePullRequest,), self._on_probe)
 
     async def _on_probe(self, req: ProbePullRequest) -> ProbePullReply:
-        return await pull_probe(req, self.engine, self.kv_client, self.worker_id, self.draining)
+        return await pull_probe(req, self.engine, self.kv_client, self.worker_id, self.draining,
+                                self.tp_ranks)  # fmt: skip
 
     async def _on_prefill_load(
         self, load: WorkerLoad | WorkerGone, headers: dict[str, str]

@@ -76,9 +76,8 @@ class PrefillWorker(Worker):
         await answer_probes(self.bus, self.worker_id, (ProbeLeaseRequest,), self._on_probe)
 
     async def _on_probe(self, req: ProbeLeaseRequest) -> ProbeLeaseReply:
-        return await lease_probe(
-            req, self.engine, self.leases, self.make_handle, self.worker_id, self.draining
-        )
+        return await lease_probe(req, self.engine, self.leases, self.make_handle, self.worker_id,
+                                 self.draining, self.tp_ranks)  # fmt: skip
 
     def load_extra(self) -> dict:
         return {"ucx_address": self.kv_server.address if self.kv_server else ""}

@@ -9,7 +9,8 @@ benchmarks:
    hardware that UCX left unused, and pdserve's KV pull against a raw UCX send of the same bytes
    at each ``--sizes-mib``;
 2. with ``--nats-url``, against a running stack (``shared/doctor/stack.py``): every decode
-   worker pulls a one-block probe lease from every prefill worker.
+   worker pulls a one-block probe lease from every prefill worker, and workers of tensor
+   parallel size > 1 list their ranks: each one's pid and the UCX transports of its KV endpoint.
 
 Exit status: 0 when nothing failed (warnings allowed), 1 when a check failed, 2 when the input
 is unusable (NATS unreachable, ``--ucx-host`` not on this machine, nonsense sizes) - that last

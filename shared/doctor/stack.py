@@ -4,7 +4,9 @@ Workers are found by their heartbeats on the bus. Each prefill worker is asked f
 of one block, each decode worker pulls every such lease a few times and reports how long each
 pull took and whether the bytes were right, then the leases are released (see
 ``shared/kv/probe.py``; the workers' side is ``services/probe.py``). The first pull of a pair
-includes setting up its UCX endpoint unless the decode worker had already connected.
+includes setting up its UCX endpoint unless the decode worker had already connected. Every
+reply carries the worker's UCX warnings and, for TP > 1, each rank's pid and UCX transports
+(``shared/doctor/ranks.py`` reports them).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from nats.errors import NoRespondersError
 from pdserve.shared.bus.connection import Bus
 from pdserve.shared.bus.protocol import ReleaseLease, WorkerGone, WorkerLoad
 from pdserve.shared.config import BusConfig
+from pdserve.shared.doctor.ranks import RankFacts, add_rank_check
 from pdserve.shared.doctor.report import FAIL, INFO, OK, WARN, DoctorInputError, Report
 from pdserve.shared.kv.probe import (
     PROBE_PREFIX,
@@ -71,6 +74,7 @@ class StackCheck:
         self.bus = Bus(config, f"doctor-{os.getpid()}")
         self.loads: dict[str, WorkerLoad] = {}
         self.warnings: dict[str, tuple[str, ...]] = {}  # worker id -> its transport warnings
+        self.ranks: dict[str, RankFacts] = {}  # worker id -> its TP ranks' pids and transports
         self.listening_since = 0.0
 
     async def connect(self) -> None:
@@ -121,6 +125,7 @@ class StackCheck:
         try:
             await self._pull_probes(report, decode, leases)
             self.add_worker_warnings(report)
+            add_rank_check(report, self.ranks)
         finally:
             for worker_id, lease in leases.items():
                 with contextlib.suppress(Exception):
@@ -151,7 +156,7 @@ class StackCheck:
             if isinstance(reply, str):
                 report.add("probe lease", FAIL, reply)
                 continue
-            self.warnings[worker_id] = tuple(reply.warnings)
+            self._heard(worker_id, reply)
             if reply.status != "ok" or reply.kv is None:
                 status = WARN if reply.status == "refused" else FAIL
                 report.add("probe lease", status, f"{worker_id} refused: {reply.error}")
@@ -172,7 +177,7 @@ class StackCheck:
                 if isinstance(reply, str):
                     report.add("KV pull", FAIL, f"{pair}: {reply}")
                     continue
-                self.warnings[worker_id] = tuple(reply.warnings)
+                self._heard(worker_id, reply)
                 if reply.status != "ok":
                     status = WARN if reply.status == "refused" else FAIL
                     report.add("KV pull", status, f"{pair}: {reply.status}: {reply.error}")
@@ -195,6 +200,11 @@ class StackCheck:
                 f"{len(fine)} worker pairs, bytes verified: first pull {_ms(min(firsts))}-"
                 f"{_ms(max(firsts))}, then {_ms(min(thens))}-{_ms(max(thens))}",
             )
+
+    def _heard(self, worker_id: str, reply: ProbeLeaseReply | ProbePullReply) -> None:
+        """What a worker's probe reply says about its transports, whatever its status."""
+        self.warnings[worker_id] = tuple(reply.warnings)
+        self.ranks[worker_id] = (list(reply.rank_pids), list(reply.rank_transports))
 
     def add_worker_warnings(self, report: Report) -> None:
         """Transport warnings workers sent along, once per distinct set (a cluster built from

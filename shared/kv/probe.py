@@ -11,7 +11,8 @@ Both are NATS request/reply: the reply goes to the requester's own inbox, so a p
 publishes on a subject a message chose. The prefill worker fills the block with a pattern
 derived from the probe id and the decode worker checks it, so a probe also proves the bytes
 landed in the right place. A worker refuses a probe (``status="refused"``) rather than take a
-block a request may need. These types live here, registered into ``pdserve.shared.bus.protocol``'s table,
+block a request may need. Every reply also lists a TP worker's ranks (pid, UCX transports), which
+the doctor reports. These types live here, registered into ``pdserve.shared.bus.protocol``'s table,
 because only the doctor and the workers' probe handlers speak them.
 """
 
@@ -43,6 +44,32 @@ MAX_PROBE_LEASES = 4  # probe leases one prefill worker holds at once: probes ne
 PROBE_PREFIX = "doctor-"  # every probe id starts with it, so a worker can count its probes
 MAX_PROBE_PULLS = 10
 PROBE_STATUSES = ("ok", "refused", "failed")
+MAX_TP_RANKS = 64  # as KVHandle.rank_addresses
+MAX_RANK_TRANSPORTS = 64  # ucx_check.MAX_PROCESS_TRANSPORTS
+MAX_TRANSPORT_CHARS = 64
+MAX_PID = (1 << 31) - 1
+
+
+# Both replies say who answers: a worker of TP > 1 lists its ranks (index: rank, 0 first), each
+# one's pid and the UCX resources (``transport/device``) its KV endpoint's process opened
+# (``ucx_check.process_transports``). Empty for TP 1. The two lists go together.
+def _rank_pids() -> Any:
+    return field(default_factory=list, metadata={"lo": 1, "hi": MAX_PID, "max_len": MAX_TP_RANKS})
+
+
+def _rank_transports() -> Any:
+    return field(default_factory=list, metadata={"max_len": MAX_TP_RANKS})
+
+
+def check_ranks(pids: list[int], transports: list[list[str]]) -> None:
+    """What the wire checker cannot say per field (it raises ProtocolError from this)."""
+    if len(transports) != len(pids):
+        raise ValueError(f"{len(pids)} rank pids but {len(transports)} rank transport lists")
+    for rank, found in enumerate(transports):
+        if len(found) > MAX_RANK_TRANSPORTS:
+            raise ValueError(f"rank {rank}: more than {MAX_RANK_TRANSPORTS} transports")
+        if any(len(t) > MAX_TRANSPORT_CHARS for t in found):
+            raise ValueError(f"rank {rank}: a transport name over {MAX_TRANSPORT_CHARS} chars")
 
 
 @dataclass
@@ -61,6 +88,11 @@ class ProbeLeaseReply:
     kv: KVHandle | None = field(default=None)
     error: str | None = text(default=None)
     warnings: list[str] = field(default_factory=list, metadata={"max_len": 16})
+    rank_pids: list[int] = _rank_pids()
+    rank_transports: list[list[str]] = _rank_transports()
+
+    def __post_init__(self) -> None:
+        check_ranks(self.rank_pids, self.rank_transports)
 
 
 @dataclass
@@ -83,6 +115,11 @@ class ProbePullReply:
     verified: bool = field(default=False)  # the block holds the prefill side's pattern
     error: str | None = text(default=None)
     warnings: list[str] = field(default_factory=list, metadata={"max_len": 16})
+    rank_pids: list[int] = _rank_pids()
+    rank_transports: list[list[str]] = _rank_transports()
+
+    def __post_init__(self) -> None:
+        check_ranks(self.rank_pids, self.rank_transports)
 
 
 PROBE_TYPES = (ProbeLeaseRequest, ProbeLeaseReply, ProbePullRequest, ProbePullReply)

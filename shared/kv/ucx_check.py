@@ -11,7 +11,8 @@ moving a byte:
 
 ``transport_warnings`` turns those into one sentence each; workers log them at start-up.
 ``ucx_facts`` is the fuller picture from inside a process that has UCX running (version, the
-library file, its transport modules, the resources its context opened).
+library file, its transport modules, the resources its context opened); ``process_transports``
+is just those resources, which every rank of a worker reports for ``pdserve doctor``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ RDMA_TLS = ("ib", "rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "ud", "ud_v", "ud
 CUDA_TLS = ("cuda", "cuda_copy", "cuda_ipc", "gdr_copy")
 _RESOURCE_RE = re.compile(r"^#\s+resource\s+\d+\s*:.*\s(\S+)/(\S+)\s*$", re.MULTILINE)
 DOCTOR_HINT = "run `pdserve doctor` for the full transport check"
+MAX_PROCESS_TRANSPORTS = 64  # resources a process reports (a host with 8 NICs has ~50)
+MAX_TRANSPORT_CHARS = 64
 
 
 def is_rdma(transport: str) -> bool:
@@ -193,6 +196,20 @@ def warn_at_startup(role: str) -> list[str]:
 def context_resources(info: str) -> list[str]:
     """``transport/device`` of every resource in ``ucp_context_print_info`` text."""
     return [f"{tl}/{dev}" for tl, dev in _RESOURCE_RE.findall(info)]
+
+
+def process_transports() -> list[str]:
+    """``transport/device`` of every resource UCX opened in this process, as ``ucx_facts``
+    reads them (at most ``MAX_PROCESS_TRANSPORTS``). Call it once the process's KV endpoint
+    exists (UCX configured and started); empty when UCX cannot tell."""
+    try:
+        import ucxx
+
+        found = context_resources(ucxx.get_ucp_context_info())
+    except Exception as exc:  # no UCX here, or it failed to start: the doctor shows "unknown"
+        log.debug("UCX resources unknown: %r", exc)
+        return []
+    return [r[:MAX_TRANSPORT_CHARS] for r in found[:MAX_PROCESS_TRANSPORTS]]
 
 
 def build_configuration(lib_dir: Path | None) -> str:

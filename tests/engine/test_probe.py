@@ -14,6 +14,8 @@ from pdserve.services.engine.engine import LLMEngine
 from pdserve.services.engine.engine_thread import EngineThread
 from pdserve.services.prefill.worker import PrefillWorker
 from pdserve.services.probe import block_matches
+from pdserve.shared.bus.protocol import decode as decode_message
+from pdserve.shared.bus.protocol import encode
 from pdserve.shared.config import EngineConfig
 from pdserve.shared.kv.probe import MAX_PROBE_LEASES, ProbeLeaseRequest, ProbePullRequest
 from pdserve.shared.kv.transfer import KVTransferError, LeaseTable, TransferStats
@@ -70,6 +72,7 @@ def prefill_worker(engine: LLMEngine) -> SimpleNamespace:
         engine=engine,
         leases=LeaseTable(on_free=engine.release),
         kv_server=SimpleNamespace(address="ucx1:00:AA=="),
+        rank_addresses=[],  # TP 1
     )
     worker.make_handle = lambda lease: PrefillWorker.make_handle(worker, lease)
     return worker
@@ -176,4 +179,26 @@ async def test_probes_are_refused_when_a_block_may_be_missed(engines) -> None:
     assert reply.status == "refused" and "no free KV block" in reply.error
     decode.kv_failed("pulling", "never pulled")  # the fail policy: finished with an error
     p.leases.release("x")
+    await until(lambda: free(prefill) == BLOCKS and free(decode) == BLOCKS)
+
+
+async def test_replies_name_the_tp_ranks_even_when_refused(engines) -> None:
+    prefill, decode = engines
+    ranks = [  # Worker.tp_ranks of a TP-2 worker
+        {"rank": 0, "pid": 11, "transports": ["tcp/lo"]},
+        {"rank": 1, "pid": 12, "transports": []},
+    ]
+    p = prefill_worker(prefill)
+    reply = await probe.lease_probe(ProbeLeaseRequest("doctor-t"), prefill, p.leases,
+                                    p.make_handle, "p0", True, ranks)  # fmt: skip
+    assert reply.status == "refused" and reply.rank_pids == [11, 12]
+    assert decode_message(encode(reply)).rank_transports == [["tcp/lo"], []]
+    handle = p.make_handle(p.leases.add("y", [0], 1, 5))
+    d = decode_worker(decode, CopyClient(prefill))
+    reply = await probe.pull_probe(ProbePullRequest("doctor-t", handle), decode, d.kv_client,
+                                   "d0", True, ranks)  # fmt: skip
+    assert reply.status == "refused" and reply.rank_pids == [11, 12]
+    assert (await lease_probe(p, ProbeLeaseRequest("doctor-u"))).rank_pids == []  # TP 1
+    p.leases.release("y")
+    p.leases.release("doctor-u")
     await until(lambda: free(prefill) == BLOCKS and free(decode) == BLOCKS)

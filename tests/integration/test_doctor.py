@@ -138,3 +138,30 @@ def test_a_stack_without_workers_fails(stack) -> None:
     proc = doctor(*args, "--discover-seconds", "0.5", timeout=60)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "[FAIL] stack" in proc.stdout and "no decode worker heard" in proc.stdout
+
+
+def test_tp_workers_list_each_rank_with_its_pid_and_transports(tmp_path: Path) -> None:
+    """Both sides at TP 2 (ranks are real processes, each with its own UCX endpoint)."""
+    nats = start_nats(tmp_path)
+    opts = {"model": "demo", "num_kv_blocks": 16, "heartbeat_seconds": 0.25,
+            "tensor_parallel_size": 2}  # fmt: skip
+    children = [
+        start_service(role, nats.url, tmp_path, None, {**opts, "worker_id": worker})
+        for role, worker in (("prefill", "p0"), ("decode", "d0"))
+    ]
+    try:
+        asyncio.run(loads(nats.url, {"p0", "d0"}, lambda seen: True, timeout=120))
+        out = tmp_path / "doctor.json"
+        proc = doctor("--nats-url", nats.url, "--no-peer-test", "--discover-seconds", "1",
+                      "--json", str(out))  # fmt: skip
+    finally:
+        stop_all(children)
+        nats.stop()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    check = checks(json.loads(out.read_text()))["TP ranks"]
+    assert check["status"] == "ok", check
+    for worker, line in zip(("d0", "p0"), check["details"], strict=True):
+        assert line.startswith(f"{worker}: TP 2 (rank 0 pid ") and "; rank 1 pid " in line
+        assert line.count("tcp/lo") == 2, line  # --ucx-host 127.0.0.1: UCX's TCP on lo only
+    ranks = json.loads(out.read_text())["tp_ranks"]["p0"]
+    assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["pid"] != ranks[1]["pid"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from pdserve.shared.bus.protocol import KVHandle
+from pdserve.shared.kv import ucx_check
 from pdserve.shared.kv.transfer import KVClient, KVServer, LeaseTable
 from pdserve.shared.kv.transfer.heads import Split
 
@@ -78,16 +80,22 @@ class KVAgent:
             self.conn.send(reply)
 
     async def op_start(self, role: str, fingerprint: dict, host: str, port: int) -> dict:
+        """Start this rank's KV endpoint; its pid and the UCX transports this process opened
+        (``ucx_check.process_transports``, as rank 0 reads its own), and a KV server's address."""
         if role == "prefill":
             self.server = KVServer(self.kv_cache, fingerprint, self.leases, host=host, port=port,
                                    heads=self.heads, split=self.split)  # fmt: skip
             await self.server.start()
             asyncio.create_task(self._expire_leases())
-            return {"address": self.server.address}
+            return {"address": self.server.address, **self._facts()}
         self.client = KVClient(self.kv_cache, fingerprint, self.block_size, host=host, port=port,
                                heads=self.heads, split=self.split)  # fmt: skip
         self.client.own_address()  # a bad host fails now, at start-up
-        return {}
+        return self._facts()
+
+    @staticmethod
+    def _facts() -> dict:
+        return {"pid": os.getpid(), "transports": ucx_check.process_transports()}
 
     async def _expire_leases(self) -> None:
         # Rank 0 expires the same leases at the same time; this copy only stops serving them.
