@@ -19,6 +19,8 @@ it). Every reply says which UCX transports the worker's ranks use, for the docto
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
@@ -27,6 +29,7 @@ import torch
 
 from pdserve.services.engine.commands import BlockHoldRefused
 from pdserve.services.engine.engine import LLMEngine
+from pdserve.services.engine.model_setup import kv_parts
 from pdserve.shared.bus.protocol import KVHandle
 from pdserve.shared.kv import ucx_check
 from pdserve.shared.kv.probe import (
@@ -38,6 +41,7 @@ from pdserve.shared.kv.probe import (
     ProbePullReply,
     ProbePullRequest,
 )
+from pdserve.shared.kv.tp_layout import TP_KEY, kv_head_range
 from pdserve.shared.kv.transfer import KVClient, KVTransferError, Lease, LeaseTable
 
 log = logging.getLogger("pdserve.probe")
@@ -61,6 +65,36 @@ def fill_block(block: torch.Tensor, probe_id: str) -> None:
 def block_matches(block: torch.Tensor, probe_id: str) -> bool:
     flat = block_bytes(block)
     return bool(torch.equal(flat.cpu(), probe_pattern(flat.numel(), probe_id)))
+
+
+def probe_heads(engine: LLMEngine, handle: KVHandle) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(the heads the prefill worker's rank 0 holds, the heads probed): a probe moves rank 0's
+    heads to rank 0, the ones both hold. Every rank 0 holds head 0, so they always share some;
+    at equal TP they share all, and the probe moves whole blocks."""
+    kv_heads = engine.model_config.num_kv_heads
+    source = kv_head_range(kv_heads, int(handle.fingerprint.get(TP_KEY, 1)), 0)
+    lo, hi = engine.kv_heads
+    return source, (max(lo, source[0]), min(hi, source[1]))
+
+
+def slice_matches(
+    engine: LLMEngine, source: tuple[int, int], heads: tuple[int, int], block: int, probe_id: str
+) -> bool:
+    """Whether our ``block`` holds, in ``heads``, what the probe's source block (the prefill
+    rank's own heads, filled with the probe pattern) holds there."""
+    ours = engine.kv_heads
+    if source == heads == ours:
+        return block_matches(engine.kv_cache[block], probe_id)
+    spec = dataclasses.replace(engine.kv_spec, num_kv_heads=source[1] - source[0])
+    src = spec.allocate(1, torch.device("cpu"))
+    fill_block(src[0], probe_id)
+    parts = engine.kv_split(engine.kv_cache[block : block + 1])
+    for mine, theirs in zip(parts, kv_parts(spec)(src), strict=True):
+        got = mine[:, :, :, :, heads[0] - ours[0] : heads[1] - ours[0]].cpu()
+        want = theirs[:, :, :, :, heads[0] - source[0] : heads[1] - source[0]]
+        if not torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
+            return False
+    return True
 
 
 def _bad_probe(leases: LeaseTable, probe_id: str) -> str | None:
@@ -143,14 +177,15 @@ async def pull_probe(
         reply.error = block
         return reply
     try:
+        source, heads = probe_heads(engine, req.kv)
         for _ in range(req.pulls):
             stats = await kv_client.pull(
-                req.probe_id, req.kv, [block], timeout=max(0.1, req.timeout)
+                req.probe_id, req.kv, [block], timeout=max(0.1, req.timeout), heads=heads
             )
             reply.pull_seconds.append(stats.seconds)
             reply.num_bytes = stats.num_bytes
-        cache = engine.kv_cache
-        reply.verified = await asyncio.to_thread(block_matches, cache[block], req.probe_id)
+        check = functools.partial(slice_matches, engine, source, heads)
+        reply.verified = await asyncio.to_thread(check, block, req.probe_id)
         reply.status = "ok" if reply.verified else "failed"
         reply.error = None if reply.verified else "the pulled block does not hold the probe bytes"
     except KVTransferError as exc:  # fingerprint mismatch, refusal, timeout, unreachable

@@ -100,6 +100,22 @@ class LLMEngine:
             raise StartupError(problem)
         # TP > 1: start the other ranks first, so they load their shards while we load ours
         self.ranks = RankGroup.start(config, self.model_dir, cfg, self.device) if tp > 1 else None
+        try:  # a start that fails past here must not leave the ranks running
+            self._build(config, cfg, prefill_only, kv_failure_policy)
+        except BaseException:
+            self.close()
+            raise
+        log.info("model %s, served as %s in %s", describe(self.resolved), self.model_name,
+                 str(self.dtype).removeprefix("torch."))  # fmt: skip
+        if self.is_demo:
+            log.warning(
+                "serving the DEMO model (random weights, byte tokenizer): its text is noise"
+            )
+
+    def _build(
+        self, config: EngineConfig, cfg: ModelConfig, prefill_only: bool, kv_failure_policy: str
+    ) -> None:
+        """Model, cache, scheduler and the rest (every rank's shard loads meanwhile)."""
         shard = self.ranks.shard if self.ranks is not None else Shard()
         built = build_rank_model(config, cfg, self.model_dir, self.device, self.dtype, shard)
         model, self.kv_spec, self.kv_cache = built.model, built.kv_spec, built.kv_cache
@@ -139,12 +155,6 @@ class LLMEngine:
         self._wakeup = threading.Event()
         self._kv_feed: KVEventFeed | None = None
         self._stats = EngineStats(self.num_blocks, self.num_blocks)
-        log.info("model %s, served as %s in %s", describe(self.resolved), self.model_name,
-                 str(self.dtype).removeprefix("torch."))  # fmt: skip
-        if self.is_demo:
-            log.warning(
-                "serving the DEMO model (random weights, byte tokenizer): its text is noise"
-            )
 
     # ---- sizing and layout -------------------------------------------------------------------
 

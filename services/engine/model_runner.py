@@ -107,7 +107,12 @@ class ModelRunner:
         if self.ranks is not None:
             inputs.block_copies, self.block_copies = self.block_copies, []
             self.ranks.send_step(inputs)
-        hidden = self.forward(inputs)
+        try:
+            hidden = self.forward(inputs)
+        except RuntimeError as exc:  # gloo/NCCL's error when a rank dies mid-step: say which
+            if self.ranks is not None:
+                self.ranks.raise_if_lost(exc)
+            raise
 
         sampler_out = None
         sampling_seqs = [seqs[i] for i in sampling_rows]

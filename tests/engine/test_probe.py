@@ -87,7 +87,7 @@ class CopyClient:
     def __call__(self, engine: LLMEngine) -> None:
         self.engine = engine
 
-    async def pull(self, bus_id, handle, dst, timeout) -> TransferStats:
+    async def pull(self, bus_id, handle, dst, timeout, heads=None) -> TransferStats:
         if self.fail:
             raise KVTransferError("unreachable")
         self.pulls += 1

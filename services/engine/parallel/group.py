@@ -37,6 +37,7 @@ log = logging.getLogger("pdserve.tp")
 
 START_SECONDS = 600.0  # ranks connecting and joining the group (they load afterwards)
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a collective waits at most for a rank's load
+LOST_WAIT_SECONDS = 2.0  # a failed step waits this long for a dead rank's watcher
 
 
 class RankFailed(RuntimeError):
@@ -86,6 +87,7 @@ class RankSpec:
     model_dir: str
     device: str
     cpus: list[int] | None
+    threads: int  # the rank's torch threads
 
 
 class RankGroup:
@@ -101,6 +103,8 @@ class RankGroup:
         self.failure: str | None = None
         self._closing = False
         self._listeners: list[Callable[[str], None]] = []
+        self._joined = False  # whether this group holds the process's default process group
+        self._restore: tuple[set[int], int] | None = None  # rank 0's CPUs and threads before
 
     @classmethod
     def start(
@@ -115,9 +119,12 @@ class RankGroup:
         shares = None
         if not config.torch_threads:
             shares = split_cpus(sorted(os.sched_getaffinity(0)), group.size)
+        # fewer CPUs than ranks: they share them, a thread each (more would only preempt)
+        threads = config.torch_threads or (len(shares[0]) if shares else 1)
+        group._restore = (os.sched_getaffinity(0), torch.get_num_threads())
         if shares is not None:
             os.sched_setaffinity(0, shares[0])
-            torch.set_num_threads(len(shares[0]))
+        torch.set_num_threads(threads)
         server = socket.create_server(("127.0.0.1", 0))
         server.settimeout(1.0)
         key, init_port = secrets.token_hex(16), free_port()
@@ -125,19 +132,22 @@ class RankGroup:
             for rank in range(1, group.size):
                 spec = RankSpec(rank, group.size, server.getsockname()[:2], key, init_port,
                                 dataclasses.asdict(config), str(model_dir), str(device),
-                                shares[rank] if shares else None)  # fmt: skip
+                                shares[rank] if shares else None,
+                                len(shares[rank]) if shares else threads)  # fmt: skip
                 argv = [sys.executable, "-m", "pdserve.services.engine.parallel.rank"]
                 group.procs.append(subprocess.Popen([*argv, json.dumps(dataclasses.asdict(spec))]))
             group._accept(server, key)
+            for rank, proc in enumerate(group.procs, start=1):
+                threading.Thread(target=group._watch, args=(rank, proc), daemon=True).start()
+            init = f"tcp://127.0.0.1:{init_port}"
+            dist.init_process_group(backend_for(device), init_method=init, rank=0,
+                                    world_size=group.size, timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
+            group._joined = True
         except BaseException:
             group.close()
             raise
         finally:
             server.close()
-        for rank, proc in enumerate(group.procs, start=1):
-            threading.Thread(target=group._watch, args=(rank, proc), daemon=True).start()
-        dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{init_port}",
-                                rank=0, world_size=group.size, timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
         group.shard.group = dist.group.WORLD
         log.info("tensor parallel: %d ranks (%s), pids %s", group.size, backend_for(device),
                  [p.pid for p in group.procs])  # fmt: skip
@@ -191,6 +201,16 @@ class RankGroup:
         for callback in self._listeners:
             callback(self.failure)
 
+    def raise_if_lost(self, exc: BaseException, wait: float = LOST_WAIT_SECONDS) -> None:
+        """A step failed on rank 0 (a collective's peer reset, say): if a rank died, raise
+        RankFailed naming it. Its watcher may hear of the death a moment after the collective
+        does, so wait that moment; otherwise return, and the caller re-raises ``exc``."""
+        deadline = time.monotonic() + wait
+        while self.failure is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self.failure is not None:
+            raise RankFailed(self.failure) from exc
+
     def send_step(self, inputs: StepInputs) -> None:
         """The step's inputs to every other rank: once per step, before rank 0's own pass."""
         if self.failure is not None:
@@ -221,3 +241,16 @@ class RankGroup:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        # A test or benchmark may start another TP engine in this process afterwards: leave the
+        # default process group free for it, and give rank 0 its CPUs back.
+        if self._joined:
+            import torch.distributed as dist
+
+            self._joined = False
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        if self._restore is not None:
+            cpus, threads = self._restore
+            self._restore = None
+            os.sched_setaffinity(0, cpus)
+            torch.set_num_threads(threads)

@@ -52,7 +52,7 @@ def serve(spec: RankSpec) -> None:
     if spec.cpus:
         os.sched_setaffinity(0, spec.cpus)
     config = EngineConfig(**spec.config)
-    torch.set_num_threads(config.torch_threads or len(os.sched_getaffinity(0)))
+    torch.set_num_threads(spec.threads)
     conn = Connection(socket.create_connection(tuple(spec.control)).detach())
     conn.send((spec.key, spec.rank, "step"))
     kv_conn = Connection(socket.create_connection(tuple(spec.control)).detach())
