@@ -141,13 +141,19 @@ def test_a_stack_without_workers_fails(stack) -> None:
 
 
 def test_tp_workers_list_each_rank_with_its_pid_and_transports(tmp_path: Path) -> None:
-    """Both sides at TP 2 (ranks are real processes, each with its own UCX endpoint)."""
+    """Prefill at TP 2, decode at TP 1 (ranks are real processes, each with its own UCX
+    endpoint): the probe pulls the heads both rank 0s hold, head-sliced, and checks them."""
     nats = start_nats(tmp_path)
-    opts = {"model": "demo", "num_kv_blocks": 16, "heartbeat_seconds": 0.25,
-            "tensor_parallel_size": 2}  # fmt: skip
+    opts = {"model": "demo", "num_kv_blocks": 16, "heartbeat_seconds": 0.25}
     children = [
-        start_service(role, nats.url, tmp_path, None, {**opts, "worker_id": worker})
-        for role, worker in (("prefill", "p0"), ("decode", "d0"))
+        start_service(
+            role,
+            nats.url,
+            tmp_path,
+            None,
+            {**opts, "worker_id": worker, "tensor_parallel_size": tp},
+        )  # fmt: skip
+        for role, worker, tp in (("prefill", "p0", 2), ("decode", "d0", 1))
     ]
     try:
         asyncio.run(loads(nats.url, {"p0", "d0"}, lambda seen: True, timeout=120))
@@ -160,7 +166,8 @@ def test_tp_workers_list_each_rank_with_its_pid_and_transports(tmp_path: Path) -
     assert proc.returncode == 0, proc.stdout + proc.stderr
     check = checks(json.loads(out.read_text()))["TP ranks"]
     assert check["status"] == "ok", check
-    for worker, line in zip(("d0", "p0"), check["details"], strict=True):
+    assert checks(json.loads(out.read_text()))["stack"]["status"] == "ok"  # the probe verified
+    for worker, line in zip(("p0",), check["details"], strict=True):
         assert line.startswith(f"{worker}: TP 2 (rank 0 pid ") and "; rank 1 pid " in line
         assert line.count("tcp/lo") == 2, line  # --ucx-host 127.0.0.1: UCX's TCP on lo only
     ranks = json.loads(out.read_text())["tp_ranks"]["p0"]
