@@ -1,4 +1,5 @@
-"""Smoke runs of the perf scripts (kv_bench, load_test, engine_bench, stack_bench) at toy sizes (real processes)."""
+"""Smoke runs of the perf scripts (kv_bench, load_test, engine_bench, stack_bench, tp_bench) at toy
+sizes (real processes)."""
 
 from __future__ import annotations
 
@@ -126,3 +127,36 @@ def test_request_path_counts_the_modules_each_process_runs() -> None:
     assert "gateway/inflight.py" in section and "services/" not in section, out
     assert "services/engine/scheduler.py" in out.split("decode:")[1], out
     assert "one streamed disaggregated chat request" in out, out
+
+
+def test_tp_bench_compares_tp2_with_tp1_and_pulls_every_layout(tmp_path: Path) -> None:
+    """perf/tp_bench.py, the measure of issue 28, on the demo model (4 heads, 2 KV heads): both
+    modes decode every token, TP 2 counts its all-reduces, and the KV bytes measured over UCX
+    equal the ones computed from the layout."""
+    out = tmp_path / "tp.json"
+    proc = run_module(
+        "perf.tp_bench", "--model", "demo", "--reps", "1", "--batches", "1", "2",
+        "--batch1-prompts", "1", "--prompt-tokens", "16", "--max-tokens", "4",
+        "--kv-tokens", "40", "--kv-reps", "1", "--json", str(out),
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["note"] is None  # the demo model splits as it is
+    assert [c["batch"] for c in report["decode"]] == [1, 2]
+    for case in report["decode"]:
+        tp1, tp2 = case["modes"]["TP 1 x 2 threads"], case["modes"]["TP 2 x 1 thread"]
+        assert tp1["tokens"] == tp2["tokens"] == case["prompts"] * 3  # 4 tokens, 1 prefilled
+        assert tp1["reduce_ms_per_step"] is None
+        assert tp2["reduce_calls_per_step"] == 2 * report["model_config"]["num_layers"]
+        assert 0 < tp2["reduce_share"] < 1
+        assert case["tp2_over_tp1"] > 0
+    kv = {(c["prefill_tp"], c["decode_tp"]): c for c in report["kv"]}
+    assert set(kv) == {(2, 1), (1, 2), (2, 2), (1, 1)}
+    for case in kv.values():
+        assert case["measured_bytes"] == case["computed_bytes"]
+        assert case["blocks"] == 3 and case["pull_ms"] > 0
+    whole = kv[1, 1]["computed_bytes"][0]
+    assert kv[2, 1]["computed_bytes"] == [whole] and kv[2, 1]["pieces"] == [2]
+    assert kv[1, 2]["computed_bytes"] == kv[2, 2]["computed_bytes"] == [whole // 2] * 2
+    assert "| 40 | 2 -> 1 |" in proc.stdout
