@@ -90,6 +90,12 @@ class EngineConfig:
     torch_threads: int = opt(
         0, "torch CPU threads of a worker; 0 = one per CPU the process may run on (its affinity)"
     )
+    tp_lm_head: str = opt(
+        "vocab",
+        "the LM head at TP > 1: vocab = each rank computes its slice of the vocabulary and rank 0 "
+        "gathers the logits; replicated = rank 0 computes them all (perf/tp_bench.py compares)",
+        choices=("vocab", "replicated"),
+    )
     tensor_parallel_size: int = opt(
         1,
         "ranks (processes) one worker's model is sharded across: NCCL on CUDA (a GPU each), "

@@ -175,7 +175,10 @@ def load_model(
         loaded[ours] = tensor.to(device=device, dtype=dtype)
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings and "lm_head" not in direct:
-        model.lm_head.weight = model.embed_tokens.weight
+        embedding = model.embed_tokens.weight
+        if model.vocab_parallel:  # this rank's rows of the shared matrix (a view when unpadded)
+            embedding = nn.Parameter(shard_piece("lm_head.weight", 0, embedding, cfg, shard))
+        model.lm_head.weight = embedding
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, tensor in loaded.items():
@@ -227,6 +230,7 @@ def q8_0_int8_linears(
         out[name] = WeightOnlyInt8Linear(weight.to(device), bias)
     if out and cfg.tie_word_embeddings and "lm_head" in targets:
         embedding = files.get("model.embed_tokens.weight").float()
+        embedding = shard_piece("lm_head.weight", 0, embedding, cfg, shard)
         head = quantize_groupwise(embedding, Q8_0_BLOCK)
         if torch.equal(head.dequantize(torch.float32), embedding):
             out["lm_head"] = WeightOnlyInt8Linear(head.to(device), None)

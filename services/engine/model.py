@@ -198,8 +198,10 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, shard) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+        _, _, rows = shard.vocab(cfg)  # all of it, or this rank's rows (--tp-lm-head vocab)
+        self.vocab_parallel = rows != cfg.vocab_size
+        self.lm_head = Linear(cfg.hidden_size, rows, bias=False)
+        if cfg.tie_word_embeddings and not self.vocab_parallel:  # else the loader ties a slice
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
         # how bind_kv_cache reads the engine's cache storage (services/engine/quant/kv_cache.py);
@@ -242,5 +244,10 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head: [N, hidden] final hidden states -> [N, vocab] float32 logits."""
-        return self.lm_head(hidden).float()
+        """The LM head: [N, hidden] final hidden states -> [N, vocab] float32 logits. Vocab-
+        parallel, every rank makes the same calls (``ModelRunner.follow_logits``) and rank 0
+        gets the whole rows."""
+        logits = self.lm_head(hidden).float()
+        if self.vocab_parallel:
+            return self.shard.gather_vocab(logits, self.cfg.vocab_size)
+        return logits

@@ -19,6 +19,7 @@ import torch
 from pdserve.kernels import ops
 from pdserve.services.engine.guided import GuidedDecoder
 from pdserve.services.engine.logprobs import (
+    PROMPT_SLICE,
     PromptLogprobsPlan,
     gather_prompt_logprobs,
     token_logprobs,
@@ -103,7 +104,7 @@ class ModelRunner:
         num_sampled = len(read)
         read += prompt_plan.flat_indices if prompt_plan else []
         inputs = StepInputs(input_ids, counts, starts_list, [s.block_table for s in seqs],
-                            batch.num_decodes, batch.num_verifies, read)  # fmt: skip
+                            batch.num_decodes, batch.num_verifies, read, num_sampled)  # fmt: skip
         if self.ranks is not None:
             inputs.block_copies, self.block_copies = self.block_copies, []
             self.ranks.send_step(inputs)
@@ -146,6 +147,18 @@ class ModelRunner:
         return self.model(
             self._tensor(inputs.input_ids), positions, meta, self._tensor(inputs.read)
         )
+
+    def follow_logits(self, inputs: StepInputs, hidden: torch.Tensor) -> None:
+        """A rank other than 0 with a vocab-parallel LM head: the head calls rank 0 makes in
+        ``run`` (the sampled rows, then the prompt log-probs' slices), for its gathers."""
+        if not self.model.vocab_parallel:
+            return
+        n = inputs.num_sampled
+        if n:
+            self.model.compute_logits(hidden[:n])
+        rest = hidden[n:]
+        for s in range(0, rest.shape[0], PROMPT_SLICE):
+            self.model.compute_logits(rest[s : s + PROMPT_SLICE])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write of forked choices: block ``dst`` becomes a copy of ``src``."""

@@ -53,6 +53,7 @@ class StepInputs:
     num_decodes: int
     num_verifies: int
     read: list[int]  # flat positions whose final hidden states are read (sampling, log-probs)
+    num_sampled: int = 0  # the first of ``read`` that sample; the rest are prompt log-probs
     # fork copies (src, dst) made on rank 0 since the last step: the other ranks' caches make
     # them before this pass, which is the first that may write into those blocks
     block_copies: list[tuple[int, int]] = field(default_factory=list)

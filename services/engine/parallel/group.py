@@ -67,6 +67,20 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def join_group(device: torch.device, rank: int, size: int, port: int) -> tuple[object, object]:
+    """This worker's process group, and its store (rank 0 hosts it: keep it as long as the
+    group). The group is its own, not torch.distributed's default one, so one process may hold
+    several TP engines (tests, benchmarks)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=COLLECTIVE_TIMEOUT)
+    if backend_for(device) == "nccl":
+        group = dist.ProcessGroupNCCL(store, rank, size)
+    else:
+        group = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
+    return group, store
+
+
 def rank_device(device: torch.device, rank: int) -> torch.device:
     """Rank ``rank``'s device: one GPU each from rank 0's, the CPU for all on CPU."""
     if device.type != "cuda":
@@ -103,7 +117,7 @@ class RankGroup:
         self.failure: str | None = None
         self._closing = False
         self._listeners: list[Callable[[str], None]] = []
-        self._joined = False  # whether this group holds the process's default process group
+        self.store: object | None = None  # the process group's store, hosted here
         self._restore: tuple[set[int], int] | None = None  # rank 0's CPUs and threads before
 
     @classmethod
@@ -113,9 +127,8 @@ class RankGroup:
         """Start the other ranks, join the process group with them; they then load their shards
         while the caller loads rank 0's. The CPUs of this process are split between the ranks
         (unless ``--torch-threads`` fixes the threads)."""
-        import torch.distributed as dist
-
         group = cls(config.tensor_parallel_size)
+        group.shard.vocab_parallel = config.tp_lm_head == "vocab"
         shares = None
         if not config.torch_threads:
             shares = split_cpus(sorted(os.sched_getaffinity(0)), group.size)
@@ -139,16 +152,12 @@ class RankGroup:
             group._accept(server, key)
             for rank, proc in enumerate(group.procs, start=1):
                 threading.Thread(target=group._watch, args=(rank, proc), daemon=True).start()
-            init = f"tcp://127.0.0.1:{init_port}"
-            dist.init_process_group(backend_for(device), init_method=init, rank=0,
-                                    world_size=group.size, timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
-            group._joined = True
+            group.shard.group, group.store = join_group(device, 0, group.size, init_port)
         except BaseException:
             group.close()
             raise
         finally:
             server.close()
-        group.shard.group = dist.group.WORLD
         log.info("tensor parallel: %d ranks (%s), pids %s", group.size, backend_for(device),
                  [p.pid for p in group.procs])  # fmt: skip
         return group
@@ -241,14 +250,7 @@ class RankGroup:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        # A test or benchmark may start another TP engine in this process afterwards: leave the
-        # default process group free for it, and give rank 0 its CPUs back.
-        if self._joined:
-            import torch.distributed as dist
-
-            self._joined = False
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        # a test or benchmark may go on in this process: give it its CPUs back
         if self._restore is not None:
             cpus, threads = self._restore
             self._restore = None

@@ -23,12 +23,7 @@ from pdserve.services.engine.loader import resolve_device_dtype
 from pdserve.services.engine.model_config import ModelConfig
 from pdserve.services.engine.model_runner import ModelRunner
 from pdserve.services.engine.model_setup import build_rank_model, kv_parts
-from pdserve.services.engine.parallel.group import (
-    COLLECTIVE_TIMEOUT,
-    RankSpec,
-    backend_for,
-    rank_device,
-)
+from pdserve.services.engine.parallel.group import RankSpec, join_group, rank_device
 from pdserve.services.engine.parallel.kv_agent import KVAgent
 from pdserve.services.engine.parallel.shard import Shard
 from pdserve.shared.config import EngineConfig
@@ -46,8 +41,6 @@ def die_with_parent() -> None:
 
 
 def serve(spec: RankSpec) -> None:
-    import torch.distributed as dist
-
     die_with_parent()
     if spec.cpus:
         os.sched_setaffinity(0, spec.cpus)
@@ -61,9 +54,8 @@ def serve(spec: RankSpec) -> None:
     device = rank_device(device, spec.rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{spec.init_port}",
-                            rank=spec.rank, world_size=spec.size, timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
-    shard = Shard(spec.rank, spec.size, dist.group.WORLD)
+    group, _store = join_group(device, spec.rank, spec.size, spec.init_port)
+    shard = Shard(spec.rank, spec.size, group, config.tp_lm_head == "vocab")
     model_dir = Path(spec.model_dir)
     try:
         built = build_rank_model(
@@ -86,7 +78,7 @@ def serve(spec: RankSpec) -> None:
             if kind == "stop":
                 return
             runner.copy_blocks(body.block_copies)
-            runner.forward(body)
+            runner.follow_logits(body, runner.forward(body))
 
 
 def main(argv: list[str]) -> int:
