@@ -8,11 +8,11 @@ prefix cache off. Batch 1 serves ``--batch1-prompts`` prompts one after another;
 the first N prompts at once. Only decode steps are timed: the bench steps the engine itself
 (``engine.step()``) and counts the tokens and seconds of the steps that prefilled nothing. Both
 engines are built up front and the modes alternate within each of ``--reps`` repetitions (the
-order flips every repetition); reported: the median tok/s per mode and TP2/TP1. At TP 2 it also
-reports rank 0's time blocked in all-reduces (``Shard.reduce_seconds``) per decode step, per
-call, and as a share of the decode steps' time. Both engines live in this process, so the bench
-sets torch's threads to each mode's own before running it (rank 0 of TP 2: 1; TP 1: 2); with
-``torch_threads`` fixed, the ranks are not pinned to CPUs.
+order flips every repetition); reported: the median tok/s per mode, TP2/TP1, and TP 2 with the
+whole LM head on rank 0 (``--tp-lm-head replicated``) against the vocab-parallel head. At TP 2
+it also reports rank 0's time in all-reduces (``Shard.reduce_seconds``) per decode step, per
+call, and as a share of the step. The engines share this process, so the bench sets torch's
+threads to each mode's own before running it; with ``torch_threads`` fixed, no rank is pinned.
 
 A model whose heads TP 2 cannot split (SmolLM2-135M: 9 query, 3 KV heads) runs *re-headed*: the
 same weights and config but its query and KV widths cut into heads of another size (SmolLM2:
@@ -20,14 +20,12 @@ same weights and config but its query and KV widths cut into heads of another si
 bytes per token stay the same; the text it writes is noise, which greedy ``ignore_eos`` decode
 does not mind. The JSON and the table say when this happened.
 
-KV: for prompts of ``--kv-tokens`` tokens, the bytes each decode rank pulls at prefill TP ->
-decode TP 2 -> 1, 1 -> 2, 2 -> 2 and 1 -> 1, computed from the layout
-(``shared/kv/tp_layout.pull_plan`` and the cache's bytes per block per KV head) and measured
-over real UCX (ucxx on loopback): a ``KVServer`` per prefill rank over its heads of one random
-cache, a ``KVClient`` per decode rank over its own, every rank's pieces pulled at once as a
-decode worker does (``services/decode/rank_pull.py``), after a warm-up pull that sets up the
-endpoints; all ranks of both sides run on one event loop of this process. Reported: bytes per
-decode rank, the median wall time of each rank's pull and of the whole pull.
+KV: for ``--kv-tokens`` prompts, the bytes each decode rank pulls at prefill -> decode TP 2 -> 1,
+1 -> 2, 2 -> 2 and 1 -> 1, computed (``tp_layout.pull_plan``, bytes per block per KV head) and
+measured over real UCX on loopback: a ``KVServer`` per prefill rank, a ``KVClient`` per decode
+rank, every rank's pieces pulled at once as ``services/decode/rank_pull.py`` does, after a
+warm-up pull; all ranks share one event loop here. Reported: bytes per decode rank, the median
+wall time of each rank's pull and of the whole pull.
 
     python -m perf.tp_bench [--model smollm2-135m-instruct] [--reps 3] [--tag TAG] [--json FILE]
 """
@@ -56,13 +54,15 @@ from pdserve.shared.kv.transfer import KVClient, KVServer, LeaseTable
 from pdserve.shared.sampling import SamplingParams
 from perf import spec_workloads
 
-MODES = {"TP 1 x 2 threads": (1, 2), "TP 2 x 1 thread": (2, 1)}  # name -> (tp, torch threads)
+# name -> (tp, torch threads, --tp-lm-head); the third is TP 2 with the whole head on rank 0
+MODES = {
+    "TP 1 x 2 threads": (1, 2, "vocab"),
+    "TP 2 x 1 thread": (2, 1, "vocab"),
+    "TP 2, head on rank 0": (2, 1, "replicated"),
+}
 KV_PAIRS = [(2, 1), (1, 2), (2, 2), (1, 1)]  # (prefill TP, decode TP)
 BLOCK = 16  # tokens per KV block (the engine's default)
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-# ---- the model ----------------------------------------------------------------------------------
 
 
 def reheaded(model_dir: Path, tp: int, out: Path) -> tuple[Path, str | None]:
@@ -153,6 +153,7 @@ class CaseResult:
     prompts: int
     modes: dict[str, ModeResult]
     tp2_over_tp1: float = 0.0
+    replicated_over_vocab: float = 0.0  # TP 2 tok/s, whole head on rank 0 / vocab-parallel
 
 
 def measure(engines: dict[str, LLMEngine], prompts: list[list[int]], batch: int,
@@ -178,8 +179,8 @@ def measure(engines: dict[str, LLMEngine], prompts: list[list[int]], batch: int,
             res.reduce_calls_per_step = med.reduce_calls / med.steps
             res.reduce_share = round(med.reduce_seconds / med.seconds, 3)
         modes[mode] = res
-    one, two = (modes[m].median_tok_s for m in MODES)
-    return CaseResult(batch, len(prompts), modes, round(two / one, 3))
+    one, two, whole = (modes[m].median_tok_s for m in MODES)
+    return CaseResult(batch, len(prompts), modes, round(two / one, 3), round(whole / two, 3))
 
 
 def _median_index(values: list[float]) -> int:
@@ -291,14 +292,16 @@ async def pull_all(cfg: ModelConfig, cases: list[KVCase], reps: int) -> None:
 
 
 def print_decode(results: list[CaseResult]) -> None:
-    one, two = MODES
-    print(f"\n| batch | {one} tok/s | {two} tok/s | TP2/TP1 | step ms (TP1 / TP2) | "
-          "all-reduce per step | per call | calls/step | share of step |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    one, two, whole = MODES
+    print(f"\n| batch | {one} tok/s | {two} tok/s | TP2/TP1 | {whole} tok/s | head on rank 0 / "
+          "vocab-parallel | step ms (TP1 / TP2) | all-reduce per step | per call | calls/step "
+          "| share of step |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for c in results:
-        a, b = c.modes[one], c.modes[two]
+        a, b, w = c.modes[one], c.modes[two], c.modes[whole]
         print(f"| {c.batch} | {a.median_tok_s:.1f} | {b.median_tok_s:.1f} | "
-              f"**{c.tp2_over_tp1:.2f}x** | {a.step_ms:.2f} / {b.step_ms:.2f} | "
+              f"**{c.tp2_over_tp1:.2f}x** | {w.median_tok_s:.1f} | {c.replicated_over_vocab:.2f}x "
+              f"| {a.step_ms:.2f} / {b.step_ms:.2f} | "
               f"{b.reduce_ms_per_step:.2f} ms | {b.reduce_us_per_call:.0f} us | "
               f"{b.reduce_calls_per_step:.0f} | {100 * b.reduce_share:.0f}% |")  # fmt: skip
 
@@ -347,12 +350,13 @@ def main(argv: list[str] | None = None) -> dict:
                 block_size=BLOCK,
                 tensor_parallel_size=tp,
                 torch_threads=threads,
+                tp_lm_head=head,
                 num_kv_blocks=per_seq * count + 16,
                 max_num_seqs=max(args.batches),
                 prefix_cache=False,
             )
         )  # fmt: skip
-        for mode, (tp, threads) in MODES.items()
+        for mode, (tp, threads, head) in MODES.items()
     }
     report: dict = {"model": args.model, "note": note, "model_config": asdict(cfg)}
     try:
@@ -378,7 +382,10 @@ def main(argv: list[str] | None = None) -> dict:
     print_kv(kv)
     report.update(
         workload={k: v for k, v in vars(args).items() if k not in ("json", "tag")},
-        modes={m: {"tensor_parallel_size": tp, "torch_threads": t} for m, (tp, t) in MODES.items()},
+        modes={
+            m: {"tensor_parallel_size": tp, "torch_threads": t, "tp_lm_head": h}
+            for m, (tp, t, h) in MODES.items()
+        },  # fmt: skip
         decode=[asdict(r) for r in results],
         kv=[asdict(c) for c in kv],
     )
