@@ -14,8 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pdserve.services.engine import engine as engine_module
-from pdserve.services.engine import loader
+from pdserve.services.engine import loader, model_setup
 from pdserve.services.engine.model_config import ModelConfig
 from pdserve.services.engine.quant.int8_linear import CpuInt8Linear, WeightOnlyInt8Linear
 from pdserve.shared.models.gguf_file import GGUFFile
@@ -178,7 +177,7 @@ def test_weight_only_logits_equal_the_float_model(q8_files, variant, monkeypatch
     prompts = random_prompts(4, seed=7)
     float_logits = first_step_logits(make_engine(path, dtype="float32"), prompts, monkeypatch)
     weight_only = functools.partial(loader.load_model, weight_only=True)
-    monkeypatch.setattr(engine_module, "load_model", weight_only)
+    monkeypatch.setattr(model_setup, "load_model", weight_only)
     engine = make_engine(path, dtype="float32", quantization="int8")
     assert isinstance(engine.runner.model.layers[0].mlp.down_proj, WeightOnlyInt8Linear)
     int8_logits = first_step_logits(engine, prompts, monkeypatch)
