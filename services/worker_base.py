@@ -135,7 +135,8 @@ class Worker:
         fp, port = self.engine.layout_fingerprint(), self.config.ucx_port
         others = await asyncio.gather(*(
             self.rank_link.call(r, "start", role=self.role, fingerprint=fp,
-                                host=self.config.ucx_host, port=port + r if port else 0)
+                                host=self.config.ucx_host, port=port + r if port else 0,
+                                checksum=self.config.kv_checksum)
             for r in range(1, ranks.size)
         ))  # fmt: skip
         mine = {"pid": os.getpid(), "transports": ucx_check.process_transports()}

@@ -19,6 +19,7 @@ from pdserve.shared.errors import StartupError
 
 ENV_PREFIX = "PDSERVE_"
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "pythonic")  # gateway/tools/setup.PARSERS
 
 T = TypeVar("T")
 
@@ -174,6 +175,11 @@ class WorkerConfig:
     kv_failure_policy: str = opt(
         "fail", "what a failed KV pull does to the request", choices=("fail", "recompute")
     )
+    kv_checksum: bool = opt(
+        False,
+        "xxh3-hash each leased KV block per KV head (prefill) and verify every pull against "
+        "the hashes (decode); a mismatch is a failed pull (--kv-failure-policy)",
+    )
     max_queue: int = opt(1024, "waiting requests beyond which new ones are refused")
     drain_seconds: float = opt(30.0, "on SIGTERM, how long in-flight requests may finish")
 
@@ -219,12 +225,24 @@ class GatewayConfig:
         "times one request may move to another decode worker when its own is lost mid-stream "
         "(it continues exactly from the tokens already sent); 0 ends it with an error instead",
     )
+    tool_call_parser: str = opt(
+        "auto",
+        "the format the model writes tool calls in (read from answers, enforced by tool_choice "
+        "grammars); auto: the chat template's own, hermes for a template without tool syntax "
+        "(the tools then go into a system prompt that asks for hermes calls)",
+        choices=TOOL_CALL_PARSERS,
+    )
 
     def __post_init__(self) -> None:
         for name in ("request_timeout", "first_token_timeout", "stall_timeout"):
             if getattr(self, name) < 0:
                 flag = "--" + name.replace("_", "-")
                 raise StartupError(f"{flag} must be >= 0 (0 = no limit), got {getattr(self, name)}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:  # argparse skips env defaults
+            raise StartupError(
+                f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+                f"{self.tool_call_parser!r}"
+            )
 
 
 @dataclass

@@ -4,7 +4,8 @@ Each decode rank pulls exactly its own KV heads (``shared/kv/tp_layout.pull_plan
 piece from the prefill ranks that hold them: rank 0 through its own ``KVClient``, the others
 through their KV agents (``parallel/kv_agent.py``). All pieces run at once; the pull is done
 when every piece is, and fails if any does. At TP 1 on both sides it is the one whole-block pull
-it always was.
+it always was. With ``--kv-checksum`` each rank verifies the heads it pulled; a checksum failure
+on any rank fails the pull as ``KVChecksumError`` (counted and marked by the decode worker).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from pdserve.services.engine.parallel.kv_link import RankCallFailed, RankLink
 from pdserve.shared.bus.protocol import KVHandle
 from pdserve.shared.kv.tp_layout import TP_KEY, PullPiece, pull_plan
-from pdserve.shared.kv.transfer import KVClient, KVTransferError, TransferStats
+from pdserve.shared.kv.transfer import KVChecksumError, KVClient, KVTransferError, TransferStats
 
 
 @dataclass
@@ -60,6 +61,7 @@ class RankPuller:
         if errors:
             if any(isinstance(e, asyncio.CancelledError) for e in errors):
                 raise asyncio.CancelledError
+            errors.sort(key=lambda e: not isinstance(e, KVChecksumError))  # the one to report
             raise (
                 errors[0]
                 if isinstance(errors[0], KVTransferError)
@@ -71,6 +73,7 @@ class RankPuller:
             num_blocks=max(s.num_blocks for s in results),
             num_messages=sum(s.num_messages for s in results),
             seconds=max(s.seconds for s in results),
+            checksum_seconds=max(s.checksum_seconds for s in results),
         )
         return total, pieces
 
@@ -92,8 +95,10 @@ class RankPuller:
             got = await self.link.call(rank, "pull", bus_id=bus_id, handle=_wire(handle),
                                        dst_block_ids=list(blocks), timeout=timeout,
                                        address=address, heads=list(heads))  # fmt: skip
-        except RankCallFailed as exc:
-            raise KVTransferError(f"decode rank {rank}: {exc}") from None
+        except RankCallFailed as exc:  # the agent's answer: "<exception class>: <message>"
+            checksum = str(exc).startswith(KVChecksumError.__name__ + ":")
+            error = KVChecksumError if checksum else KVTransferError
+            raise error(f"decode rank {rank}: {exc}") from None
         return TransferStats(**got)
 
 

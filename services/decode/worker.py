@@ -46,7 +46,7 @@ from pdserve.shared.bus.protocol import (
 )
 from pdserve.shared.kv import ucx_check
 from pdserve.shared.kv.probe import ProbePullReply, ProbePullRequest, answer_probes
-from pdserve.shared.kv.transfer import KVClient, KVTransferError
+from pdserve.shared.kv.transfer import KVChecksumError, KVClient, KVTransferError
 from pdserve.shared.telemetry import tracing
 
 log = logging.getLogger("pdserve.decode")
@@ -77,6 +77,7 @@ class DecodeWorker(Worker):
             port=self.config.ucx_port,
             heads=self.engine.kv_heads,
             split=self.engine.kv_split,
+            checksum=self.config.kv_checksum,  # verifies every pull (KVChecksumError)
         )
         self.kv_client.own_address()  # configure UCX now: a bad --ucx-host fails at start-up
         await self.start_rank_link()
@@ -217,8 +218,11 @@ class DecodeWorker(Worker):
         try:
             stats, pieces = await self.puller.pull(rid, handle, blocks, timeout)
         except KVTransferError as exc:
-            log.warning("KV pull for %s from %s failed: %s", rid, handle.worker_id, exc)
-            self.engine.kv_failed(rid, str(exc))
+            if isinstance(exc, KVChecksumError):
+                self._checksum_failed(state, handle, exc, start_ns)
+            else:
+                log.warning("KV pull for %s from %s failed: %s", rid, handle.worker_id, exc)
+            self.engine.kv_failed(rid, str(exc))  # never kv_ready: the blocks are not served
             return
         except BaseException as exc:  # e.g. cancelled at shutdown: the engine must still know
             self.engine.kv_failed(rid, f"pull interrupted: {exc!r}")
@@ -244,9 +248,29 @@ class DecodeWorker(Worker):
                 "pdserve.kv.prefill_rank": piece.piece.prefill_rank,
                 "pdserve.kv.heads": f"{piece.piece.lo}-{piece.piece.hi}",
             }
+            if self.config.kv_checksum:
+                attributes[tracing.ATTR_KV_CHECKSUM] = "ok"
+                attributes["pdserve.kv.checksum_seconds"] = piece.stats.checksum_seconds
             end_ns = start_ns + int(piece.stats.seconds * 1e9)
             tracing.record_span(tracing.SPAN_KV_TRANSFER, start_ns, end_ns,
                                 context=state.context, attributes=attributes)  # fmt: skip
+
+    def _checksum_failed(
+        self, state: DecodeState, handle: KVHandle, exc: KVChecksumError, start_ns: int
+    ) -> None:
+        """Pulled KV that is not what was leased: counted, logged, marked on a kv.transfer span
+        (status error); the failure policy then fails or recomputes the request."""
+        self.metrics.kv_checksum_failures.inc()
+        log.error("KV of %s from %s is corrupt, not served (%s): %s", state.bus_id,
+                  handle.worker_id, self.config.kv_failure_policy, exc)  # fmt: skip
+        attributes = {tracing.ATTR_REQUEST_ID: state.client_id,
+                      tracing.ATTR_WORKER_ID: self.worker_id,
+                      "pdserve.prefill_worker": handle.worker_id,
+                      tracing.ATTR_KV_CHECKSUM: "mismatch"}  # fmt: skip
+        event = (tracing.EVENT_KV_CHECKSUM_MISMATCH, {"message": str(exc)})
+        tracing.record_span(tracing.SPAN_KV_TRANSFER, start_ns, time.time_ns(),
+                            context=state.context, attributes=attributes, error=str(exc),
+                            events=[event])  # fmt: skip
 
     async def _release_lease(self, bus_id: str, handle: KVHandle) -> None:
         try:

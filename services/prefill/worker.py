@@ -54,6 +54,7 @@ class PrefillWorker(Worker):
             port=self.config.ucx_port,
             heads=self.engine.kv_heads,
             split=self.engine.kv_split,
+            checksum=self.config.kv_checksum,  # hashes each lease's blocks as it is added
         )
         await self.kv_server.start()
         others = await self.start_rank_link()

@@ -167,6 +167,10 @@ class WorkerMetrics:
         self.kv_transfer_bytes = counter(
             "pdserve_kv_transfer_bytes", "KV-cache bytes pulled from prefill workers."
         )
+        self.kv_checksum_failures = counter(
+            "pdserve_kv_checksum_failures",
+            "KV pulls whose bytes failed their checksum (--kv-checksum); never served.",
+        )
         self.kv_used_blocks = gauge(
             "pdserve_worker_kv_cache_used_blocks", "KV-cache blocks in use (incl. leased)."
         )

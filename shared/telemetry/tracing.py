@@ -36,11 +36,12 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
+from opentelemetry.trace import Status, StatusCode
 
 # --- span names (the trace CLI and the integration tests look for exactly these) -----------------
 SPAN_ROUTE = "route"
@@ -66,6 +67,7 @@ ATTR_KV_BLOCKS = "pdserve.kv.blocks"
 ATTR_KV_SECONDS = "pdserve.kv.seconds"
 ATTR_KV_GBPS = "pdserve.kv.gbps"  # decimal gigabytes per second
 ATTR_KV_TRANSPORT = "pdserve.kv.transport"  # e.g. "ucx", "local"
+ATTR_KV_CHECKSUM = "pdserve.kv.checksum"  # --kv-checksum: "ok", or "mismatch" (a failed pull)
 ATTR_TPOT_MS = "pdserve.tpot_ms"  # time per output token after the first, milliseconds
 
 # --- span events ------------------------------------------------------------------------------
@@ -76,6 +78,8 @@ ATTR_MIGRATION_FROM = "pdserve.migration.from_workers"  # list[str]
 ATTR_MIGRATION_TO = "pdserve.migration.to_workers"  # list[str]
 ATTR_MIGRATION_TOKENS = "pdserve.migration.delivered_tokens"  # replayed to the new worker(s)
 ATTR_MIGRATION_COUNT = "pdserve.migration.count"  # this request's migrations so far
+# On a kv.transfer span (status error) when the pulled KV failed its checksum: never served.
+EVENT_KV_CHECKSUM_MISMATCH = "pdserve.kv.checksum_mismatch"
 
 # --- GenAI semantic conventions (request span) ------------------------------------------------
 GEN_AI_OPERATION_NAME = "gen_ai.operation.name"  # "chat" or "text_completion"
@@ -227,15 +231,22 @@ def record_span(
     context: Context | None = None,
     attributes: Mapping[str, Any] | None = None,
     tracer_name: str = "pdserve",
+    events: Sequence[tuple[str, Mapping[str, Any]]] = (),
+    error: str | None = None,
 ) -> trace.Span:
     """Record a finished span whose times were measured already (``time.time_ns()`` values).
 
     Engine steps serve many requests at once; after a step, the worker records one span per
     request under that request's extracted context, sharing the step's start and end.
+    ``events`` (name, attributes) are stamped at its end; ``error`` sets its status to ERROR.
     """
     span = trace.get_tracer(tracer_name).start_span(
         name, context=context, start_time=start_ns, attributes=dict(attributes or {})
     )
+    for event, event_attributes in events:
+        span.add_event(event, dict(event_attributes), timestamp=end_ns)
+    if error is not None:
+        span.set_status(Status(StatusCode.ERROR, error))
     span.end(end_time=end_ns)
     return span
 

@@ -1,5 +1,5 @@
-"""Smoke runs of the perf scripts (kv_bench, load_test, engine_bench, stack_bench, tp_bench) at toy
-sizes (real processes)."""
+"""Smoke runs of the perf scripts (kv_bench, kv_checksum_bench, load_test, engine_bench,
+stack_bench, tp_bench) at toy sizes (real processes)."""
 
 from __future__ import annotations
 
@@ -160,3 +160,13 @@ def test_tp_bench_compares_tp2_with_tp1_and_pulls_every_layout(tmp_path: Path) -
     assert kv[2, 1]["computed_bytes"] == [whole] and kv[2, 1]["pieces"] == [2]
     assert kv[1, 2]["computed_bytes"] == kv[2, 2]["computed_bytes"] == [whole // 2] * 2
     assert "| 40 | 2 -> 1 |" in proc.stdout
+
+
+def test_kv_checksum_bench_pulls_with_the_check_on_and_off(tmp_path: Path) -> None:
+    out = tmp_path / "sums.json"
+    proc = run_module("perf.kv_checksum_bench", "--sizes-mib", "1", "--reps", "2",
+                      "--json", str(out), timeout=180)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    (case,) = json.loads(out.read_text())["cases"]
+    assert case["blocks"] == 2 and case["off_gbps"] > 0 and case["on_gbps"] > 0
+    assert case["verify_ms"] > 0 and case["lease_hash_gbps"] > 0

@@ -79,17 +79,21 @@ class KVAgent:
         with self._send_lock:
             self.conn.send(reply)
 
-    async def op_start(self, role: str, fingerprint: dict, host: str, port: int) -> dict:
+    async def op_start(self, role: str, fingerprint: dict, host: str, port: int,
+                       checksum: bool = False) -> dict:  # fmt: skip
         """Start this rank's KV endpoint; its pid and the UCX transports this process opened
-        (``ucx_check.process_transports``, as rank 0 reads its own), and a KV server's address."""
+        (``ucx_check.process_transports``, as rank 0 reads its own), and a KV server's address.
+        ``checksum`` (--kv-checksum): a server hashes its shard of each lease mirrored here, a
+        client verifies its pulls (``shared/kv/transfer/checksum.py``)."""
         if role == "prefill":
             self.server = KVServer(self.kv_cache, fingerprint, self.leases, host=host, port=port,
-                                   heads=self.heads, split=self.split)  # fmt: skip
+                                   heads=self.heads, split=self.split,
+                                   checksum=checksum)  # fmt: skip
             await self.server.start()
             asyncio.create_task(self._expire_leases())
             return {"address": self.server.address, **self._facts()}
         self.client = KVClient(self.kv_cache, fingerprint, self.block_size, host=host, port=port,
-                               heads=self.heads, split=self.split)  # fmt: skip
+                               heads=self.heads, split=self.split, checksum=checksum)  # fmt: skip
         self.client.own_address()  # a bad host fails now, at start-up
         return self._facts()
 
@@ -120,4 +124,5 @@ class KVAgent:
         stats = await self.client.pull(bus_id, KVHandle(**handle), dst_block_ids, timeout,
                                        address=address, heads=(heads[0], heads[1]))  # fmt: skip
         return {"num_bytes": stats.num_bytes, "num_blocks": stats.num_blocks,
-                "num_messages": stats.num_messages, "seconds": stats.seconds}  # fmt: skip
+                "num_messages": stats.num_messages, "seconds": stats.seconds,
+                "checksum_seconds": stats.checksum_seconds}  # fmt: skip

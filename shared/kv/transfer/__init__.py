@@ -14,10 +14,13 @@ pulls on one endpoint run concurrently and never see each other's messages::
 
     decode -> prefill   on the server's control tag: u32 length + msgpack {bus_id, token,
                         fingerprint, runs: [[src, n]..], reply_to: the decode worker's UCX
-                        address, tag: T, heads: [lo, hi], whole: bool}
+                        address, tag: T, heads: [lo, hi], whole: bool, checksum: bool}
     prefill -> decode   on T+1: one fixed-size reply (ok as blocks, ok as head slices, or the
-                        reason for a refusal)
+                        reason for a refusal; a yes says how many checksums per block follow)
     prefill -> decode   on T+2: one message per run, straight from / into the cache tensors
+    prefill -> decode   on T+3, if asked (``--kv-checksum``): the xxh3 hash of each pulled
+                        (block, KV head), taken at lease time, which the puller checks against
+                        what landed (``checksum.py``)
 
 Tensor parallelism: each rank's cache holds only its KV heads ``[lo, hi)`` (``heads=``), and the
 two ends may run different TP sizes (fingerprints are compared without ``tensor_parallel_size``).
@@ -41,6 +44,7 @@ block belongs to the lease. Leased blocks are pinned while they are being sent, 
 expires mid-transfer is freed only after the last byte left.
 """
 
+from pdserve.shared.kv.transfer.checksum import KVChecksumError
 from pdserve.shared.kv.transfer.client import KVClient
 from pdserve.shared.kv.transfer.lease import Lease, LeaseTable
 from pdserve.shared.kv.transfer.server import KVServer
@@ -56,6 +60,7 @@ from pdserve.shared.kv.transfer.wire import (
 
 __all__ = [
     "FingerprintMismatch",
+    "KVChecksumError",
     "KVClient",
     "KVServer",
     "KVTransferError",

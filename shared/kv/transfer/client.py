@@ -15,6 +15,7 @@ import torch
 from pdserve.shared.bus.protocol import KVHandle
 from pdserve.shared.kv import ucx_config, ucx_progress
 from pdserve.shared.kv.tp_layout import without_tp
+from pdserve.shared.kv.transfer.checksum import KVChecksumError, KVHasher
 from pdserve.shared.kv.transfer.heads import Heads, HeadSlicer, Split, settle
 from pdserve.shared.kv.transfer.wire import (
     MAX_CONTROL_BYTES,
@@ -31,6 +32,7 @@ from pdserve.shared.kv.transfer.wire import (
     parse_address,
     pull_tag,
     reply_sliced,
+    reply_sums,
     retrieve,
     unpack_reply,
 )
@@ -51,7 +53,9 @@ class KVClient:
 
     ``heads``: the global KV heads ``(lo, hi)`` this rank's cache holds (None: all of the
     fingerprint's ``num_kv_heads``, TP 1). ``split``: the storage's parts, each ``[n, layers, 2,
-    block_size, heads, X]`` (None: the storage is its one part) - see ``heads.HeadSlicer``."""
+    block_size, heads, X]`` (None: the storage is its one part) - see ``heads.HeadSlicer``.
+    ``checksum``: verify every pull against the server's hashes (``--kv-checksum``,
+    ``checksum.py``); a mismatch raises KVChecksumError."""
 
     def __init__(
         self,
@@ -63,9 +67,12 @@ class KVClient:
         *,
         heads: Heads | None = None,
         split: Split | None = None,
+        checksum: bool = False,
     ) -> None:
         self.kv_cache = kv_cache
         self.slicer = HeadSlicer(kv_cache, fingerprint, heads, split)
+        self.hasher = KVHasher(kv_cache, self.slicer)
+        self.checksum = checksum
         self.fingerprint = dict(fingerprint)
         self.block_size = block_size
         self.host = host
@@ -194,6 +201,7 @@ class KVClient:
                 "tag": tag,
                 "heads": list(heads),
                 "whole": whole,
+                **({"checksum": True} if self.checksum else {}),
             },
             use_bin_type=True,
         )
@@ -214,6 +222,12 @@ class KVClient:
         if sliced and self.slicer.parts is None or not sliced and not whole:
             # whole blocks would overwrite heads we did not ask for; slices need our parts
             raise KVTransferError(f"{handle.worker_id} answered in a form this cache cannot take")
+        units = self.hasher.units(heads)
+        if self.checksum and reply_sums(reply) != units:
+            raise KVChecksumError(
+                f"{handle.worker_id} sends {reply_sums(reply)} checksums per block, not "
+                f"{units}: the pull cannot be verified"
+            )
         # Only now receive into our blocks: a refusal leaves nothing posted that points there.
         if sliced:
             landing = [self.slicer.landing(dst, count, heads) for _, dst, count in runs]
@@ -222,6 +236,9 @@ class KVClient:
         received = [
             asyncio.ensure_future(ucx_progress.recv(ep, buffer(t), tag + 2)) for t, _ in landing
         ]
+        if self.checksum:  # after the runs, on T+3 (checksum.py)
+            sums = np.zeros((sum(count for *_, count in runs), units), dtype=np.uint64)
+            received.append(asyncio.ensure_future(ucx_progress.recv(ep, sums, tag + 3)))
         for fut in received:
             fut.add_done_callback(retrieve)
         await asyncio.gather(*received)
@@ -230,10 +247,16 @@ class KVClient:
                 self.slicer.unpack(staging, dst, count, heads)
         pull.incoming = False
         await settle([t for t, staged in landing if staged])  # the KV is in when we return
-        return TransferStats(
+        stats = TransferStats(
             num_bytes=sum(t.numel() * t.element_size() for t, _ in landing),
             num_messages=len(landing),
         )
+        if self.checksum:  # the blocks as they will be served, off the event loop
+            t0 = time.perf_counter()
+            dst_runs = [(dst, count) for _, dst, count in runs]
+            await asyncio.to_thread(self.hasher.verify, dst_runs, heads, sums, handle.worker_id)
+            stats.checksum_seconds = time.perf_counter() - t0
+        return stats
 
     async def close(self) -> None:
         self.endpoints.clear()

@@ -9,6 +9,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 log = logging.getLogger("pdserve.kv")
 
@@ -23,6 +24,9 @@ class Lease:
     pins: int = 0  # transfers reading the blocks right now
     dropped: bool = False  # released or expired while pinned: free after the last transfer
     on_drop: list[Callable[[], None]] = field(default_factory=list)  # transfers waiting on it
+    checksums: Any = (
+        None  # --kv-checksum: its blocks' hashes, or the task taking them (checksum.py)
+    )
 
 
 class LeaseTable:
@@ -31,7 +35,8 @@ class LeaseTable:
     ``on_free(bus_id)`` is called exactly once per lease, when it is released or expired and
     no transfer is reading it; the worker then returns the blocks to its engine. The tokens of
     the last ``remember`` dropped leases are kept, so a late puller can be told its lease is gone
-    without answering anyone who never held a token. Used from one event loop only.
+    without answering anyone who never held a token. ``on_add(lease)``, if set, sees each new
+    lease (a KV server that hashes leased blocks sets it). Used from one event loop only.
     """
 
     def __init__(
@@ -45,6 +50,7 @@ class LeaseTable:
         self.leases: dict[str, Lease] = {}
         self.remember = remember
         self.dropped_tokens: OrderedDict[str, str] = OrderedDict()
+        self.on_add: Callable[[Lease], None] | None = None
 
     def __len__(self) -> int:
         return len(self.leases)
@@ -58,6 +64,8 @@ class LeaseTable:
             raise ValueError(f"lease for {bus_id!r} exists")
         lease = Lease(bus_id, list(block_ids), num_tokens, self.clock() + ttl)
         self.leases[bus_id] = lease
+        if self.on_add is not None:
+            self.on_add(lease)
         return lease
 
     def get(self, bus_id: str) -> Lease | None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from pdserve.shared.kv import ucx_config, ucx_progress
 from pdserve.shared.kv.tp_layout import without_tp
+from pdserve.shared.kv.transfer.checksum import KVHasher, hash_lease, lease_sums
 from pdserve.shared.kv.transfer.heads import Heads, HeadSlicer, Split, settle
 from pdserve.shared.kv.transfer.lease import Lease, LeaseTable
 from pdserve.shared.kv.transfer.wire import (
@@ -38,7 +40,9 @@ class KVServer:
 
     ``heads``: the global KV heads ``(lo, hi)`` this rank's cache holds (None: all of the
     fingerprint's ``num_kv_heads``, TP 1). ``split``: the storage's parts, each ``[n, layers, 2,
-    block_size, heads, X]`` (None: the storage is its one part) - see ``heads.HeadSlicer``."""
+    block_size, heads, X]`` (None: the storage is its one part) - see ``heads.HeadSlicer``.
+    ``checksum``: hash every lease's blocks when it is added (``--kv-checksum``, ``checksum.py``);
+    a puller that asks gets hashes either way."""
 
     def __init__(
         self,
@@ -50,9 +54,13 @@ class KVServer:
         *,
         heads: Heads | None = None,
         split: Split | None = None,
+        checksum: bool = False,
     ) -> None:
         self.kv_cache = kv_cache
         self.slicer = HeadSlicer(kv_cache, fingerprint, heads, split)
+        self.hasher = KVHasher(kv_cache, self.slicer)
+        if checksum:
+            leases.on_add = lambda lease: hash_lease(self.hasher, lease)
         self.fingerprint = dict(fingerprint)
         self.leases = leases
         self.host = host
@@ -65,6 +73,8 @@ class KVServer:
         self.pulls_served = 0
         self.pulls_refused = 0  # answered with a reason
         self.requests_dropped = 0  # malformed, unauthenticated or over the limit: not answered
+        # tests only: what a pull's run messages become on the wire (to damage them in flight)
+        self.fault: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
 
     async def start(self) -> None:
         ucx_config.configure(self.host, self.port)
@@ -120,7 +130,7 @@ class KVServer:
             self._drop(repr(exc))
             return
         tag = req.get("tag")
-        if type(tag) is not int or not 0 <= tag < 1 << 63:  # T+2 must fit in 64 bits
+        if type(tag) is not int or not 0 <= tag < 1 << 63:  # T+3 must fit in 64 bits
             self._drop("bad tag")
             return
         rid, reply_to = req.get("bus_id"), req.get("reply_to")
@@ -144,9 +154,14 @@ class KVServer:
             self.leases.pin(lease)
             try:
                 views = await self._messages(req["runs"], heads, sliced)
-                sends = [ucx_progress.send(ep, pack_reply(None, sliced), tag + 1)]
+                if self.fault is not None:
+                    views = self.fault(views)
+                sums = self.hasher.units(heads) if req.get("checksum") is True else 0
+                sends = [ucx_progress.send(ep, pack_reply(None, sliced, sums), tag + 1)]
                 # every run in flight at once: UCX pipelines them, one tag keeps their order
                 sends += [ucx_progress.send(ep, buffer(v), tag + 2) for v in views]
+                if sums:
+                    sends.append(self._send_sums(ep, lease, req["runs"], heads, tag + 3))
                 await self._send_all(asyncio.gather(*sends), lease)
             finally:
                 self.leases.unpin(lease)
@@ -168,6 +183,11 @@ class KVServer:
         packed = [self.slicer.pack(start, count, heads) for start, count in runs]
         await settle([t for t, copied in packed if copied])  # UCX must not read half a copy
         return [t for t, _ in packed]
+
+    async def _send_sums(self, ep, lease: Lease, runs: list, heads: Heads, tag: int) -> None:
+        """The checksums of the pulled blocks' heads, after the runs (``checksum.py``)."""
+        sums = await lease_sums(self.hasher, lease, runs, heads)
+        await ucx_progress.send(ep, sums.view(np.uint8).reshape(-1), tag)
 
     async def _send_all(self, sends: asyncio.Future, lease: Lease) -> None:
         """Wait for a transfer's sends. A puller that gave up has cancelled its receives, so our

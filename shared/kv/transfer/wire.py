@@ -41,6 +41,7 @@ class TransferStats:
     num_blocks: int = 0
     num_messages: int = 0
     seconds: float = 0.0
+    checksum_seconds: float = 0.0  # --kv-checksum: hashing what landed (part of ``seconds``)
 
     @property
     def gbps(self) -> float:
@@ -135,10 +136,12 @@ def unpack_request(data: bytes) -> dict:
 REPLY_RAW, REPLY_SLICED = 1, 2  # a yes, and how the runs travel: whole blocks or head slices
 
 
-def pack_reply(error: str | None, sliced: bool = False) -> np.ndarray:
+def pack_reply(error: str | None, sliced: bool = False, sums: int = 0) -> np.ndarray:
+    """A yes (``sums``: the checksums per block that follow on T+3, 0 for none) or a refusal."""
     out = np.zeros(REPLY_BYTES, dtype=np.uint8)
     if error is None:
         out[0] = REPLY_SLICED if sliced else REPLY_RAW
+        out[1:5] = np.frombuffer(sums.to_bytes(4, "little"), dtype=np.uint8)
     else:
         text = error.encode()[: REPLY_BYTES - 1]
         out[1 : 1 + len(text)] = np.frombuffer(text, dtype=np.uint8)
@@ -149,6 +152,11 @@ def unpack_reply(reply: np.ndarray) -> str | None:
     if reply[0] in (REPLY_RAW, REPLY_SLICED):
         return None
     return reply[1:].tobytes().rstrip(b"\0").decode(errors="replace") or "refused"
+
+
+def reply_sums(reply: np.ndarray) -> int:
+    """How many checksums per block a yes says follow on T+3 (``checksum.py``); 0: none."""
+    return int.from_bytes(reply[1:5].tobytes(), "little") if unpack_reply(reply) is None else 0
 
 
 def reply_sliced(reply: np.ndarray) -> bool:
