@@ -7,6 +7,10 @@ silently ignored, so nobody believes a parameter took effect when it did not. Th
 fields that change nothing (``sampling_fields.py``: ``user``, ``metadata``, ...), accepted so
 clients that always send them work, and type-checked all the same. Every bad value is one
 OpenAI-shaped 400 naming the field (``schema_base.py``).
+
+A chat request with ``tools`` carries a ``ToolSetup`` (``GenerationParams.tools``), built with
+the gateway's tool-call parser; when its calls are enforced, the grammar that enforces them
+(``gateway/tools/grammar.py``) is the request's ``guided``, like any structured output.
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ from pydantic import ValidationError
 from pdserve.gateway.errors import APIError, bad_request
 from pdserve.gateway.request_bodies import ChatCompletionBody, CompletionBody
 from pdserve.gateway.schema_base import StrictModel, api_error
+from pdserve.gateway.tools.grammar import ToolGrammarError, tool_guide
+from pdserve.gateway.tools.setup import ToolSetup
 from pdserve.shared.sampling import GuidedDecoding
 
 
 def _accepted(model: type[StrictModel]) -> frozenset[str]:
-    """The body fields a model takes (by their JSON names), less those declared only to be
-    refused (``tools``: a field that takes nothing but null)."""
+    """The body fields a model takes (by their JSON names), less any declared only to be
+    refused (a field that takes nothing but null)."""
     fields = model.model_fields.items()
     return frozenset(f.alias or name for name, f in fields if f.annotation is not type(None))
 
@@ -60,6 +66,7 @@ class GenerationParams:
     stop_token_ids: list[int] = field(default_factory=list)
     guided: GuidedDecoding | None = None  # response_format / guided_* / structured_outputs
     guided_param: str | None = None  # the field that set guided, for its compile errors
+    tools: ToolSetup | None = None  # chat with tools: what was asked of tool calling
     speculate: bool = True  # false: no speculative decoding for this request
     # vLLM's extensions (vllm_fields.py)
     prompt_logprobs: int | None = None  # the prompt's log-probs, this many alternatives each
@@ -81,6 +88,9 @@ class ChatMessage:
     role: str
     content: str
     name: str | None = None
+    # an assistant's calls, as chat templates read them (ToolCall.for_template)
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 @dataclass
@@ -90,6 +100,7 @@ class ChatRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
+    tool_parser: str = "hermes"  # the format past calls are written in (templates without tools)
 
 
 # ----------------------------------------------------------------------------- requests
@@ -117,9 +128,19 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
     return CompletionRequest(params=params, prompt=prompts[0], prompts=prompts)
 
 
-def parse_chat(body: dict[str, Any]) -> ChatRequest:
+def parse_chat(body: dict[str, Any], tool_parser: str = "hermes") -> ChatRequest:
+    """``tool_parser``: the format the served model writes calls in (``--tool-call-parser``,
+    resolved for its template)."""
     req = _validated(ChatCompletionBody, body)
     params = _params(req, max_tokens=req.max_new_tokens, logprobs=req.top_alternatives)
+    params.tools = req.tool_setup(tool_parser)
+    try:
+        guide = tool_guide(params.tools)
+    except ToolGrammarError as exc:
+        raise exc.api_error() from None
+    if guide is not None:  # the body refuses tool grammars beside another guide
+        params.guided = guide
+        params.guided_param = "tool_choice" if params.tools.forced else "tools"
     # As vLLM: without a generation prompt the reply continues the last message's role, and
     # echo repeats the last message when it has the reply's role.
     last = req.messages[-1]
@@ -128,7 +149,11 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     # 'developer' is OpenAI's newer name for the system role; templates only know 'system'.
     messages = [
         ChatMessage(
-            role="system" if m.role == "developer" else m.role, content=m.text(), name=m.name
+            role="system" if m.role == "developer" else m.role,
+            content=m.text(),
+            name=m.name,
+            tool_calls=[c.for_template() for c in m.tool_calls] if m.tool_calls else None,
+            tool_call_id=m.tool_call_id,
         )
         for m in req.messages
     ]
@@ -138,6 +163,7 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
         add_generation_prompt=req.generation_prompt,
         continue_final_message=bool(req.continue_final_message),
         template_kwargs=dict(req.chat_template_kwargs or {}),
+        tool_parser=tool_parser,
     )
 
 

@@ -129,7 +129,9 @@ class Generation:
         self.texts = TokenTexts(tok) if tok is not None else None
         with_logprobs = self.params.logprobs is not None
         self.choices = [
-            ResponseChoice(i, tok, self.params.stop, with_logprobs, i // self.per_prompt)
+            ResponseChoice(
+                i, tok, self.params.stop, with_logprobs, i // self.per_prompt, self.params.tools
+            )
             for i in range(len(self.prompts) * self.per_prompt)
         ]
         # each prompt's log-probs, when the engine computed them (echo, prompt_logprobs)

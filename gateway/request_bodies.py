@@ -1,14 +1,16 @@
 """The request bodies of ``/v1/completions`` and ``/v1/chat/completions`` as pydantic models:
 the validation and the ``/openapi.json`` schemas both come from these classes.
 
-A chat request's messages: roles ``system``, ``developer``, ``user`` and ``assistant``, and
-content as a string or a list of ``{"type": "text"}`` parts (images, audio and tool messages are
-refused with a 400 naming the part or role).
+A chat request's messages: roles ``system``, ``developer``, ``user``, ``assistant`` (with the
+``tool_calls`` it made, its content then optional) and ``tool`` (a call's result, naming the call
+by ``tool_call_id``), and content as a string or a list of ``{"type": "text"}`` parts (images and
+audio are refused with a 400 naming the part). Tool calling's own fields are
+``gateway/tools/request.py``'s.
 
 Each body is its endpoint's own fields plus the shared groups (sampling, streaming, structured
-output, vLLM's extensions, the fields accepted and ignored). The rules that tie fields together are the models'
-``after`` validators, each naming the field a client has to change; they run once every field
-is valid on its own. Where OpenAI is silent, vLLM's OpenAI server is the reference.
+output, vLLM's extensions, the fields accepted and ignored; chat: tool calling). The rules that
+tie fields together are the models' ``after`` validators, each naming the field a client has to
+change; they run once every field is valid on its own. Where OpenAI is silent, vLLM's OpenAI server is the reference.
 """
 
 from __future__ import annotations
@@ -32,13 +34,13 @@ from pdserve.gateway.schema_base import (
     MISSING,
     StrictModel,
     field_error,
-    refused,
     shaped,
 )
+from pdserve.gateway.tools.request import ToolCallId, ToolCalls, ToolFields
 from pdserve.gateway.vllm_fields import ChatVllmFields, VllmFields
 from pdserve.shared.sampling import MAX_MAX_TOKENS
 
-Role = Literal["system", "developer", "user", "assistant"]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 def _only_text(kind: Any) -> Any:
@@ -71,11 +73,27 @@ class Message(StrictModel):
     role: Role
     content: Content | None = Field(None, description="required except for the assistant")
     name: str | None = None
+    tool_calls: ToolCalls | None = Field(
+        None, description="assistant only: the calls it made, as the API returned them"
+    )
+    tool_call_id: ToolCallId | None = Field(
+        None, description="tool only (and required there): the id of the call answered"
+    )
 
     @model_validator(mode="after")
-    def _content_unless_assistant(self) -> Message:
+    def _fields_of_the_role(self) -> Message:
         if self.content is None and self.role != "assistant":
             raise field_error("content", MISSING, "is required", None)
+        if self.tool_calls is not None and self.role != "assistant":
+            raise field_error(
+                "tool_calls", INVALID_VALUE, "is only allowed on assistant messages", None
+            )
+        if self.role == "tool" and self.tool_call_id is None:
+            raise field_error("tool_call_id", MISSING, "is required on tool messages", None)
+        if self.tool_call_id is not None and self.role != "tool":
+            raise field_error(
+                "tool_call_id", INVALID_VALUE, "is only allowed on tool messages", None
+            )
         return self
 
     def text(self) -> str:
@@ -136,9 +154,6 @@ Logprobs = bounded_integer("logprobs")
 
 
 BestOf = bounded_integer("n")
-
-
-ToolCalling = refused("tool calling is not supported")
 
 
 class ModelField(StrictModel):
@@ -221,9 +236,11 @@ class CompletionBody(VllmFields, CommonFields):
         return list(self.prompt)
 
 
-class ChatCompletionBody(ChatNeutralFields, ChatVllmFields, CommonFields):
-    """A chat completion, rendered with the model's chat template. Tool calling is not
-    supported: `tools` and `tool_choice` are a 400. Other fields are a 400
+class ChatCompletionBody(ToolFields, ChatNeutralFields, ChatVllmFields, CommonFields):
+    """A chat completion, rendered with the model's chat template. With `tools`, the model may
+    call functions: `tool_choice` 'required' or a named function (and 'auto' with a `strict`
+    function) enforce the calls' format and arguments with a grammar, which cannot be combined
+    with `response_format` / `guided_*` / `structured_outputs`. Other fields are a 400
     `unsupported_parameter` unless null."""
 
     messages: Annotated[list[Message], Field(min_length=1)]
@@ -237,8 +254,6 @@ class ChatCompletionBody(ChatNeutralFields, ChatVllmFields, CommonFields):
     top_logprobs: Logprobs | None = Field(
         None, description="with logprobs: this many likeliest alternatives per token"
     )
-    tools: ToolCalling = None
-    tool_choice: ToolCalling = None
 
     @model_validator(mode="after")
     def _chat_rules(self) -> ChatCompletionBody:
@@ -258,7 +273,32 @@ class ChatCompletionBody(ChatNeutralFields, ChatVllmFields, CommonFields):
                 self.top_logprobs,
             )
         self._check_min_tokens(self.max_new_tokens)
+        if self.guided is not None and self.tools_enforced:
+            guide = (self.guided_param or "response_format").split(".")[0]
+            raise field_error(
+                guide,
+                INVALID_VALUE,
+                f"cannot be combined with tool_choice {self.tool_choice_text()}"
+                + (" and a strict function" if self.tool_choice in (None, "auto") else "")
+                + ": the answer follows the tool calls' grammar",
+                None,
+            )
+        self._check_tool_results()
         return self
+
+    def _check_tool_results(self) -> None:
+        """A tool message answers a call an earlier assistant message made (OpenAI's rule):
+        a template could not place it otherwise."""
+        made: set[str] = set()
+        for i, message in enumerate(self.messages):
+            made.update(call.id for call in message.tool_calls or [])
+            if message.role == "tool" and message.tool_call_id not in made:
+                raise field_error(
+                    ("messages", i, "tool_call_id"),
+                    INVALID_VALUE,
+                    "must be the id of a call in an earlier assistant message's 'tool_calls'",
+                    message.tool_call_id,
+                )
 
     @property
     def max_new_tokens(self) -> int | None:

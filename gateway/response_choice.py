@@ -11,15 +11,22 @@ the full decode, so the streamed pieces always concatenate to ``decode(all_ids)`
 A stop string can straddle chunks, so the tail of the text that could still grow into one is
 held back until it either completes the match (the request stops, and neither the stop string
 nor anything after it is sent, as OpenAI does) or stops being a possible prefix.
+
+A chat choice whose request has tools (``ToolSetup.parses_calls``) then runs its text through a
+``ToolCallStream``: a piece carries the message's content and ``tool_calls`` deltas, and a
+choice that ends on its own with calls ends with ``tool_calls``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.gateway.inflight_types import TokenEvent
 from pdserve.gateway.logprob_format import LogprobEntry, LogprobList
 from pdserve.gateway.tokenizer import ModelTokenizer
+from pdserve.gateway.tools.setup import ToolSetup
+from pdserve.gateway.tools.stream import ToolCallStream
 from pdserve.shared.sampling import TokenLogprobs
 
 
@@ -159,16 +166,19 @@ class OutputText:
 @dataclass
 class Piece:
     """What one token event adds to a choice: text (maybe empty), the new tokens'
-    log-prob entries (empty unless asked) and the new tokens' ids."""
+    log-prob entries (empty unless asked) and the new tokens' ids. With tools, ``text`` is the
+    content only and ``deltas`` the chat deltas in order (``{"content"}`` / ``{"tool_calls"}``);
+    without, ``deltas`` is None."""
 
     text: str
     logprobs: list[LogprobEntry] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    deltas: list[dict[str, Any]] | None = None
 
 
 class ResponseChoice:
     """One choice: ``index`` is its place in the response (prompt i's choice j is i * n + j),
-    ``prompt`` the prompt it answers."""
+    ``prompt`` the prompt it answers, ``tools`` what its chat request asked of tool calls."""
 
     def __init__(
         self,
@@ -177,6 +187,7 @@ class ResponseChoice:
         stops: list[str],
         with_logprobs: bool,
         prompt: int = 0,
+        tools: ToolSetup | None = None,
     ) -> None:
         self.index = index
         self.prompt = prompt
@@ -186,6 +197,8 @@ class ResponseChoice:
         self.finish_reason: str | None = None
         self.pieces: list[str] = []  # the text so far, for a non-streamed answer
         self.cumulative_logprob = 0.0  # of the generated tokens (best_of ranks by it)
+        self.tools = tools if tools is not None and tools.parses_calls else None
+        self.calls = ToolCallStream(self.tools) if self.tools is not None else None
 
     @property
     def done(self) -> bool:
@@ -193,7 +206,28 @@ class ResponseChoice:
 
     @property
     def text(self) -> str:
+        """The generated text, calls included (``tools.parsers.parse`` splits it)."""
         return "".join(self.pieces)
+
+    @property
+    def reply_finish(self) -> str | None:
+        """The finish reason the client sees: ``tool_calls`` for an answer with calls that
+        ended on its own (``finish_reason`` itself stays ``stop``: the request's stop logic
+        reads it)."""
+        if self.finish_reason == "stop" and self.calls is not None and self.calls.has_calls:
+            return "tool_calls"
+        return self.finish_reason
+
+    def _piece(self, text: str, entries: list[LogprobEntry], ids: list[int]) -> Piece:
+        """Record the choice's new text; with tools, read it for calls."""
+        self.pieces.append(text)
+        if self.calls is None:
+            return Piece(text, entries, ids)
+        deltas = self.calls.feed(text)
+        if self.done:
+            deltas += self.calls.finish()
+        content = "".join(d.get("content", "") for d in deltas)
+        return Piece(content, entries, ids, deltas)
 
     def prepend_prompt(
         self, text: str, prompt_ids: list[int], prompt_logprobs: TokenLogprobs | None
@@ -222,8 +256,7 @@ class ResponseChoice:
         elif event.finish_reason is not None:
             text += self.out.finish()
             self.finish_reason = "stop" if self.out.stopped else event.finish_reason
-        self.pieces.append(text)
-        return Piece(text, entries, list(event.token_ids))
+        return self._piece(text, entries, list(event.token_ids))
 
     def end(self, reason: str) -> Piece:
         """The request ended without this choice's own finish (it cannot happen on a normal
@@ -232,5 +265,4 @@ class ResponseChoice:
             return Piece("")
         text = self.out.finish()
         self.finish_reason = "stop" if self.out.stopped else reason
-        self.pieces.append(text)
-        return Piece(text)
+        return self._piece(text, [], [])

@@ -39,6 +39,8 @@ def omitted(description: str) -> Any:
 # A choice ends with "length" at max_tokens, else "stop" (EOS, a stop token or stop string). A
 # worker-side abort or error never reaches a choice: it is an error response or error event.
 FinishReason = Literal["stop", "length"]
+# A chat answer with tool calls that ended on its own ends with "tool_calls" instead of "stop".
+ChatFinishReason = Literal["stop", "length", "tool_calls"]
 
 
 # ----------------------------------------------------------------------------- errors
@@ -204,18 +206,37 @@ class CompletionChunk(ResponseModel):
 ReplyRole = Literal["assistant", "user", "system", "developer"]
 
 
+class FunctionCall(ResponseModel):
+    name: str = Field(description="one of the request's tools")
+    arguments: str = Field(description="the arguments: a JSON object, as text")
+
+
+class ChatCompletionMessageToolCall(ResponseModel):
+    """One call the model made."""
+
+    id: str = Field(description="'call_' and random characters; a tool message answers it")
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(ResponseModel):
     role: ReplyRole = Field(
         description="'assistant', or with add_generation_prompt false the last message's role"
     )
-    content: str = Field(description="with echo (vLLM's), after the last message's content")
+    content: str | None = Field(
+        description="the text (with echo, vLLM's, after the last message's content); with "
+        "tools, the text around the calls, null when the answer is only calls"
+    )
+    tool_calls: list[ChatCompletionMessageToolCall] = omitted(
+        "the calls, when the request had tools and the model called them"
+    )
 
 
 class ChatChoice(ResponseModel):
     index: int = Field(description=_INDEX)
     message: ChatMessage
     logprobs: ChatLogprobs | None = Field(description=_LOGPROBS)
-    finish_reason: FinishReason
+    finish_reason: ChatFinishReason
     token_ids: list[int] = omitted(_TOKEN_IDS)
 
 
@@ -232,18 +253,38 @@ class ChatCompletion(ResponseModel):
     prompt_token_ids: list[int] = omitted(_PROMPT_IDS)
 
 
+class FunctionCallDelta(ResponseModel):
+    name: str = omitted("on the call's first delta only")
+    arguments: str = Field(
+        description="the next piece of the arguments' JSON text ('' on the call's first delta)"
+    )
+
+
+class ChoiceDeltaToolCall(ResponseModel):
+    """A piece of one call: its first carries id, type and name; the next, its arguments."""
+
+    index: int = Field(description="the call's place among the choice's calls, from 0")
+    id: str = omitted("on the call's first delta only")
+    type: Literal["function"] = omitted("on the call's first delta only")
+    function: FunctionCallDelta
+
+
 class ChatDelta(ResponseModel):
-    """What a chunk adds to the message: the role (first chunk), text, or nothing (last)."""
+    """What a chunk adds to the message: the role (first chunk), text, a piece of a tool
+    call, or nothing (last)."""
 
     role: ReplyRole = omitted("on each choice's first chunk only")
     content: str = omitted("the next piece of text ('' on the first chunk)")
+    tool_calls: list[ChoiceDeltaToolCall] = omitted(
+        "with tools: a piece of one call; join a call's pieces by index"
+    )
 
 
 class ChatChunkChoice(ResponseModel):
     index: int = Field(description=_INDEX)
     delta: ChatDelta
     logprobs: ChatLogprobs | None = Field(description="of the piece's tokens; " + _LOGPROBS)
-    finish_reason: FinishReason | None = Field(description="set on the choice's last chunk")
+    finish_reason: ChatFinishReason | None = Field(description="set on the choice's last chunk")
     token_ids: list[int] = omitted(_CHUNK_TOKEN_IDS)
 
 

@@ -14,10 +14,9 @@ Accepted and ignored: request fields accepted because they change nothing here, 
 (OpenAI SDK defaults, benchmark and eval tools) are not refused.
 
 Each is still type-checked like any other field: a wrong type or shape is a 400 that names it.
-``metadata``, ``store``, ``service_tier`` and ``parallel_tool_calls`` exist on OpenAI's chat
-endpoint only, and are refused on ``/v1/completions`` as OpenAI's legacy completions refuse
-them. Nothing is stored with ``store: true``. ``parallel_tool_calls`` is accepted without tools;
-``tools`` and ``tool_choice`` themselves are refused (``request_bodies.ChatCompletionBody``).
+``metadata``, ``store`` and ``service_tier`` exist on OpenAI's chat endpoint only, and are
+refused on ``/v1/completions`` as OpenAI's legacy completions refuse them. Nothing is stored with
+``store: true``. (``parallel_tool_calls`` belongs with ``tools``: ``gateway/tools/request.py``.)
 
 ``stream`` and ``stream_options``: how a stream reports usage, OpenAI's field and vLLM's
 extension.
@@ -118,9 +117,6 @@ class ChatNeutralFields(NeutralFields):
     store: bool | None = Field(None, description="accepted and ignored: nothing is stored")
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
         None, description="accepted and ignored"
-    )
-    parallel_tool_calls: bool | None = Field(
-        None, description="accepted and ignored ('tools' are refused)"
     )
 
 

@@ -55,6 +55,8 @@ from pdserve.gateway.tokenizer import (
     TemplateInputError,
     truncate_prompt,
 )
+from pdserve.gateway.tools.grammar import check_schemas
+from pdserve.gateway.tools.prompt import resolve_parser
 from pdserve.shared import structured_output
 from pdserve.shared.bus.connection import Bus
 from pdserve.shared.bus.subjects import is_subject_token
@@ -245,16 +247,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY_KEY]
-    req: ChatRequest = parse_chat(await _read_json(request))
+    chat = gw.model.chat
+    parser = resolve_parser(gw.config.tool_call_parser, chat.source if chat else None)
+    req: ChatRequest = parse_chat(await _read_json(request), tool_parser=parser)
     _check_model(gw, req.params.model)
-    if gw.model.chat is None:
+    if chat is None:
         raise bad_request("This model has no chat template; use /v1/completions", "messages")
     try:
-        text = gw.model.chat.render(
+        text = chat.render(
             req.messages,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             variables=req.template_kwargs,
+            tools=req.params.tools,
+            tool_parser=req.tool_parser,
         )
     except TemplateInputError as exc:
         message = f"The chat template rejected the messages: {exc}"
@@ -266,6 +272,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     prompt_ids = await _encode(gw.model.tokenizer, text, add_special_tokens=False)
     prompt_ids = _truncated(gw, req.params, prompt_ids)
     check_param_token_ids(req.params, gw.model.tokenizer.vocab_size)
+    # each enforced tool schema first, so that one that does not compile is named
+    await asyncio.to_thread(check_schemas, req.params.tools, gw.model.tokenizer.tokenizer)
     await _check_guided(gw, req.params)
     return await serve_generation(request, gw, "chat", req.params, [Prompt(prompt_ids, text)])
 

@@ -7,6 +7,11 @@ that chunk's ``token_ids``, and the prompt's ``prompt_token_ids`` come once per 
 first chunk; chat: at the top of its role chunk). Chat ``echo`` is one chunk per choice after
 the role chunk, holding the last message's content.
 
+With tools, a piece's chat deltas (``tools/stream.py``) go out in order, one chunk each:
+``{"content": ...}`` or ``{"tool_calls": [one call's header or arguments]}``; the piece's
+log-probs and token ids ride on its first chunk. A choice that ended with calls finishes with
+``tool_calls``.
+
 The events are server-sent events in the shape OpenAI clients parse: ``data: <json>\\n\\n`` ... ``data: [DONE]``.
 
 Errors after the stream has started can no longer change the HTTP status, so they travel as a
@@ -129,17 +134,25 @@ class Chunks:
             first["usage"] = {**first["usage"], "completion_tokens": 0, "total_tokens": prompt}
         return first
 
-    def piece(self, choice: ResponseChoice, piece: Piece) -> dict[str, Any] | None:
-        """The chunk for a piece of ``choice``'s output, or None when it carries nothing."""
+    def piece(self, choice: ResponseChoice, piece: Piece) -> list[dict[str, Any]]:
+        """The chunks for a piece of ``choice``'s output (none when it carries nothing)."""
         logprobs = None
         if choice.logprobs is not None and piece.logprobs:
             offset = self.offsets.get(choice.index, 0)
             logprobs = self.gen.logprobs_json(choice, piece, offset)
             self.offsets[choice.index] = offset + text_length(piece.logprobs, self.gen.texts)
         tokens = self.gen.params.return_token_ids and piece.token_ids
+        if piece.deltas:
+            chunks = []
+            for delta in piece.deltas:
+                chunk = self(None, None, choice.index, logprobs, piece.token_ids if tokens else [])
+                chunk["choices"][0]["delta"] = delta
+                chunks.append(chunk)
+                logprobs, tokens = None, False  # on the piece's first chunk only
+            return chunks
         if not piece.text and logprobs is None and not tokens:
-            return None
-        return self(piece.text, None, choice.index, logprobs, piece.token_ids)
+            return []
+        return [self(piece.text, None, choice.index, logprobs, piece.token_ids)]
 
     def usage_chunk(self) -> dict[str, Any]:
         return {**self.base, "choices": [], "usage": self.gen.progress.usage()}
@@ -163,11 +176,10 @@ async def stream_response(request: web.Request, gen: Generation) -> web.StreamRe
             async for choice, piece in pieces:
                 if writer is None:
                     writer = await chunk.open(request)
-                payload = chunk.piece(choice, piece)
-                if payload is not None:
+                for payload in chunk.piece(choice, piece):
                     await writer.send(payload)
                 if choice.done:
-                    final = chunk(None if gen.chat else "", choice.finish_reason, choice.index)
+                    final = chunk(None if gen.chat else "", choice.reply_finish, choice.index)
                     await writer.send(final)
     except FAULTS as exc:
         err = fault_error(exc)

@@ -15,6 +15,9 @@ Templates come from model files, so they run in jinja2's immutable sandbox. The 
 matches what Hugging Face templates expect (``trim_blocks``, ``lstrip_blocks``,
 ``raise_exception``, ``strftime_now``, a ``tojson`` that keeps non-ASCII text) so a template gives
 the same text here as with ``transformers``' ``apply_chat_template``.
+
+Tools, past calls and tool results reach the template as transformers passes them when it has
+tool syntax, else as the documented fallback (``gateway/tools/prompt.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,13 @@ from tokenizers import Tokenizer
 
 from pdserve.gateway.api_models import ChatMessage
 from pdserve.gateway.errors import bad_request
+from pdserve.gateway.tools.prompt import (
+    fallback_messages,
+    native_messages,
+    reads_tools,
+    tools_variable,
+)
+from pdserve.gateway.tools.setup import ToolSetup
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -190,6 +200,7 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         self.source = source
+        self.has_tool_syntax = reads_tools(source)
         self.template = env.from_string(source)
         self.bos_token = bos_token or ""
         self.eos_token = eos_token or ""
@@ -200,16 +211,18 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         variables: dict[str, Any] | None = None,
+        tools: ToolSetup | None = None,
+        tool_parser: str = "hermes",
     ) -> str:
         """The prompt text. ``continue_final_message`` leaves the last message open for the
         model to continue; ``variables`` are more names for the template (vLLM's
-        chat_template_kwargs; the caller keeps them off the names set here)."""
-        conversation = []
-        for m in messages:
-            item: dict[str, Any] = {"role": m.role, "content": m.content}
-            if m.name is not None:
-                item["name"] = m.name
-            conversation.append(item)
+        chat_template_kwargs; the caller keeps them off the names set here). ``tools``: the
+        request's, in the template's ``tools`` or the fallback's system section;
+        ``tool_parser`` is the format the fallback writes past calls in."""
+        if self.has_tool_syntax:
+            conversation = native_messages(messages)
+        else:
+            conversation = fallback_messages(messages, tools, tool_parser)
         if continue_final_message:
             if "content" not in self.source:
                 raise TemplateInputError(
@@ -223,6 +236,8 @@ class ChatTemplate:
                 "eos_token": self.eos_token,
                 "add_generation_prompt": add_generation_prompt,
             }
+            if tools is not None and self.has_tool_syntax:
+                fixed["tools"] = tools_variable(tools)
             text = self.template.render({**(variables or {}), **fixed})
         except TemplateInputError:
             raise

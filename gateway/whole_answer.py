@@ -1,6 +1,10 @@
 """A generation answered as one JSON body (no ``stream``): every choice collected, then the
 completion or chat completion with the usage, and vLLM's extra fields when asked
-(``logprob_format.py``: ``prompt_logprobs``, ``prompt_token_ids``, ``token_ids``)."""
+(``logprob_format.py``: ``prompt_logprobs``, ``prompt_token_ids``, ``token_ids``).
+
+A chat choice with tools is split into the message's ``content`` (None when the answer is
+only calls) and ``tool_calls`` by ``tools.parsers.parse``, the same reading a stream's deltas
+join to; it finishes with ``tool_calls`` when it has calls and ended on its own."""
 
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from aiohttp import web
 from pdserve.gateway.generation import FAULTS, Generation, fault_error
 from pdserve.gateway.logprob_format import prompt_logprobs_json
 from pdserve.gateway.response_choice import Piece, ResponseChoice
+from pdserve.gateway.tools.parsers import parse
+from pdserve.gateway.tools.stream import call_id
 
 
 async def complete(gen: Generation) -> web.Response:
@@ -43,8 +49,7 @@ def _choice_json(gen: Generation, choice: ResponseChoice) -> dict[str, Any]:
         logprobs = gen.logprobs_json(choice, whole, 0)
     finish = choice.finish_reason or "stop"
     if gen.chat:
-        # chat echo: the reply starts with the last message (its log-probs are not repeated)
-        message = {"role": gen.params.reply_role, "content": gen.params.chat_echo + choice.text}
+        message, finish = _message(gen, choice, finish)
         item = {"index": choice.index, "message": message, "logprobs": logprobs,
                 "finish_reason": finish}  # fmt: skip
     else:
@@ -54,6 +59,22 @@ def _choice_json(gen: Generation, choice: ResponseChoice) -> dict[str, Any]:
     if gen.params.return_token_ids:
         item["token_ids"] = choice.token_ids
     return item
+
+
+def _message(gen: Generation, choice: ResponseChoice, finish: str) -> tuple[dict[str, Any], str]:
+    """A chat choice's message and finish reason."""
+    # chat echo: the reply starts with the last message (its log-probs are not repeated)
+    echo = gen.params.chat_echo
+    if choice.tools is None:
+        return {"role": gen.params.reply_role, "content": echo + choice.text}, finish
+    parsed = parse(choice.text, choice.tools)
+    content = parsed.content if not echo else echo + (parsed.content or "")
+    message: dict[str, Any] = {"role": gen.params.reply_role, "content": content}
+    if parsed.calls:
+        message["tool_calls"] = [call.json(call_id()) for call in parsed.calls]
+        if finish == "stop":
+            finish = "tool_calls"
+    return message, finish
 
 
 def _prompt_fields(gen: Generation, p: int) -> dict[str, Any]:

@@ -227,9 +227,8 @@ class GatewayConfig:
     )
     tool_call_parser: str = opt(
         "auto",
-        "the format the model writes tool calls in (read from answers, enforced by tool_choice "
-        "grammars); auto: the chat template's own, hermes for a template without tool syntax "
-        "(the tools then go into a system prompt that asks for hermes calls)",
+        "the format tool calls are written in; auto: the chat template's own, or hermes for a "
+        "template without tool syntax (the tools then go into a system prompt)",
         choices=TOOL_CALL_PARSERS,
     )
 
@@ -239,10 +238,8 @@ class GatewayConfig:
                 flag = "--" + name.replace("_", "-")
                 raise StartupError(f"{flag} must be >= 0 (0 = no limit), got {getattr(self, name)}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:  # argparse skips env defaults
-            raise StartupError(
-                f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
-                f"{self.tool_call_parser!r}"
-            )
+            choices, bad = ", ".join(TOOL_CALL_PARSERS), self.tool_call_parser
+            raise StartupError(f"--tool-call-parser must be one of {choices}, got {bad!r}")
 
 
 @dataclass

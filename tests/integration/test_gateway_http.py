@@ -391,7 +391,8 @@ async def test_bad_input_is_a_4xx_openai_error(gw: Harness):
          {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
          "messages[0].content[0].type"),
         ("/v1/chat/completions", {**CHAT, "n": 17}, 400, "n"),
-        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400,
+         "tools[0].function"),
     ]  # fmt: skip
     for path, body, status, param in cases:
         code, payload, headers = await gw.post(path, body)

@@ -291,8 +291,9 @@ def test_error_codes_and_messages():
         return error_of(parse, body).body()["error"]
 
     assert err(parse_chat, {**CHAT, "tools": [{"type": "function"}]}) == {
-        "message": "Unsupported parameter: 'tools' (tool calling is not supported)",
-        "type": "invalid_request_error", "param": "tools", "code": "unsupported_parameter",
+        "message": "'tools[0].function' is required",
+        "type": "invalid_request_error", "param": "tools[0].function",
+        "code": "missing_required_parameter",
     }  # fmt: skip
     # An unsupported top-level parameter is reported before other errors.
     body = {**COMPLETION, "n": 99, "suffix": "x"}

@@ -102,9 +102,9 @@ def test_chat_only_fields_are_refused_on_completions(name):
     assert (err.param, err.code) == (name, "unsupported_parameter")
 
 
-def test_tools_stay_refused_with_parallel_tool_calls():
+def test_bad_tools_are_named_with_parallel_tool_calls():
     err = error_of(parse_chat, {**CHAT, "parallel_tool_calls": False, "tools": [{}]})
-    assert err.param == "tools"
+    assert err.param == "tools[0].type"
 
 
 # ----------------------------------------------------------------------------- stream_options
@@ -214,12 +214,9 @@ async def test_httpx_reads_the_stream_split_anywhere():
 def test_openapi_lists_exactly_what_is_accepted():
     schemas = openapi_spec("m")["components"]["schemas"]
     chat, completion = schemas["ChatCompletionRequest"], schemas["CompletionRequest"]
-    # tools and tool_choice are listed only to say they are refused
-    assert set(chat["properties"]) == CHAT_KEYS | {"tools", "tool_choice"}
+    assert {"tools", "tool_choice", "parallel_tool_calls"} <= CHAT_KEYS
+    assert set(chat["properties"]) == CHAT_KEYS
     assert set(completion["properties"]) == COMPLETION_KEYS
-    for refused in ("tools", "tool_choice"):
-        assert chat["properties"][refused]["type"] == "null"
-        assert "not supported" in chat["properties"][refused]["description"]
     assert chat["properties"]["stream_options"]["anyOf"][0] == {
         "$ref": "#/components/schemas/StreamOptions"
     }

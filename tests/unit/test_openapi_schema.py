@@ -1,5 +1,5 @@
 """``/openapi.json``'s request schemas, generated from the pydantic request models: the issue 16
-fields with their bounds, tools documented as refused, and a fuzz run checking that every body
+fields with their bounds, tool calling's fields, and a fuzz run checking that every body
 gets either a valid request or one 400 naming a field, and that nothing the validator accepts
 is invalid by the published schema."""
 
@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from pdserve.gateway.api_models import CHAT_KEYS, COMPLETION_KEYS, parse_chat, parse_completion
 from pdserve.gateway.errors import APIError
 from pdserve.gateway.openapi import openapi_spec
+from pdserve.gateway.tools.request import FUNCTION_NAME, MAX_TOOLS
 from pdserve.shared.sampling import (
     MAX_GUIDED_SPEC_CHARS,
     MAX_LOGIT_BIAS,
@@ -67,10 +68,13 @@ def test_openapi_documents_the_new_fields_and_bounds():
     assert chat["logprobs"]["type"] == ["boolean", "null"]
     assert chat["top_logprobs"]["maximum"] == MAX_LOGPROBS
     assert chat["max_tokens"]["minimum"] == 1
-    for name in ("tools", "tool_choice"):
-        assert chat[name]["type"] == "null" and "not supported" in chat[name]["description"]
+    assert chat["tools"]["maxItems"] == MAX_TOOLS
+    assert chat["tools"]["items"] == {"$ref": "#/components/schemas/Tool"}
+    assert schemas["FunctionDefinition"]["properties"]["name"]["pattern"] == FUNCTION_NAME
+    assert {"$ref": "#/components/schemas/NamedToolChoice"} in chat["tool_choice"]["anyOf"]
+    assert {"enum": ["none", "auto", "required"], "type": "string"} in chat["tool_choice"]["anyOf"]
     chat_doc = " ".join(schemas["ChatCompletionRequest"]["description"].split())
-    assert "Tool calling is not supported: `tools` and `tool_choice` are a 400" in chat_doc
+    assert "enforce the calls' format and arguments with a grammar" in chat_doc
     assert schemas["ResponseFormat"]["properties"]["type"]["enum"] == [
         "text",
         "json_object",

@@ -167,7 +167,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
             "messages[0].content[0].text",
         ),
         ([{"role": "user", "content": ["x"]}], "messages[0].content[0]"),
-        ([{"role": "tool", "content": "x"}], "messages[0].role"),
+        ([{"role": "tool", "content": "x"}], "messages[0].tool_call_id"),
         ([{"role": "user", "content": "x", "tool_calls": []}], "messages[0].tool_calls"),
     ],
 )
