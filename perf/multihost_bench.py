@@ -8,9 +8,8 @@ a time; TPOT (time per output token after the first, through HTTP) is the per-to
 difference is what the bridge hops add to every token (decode worker -> its NATS node -> route ->
 the gateway's node -> gateway -> client). The namespace network is virtual: read the ratio.
 
-KV pull bandwidth between namespaces is not measured: UCX's TCP transport ignores interfaces
-whose only IPv4 address is link-local, and the namespaces may only have such addresses (see
-README "Several hosts"); the decode worker recomputes prompts there (kv_failure_policy).
+KV pull bandwidth between namespaces is ``perf/netns_kv_bench.py``'s: here the KV crosses the
+bridge over UCX TCP on the hosts' 198.18 addresses, and a failed pull fails its request.
 
     python -m perf.multihost_bench --requests 8 --tokens 64 --json perf/results/multihost_bench.json
 """
@@ -37,7 +36,7 @@ WORKER = {
     "model": "demo",
     "num_kv_blocks": 256,
     "heartbeat_seconds": 0.5,
-    "kv_failure_policy": "recompute",
+    "kv_failure_policy": "fail",
     "local_prefill_threshold": 0,
 }
 PROMPT = "Measure the cost of every hop between the hosts, token by token. " * 3

@@ -179,7 +179,12 @@ def spawn(
 class NatsServer:
     """A private nats-server (on loopback unless ``host`` says otherwise), with the payload
     limit the bus is configured for. With ``cluster_port`` it is a cluster node: it listens for
-    routes there and dials ``routes`` (``nats-route://host:port`` of the other nodes)."""
+    routes there and dials ``routes`` (``nats-route://host:port`` of the other nodes).
+
+    ``host`` is the address clients and other nodes are given. It may differ from where the
+    server binds (``listen``: 0.0.0.0 inside a network namespace) and from where this process
+    checks that it is up (``reach``: an address of that namespace this process has a route to);
+    both default to ``host``."""
 
     host: str = "127.0.0.1"
     port: int = 0
@@ -198,6 +203,8 @@ class NatsServer:
     routes: list[str] = field(default_factory=list)
     monitor_port: int = 0  # HTTP monitoring (/routez); 0: off
     argv_prefix: list[str] = field(default_factory=list)  # e.g. ip netns exec NAME
+    listen: str = ""  # bind address of clients, routes and monitoring; "" means host
+    reach: str = ""  # where this process connects to check on it; "" means host
 
     @property
     def url(self) -> str:
@@ -213,13 +220,17 @@ class NatsServer:
         lines = [f"max_payload: {min(self.max_payload, 64 * 1024 * 1024)}"]
         if self.server_name:
             lines.append(f'server_name: "{self.server_name}"')
+        advertise = bool(self.listen) and self.listen != self.host
+        if advertise:  # bound to more than ``host``: hand clients ``host`` alone, no guesses
+            lines.append(f'client_advertise: "{self.host}:{self.port}"')
         if self.cluster_port:
             routes = ", ".join(f'"{r}"' for r in self.routes)
             lines += [
                 "cluster {",
                 f'  name: "{self.cluster_name}"',
-                f'  listen: "{self.host}:{self.cluster_port}"',
+                f'  listen: "{self.listen or self.host}:{self.cluster_port}"',
                 f"  routes: [{routes}]",
+                *([f'  advertise: "{self.host}:{self.cluster_port}"'] if advertise else []),
                 "}",
             ]
         return "\n".join(lines) + "\n"
@@ -235,7 +246,7 @@ class NatsServer:
             "-c",
             str(conf),
             "-a",
-            self.host,
+            self.listen or self.host,
             "-p",
             str(self.port),
         ]
@@ -248,7 +259,7 @@ class NatsServer:
         if self.tls_cert:
             argv += ["--tls", "--tlscert", str(self.tls_cert), "--tlskey", str(self.tls_key)]
         self.child = spawn(self.server_name or "nats-server", argv, log_path=self.log_path)
-        wait_port(self.host, self.port, timeout, self.child)
+        wait_port(self.reach or self.host, self.port, timeout, self.child)
 
     def stop(self) -> None:
         if self.child is not None:
@@ -317,7 +328,7 @@ class NatsCluster:
 
     def peers(self, node: NatsServer) -> set[str]:
         """Names of the nodes ``node`` has a route to, from its /routez (empty if unreadable)."""
-        url = f"http://{node.host}:{node.monitor_port}/routez"
+        url = f"http://{node.reach or node.host}:{node.monitor_port}/routez"
         try:
             with urllib.request.urlopen(url, timeout=1.0) as resp:
                 routes = json.load(resp).get("routes") or []

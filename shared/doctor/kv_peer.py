@@ -36,7 +36,7 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -270,13 +270,18 @@ async def measure(
     patterns: tuple[str, ...] = PATTERNS,
     host: str = "127.0.0.1",
     on_case: Callable[[CaseResult], None] | None = None,
+    peer_prefix: Sequence[str] = (),
+    peer_host: str | None = None,
 ) -> list[CaseResult]:
-    """Start the prefill side in a child process and measure every size and pattern."""
+    """Start the prefill side in a child process and measure every size and pattern. The child
+    runs under ``peer_prefix`` (``ip netns exec NAME``: on another host) with ``--host
+    peer_host`` (default ``host``)."""
     num_blocks = geometry.blocks_for(max(sizes_mib))
     token = secrets.token_urlsafe(16)
     child = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.shared.doctor.kv_peer", "--serve", str(num_blocks),
-         "--geometry", json.dumps(asdict(geometry)), "--host", host],
+        [*peer_prefix, sys.executable, "-m", "pdserve.shared.doctor.kv_peer",
+         "--serve", str(num_blocks), "--geometry", json.dumps(asdict(geometry)),
+         "--host", peer_host or host],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env={**os.environ, TOKEN_ENV: token, "UCX_WARN_UNUSED_ENV_VARS": "n"},

@@ -18,11 +18,9 @@ WORKER_OPTIONS = {
     "block_size": 16,
     "max_num_batched_tokens": 512,
     "heartbeat_seconds": 0.2,
-    # UCX (1.21) never uses an interface whose IPv4 address is link-local (ucs_netif_get_addr
-    # skips 169.254/16 and fe80::/10), and this tier may only use link-local addresses: the
-    # KV pull from host B cannot connect, so the decode worker computes the prompt itself.
-    # test_kv_pull_crosses_hosts_over_ucx_tcp holds that gap open (strict xfail).
-    "kv_failure_policy": "recompute",
+    # a KV pull that fails fails its request (the default, said here): a decode worker that
+    # quietly recomputed would hide a pull that never crossed the bridge
+    "kv_failure_policy": "fail",
 }
 GATEWAY_OPTIONS = {"worker_timeout": 2.0, "prefill_timeout": 4.0}
 
@@ -36,7 +34,7 @@ def topology(request):
 
     def remove() -> None:
         problems = topo.teardown()
-        assert not problems, problems
+        assert not problems and not topo.leftovers(), (problems, topo.leftovers())
 
     request.addfinalizer(remove)  # before building: a half-built topology is removed too
     return netns.build(["a", "b", "c"], topo)

@@ -4,9 +4,12 @@
     host b: NATS node-2 + prefill worker p0
     host c: NATS node-3 + decode worker d0
 
-The nodes form one cluster (explicit routes, every node to every other); each process connects
-to its own host's node first and lists the other two for failover. Workers bind KV transfer and
-/metrics to their own host's address (``--ucx-host``), so KV can only cross the bridge.
+The nodes form one cluster (explicit routes, every node to every other, on the hosts' 198.18
+addresses); each process connects to its own host's node first and lists the other two for
+failover. Workers bind KV transfer and /metrics to their own host's 198.18 address
+(``--ucx-host``), so KV can only cross the bridge. The test driver, in the root namespace, has
+no route to 198.18/15: it reaches the gateway's HTTP and each node's monitor port (and checks
+that a node is up) over the hosts' link-local addresses only.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ WORKER_IDS = {"b": "p0", "c": "d0"}
 def cluster_on(topo: Topology, logs: Path) -> NatsCluster:
     nodes = [
         NatsServer(
-            host=host.address,
+            host=host.address,  # what clients and the other nodes are given
+            listen="0.0.0.0",  # the namespace's own addresses: 198.18 and link-local
+            reach=host.mgmt,  # the driver's way in
             port=NATS_PORT,
             cluster_port=ROUTE_PORT,
             monitor_port=MONITOR_PORT,
@@ -54,7 +59,7 @@ class MultiHostStack:
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.topo.hosts['a'].address}:{GATEWAY_PORT}"
+        return f"http://{self.topo.hosts['a'].mgmt}:{GATEWAY_PORT}"
 
     def node_of(self, host: str) -> NatsServer:
         return self.cluster.nodes[list(self.topo.hosts).index(host)]
@@ -69,7 +74,7 @@ class MultiHostStack:
         base.update(QUIET_ENV)
         values: dict[str, object] = {"nats_url": self.nats_url_of(host_name), **options}
         if role == "gateway":
-            values.update(host=host.address, port=GATEWAY_PORT)
+            values.update(host=host.mgmt, port=GATEWAY_PORT)  # HTTP for the driver alone
         else:
             values.update(ucx_host=host.address, worker_id=WORKER_IDS[host_name])
         env = service_env(values, base)
