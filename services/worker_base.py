@@ -6,7 +6,8 @@ and reads ``engine.stats()``; each step's result comes back through ``on_step``.
 
 A worker's life: load the model -> connect -> subscribe -> heartbeat (routable) -> serve ->
 SIGTERM: draining (heartbeats say so, new requests are refused with a retryable error) -> wait
-until in-flight work is done or ``drain_seconds`` pass -> ``WorkerGone`` -> exit.
+until in-flight work is done or ``drain_seconds`` pass -> ``WorkerGone`` -> exit. Its metrics port
+(up before the model loads) reports each phase on ``/ready`` and ``/live`` (telemetry/health.py).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from pdserve.shared.discovery.announce import (
 )
 from pdserve.shared.kv import ucx_check, ucx_config
 from pdserve.shared.kv.layout import layout_id
-from pdserve.shared.telemetry import tracing
+from pdserve.shared.telemetry import health, tracing
 from pdserve.shared.telemetry.metrics import WorkerMetrics, start_metrics_server
 
 log = logging.getLogger("pdserve.worker")
@@ -68,9 +69,10 @@ class Worker:
         self.engine: LLMEngine | None = None
         self.bus = bus if bus is not None else Bus(self.bus_config, self.worker_id)
         self.subjects = self.bus.subjects
+        self.health = health.Health(self.in_flight, lambda: self.bus.connected)
         self.states: dict[str, RequestState] = {}
         self.draining = False
-        self.metrics_url: str | None = None
+        self.metrics_url: str | None = None  # also serves /ready and /live
         self._stop = asyncio.Event()
         self._engine_thread: EngineThread | None = None
         self._heartbeat: HeartbeatPublisher | None = None
@@ -101,6 +103,10 @@ class Worker:
 
     def load_extra(self) -> dict:
         return {}
+
+    def in_flight(self) -> dict[str, int]:
+        """What a drain waits for, as /ready shows it."""
+        return {"requests": len(self.states)}
 
     async def housekeeping(self) -> None:
         """Periodic checks beyond deadlines (lease expiry...)."""
@@ -254,6 +260,7 @@ class Worker:
     async def _housekeeping_loop(self) -> None:
         while True:
             await asyncio.sleep(HOUSEKEEPING_SECONDS)
+            self.health.tick()
             if not await self.check_requests():
                 return
 
@@ -261,12 +268,27 @@ class Worker:
         if not self.draining:
             log.info("draining: no new requests; finishing %d in flight", len(self.states))
             self.draining = True
+            self.health.enter(health.DRAINING)
             self._stop.set()
             if self._heartbeat is not None:
                 self.spawn(self._heartbeat.publish_now())  # leave the routing tables at once
 
+    def start_metrics(self) -> None:
+        """Serve /metrics, /ready and /live (once; ``run`` does it before loading the model)."""
+        if not self.config.metrics_port or self.metrics_url is not None:
+            return
+        # on the worker's own address, like KV transfer
+        host = self.config.ucx_host
+        addr = "0.0.0.0" if host in ucx_config.ALL_INTERFACES else host
+        server = start_metrics_server(
+            self.config.metrics_port, self.metrics_registry, addr, self.health.probes()
+        )
+        self.metrics_url = f"http://{host}:{server.port}/metrics"
+
     async def start(self) -> None:
         """Connect, start the engine thread, subscribe and announce this worker."""
+        self.start_metrics()
+        self.health.enter(health.JOINING)
         await self.bus.connect()
         # the feed first: the engine thread hands it every change of the prefix cache
         feed = self.engine.kv_event_feed() if self.engine_config.prefix_cache else None
@@ -277,14 +299,6 @@ class Worker:
         await self.start_extra()
         await self.subscribe()
         await self.bus.subscribe(self.subjects.cancel, self._on_cancel, (Cancel,))
-        if self.config.metrics_port:
-            # on the worker's own address, like KV transfer
-            host = self.config.ucx_host
-            addr = "0.0.0.0" if host in ucx_config.ALL_INTERFACES else host
-            server = start_metrics_server(
-                self.config.metrics_port, self.metrics_registry, addr=addr
-            )
-            self.metrics_url = f"http://{self.config.ucx_host}:{server.port}/metrics"
         self._heartbeat = HeartbeatPublisher(self.bus, self.load, self.config.heartbeat_seconds)
         await self._heartbeat.start()
         self.bus.on_reconnect(self._on_bus_reconnect)
@@ -303,6 +317,8 @@ class Worker:
         with contextlib.suppress(Exception):  # optional: visibility for NATS tooling
             self._micro = await register_micro_service(self.bus, self.load)
         self._housekeeping = self.spawn(self._housekeeping_loop())
+        if not self.draining:  # a SIGTERM during start-up stays a drain
+            self.health.enter(health.READY)
         log.info("%s worker %s ready", self.role, self.worker_id)
 
     async def _on_bus_reconnect(self) -> None:
@@ -320,6 +336,7 @@ class Worker:
     async def drain_and_close(self) -> None:
         """Wait for in-flight work (up to ``drain_seconds``), leave the registry, close."""
         self.draining = True
+        self.health.enter(health.DRAINING)
         await self._heartbeat.publish_now()
         deadline = time.monotonic() + self.config.drain_seconds
         while self.busy() and time.monotonic() < deadline:
@@ -361,6 +378,7 @@ class Worker:
         )
         tracing.setup_tracing(self.service_name, self.worker_id)
         try:
+            self.start_metrics()  # /live and /ready answer while a large checkpoint loads
             threads = set_torch_threads(self.engine_config.torch_threads)
             self.engine = self.make_engine()
             log.info(

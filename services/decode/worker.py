@@ -218,6 +218,9 @@ class DecodeWorker(Worker):
         try:
             stats, pieces = await self.puller.pull(rid, handle, blocks, timeout)
         except KVTransferError as exc:
+            self.metrics.kv_pull_failures.inc()
+            if self.config.kv_failure_policy == "recompute":
+                self.metrics.kv_recomputes.inc()
             if isinstance(exc, KVChecksumError):
                 self._checksum_failed(state, handle, exc, start_ns)
             else:

@@ -86,6 +86,10 @@ class PrefillWorker(Worker):
     def busy(self) -> bool:
         return bool(self.states) or len(self.leases) > 0
 
+    def in_flight(self) -> dict[str, int]:
+        # a draining prefill worker also waits for the pulls of the KV it leased
+        return {**super().in_flight(), "leases": len(self.leases)}
+
     # -- requests ------------------------------------------------------------------------------
 
     async def _on_request(self, req: PrefillRequest, headers: dict[str, str]) -> None:

@@ -19,15 +19,17 @@ Worker::
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import ThreadingWSGIServer, choose_encoder
 from prometheus_client.registry import Collector
 
 # Buckets span the range LLM serving actually sees: a cached short prompt answers in a few ms, a
@@ -170,6 +172,16 @@ class WorkerMetrics:
         self.kv_checksum_failures = counter(
             "pdserve_kv_checksum_failures",
             "KV pulls whose bytes failed their checksum (--kv-checksum); never served.",
+        )
+        # A drain that loses nothing keeps both at 0 (tests/integration/test_drain.py).
+        self.kv_pull_failures = counter(
+            "pdserve_kv_pull_failures",
+            "KV pulls that failed (peer gone, lease expired, timeout, checksum), by decode worker.",
+        )
+        self.kv_recomputes = counter(
+            "pdserve_kv_recomputes",
+            "Prompts prefilled again here because their KV pull failed (--kv-failure-policy "
+            "recompute).",
         )
         self.kv_used_blocks = gauge(
             "pdserve_worker_kv_cache_used_blocks", "KV-cache blocks in use (incl. leased)."
@@ -332,9 +344,43 @@ class MetricsServer:
         self.thread.join(timeout=5)
 
 
+# A probe answers an HTTP status and a JSON body (shared/telemetry/health.py).
+Probe = Callable[[], tuple[int, dict]]
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # probes every few seconds: no log
+        pass
+
+
 def start_metrics_server(
-    port: int, registry: CollectorRegistry, addr: str = "0.0.0.0"
+    port: int,
+    registry: CollectorRegistry,
+    addr: str = "0.0.0.0",
+    probes: Mapping[str, Probe] | None = None,
 ) -> MetricsServer:
-    """Serve ``registry`` on ``http://addr:port/metrics`` from a daemon thread; port 0 picks one."""
-    server, thread = start_http_server(port, addr=addr, registry=registry)
+    """Serve ``registry`` on ``http://addr:port/metrics`` from a daemon thread; port 0 picks one.
+
+    ``probes`` adds JSON endpoints beside it (``/ready``, ``/live``), answered in the server's
+    thread: a probe must only read state, never wait for the event loop."""
+    metrics_app = make_wsgi_app(registry)
+    paths = dict(probes or {})
+
+    def app(environ: dict, start_response: Callable) -> list[bytes]:
+        probe = paths.get(environ.get("PATH_INFO", ""))
+        if probe is None:
+            return metrics_app(environ, start_response)
+        status, body = probe()
+        data = json.dumps(body).encode()
+        reason = "OK" if status == 200 else "Service Unavailable"
+        headers = [("Content-Type", "application/json"), ("Content-Length", str(len(data)))]
+        start_response(f"{status} {reason}", headers)
+        return [data]
+
+    class Server(ThreadingWSGIServer):
+        address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+
+    server = make_server(addr, port, app, Server, handler_class=_QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True, name="metrics-http")
+    thread.start()
     return MetricsServer(port=server.server_port, server=server, thread=thread)
