@@ -128,12 +128,15 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
     return CompletionRequest(params=params, prompt=prompts[0], prompts=prompts)
 
 
-def parse_chat(body: dict[str, Any], tool_parser: str = "hermes") -> ChatRequest:
+def parse_chat(
+    body: dict[str, Any], tool_parser: str = "hermes", tag_tokens: tuple[tuple[str, int], ...] = ()
+) -> ChatRequest:
     """``tool_parser``: the format the served model writes calls in (``--tool-call-parser``,
-    resolved for its template)."""
+    resolved for its template); ``tag_tokens``: its tags that are one token each
+    (``tools.grammar.tag_tokens``)."""
     req = _validated(ChatCompletionBody, body)
     params = _params(req, max_tokens=req.max_new_tokens, logprobs=req.top_alternatives)
-    params.tools = req.tool_setup(tool_parser)
+    params.tools = req.tool_setup(tool_parser, tag_tokens)
     try:
         guide = tool_guide(params.tools)
     except ToolGrammarError as exc:

@@ -55,7 +55,7 @@ from pdserve.gateway.tokenizer import (
     TemplateInputError,
     truncate_prompt,
 )
-from pdserve.gateway.tools.grammar import check_schemas
+from pdserve.gateway.tools.grammar import check_schemas, tag_tokens
 from pdserve.gateway.tools.prompt import resolve_parser
 from pdserve.shared import structured_output
 from pdserve.shared.bus.connection import Bus
@@ -249,7 +249,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY_KEY]
     chat = gw.model.chat
     parser = resolve_parser(gw.config.tool_call_parser, chat.source if chat else None)
-    req: ChatRequest = parse_chat(await _read_json(request), tool_parser=parser)
+    tags = tag_tokens(parser, lambda t: gw.model.tokenizer.encode(t, add_special_tokens=False))
+    req: ChatRequest = parse_chat(await _read_json(request), parser, tags)
     _check_model(gw, req.params.model)
     if chat is None:
         raise bad_request("This model has no chat template; use /v1/completions", "messages")

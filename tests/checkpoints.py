@@ -42,7 +42,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 
 
 def train_tokenizer(vocab_size: int = 384):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -84,4 +84,72 @@ def save_checkpoint(config, tok, out: Path, seed: int = 0) -> Path:
     (out / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE})
     )
+    return out
+
+
+# A Qwen2.5-style chat template with hermes tool syntax (written for these tests): tools listed
+# in the system turn, calls as <tool_call>{json}</tool_call>, results as <tool_response> turns.
+HERMES_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}
+
+{% endif %}Functions you may call, inside <tools></tools>:
+<tools>
+{% for t in tools %}{{ t | tojson }}
+{% endfor %}</tools>
+Call one by answering <tool_call>{"name": ..., "arguments": {...}}</tool_call>.<|im_end|>
+{% elif messages[0]['role'] == 'system' %}<|im_start|>system
+{{ messages[0]['content'] }}<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m['role'] == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m['content'] }}
+</tool_response><|im_end|>
+{% elif m['role'] == 'assistant' %}<|im_start|>assistant
+{{ m['content'] or '' }}
+{%- for c in m['tool_calls'] or [] %}
+<tool_call>
+{"name": "{{ c['function']['name'] }}", "arguments": {{ c['function']['arguments'] | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif m['role'] != 'system' %}<|im_start|>{{ m['role'] }}
+{{ m['content'] }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+HERMES_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# as in Qwen2.5's tokenizer: one token each, but not special, so they stay in decoded text
+HERMES_TAGS = ["<tool_call>", "</tool_call>"]
+
+
+def build_hermes_checkpoint(out: Path, seed: int = 0) -> Path:
+    """A tiny Qwen2 checkpoint whose tokenizer has hermes' tool tokens and whose chat template
+    renders ``tools``: what ``--tool-call-parser auto`` reads as hermes."""
+    import transformers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=448,
+        special_tokens=HERMES_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(
+        [*CORPUS, '{"name": "get_weather", "arguments": {"city": "Paris"}}'] * 2, trainer
+    )
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in HERMES_TAGS])
+    _, kwargs = VARIANTS["qwen2-bias"]
+    config = transformers.Qwen2Config(
+        vocab_size=tok.get_vocab_size(), bos_token_id=None, eos_token_id=2,
+        initializer_range=0.1, **kwargs,
+    )  # fmt: skip
+    save_checkpoint(config, tok, out, seed)
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "chat_template": HERMES_TEMPLATE,
+    }))  # fmt: skip
     return out

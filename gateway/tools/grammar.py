@@ -32,6 +32,7 @@ bounded whitespace as ``response_format`` (``structured_output.JSON_MAX_WHITESPA
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from pdserve.gateway.errors import APIError, bad_request
@@ -61,6 +62,22 @@ class ToolGrammarError(ValueError):
 
 def _lark(text: str) -> str:
     return json.dumps(text)  # Lark string literals take JSON's escapes
+
+
+def _tag(setup: ToolSetup, text: str) -> str:
+    """A format's tag as text, or as the one token the served tokenizer has for it
+    (``ToolSetup.tag_tokens``): llguidance counts a tokenizer's added tokens (Qwen2.5's
+    ``<tool_call>``) as special, which only a token reference matches, and a model writes its
+    tag as that one token."""
+    token = dict(setup.tag_tokens).get(text)
+    return _lark(text) if token is None else f"({_lark(text)} | <[{token}]>)"
+
+
+def tag_tokens(parser: str, encode: Callable[[str], list[int]]) -> tuple[tuple[str, int], ...]:
+    """The tags of ``parser``'s format that ``encode`` (the served tokenizer, no special tokens
+    added) turns into one token each."""
+    tags = (HERMES_OPEN, HERMES_CLOSE) if parser == "hermes" else ()
+    return tuple((tag, ids[0]) for tag in tags if len(ids := encode(tag)) == 1)
 
 
 def enforced(setup: ToolSetup) -> list[tuple[int, dict[str, Any], bool]]:
@@ -123,15 +140,21 @@ def _json_format(setup: ToolSetup, functions: list[tuple[int, dict[str, Any], bo
         bodies.append(f"fn_{i}")
     body = " | ".join(bodies)
     if hermes:
-        close = _lark("\n" + HERMES_CLOSE)
+        close = f'"\\n" {_tag(setup, HERMES_CLOSE)}'
         if setup.forced:
-            rules.append(f"call: {_lark(HERMES_OPEN + chr(10))} ({body}) {close}")
+            rules.append(f'call: {_tag(setup, HERMES_OPEN)} "\\n" ({body}) {close}')
             start = 'call ("\\n" call)*' if _several(setup) else "call"
         else:
             # text up to and including the first marker (lazy: it ends there), then a call;
             # the text after the last call holds no marker
             rules.append(f'call: head "\\n" ({body}) {close}')
-            rules.append(f"head[lazy]: ANY {_lark(HERMES_OPEN)}")
+            token = dict(setup.tag_tokens).get(HERMES_OPEN)
+            if token is None:
+                rules.append("head: headtxt")
+            else:  # or text without the marker, then the marker's own token
+                rules.append(f"head: headtxt | PRE? <[{token}]>")
+                rules.append(f"PRE: /(?s:.+)/ & ~/(?s:.*){HERMES_OPEN}(?s:.*)/")
+            rules.append(f"headtxt[lazy]: ANY {_lark(HERMES_OPEN)}")
             rules.append("ANY: /(?s:.*)/")
             rules.append(f"TAIL: /(?s:.*)/ & ~/(?s:.*){HERMES_OPEN}(?s:.*)/")
             start = ("call*" if setup.parallel else "call?") + " TAIL"

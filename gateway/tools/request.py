@@ -145,8 +145,11 @@ class ToolFields(StrictModel):
                 )
         return self
 
-    def tool_setup(self, parser: str) -> ToolSetup | None:
-        """What the rest of the gateway needs of these fields; None without tools."""
+    def tool_setup(
+        self, parser: str, tag_tokens: tuple[tuple[str, int], ...] = ()
+    ) -> ToolSetup | None:
+        """What the rest of the gateway needs of these fields; None without tools.
+        ``tag_tokens``: the parser's tags the served tokenizer has as one token each."""
         if self.tools is None:
             return None
         choice = self.tool_choice if self.tool_choice is not None else "auto"
@@ -160,6 +163,7 @@ class ToolFields(StrictModel):
             named=named,
             # a named function is called once (the grammar allows no more), as OpenAI does
             parallel=self.parallel_tool_calls is not False and named is None,
+            tag_tokens=tag_tokens,
         )
 
     @property

@@ -23,6 +23,8 @@ class ToolSetup:
     parser: str  # one of PARSERS: the format the model writes calls in
     named: str | None = None
     parallel: bool = True  # parallel_tool_calls: more than one call per answer allowed
+    # the format's tags that the served tokenizer has as one token each: (tag, token id)
+    tag_tokens: tuple[tuple[str, int], ...] = ()
 
     @property
     def names(self) -> list[str]:
