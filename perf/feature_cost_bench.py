@@ -10,7 +10,10 @@ to the plain run:
 - ``prompt_logprobs``: echo's prompt log-probs (``prompt_logprobs=5``), per prompt token;
 - ``json_object``: structured output, any JSON object (``ignore_eos`` off: a grammar ends it,
   so the measured tokens are those generated);
-- ``json_schema``: a small schema with bounded fields.
+- ``json_schema``: a small schema with bounded fields;
+- ``tool_call``: ``tool_choice: "required"`` of one tool (the ``SCHEMA`` as its parameters,
+  ``parallel_tool_calls: false``), the hermes-format grammar the gateway builds for it
+  (``gateway/tools/grammar.py``): a tool-constrained request against plain decoding.
 
     python -m perf.feature_cost_bench [--model smollm2-135m-instruct] [--batch 8] [--rounds 5]
 """
@@ -22,6 +25,8 @@ import json
 import statistics
 import time
 
+from pdserve.gateway.tools.grammar import tool_guide
+from pdserve.gateway.tools.setup import ToolSetup
 from pdserve.services.engine.engine import LLMEngine
 from pdserve.shared.config import EngineConfig
 from pdserve.shared.sampling import GuidedDecoding, SamplingParams
@@ -35,6 +40,12 @@ SCHEMA = {
     },
     "required": ["name", "year", "tags"],
 }
+TOOL = ToolSetup(
+    functions=({"name": "describe_book", "parameters": SCHEMA},),
+    choice="required",
+    parser="hermes",
+    parallel=False,
+)
 PROMPT = (
     "Describe a famous book as JSON with its name, the year it appeared and a few tags. "
     "Answer with JSON only.\n"
@@ -48,6 +59,7 @@ def variants(tokens: int) -> dict[str, SamplingParams]:
         "logprobs": SamplingParams(**base, ignore_eos=True, logprobs=5),
         "prompt_logprobs": SamplingParams(**base, ignore_eos=True, prompt_logprobs=5),
         "json_object": SamplingParams(**base, guided=GuidedDecoding("json_object")),
+        "tool_call": SamplingParams(**base, guided=tool_guide(TOOL)),
         "json_schema": SamplingParams(
             **base, guided=GuidedDecoding("json_schema", json.dumps(SCHEMA))
         ),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install one client tool into its own venv outside the repo:
-#   perf/compat/install.sh guidellm|lm-eval|aiperf
+#   perf/compat/install.sh guidellm|lm-eval|aiperf|langchain
 # The venv lives in $PDSERVE_COMPAT_DIR/<tool> (default ~/.cache/pdserve-compat/<tool>), so the
 # tools' dependencies (their own transformers, datasets, ...) never touch pdserve's .venv.
 # torch goes in first, pinned to the CPU build already on this machine: otherwise the tools'
@@ -14,10 +14,11 @@ declare -A PINS=(
   [guidellm]="guidellm==0.8.1"
   [lm-eval]="lm-eval[api]==0.4.13 transformers"
   [aiperf]="aiperf==0.13.0"
+  [langchain]="langchain==1.5.2 langchain-openai==1.8.1"
 )
 
-tool="${1:?usage: install.sh guidellm|lm-eval|aiperf}"
-pin="${PINS[$tool]:?unknown tool '$tool' (guidellm, lm-eval or aiperf)}"
+tool="${1:?usage: install.sh guidellm|lm-eval|aiperf|langchain}"
+pin="${PINS[$tool]:?unknown tool '$tool' (guidellm, lm-eval, aiperf or langchain)}"
 root="${PDSERVE_COMPAT_DIR:-$HOME/.cache/pdserve-compat}"
 venv="$root/$tool"
 # The same interpreter as pdserve's .venv: the CPU torch wheel on this machine is for it.
