@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -93,3 +94,31 @@ def write_model_dir(
         )
     )
     return path
+
+
+@contextlib.asynccontextmanager
+async def serving(model_dir: Path, **options):
+    """A gateway app over an in-memory bus with one fake decode worker "d0": (client, d0).
+    ``options`` are GatewayConfig's; its worker timeout is long, since d0 beats once."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from pdserve.gateway.server import create_app
+    from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig
+    from tests.bus_memory import MemoryBus, MemoryNetwork
+    from tests.unit.fake_workers import NAMESPACE, FakeWorker, settle
+
+    net = MemoryNetwork()
+    bus_config = BusConfig(namespace=NAMESPACE)
+    app = create_app(
+        GatewayConfig(**{"worker_timeout": 60.0, **options}),
+        EngineConfig(model=str(model_dir)),
+        bus_config,
+        message_bus=MemoryBus(bus_config, "gw", network=net),
+    )
+    async with TestClient(TestServer(app)) as client:
+        d0 = await FakeWorker(net, "decode", "d0").start()
+        await settle()
+        try:
+            yield client, d0
+        finally:
+            await d0.bus.close()

@@ -17,18 +17,17 @@ import time
 from pathlib import Path
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from tokenizers import Tokenizer
 
 from pdserve.gateway.inflight_types import WIRE_NO_DEADLINE, StageTimeout
-from pdserve.gateway.server import create_app
 from pdserve.gateway.state import GATEWAY_KEY
-from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig, add_options, build
+from pdserve.shared.config import GatewayConfig, add_options, build
 from pdserve.shared.errors import StartupError
 from pdserve.shared.sampling import SamplingParams
-from tests.bus_memory import MemoryBus, MemoryNetwork
-from tests.unit.fake_workers import MODEL, NAMESPACE, FakeWorker, GatewaySide, settle
-from tests.unit.gateway_fixtures import train_byte_level, write_model_dir
+from tests.bus_memory import MemoryNetwork
+from tests.unit.fake_workers import MODEL, FakeWorker, GatewaySide, settle
+from tests.unit.gateway_fixtures import serving, train_byte_level, write_model_dir
 
 N = 10  # tokens the scripted worker streams
 BODY = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": N}
@@ -47,27 +46,6 @@ def tokens(model_dir) -> list[int]:
     ids = tok.encode(" jumps over the lazy dog and a quick brown fox", add_special_tokens=False)
     assert len(ids.ids) >= N
     return ids.ids[:N]
-
-
-@contextlib.asynccontextmanager
-async def serving(model_dir: Path, **options):
-    """The gateway app with ``options`` and one scripted decode worker, d0."""
-    net = MemoryNetwork()
-    bus_config = BusConfig(namespace=NAMESPACE)
-    config = GatewayConfig(worker_timeout=60.0, **options)  # d0 beats once: keep it routable
-    app = create_app(
-        config,
-        EngineConfig(model=str(model_dir)),
-        bus_config,
-        message_bus=MemoryBus(bus_config, "gw", network=net),
-    )
-    async with TestClient(TestServer(app)) as client:
-        d0 = await FakeWorker(net, "decode", "d0").start()
-        await settle()
-        try:
-            yield client, d0
-        finally:
-            await d0.bus.close()
 
 
 async def stream(client: TestClient, body: dict) -> tuple[int, list]:

@@ -7,24 +7,19 @@ valid by the response models and the schema /openapi.json publishes."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 from pathlib import Path
 
 import jsonschema
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 from tokenizers import Tokenizer
 
 from pdserve.gateway.openapi import openapi_spec
 from pdserve.gateway.response_models import ChatCompletion, ChatCompletionChunk
-from pdserve.gateway.server import create_app
 from pdserve.gateway.tools.stream import joined
-from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig
-from tests.bus_memory import MemoryBus, MemoryNetwork
-from tests.unit.fake_workers import MODEL, NAMESPACE, FakeWorker, settle
-from tests.unit.gateway_fixtures import train_byte_level, write_model_dir
+from tests.unit.fake_workers import MODEL
+from tests.unit.gateway_fixtures import serving, train_byte_level, write_model_dir
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
@@ -49,25 +44,6 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tok(model_dir) -> Tokenizer:
     return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-
-
-@contextlib.asynccontextmanager
-async def serving(model_dir: Path):
-    net = MemoryNetwork()
-    bus_config = BusConfig(namespace=NAMESPACE)
-    app = create_app(
-        GatewayConfig(worker_timeout=60.0),
-        EngineConfig(model=str(model_dir)),
-        bus_config,
-        message_bus=MemoryBus(bus_config, "gw", network=net),
-    )
-    async with TestClient(TestServer(app)) as client:
-        d0 = await FakeWorker(net, "decode", "d0").start()
-        await settle()
-        try:
-            yield client, d0
-        finally:
-            await d0.bus.close()
 
 
 async def answered(client, d0, body: dict, ids: list[int], per_event: int, finish: str = "stop"):

@@ -8,24 +8,21 @@ before anything is sent, ``--tool-call-parser`` choosing the format."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from pathlib import Path
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from tokenizers import Tokenizer
 
 from pdserve.gateway.api_models import CHAT_KEYS, parse_chat
 from pdserve.gateway.errors import APIError
-from pdserve.gateway.server import create_app
 from pdserve.gateway.tools.request import MAX_SCHEMA_CHARS, MAX_TOOLS
-from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig
+from pdserve.shared.config import GatewayConfig
 from pdserve.shared.errors import StartupError
 from pdserve.shared.sampling import MAX_GUIDED_SPEC_CHARS
-from tests.bus_memory import MemoryBus, MemoryNetwork
-from tests.unit.fake_workers import MODEL, NAMESPACE, FakeWorker, settle
-from tests.unit.gateway_fixtures import train_byte_level, write_model_dir
+from tests.unit.fake_workers import MODEL, FakeWorker
+from tests.unit.gateway_fixtures import serving, train_byte_level, write_model_dir
 
 WEATHER = {
     "type": "function",
@@ -234,25 +231,6 @@ def model_dir(tmp_path_factory) -> Path:
     # the tools' prompt is long for a 300-token vocabulary
     path = tmp_path_factory.mktemp("model") / MODEL
     return write_model_dir(path, train_byte_level(300), max_position_embeddings=4096)
-
-
-@contextlib.asynccontextmanager
-async def serving(model_dir: Path, **options):
-    net = MemoryNetwork()
-    bus_config = BusConfig(namespace=NAMESPACE)
-    app = create_app(
-        GatewayConfig(worker_timeout=60.0, **options),
-        EngineConfig(model=str(model_dir)),
-        bus_config,
-        message_bus=MemoryBus(bus_config, "gw", network=net),
-    )
-    async with TestClient(TestServer(app)) as client:
-        d0 = await FakeWorker(net, "decode", "d0").start()
-        await settle()
-        try:
-            yield client, d0
-        finally:
-            await d0.bus.close()
 
 
 async def sent(client: TestClient, d0: FakeWorker, body: dict, model_dir: Path):
