@@ -42,7 +42,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 
 
 def train_tokenizer(vocab_size: int = 384):
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
