@@ -8,7 +8,11 @@
 #   3. the kernel benchmark on the two target cases with a config sweep (tuning data);
 #   4. the full kernel benchmark with the default configs;
 #   5. issue 18's quantized kernels: INT8 weight-only linear vs bf16 cuBLAS, decode attention
-#      over int8 / fp8_e4m3 caches vs bf16 (perf/quant_kernels_bench.py --quick).
+#      over int8 / fp8_e4m3 caches vs bf16 (perf/quant_kernels_bench.py --quick);
+#   6. which transport UCX picks for GPU memory between two processes of this host (issue 29):
+#      ucx_perftest tag_bw, cuda -> cuda, with the endpoint settings of pdserve's KV path
+#      (ucxx's peer-failure handling, UCX_MM_ERROR_HANDLING=y); cuda_ipc is the fast path, so
+#      anything else is logged as a warning. Recorded, never failing the check.
 # Everything lands in OUTDIR (default perf/results/gpu_check). Each step has its own timeout;
 # the worst case stays under ~10 minutes. Exit status: 0 only if tests pass, the TP-1 engine
 # check passes and every timed Triton result matched SDPA.
@@ -137,6 +141,42 @@ rc=$?
 log "quant kernels rc=$rc"
 tee -a "$OUT/summary.txt" < "$OUT/quant_kernels.txt"
 [ $rc -eq 0 ] || status=1
+
+log "UCX between two processes on this GPU host (issue 29)..."
+# The libucx wheel's perftest (dev venv, or the machine's own ucxx); its lib dir for the loader.
+UCX_BIN=""
+for site in .venv/lib/python3*/site-packages \
+    "$("$PY" -c 'import libucx, os; print(os.path.dirname(os.path.dirname(libucx.__file__)))' 2> /dev/null)"; do
+    [ -x "$site/libucx/bin/ucx_perftest" ] && UCX_BIN="$site/libucx/bin" && break
+done
+if [ -z "$UCX_BIN" ]; then
+    log "ucx transport: no ucx_perftest (libucx wheel) here; not recorded"
+else
+    # what ucxx and pdserve's ucx_config set in a worker; -e: ucxx's endpoints handle peer failure
+    ucx_env=(LD_LIBRARY_PATH="$UCX_BIN/../lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        UCX_MM_ERROR_HANDLING=y UCX_KEEPALIVE_INTERVAL=1s UCX_RNDV_THRESH=8192
+        UCX_RNDV_FRAG_MEM_TYPE=cuda UCX_MAX_RNDV_RAILS=1 UCX_PROTO_INFO=y UCX_WARN_UNUSED_ENV_VARS=n)
+    port=$((20000 + RANDOM % 20000))
+    env "${ucx_env[@]}" timeout -k 5 60 "$UCX_BIN/ucx_perftest" -p "$port" -e \
+        > "$OUT/ucx_gpu_server.txt" 2>&1 &
+    server=$!
+    sleep 2
+    env "${ucx_env[@]}" timeout -k 5 60 "$UCX_BIN/ucx_perftest" 127.0.0.1 -p "$port" -e \
+        -t tag_bw -m cuda,cuda -s 8388608 -n 200 > "$OUT/ucx_gpu_transport.txt" 2>&1
+    rc=$?
+    kill "$server" 2> /dev/null
+    wait "$server" 2> /dev/null
+    # the lanes of tagged sends from GPU memory, as UCX_PROTO_INFO logged them
+    lanes="$(awk '/cfg#/ { on = /tagged message by ucp_tag_send\* from cuda/; next } on' \
+        "$OUT/ucx_gpu_transport.txt" | grep -oE '\b[a-z][a-z0-9_]*/[A-Za-z0-9_.:-]+' \
+        | sort -u | tr '\n' ' ')"
+    final="$(grep '^Final:' "$OUT/ucx_gpu_transport.txt" | awk '{print $(NF-2) " MB/s"}')"
+    log "ucx transport rc=$rc, GPU memory between two processes: ${lanes:-no protocol table} ${final:+($final, 8 MiB tag_bw)}"
+    case " $lanes" in
+        *" cuda_ipc/"*) ;;
+        *) log "WARN: UCX did not pick cuda_ipc between two processes of this host: KV moves through host memory or TCP (see $OUT/ucx_gpu_transport.txt)" ;;
+    esac
+fi
 
 log "done, status=$status; results in $OUT"
 exit $status

@@ -12,7 +12,9 @@ size and block pattern, pull and raw alternate (ABBA) and the medians are compar
 
 Patterns: ``contiguous`` (blocks 0..N-1 on both sides: one message) and ``fragmented`` (a random
 permutation of 0..N-1 on each side, as a block manager hands out blocks after churn: about one
-message per block). Target: pull >= 0.8x raw.
+message per block). Target: pull >= 0.8x raw. Beside them, a one-thread memcpy of each size in
+this process (``torch`` ``copy_``, median): what one core can move, the yardstick for a pull
+between two processes of one host, which goes over shared memory (issue 29).
 
     python -m perf.kv_bench [--sizes-mib 1 8 64 256] [--reps 15] [--json perf/results/kv_bench.json]
 """
@@ -24,6 +26,7 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from dataclasses import asdict
@@ -34,6 +37,7 @@ import torch
 
 from pdserve.shared.doctor.kv_peer import Geometry, measure
 from pdserve.shared.doctor.kv_peer_result import CaseResult
+from pdserve.shared.kv import ucx_check
 
 TARGET_RATIO = 0.8
 
@@ -47,19 +51,41 @@ def report_case(case: CaseResult) -> None:
     )
 
 
-def markdown(results: list[CaseResult], reps: int) -> str:
+MEMCPY_POOL_BYTES = 256 << 20  # well past this VM's 32 MiB L3, as a KV cache is
+
+
+def memcpy_gbps(num_bytes: int, reps: int) -> float:
+    """One thread copying ``num_bytes`` from one buffer to another, median GB/s. Each copy
+    takes the next slice of a pool larger than the CPU's caches: a pull's blocks come from
+    memory, and a 1 MiB copy repeated in place would run from L2 at ~4x the speed."""
+    slices = max(2, MEMCPY_POOL_BYTES // num_bytes)
+    src = torch.ones(slices * num_bytes, dtype=torch.uint8)
+    dst = torch.ones_like(src)  # written once, so no copy below faults a page in
+    times = []
+    for i in range(reps):
+        at = (i % slices) * num_bytes
+        t0 = time.perf_counter()
+        dst[at : at + num_bytes].copy_(src[at : at + num_bytes])
+        times.append(time.perf_counter() - t0)
+    return num_bytes / statistics.median(times) / 1e9
+
+
+def markdown(results: list[CaseResult], reps: int, memcpy: dict[int, float]) -> str:
     lines = [
         f"KV pull vs raw ucxx (median of {reps} interleaved repetitions; "
         f"target >= {TARGET_RATIO}x)",
         "",
-        "| size | pattern | blocks | messages | pull GB/s | raw GB/s | ratio | target |",
-        "|---:|---|---:|---:|---:|---:|---:|---|",
+        "| size | pattern | blocks | messages | pull GB/s | raw GB/s | ratio | target "
+        "| memcpy GB/s | pull/memcpy |",
+        "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for c in results:
+        copy = memcpy[c.num_bytes]
         lines.append(
             f"| {c.size_mib:g} MiB | {c.pattern} | {c.num_blocks} | {c.messages} "
             f"| {c.pull_gbps:.2f} | {c.raw_gbps:.2f} | {c.ratio:.2f}x "
-            f"| {'met' if c.ratio >= TARGET_RATIO else 'MISSED'} |"
+            f"| {'met' if c.ratio >= TARGET_RATIO else 'MISSED'} | {copy:.2f} "
+            f"| {c.pull_gbps / copy:.2f}x |"
         )
     return "\n".join(lines)
 
@@ -74,6 +100,7 @@ def environment() -> dict[str, Any]:
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
+        "ucx_resources": ucx_check.process_transports(),  # what this process's UCX opened
     }
 
 
@@ -90,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=Geometry.dtype, choices=("bfloat16", "float16", "float32"))
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--ucx-host", default="127.0.0.1", help="address both ends use for UCX")
+    p.add_argument(
+        "--peer-netns",
+        help="run the prefill side in this network namespace (another host; perf/netns_kv_bench)",
+    )
+    p.add_argument("--peer-host", help="the prefill side's --ucx-host (default: --ucx-host)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -105,11 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     results = asyncio.run(
         measure(
             geometry, args.sizes_mib, args.reps, args.warmup, args.seed,
-            host=args.ucx_host, on_case=report_case,
+            host=args.ucx_host, on_case=report_case, peer_host=args.peer_host,
+            peer_prefix=["ip", "netns", "exec", args.peer_netns] if args.peer_netns else (),
         )
     )  # fmt: skip
     seconds = time.perf_counter() - t0
-    table = markdown(results, args.reps)
+    memcpy = {n: memcpy_gbps(n, args.reps) for n in sorted({c.num_bytes for c in results})}
+    table = markdown(results, args.reps, memcpy)
     print(table)
     met = all(c.ratio >= TARGET_RATIO for c in results)
     missed = sum(c.ratio < TARGET_RATIO for c in results)
@@ -127,7 +161,14 @@ def main(argv: list[str] | None = None) -> int:
             "target_met": met,
             "seconds": seconds,
             "environment": environment(),
-            "cases": [{**c.summary(), "meets_target": c.ratio >= TARGET_RATIO} for c in results],
+            "cases": [
+                {
+                    **c.summary(),
+                    "meets_target": c.ratio >= TARGET_RATIO,
+                    "memcpy_gbps": memcpy[c.num_bytes],
+                }
+                for c in results
+            ],
             "markdown": table,
         }
         args.json.write_text(json.dumps(report, indent=2) + "\n")

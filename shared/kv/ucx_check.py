@@ -10,6 +10,8 @@ moving a byte:
 - ``UCX_TLS`` or ``UCX_NET_DEVICES`` leave the RDMA ports (or CUDA transports) out.
 
 ``transport_warnings`` turns those into one sentence each; workers log them at start-up.
+Between two processes of one host the fast path is shared memory (posix/sysv/cma, cuda_ipc for
+GPU memory); ``shm_blockers`` says why UCX may have taken TCP there instead (issue 29).
 ``ucx_facts`` is the fuller picture from inside a process that has UCX running (version, the
 library file, its transport modules, the resources its context opened); ``process_transports``
 is just those resources, which every rank of a worker reports for ``pdserve doctor``.
@@ -25,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.shared.kv.ucx_config import rdma_devices
+from pdserve.shared.kv.ucx_config import SHM_ERROR_HANDLING, rdma_devices
 
 log = logging.getLogger("pdserve.ucx")
 
@@ -37,6 +39,17 @@ _RESOURCE_RE = re.compile(r"^#\s+resource\s+\d+\s*:.*\s(\S+)/(\S+)\s*$", re.MULT
 DOCTOR_HINT = "run `pdserve doctor` for the full transport check"
 MAX_PROCESS_TRANSPORTS = 64  # resources a process reports (a host with 8 NICs has ~50)
 MAX_TRANSPORT_CHARS = 64
+
+
+# Transports that move bytes between processes of one host without the network stack.
+SHM_TLS = ("posix", "sysv", "cma", "xpmem", "knem")
+INTRA_HOST_TLS = (*SHM_TLS, "cuda_ipc", "rocm_ipc", "self")
+_TRUE = ("y", "yes", "on", "1", "true")
+
+
+def is_intra_host(transport: str) -> bool:
+    """A shared-memory (or GPU IPC) transport: what two processes of one host should use."""
+    return transport in INTRA_HOST_TLS
 
 
 def is_rdma(transport: str) -> bool:
@@ -191,6 +204,56 @@ def warn_at_startup(role: str) -> list[str]:
     for text in found:
         log.warning("%s worker: %s; %s", role, text, DOCTOR_HINT)
     return found
+
+
+def _tls_leaves_out_shm(value: str | None) -> bool:
+    """Whether a ``UCX_TLS`` value turns every shared-memory transport off (``^sm``, ``tcp``)."""
+    if not value:
+        return False
+    items = [x.strip().lower().lstrip("\\") for x in value.split(",") if x.strip()]
+    if items and items[0].startswith("^"):
+        off = {items[0][1:], *items[1:]}
+        return bool(off & {"sm", "shm"}) or set(SHM_TLS[:3]) <= off
+    return not ({"all", "sm", "shm"} | set(SHM_TLS)) & set(items)
+
+
+def shm_blockers(
+    env: Mapping[str, str], resources: list[str], shm_dir: Path = Path("/dev/shm")
+) -> list[str]:
+    """Why UCX may carry messages between two processes of this host over TCP, each reason with
+    what to change (empty: none this check can see). ``env``: the UCX variables the processes
+    ran with; ``resources``: what their UCX context opened (``context_resources``)."""
+    out: list[str] = []
+    tls = env.get("UCX_TLS")
+    if _tls_leaves_out_shm(tls):
+        out.append(
+            f"UCX_TLS={tls} leaves shared memory out (deliberate where hosts are only network "
+            "namespaces of one machine); otherwise add sm, or drop it from the ^ list"
+        )
+    opened = {r.split("/")[0] for r in resources}
+    if resources and not opened & set(SHM_TLS) and not out:
+        try:
+            st = os.statvfs(shm_dir)
+            free = f"{st.f_bavail * st.f_frsize / 2**20:.0f} MiB free"
+        except OSError:
+            free = "missing"
+        out.append(
+            f"UCX opened no shared-memory transport ({shm_dir}: {free}); give the processes a "
+            "/dev/shm (docker: --shm-size, or --ipc=host between containers)"
+        )
+
+    def error_handling(tl: str) -> str:
+        key = f"UCX_{tl.upper()}_ERROR_HANDLING"
+        return env.get(key, env.get("UCX_MM_ERROR_HANDLING", "n")).strip().lower()
+
+    if not any(error_handling(tl) in _TRUE for tl in ("posix", "sysv")):
+        set_by = [f"{k}={env[k]}" for k in SHM_ERROR_HANDLING if k in env]
+        out.append(
+            "ucxx's endpoints handle peer failure, and UCX's posix/sysv transports offer that "
+            "only with UCX_MM_ERROR_HANDLING=y (pdserve sets it unless the environment decides: "
+            f"{', '.join(set_by) or 'not set here'}); set UCX_MM_ERROR_HANDLING=y"
+        )
+    return out
 
 
 def context_resources(info: str) -> list[str]:

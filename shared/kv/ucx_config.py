@@ -15,6 +15,23 @@ waits on UCX's own file descriptor instead of a progress thread handing every co
 ``perf/kv_bench.py``); ``polling`` was as fast but keeps a core busy, which a worker's engine
 needs. ucxx's own ``blocking`` mode never re-arms the worker and spins once UCX has seen an
 event; ``pdserve.shared.kv.ucx_progress`` replaces it with one that does.
+
+Shared memory between workers on one host (issue 29). ucxx creates every endpoint with peer
+error handling (``UCP_ERR_HANDLING_MODE_PEER``), so that a dead peer fails the pull instead of
+hanging it. UCX then only selects transports that advertise peer-failure support, and its
+shared-memory ones (posix, sysv) advertise it only when ``UCX_MM_ERROR_HANDLING=y`` (default
+``n``; their endpoints detect a dead peer by its pid, UCX's keepalive). CMA has the flag, but
+rendezvous with error handling also wants memory invalidation, which CMA lacks, and it moves no
+active messages. So nothing intra-node qualified and UCX took ``tcp/lo`` for every size, with
+sysv/posix/cma open and ``/dev/shm`` fine (``UCX_PROTO_INFO=y``: "intra-node ... tcp/lo";
+``UCX_TLS=sm,self``: "posix/memory - no peer failure handler"; ``ucx_perftest -e`` does the
+same, without ``-e`` it picks sysv + cma). ``configure`` sets ``UCX_MM_ERROR_HANDLING=y``:
+pulls between two processes of one host go over shared memory, ``tcp`` still carries them
+between hosts, and a user's ``UCX_MM_/POSIX_/SYSV_ERROR_HANDLING`` or ``UCX_TLS=^sm`` wins.
+Over shared memory no socket breaks when a peer dies: UCX's keepalive finds it gone (its pid's
+start time changed) once per ``UCX_KEEPALIVE_INTERVAL``, 20 s by default, and a pull from a
+killed prefill worker hung that long. 1 s (``KEEPALIVE_INTERVAL``, unless the user set one)
+fails it within ~2 s; a stopped but living peer is not failed by it.
 """
 
 from __future__ import annotations
@@ -26,6 +43,7 @@ import logging
 import os
 import socket
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 
 from pdserve.shared.kv import ucx_progress
@@ -33,7 +51,21 @@ from pdserve.shared.kv import ucx_progress
 log = logging.getLogger("pdserve.ucx")
 
 ALL_INTERFACES = ("", "0.0.0.0", "*")
-_VARIABLES = ("UCX_NET_DEVICES", "UCX_TCP_PORT_RANGE", "UCXPY_PROGRESS_MODE")
+_VARIABLES = (
+    "UCX_NET_DEVICES",
+    "UCX_TCP_PORT_RANGE",
+    "UCXPY_PROGRESS_MODE",
+    "UCX_MM_ERROR_HANDLING",
+    "UCX_KEEPALIVE_INTERVAL",
+)
+KEEPALIVE_INTERVAL = "1s"
+# Any of these set by the user decides whether shared memory may carry error-handled endpoints
+# (UCX reads UCX_POSIX_/UCX_SYSV_ before the UCX_MM_ they inherit from).
+SHM_ERROR_HANDLING = (
+    "UCX_MM_ERROR_HANDLING",
+    "UCX_POSIX_ERROR_HANDLING",
+    "UCX_SYSV_ERROR_HANDLING",
+)
 _SIOCGIFADDR = 0x8915
 _applied: dict[str, str] | None = None
 
@@ -93,6 +125,18 @@ def ucx_environment(host: str, port: int = 0) -> dict[str, str]:
     return env
 
 
+def shm_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """What lets UCX pick shared memory between two processes of this host, and notice soon
+    that such a peer died (see the module docstring). A variable the user set is theirs: any
+    of ``SHM_ERROR_HANDLING`` decides the first, ``UCX_KEEPALIVE_INTERVAL`` the second."""
+    env: dict[str, str] = {}
+    if not any(k in environ for k in SHM_ERROR_HANDLING):
+        env["UCX_MM_ERROR_HANDLING"] = "y"
+    if "UCX_KEEPALIVE_INTERVAL" not in environ:
+        env["UCX_KEEPALIVE_INTERVAL"] = KEEPALIVE_INTERVAL
+    return env
+
+
 def warn_if_link_local(host: str) -> bool:
     """UCX's TCP transport skips interfaces whose address is link-local (169.254.0.0/16,
     fe80::/10; hard-coded in ucs_netif_get_addr as of UCX 1.21), so KV pulls through such an
@@ -135,6 +179,7 @@ def configure(host: str, port: int = 0) -> dict[str, str]:
         if mode != "blocking":
             log.warning("UCXPY_PROGRESS_MODE=%s ignored: KV transfer needs blocking mode", mode)
         os.environ["UCXPY_PROGRESS_MODE"] = "blocking"
+        os.environ.update(shm_environment())
         for key, value in wanted.items():
             if key in os.environ and os.environ[key] != value:
                 log.info("%s=%s from the environment wins over %s", key, os.environ[key], value)

@@ -249,6 +249,9 @@ async def test_killed_server_fails_the_pull_fast() -> None:
         pull = asyncio.ensure_future(client.pull("r1", handle, [3], timeout=60.0))
         await asyncio.sleep(0.5)
         proc.kill()  # ...and dies: the endpoint's error handling ends the pull
+        # reaped, as pdserve up's supervisor does: over shared memory no socket breaks, and
+        # UCX's keepalive sees the peer gone only once its pid is (a zombie still has it)
+        proc.wait()
         t0 = time.monotonic()
         with pytest.raises(KVTransferError):
             await pull

@@ -150,11 +150,85 @@ def statuses(report: Report) -> dict[str, str]:
     return {c.name: c.status for c in report.checks}
 
 
-def test_plain_tcp_host_passes() -> None:
+# The same endpoint once UCX may use shared memory (UCX_MM_ERROR_HANDLING=y, issue 29).
+SHM_LOG = """\
+[1796392410.14] [vm:8120 :0]   | ucp_context_0 intra-node cfg#1 | tagged message by ucp_tag_send* from host memory   |
+[1796392410.14] [vm:8120 :0]   |                          0..92 | eager short                                  | sysv/memory |
+[1796392410.14] [vm:8120 :0]   |                       93..8191 | eager copy-in copy-out                       | sysv/memory |
+[1796392410.14] [vm:8120 :0]   |                        8K..inf | (?) rendezvous fragmented copy-in copy-out   | sysv/memory |
+"""
+SHM_HOST = ["self/memory", "tcp/lo", "sysv/memory", "posix/memory", "cma/memory"]
+
+
+def test_two_processes_of_one_host_over_tcp_warn_and_say_why() -> None:
+    """UCX titles the table intra-node: TCP there is the slow path (issue 29), never a failure."""
     report = Report()
-    doctor_ucx.add_transport_checks(report, peer_run(["tcp/lo"], PROTO_LOG.split("\n", 1)[1]))
-    assert statuses(report) == {"resources": INFO, "selected": OK, "RDMA": OK, "CUDA": OK}
+    env = {"UCX_MM_ERROR_HANDLING": "n"}
+    log = PROTO_LOG.split("\n", 1)[1]  # without UCX's warning
+    doctor_ucx.add_transport_checks(report, peer_run(SHM_HOST, log, env=env))
+    assert statuses(report) == {"resources": INFO, "selected": WARN, "RDMA": OK, "CUDA": OK}
     assert report.exit_code == 0
+    selected = report.checks[1]
+    # RDMA between two processes of one host loops through the NIC: no better
+    assert "not shared memory, for every message size" in selected.summary
+    (why,) = [d for d in selected.details if d.startswith("why: ")]
+    assert "UCX_MM_ERROR_HANDLING=n" in why and "set UCX_MM_ERROR_HANDLING=y" in why
+
+
+def test_shared_memory_between_two_processes_passes() -> None:
+    report = Report()
+    run = peer_run(SHM_HOST, SHM_LOG, env={"UCX_MM_ERROR_HANDLING": "y"})
+    doctor_ucx.add_transport_checks(report, run)
+    assert statuses(report) == {"resources": INFO, "selected": OK, "RDMA": OK, "CUDA": OK}
+    assert report.checks[1].summary == "sysv/memory between two processes"
+
+
+def test_only_the_sizes_that_miss_shared_memory_are_named() -> None:
+    report = Report()
+    log = SHM_LOG.replace("| sysv/memory |", "| tcp/lo |", 2)
+    doctor_ucx.add_transport_checks(report, peer_run(SHM_HOST, log, env={}))
+    assert report.checks[1].status == WARN
+    assert report.checks[1].summary.endswith("not shared memory, for 0..92, 93..8191")
+
+
+def test_tcp_between_hosts_is_not_warned_about() -> None:
+    report = Report()
+    log = PROTO_LOG.replace("intra-node", "inter-node")
+    doctor_ucx.add_transport_checks(report, peer_run(["tcp/eth0"], log))
+    assert statuses(report)["selected"] == OK
+
+
+def test_a_plain_tcp_host_says_tcp_is_all_it_has() -> None:
+    report = Report()
+    log = "\n".join(line for line in PROTO_LOG.splitlines()[1:] if "rc_mlx5" not in line)
+    run = peer_run(["self/memory", "tcp/lo"], log, env={"UCX_MM_ERROR_HANDLING": "y"})
+    doctor_ucx.add_transport_checks(report, run)
+    selected = report.checks[1]
+    assert selected.status == WARN and selected.summary.endswith("for every message size")
+    (why,) = [d for d in selected.details if d.startswith("why: ")]
+    assert "opened no shared-memory transport" in why and "/dev/shm" in why
+
+
+@pytest.mark.parametrize(
+    ("env", "resources", "reason"),
+    [
+        ({"UCX_TLS": "^sm", "UCX_MM_ERROR_HANDLING": "y"}, ["tcp/lo"], "UCX_TLS=^sm leaves"),
+        ({"UCX_TLS": "tcp,self", "UCX_MM_ERROR_HANDLING": "y"}, ["tcp/lo"], "UCX_TLS=tcp,self"),
+        ({"UCX_TLS": "^posix,sysv,cma"}, ["tcp/lo"], "UCX_TLS=^posix,sysv,cma"),
+        ({"UCX_MM_ERROR_HANDLING": "y"}, ["self/memory", "tcp/lo"], "no shared-memory"),
+        ({}, SHM_HOST, "UCX_MM_ERROR_HANDLING=y (pdserve sets it unless"),
+        ({"UCX_MM_ERROR_HANDLING": "y", "UCX_POSIX_ERROR_HANDLING": "off"}, SHM_HOST, None),
+        ({"UCX_POSIX_ERROR_HANDLING": "n", "UCX_SYSV_ERROR_HANDLING": "n"}, SHM_HOST, "SYSV"),
+        ({"UCX_TLS": "sm,tcp", "UCX_MM_ERROR_HANDLING": "yes"}, SHM_HOST, None),
+        ({"UCX_TLS": "^ib", "UCX_POSIX_ERROR_HANDLING": "y"}, SHM_HOST, None),
+    ],
+)
+def test_why_ucx_left_shared_memory_out(env: dict, resources: list, reason: str | None) -> None:
+    found = ucx_check.shm_blockers(env, resources)
+    if reason is None:
+        assert found == []
+    else:
+        assert found and reason in found[0], found
 
 
 def test_rdma_hardware_ucx_cannot_use_fails_loudly() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -61,9 +62,10 @@ def test_rdma_ports_stay_enabled(tmp_path: Path) -> None:
 
 def test_configure_sets_the_process_environment_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ucx_config, "_applied", None)
-    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
-    monkeypatch.delenv("UCXPY_PROGRESS_MODE", raising=False)
+    for key in ("UCX_NET_DEVICES", "UCXPY_PROGRESS_MODE", *ucx_config.SHM_ERROR_HANDLING):
+        monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("UCX_TCP_PORT_RANGE", "5000-5010")  # the user's own setting wins
+    monkeypatch.setenv("UCX_KEEPALIVE_INTERVAL", "5s")  # so does this one
     monkeypatch.setattr(ucx_config, "rdma_devices", lambda: [])
     applied = ucx_config.configure("127.0.0.1", 47000)
     lo = interface_for("127.0.0.1")
@@ -71,6 +73,8 @@ def test_configure_sets_the_process_environment_once(monkeypatch: pytest.MonkeyP
         "UCX_NET_DEVICES": lo,
         "UCX_TCP_PORT_RANGE": "5000-5010",
         "UCXPY_PROGRESS_MODE": "blocking",
+        "UCX_MM_ERROR_HANDLING": "y",  # shared memory between two workers of one host
+        "UCX_KEEPALIVE_INTERVAL": "5s",
     }
     # UCX has read its variables by now: a second, different call changes nothing
     assert ucx_config.configure("0.0.0.0") == applied
@@ -84,3 +88,34 @@ def test_a_link_local_ucx_host_is_warned_about(caplog):
     assert not warn_if_link_local("127.0.0.1")
     assert not warn_if_link_local("::1")
     assert not warn_if_link_local("eth0")
+
+
+def test_shared_memory_is_let_in_unless_the_user_decided() -> None:
+    """ucxx's endpoints handle peer failure, which UCX's posix/sysv offer only with
+    UCX_MM_ERROR_HANDLING=y: without it two workers of one host talk over tcp/lo."""
+    assert ucx_config.shm_environment({}) == {
+        "UCX_MM_ERROR_HANDLING": "y",
+        "UCX_KEEPALIVE_INTERVAL": ucx_config.KEEPALIVE_INTERVAL,
+    }
+    for key in ucx_config.SHM_ERROR_HANDLING:  # UCX_POSIX_/SYSV_ win over UCX_MM_: all count
+        assert "UCX_MM_ERROR_HANDLING" not in ucx_config.shm_environment({key: "n"})
+    assert (
+        ucx_config.shm_environment({"UCX_MM_ERROR_HANDLING": "n", "UCX_KEEPALIVE_INTERVAL": "20s"})
+        == {}
+    )
+    # hosts that are network namespaces of one machine turn shared memory off with UCX_TLS,
+    # which nothing here touches
+    assert "UCX_TLS" not in ucx_config.shm_environment({"UCX_TLS": "^sm"})
+
+
+def test_configure_keeps_the_users_shared_memory_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ucx_config, "_applied", None)
+    monkeypatch.delenv("UCX_MM_ERROR_HANDLING", raising=False)
+    monkeypatch.delenv("UCX_KEEPALIVE_INTERVAL", raising=False)
+    monkeypatch.setenv("UCX_POSIX_ERROR_HANDLING", "n")
+    monkeypatch.setenv("UCX_TLS", "^sm")
+    monkeypatch.setattr(ucx_config, "rdma_devices", lambda: [])
+    applied = ucx_config.configure("127.0.0.1")
+    assert "UCX_MM_ERROR_HANDLING" not in applied
+    assert applied["UCX_KEEPALIVE_INTERVAL"] == ucx_config.KEEPALIVE_INTERVAL
+    assert os.environ["UCX_TLS"] == "^sm" and os.environ["UCX_POSIX_ERROR_HANDLING"] == "n"

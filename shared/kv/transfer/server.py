@@ -159,7 +159,7 @@ class KVServer:
                 sums = self.hasher.units(heads) if req.get("checksum") is True else 0
                 sends = [ucx_progress.send(ep, pack_reply(None, sliced, sums), tag + 1)]
                 # every run in flight at once: UCX pipelines them, one tag keeps their order
-                sends += [ucx_progress.send(ep, buffer(v), tag + 2) for v in views]
+                sends.append(ucx_progress.send_many(ep, [buffer(v) for v in views], tag + 2))
                 if sums:
                     sends.append(self._send_sums(ep, lease, req["runs"], heads, tag + 3))
                 await self._send_all(asyncio.gather(*sends), lease)
