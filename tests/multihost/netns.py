@@ -91,13 +91,17 @@ def root_routes_into(network: ipaddress.IPv4Network) -> list[str]:
 
 
 def _free_subnet() -> int:
-    """A third octet of 169.254.S.0/24 no route of this machine uses."""
+    """A third octet S such that no route of this machine touches 169.254.S.0/24 or
+    198.18.S.0/24 (a container runtime here may hold a 198.18 network of its own)."""
     routes = ip("-4", "route", "show", "table", "all").stdout
-    used = {
-        int(net.network_address.packed[2])
-        for net in _networks(routes)
-        if net.subnet_of(LINK_LOCAL) or LINK_LOCAL.subnet_of(net)
-    }
+    used = set()
+    for net in _networks(routes):
+        for mine in (LINK_LOCAL, BENCHMARK_RANGE):
+            if net.subnet_of(mine) and net.prefixlen >= 16:
+                used.update(range(int(net.network_address.packed[2]),
+                                  int(net.broadcast_address.packed[2]) + 1))  # fmt: skip
+            elif mine.subnet_of(net):
+                used.update(range(256))
     choices = [s for s in range(128, 251) if s not in used and s not in _AVOID_SUBNETS]
     if not choices:
         raise TopologyError("no free 169.254.x.0/24 subnet")
