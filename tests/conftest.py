@@ -13,7 +13,8 @@ os.environ.setdefault(
 # Tiers of real processes and networks (nats-server, UCX, HTTP, `pdserve up`, namespaces, docker):
 # marked `slow` as a whole, so `pytest -m "not slow"` leaves the unit, engine and kernel tiers.
 SLOW_TIERS = [
-    Path(__file__).resolve().parent / tier for tier in ("integration", "multihost", "docker")
+    Path(__file__).resolve().parent / tier
+    for tier in ("integration", "multihost", "docker", "podman")
 ]
 
 

@@ -7,9 +7,10 @@ minutes, a warm `make image` takes seconds, and the tier itself then takes about
 
 It runs `compose --profile cpu up` under a unique project name, waits for every health check,
 streams a chat completion through the gateway and compares it with the same request served by
-`pdserve up` (greedy, the same demo model: the same text), then crashes the decode worker and
-checks that its restart policy brings it back to serve again. Containers, networks and volumes
-of the project are removed at the end, also when a step fails.
+`pdserve up` (greedy, the same default model, SmolLM2-135M-Instruct: the same text; the services
+converted it once, into the shared cache volume, and UCX warned of no unused variable), then
+crashes the decode worker and checks that its restart policy brings it back to serve again.
+Containers, networks and volumes of the project are removed at the end, also when a step fails.
 """
 
 from __future__ import annotations
@@ -183,7 +184,9 @@ def stream_chat(base_url: str, model: str) -> tuple[str, str]:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            choice = json.loads(line[6:])["choices"][0]
+            chunk = json.loads(line[6:])
+            assert "choices" in chunk, chunk  # an error event: say which
+            choice = chunk["choices"][0]
             text.append(choice["delta"].get("content") or "")
             finish = choice.get("finish_reason") or finish
     return "".join(text), finish
@@ -233,12 +236,18 @@ def test_cpu_profile_runs_in_docker(compose_stack: ComposeStack, tmp_path: Path)
 
     stack = compose_stack
     model = served_model(stack.gateway_url)
+    assert model == "smollm2-135m-instruct"  # MODEL unset: the default model, not the demo one
     text, finish = stream_chat(stack.gateway_url, model)
     assert finish == "length" and text, (text, finish)
+    # Every service converted nothing or found the copy another made (one shared volume), and
+    # UCX found no variable it does not read (issue 31: each worker warned once).
+    logs = stack.compose("logs", "--no-color", timeout=60)
+    assert logs.count("(first load of this file)") == 1, logs
+    assert "unused environment variable" not in logs, logs
 
-    # The same demo model served by `pdserve up`, on the host: greedy output is the same.
+    # The same default model served by `pdserve up`, on the host: greedy output is the same.
     port = free_port()
-    with pdserve_up(["--model", "demo", "--port", str(port)], tmp_path / "up.log"):
+    with pdserve_up(["--port", str(port)], tmp_path / "up.log"):
         reference, ref_finish = stream_chat(
             f"http://127.0.0.1:{port}", served_model(f"http://127.0.0.1:{port}")
         )

