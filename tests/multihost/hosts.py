@@ -14,13 +14,13 @@ that a node is up) over the hosts' link-local addresses only.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.services.launcher import service_argv, service_env
 from pdserve.services.processes import Child, NatsCluster, NatsServer, spawn
 from tests.integration.stack import QUIET_ENV
+from tests.multihost import netns
 from tests.multihost.netns import Host, Topology
 
 NATS_PORT = 4222  # each namespace has its own port space: the usual ports are free
@@ -70,8 +70,7 @@ class MultiHostStack:
     def start_service(self, host_name: str, options: dict[str, object]) -> Child:
         host: Host = self.topo.hosts[host_name]
         role = ROLES[host_name]
-        base = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
-        base.update(QUIET_ENV)
+        base = {**netns.inherited_env(), **QUIET_ENV}
         values: dict[str, object] = {"nats_url": self.nats_url_of(host_name), **options}
         if role == "gateway":
             values.update(host=host.mgmt, port=GATEWAY_PORT)  # HTTP for the driver alone

@@ -48,6 +48,15 @@ _AVOID_SUBNETS = {77, 169, *range(80, 96)}
 HOST_ENV = {"UCX_TLS": "^sm"}
 
 
+def inherited_env() -> dict[str, str]:
+    """This process's environment as a host's processes start from it: without ``PDSERVE_*``
+    settings and without UCX's. An in-process KV test earlier in the session leaves
+    ``ucx_config.configure``'s choices in ``os.environ`` (``UCX_NET_DEVICES=lo`` among them),
+    and a user's UCX variables win over pdserve's flags: inherited, they would pin every host
+    to the loopback device, and no pull could leave it."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("PDSERVE_", "UCX_", "UCXPY_"))}
+
+
 class TopologyError(RuntimeError):
     """A command building the topology failed."""
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
-import os
 import re
 import signal
 import socket
@@ -199,7 +198,7 @@ def doctor_on(stack, host_name: str, tmp_path: Path) -> tuple[subprocess.Complet
         *("--sizes-mib", "1", "--reps", "2", "--min-ratio", "0", "--discover-seconds", "1"),
         *("--timeout", "5", "--json", str(report)),
     )
-    base = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    base = netns.inherited_env()
     proc = subprocess.run(
         argv, cwd=ROOT, env={**base, **QUIET_ENV}, capture_output=True, text=True, timeout=180
     )
