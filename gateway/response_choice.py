@@ -25,6 +25,7 @@ from typing import Any
 from pdserve.gateway.inflight_types import TokenEvent
 from pdserve.gateway.logprob_format import LogprobEntry, LogprobList
 from pdserve.gateway.tokenizer import ModelTokenizer
+from pdserve.gateway.tools.formats import partial_suffix
 from pdserve.gateway.tools.setup import ToolSetup
 from pdserve.gateway.tools.stream import ToolCallStream
 from pdserve.shared.sampling import TokenLogprobs
@@ -57,13 +58,7 @@ class StopStringMatcher:
 
     def _partial_suffix(self, buf: str) -> int:
         """Length of the longest tail of ``buf`` that is a proper prefix of some stop string."""
-        longest = 0
-        for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(buf)), longest, -1):
-                if buf.endswith(stop[:k]):
-                    longest = k
-                    break
-        return longest
+        return max(partial_suffix(buf, stop) for stop in self.stops)
 
     def flush(self) -> str:
         """The generation ended without a match: release the held tail."""
