@@ -39,6 +39,24 @@ def step_outputs(engine: LLMEngine) -> list[StepOutput]:
     return result.outputs if result is not None else []
 
 
+def prefill_then_decode(
+    prefill: LLMEngine, decode: LLMEngine, bus_id: str, prompt: list[int], sp: SamplingParams
+) -> tuple[list[int], list[int]]:
+    """One request split as P/D splits it: ``prefill`` (a prefill-only engine) samples the first
+    token(s) and lets the request go; ``decode`` continues from them to the end. Returns
+    (first, rest)."""
+    prefill.add_request(bus_id, prompt, sp)
+    (out,) = [o for o in step_outputs(prefill) if o.bus_id == bus_id]
+    prefill.release(out.bus_id)
+    step_outputs(prefill)
+    first = out.new_token_ids
+    decode.add_request(bus_id, prompt, sp, output_token_ids=first)
+    rest: list[int] = []
+    while decode.has_unfinished():
+        rest += [t for o in step_outputs(decode) for t in o.new_token_ids]
+    return first, rest
+
+
 def run_staggered(
     engine: LLMEngine, prompts: list[list[int]], sampling: SamplingParams
 ) -> list[list[int]]:

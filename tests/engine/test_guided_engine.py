@@ -17,7 +17,7 @@ from pdserve.services.engine.guided import GuidedDecoder
 from pdserve.services.engine.sequence import Sequence
 from pdserve.services.engine.sequence_group import fork_choice
 from pdserve.shared.sampling import GuidedDecoding, SamplingParams
-from tests.engine_support import make_engine, random_prompts, step_outputs
+from tests.engine_support import make_engine, prefill_then_decode, random_prompts
 
 EOS = 1
 VOCAB = 384  # tests.checkpoints' tokenizer and config
@@ -230,15 +230,7 @@ def test_decode_engine_continues_the_prefill_engines_grammar(llama_dir, engine, 
         params = [_sampling(GUIDES[kind], seed) for seed in range(len(prompts))]
         whole = engine.generate(prompts, params)  # the same requests in one engine
         for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
-            prefill.add_request(f"{kind}{i}", prompt, sp)
-            (out,) = [o for o in step_outputs(prefill) if o.bus_id == f"{kind}{i}"]
-            prefill.release(out.bus_id)
-            step_outputs(prefill)
-            first = out.new_token_ids
-            engine.add_request(f"{kind}{i}", prompt, sp, output_token_ids=first)
-            rest = []
-            while engine.has_unfinished():
-                rest += [t for o in step_outputs(engine) for t in o.new_token_ids]
+            first, rest = prefill_then_decode(prefill, engine, f"{kind}{i}", prompt, sp)
             assert first + rest == whole[i]  # the decode side's grammar took over exactly
             assert_valid(kind, text_of(tokenizer, first + rest))
 

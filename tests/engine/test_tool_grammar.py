@@ -18,7 +18,7 @@ from pdserve.gateway.api_models import parse_chat
 from pdserve.gateway.tokenizer import ChatTemplate, ModelTokenizer
 from pdserve.shared.models.resolve import BUILTIN_MODELS
 from pdserve.shared.sampling import SamplingParams
-from tests.engine_support import make_engine, random_prompts, step_outputs
+from tests.engine_support import make_engine, prefill_then_decode, random_prompts
 from tests.unit.gateway_fixtures import train_byte_level, write_model_dir
 from tests.unit.test_tool_grammar import FUNCTIONS, read_calls, valid_calls
 from tests.unit.test_tool_prompt import CONVERSATION, SMOLLM2_TEMPLATE, TOOLS, TOOLS_TEMPLATE
@@ -93,15 +93,7 @@ def test_the_decode_engine_continues_the_prefill_engines_tool_grammar(llama_dir,
     params = [guided_params(parser, "required", seed) for seed in range(4)]
     whole = engine.generate(prompts, params)
     for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
-        prefill.add_request(f"t{i}", prompt, sp)
-        (out,) = [o for o in step_outputs(prefill) if o.bus_id == f"t{i}"]
-        prefill.release(out.bus_id)
-        step_outputs(prefill)
-        first = out.new_token_ids
-        engine.add_request(f"t{i}", prompt, sp, output_token_ids=first)
-        rest = []
-        while engine.has_unfinished():
-            rest += [t for o in step_outputs(engine) for t in o.new_token_ids]
+        first, rest = prefill_then_decode(prefill, engine, f"t{i}", prompt, sp)
         assert first + rest == whole[i]  # the decode side's grammar state took over exactly
         calls_of(tokenizer, parser, "required", first + rest)
 

@@ -76,7 +76,9 @@ def start_service(
     env: dict[str, str] | None = None,
     options: dict[str, object] | None = None,
     name: str | None = None,
+    argv: list[str] | None = None,
 ) -> Child:
+    """``pdserve COMMAND`` (or ``argv``, a stand-in for it) with ``options`` as PDSERVE_*."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     base.update(QUIET_ENV)
     base.update(env or {})
@@ -87,7 +89,7 @@ def start_service(
     full_env = service_env({"nats_url": nats_url, **options}, base)
     name = name or full_env.get("PDSERVE_WORKER_ID") or command
     log_path = Path(log_dir) / f"{name}.log"
-    return spawn(name, service_argv(command), full_env, log_path)
+    return spawn(name, argv or service_argv(command), full_env, log_path)
 
 
 def log_text(child: Child, tail: int = 4000) -> str:

@@ -9,22 +9,20 @@ verification is disabled."""
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
-import urllib.request
 
 import pytest
 import torch
 
-from pdserve.services.launcher import service_env
 from pdserve.services.processes import free_port
 from pdserve.shared.bus.protocol import KVHandle
 from pdserve.shared.kv.tp_layout import TP_KEY, kv_head_range
 from pdserve.shared.kv.transfer import KVChecksumError, KVClient, KVServer, LeaseTable
 from pdserve.shared.telemetry import tracing
 from tests.integration.corrupting_prefill import _damage
-from tests.integration.stack import QUIET_ENV, log_text, spawn, start_nats, start_service
+from tests.integration.stack import log_text, start_nats, start_service
 from tests.integration.test_kv_transfer import BLOCK, DIM, HEADS, LAYERS, Pair, cache, fingerprint
+from tests.integration.test_up import scrape
 from tests.integration.worker_client import GREEDY, connected, tokens
 from tests.oracle import hf_greedy
 from tests.otlp_receiver import OtlpReceiver
@@ -109,11 +107,6 @@ OPTIONS = {
 }
 
 
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        return resp.read().decode()
-
-
 async def test_damaged_kv_is_recomputed_not_served(tmp_path, llama_dir) -> None:
     """A prefill worker that damages every pull; decode d-check verifies (--kv-checksum) and
     recomputes; d-blind does not verify. d-check answers HF's tokens, counts the failure and
@@ -124,12 +117,10 @@ async def test_damaged_kv_is_recomputed_not_served(tmp_path, llama_dir) -> None:
     traces.start_in_thread()
     opts, env = {**OPTIONS, "model": str(llama_dir)}, traces.env()
     metrics_port = free_port()
-    base = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
-    base.update({**QUIET_ENV, **env})
-    prefill_env = service_env({"nats_url": nats.url, **opts, "worker_id": "p-bad"}, base)
-    argv = [sys.executable, "-m", "tests.integration.corrupting_prefill"]
+    corrupting = [sys.executable, "-m", "tests.integration.corrupting_prefill"]
     children = [
-        spawn("p-bad", argv, prefill_env, tmp_path / "p-bad.log"),
+        start_service("prefill", nats.url, tmp_path, env, {**opts, "worker_id": "p-bad"},
+                      argv=corrupting),
         start_service("decode", nats.url, tmp_path, env, {
             **opts, "worker_id": "d-check", "kv_checksum": True,
             "kv_failure_policy": "recompute", "metrics_port": metrics_port}),
@@ -149,7 +140,7 @@ async def test_damaged_kv_is_recomputed_not_served(tmp_path, llama_dir) -> None:
                     assert got != expected, "the damage changed nothing: the test proves nothing"
             log = log_text(children[1], 100000)
             assert "is corrupt, not served (recompute)" in log, log
-            counted = [line for line in scrape(metrics_port).splitlines()
+            counted = [line for line in scrape(f"http://127.0.0.1:{metrics_port}").splitlines()
                        if line.startswith("pdserve_kv_checksum_failures_total")]  # fmt: skip
             assert len(counted) == 1 and counted[0].endswith(" 1.0"), counted
 

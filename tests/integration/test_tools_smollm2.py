@@ -17,7 +17,6 @@ import json
 import os
 import signal
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -128,10 +127,6 @@ class Stack:
 
         return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", timeout=180)
 
-    def metrics(self) -> str:
-        with urllib.request.urlopen(self.base + "/metrics", timeout=5) as resp:
-            return resp.read().decode()
-
     def decode_pids(self) -> dict[str, int]:
         """Worker id -> pid of each decode worker ``pdserve up`` started."""
         from tests.integration.stack import descendants
@@ -150,7 +145,9 @@ class Stack:
         return out
 
     def busy_decode_worker(self) -> str | None:
-        for line in self.metrics().splitlines():
+        from tests.integration.test_up import scrape
+
+        for line in scrape(self.base).splitlines():
             if line.startswith("pdserve_running_requests{") and not line.endswith(" 0.0"):
                 worker = line.split('worker="', 1)[1].split('"', 1)[0]
                 if worker in self.decode_pids():
