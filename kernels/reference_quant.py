@@ -19,7 +19,10 @@ def quantize_kv(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """x [..., D] -> (values [..., D] of ``dtype``, scales [...] float32); x ~= values * scale."""
     xf = x.to(torch.float32)
     qmax = KV_QMAX[dtype]
-    scale = xf.abs().amax(dim=-1).clamp(min=1e-8) / qmax
+    amax = xf.abs().amax(dim=-1).clamp(min=1e-8)
+    # a tensor divisor: torch on CUDA divides by a Python scalar as a multiply by its reciprocal,
+    # one ulp off the IEEE quotient the Triton store computes (div_rn)
+    scale = amax / torch.full_like(amax, qmax)
     scaled = xf / scale[..., None]
     if dtype == torch.int8:
         scaled = torch.round(scaled).clamp(-qmax, qmax)

@@ -167,7 +167,7 @@ else
     kill "$server" 2> /dev/null
     wait "$server" 2> /dev/null
     # the lanes of tagged sends from GPU memory, as UCX_PROTO_INFO logged them
-    lanes="$(awk '/cfg#/ { on = /tagged message by ucp_tag_send\* from cuda/; next } on' \
+    lanes="$(awk '/cfg#/ { on = /tagged message by ucp_tag_send\*[^|]* from cuda/; next } on' \
         "$OUT/ucx_gpu_transport.txt" | grep -oE '\b[a-z][a-z0-9_]*/[A-Za-z0-9_.:-]+' \
         | sort -u | tr '\n' ' ')"
     final="$(grep '^Final:' "$OUT/ucx_gpu_transport.txt" | awk '{print $(NF-2) " MB/s"}')"

@@ -42,6 +42,9 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        # an explicit index: torch.cuda.set_device and the KV agents' memory need one
+        dev = torch.device("cuda", torch.cuda.current_device())
     if dtype == "auto":
         return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
     return dev, DTYPES[dtype]

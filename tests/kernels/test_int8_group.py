@@ -66,11 +66,12 @@ def test_grouped_int8_linear_triton_matches_twin(kernel_backend, shape, group, w
     torch.testing.assert_close(got, expected, atol=TOL * scale_of_y, rtol=TOL)
     if k == group:
         return  # one group per row: per-channel
-    # the per-row mean of the group scales is not the answer: each group's scale counts
+    # the per-row mean of the group scales is not the answer: each group's scale counts (it
+    # misses by over ten times what the kernel is allowed, in bf16 on a GPU too)
     bias64 = None if bias is None else bias.double().cpu()
     per_row = w.scale.double().mean(dim=1)
     wrong = int8_linear(x.double().cpu(), w.qweight, per_row, bias64)
-    assert (wrong - expected).abs().max() > 100 * TOL * scale_of_y
+    assert (wrong - expected).abs().max() > 10 * TOL * scale_of_y
 
 
 def test_grouped_twin_is_the_dequantized_matmul(kernel_backend) -> None:
