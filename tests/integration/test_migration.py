@@ -186,15 +186,24 @@ async def test_n_choices_continue_exactly(stack, session, spy):
     assert len(spy.sent["n3"]) == 1 + 3
 
 
+async def kill_each_worker(stack, spy, out: Stream, rid: str, kills: int) -> None:
+    """Kill -9 the decode worker of ``rid`` ``kills`` times, each once it has streamed a few
+    tokens (not after a fixed pause: a fast machine could finish the stream before it)."""
+    for hop in range(kills):
+        await until(lambda hop=hop: len(spy.sent[rid]) == hop + 1, f"decode worker {hop + 1}")
+        start = out.tokens_seen()
+        await until(lambda start=start: out.tokens_seen() >= start + 3 or out.done, "tokens")
+        assert not out.done, f"{rid} ended before kill {hop + 1}: a longer stream is needed"
+        stack.children[spy.worker_of(rid)].signal(signal.SIGKILL)
+
+
 async def test_two_kills_of_the_same_request_migrate_it_twice(stack, session, spy):
     body = greedy(42)
     (reference,) = (await run_all(session, stack.base(), {"ref-twice": body})).values()
     before = migrations(stack.base())
-    task = asyncio.create_task(stream(session, stack.base(), "twice", body))
-    for hop in range(2):
-        await until(lambda hop=hop: len(spy.sent["twice"]) == hop + 1, "a decode worker")
-        await asyncio.sleep(0.3)  # some tokens on this worker
-        stack.children[spy.worker_of("twice")].signal(signal.SIGKILL)
+    out = Stream()
+    task = asyncio.create_task(stream(session, stack.base(), "twice", body, out))
+    await kill_each_worker(stack, spy, out, "twice", 2)
     # a loaded machine notices the second death later (heartbeats): more time than one hop
     await until(lambda: len(spy.sent["twice"]) == 3, "the second migration", timeout=90.0)
     out = await asyncio.wait_for(task, 120)
@@ -204,11 +213,9 @@ async def test_two_kills_of_the_same_request_migrate_it_twice(stack, session, sp
 
 async def test_the_migration_limit_ends_the_stream_with_a_clean_error(stack, session, spy):
     """The second gateway allows one migration: the second kill ends the stream."""
-    task = asyncio.create_task(stream(session, stack.base("gw1"), "limited", greedy(7)))
-    for hop in range(2):
-        await until(lambda hop=hop: len(spy.sent["limited"]) == hop + 1, "a decode worker")
-        await asyncio.sleep(0.3)
-        stack.children[spy.worker_of("limited")].signal(signal.SIGKILL)
+    out = Stream()
+    task = asyncio.create_task(stream(session, stack.base("gw1"), "limited", greedy(7), out))
+    await kill_each_worker(stack, spy, out, "limited", 2)
     out = await asyncio.wait_for(task, 60)
     assert out.done and not out.finish and out.error["code"] == "worker_lost"
     assert "--max-migrations 1" in out.error["message"]
