@@ -44,9 +44,10 @@ run: setup
 
 # The model-free tier first (a broken protocol or scheduler fails in seconds), then the rest:
 # tests/engine (tiny checkpoints, HF as oracle), tests/kernels (Triton interpreter),
-# tests/integration and tests/multihost (real nats-server, UCX, HTTP, `pdserve up`).
+# tests/integration and tests/multihost (real nats-server, UCX, HTTP, `pdserve up`). The 20
+# slowest tests are listed at the end, so a slow CI run shows where its time went.
 test: test-fast
-	$(PY) -m pytest -q --ignore=tests/unit $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=20 --ignore=tests/unit $(PYTEST_ARGS)
 
 # The model-free tier: no weights, no subprocess stacks; under a minute on 2 cores.
 test-fast: setup
