@@ -43,7 +43,6 @@ from pdserve.services.processes import (
     Child,
     NatsCluster,
     NatsServer,
-    cpu_shares,
     gpu_for_worker,
     http_ok,
     spawn,
@@ -58,6 +57,7 @@ from pdserve.shared.config import (
     build,
     env_name,
 )
+from pdserve.shared.cpus import cpu_shares
 from pdserve.shared.errors import StartupError
 from pdserve.shared.kv.tp_layout import tp_problem
 

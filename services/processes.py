@@ -1,7 +1,8 @@
 """The processes pdserve starts for itself and for tests: each service a child that leads its
 own process group (so it is stopped as a whole), and a private nats-server or a cluster of them
 (``NatsCluster``: every node routed to every other, clients listing their own node first). Also
-where ``pdserve up`` places each worker: its GPUs (``gpu_for_worker``) and CPUs (``cpu_shares``)."""
+where ``pdserve up`` places each worker on its GPUs (``gpu_for_worker``); its CPUs follow
+``shared/cpus.cpu_shares``."""
 
 from __future__ import annotations
 
@@ -80,23 +81,6 @@ def gpu_for_worker(first_rank: int, gpus: list[str], tp: int = 1) -> str | None:
     if len(gpus) < 2:
         return None
     return ",".join(gpus[(first_rank + r) % len(gpus)] for r in range(tp))
-
-
-def cpu_shares(cpus: list[int], ranks: list[int]) -> list[list[int]] | None:
-    """Split ``cpus`` into one contiguous share per worker, ``ranks[i]`` being worker i's TP
-    size. Every rank weighs the same (a TP-2 worker gets twice a TP-1 worker's share), and the
-    first ranks take the remainder: prefill workers start first, and prefill is the compute-bound
-    phase. None when there are fewer CPUs than ranks: the workers then share them all."""
-    total = sum(ranks)
-    if total < 1 or len(cpus) < total:
-        return None
-    size, extra = divmod(len(cpus), total)
-    shares, start, rank = [], 0, 0
-    for n in ranks:
-        end = start + n * size + max(0, min(n, extra - rank))
-        shares.append(cpus[start:end])
-        start, rank = end, rank + n
-    return shares
 
 
 @dataclass

@@ -60,6 +60,7 @@ def record_prefill_forward(state: RequestState, worker_id: str, step: StepResult
             tracing.ATTR_BATCH_SIZE: stats.num_seqs,
             tracing.ATTR_BATCH_TOKENS: stats.num_tokens,
             tracing.ATTR_CACHED_TOKENS: stats.prefill_seqs.get(state.bus_id, 0),
+            **tracing.roofline_attributes(stats.roofline),  # the worker set it (on_step)
             **extra,
         },
     )

@@ -181,6 +181,7 @@ class Worker:
             max_queue=self.config.max_queue,
             instance=self.instance,
             kv_layout=self.kv_layout,
+            **self.metrics.roofline.load_fields(),  # forward-pass totals and peaks
             **self.load_extra(),
         )
 
@@ -366,7 +367,8 @@ class Worker:
         await self.drain_and_close()
 
     def _on_step_safe(self, step: StepResult) -> None:
-        try:
+        try:  # the step's roofline first: on_step's spans carry it
+            step.stats.roofline = self.metrics.roofline.step(step.stats)
             self.on_step(step)
         except Exception:
             log.exception("handling engine outputs failed")
@@ -381,16 +383,12 @@ class Worker:
             self.start_metrics()  # /live and /ready answer while a large checkpoint loads
             threads = set_torch_threads(self.engine_config.torch_threads)
             self.engine = self.make_engine()
-            log.info(
-                "%s worker %s: model %s, %d KV blocks of %d tokens on %s, %s torch threads",
-                self.role,
-                self.worker_id,
-                self.engine.model_name,
-                self.engine.num_blocks,
-                self.engine.block_size,
-                self.engine.device,
-                threads,
-            )
+            engine = self.engine
+            log.info("%s worker %s: model %s, %d KV blocks of %d tokens on %s, %s torch threads",
+                     self.role, self.worker_id, engine.model_name, engine.num_blocks,
+                     engine.block_size, engine.device, threads)  # fmt: skip
+            # the roofs its steps are measured against (cached, else measured now)
+            self.metrics.roofline.load_peaks(engine.device, engine.dtype, threads)
             asyncio.run(self.serve())
         finally:
             tracing.shutdown_tracing()

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pdserve.services.request_state import RequestState
 from pdserve.shared.bus.protocol import KVHandle, StreamCheck, TokenItem
 from pdserve.shared.telemetry import tracing
+from pdserve.shared.telemetry.roofline import Roofline
 
 # decode.generate's speculative-decoding attributes (when the request's tokens were drafted)
 ATTR_SPEC_DRAFT_TOKENS = "pdserve.spec.draft_tokens"  # draft tokens verified for the request
@@ -32,6 +33,9 @@ class DecodeState(RequestState):
     num_draft_tokens: int = 0  # speculative decoding, over all its choices
     num_accepted_tokens: int = 0
     first_step_ns: int | None = None  # first decode step (start of decode.generate)
+    # the worker's decode totals (flops, bytes, seconds) before that step: decode.generate's
+    # roofline is their growth until the request ends (RooflineMetrics.since)
+    roofline_mark: tuple[float, float, float] | None = None
     # The prefill worker's KV the request came with (None: prefilled here). Whether it waits
     # for its pull is the engine's status (WAITING_FOR_REMOTE_KV, announced by a KVPull); the
     # worker keeps only what it does about it: the pull it runs, which releases the lease.
@@ -61,8 +65,12 @@ def check_answer(check: StreamCheck, state: DecodeState | None, worker_id: str) 
     return [TokenItem(rid, [], index=i, position=p) for i, p in sorted(state.positions.items())]
 
 
-def record_generate(state: DecodeState, worker_id: str, reason: str, end_ns: int) -> None:
-    """The request's ``decode.generate`` span, from its first decode step to ``end_ns``."""
+def record_generate(
+    state: DecodeState, worker_id: str, reason: str, end_ns: int, roofline: Roofline | None = None
+) -> None:
+    """The request's ``decode.generate`` span, from its first decode step to ``end_ns``, with
+    ``roofline``: the worker's decode steps over that time (every request in them, not only
+    this one's share: they ran as one batch)."""
     start = state.first_step_ns or end_ns
     n = state.num_output_tokens
     tpot_ms = (end_ns - start) / 1e6 / max(1, n - 1) if n > 1 else 0.0
@@ -71,6 +79,7 @@ def record_generate(state: DecodeState, worker_id: str, reason: str, end_ns: int
         tracing.GEN_AI_USAGE_OUTPUT_TOKENS: n,
         tracing.ATTR_TPOT_MS: tpot_ms,
         tracing.GEN_AI_RESPONSE_FINISH_REASONS: [reason],
+        **tracing.roofline_attributes(roofline),
     }
     if state.num_draft_tokens:
         attributes[ATTR_SPEC_DRAFT_TOKENS] = state.num_draft_tokens

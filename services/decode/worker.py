@@ -345,6 +345,7 @@ class DecodeWorker(Worker):
         first = state.first_step_ns is None  # its first output: the step that ended its prefill
         if first:
             state.first_step_ns = step.start_ns
+            state.roofline_mark = self.metrics.roofline.decode_mark()  # the totals before it
             # pulled KV: queued (the pull included) until this step
             self.mark_scheduled(state, tracing.SPAN_DECODE_QUEUE, step.start_ns)
         position = state.advance(out.index, len(out.new_token_ids))
@@ -366,7 +367,8 @@ class DecodeWorker(Worker):
         state.num_accepted_tokens += out.num_accepted_tokens
         if out.request_finished:  # every choice is over
             self._end(state)
-            record_generate(state, self.worker_id, out.finish_reason or "stop", step.end_ns)
+            record_generate(state, self.worker_id, out.finish_reason or "stop", step.end_ns,
+                            self.metrics.roofline.since(state.roofline_mark))  # fmt: skip
         return item
 
     # -- cancel, deadlines ---------------------------------------------------------------------

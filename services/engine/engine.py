@@ -61,6 +61,7 @@ from pdserve.services.engine.parallel.shard import Shard
 from pdserve.services.engine.quant.options import quantization_problem
 from pdserve.services.engine.scheduler import KV_FAILURE_POLICIES, Scheduler
 from pdserve.services.engine.spec import TargetModel, build_speculator
+from pdserve.services.engine.step_cost import StepCost
 from pdserve.shared.config import EngineConfig
 from pdserve.shared.errors import StartupError
 from pdserve.shared.kv.tp_layout import TP_KEY, tp_problem
@@ -132,6 +133,7 @@ class LLMEngine:
         self.guided = GuidedDecoder(self.model_dir, cfg.vocab_size, cfg.eos_token_ids)
         self.runner = ModelRunner(model, self.kv_cache, self.block_size, self.device, self.guided)
         self.runner.ranks = self.ranks
+        self.step_cost = StepCost.of_runner(self.runner, cfg, shard)  # the roofline's counts
         # speculative decoding (``spec/``): decode-side only, a prefill worker never drafts
         target = TargetModel(self.model_dir, cfg, self.num_blocks, self.block_size, self.device,
                              self.dtype)  # fmt: skip
@@ -341,6 +343,7 @@ class LLMEngine:
         outputs += produced
         self._copy_blocks()  # choices forked from prompts completed in this pass
         stats.seconds = elapsed
+        stats.flops, stats.bytes = self.step_cost.of(run.inputs)
         if self.speculator is not None and not stats.prefill_seqs:  # what a draft token costs
             self.speculator.cost.observe(batch.num_tokens, elapsed)
         return stats

@@ -130,7 +130,7 @@ class ModelRunner:
                 prompt_plan.k,
             )
         # Everything is queued; the first read-back waits for it, the others only copy.
-        run = RunnerOutput()
+        run = RunnerOutput(inputs=inputs)
         if sampler_out is not None:
             self._emitted(run, sampling_rows, sampling_seqs, sampler_out)
         if prompt_plan is not None and prompt_lp is not None:

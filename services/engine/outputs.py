@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdserve.shared.sampling import TokenLogprobs
+from pdserve.shared.telemetry.roofline import Roofline
 
 if TYPE_CHECKING:  # the spec package loads models; the scheduler's tests import this module
     from pdserve.services.engine.sequence import Sequence
@@ -71,6 +72,7 @@ class RunnerOutput:
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # of them, where asked
     # prompt log-probs this chunk gathered (to append to the sequence's), where asked
     prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+    inputs: StepInputs | None = None  # what the pass ran on (the engine's step cost reads it)
 
 
 @dataclass
@@ -114,6 +116,16 @@ class StepStats:
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # the roofline: what the pass computed and moved (the engine: step_cost.py), and where that
+    # sat against the machine's peaks (the worker, on its event loop: roofline_metrics.py)
+    flops: float = 0.0
+    bytes: float = 0.0
+    roofline: Roofline | None = None
+
+    @property
+    def phase(self) -> str:
+        """The pass's phase: "prefill" when it computed any prompt chunk, else "decode"."""
+        return "prefill" if self.prefill_seqs else "decode"
 
     @classmethod
     def of(cls, batch: ScheduledBatch) -> StepStats:

@@ -29,6 +29,8 @@ import msgpack
 
 from pdserve.shared.bus.wire_check import Checker, ProtocolError
 from pdserve.shared.bus.wire_fields import (
+    GUIDED_FIELD_BOUNDS,
+    LOGPROB_FIELD_BOUNDS,
     MAX_BATCH_ITEMS,
     MAX_BLOCKS,
     MAX_DEPTH,
@@ -37,7 +39,9 @@ from pdserve.shared.bus.wire_fields import (
     MAX_TOKEN_ID,
     MAX_TOKENS,
     MAX_UCX_ADDRESS_CHARS,
+    SAMPLING_FIELD_BOUNDS,
     UINT64_MAX,
+    amount,
     bounded,
     count,
     ident,
@@ -46,23 +50,11 @@ from pdserve.shared.bus.wire_fields import (
     text,
     tokens,
 )
-from pdserve.shared.sampling import BOUNDS as SAMPLING_BOUNDS
-from pdserve.shared.sampling import (
-    GUIDED_KINDS,
-    MAX_GUIDED_SPEC_CHARS,
-    MAX_LOGIT_BIAS,
-    MAX_LOGIT_BIAS_VALUE,
-    MAX_LOGPROBS,
-    MAX_N,
-    MAX_STOP_TOKEN_IDS,
-    MIN_LOGPROB,
-    GuidedDecoding,
-    SamplingParams,
-    TokenLogprobs,
-)
+from pdserve.shared.sampling import MAX_N, GuidedDecoding, SamplingParams, TokenLogprobs
 
-PROTOCOL_VERSION = 6  # 3: n choices, log-probs, penalties, structured output; 4: positions;
+PROTOCOL_VERSION = 7  # 3: n choices, log-probs, penalties, structured output; 4: positions;
 # 5: one name per id (bus_id on the bus, client_id for the x-request-id); 6: TP ranks' KV servers
+# 7: WorkerLoad's roofline totals and peaks
 
 ROLES = ("prefill", "decode")
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -238,6 +230,16 @@ class WorkerLoad:
     # shared.kv_layout.layout_id of the worker's KV fingerprint: the gateway pairs prefill and
     # decode workers whose blocks fit ("": unknown, pairs with anything)
     kv_layout: str = text(max_len=32, default="")
+    # roofline (shared/telemetry/roofline.py): forward-pass totals since start per phase (a step
+    # with any prefill rows is "prefill"), and the measured peaks of the worker's device (0: none)
+    prefill_flops: float = amount()
+    prefill_bytes: float = amount()
+    prefill_busy_seconds: float = amount()
+    decode_flops: float = amount()
+    decode_bytes: float = amount()
+    decode_busy_seconds: float = amount()
+    peak_flops_per_second: float = amount()
+    peak_bytes_per_second: float = amount()
 
 
 @dataclass
@@ -295,39 +297,12 @@ Message = (
 )
 MESSAGE_TYPES: dict[str, type] = {cls.TYPE: cls for cls in typing.get_args(Message)}
 
-# SamplingParams' bounds are written once, in shared.sampling; the class itself refuses what
-# its bounds' open ends and special values (top_k 0) exclude.
-_SAMPLING_BOUNDS: dict[str, dict[str, Any]] = {
-    **{name: {"lo": b.lo, "hi": b.hi} for name, b in SAMPLING_BOUNDS.items()},
-    "stop_token_ids": {"lo": 0, "hi": MAX_TOKEN_ID, "max_len": MAX_STOP_TOKEN_IDS},
-    "ignore_eos": {},
-    "logit_bias_token_ids": {"lo": 0, "hi": MAX_TOKEN_ID, "max_len": MAX_LOGIT_BIAS},
-    "logit_bias_values": {
-        "lo": -MAX_LOGIT_BIAS_VALUE,
-        "hi": MAX_LOGIT_BIAS_VALUE,
-        "max_len": MAX_LOGIT_BIAS,
-    },
-    "guided": {},
-    "speculate": {},
-}
-_GUIDED_BOUNDS: dict[str, dict[str, Any]] = {
-    "kind": {"choices": GUIDED_KINDS, "max_len": 16},
-    "spec": {"max_len": MAX_GUIDED_SPEC_CHARS},
-}
-_LOGPROB_BOUNDS: dict[str, dict[str, Any]] = {
-    "top_k": {"lo": 0, "hi": MAX_LOGPROBS},
-    "token_logprobs": {"lo": MIN_LOGPROB, "hi": 0.0},
-    "ranks": {"lo": 1, "hi": MAX_TOKEN_ID},
-    "top_token_ids": {"lo": 0, "hi": MAX_TOKEN_ID},
-    "top_logprobs": {"lo": MIN_LOGPROB, "hi": 0.0},
-}
-
 _CHECKER = Checker(
     nested=(KVHandle, TokenItem, SamplingParams, GuidedDecoding, TokenLogprobs),
     bounds={
-        SamplingParams: _SAMPLING_BOUNDS,
-        GuidedDecoding: _GUIDED_BOUNDS,
-        TokenLogprobs: _LOGPROB_BOUNDS,
+        SamplingParams: SAMPLING_FIELD_BOUNDS,
+        GuidedDecoding: GUIDED_FIELD_BOUNDS,
+        TokenLogprobs: LOGPROB_FIELD_BOUNDS,
     },
     max_depth=MAX_DEPTH,
     max_text=MAX_TEXT_CHARS,

@@ -13,6 +13,16 @@ from typing import Any
 
 from pdserve.shared.bus.subjects import MAX_ID_CHARS, SUBJECT_RE, TOKEN_RE
 from pdserve.shared.bus.wire_check import INT64_MAX
+from pdserve.shared.sampling import BOUNDS as SAMPLING_BOUNDS
+from pdserve.shared.sampling import (
+    GUIDED_KINDS,
+    MAX_GUIDED_SPEC_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_VALUE,
+    MAX_LOGPROBS,
+    MAX_STOP_TOKEN_IDS,
+    MIN_LOGPROB,
+)
 
 # Bounds that hold for any sane deployment; the bus also caps whole messages (max_message_bytes).
 MAX_SUBJECT_CHARS = 256
@@ -64,3 +74,37 @@ def tokens(max_len: int = MAX_TOKENS, **kw: Any) -> Any:
 
 def seconds(**kw: Any) -> Any:
     return bounded(kw.pop("default", dataclasses.MISSING), lo=0.0, hi=1e12)
+
+
+def amount(**kw: Any) -> Any:
+    """A finite non-negative total (FLOPs, bytes, seconds since start), 0 by default."""
+    return bounded(kw.pop("default", 0.0), lo=0.0)
+
+
+# The nested classes' bounds (shared.sampling's, which carry none in their field metadata).
+# SamplingParams' bounds are written once, in shared.sampling; the class itself refuses what
+# its bounds' open ends and special values (top_k 0) exclude.
+SAMPLING_FIELD_BOUNDS: dict[str, dict[str, Any]] = {
+    **{name: {"lo": b.lo, "hi": b.hi} for name, b in SAMPLING_BOUNDS.items()},
+    "stop_token_ids": {"lo": 0, "hi": MAX_TOKEN_ID, "max_len": MAX_STOP_TOKEN_IDS},
+    "ignore_eos": {},
+    "logit_bias_token_ids": {"lo": 0, "hi": MAX_TOKEN_ID, "max_len": MAX_LOGIT_BIAS},
+    "logit_bias_values": {
+        "lo": -MAX_LOGIT_BIAS_VALUE,
+        "hi": MAX_LOGIT_BIAS_VALUE,
+        "max_len": MAX_LOGIT_BIAS,
+    },
+    "guided": {},
+    "speculate": {},
+}
+GUIDED_FIELD_BOUNDS: dict[str, dict[str, Any]] = {
+    "kind": {"choices": GUIDED_KINDS, "max_len": 16},
+    "spec": {"max_len": MAX_GUIDED_SPEC_CHARS},
+}
+LOGPROB_FIELD_BOUNDS: dict[str, dict[str, Any]] = {
+    "top_k": {"lo": 0, "hi": MAX_LOGPROBS},
+    "token_logprobs": {"lo": MIN_LOGPROB, "hi": 0.0},
+    "ranks": {"lo": 1, "hi": MAX_TOKEN_ID},
+    "top_token_ids": {"lo": 0, "hi": MAX_TOKEN_ID},
+    "top_logprobs": {"lo": MIN_LOGPROB, "hi": 0.0},
+}

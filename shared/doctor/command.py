@@ -8,7 +8,10 @@ benchmarks:
    version and build, the transports and devices UCX selected for their endpoint, RDMA or CUDA
    hardware that UCX left unused, and pdserve's KV pull against a raw UCX send of the same bytes
    at each ``--sizes-mib``;
-2. with ``--nats-url``, against a running stack (``shared/doctor/stack.py``): every decode
+2. this host's roofs (``shared/doctor/peaks.py``): peak GEMM FLOP/s at the model's dtype and
+   memory-read bandwidth, at the thread count a worker runs at, cached for the workers'
+   roofline telemetry;
+3. with ``--nats-url``, against a running stack (``shared/doctor/stack.py``): every decode
    worker pulls a one-block probe lease from every prefill worker, and workers of tensor
    parallel size > 1 list their ranks: each one's pid and the UCX transports of its KV endpoint.
 
@@ -23,6 +26,7 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +34,7 @@ from pathlib import Path
 from pdserve.shared.config import BusConfig, add_options, build, opt
 from pdserve.shared.doctor.report import (
     EXIT_BAD_INPUT,
+    FAIL,
     INFO,
     OK,
     DoctorInputError,
@@ -55,6 +60,22 @@ class DoctorConfig:
     )
     min_gbps: float = opt(0.0, "fail when a pull is slower than this many GB/s (0: no floor)")
     peer_test: bool = opt(True, "run the local two-process test (--no-peer-test skips it)")
+    peaks: bool = opt(
+        True,
+        "measure this host's peak GEMM FLOP/s and memory-read bandwidth and cache them for the "
+        "workers' roofline telemetry (--no-peaks skips it)",
+    )
+    device: str = opt("auto", "device whose peaks are measured, as a worker's --device")
+    dtype: str = opt(
+        "auto",
+        "GEMM dtype of the peaks, as a worker's --dtype (auto: bfloat16 on a GPU, else float32)",
+        choices=("auto", "float32", "bfloat16", "float16", "float64"),
+    )
+    torch_threads: int = opt(
+        0,
+        "CPU peaks at this many torch threads, as a worker's --torch-threads (0: each CPU share "
+        "pdserve up gives its default workers)",
+    )
     timeout: float = opt(5.0, "seconds to wait for NATS and for each worker's answer")
     discover_seconds: float = opt(2.0, "how long to listen for worker heartbeats")
     peer_timeout: float = opt(180.0, "seconds the whole peer test may take")
@@ -91,6 +112,10 @@ def _validate(cfg: DoctorConfig) -> None:
         interface_for(cfg.ucx_host)
     except UCXConfigError as exc:
         raise DoctorInputError(str(exc)) from None
+    if cfg.torch_threads < 0:
+        raise DoctorInputError("--torch-threads must be 0 or more")
+    if cfg.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", cfg.device):
+        raise DoctorInputError(f"--device {cfg.device!r}: auto, cpu or cuda[:N]")
     for name in ("reps", "timeout", "discover_seconds", "peer_timeout"):
         if getattr(cfg, name) <= 0:
             raise DoctorInputError(f"--{name.replace('_', '-')} must be positive")
@@ -122,6 +147,10 @@ async def diagnose(cfg: DoctorConfig, bus: BusConfig, sizes: list[float]) -> Rep
             )
         else:
             report.add("peer test", INFO, "skipped (--no-peer-test)")
+        if cfg.peaks:
+            await _measure_peaks(report, cfg)
+        else:
+            report.add("peaks", INFO, "skipped (--no-peaks)")
         if stack is not None:
             _progress(f"probing the stack behind {cfg.nats_url}")
             await stack.run(report, cfg.discover_seconds)
@@ -129,6 +158,22 @@ async def diagnose(cfg: DoctorConfig, bus: BusConfig, sizes: list[float]) -> Rep
         if stack is not None:
             await stack.close()
     return report
+
+
+async def _measure_peaks(report: Report, cfg: DoctorConfig) -> None:
+    from pdserve.shared.doctor import peaks as doctor_peaks
+
+    found_targets = doctor_peaks.targets(cfg.device, cfg.dtype, cfg.torch_threads)
+    if not found_targets:
+        report.add("peaks", FAIL, f"--device {cfg.device}: no such device visible to torch")
+    for target in found_targets:
+        threads = f", {target.threads} thread(s)" if target.device == "cpu" else ""
+        _progress(f"measuring the peaks of {target.device} {target.dtype}{threads}")
+        try:  # off the event loop: a stack's NATS connection stays served meanwhile
+            found = await asyncio.to_thread(doctor_peaks.measure_and_cache, target, False)
+        except Exception as exc:  # a check that failed, never a traceback: CUDA missing or OOM
+            found = exc
+        doctor_peaks.add_peaks_check(report, target, found)
 
 
 def _progress(text: str) -> None:

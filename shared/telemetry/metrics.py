@@ -32,6 +32,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer, choose_encoder
 from prometheus_client.registry import Collector
 
+from pdserve.shared.telemetry.roofline_metrics import RooflineMetrics, roofline_families
+
 # Buckets span the range LLM serving actually sees: a cached short prompt answers in a few ms, a
 # long prompt on a busy cluster or a long generation takes minutes.
 TTFT_BUCKETS = (
@@ -217,6 +219,8 @@ class WorkerMetrics:
             ["role", "position"],
             registry=registry,
         )
+        # which roof each step hit (roofline_metrics.py): FLOPs, bytes, fractions of the peaks
+        self.roofline = RooflineMetrics(registry, role)
 
     def count_spec(self, drafts: int, draft_tokens: int, accepted: int, per_pos: list[int]) -> None:
         """Add speculative-decoding counts (increments since the last call)."""
@@ -290,7 +294,8 @@ class WorkerLoadCollector(Collector):
             field: CounterMetricFamily(f"pdserve_spec_decode_num_{name}", doc, labels=labels)
             for field, name, doc in SPEC_LOAD_COUNTERS
         }
-        for load in self._loads():
+        loads = list(self._loads())
+        for load in loads:
             key = [load.worker_id, load.role]
             used.add_metric(key, load.total_blocks - load.free_blocks)
             total.add_metric(key, load.total_blocks)
@@ -301,7 +306,8 @@ class WorkerLoadCollector(Collector):
                 for field, family in spec.items():
                     family.add_metric(key, getattr(load, field))
         families = [used, total, running, waiting, draining]
-        return families + [family for family in spec.values() if family.samples]
+        spec_families = [family for family in spec.values() if family.samples]
+        return families + spec_families + roofline_families(loads)
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
         # Declaring no fixed series keeps registration from calling ``loads`` before discovery runs.

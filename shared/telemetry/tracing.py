@@ -43,6 +43,8 @@ from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode
 
+from pdserve.shared.telemetry.roofline import Roofline
+
 # --- span names (the trace CLI and the integration tests look for exactly these) -----------------
 SPAN_ROUTE = "route"
 SPAN_PREFILL_QUEUE = "prefill.queue"
@@ -69,6 +71,12 @@ ATTR_KV_GBPS = "pdserve.kv.gbps"  # decimal gigabytes per second
 ATTR_KV_TRANSPORT = "pdserve.kv.transport"  # e.g. "ucx", "local"
 ATTR_KV_CHECKSUM = "pdserve.kv.checksum"  # --kv-checksum: "ok", or "mismatch" (a failed pull)
 ATTR_TPOT_MS = "pdserve.tpot_ms"  # time per output token after the first, milliseconds
+# roofline (roofline.py): on prefill.forward the step's, on decode.generate the worker's decode
+# steps over the request's decode lifetime
+ATTR_ROOFLINE_INTENSITY = "pdserve.roofline.intensity"  # FLOP per byte moved
+ATTR_ROOFLINE_COMPUTE_FRACTION = "pdserve.roofline.compute_fraction"  # of the peak FLOP/s
+ATTR_ROOFLINE_BANDWIDTH_FRACTION = "pdserve.roofline.bandwidth_fraction"  # of the peak bytes/s
+ATTR_ROOFLINE_BOUND = "pdserve.roofline.bound"  # "compute" or "memory"
 
 # --- span events ------------------------------------------------------------------------------
 # On the request's root span when the gateway migrates it off a lost decode worker.
@@ -263,4 +271,16 @@ def kv_transfer_attributes(
         ATTR_KV_SECONDS: float(seconds),
         ATTR_KV_GBPS: float(gbps),
         ATTR_KV_TRANSPORT: transport,
+    }
+
+
+def roofline_attributes(r: Roofline | None) -> dict[str, Any]:
+    """A roofline's span attributes (none without one: no peaks, or no forward pass)."""
+    if r is None:
+        return {}
+    return {
+        ATTR_ROOFLINE_INTENSITY: float(r.intensity),
+        ATTR_ROOFLINE_COMPUTE_FRACTION: float(r.compute_fraction),
+        ATTR_ROOFLINE_BANDWIDTH_FRACTION: float(r.bandwidth_fraction),
+        ATTR_ROOFLINE_BOUND: r.bound,
     }

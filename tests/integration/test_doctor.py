@@ -16,18 +16,20 @@ from pdserve.shared.bus.connection import Bus
 from pdserve.shared.bus.protocol import WorkerLoad
 from pdserve.shared.config import BusConfig
 from pdserve.shared.kv.ucx_config import interface_addresses
+from pdserve.shared.telemetry import peaks
 from tests.integration.stack import QUIET_ENV, free_port, start_nats, start_service, stop_all
 
 ROOT = Path(__file__).resolve().parents[2]
-QUICK = ["--sizes-mib", "1", "--reps", "2"]
+# the peaks (a ~10 s measurement) have a test of their own
+QUICK = ["--sizes-mib", "1", "--reps", "2", "--no-peaks"]
 
 
-def doctor(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def doctor(*args: str, timeout: float = 120, **extra_env: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     return subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "doctor", *args],
         cwd=ROOT,
-        env={**env, **QUIET_ENV},
+        env={**env, **QUIET_ENV, **extra_env},
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -59,6 +61,28 @@ def test_local_check_reports_transports_and_fails_below_the_floor(tmp_path: Path
     assert report["peer_test"]["ucx"]["resources"]
 
 
+def test_peaks_are_measured_in_full_reported_and_cached_for_the_workers(tmp_path: Path) -> None:
+    """A worker at one torch thread on this CPU in fp32 finds the doctor's full measurement in
+    the cache (and a quick one of its own cannot replace it)."""
+    out, cache = tmp_path / "doctor.json", tmp_path / "cache"
+    args = ["--no-peer-test", "--device", "cpu", "--torch-threads", "1", "--json", str(out)]
+    proc = doctor(*args, timeout=180, PDSERVE_CACHE_DIR=str(cache))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("[ OK ] peaks"))
+    assert ", 1 thread, float32: " in line and "GFLOP/s" in line and "GB/s read" in line, line
+    assert "ridge" in line and "full measurement in" in proc.stdout
+    (found,) = json.loads(out.read_text())["peaks"]
+    assert found["quick"] is False and found["threads"] == 1 and found["gemm_n"] >= 1024
+    assert 1e8 < found["flops_per_s"] < 1e16 and 1e8 < found["bytes_per_s"] < 1e13
+    key = peaks.cache_key("cpu", "float32", 1)
+    held = peaks.read_cached(key, cache / "peaks")
+    assert held is not None and held[1] is False and held[0].flops_per_s == found["flops_per_s"]
+    assert Path(found["cache"]) == peaks.cache_path(key, cache / "peaks")
+    assert peaks.load_or_measure("cpu", "float32", 1, cache / "peaks") == held[0]
+    skipped = doctor("--no-peer-test", "--no-peaks", timeout=60, PDSERVE_CACHE_DIR=str(cache))
+    assert "[INFO] peaks" in skipped.stdout and "skipped (--no-peaks)" in skipped.stdout
+
+
 def test_unreachable_nats_is_one_line_and_exit_2() -> None:
     proc = doctor("--nats-url", f"nats://127.0.0.1:{free_port()}", timeout=60)
     assert proc.returncode == 2
@@ -76,6 +100,19 @@ def test_ucx_host_not_on_this_machine_is_one_line_and_exit_2() -> None:
     assert (
         line.startswith("pdserve doctor: --ucx-host") and "not an address of this machine" in line
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--torch-threads", "-1"], "--torch-threads must be 0 or more"),
+        (["--device", "tpu"], "--device 'tpu': auto, cpu or cuda[:N]"),
+    ],
+)
+def test_nonsense_peaks_options_are_one_line_and_exit_2(args: list[str], says: str) -> None:
+    proc = doctor("--no-peer-test", *args, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == f"pdserve doctor: {says}"
 
 
 async def loads(url: str, want: set[str], until, timeout: float = 60) -> dict[str, WorkerLoad]:
@@ -134,7 +171,7 @@ async def test_running_stack_every_decode_worker_pulls_from_every_prefill_worker
 
 def test_a_stack_without_workers_fails(stack) -> None:
     nats, _ = stack
-    args = ["--nats-url", nats.url, "--namespace", "nobody-here", "--no-peer-test"]
+    args = ["--nats-url", nats.url, "--namespace", "nobody-here", "--no-peer-test", "--no-peaks"]
     proc = doctor(*args, "--discover-seconds", "0.5", timeout=60)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "[FAIL] stack" in proc.stdout and "no decode worker heard" in proc.stdout
@@ -158,8 +195,8 @@ def test_tp_workers_list_each_rank_with_its_pid_and_transports(tmp_path: Path) -
     try:
         asyncio.run(loads(nats.url, {"p0", "d0"}, lambda seen: True, timeout=120))
         out = tmp_path / "doctor.json"
-        proc = doctor("--nats-url", nats.url, "--no-peer-test", "--discover-seconds", "1",
-                      "--json", str(out))  # fmt: skip
+        proc = doctor("--nats-url", nats.url, "--no-peer-test", "--no-peaks",
+                      "--discover-seconds", "1", "--json", str(out))  # fmt: skip
     finally:
         stop_all(children)
         nats.stop()

@@ -87,6 +87,16 @@ def counters(url: str, prefix: str) -> dict[str, float]:
     return out
 
 
+def labelled(url: str, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples on ``url``'s /metrics whose labels include ``labels``."""
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(scrape(url))
+        for s in family.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    )
+
+
 def complete(base: str, prompt: list[int], client_id: str, **extra) -> str:
     body = {"model": "llama-gqa", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, **extra}  # fmt: skip
@@ -140,6 +150,13 @@ def test_decode_worker_drafts_and_answers_are_hf_s(stack):
 
     spans = rx.wait_for_sync(lambda s: len(generate_spans(s)) == len(PROMPTS), timeout=30)
     spans = generate_spans(spans)
+    # the roofline (shared/telemetry/roofline.py): every span of a decode lifetime says which
+    # bound its steps hit, against the worker's measured peaks
+    for s in spans:
+        assert s.attributes["pdserve.roofline.bound"] in ("compute", "memory")
+        assert s.attributes["pdserve.roofline.intensity"] > 0
+        assert 0 < s.attributes["pdserve.roofline.bandwidth_fraction"]
+        assert 0 < s.attributes["pdserve.roofline.compute_fraction"]
     assert sum(s.attributes.get("pdserve.spec.accepted_tokens", 0) for s in spans) == accepted
     for s in spans:
         if "pdserve.spec.draft_tokens" in s.attributes:
@@ -148,6 +165,42 @@ def test_decode_worker_drafts_and_answers_are_hf_s(stack):
                 / s.attributes["pdserve.spec.draft_tokens"]
             )
             assert s.attributes["pdserve.spec.acceptance_rate"] == pytest.approx(rate)
+
+
+def test_worker_and_gateway_report_the_steps_roofline(stack):
+    """The worker's /metrics counts its forward passes' FLOPs, bytes and seconds by phase, with
+    its peaks and per-step fractions; the gateway re-exports the totals per worker from the
+    heartbeats; prefill.forward spans carry their step's roofline."""
+    base, worker, model, rx = stack
+    complete(base, PROMPTS[1], "roof-1")
+    decode = {"phase": "decode", "role": "decode"}
+    flops = labelled(worker, "pdserve_worker_step_flops_total", **decode)
+    moved = labelled(worker, "pdserve_worker_step_bytes_total", **decode)
+    busy = labelled(worker, "pdserve_worker_step_busy_seconds_total", **decode)
+    assert flops > 0 and moved > 0 and busy > 0
+    assert labelled(worker, "pdserve_worker_peak_bytes_per_second", role="decode") > 0
+    assert labelled(worker, "pdserve_worker_peak_flops_per_second", role="decode") > 0
+    steps = labelled(worker, "pdserve_worker_step_bandwidth_fraction_count", **decode)
+    assert steps == labelled(worker, "pdserve_worker_step_arithmetic_intensity_count", **decode)
+    assert steps > 0
+
+    def gateway_caught_up() -> bool:
+        # the heartbeat after the latest step (the worker is idle now)
+        return labelled(base, "pdserve_step_flops_total", worker="spec-d0", phase="decode") == flops
+
+    wait_until(gateway_caught_up, 10, "the gateway's roofline counters")
+    got = labelled(base, "pdserve_step_bytes_total", worker="spec-d0", phase="decode")
+    assert got == moved
+    assert labelled(base, "pdserve_step_flops_total", worker="spec-p0", phase="prefill") > 0
+    assert labelled(base, "pdserve_peak_bytes_per_second", worker="spec-p0") > 0
+
+    def forwards(spans):
+        return [s for s in spans if s.name == "prefill.forward"
+                and s.attributes.get("pdserve.request_id") == "roof-1"]  # fmt: skip
+
+    (span,) = forwards(rx.wait_for_sync(lambda s: forwards(s), timeout=30))
+    assert span.attributes["pdserve.roofline.bound"] in ("compute", "memory")
+    assert span.attributes["pdserve.roofline.compute_fraction"] > 0
 
 
 def test_a_request_may_opt_out(stack):
