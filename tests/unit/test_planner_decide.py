@@ -1,0 +1,192 @@
+"""``decide`` table-driven, with Dynamo's planner bugs as cases: oscillation 2 <-> 1 under constant
+load (dy#9294), no scale-down at zero demand (dy#11624, dy#14251), a blown GPU budget
+(dy#12428), cold-start samples inflating the counts (dy#12430), and flapping at a threshold.
+Each guard's case also shows what the bare arithmetic wanted, so removing the guard fails it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import pytest
+
+from pdserve.shared.planner import decide as d
+from pdserve.shared.planner.decide import Planner, decide, fit_budget, pick_to_drain
+from pdserve.shared.planner.inputs import (
+    Counts,
+    Limits,
+    MetricsWindow,
+    PlannerConfig,
+    PlannerState,
+)
+from pdserve.shared.planner.workload import SLO
+from tests.unit.planner_support import hand_profile, osl_for, window
+
+PROFILE = hand_profile()
+SLO_ = SLO(ttft_ms=1000, itl_ms=30, percentile="p99")
+STREAK_MET = PlannerState(prefill_down_streak=1, decode_down_streak=1)  # the next down may act
+
+
+@dataclass
+class Case:
+    name: str
+    window: MetricsWindow
+    current: Counts
+    expect: Counts
+    rule: str | None  # the rule that must have acted (None: none of the guards)
+    state: PlannerState = field(default_factory=PlannerState)
+    limits: Limits = field(default_factory=Limits)
+
+
+CASES = [
+    # dy#9294: the arithmetic wants 1 decode worker, but the one survivor would carry both
+    # workers' KV (0.45 + 0.45 >= 0.8): removing one would saturate it and bring the second back
+    Case("oscillation: survivors' KV", window(osl=osl_for(0.8, 10), decode=2, kv=0.45),
+         Counts(1, 2), Counts(1, 2), d.SURVIVORS, STREAK_MET),
+    Case("oscillation: survivors' queue", window(osl=osl_for(0.8, 10), decode=2, decode_queue=3),
+         Counts(1, 2), Counts(1, 2), d.SURVIVORS, STREAK_MET),
+    Case("the same load spread thin scales down", window(osl=osl_for(0.8, 10), decode=2, kv=0.3),
+         Counts(1, 2), Counts(1, 1), None, STREAK_MET),
+    # dy#11624 / dy#14251: no requests, no latencies: still the minimum, once the streak is met
+    Case("zero demand -> minimum", window(rate=0, prefill=4, decode=6, kv=0.0, running=0),
+         Counts(4, 6), Counts(1, 1), d.ZERO_DEMAND, STREAK_MET),
+    Case("zero demand -> minimum 0", window(rate=0, prefill=4, decode=6, kv=0.0, running=0),
+         Counts(4, 6), Counts(0, 0), d.ZERO_DEMAND, STREAK_MET, Limits(min_prefill=0, min_decode=0)),
+    Case("zero demand waits one window", window(rate=0, prefill=4, decode=6, kv=0.0, running=0),
+         Counts(4, 6), Counts(4, 6), d.STREAK),
+    Case("zero demand keeps workers still holding requests",
+         window(rate=0, decode=3, kv=0.7, running=0), Counts(1, 3), Counts(1, 3), d.SURVIVORS,
+         STREAK_MET),
+    # dy#12430: a decode worker in warm-up sees 200 ms ITLs; they must not 4x the decode target
+    Case("cold-start ITL discarded", window(osl=osl_for(0.8, 10), itl_ms=200.0, age=5.0),
+         Counts(1, 1), Counts(1, 1), d.WARMUP),
+    Case("cold-start: few requests discarded", window(rate=0.2, osl=50, itl_ms=200.0),
+         Counts(1, 1), Counts(1, 1), d.FEW_REQUESTS),
+    Case("warm-up: no scale-down while a worker warms", window(osl=osl_for(0.8, 10), decode=2,
+         kv=0.1, age=[600.0, 5.0]), Counts(1, 2), Counts(1, 2), d.WARMUP, STREAK_MET),
+    # hysteresis: need 1.9 fits 2 workers, but only at 95%, inside the 10% band: 3 stay
+    Case("dead band holds", window(osl=osl_for(1.9, 10), decode=3), Counts(1, 3), Counts(1, 3),
+         d.DEAD_BAND, STREAK_MET),
+    Case("dead band: need exactly 2.0 keeps 3", window(osl=osl_for(2.0, 10), decode=3),
+         Counts(1, 3), Counts(1, 3), d.DEAD_BAND, STREAK_MET),
+    Case("below the band it scales down", window(osl=osl_for(1.7, 10), decode=3), Counts(1, 3),
+         Counts(1, 2), None, STREAK_MET),
+    Case("scale-down waits for the streak", window(osl=osl_for(1.7, 10), decode=3),
+         Counts(1, 3), Counts(1, 3), d.STREAK),
+    Case("scale-up is immediate", window(osl=osl_for(2.01, 10), decode=2), Counts(1, 2),
+         Counts(1, 3), None),
+    Case("max binds", window(osl=osl_for(11.5, 10), decode=8), Counts(1, 8), Counts(1, 8),
+         d.MIN_MAX),
+    Case("budget binds", window(rate=40, isl=1000, osl=200, decode=6), Counts(5, 6),
+         Counts(4, 4), d.BUDGET, limits=Limits(budget=8)),  # need 4.48P 5.85D: 4/4.48, 4/5.85
+    Case("prefill backlog adds prefill", window(isl=400, prefill_queue=600), Counts(1, 1),
+         Counts(2, 1),
+         d.BACKLOG),
+    Case("a rising rate is planned ahead", window(rate=10, osl=osl_for(1.5, 10)), Counts(1, 1),
+         Counts(1, 3), d.TREND, PlannerState(last_rate=5.0)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_decide(case: Case) -> None:
+    got = decide(case.window, PROFILE, SLO_, case.limits, case.current, case.state)
+    assert got.counts == case.expect, "\n".join(got.reasons)
+    if case.rule:
+        assert case.rule in got.rules
+        assert any(f"[{case.rule}]" in r for r in got.reasons), got.reasons
+    guards = {d.SURVIVORS, d.ZERO_DEMAND, d.DEAD_BAND, d.STREAK, d.WARMUP, d.BUDGET, d.MIN_MAX}
+    if case.rule is None:
+        assert not guards & set(got.rules), got.rules
+    assert got.reasons[0].startswith("window 30 s")
+    if case.limits.budget is not None:
+        assert case.limits.cost(got.counts) <= case.limits.budget
+
+
+def test_the_guarded_cases_differ_from_the_bare_arithmetic() -> None:
+    """Had the guard not acted, the arithmetic alone would have moved the count."""
+    for case in CASES:
+        if case.rule in (d.SURVIVORS, d.DEAD_BAND, d.STREAK, d.BUDGET):
+            got = decide(case.window, PROFILE, SLO_, case.limits, case.current, case.state)
+            bare = Counts(*(max(1, -(-round(got.need[r], 9) // 1)) for r in d.ROLES))
+            assert bare != got.counts or case.rule == d.BUDGET, case.name
+            if case.rule == d.BUDGET:
+                assert case.limits.cost(bare) > case.limits.budget
+
+
+def test_cold_start_samples_would_have_inflated_decode() -> None:
+    """The same window with warm workers trusts the 200 ms ITL: the correction (clamped at 4)
+    makes the ITL target 7.5 ms, which no batch meets, and decode goes to its maximum."""
+    warm = window(osl=osl_for(0.8, 10), itl_ms=200.0, age=600.0)
+    got = decide(warm, PROFILE, SLO_, Limits(), Counts(1, 1), PlannerState())
+    assert got.counts == Counts(1, 8) and got.state.decode_correction == 4.0
+    cold = window(osl=osl_for(0.8, 10), itl_ms=200.0, age=5.0)
+    got = decide(cold, PROFILE, SLO_, Limits(), Counts(1, 1), PlannerState())
+    assert got.state.decode_correction == 1.0
+
+
+def test_hysteresis_at_a_threshold_does_not_flap() -> None:
+    """The load wobbles around exactly 2 decode workers' worth. Each hysteresis rule alone keeps
+    the count from flapping; without both, it changes nearly every window."""
+    wobble = [osl_for(need, 10) for need in (1.99, 2.01) * 10]
+
+    def changes(config: PlannerConfig) -> int:
+        planner = Planner(PROFILE, SLO_, Limits(), config)
+        current, moves = Counts(1, 2), 0
+        for osl in wobble:
+            decision = planner.step(window(osl=osl, decode=current.decode), current)
+            moves += decision.counts != current
+            current = decision.counts
+        return moves
+
+    assert changes(PlannerConfig()) <= 1
+    assert changes(PlannerConfig(dead_band=0.1, scale_down_windows=1)) <= 1
+    assert changes(PlannerConfig(dead_band=0.0, scale_down_windows=2)) <= 1
+    assert changes(PlannerConfig(dead_band=0.0, scale_down_windows=1)) >= 15
+
+
+def test_fit_budget_keeps_the_balanced_split_by_hand() -> None:
+    """Budget 8, each worker 1: 3P5D serves min(3/3.5, 5/5.5) = 0.857 of the demand; 2P6D only
+    0.571, 4P4D 0.727."""
+    need = {"prefill": 3.5, "decode": 5.5}
+    got, why = fit_budget(Counts(4, 6), need, Limits(budget=8))
+    assert got == Counts(3, 5)
+    assert "prefill 3 of 4" in why and "decode 5 of 6" in why and "budget 8 GPU" in why
+    # decode at TP 2 costs 2: 3P3D and 4P3D both serve 0.857; the fuller fleet wins
+    got, _ = fit_budget(Counts(4, 4), {"prefill": 3.5, "decode": 3.5},
+                        Limits(decode_cost=2, budget=10))  # fmt: skip
+    assert got == Counts(4, 3)
+    assert fit_budget(Counts(2, 2), need, Limits(budget=8)) == (Counts(2, 2), "")
+    with pytest.raises(ValueError, match="budget"):
+        Limits(min_prefill=3, min_decode=3, budget=5)
+
+
+def test_budget_binds_even_against_the_current_fleet() -> None:
+    """A fleet over a (lowered) budget is cut at once: the budget is not subject to hysteresis."""
+    got = decide(window(decode=6), PROFILE, SLO_, Limits(budget=4), Counts(1, 6), PlannerState())
+    assert got.counts == Counts(1, 3) and d.BUDGET in got.rules
+
+
+def test_the_planner_carries_its_state_to_the_minimum() -> None:
+    planner = Planner(PROFILE, SLO_, Limits())
+    idle = window(rate=0, prefill=3, decode=3, kv=0.0, running=0)
+    first = planner.step(idle, Counts(3, 3))
+    assert first.counts == Counts(3, 3) and planner.state.decode_down_streak == 1
+    assert planner.step(idle, Counts(3, 3)).counts == Counts(1, 1)
+    assert planner.state.decode_down_streak == 0
+
+
+def test_decision_state_is_new_and_inputs_untouched() -> None:
+    state = PlannerState()
+    w = window(osl=osl_for(0.8, 10), itl_ms=15.0)
+    got = decide(w, PROFILE, SLO_, Limits(), Counts(1, 1), state)
+    assert state == PlannerState()  # frozen: decide returns a new one
+    assert got.state.decode_correction == pytest.approx(15.0 / PROFILE.decode_itl(10, 150))
+    assert dataclasses.replace(got.state, decode_correction=1.0, last_rate=None) == state
+
+
+def test_pick_to_drain_takes_the_least_loaded() -> None:
+    w = window(decode=3, kv=[0.5, 0.1, 0.3])
+    w = dataclasses.replace(
+        w, workers=tuple(dataclasses.replace(s, running=int(s.kv_usage * 10)) for s in w.workers)
+    )
+    assert pick_to_drain(w, "decode", 2) == ["d1", "d2"]
