@@ -12,17 +12,12 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.services.planning import command as plan_command
 from pdserve.shared.bench import cli as bench_cli
-from pdserve.shared.config import (
-    BusConfig,
-    EngineConfig,
-    GatewayConfig,
-    UpConfig,
-    WorkerConfig,
-    add_options,
-)
+from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig, UpConfig, WorkerConfig
 from pdserve.shared.doctor import command as doctor_command
 from pdserve.shared.errors import StartupError
+from pdserve.shared.options import add_options
 from pdserve.shared.telemetry import trace_cli
 
 
@@ -78,6 +73,11 @@ COMMANDS: dict[str, Command] = {
         "check the KV transfer path: UCX transports, pull vs raw bandwidth, a running stack",
         doctor_command.run,
         add_arguments=doctor_command.add_arguments,
+    ),
+    "plan": Command(
+        "profile this model here and size prefill and decode workers for a workload and SLOs",
+        plan_command.run,
+        add_arguments=plan_command.add_arguments,
     ),
     "trace": Command(
         "per-phase breakdown of request traces from Jaeger",

@@ -60,7 +60,8 @@ from pdserve.gateway.tools.prompt import resolve_parser
 from pdserve.shared import structured_output
 from pdserve.shared.bus.connection import Bus
 from pdserve.shared.bus.subjects import is_subject_token
-from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig, build
+from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig
+from pdserve.shared.options import build
 from pdserve.shared.telemetry import tracing as tr
 from pdserve.shared.telemetry.metrics import metrics_handler
 

@@ -38,12 +38,13 @@ import nats
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.services.launcher import service_argv, service_env
+from pdserve.services.launcher import service_argv
 from pdserve.services.processes import Child, NatsServer, free_port, spawn
 from pdserve.shared.bench.arrivals import arrival_offsets, paced
 from pdserve.shared.bench.client import discover_model
 from pdserve.shared.bench.datasets import BenchRequest
 from pdserve.shared.bus.protocol import DecodeRequest, decode
+from pdserve.shared.options import service_env
 from perf.bench.topology import registered_workers
 
 QUIET = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",

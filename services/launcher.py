@@ -23,6 +23,8 @@ NATS: one private nats-server, or with ``--nats-cluster N`` N nodes routed to ea
 loopback (a way to try a cluster, and to watch a node die: each worker connects to node
 ``slot % N`` first and lists the others for failover; the gateway prefers node 1). The launcher
 keeps serving while at least one node lives.
+
+``--autoscale`` (services/autoscale.py) adds workers through ``add_worker`` and drains them.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from pdserve.services import autoscale
 from pdserve.services.engine.model_config import ModelConfig
 from pdserve.services.processes import (
     Child,
@@ -48,18 +51,11 @@ from pdserve.services.processes import (
     spawn,
     visible_gpus,
 )
-from pdserve.shared.config import (
-    BusConfig,
-    EngineConfig,
-    GatewayConfig,
-    UpConfig,
-    WorkerConfig,
-    build,
-    env_name,
-)
+from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig, UpConfig, WorkerConfig
 from pdserve.shared.cpus import cpu_shares
 from pdserve.shared.errors import StartupError
 from pdserve.shared.kv.tp_layout import tp_problem
+from pdserve.shared.options import build, option_values, service_env
 
 READY_TIMEOUT = 600.0  # loading a large model can take minutes
 STOP_GRACE = 5.0  # beyond the drain time, before SIGKILL
@@ -94,31 +90,8 @@ def registered_workers(base_url: str) -> int:
     return sum(1 for line in text.splitlines() if line.startswith("pdserve_kv_cache_total_blocks{"))
 
 
-def service_env(values: dict[str, object], base: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment that hands option values to a child ``pdserve`` command."""
-    env = dict(os.environ if base is None else base)
-    for name, value in values.items():
-        key = env_name(name)
-        if value is None:
-            env.pop(key, None)
-        elif isinstance(value, bool):
-            env[key] = "true" if value else "false"
-        elif isinstance(value, list):
-            env[key] = ",".join(str(v) for v in value)
-        else:
-            env[key] = str(value)
-    return env
-
-
 def service_argv(command: str) -> list[str]:
     return [sys.executable, "-m", "pdserve.cli", command]
-
-
-def _values(*configs: object) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for cfg in configs:
-        out.update(dataclasses.asdict(cfg))
-    return out
 
 
 class Launcher:
@@ -140,6 +113,14 @@ class Launcher:
         }
         self.stopping = False
         self.force = False
+        # start order: a worker's slot (ports, NATS node) and first rank (UCX ports, GPUs)
+        self.slots, self.ranks = 0, 0
+        self.next_index = {"prefill": 0, "decode": 0}
+        self.common: dict[str, object] = {}  # every worker's options, for later starts too
+        self.started: dict[str, autoscale.WorkerStart] = {}  # worker id -> role, place, time
+        # --autoscale's flags are refused here, before anything starts
+        self.autoscale = autoscale.settings(self.up) if self.up.autoscale else None
+        self.autoscaler: autoscale.Autoscaler | None = None
 
     def _on_signal(self, signum: int, frame: object) -> None:
         if self.stopping:  # a second Ctrl-C: stop waiting for drains
@@ -172,10 +153,13 @@ class Launcher:
             self.nats.start()
             nats_url = self.nats.url
         bus = dataclasses.replace(self.bus, nats_url=nats_url)
-        common = _values(bus, self.engine)
+        common = option_values(bus, self.engine)
         threads = self._plan_cpus(sorted(os.sched_getaffinity(0)))
         if threads is not None:
             common["torch_threads"] = threads
+        self.common = common
+        if self.autoscale is not None:  # its budget and port are checked before workers start
+            self.autoscaler = autoscale.Autoscaler(self, self.autoscale, self._http_host())
         for i in range(self.up.prefill_workers):
             self._start_worker("prefill", i, common)
         for i in range(self.up.decode_workers):
@@ -186,7 +170,7 @@ class Launcher:
                 for c, cs in zip(self.children, self.cpu_shares, strict=True)
             )
             print(f"pdserve: worker CPUs ({placed})", flush=True)
-        env = service_env({**common, **_values(self.gateway)})
+        env = service_env({**common, **option_values(self.gateway)})
         self.children.append(spawn("gateway", service_argv("gateway"), env))
 
     def _check_tensor_parallel(self) -> None:
@@ -239,12 +223,21 @@ class Launcher:
         cluster.start()
         return cluster
 
-    def _start_worker(self, role: str, index: int, common: dict[str, object]) -> None:
+    def add_worker(self, role: str, place: autoscale.Placement) -> Child:
+        """One more worker of ``role`` (the autoscaler's), placed where it says."""
+        return self._start_worker(role, self.next_index[role], self.common, place)
+
+    def _start_worker(
+        self,
+        role: str,
+        index: int,
+        common: dict[str, object],
+        place: autoscale.Placement | None = None,
+    ) -> Child:
         # slot: the worker's place in start order (prefill first); first_rank: its first rank's
-        tp, slot, first_rank = self.tps[role], index, index * self.tps[role]
-        if role == "decode":
-            slot += self.up.prefill_workers
-            first_rank += self.up.prefill_workers * self.tps["prefill"]
+        tp, slot, first_rank = self.tps[role], self.slots, self.ranks
+        self.slots, self.ranks = slot + 1, first_rank + tp
+        self.next_index[role] = max(self.next_index[role], index + 1)
         worker = dataclasses.replace(self.worker)
         worker.worker_id = f"{self.worker.worker_id or role}-{index}"
         if worker.metrics_port:
@@ -253,12 +246,16 @@ class Launcher:
             worker.ucx_port += first_rank
         if self.nats_cluster is not None:  # spread the workers over the nodes, each its own first
             common = {**common, "nats_url": self.nats_cluster.client_url(slot)}
-        env = service_env({**common, **_values(worker), "tensor_parallel_size": tp})
-        gpu = gpu_for_worker(first_rank, self.gpus, tp)
-        if gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = gpu
-        cpus = self.cpu_shares[slot] if self.cpu_shares else None
-        self.children.append(spawn(worker.worker_id, service_argv(role), env, cpus=cpus))
+        env = service_env({**common, **option_values(worker), "tensor_parallel_size": tp})
+        if place is None:  # the starting fleet: by start order
+            cpus = self.cpu_shares[slot] if self.cpu_shares else None
+            place = autoscale.Placement(cpus, gpu_for_worker(first_rank, self.gpus, tp))
+        if place.gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = place.gpu
+        child = spawn(worker.worker_id, service_argv(role), env, cpus=place.cpus)
+        self.children.append(child)
+        self.started[worker.worker_id] = autoscale.WorkerStart(role, place, time.monotonic())
+        return child
 
     def wait_ready(self) -> bool:
         """Ready = /health is 200 and every worker is in the gateway's registry (/health alone
@@ -303,9 +300,13 @@ class Launcher:
         """Block until a signal, or until the gateway dies (workers may die and come back)."""
         reported: set[int] = set()
         while not self.stopping:
+            if self.autoscaler is not None:
+                self.autoscaler.poll()
             for child in self.children:
                 if not child.alive() and child.pid not in reported:
                     reported.add(child.pid)
+                    if self.autoscaler is not None and self.autoscaler.retired(child):
+                        continue  # drained on purpose: poll() reaps it
                     print(
                         f"pdserve: {child.name} exited with {child.popen.returncode}",
                         file=sys.stderr,
@@ -380,9 +381,13 @@ def run(ns: argparse.Namespace) -> int:
                 flush=True,
             )
             print(f"pdserve model: {launcher.model_banner()}", flush=True)
+            if launcher.autoscaler is not None:
+                launcher.autoscaler.begin(f"http://{launcher._http_host()}:{launcher.gateway.port}")
             rc = launcher.supervise()
         elif launcher.stopping:
             rc = 0
     finally:
+        if launcher.autoscaler is not None:
+            launcher.autoscaler.close()
         launcher.stop()
     return rc

@@ -32,7 +32,7 @@ from pdserve.services.request_state import RequestState, record_queue
 from pdserve.services.worker_process import default_worker_id, set_torch_threads
 from pdserve.shared.bus.connection import Bus
 from pdserve.shared.bus.protocol import Cancel, WorkerGone, WorkerLoad
-from pdserve.shared.config import BusConfig, EngineConfig, WorkerConfig, build
+from pdserve.shared.config import BusConfig, EngineConfig, WorkerConfig
 from pdserve.shared.discovery.announce import (
     HeartbeatPublisher,
     KVEventPublisher,
@@ -40,7 +40,9 @@ from pdserve.shared.discovery.announce import (
 )
 from pdserve.shared.kv import ucx_check, ucx_config
 from pdserve.shared.kv.layout import layout_id
+from pdserve.shared.options import build
 from pdserve.shared.telemetry import health, tracing
+from pdserve.shared.telemetry.kv_tier_metrics import KVTierCollector
 from pdserve.shared.telemetry.metrics import WorkerMetrics, start_metrics_server
 
 log = logging.getLogger("pdserve.worker")
@@ -66,6 +68,8 @@ class Worker:
         self.instance = secrets.token_hex(8)
         self.metrics_registry = CollectorRegistry()  # Prometheus', not the worker registry
         self.metrics = WorkerMetrics(self.metrics_registry, self.role)
+        tiers = KVTierCollector(self.role, lambda: self.engine and self.engine.offload.stats())
+        self.metrics_registry.register(tiers)  # the KV offload tiers, read at scrape time
         self.engine: LLMEngine | None = None
         self.bus = bus if bus is not None else Bus(self.bus_config, self.worker_id)
         self.subjects = self.bus.subjects

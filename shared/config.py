@@ -1,35 +1,21 @@
 """One source of truth for configuration.
 
 Every option is a dataclass field. The CLI flag is ``--field-name`` and the environment
-variable is ``PDSERVE_FIELD_NAME``; a flag beats the variable, which beats the default.
-OpenTelemetry is configured only through the standard ``OTEL_*`` variables.
+variable is ``PDSERVE_FIELD_NAME``; a flag beats the variable, which beats the default (the
+machinery: ``pdserve.shared.options``). OpenTelemetry is configured only
+through the standard ``OTEL_*`` variables.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
-import types
-import typing
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from dataclasses import dataclass
 
 from pdserve.shared.errors import StartupError
+from pdserve.shared.options import opt
 
-ENV_PREFIX = "PDSERVE_"
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "pythonic")  # gateway/tools/setup.PARSERS
-
-T = TypeVar("T")
-
-
-def opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, multiple: bool = False):
-    """A config field: its default, help text, allowed choices, and whether it may repeat."""
-    meta = {"help": help, "choices": choices, "multiple": multiple}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -81,6 +67,15 @@ class EngineConfig:
     block_size: int = opt(16, "tokens per KV-cache block")
     num_kv_blocks: int = opt(0, "KV-cache blocks; 0 sizes the cache from --kv-cache-gib")
     kv_cache_gib: float = opt(1.0, "memory for the KV cache when --num-kv-blocks is 0")
+    kv_offload_ram_gib: float = opt(
+        0.0, "host memory (pinned on CUDA) for prefix-cached KV blocks evicted from the pool: "
+        "a prefix found there is loaded back, not recomputed; 0 = off",
+    )  # fmt: skip
+    kv_offload_disk: str | None = opt(
+        None, "directory for the blocks host memory takes (needs --kv-offload-ram-gib), kept "
+        "and found again after a restart; one worker per directory",
+    )  # fmt: skip
+    kv_offload_disk_gib: float = opt(16.0, "most space --kv-offload-disk's blocks take")
     max_num_seqs: int = opt(64, "most sequences running in one decode step")
     max_num_batched_tokens: int = opt(2048, "token budget of one engine step")
     max_model_len: int = opt(0, "longest prompt + output; 0 takes the model's own limit")
@@ -271,6 +266,37 @@ class UpConfig:
         "ranks of each decode worker (also the aggregated workers of --prefill-workers 0); "
         "0 = --tensor-parallel-size",
     )
+    # The live planner (services/autoscale.py): --prefill/--decode-workers are where it starts.
+    autoscale: bool = opt(
+        False,
+        "add and remove prefill and decode workers while serving, from the gateway's metrics, "
+        "the SLOs and a --planner-profile; a worker is removed only by a drain",
+    )
+    min_prefill_workers: int = opt(1, "fewest prefill workers --autoscale keeps")
+    max_prefill_workers: int = opt(0, "most prefill workers --autoscale runs; 0 = the budget's")
+    min_decode_workers: int = opt(1, "fewest decode workers --autoscale keeps")
+    max_decode_workers: int = opt(0, "most decode workers --autoscale runs; 0 = the budget's")
+    autoscale_max_cpus: float = opt(
+        0.0, "CPU budget of --autoscale's workers, each costing its CPU share; 0 = this host's"
+    )
+    autoscale_max_gpus: int = opt(
+        0, "GPU budget of --autoscale's workers, each costing a GPU per TP rank; 0 = this host's"
+    )
+    autoscale_interval: float = opt(10.0, "seconds between two --autoscale decisions")
+    slo_ttft_ms: float = opt(1000.0, "time-to-first-token target --autoscale sizes for, ms")
+    slo_itl_ms: float = opt(100.0, "inter-token latency target --autoscale sizes for, ms")
+    slo_percentile: str = opt(
+        "p99", "percentile the SLOs hold at", choices=("p50", "p90", "p95", "p99")
+    )
+    planner_profile: str | None = opt(
+        None, "the Profile JSON --autoscale sizes with (what one worker of each role does here)"
+    )
+    planner_warmup_seconds: float = opt(
+        60.0, "a worker younger than this neither corrects the planner's model nor is drained"
+    )
+    planner_metrics_port: int = opt(
+        0, "port of --autoscale's /metrics (pdserve_planner_desired_workers...); 0 = off"
+    )
 
     def __post_init__(self) -> None:
         for name in ("prefill_tensor_parallel_size", "decode_tensor_parallel_size"):
@@ -288,105 +314,6 @@ class UpConfig:
             else self.decode_tensor_parallel_size
         )
         return own or default
-
-
-def env_name(name: str) -> str:
-    return ENV_PREFIX + name.upper()
-
-
-def _base_type(tp: Any) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _base_type(args[0])
-    if origin is list:
-        return _base_type(typing.get_args(tp)[0])
-    return tp
-
-
-def _parse_bool(text: str) -> bool:
-    low = text.strip().lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"not a boolean: {text!r}")
-
-
-def _convert(kind: Any, raw: str) -> Any:
-    if kind is bool:
-        return _parse_bool(raw)
-    return kind(raw)
-
-
-def env_default(f: dataclasses.Field, kind: Any) -> Any:
-    raw = os.environ.get(env_name(f.name))
-    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-    if raw is None:
-        return default
-    try:
-        if f.metadata.get("multiple"):
-            return [_convert(kind, part) for part in raw.split(",") if part.strip()]
-        return _convert(kind, raw)
-    except ValueError as exc:
-        raise SystemExit(f"invalid {env_name(f.name)}={raw!r}: {exc}") from None
-
-
-def add_options(
-    parser: argparse.ArgumentParser, *classes: type, skip: tuple[str, ...] = ()
-) -> None:
-    """Add one flag per field of each config class, defaulting to its env var."""
-    hints: dict[str, Any] = {}
-    for cls in classes:
-        hints.update(typing.get_type_hints(cls))
-    seen: set[str] = set()
-    for cls in classes:
-        group = parser.add_argument_group(cls.__name__.removesuffix("Config").lower())
-        for f in dataclasses.fields(cls):
-            if f.name in seen or f.name in skip:
-                continue
-            seen.add(f.name)
-            kind = _base_type(hints[f.name])
-            flag = "--" + f.name.replace("_", "-")
-            help_text = f"{f.metadata['help']} [env {env_name(f.name)}]"
-            default = env_default(f, kind)
-            if kind is bool:
-                group.add_argument(
-                    flag,
-                    dest=f.name,
-                    default=default,
-                    help=help_text,
-                    action=argparse.BooleanOptionalAction,
-                )
-            elif f.metadata.get("multiple"):
-                # A flag given on the command line replaces the env list rather than extending it.
-                group.add_argument(
-                    flag, dest=f.name, default=None, help=help_text, type=kind, action="append"
-                )
-                parser.set_defaults(**{f"_env_{f.name}": default})
-            else:
-                group.add_argument(
-                    flag,
-                    dest=f.name,
-                    default=default,
-                    help=help_text,
-                    type=kind,
-                    choices=f.metadata.get("choices"),
-                )
-
-
-def build(cls: type[T], ns: argparse.Namespace | dict[str, Any]) -> T:
-    """Make a config object from parsed arguments, ignoring options of other classes."""
-    values = vars(ns) if isinstance(ns, argparse.Namespace) else ns
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in values:
-            continue
-        value = values[f.name]
-        if value is None and f.metadata.get("multiple"):
-            value = values.get(f"_env_{f.name}", [])
-        kwargs[f.name] = value
-    return cls(**kwargs)
 
 
 def all_option_names() -> dict[str, type]:

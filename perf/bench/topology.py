@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.services.launcher import service_argv, service_env
+from pdserve.services.launcher import service_argv
 from pdserve.services.processes import Child, NatsServer, free_port, spawn
 from pdserve.shared.bench.client import discover_model
+from pdserve.shared.options import service_env
 
 READY_TIMEOUT = 600.0
 

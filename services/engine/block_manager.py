@@ -11,15 +11,26 @@ blocks by reference and a private copy of the block it writes into.
 
 Freed blocks keep their hash and stay reusable until their space is needed: the free list is
 ordered least-recently-freed first, so allocation evicts the coldest cached block.
+
+With KV offload tiers (``kv_tiers/``, wired by ``offload.py``), an evicted cached block is handed
+to ``on_evict`` before its slot is reused, and a prefix lookup goes on in the tiers where the
+pool's blocks end: a block found there gets a new pool block, and the load into it waits in
+``loads`` for the engine (from host memory before the step's forward pass; from disk while the
+sequence waits, ``Scheduler.kv_loaded``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.services.engine.sequence import Sequence
 from pdserve.shared.kv.layout import ROOT_HASH, hash_block, prefix_block_hashes
+
+if TYPE_CHECKING:  # the tiers hold tensors; the scheduler's tests need none
+    from pdserve.services.engine.kv_tiers import Claim, KVTiers
 
 
 @dataclass(frozen=True)
@@ -28,9 +39,15 @@ class CachedPrefix:
     the sequence or counted until ``BlockManager.attach_prefix``."""
 
     hashes: list[int]  # of the full blocks looked up
-    block_ids: list[int]  # the blocks caching the first ``len(block_ids)`` of them
+    # the blocks caching the first ``len(block_ids)`` of them; None: found in a tier below the
+    # pool, to be loaded into a new block
+    block_ids: list[int | None]
     num_free_blocks: int  # of those, on the free list: attaching them takes them off it
     num_tokens: int  # the tokens whose KV they hold
+
+    @property
+    def num_pool_blocks(self) -> int:
+        return sum(1 for b in self.block_ids if b is not None)
 
 
 class BlockManager:
@@ -53,6 +70,11 @@ class BlockManager:
         # the gateway can route a prompt to the worker that already holds its prefix.
         self.stored_events: list[int] = []
         self.removed_events: list[int] = []
+        # KV offload (``offload.py`` sets these): where evicted cached blocks go, the tiers a
+        # prefix lookup continues in, and the loads attached prefixes wait for, by seq_id
+        self.on_evict: Callable[[int, int], None] | None = None
+        self.tiers: KVTiers | None = None
+        self.loads: dict[str, list[tuple[int, Claim]]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -67,7 +89,7 @@ class BlockManager:
     ) -> int:
         """New blocks ``seq`` needs to cover ``num_tokens`` tokens (beyond ``prefix``, when
         that is to be attached first)."""
-        held = len(seq.block_table) + (len(prefix.block_ids) if prefix is not None else 0)
+        held = len(seq.block_table) + (prefix.num_pool_blocks if prefix is not None else 0)
         return max(0, -(-num_tokens // self.block_size) - held)
 
     def can_allocate(
@@ -99,6 +121,8 @@ class BlockManager:
                 del self.hash_to_block[old]
                 self.removed_events.append(old)
                 self._bound_events()
+                if self.on_evict is not None:  # cached, no user: down a tier, still intact
+                    self.on_evict(block_id, old)
             self.block_hash[block_id] = None
         self.ref_counts[block_id] = 1
         return block_id
@@ -115,13 +139,13 @@ class BlockManager:
         if not self.enable_prefix_cache:
             return CachedPrefix([], [], 0, 0)
         hashes = prefix_block_hashes(seq.token_ids[: seq.num_tokens - 1], self.block_size)
-        blocks: list[int] = []
+        blocks: list[int | None] = []
         for h in hashes:
             block_id = self.hash_to_block.get(h)
-            if block_id is None:
+            if block_id is None and (self.tiers is None or self.tiers.where(h) is None):
                 break
             blocks.append(block_id)
-        free = sum(1 for block_id in blocks if self.ref_counts[block_id] == 0)
+        free = sum(1 for b in blocks if b is not None and self.ref_counts[b] == 0)
         return CachedPrefix(hashes, blocks, free, len(blocks) * self.block_size)
 
     def attach_prefix(self, seq: Sequence, prefix: CachedPrefix) -> int:
@@ -130,14 +154,42 @@ class BlockManager:
         if seq.block_table:
             raise RuntimeError(f"{seq.seq_id} already has blocks")
         self.prefix_queries += len(prefix.hashes)
-        for block_id in prefix.block_ids:
-            if self.ref_counts[block_id] == 0:
-                del self.free[block_id]
-            self.ref_counts[block_id] += 1
+        block_ids, claims = self._claim_tiers(prefix)
+        for block_id in block_ids:  # the pool's own first: no allocation below may evict them
+            if block_id is not None:
+                if self.ref_counts[block_id] == 0:
+                    del self.free[block_id]
+                self.ref_counts[block_id] += 1
+        loads = []
+        for i, block_id in enumerate(block_ids):
+            if block_id is None:
+                block_id = self._take_free_block()
+                loads.append((block_id, claims[i]))
             seq.block_table.append(block_id)
-        self.prefix_hits += len(prefix.block_ids)
-        self.seq_hashes[seq.seq_id] = prefix.hashes[: len(prefix.block_ids)]
-        return prefix.num_tokens
+        if loads:
+            self.loads[seq.seq_id] = loads
+        self.prefix_hits += len(block_ids)
+        # blocks from the first load on register once their KV is in (``commit``)
+        first_load = next((i for i, b in enumerate(block_ids) if b is None), len(block_ids))
+        self.seq_hashes[seq.seq_id] = prefix.hashes[:first_load]
+        return len(block_ids) * self.block_size
+
+    def _claim_tiers(self, prefix: CachedPrefix) -> tuple[list[int | None], dict[int, Claim]]:
+        """Claim the prefix's blocks found in the tiers, so nothing evicts them before their
+        load; the prefix ends before one that is gone since the lookup (a disk file found
+        corrupt meanwhile)."""
+        claims: dict[int, Claim] = {}
+        for i, (h, block_id) in enumerate(zip(prefix.hashes, prefix.block_ids, strict=False)):
+            if block_id is None:
+                claim = self.tiers.claim(h) if self.tiers is not None else None
+                if claim is None:
+                    return prefix.block_ids[:i], claims
+                claims[i] = claim
+        return prefix.block_ids, claims
+
+    def waits_for_load(self, seq: Sequence) -> bool:
+        """Part of ``seq``'s attached prefix loads off the engine thread (from disk)."""
+        return any(claim.slow for _, claim in self.loads.get(seq.seq_id, ()))
 
     def commit(self, seq: Sequence) -> None:
         """Register the full blocks whose KV is now computed, so later prompts can reuse them."""

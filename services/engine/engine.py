@@ -48,6 +48,7 @@ from pdserve.services.engine.loader import resolve_device_dtype
 from pdserve.services.engine.model_config import ModelConfig
 from pdserve.services.engine.model_runner import ModelRunner
 from pdserve.services.engine.model_setup import build_rank_model, kv_parts
+from pdserve.services.engine.offload import KVOffload
 from pdserve.services.engine.outputs import (
     EngineStats,
     KVPull,
@@ -141,16 +142,11 @@ class LLMEngine:
             None if prefill_only else build_speculator(config, self.max_model_len, target)
         )
         self.scheduler = Scheduler(
-            self.block_manager,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            cfg.eos_token_ids,
-            self.max_model_len,
-            prefill_only=prefill_only,
-            kv_failure_policy=kv_failure_policy,
-            speculator=self.speculator,
-            seed=config.seed,
-        )
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+            cfg.eos_token_ids, self.max_model_len, prefill_only=prefill_only,
+            kv_failure_policy=kv_failure_policy, speculator=self.speculator, seed=config.seed,
+        )  # fmt: skip
+        self.offload = KVOffload.build(self)  # evicted blocks to host memory and disk, and back
         # Crossing threads: commands in (a deque's append/popleft are atomic), a wake-up event,
         # and the latest stats snapshot and prefix-cache events out.
         self._commands: deque[Command] = deque()
@@ -170,9 +166,12 @@ class LLMEngine:
         return kv_parts(self.kv_spec)
 
     def close(self) -> None:
-        """Stop the other TP ranks (tests and benchmarks; a worker process just exits)."""
+        """Stop the other TP ranks and the disk tier's thread (tests and benchmarks; a worker
+        process just exits)."""
         if self.ranks is not None:
             self.ranks.close()
+        if (offload := getattr(self, "offload", None)) is not None:  # (None: a failed start)
+            offload.close()
 
     @property
     def bytes_per_block(self) -> int:
@@ -299,7 +298,7 @@ class LLMEngine:
             self._copy_blocks()  # a pull's answer may fork choices
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
-        batch = self.scheduler.schedule()
+        batch = self.offload.schedule(self.scheduler)
         stats = StepStats()
         pulls: list[KVPull] = []
         if batch is not None:

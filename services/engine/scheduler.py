@@ -13,7 +13,9 @@ blocks last. One admission policy for local prompts and pulls (``remote_kv``: bl
 no budget): the blocks needed, plus a little headroom once others run, must be free - checked
 before anything is attached, so a head that does not fit leaves the prefix cache and its
 counters as they were. A running sequence short of a block preempts the newest one; a draft is
-cut to the budget and to blocks no later running sequence may need, so it never preempts.
+cut to the budget and to blocks no later running sequence may need, so it never preempts. A
+prefix found on the disk tier (``kv_tiers/``) is pull-like: blocks reserved, the sequence waits
+until the engine's ``kv_loaded`` (the load runs on the disk tier's thread).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.services.engine.block_manager import BlockManager
 from pdserve.services.engine.commands import AddRequest, BlockHoldRefused
+from pdserve.services.engine.kv_arrivals import KVArrivals
 from pdserve.services.engine.outputs import RunnerOutput, ScheduledBatch, StepOutput, StepStats
 from pdserve.services.engine.sequence import Sequence, SequenceStatus
 from pdserve.services.engine.sequence_group import SequenceGroup, num_choices
@@ -40,7 +43,7 @@ KV_FAILURE_POLICIES = ("fail", "recompute")
 _HOLD_SAMPLING = SamplingParams(max_tokens=1)
 
 
-class Scheduler:
+class Scheduler(KVArrivals):
     def __init__(
         self,
         block_manager: BlockManager,
@@ -116,36 +119,6 @@ class Scheduler:
         if seq is not None and seq.status is SequenceStatus.PREFILLED:
             self._finish(seq, None)
 
-    def kv_ready(self, bus_id: str) -> None:
-        """The pull into a sequence's reserved blocks completed: it joins the batch."""
-        seq = self._answered_pull(bus_id, "KVReady")
-        if seq is None:
-            return
-        seq.remote_kv = False
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        self.bm.commit(seq)
-        del self.pulling[seq.seq_id]
-        self._run(seq)
-        self._fork(seq)  # the prefill worker sampled choice 0's first token: the others now
-
-    def kv_failed(self, bus_id: str, error: str) -> StepOutput | None:
-        """The pull failed: the error output ends the request (policy "fail"), or the prompt
-        goes to the front of the queue to be computed here (its choices fork after that)."""
-        seq = self._answered_pull(bus_id, "KVFailed")
-        if seq is None:
-            return None
-        if self.kv_failure_policy == "fail":  # the whole request: no choice was forked yet
-            self._finish(seq, "error")
-            text = f"KV transfer failed: {error}"
-            return StepOutput(seq.bus_id, [], "error", error=text, request_finished=True)
-        log.info("recomputing the prefill of %s here: %s", seq.bus_id, error)
-        del self.pulling[seq.seq_id]
-        self.bm.free_sequence(seq)  # the pull is over: nothing writes into them
-        seq.remote_kv = False
-        seq.num_computed_tokens = 0
-        self._wait_first(seq)
-        return None
-
     def hold_block(self, hold_id: str) -> int:
         """One free block held under ``hold_id`` (parked until ``release``), or
         ``BlockHoldRefused`` when requests wait or admission could not spare it."""
@@ -171,20 +144,6 @@ class Scheduler:
     def _choice_0(self, bus_id: str) -> Sequence | None:
         """Choice 0 of a request still here: the one that carries its prompt before any fork."""
         return group.seqs.get(0) if (group := self.requests.get(bus_id)) is not None else None
-
-    def _answered_pull(self, bus_id: str, answer: str) -> Sequence | None:
-        """The sequence whose pull just answered, when it goes on (None: unknown or ended, or
-        aborted during its pull, which finishes it now that nothing writes into its blocks)."""
-        seq = self._choice_0(bus_id)
-        if seq is None:
-            return None
-        if seq.status is not SequenceStatus.WAITING_FOR_REMOTE_KV:
-            log.warning("%s for %s, which is %s", answer, seq, seq.status.name)
-            return None
-        if seq.finish_reason is not None:
-            self._finish(seq, seq.finish_reason)
-            return None
-        return seq
 
     # ---- the batch ---------------------------------------------------------------------------
 
@@ -229,8 +188,9 @@ class Scheduler:
             n = self._admit(seq, budget)
             if not n:
                 break
-            rows.append((seq, n))
-            budget -= n
+            if seq.status is SequenceStatus.RUNNING:  # (else its prefix loads from disk first)
+                rows.append((seq, n))
+                budget -= n
         return ScheduledBatch.build(rows, pulls) if rows or pulls else None
 
     def _num_slots(self) -> int:
@@ -258,6 +218,10 @@ class Scheduler:
             seq.num_prefix_hit_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
         self.waiting.popleft()
         self.bm.allocate(seq, seq.num_computed_tokens + n)
+        if self.bm.waits_for_load(seq):
+            seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
+            self.pulling[seq.seq_id] = seq
+            return n
         self._run(seq)
         return n
 

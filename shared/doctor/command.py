@@ -31,7 +31,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.shared.config import BusConfig, add_options, build, opt
+from pdserve.shared.config import BusConfig
 from pdserve.shared.doctor.report import (
     EXIT_BAD_INPUT,
     FAIL,
@@ -41,6 +41,7 @@ from pdserve.shared.doctor.report import (
     Report,
     host_line,
 )
+from pdserve.shared.options import add_options, build, opt
 
 DEFAULT_SIZES_MIB = (1.0, 8.0, 64.0)
 MAX_SIZE_MIB = 4096.0

@@ -39,7 +39,8 @@ import pytest
 import yaml
 
 from pdserve.cli import COMMANDS, make_parser
-from pdserve.shared.config import all_option_names, build, env_name
+from pdserve.shared.config import all_option_names
+from pdserve.shared.options import build, env_name
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = REPO / "compose"

@@ -17,8 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.services.launcher import service_argv, service_env
+from pdserve.services.launcher import service_argv
 from pdserve.services.processes import Child, NatsCluster, NatsServer, spawn
+from pdserve.shared.options import service_env
 from tests.integration.stack import QUIET_ENV
 from tests.multihost import netns
 from tests.multihost.netns import Host, Topology

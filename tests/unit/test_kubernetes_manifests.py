@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from pdserve.cli import COMMANDS
-from pdserve.shared.config import env_name
+from pdserve.shared.options import env_name
 from pdserve.shared.telemetry.health import Health
 
 REPO = Path(__file__).resolve().parents[2]

@@ -22,8 +22,9 @@ from tokenizers import Tokenizer
 
 from pdserve.gateway.inflight_types import WIRE_NO_DEADLINE, StageTimeout
 from pdserve.gateway.state import GATEWAY_KEY
-from pdserve.shared.config import GatewayConfig, add_options, build
+from pdserve.shared.config import GatewayConfig
 from pdserve.shared.errors import StartupError
+from pdserve.shared.options import add_options, build
 from pdserve.shared.sampling import SamplingParams
 from tests.bus_memory import MemoryNetwork
 from tests.unit.fake_workers import MODEL, FakeWorker, GatewaySide, settle

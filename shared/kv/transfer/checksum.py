@@ -52,6 +52,12 @@ class KVChecksumError(KVTransferError):
     """The KV that landed is not the KV that was leased: it must never be served."""
 
 
+def digest(data: Any) -> int:
+    """The KV path's one hash, xxh3-64, of a buffer's bytes: a (block, head) unit here, a whole
+    block in a disk tier file (``services/engine/kv_tiers``)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
 def run_blocks(runs: Sequence[Sequence[int]]) -> list[int]:
     """The block ids of ``(start, count)`` runs, in order."""
     return [b for start, count in runs for b in range(start, start + count)]
@@ -78,7 +84,7 @@ class KVHasher:
         if self.slicer.parts is None:
             for i, block in enumerate(blocks):
                 raw = self.kv_cache[block].reshape(-1).view(torch.uint8).cpu()
-                out[i, 0] = xxhash.xxh3_64_intdigest(raw.numpy())
+                out[i, 0] = digest(raw.numpy())
             return out
         a, b = heads[0] - self.held[0], heads[1] - self.held[0]
         k = b - a
@@ -97,7 +103,7 @@ class KVHasher:
             for target, p in zip(targets, parts, strict=True):
                 target.copy_(p[block].permute(3, 0, 1, 2, 4))
             for j in range(k):
-                out[i, j] = xxhash.xxh3_64_intdigest(rows[j])
+                out[i, j] = digest(rows[j])
         return out
 
     def verify(

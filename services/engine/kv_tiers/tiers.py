@@ -1,0 +1,153 @@
+"""The tiers below the device pool, as the engine sees them: where a block hash is cached, claims
+on blocks to load, stores of evicted blocks, and their counters.
+
+The engine (``services/engine/offload.py``) calls all of this on its own thread. Copies between
+the pool and host memory are queued on the current stream (non-blocking on CUDA, from and into
+pinned slots); ``settle`` waits for the ones queued since its last call before anything else
+may read those slots (the disk thread) or write the pool blocks they came from (a KV pull
+over UCX), and only then posts the disk writes of the blocks host memory took since.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pdserve.services.engine.kv_tiers.disk import DiskCounts, DiskTier, LoadDone
+from pdserve.services.engine.kv_tiers.host import HostTier
+
+HOST, DISK = "host", "disk"
+
+
+@dataclass
+class Claim:
+    """A block found in a tier and kept there until it is loaded into the pool."""
+
+    block_hash: int
+    tier: str
+    slot: int = -1  # host memory: the slot holding it
+
+    @property
+    def slow(self) -> bool:
+        """Loaded off the engine thread (disk I/O), so its sequence waits for it."""
+        return self.tier == DISK
+
+
+@dataclass
+class TierStats:
+    """Since start, in blocks (``host_blocks``/``disk_blocks``: held now)."""
+
+    host_hits: int = 0  # prefix blocks found in host memory and loaded from there
+    disk_hits: int = 0  # ... found on disk
+    stored: int = 0  # evicted pool blocks copied to host memory
+    dropped: int = 0  # evicted pool blocks not kept (every host slot busy)
+    to_disk: int = 0  # host blocks posted to disk (write-through; it skips those it has)
+    load_failures: int = 0  # disk loads that failed (those tokens were computed instead)
+    host_blocks: int = 0
+    disk_blocks: int = 0
+    disk: DiskCounts = field(default_factory=DiskCounts)
+
+
+class KVTiers:
+    def __init__(
+        self,
+        block_bytes: int,
+        layout: str,
+        ram_bytes: int,
+        device: torch.device,
+        disk_dir: Path | None = None,
+        disk_bytes: int = 0,
+    ) -> None:
+        self.block_bytes = block_bytes
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.host = HostTier(ram_bytes, block_bytes, pinned=self.cuda)
+        self.disk = DiskTier(disk_dir, disk_bytes, block_bytes, layout) if disk_dir else None
+        self.counts = TierStats()
+        self._writes: list[tuple[int, int]] = []  # (hash, slot) to post once copies settled
+        self._unsettled = False  # copies queued on the stream since the last settle
+
+    def where(self, block_hash: int) -> str | None:
+        if block_hash in self.host:
+            return HOST
+        if self.disk is not None and block_hash in self.disk:
+            return DISK
+        return None
+
+    def claim(self, block_hash: int) -> Claim | None:
+        """Keep ``block_hash`` where it is until it is loaded (``load_host``/``load_disk``)."""
+        slot = self.host.claim(block_hash)
+        if slot is not None:
+            self.counts.host_hits += 1
+            return Claim(block_hash, HOST, slot)
+        if self.disk is not None and self.disk.claim(block_hash):
+            self.counts.disk_hits += 1
+            return Claim(block_hash, DISK)
+        return None
+
+    def store(self, block_hash: int, src: torch.Tensor) -> None:
+        """Copy an evicted pool block (``src``: its bytes) to host memory, unless it is there."""
+        slot = self.host.store(block_hash)
+        if slot is None:
+            self.counts.dropped += block_hash not in self.host
+            return
+        self.host.slab[slot].copy_(src, non_blocking=self.cuda)
+        self._unsettled |= self.cuda
+        self.counts.stored += 1
+        if self.disk is not None:
+            self.host.pin(slot)  # until the disk thread has written it
+            self._writes.append((block_hash, slot))
+
+    def load_host(self, claim: Claim, dst: torch.Tensor) -> None:
+        """Copy a claimed host block into a pool block (``dst``: its bytes)."""
+        dst.copy_(self.host.slab[claim.slot], non_blocking=self.cuda)
+        self._unsettled |= self.cuda
+        self.host.unpin(claim.slot)
+
+    def load_disk(self, claims: list[Claim], done: LoadDone) -> None:
+        """Read claimed disk blocks on the disk thread; ``done`` gets them there."""
+        assert self.disk is not None
+
+        def finished(blocks: list[np.ndarray] | None, error: str) -> None:
+            self.counts.load_failures += blocks is None
+            done(blocks, error)
+
+        self.disk.load([c.block_hash for c in claims], finished)
+
+    def settle(self) -> None:
+        """Wait for the copies queued so far, then post the disk writes waiting for them."""
+        if self._unsettled:
+            torch.cuda.current_stream(self.device).synchronize()
+            self._unsettled = False
+        writes, self._writes = self._writes, []
+        for block_hash, slot in writes:
+            assert self.disk is not None  # nothing is written without one
+
+            def written(slot: int = slot) -> None:
+                self.host.release(slot)
+
+            self.disk.put(block_hash, self.host.slab[slot].numpy(), written)
+        self.counts.to_disk += len(writes)
+
+    def stats(self) -> TierStats:
+        """A snapshot of the counters."""
+        if self.disk is None:
+            return replace(self.counts, host_blocks=len(self.host))
+        return replace(self.counts, host_blocks=len(self.host), disk_blocks=len(self.disk),
+                       disk=replace(self.disk.counts))  # fmt: skip
+
+    def flush(self) -> None:
+        """Post what waits and wait for the disk tier's jobs so far (its start-up scan too)."""
+        self.settle()
+        if self.disk is not None:
+            self.disk.flush()
+
+    def close(self) -> None:
+        """Post what waits, then stop the disk thread once its jobs ran (every block host
+        memory took is on disk then: a restart finds it)."""
+        self.settle()
+        if self.disk is not None:
+            self.disk.close()

@@ -1,0 +1,171 @@
+"""KV offload tiers, engine side: what the pool evicts goes down a tier, what a prefix lookup
+finds there comes back (``kv_tiers/`` holds the tiers; ``--kv-offload-ram-gib``,
+``--kv-offload-disk``, ``--kv-offload-disk-gib``).
+
+Everything here runs on the engine thread, around the scheduler's pass (``schedule``):
+
+* **Eviction.** ``BlockManager`` calls ``_evicted`` when it reuses a free block that caches a
+  prefix - never a block a sequence holds - and the block's bytes are copied to host memory
+  right then, before anything can write into it (a forward pass, a fork's copy, a tier load or a
+  pull all come later in the step). After the pass, ``KVTiers.settle`` waits for those copies
+  on CUDA, so a KV pull over UCX into a reused block cannot overtake them, and posts the disk
+  writes.
+* **Lookup and load.** A prefix lookup goes on in the tiers where the pool's blocks end. Blocks
+  found in host memory are copied into their new pool blocks right after the pass, ahead of the
+  step's forward pass on the same stream, and count as prefix hits like pool blocks. Blocks on
+  disk are read on the disk tier's thread while their sequence waits as a pull does (blocks
+  reserved, ``WAITING_FOR_REMOTE_KV``); when the read is done the next step copies them in and
+  the scheduler's ``kv_loaded`` makes the sequence runnable, so other sequences keep stepping
+  meanwhile. A block that fails its checksum is never copied: the sequence is computed instead.
+
+Preemption, forks and speculative rollback need nothing more: they only free blocks, and a
+freed block reaches a tier only once it is evicted, holding the KV its hash names. The bytes
+copied are the pool's own (an int8/fp8 cache's scales included), so any ``--kv-cache-dtype``
+works; the layout fingerprint keeps another layout's files out.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import torch
+
+from pdserve.services.engine.kv_tiers import KVTiers, TierStats
+from pdserve.shared.errors import StartupError
+from pdserve.shared.kv.layout import layout_id
+
+if TYPE_CHECKING:
+    from pdserve.services.engine.block_manager import BlockManager
+    from pdserve.services.engine.outputs import ScheduledBatch
+    from pdserve.services.engine.parallel.shard import Shard
+    from pdserve.services.engine.scheduler import Scheduler
+    from pdserve.shared.config import EngineConfig
+
+log = logging.getLogger(__name__)
+GIB = 1 << 30
+
+
+class Engine(Protocol):
+    """What the offload takes from ``LLMEngine`` (which builds it)."""
+
+    config: EngineConfig
+    block_manager: BlockManager
+    kv_cache: torch.Tensor
+    bytes_per_block: int
+    shard: Shard
+    device: torch.device
+    wake: Callable[[], None]
+
+    def layout_fingerprint(self) -> dict[str, object]: ...
+
+
+class KVOffload:
+    def __init__(self, engine: Engine, tiers: KVTiers | None) -> None:
+        self.tiers = tiers
+        self.bm = engine.block_manager
+        cache = engine.kv_cache
+        self.raw = cache.view(cache.shape[0], -1).view(torch.uint8)  # each pool block's bytes
+        self._wake = engine.wake
+        # disk reads done (on the disk thread): (seq_id, pool blocks, their bytes or None, why)
+        self._arrived: deque[tuple[str, list[int], list[np.ndarray] | None, str]] = deque()
+        if tiers is not None:
+            self.bm.tiers = tiers
+            self.bm.on_evict = self._evicted
+
+    @classmethod
+    def build(cls, engine: Engine) -> KVOffload:
+        """The engine's offload: off (a pass-through) unless ``--kv-offload-ram-gib`` is set."""
+        cfg = engine.config
+        if cfg.kv_offload_ram_gib <= 0:
+            if cfg.kv_offload_disk:
+                raise StartupError(
+                    "--kv-offload-disk needs --kv-offload-ram-gib > 0: blocks reach the disk "
+                    "through host memory"
+                )
+            return cls(engine, None)
+        block = engine.bytes_per_block
+        problem = (
+            "needs the prefix cache: tier blocks are found by their prefix hashes"
+            if not cfg.prefix_cache
+            else "runs at --tensor-parallel-size 1 only, for now"
+            if engine.shard.size > 1
+            else f"{cfg.kv_offload_ram_gib} GiB holds no KV block ({block} bytes)"
+            if cfg.kv_offload_ram_gib * GIB < block
+            else f"--kv-offload-disk-gib {cfg.kv_offload_disk_gib} holds no KV block"
+            if cfg.kv_offload_disk and cfg.kv_offload_disk_gib * GIB < 2 * block
+            else None
+        )
+        if problem is not None:
+            raise StartupError(f"--kv-offload-ram-gib {problem}")
+        layout = layout_id(engine.layout_fingerprint())
+        disk = Path(cfg.kv_offload_disk) if cfg.kv_offload_disk else None
+        tiers = KVTiers(block, layout, int(cfg.kv_offload_ram_gib * GIB), engine.device, disk,
+                        int(cfg.kv_offload_disk_gib * GIB))  # fmt: skip
+        log.info("KV offload: %d blocks of host memory%s%s", tiers.host.num_slots,
+                 " (pinned)" if tiers.cuda else "",
+                 f", then {disk} ({cfg.kv_offload_disk_gib} GiB, layout {layout})" if disk
+                 else "")  # fmt: skip
+        return cls(engine, tiers)
+
+    # ---- the engine thread ---------------------------------------------------------------------
+
+    def schedule(self, sch: Scheduler) -> ScheduledBatch | None:
+        """The scheduler's pass with the tiers around it: disk loads that arrived go in first
+        (their sequences may run in this very batch), then this pass's evictions settle and
+        its loads start."""
+        if self.tiers is None:
+            return sch.schedule()
+        while self._arrived:
+            self._copy_in(sch, *self._arrived.popleft())
+        batch = sch.schedule()
+        self.tiers.settle()
+        self._start_loads()
+        return batch
+
+    def stats(self) -> TierStats | None:
+        return self.tiers.stats() if self.tiers is not None else None
+
+    def flush(self) -> None:
+        """Wait for the disk tier's jobs posted so far: its start-up scan, the writes."""
+        if self.tiers is not None:
+            self.tiers.flush()
+
+    def close(self) -> None:
+        """Finish the disk tier's writes and stop its thread (tests, a clean shutdown)."""
+        if self.tiers is not None:
+            self.tiers.close()
+
+    def _evicted(self, block_id: int, block_hash: int) -> None:
+        self.tiers.store(block_hash, self.raw[block_id])
+
+    def _start_loads(self) -> None:
+        loads, self.bm.loads = self.bm.loads, {}
+        for seq_id, pairs in loads.items():
+            slow = [(block_id, claim) for block_id, claim in pairs if claim.slow]
+            for block_id, claim in pairs:
+                if not claim.slow:  # host memory: queued now, ahead of the forward pass
+                    self.tiers.load_host(claim, self.raw[block_id])
+            if slow:
+                ids = [block_id for block_id, _ in slow]
+
+                def done(blocks, error: str, seq_id: str = seq_id, ids: list[int] = ids) -> None:
+                    self._arrived.append((seq_id, ids, blocks, error))  # the disk thread
+                    self._wake()
+
+                self.tiers.load_disk([claim for _, claim in slow], done)
+
+    def _copy_in(
+        self, sch: Scheduler, seq_id: str, ids: list[int], blocks: list[np.ndarray] | None,
+        error: str,
+    ) -> None:  # fmt: skip
+        if blocks is None:
+            log.warning("KV load of %s failed, computing it instead: %s", seq_id, error)
+        else:
+            for block_id, data in zip(ids, blocks, strict=True):
+                self.raw[block_id].copy_(torch.from_numpy(data))
+        sch.kv_loaded(seq_id, blocks is not None)
