@@ -11,6 +11,16 @@ the leading blocks the worker holds. Because those events lag by up to a heartbe
 also counts the blocks of prompts *it* sent a worker in the last few seconds as held there: the
 second turn of a chat, sent right after the first, still finds the first turn's worker.
 
+With KV offload tiers the workers publish one stream per tier (``KVEvents.tier``), and a prompt
+block the pool has lost may still be in host memory or on disk, loaded back instead of computed.
+Each leading block then costs what its fastest tier costs to load, as a fraction of computing
+it (device 0; host and disk measured by the worker and sent in its heartbeat, else
+``DEFAULT_LOAD_COST``)::
+
+    cost = PREFIX_WEIGHT * (blocks to compute + sum of the held blocks' load costs) + queued
+
+so a device hit beats a host hit beats a disk hit beats a miss, by as much as each tier costs.
+
 The second term keeps one hot prefix (a system prompt every worker holds) from herding every
 request onto one worker: equal prefix terms leave the load to decide. Work queued is the reported
 queue times the typical prompt's blocks, plus the blocks this router sent since that report. Exact
@@ -58,6 +68,11 @@ PREFIX_WEIGHT = 2.0
 EXPECT_SECONDS = 10.0
 MAX_EXPECTED_BLOCKS = 1 << 16  # per worker; the oldest expectations go first
 TYPICAL_DECAY = 0.1  # moving average of the prefill blocks per routed prompt
+# Loading one block from a tier, as a fraction of computing it, until the worker measures it.
+# Host: a PCIe copy of a block (~0.5 MB for a 1B model at 25 GB/s: ~20 us) against its forward
+# pass (16 tokens of a 1B model: ~0.1 ms on an H100), with the scheduling around it. Disk: an
+# NVMe read at a few GB/s, off the engine thread, but the sequence waits for it.
+DEFAULT_LOAD_COST = {"device": 0.0, "host": 0.1, "disk": 0.5}
 
 
 def _rendezvous(key: bytes, worker_id: str) -> int:
@@ -90,6 +105,9 @@ class Router:
     model: str | None = None  # only workers serving this model qualify
     # (worker id, prompt block hashes) -> leading blocks its prefix cache holds (its KV events)
     cached_hits: Callable[[str, list[int]], int] = lambda worker_id, hashes: 0
+    # (worker id, prompt block hashes) -> per leading block, the fastest KV tier holding it
+    # (the registry's ``tier_chain``); None: only ``cached_hits``, all on the device
+    cached_tiers: Callable[[str, list[int]], list[str]] | None = None
     prefix_weight: float = PREFIX_WEIGHT
     # "kv": the cost above; "round-robin": cache-blind rotation, the baseline it is measured against
     prefill_policy: str = "kv"
@@ -130,12 +148,29 @@ class Router:
     # -- prefill: KV-aware ---------------------------------------------------------------------
 
     def cached_blocks(self, worker: WorkerLoad, hashes: list[int]) -> int:
-        """Leading prompt blocks the worker holds: what its events say, or what this router
-        sent it moments ago (not in its events yet), whichever reaches further."""
-        reported = self.cached_hits(worker.worker_id, hashes)
+        """Leading prompt blocks the worker holds in any tier (``cached_chain``)."""
+        return len(self.cached_chain(worker, hashes))
+
+    def cached_chain(self, worker: WorkerLoad, hashes: list[int]) -> list[str]:
+        """Per leading prompt block the worker holds, the tier it is in: what its events say,
+        with what this router sent it moments ago (not in its events yet) on the device."""
+        if self.cached_tiers is not None:
+            reported = self.cached_tiers(worker.worker_id, hashes)
+        else:
+            reported = ["device"] * self.cached_hits(worker.worker_id, hashes)
+        sent = self._sent_blocks(worker, hashes)
+        return ["device"] * sent + reported[sent:]
+
+    def load_cost(self, worker: WorkerLoad, tier: str) -> float:
+        """Loading one block from ``tier`` on ``worker``, as a fraction of computing it."""
+        measured = {"host": worker.kv_host_load_cost, "disk": worker.kv_disk_load_cost}
+        return measured.get(tier) or DEFAULT_LOAD_COST.get(tier, 1.0)
+
+    def _sent_blocks(self, worker: WorkerLoad, hashes: list[int]) -> int:
+        """Leading prompt blocks this router sent the worker in the last EXPECT_SECONDS."""
         expected = self._expected.get(worker.worker_id)
         if not expected:
-            return reported
+            return 0
         now = time.monotonic()
         while expected and next(iter(expected.values())) < now - EXPECT_SECONDS:
             expected.popitem(last=False)
@@ -144,7 +179,7 @@ class Router:
             if h not in expected:
                 break
             sent += 1
-        return max(reported, sent)
+        return sent
 
     def _expect(self, worker_id: str, hashes: list[int]) -> None:
         expected = self._expected.setdefault(worker_id, OrderedDict())
@@ -170,10 +205,12 @@ class Router:
             hashes = by_size[size]
             # The worker computes at least the last prompt token (it needs its logits), so it
             # reuses at most the full blocks before that token.
-            held = min(self.cached_blocks(w, hashes), (len(prompt) - 1) // size)
-            new_blocks = self.blocks_for(len(prompt), size) - held
+            chain = self.cached_chain(w, hashes)[: (len(prompt) - 1) // size]
+            new_blocks = self.blocks_for(len(prompt), size) - len(chain)
+            loads = sum(self.load_cost(w, tier) for tier in chain)
             queued = (w.waiting + w.running) * typical + sum(s.blocks for s in self._recent(w))
-            out.append(_Cost(w, self.prefix_weight * new_blocks + queued, hashes, new_blocks))
+            cost = self.prefix_weight * (new_blocks + loads) + queued
+            out.append(_Cost(w, cost, hashes, new_blocks))
         return out
 
     def pick_prefill(

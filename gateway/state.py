@@ -145,6 +145,7 @@ class Gateway:
             engine.block_size,
             model=self.model.name,
             cached_hits=self.workers.prefix_hits,
+            cached_tiers=self.workers.tier_chain,
             prefill_policy=config.prefill_routing,
         )
         self.dispatcher = Dispatcher(

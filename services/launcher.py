@@ -246,6 +246,11 @@ class Launcher:
             worker.ucx_port += first_rank
         if self.nats_cluster is not None:  # spread the workers over the nodes, each its own first
             common = {**common, "nats_url": self.nats_cluster.client_url(slot)}
+        if common.get("kv_offload_disk"):  # a directory each: a disk tier evicts what it indexed
+            common = {
+                **common,
+                "kv_offload_disk": f"{common['kv_offload_disk']}/{worker.worker_id}",
+            }
         env = service_env({**common, **option_values(worker), "tensor_parallel_size": tp})
         if place is None:  # the starting fleet: by start order
             cpus = self.cpu_shares[slot] if self.cpu_shares else None

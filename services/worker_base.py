@@ -317,6 +317,7 @@ class Worker:
                 feed.drain,
                 feed.snapshot,
                 self.config.heartbeat_seconds,
+                tiers=feed.tiers,
             )
             await self._kv_events.start()
         with contextlib.suppress(Exception):  # optional: visibility for NATS tooling

@@ -10,6 +10,7 @@ the engine applies it before it schedules. A command that needs an answer carrie
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -61,40 +62,63 @@ class BlockHoldRefused(Exception):
 
 
 class KVEventFeed:
-    """The prefix cache's changes, from the engine thread to one consumer thread.
+    """The KV cache's changes per tier, from the engine (and disk) threads to one consumer.
 
-    The engine thread ``push``es each step's net (stored, removed) hashes; the consumer's
-    ``drain`` returns the net change since its previous ``drain``/``snapshot``, and ``snapshot``
-    every hash cached now. The consumer keeps its own copy of the cache's hashes, built from the
-    events, so neither call has to stop the engine.
+    The engine thread ``push``es each step's net (stored, removed) hashes of its device pool;
+    the offload tiers' events (host memory, disk: ``kv_tiers/tier_events.py``) are taken from
+    ``take_tier_events`` when the consumer collects. The consumer's ``drain(tier)`` returns the
+    net change of that tier since its previous ``drain``/``snapshot``, and ``snapshot(tier)``
+    every hash the tier holds now. The consumer keeps its own copy of each tier's hashes, built
+    from the events, so neither call has to stop the engine.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        tiers: tuple[str, ...] = ("device",),
+        take_tier_events: Callable[[], list[tuple[str, bool, int]]] | None = None,
+    ) -> None:
+        self.tiers = tiers
         self._outbox: deque[tuple[list[int], list[int]]] = deque()
-        self._cached: dict[int, None] = {}
+        self._take = take_tier_events
+        self._cached: dict[str, dict[int, None]] = {t: {} for t in tiers}
+        # per tier: net (stored, removed) since the consumer's last drain of it
+        self._pending: dict[str, tuple[dict[int, None], dict[int, None]]] = {
+            t: ({}, {}) for t in tiers
+        }
 
     def push(self, stored: list[int], removed: list[int]) -> None:
         self._outbox.append((stored, removed))
 
-    def _collect(self) -> tuple[dict[int, None], dict[int, None]]:
-        stored: dict[int, None] = {}
-        removed: dict[int, None] = {}
+    def _apply(self, tier: str, h: int, stored_now: bool) -> None:
+        stored, removed = self._pending[tier]
+        if stored_now:
+            removed.pop(h, None)
+            stored[h] = None
+            self._cached[tier][h] = None
+        else:
+            stored.pop(h, None)
+            removed[h] = None
+            self._cached[tier].pop(h, None)
+
+    def _collect(self) -> None:
         while self._outbox:
             s, r = self._outbox.popleft()
             for h in s:
-                removed.pop(h, None)
-                stored[h] = None
-                self._cached[h] = None
+                self._apply("device", h, True)
             for h in r:
-                stored.pop(h, None)
-                removed[h] = None
-                self._cached.pop(h, None)
-        return stored, removed
+                self._apply("device", h, False)
+        if self._take is not None:
+            for tier, stored_now, h in self._take():
+                if tier in self._pending:
+                    self._apply(tier, h, stored_now)
 
-    def drain(self) -> tuple[list[int], list[int]]:
-        stored, removed = self._collect()
+    def drain(self, tier: str = "device") -> tuple[list[int], list[int]]:
+        self._collect()
+        stored, removed = self._pending[tier]
+        self._pending[tier] = ({}, {})
         return list(stored), list(removed)
 
-    def snapshot(self) -> list[int]:
+    def snapshot(self, tier: str = "device") -> list[int]:
         self._collect()
-        return list(self._cached)
+        self._pending[tier] = ({}, {})  # a snapshot replaces what the consumer knew
+        return list(self._cached[tier])

@@ -275,7 +275,7 @@ class LLMEngine:
     def kv_event_feed(self) -> KVEventFeed:
         """Start handing out the prefix cache's changes (to one consumer thread)."""
         if self._kv_feed is None:
-            self._kv_feed = KVEventFeed()
+            self._kv_feed = self.offload.event_feed()  # with the offload tiers' events
         return self._kv_feed
 
     def has_unfinished(self) -> bool:

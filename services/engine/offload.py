@@ -21,7 +21,8 @@ Everything here runs on the engine thread, around the scheduler's pass (``schedu
 Preemption, forks and speculative rollback need nothing more: they only free blocks, and a
 freed block reaches a tier only once it is evicted, holding the KV its hash names. The bytes
 copied are the pool's own (an int8/fp8 cache's scales included), so any ``--kv-cache-dtype``
-works; the layout fingerprint keeps another layout's files out.
+works; the layout fingerprint and the weights digest keep another layout's or checkpoint's
+files out.
 """
 
 from __future__ import annotations
@@ -29,13 +30,16 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
+from pdserve.services.engine.commands import KVEventFeed
 from pdserve.services.engine.kv_tiers import KVTiers, TierStats
+from pdserve.services.engine.kv_tiers.weights_digest import weights_digest
 from pdserve.shared.errors import StartupError
 from pdserve.shared.kv.layout import layout_id
 
@@ -59,6 +63,7 @@ class Engine(Protocol):
     bytes_per_block: int
     shard: Shard
     device: torch.device
+    model_dir: Path
     wake: Callable[[], None]
 
     def layout_fingerprint(self) -> dict[str, object]: ...
@@ -104,8 +109,10 @@ class KVOffload:
             raise StartupError(f"--kv-offload-ram-gib {problem}")
         layout = layout_id(engine.layout_fingerprint())
         disk = Path(cfg.kv_offload_disk) if cfg.kv_offload_disk else None
+        # the disk files name the checkpoint too, digested on the disk thread (weights_digest.py)
+        weights = partial(weights_digest, engine.model_dir, cfg.quantization) if disk else None
         tiers = KVTiers(block, layout, int(cfg.kv_offload_ram_gib * GIB), engine.device, disk,
-                        int(cfg.kv_offload_disk_gib * GIB))  # fmt: skip
+                        int(cfg.kv_offload_disk_gib * GIB), weights)  # fmt: skip
         log.info("KV offload: %d blocks of host memory%s%s", tiers.host.num_slots,
                  " (pinned)" if tiers.cuda else "",
                  f", then {disk} ({cfg.kv_offload_disk_gib} GiB, layout {layout})" if disk
@@ -126,6 +133,13 @@ class KVOffload:
         self.tiers.settle()
         self._start_loads()
         return batch
+
+    def event_feed(self) -> KVEventFeed:
+        """A feed of the pool's events and, with tiers, theirs (recorded from now on)."""
+        if self.tiers is None:
+            return KVEventFeed()
+        self.tiers.enable_events()
+        return KVEventFeed(("device", *self.tiers.names), self.tiers.log.take)
 
     def stats(self) -> TierStats | None:
         return self.tiers.stats() if self.tiers is not None else None

@@ -52,11 +52,13 @@ from pdserve.shared.bus.wire_fields import (
 )
 from pdserve.shared.sampling import MAX_N, GuidedDecoding, SamplingParams, TokenLogprobs
 
-PROTOCOL_VERSION = 7  # 3: n choices, log-probs, penalties, structured output; 4: positions;
+PROTOCOL_VERSION = 8  # 3: n choices, log-probs, penalties, structured output; 4: positions;
 # 5: one name per id (bus_id on the bus, client_id for the x-request-id); 6: TP ranks' KV servers
-# 7: WorkerLoad's roofline totals and peaks
+# 7: WorkerLoad's roofline totals and peaks; 8: KVEvents per KV tier, WorkerLoad's tier load costs
 
 ROLES = ("prefill", "decode")
+# where a worker holds a KV block: its device pool, then the offload tiers (issue 33), fastest first
+KV_TIERS = ("device", "host", "disk")
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # error_code values workers send (free text on the wire, so a newer worker may add codes):
 ERROR_CODES = {
@@ -240,6 +242,10 @@ class WorkerLoad:
     decode_busy_seconds: float = amount()
     peak_flops_per_second: float = amount()
     peak_bytes_per_second: float = amount()
+    # KV offload tiers: loading one block from host memory / disk, as a fraction of computing
+    # it (measured by the worker; 0: not measured, the router's defaults apply)
+    kv_host_load_cost: float = amount()
+    kv_disk_load_cost: float = amount()
 
 
 @dataclass
@@ -251,6 +257,10 @@ class KVEvents:
     matter). Every few seconds the worker sends a snapshot instead - its whole cache, split over
     ``parts`` messages under one ``seq`` - which replaces what a gateway knew, so a gateway that
     joined late or lost a message converges. ``seq`` counts messages per worker incarnation.
+
+    ``tier`` says which of the worker's KV tiers (``KV_TIERS``) the message is about: each tier
+    has its own deltas and snapshots, so a block moving from the device pool to host memory is
+    ``removed`` in a device message and ``stored`` in a host one.
     """
 
     TYPE: ClassVar[str] = "kv_events"
@@ -263,6 +273,7 @@ class KVEvents:
     snapshot: bool = bounded(default=False)
     part: int = count(hi=1 << 16, default=0)  # snapshots: this message's index among parts
     parts: int = count(lo=1, hi=1 << 16, default=1)
+    tier: str = text(max_len=8, choices=KV_TIERS, default="device")
 
     def __post_init__(self) -> None:
         if self.part >= self.parts:

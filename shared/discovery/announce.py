@@ -97,8 +97,13 @@ class HeartbeatPublisher:
 
 
 class KVEventPublisher:
-    """Publishes a worker's prefix-cache changes every ``interval`` and a full snapshot every
-    ``snapshot_seconds`` (and after a NATS reconnect, when messages may have been lost)."""
+    """Publishes a worker's KV cache changes every ``interval`` and a full snapshot every
+    ``snapshot_seconds`` (and after a NATS reconnect, when messages may have been lost), one
+    stream per KV tier (``tiers``: the device pool, then the offload tiers the worker has).
+
+    ``drain(tier)`` / ``snapshot(tier)`` give a tier's net change and contents; for the device
+    tier they are called without an argument (so a plain pair of callables serves a worker
+    without offload tiers)."""
 
     def __init__(
         self,
@@ -106,10 +111,11 @@ class KVEventPublisher:
         worker_id: str,
         instance: str,
         block_size: int,
-        drain: Callable[[], tuple[list[int], list[int]]],
-        snapshot: Callable[[], list[int]],
+        drain: Callable[..., tuple[list[int], list[int]]],
+        snapshot: Callable[..., list[int]],
         interval: float,
         snapshot_seconds: float = KV_SNAPSHOT_SECONDS,
+        tiers: tuple[str, ...] = ("device",),
     ) -> None:
         self.bus = bus
         self.worker_id = worker_id
@@ -119,6 +125,7 @@ class KVEventPublisher:
         self.snapshot = snapshot
         self.interval = interval
         self.snapshot_seconds = snapshot_seconds
+        self.tiers = tiers
         self.seq = 0
         self._last_snapshot = -float("inf")
         self._task: asyncio.Task | None = None
@@ -142,29 +149,39 @@ class KVEventPublisher:
             await self.publish_now(snapshot=due)
 
     def messages(self, snapshot: bool) -> list[KVEvents]:
-        """What to send now: a (multi-part) snapshot, or the delta split to the size limit."""
-        n = MAX_KV_EVENT_HASHES
+        """What to send now: per tier, a (multi-part) snapshot, or the delta split to the size
+        limit."""
         if snapshot:
             self._last_snapshot = time.monotonic()
-            hashes = self.snapshot()
+        out: list[KVEvents] = []
+        for tier in self.tiers:
+            out += self._tier_messages(tier, snapshot)
+        return out
+
+    def _tier_messages(self, tier: str, snapshot: bool) -> list[KVEvents]:
+        n = MAX_KV_EVENT_HASHES
+        args = () if tier == "device" else (tier,)
+        if snapshot:
+            hashes = self.snapshot(*args)
             chunks = [hashes[i : i + n] for i in range(0, len(hashes), n)] or [[]]
             self.seq += 1
             return [
-                self._msg(chunk, [], snapshot=True, part=i, parts=len(chunks))
+                self._msg(chunk, [], tier, snapshot=True, part=i, parts=len(chunks))
                 for i, chunk in enumerate(chunks)
             ]
-        stored, removed = self.drain()
+        stored, removed = self.drain(*args)
         out = []
         while stored or removed:
             self.seq += 1
-            out.append(self._msg(stored[:n], removed[:n]))
+            out.append(self._msg(stored[:n], removed[:n], tier))
             stored, removed = stored[n:], removed[n:]
         return out
 
-    def _msg(self, stored: list[int], removed: list[int], **kw) -> KVEvents:
+    def _msg(self, stored: list[int], removed: list[int], tier: str, **kw) -> KVEvents:
         return KVEvents(
-            self.worker_id, self.instance, self.block_size, self.seq, stored, removed, **kw
-        )
+            self.worker_id, self.instance, self.block_size, self.seq, stored, removed,
+            tier=tier, **kw,
+        )  # fmt: skip
 
     async def publish_now(self, snapshot: bool = False) -> None:
         subject = self.bus.subjects.kv(self.worker_id)

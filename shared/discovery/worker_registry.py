@@ -27,6 +27,7 @@ from nats.errors import NoRespondersError
 
 from pdserve.shared.bus.connection import Bus
 from pdserve.shared.bus.protocol import (
+    KV_TIERS,
     KVEvents,
     ProtocolError,
     WorkerGone,
@@ -91,6 +92,20 @@ class CachedBlocks:
         return n
 
 
+def tier_chain(tiers: dict[str, CachedBlocks], block_hashes: list[int]) -> list[str]:
+    """For each leading block of a prompt, the fastest tier holding it (``KV_TIERS`` order);
+    the chain stops at the first block no tier holds, as the worker's own lookup does (it goes
+    on in the tiers where its pool's blocks end)."""
+    order = [tiers[t] for t in KV_TIERS if t in tiers]
+    chain = []
+    for h in block_hashes:
+        held = next((c for c in order if h in c.hashes), None)
+        if held is None:
+            break
+        chain.append(next(t for t in KV_TIERS if tiers.get(t) is held))
+    return chain
+
+
 class WorkerRegistry:
     """The live set of workers as seen from their heartbeats, and what their caches hold."""
 
@@ -110,7 +125,8 @@ class WorkerRegistry:
         self.entries: dict[str, Entry] = {}
         # silent for ``timeout``: not routable, but not reported gone until a ping confirms it
         self.suspects: dict[str, Entry] = {}
-        self.cached: dict[str, CachedBlocks] = {}  # worker id -> its prefix cache's blocks
+        # worker id -> KV tier -> the blocks that tier holds (device: its prefix cache)
+        self.cached: dict[str, dict[str, CachedBlocks]] = {}
         self._confirming: dict[str, asyncio.Task] = {}
         self._listeners: list[Listener] = []
         self._reaper: asyncio.Task | None = None
@@ -178,9 +194,12 @@ class WorkerRegistry:
         if entry is None or entry.load.instance != msg.instance:
             # Not (yet) known, or from a previous incarnation: a later snapshot catches up.
             return
-        cached = self.cached.get(msg.worker_id)
+        tiers = self.cached.setdefault(msg.worker_id, {})
+        cached = tiers.get(msg.tier)
         if cached is None or cached.instance != msg.instance:
-            cached = self.cached[msg.worker_id] = CachedBlocks(msg.instance, msg.block_size)
+            if any(c.instance != msg.instance for c in tiers.values()):
+                tiers.clear()  # a new incarnation: what the old one held is gone
+            cached = tiers[msg.tier] = CachedBlocks(msg.instance, msg.block_size)
         cached.apply(msg)
 
     def _left(self, load: WorkerLoad) -> None:
@@ -267,11 +286,17 @@ class WorkerRegistry:
         entry = self.entries.get(worker_id)
         return entry.load if entry else None
 
-    def cached_blocks(self, worker_id: str) -> CachedBlocks | None:
-        """What the worker's prefix cache holds, as far as its events told us."""
-        return self.cached.get(worker_id)
+    def cached_blocks(self, worker_id: str, tier: str = "device") -> CachedBlocks | None:
+        """What one KV tier of the worker holds (device: its prefix cache), as far as its
+        events told us."""
+        return self.cached.get(worker_id, {}).get(tier)
 
     def prefix_hits(self, worker_id: str, block_hashes: list[int]) -> int:
-        """Leading blocks of a prompt (its chained block hashes) the worker's cache holds."""
-        cached = self.cached.get(worker_id)
+        """Leading blocks of a prompt (its chained block hashes) the worker's device pool
+        holds."""
+        cached = self.cached_blocks(worker_id)
         return cached.prefix_hits(block_hashes) if cached is not None else 0
+
+    def tier_chain(self, worker_id: str, block_hashes: list[int]) -> list[str]:
+        """Per leading block of a prompt, the fastest of the worker's tiers holding it."""
+        return tier_chain(self.cached.get(worker_id, {}), block_hashes)

@@ -204,3 +204,20 @@ def test_up_counts_the_gpus_it_may_hand_out(tmp_path: Path, monkeypatch) -> None
     up = launcher("--model", str(model_dir(tmp_path, 8, 8)), "--tensor-parallel-size", "2")
     with pytest.raises(StartupError, match="--tensor-parallel-size 2 exceeds the 1 devices"):
         up.start()
+
+
+def test_each_worker_gets_its_own_disk_tier_directory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two workers on one directory would each index and evict the other's files; a worker's
+    directory is named by its id, so a restarted stack finds its blocks again."""
+    started: dict[str, dict[str, str]] = {}
+    monkeypatch.setattr(
+        launcher_module, "spawn", lambda name, argv, env, cpus=None: started.update({name: env})
+    )
+    up = launcher("--decode-workers", "2")
+    for role, n in up._worker_counts().items():
+        for i in range(n):
+            up._start_worker(role, i, {"kv_offload_disk": "/var/kv"})
+    dirs = {name: env["PDSERVE_KV_OFFLOAD_DISK"] for name, env in started.items()}
+    assert dirs == {n: f"/var/kv/{n}" for n in ("prefill-0", "decode-0", "decode-1")}
+    up._start_worker("decode", 2, {})
+    assert "PDSERVE_KV_OFFLOAD_DISK" not in started["decode-2"]  # no tier: nothing set

@@ -7,11 +7,14 @@ under a lock: the engine thread adds an entry when it posts the write, so a look
 block at once; a read posted after that runs after the write. Entries claimed for a load are
 never evicted until the load has run.
 
-At start the thread's first job rebuilds the index from the directory: files of this layout
-are checked (header and length; the payload's checksum is checked when a block is read), oldest
+Files are named by block hash and the tier's identity: the KV layout id and, for an engine,
+the digest of its model's weights (``weights_digest.py``), which the thread computes as its
+first job (so neither the start nor the engine thread waits for a pass over the weights; a
+``layout`` read from another thread waits for it). At start the thread's second job rebuilds
+the index from the directory: files of this identity are checked (header and length; the payload's checksum is checked when a block is read), oldest
 first by modification time (a read touches its file, so the order survives a restart);
 leftover temporaries, torn and corrupt files are removed and counted; files of another layout
-are ignored (counted, left alone). A block that fails its checksum when read is removed and
+or other weights are ignored (counted, left alone: another engine may be serving them). A block that fails its checksum when read is removed and
 counted, and its load fails: the engine computes those tokens instead.
 """
 
@@ -62,16 +65,29 @@ class DiskCounts:
     loaded: int = 0
     corrupt_removed: int = 0  # torn, corrupt or failing its checksum: never served
     foreign_ignored: int = 0  # another layout's files, seen at the scan or a read
+    other_weights_ignored: int = 0  # this layout's, from another checkpoint (the scan)
     scanned: int = 0  # files of this layout indexed at start
 
 
 class DiskTier:
-    def __init__(self, directory: Path, capacity_bytes: int, block_bytes: int, layout: str) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        capacity_bytes: int,
+        block_bytes: int,
+        layout: str,
+        weights: Callable[[], str] | None = None,
+    ) -> None:
+        """``layout``: the KV layout id (16 hex); ``weights``: computes the weights digest (16
+        hex) on the disk thread, appended to it in the files' identity (None: the layout alone).
+        """
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.capacity = capacity_bytes
         self.block_bytes = block_bytes
-        self.layout = layout
+        self.base_layout = layout
+        self._identity = layout
+        self._identified = threading.Event()
         self.counts = DiskCounts()
         self._index: OrderedDict[int, _Entry] = OrderedDict()
         self._bytes = 0
@@ -79,6 +95,10 @@ class DiskTier:
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="kv-disk", daemon=True)
         self._thread.start()
+        if weights is None:
+            self._identified.set()
+        else:
+            self._jobs.put(lambda: self._identify(weights))
         self._jobs.put(self._scan)
 
     # ---- any thread ----------------------------------------------------------------------------
@@ -90,6 +110,12 @@ class DiskTier:
     def __len__(self) -> int:
         with self._lock:
             return len(self._index)
+
+    @property
+    def layout(self) -> str:
+        """The identity the files are named and headed by (waits for the weights digest)."""
+        self._identified.wait()
+        return self._identity
 
     @property
     def used_bytes(self) -> int:
@@ -169,6 +195,16 @@ class DiskTier:
                 self._jobs.task_done()
         self._jobs.task_done()
 
+    def _identify(self, weights: Callable[[], str]) -> None:
+        try:
+            digest = weights()
+            log.info("KV disk tier: model weights digest %s", digest)
+        except Exception:  # unreadable weights: keep nothing across restarts rather than guess
+            digest = os.urandom(8).hex()
+            log.exception("KV disk tier: no weights digest; its files will not be reused")
+        self._identity = self.base_layout + digest
+        self._identified.set()
+
     def _forget(self, block_hash: int) -> None:
         with self._lock:
             entry = self._index.pop(block_hash, None)
@@ -237,7 +273,12 @@ class DiskTier:
                         self.counts.corrupt_removed += 1
                         Path(entry.path).unlink(missing_ok=True)
                     elif entry.name.endswith(SUFFIX):
-                        self.counts.foreign_ignored += 1
+                        # our layout under another weights digest: another checkpoint's
+                        same_layout = entry.name.startswith(f".{self.base_layout}", 16)
+                        if same_layout and self.layout != self.base_layout:
+                            self.counts.other_weights_ignored += 1
+                        else:
+                            self.counts.foreign_ignored += 1
                     continue
                 try:
                     size = scan_header(Path(entry.path), self.layout, h, self.block_bytes)
@@ -257,6 +298,6 @@ class DiskTier:
             evicted = self._evict_over_capacity()
         for h in evicted:
             self._delete(h)
-        log.info("KV disk tier %s: %d blocks indexed (%d removed, %d of other layouts ignored)",
-                 self.dir, len(self._index), self.counts.corrupt_removed,
-                 self.counts.foreign_ignored)  # fmt: skip
+        log.info("KV disk tier %s: %d blocks indexed (%d removed; ignored: %d of other layouts, "
+                 "%d of other weights)", self.dir, len(self._index), self.counts.corrupt_removed,
+                 self.counts.foreign_ignored, self.counts.other_weights_ignored)  # fmt: skip

@@ -33,6 +33,7 @@ class HostTier:
         self.pins = [0] * self.num_slots
         self.free: list[int] = list(range(self.num_slots - 1, -1, -1))
         self._released: deque[int] = deque()  # slots the disk thread is done with
+        self.evicted: list[int] = []  # hashes forgotten since the owner last took them
 
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self.index
@@ -83,4 +84,5 @@ class HostTier:
         if victim is not None:
             slot = self.index.pop(victim)
             self.slot_hash[slot] = None
+            self.evicted.append(victim)
             self.free.append(slot)

@@ -10,16 +10,16 @@ over UCX), and only then posts the disk writes of the blocks host memory took si
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from pdserve.services.engine.kv_tiers.disk import DiskCounts, DiskTier, LoadDone
+from pdserve.services.engine.kv_tiers.disk import DiskCounts, LoadDone
 from pdserve.services.engine.kv_tiers.host import HostTier
-
-HOST, DISK = "host", "disk"
+from pdserve.services.engine.kv_tiers.tier_events import DISK, HOST, EventedDiskTier, TierEventLog
 
 
 @dataclass
@@ -60,15 +60,33 @@ class KVTiers:
         device: torch.device,
         disk_dir: Path | None = None,
         disk_bytes: int = 0,
+        weights: Callable[[], str] | None = None,  # the disk files' weights digest (disk.py)
     ) -> None:
         self.block_bytes = block_bytes
         self.device = device
         self.cuda = device.type == "cuda"
         self.host = HostTier(ram_bytes, block_bytes, pinned=self.cuda)
-        self.disk = DiskTier(disk_dir, disk_bytes, block_bytes, layout) if disk_dir else None
+        self.log = TierEventLog()  # what the tiers hold, for the KV event stream
+        self.disk = (
+            EventedDiskTier(disk_dir, disk_bytes, block_bytes, layout, weights, log=self.log)
+            if disk_dir
+            else None
+        )
         self.counts = TierStats()
         self._writes: list[tuple[int, int]] = []  # (hash, slot) to post once copies settled
         self._unsettled = False  # copies queued on the stream since the last settle
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (HOST, DISK) if self.disk is not None else (HOST,)
+
+    def enable_events(self) -> None:
+        """Start recording tier events in ``log``, seeded with what the tiers hold (the engine
+        thread, or before it runs)."""
+        if self.disk is not None:
+            self.disk.enable_events()
+        self.log.enabled = True
+        self.log.add(HOST, True, list(self.host.index))
 
     def where(self, block_hash: int) -> str | None:
         if block_hash in self.host:
@@ -91,6 +109,11 @@ class KVTiers:
     def store(self, block_hash: int, src: torch.Tensor) -> None:
         """Copy an evicted pool block (``src``: its bytes) to host memory, unless it is there."""
         slot = self.host.store(block_hash)
+        if self.host.evicted:
+            self.log.add(HOST, False, self.host.evicted)
+            self.host.evicted = []
+        if slot is not None:
+            self.log.add(HOST, True, (block_hash,))
         if slot is None:
             self.counts.dropped += block_hash not in self.host
             return
@@ -126,8 +149,9 @@ class KVTiers:
         for block_hash, slot in writes:
             assert self.disk is not None  # nothing is written without one
 
-            def written(slot: int = slot) -> None:
+            def written(slot: int = slot, block_hash: int = block_hash) -> None:
                 self.host.release(slot)
+                self.disk.written(block_hash)  # stored on disk (the event), unless it failed
 
             self.disk.put(block_hash, self.host.slab[slot].numpy(), written)
         self.counts.to_disk += len(writes)
