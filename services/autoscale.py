@@ -189,6 +189,9 @@ class Autoscaler:
         self.planner = Planner(config.profile, config.slo, limits, planner_config)
         self.retiring: dict[str, tuple[Child, float]] = {}  # draining: child, kill deadline
         self.last: Decision | None = None
+        # when each worker first showed in the gateway's registry: its age counts from there,
+        # so one still loading is young (warm-up) and never drained mid-load
+        self.joined: dict[str, float] = {}
         self.registry = CollectorRegistry()
         gauge = lambda name, doc: Gauge(name, doc, ["role"], registry=self.registry)  # noqa: E731
         self.desired = gauge("pdserve_planner_desired_workers", "Workers the planner wants.")
@@ -226,11 +229,12 @@ class Autoscaler:
         }
 
     def serving(self) -> dict[str, Worker]:
-        """The workers that count as capacity: alive and not draining, with their ages."""
+        """The workers that count as capacity: alive and not draining, with their ages since
+        they registered (0 while loading)."""
         now = time.monotonic()
         started = self.fleet.started
         return {
-            name: Worker(started[name].role, now - started[name].at)
+            name: Worker(started[name].role, now - self.joined.get(name, now))
             for name in self._alive()
             if name not in self.retiring
         }
@@ -264,6 +268,8 @@ class Autoscaler:
         after = self.scrape()
         if after is None:
             return
+        for name in after.workers:
+            self.joined.setdefault(name, now)
         if self.before is None:  # the gateway answered for the first time: a window starts
             self.before, self.before_at = after, now
             return

@@ -30,7 +30,8 @@ from pdserve.shared.planner.inputs import MetricsWindow, WorkerSample
 
 TTFT = "pdserve_time_to_first_token_seconds"
 ITL = "pdserve_inter_token_latency_seconds"
-REQUESTS = "pdserve_requests"
+REQUESTS = "pdserve_requests"  # finished requests
+IN_FLIGHT = "pdserve_requests_in_flight"
 PROMPT_TOKENS = "pdserve_prompt_tokens"
 GENERATION_TOKENS = "pdserve_generation_tokens"
 # the gateway's re-export of each worker's heartbeat (shared/telemetry/metrics.WorkerLoadCollector)
@@ -63,7 +64,8 @@ class WorkerGauges:
 class Snapshot:
     ttft: Buckets = ()
     itl: Buckets = ()
-    requests: float = 0.0
+    requests: float = 0.0  # finished
+    in_flight: float = 0.0
     prompt_tokens: float = 0.0
     generation_tokens: float = 0.0
     workers: dict[str, WorkerGauges] = field(default_factory=dict)
@@ -75,6 +77,7 @@ def parse_snapshot(text: str) -> Snapshot:
     totals = {REQUESTS: 0.0, PROMPT_TOKENS: 0.0, GENERATION_TOKENS: 0.0}
     gauges: dict[str, dict[str, float]] = {}
     roles: dict[str, str] = {}
+    in_flight = 0.0
     # by sample name: the parser files a counter's samples under a family named with or
     # without ``_total`` depending on how the TYPE line spells it
     for family in text_string_to_metric_families(text):
@@ -84,6 +87,8 @@ def parse_snapshot(text: str) -> Snapshot:
                 hist[name[: -len("_bucket")]][float(sample.labels["le"])] = sample.value
             elif name.endswith("_total") and name[: -len("_total")] in totals:
                 totals[name[: -len("_total")]] += sample.value
+            elif name == IN_FLIGHT:
+                in_flight += sample.value
             elif name in WORKER_GAUGES and "worker" in sample.labels:
                 worker = sample.labels["worker"]
                 roles[worker] = sample.labels.get("role", "")
@@ -92,6 +97,7 @@ def parse_snapshot(text: str) -> Snapshot:
         ttft=tuple(sorted(hist[TTFT].items())),
         itl=tuple(sorted(hist[ITL].items())),
         requests=totals[REQUESTS],
+        in_flight=in_flight,
         prompt_tokens=totals[PROMPT_TOKENS],
         generation_tokens=totals[GENERATION_TOKENS],
         workers={w: WorkerGauges(roles[w], **values) for w, values in gauges.items()},
@@ -136,7 +142,10 @@ def build_window(
     """The planner's window between two snapshots ``duration_s`` apart. ``workers``: the workers
     that count as capacity (id -> role and age), draining ones already left out by the caller;
     one the gateway reports draining is left out here too."""
-    requests = max(0.0, after.requests - before.requests)
+    # arrivals, not completions: a backlog finishes in bursts, and a window of no completions
+    # read as "no demand" (the gateway counts requests when they finish)
+    finished = max(0.0, after.requests - before.requests)
+    requests = max(0.0, finished + after.in_flight - before.in_flight)
     prompt = max(0.0, after.prompt_tokens - before.prompt_tokens)
     generated = max(0.0, after.generation_tokens - before.generation_tokens)
     ttft = bucket_quantile(before.ttft, after.ttft, quantile)
@@ -159,8 +168,8 @@ def build_window(
     return MetricsWindow(
         duration_s=duration_s,
         requests=round(requests),
-        mean_isl=prompt / requests if requests else 0.0,
-        mean_osl=generated / requests if requests else 0.0,
+        mean_isl=prompt / finished if finished else 0.0,  # token counts come at the finish
+        mean_osl=generated / finished if finished else 0.0,
         ttft_ms=None if ttft is None else ttft * 1e3,
         itl_ms=None if itl is None else itl * 1e3,
         workers=tuple(samples),

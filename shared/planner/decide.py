@@ -218,6 +218,18 @@ def decide(
     reasons += lines
 
     sizing: dict[str, PrefillSizing | DecodeSizing | None] = {r: None for r in ROLES}
+    if window.requests > 0 and window.mean_isl <= 0:
+        # requests arrived but none finished in the window (the gateway counts tokens at the
+        # finish): no sizes to plan with, so hold rather than size for 1-token requests
+        reasons.append(f"{window.requests} arrived, none finished: no ISL/OSL yet, hold {current}")
+        return Decision(
+            prefill=current.prefill,
+            decode=current.decode,
+            reasons=tuple(reasons),
+            state=dataclasses.replace(state, last_rate=window.request_rate),
+            need={r: float(current.of(r)) for r in ROLES},
+            rules=tuple(dict.fromkeys(rules)),
+        )
     if window.requests == 0:
         rules.append(ZERO_DEMAND)
         reasons.append(f"no requests: the need is 0, the counts go to the minimum [{ZERO_DEMAND}]")

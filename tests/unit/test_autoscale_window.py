@@ -168,3 +168,18 @@ def test_gauges_per_worker_and_a_first_scrape_without_history() -> None:
     # against an empty "before" (the first scrape of a fresh gateway) every count is new
     assert bucket_quantile((), after.ttft, 0.5) == pytest.approx(0.1 + 0.4 * (12 - 4) / 10)
     assert bucket_quantile(after.ttft, after.ttft, 0.5) is None
+
+
+def test_requests_count_when_they_arrive_not_when_they_finish() -> None:
+    """A backlog finishes in bursts: counted at the finish, its windows read 16, 0, 16... and the
+    zero ones as no demand (1P1D <-> 2P2D flapped). Arrivals = finished + the in-flight change."""
+    gw = Gateway()
+    before = parse_snapshot(gw.text())
+    gw.metrics.in_flight.inc(5)  # five arrive, none finishes in this window
+    quiet = parse_snapshot(gw.text())
+    window = build_window(before, quiet, 10.0, 0.99, {})
+    assert window.requests == 5 and window.mean_isl == 0.0  # no sizes until one finishes
+    gw.metrics.in_flight.dec(5)  # all five finish in the next, and nothing new arrives
+    gw.serve(5, prompt=100, output=20, ttft_s=0.1, itl_s=0.01)
+    burst = build_window(quiet, parse_snapshot(gw.text()), 10.0, 0.99, {})
+    assert burst.requests == 0 and burst.mean_isl == 100.0 and burst.mean_osl == 20.0

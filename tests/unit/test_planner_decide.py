@@ -190,3 +190,19 @@ def test_pick_to_drain_takes_the_least_loaded() -> None:
         w, workers=tuple(dataclasses.replace(s, running=int(s.kv_usage * 10)) for s in w.workers)
     )
     assert pick_to_drain(w, "decode", 2) == ["d1", "d2"]
+
+
+def test_arrivals_with_nothing_finished_hold_the_counts() -> None:
+    """Requests arrived but none finished in the window: no ISL/OSL to size by, so the counts
+    hold instead of being sized for one-token requests."""
+    from pdserve.shared.planner.decide import decide
+    from pdserve.shared.planner.inputs import Counts, Limits, MetricsWindow, PlannerState
+    from pdserve.shared.planner.profile import Profile
+    from pdserve.shared.planner.workload import SLO
+
+    window = MetricsWindow(duration_s=10.0, requests=40, mean_isl=0.0, mean_osl=0.0,
+                           ttft_ms=None, itl_ms=None, workers=())  # fmt: skip
+    current = Counts(prefill=3, decode=4)
+    limits = Limits(max_prefill=8, max_decode=8)
+    d = decide(window, Profile.synthetic(), SLO(500.0, 20.0), limits, current, PlannerState())
+    assert d.counts == current and "none finished" in " ".join(d.reasons)

@@ -1,0 +1,295 @@
+"""The SLA planner under a load ramp (issue 32): ``pdserve up --autoscale`` against a fixed 1P1D on
+a real CPU stack, and the same ramp on the simulated engine at a GPU host's scale.
+
+Workload (CPU): SmolLM2-135M-Instruct (the real default model; its profile was measured on this
+VM by ``pdserve plan``: perf/results/plan_profile_smollm2_2cpu.json). Prompts of 128 random token
+ids, 32 output tokens (ignore_eos, greedy), streamed ``/v1/completions``. Open-loop Poisson
+arrivals (seeded, thinned) whose rate follows ``RateSchedule.ramp``: ``--low`` (0.3) req/s for
+the first 10% of ``--duration`` (180 s), up to ``--high`` (1.0) by 40%, held to 60%, down to
+``--low`` by 90%. By the profile (``pdserve plan``'s closed form) one prefill worker holds the
+TTFT target to ~1 req/s (a prompt takes 462 ms; p90 ~1.8 s at 1.0) and one decode worker to
+1.75 req/s (batch 8 at 142 ms): 1P1D just carries the default peak, ``--high 1.6`` asks for a
+second prefill worker (and a second decode worker once the observed ITL corrects the profile).
+SLO: TTFT <= 2000 ms and per-request mean ITL <= 150 ms at p90. Each request counts as good
+when it finished and met both; attainment is the good share of the requests sent, goodput the
+good ones per second of the ramp. Both runs see the same arrival times and lengths.
+
+- ``autoscale``: ``pdserve up --autoscale`` from 1P1D, max 2 prefill and 2 decode workers,
+  ``--autoscale-max-cpus 4`` (a worker costs its 1-CPU share; 4 on 2 cores makes the extra
+  workers share cores: the only way the planner can act here), 5 s windows, 10 s warm-up.
+  Its timeline, worker-seconds (serving + draining workers, integrated) and scaling actions are
+  read from ``pdserve_planner_*`` on ``--planner-metrics-port`` once a second.
+- ``fixed 1P1D``: ``pdserve up`` with its defaults.
+
+Workload (simulated, perf/planner_sim.py): 8 GPUs, ``Profile.synthetic()`` (an H200-like 8B
+model, illustrative roofline numbers), ISL 512-1536 / OSL 128-384, 8 -> 80 -> 8 req/s over
+900 s, TTFT <= 500 ms and ITL <= 20 ms at p90, 30 s windows, 60 s worker start; autoscale vs
+fixed 1P1D vs the advisor's best P:D for the peak rate.
+
+    .venv/bin/python -m perf.planner_bench                 # both (about 8 minutes)
+    .venv/bin/python -m perf.planner_bench --mode sim      # the simulated half only (seconds)
+
+Writes perf/results/planner_bench.json, planner_ramp_cpu.png and planner_ramp_sim8gpu.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from pdserve.services.processes import free_port
+from pdserve.shared.bench.client import (
+    ClientConfig,
+    RequestRecord,
+    discover_model,
+    send_completion,
+)
+from pdserve.shared.bench.datasets import BenchRequest
+from pdserve.shared.planner.profile import Profile
+from pdserve.shared.planner.sim_data import RateSchedule
+from pdserve.shared.planner.workload import SLO
+from perf.planner_sim import PHASES, SimSetup, plot_timeline, run_sim, table
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "perf" / "results"
+MODEL = "smollm2-135m-instruct"
+READY_TIMEOUT = 300.0
+CPU_SLO = SLO(2000.0, 150.0, "p90")
+ISL, OSL, VOCAB = 128, 32, 49152
+
+
+def arrivals(schedule: RateSchedule, seed: int) -> np.ndarray:
+    """Poisson arrivals whose rate follows the schedule: candidates at the peak rate, each kept
+    with probability rate(t) / peak (thinning)."""
+    rng = np.random.default_rng(seed)
+    n = int(schedule.peak * schedule.duration * 1.5) + 20
+    t = np.cumsum(rng.exponential(1.0 / schedule.peak, n))
+    t = t[t < schedule.duration]
+    keep = rng.random(len(t)) < np.array([schedule.rate(x) for x in t]) / schedule.peak
+    return t[keep]
+
+
+def start_stack(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    env.update(UCX_WARN_UNUSED_ENV_VARS="n", TOKENIZERS_PARALLELISM="false")
+    env.pop("OMP_NUM_THREADS", None)  # pdserve up sizes its workers' threads itself
+    argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", MODEL, "--port", str(port)]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([*argv, *args], cwd=ROOT, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+    deadline = time.monotonic() + READY_TIMEOUT
+    while "pdserve ready at" not in log.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_stack(proc)
+            raise RuntimeError(f"pdserve up did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def stop_stack(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _series(text: str, name: str) -> dict[str, float]:
+    """role -> value of ``name{role="..."}`` (summed over other labels)."""
+    out: dict[str, float] = {}
+    for m in re.finditer(rf"^{name}{{([^}}]*)}} (\S+)$", text, re.M):
+        role = re.search(r'role="(\w+)"', m.group(1))
+        if role:
+            out[role.group(1)] = out.get(role.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+async def watch(url: str | None, start: float, stop: asyncio.Event) -> list[dict[str, float]]:
+    """The planner's gauges once a second (None: a fixed fleet, nothing to read)."""
+    rows: list[dict[str, float]] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+        while url and not stop.is_set():
+            try:
+                async with session.get(url + "/metrics") as resp:
+                    text = await resp.text()
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                text = ""
+            cur = _series(text, "pdserve_planner_current_workers")
+            if cur:
+                drn = _series(text, "pdserve_planner_draining_workers")
+                act = _series(text, "pdserve_planner_scaling_actions_total")
+                rows.append({"t": time.perf_counter() - start,
+                             "prefill": cur.get("prefill", 0), "decode": cur.get("decode", 0),
+                             "draining": sum(drn.values()), "actions": sum(act.values())})  # fmt: skip
+            try:
+                await asyncio.wait_for(stop.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+    return rows
+
+
+async def drive(base: str, offsets: np.ndarray, metrics: str | None) -> tuple[list, list]:
+    rng = np.random.default_rng(1)
+    reqs = [BenchRequest(rng.integers(100, VOCAB, ISL).tolist(), OSL) for _ in offsets]
+    cfg = ClientConfig(base, await discover_model(base), timeout=300.0)
+    stop = asyncio.Event()
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn,
+                                     timeout=aiohttp.ClientTimeout(total=300)) as session:  # fmt: skip
+        start = time.perf_counter()
+        watcher = asyncio.create_task(watch(metrics, start, stop))
+
+        async def one(i: int) -> RequestRecord:
+            await asyncio.sleep(max(0.0, start + float(offsets[i]) - time.perf_counter()))
+            return await send_completion(session, cfg, reqs[i], i, start)
+
+        records = await asyncio.gather(*(one(i) for i in range(len(offsets))))
+        await asyncio.sleep(3.0)  # a last look at the fleet once the ramp's answers are in
+        stop.set()
+        timeline = await watcher
+    if records and not any(r.success for r in records):
+        raise RuntimeError(f"every request failed, e.g. {records[0].error}")
+    return list(records), timeline
+
+
+def row(label: str, records: list[RequestRecord], timeline: list[dict[str, float]],
+        duration: float, fixed: bool) -> dict[str, Any]:  # fmt: skip
+    q = CPU_SLO.quantile
+
+    def per_request(r: RequestRecord) -> tuple[float, float]:
+        if not r.success:
+            return math.inf, math.inf
+        return 1000 * r.ttft, 1000 * (sum(r.itl) / len(r.itl) if r.itl else 0.0)
+
+    lat = [per_request(r) for r in records]
+    good = sum(1 for t, i in lat if CPU_SLO.met_by(t, i))
+
+    def phase(a: float, b: float) -> float:
+        span = [x for r, x in zip(records, lat, strict=True) if a <= r.start_time < b]
+        return sum(1 for t, i in span if CPU_SLO.met_by(t, i)) / len(span) if span else 1.0
+
+    def pct(k: int) -> float | None:
+        v = sorted(x[k] for x in lat)
+        got = v[min(len(v) - 1, math.ceil(q * len(v)) - 1)] if v else 0.0
+        return None if math.isinf(got) else got
+
+    if fixed:
+        timeline = [{"t": 0.0, "prefill": 1, "decode": 1, "draining": 0, "actions": 0},
+                    {"t": duration, "prefill": 1, "decode": 1, "draining": 0, "actions": 0}]  # fmt: skip
+    # worker-seconds within the ramp: serving and draining workers, each sample held a step
+    ws = 0.0
+    for a, b in zip(timeline, timeline[1:], strict=False):
+        t0, t1 = min(a["t"], duration), min(b["t"], duration)
+        ws += max(0.0, t1 - t0) * (a["prefill"] + a["decode"] + a["draining"])
+    return {
+        "config": label, "requests": len(records),
+        "failed": sum(1 for r in records if not r.success),
+        "attainment": good / len(records) if records else 1.0, "goodput_rps": good / duration,
+        "ttft_ms": pct(0), "itl_ms": pct(1), "worker_seconds": ws,
+        "scaling_actions": int(timeline[-1]["actions"]) if timeline else 0,
+        "max_workers": max((p["prefill"] + p["decode"] + p["draining"] for p in timeline),
+                           default=0),
+        "by_phase": {name: phase(a * duration, b * duration) for name, a, b in PHASES},
+        "timeline": timeline,
+        "errors": sorted({r.error[:120] for r in records if r.error})[:5],
+    }  # fmt: skip
+
+
+def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
+    schedule = RateSchedule.ramp(args.low, args.high, args.duration)
+    offsets = arrivals(schedule, args.seed)
+    profile = Path(args.profile).resolve()
+    slo = ["--slo-ttft-ms", str(CPU_SLO.ttft_ms), "--slo-itl-ms", str(CPU_SLO.itl_ms),
+           "--slo-percentile", CPU_SLO.percentile]  # fmt: skip
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for label in ("autoscale", "fixed 1P1D"):
+            mport = free_port()
+            extra = [] if label != "autoscale" else [
+                "--autoscale", "--planner-profile", str(profile), *slo,
+                "--max-prefill-workers", "2", "--max-decode-workers", "2",
+                "--autoscale-max-cpus", "4", "--autoscale-interval", "5",
+                "--planner-warmup-seconds", "10", "--planner-metrics-port", str(mport)]  # fmt: skip
+            log = Path(tmp) / f"{label.split()[0]}.log"
+            proc, base = start_stack(extra, log)
+            try:
+                metrics = f"http://127.0.0.1:{mport}" if label == "autoscale" else None
+                records, timeline = asyncio.run(drive(base, offsets, metrics))
+            finally:
+                stop_stack(proc)
+            rows.append(row(label, records, timeline, args.duration, label != "autoscale"))
+            # the planner's lines, with the reasons it prints indented below a move
+            said, keep = [], False
+            for ln in log.read_text(errors="replace").splitlines():
+                keep = "pdserve autoscale:" in ln or (keep and ln.startswith("  "))
+                if keep:
+                    said.append(ln)
+            rows[-1]["planner_log"] = said[-400:]
+            print(f"{label}: {rows[-1]['attainment']:.1%} good, {rows[-1]['failed']} failed",
+                  flush=True)  # fmt: skip
+    return {
+        "setup": {"model": MODEL, "profile": str(profile.relative_to(ROOT)),
+                  "isl": ISL, "osl": OSL, "low": args.low, "high": args.high,
+                  "duration_s": args.duration, "seed": args.seed, "requests": len(offsets),
+                  "slo": CPU_SLO.describe(), "cpus": len(os.sched_getaffinity(0))},
+        "schedule": [list(p) for p in schedule.points],
+        "rows": rows,
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mode", choices=("both", "cpu", "sim"), default="both")
+    ap.add_argument("--low", type=float, default=0.3, help="CPU ramp: requests/s at its ends")
+    ap.add_argument("--high", type=float, default=1.0, help="CPU ramp: requests/s at its peak")
+    ap.add_argument("--duration", type=float, default=180.0, help="CPU ramp length, seconds")
+    ap.add_argument("--profile", default=str(RESULTS / "plan_profile_smollm2_2cpu.json"))
+    ap.add_argument("--sim-profile", default="", help="a Profile JSON (default: synthetic)")
+    ap.add_argument("--sim-duration", type=float, default=SimSetup.duration_s)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=str(RESULTS / "planner_bench.json"))
+    ap.add_argument("--plot-dir", default=str(RESULTS))
+    args = ap.parse_args(argv)
+    out: dict[str, Any] = {}
+    plots = Path(args.plot_dir)
+    plots.mkdir(parents=True, exist_ok=True)
+    if args.mode in ("both", "sim"):
+        prof = Profile.load(args.sim_profile) if args.sim_profile else Profile.synthetic()
+        sim = run_sim(SimSetup(duration_s=args.sim_duration, seed=args.seed), prof)
+        print("simulated, 8 GPUs:", sim["setup"]["workload"], sim["setup"]["slo"])
+        print(table(sim["rows"], "GPU"), flush=True)
+        plot_timeline(sim["rows"], sim["schedule"],
+                      f"simulated 8 GPUs: {sim['setup']['slo']}",
+                      plots / "planner_ramp_sim8gpu.png")  # fmt: skip
+        out["sim_8gpu"] = sim
+    if args.mode in ("both", "cpu"):
+        cpu = run_cpu(args)
+        print(f"CPU stack ({cpu['setup']['cpus']} CPUs): {CPU_SLO.describe()}")
+        print(table(cpu["rows"], "worker"), flush=True)
+        plot_timeline(cpu["rows"], cpu["schedule"],
+                      f"{MODEL}, {cpu['setup']['cpus']} CPUs: {CPU_SLO.describe()}",
+                      plots / "planner_ramp_cpu.png")  # fmt: skip
+        out["cpu"] = cpu
+    Path(args.json).write_text(json.dumps(out, indent=1, default=str) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()
