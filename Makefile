@@ -73,6 +73,7 @@ bench: setup
 	$(PY) -m perf.structured_bench --json perf/results/structured_bench.json
 	$(PY) -m perf.spec_bench --json perf/results/spec_bench.json
 	$(PY) -m perf.migration_bench --json perf/results/migration_bench.json
+	$(PY) -m perf.roofline_bench
 
 # The CPU image for compose (pdserve:latest-cpu), built without any registry: a debootstrap base,
 # the host's CA bundle and local wheels as optional inputs (compose/build-image.sh). tests/docker

@@ -13,9 +13,14 @@
 #      ucx_perftest tag_bw, cuda -> cuda, with the endpoint settings of pdserve's KV path
 #      (ucxx's peer-failure handling, UCX_MM_ERROR_HANDLING=y); cuda_ipc is the fast path, so
 #      anything else is logged as a warning. Recorded, never failing the check.
+#   7. the roofline of the engine's passes on this GPU (issue 34, perf/roofline_bench.py): a
+#      random-weight Llama of Llama-3.2-1B's shape in bf16 and with INT8 weights, decode at batch
+#      1/4/16/64 and prefills of 512-2048 tokens against the GPU's peaks measured (full) before
+#      and after; roofline_gpu.json (+ .png when matplotlib is there) in OUTDIR.
 # Everything lands in OUTDIR (default perf/results/gpu_check). Each step has its own timeout;
-# the worst case stays under ~10 minutes. Exit status: 0 only if tests pass, the TP-1 engine
-# check passes and every timed Triton result matched SDPA.
+# the worst case stays under ~12 minutes (typical runs take ~3). Exit status: 0 only if tests
+# pass, the TP-1 engine check and the roofline run pass and every timed Triton result matched
+# SDPA.
 #
 #   bash perf/gpu_check.sh [OUTDIR]
 #
@@ -28,9 +33,9 @@
 #
 # Python packages a bare torch machine may lack are borrowed from a dev venv that travelled
 # along (.venv/lib/python3.*/site-packages) or from the folder $GPU_CHECK_SITE: pytest (pytest
-# _pytest pluggy iniconfig packaging pygments) for step 1, and llguidance (+ its .dist-info),
-# msgpack and safetensors for step 2 (abi3 builds, and msgpack falls back to pure Python: any
-# Python 3 takes them).
+# _pytest pluggy iniconfig packaging pygments) for step 1, llguidance (+ its .dist-info),
+# msgpack and safetensors for step 2, tokenizers for step 7's model (abi3 builds, and msgpack
+# falls back to pure Python: any Python 3 takes them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-perf/results/gpu_check}"
@@ -94,6 +99,7 @@ borrow pytest pytest _pytest pluggy iniconfig packaging pygments py.py
 borrow llguidance llguidance "llguidance-*.dist-info"
 borrow msgpack msgpack
 borrow safetensors safetensors
+borrow tokenizers tokenizers "tokenizers-*.dist-info"
 
 status=0
 if "$PY" -c "import pytest" > /dev/null 2>&1; then
@@ -177,6 +183,16 @@ else
         *) log "WARN: UCX did not pick cuda_ipc between two processes of this host: KV moves through host memory or TCP (see $OUT/ucx_gpu_transport.txt)" ;;
     esac
 fi
+
+log "roofline of the engine's passes on this GPU (issue 34)..."
+# the random model goes to a temp dir, the peaks are measured, not read from a cache
+PDSERVE_CACHE_DIR="$(mktemp -d)" timeout -k 5 90 "$PY" -m perf.roofline_bench --device cuda \
+    --random-shape llama-1b --reps 1 --warm-steps 3 --steps 16 \
+    --json "$OUT/roofline_gpu.json" --plot "$OUT/roofline_gpu.png" > "$OUT/roofline_gpu.txt" 2>&1
+rc=$?
+log "roofline rc=$rc"
+sed -n '/^roof:/,$p' "$OUT/roofline_gpu.txt" | tee -a "$OUT/summary.txt"
+[ $rc -eq 0 ] || { tail -n 5 "$OUT/roofline_gpu.txt" | tee -a "$OUT/summary.txt"; status=1; }
 
 log "done, status=$status; results in $OUT"
 exit $status

@@ -108,6 +108,9 @@ class BenchMetrics:
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # the server's forward passes during the run by phase, against its workers' measured peaks
+    # (bottleneck.py's PhaseBottleneck as a dict; empty: none exposed)
+    bottleneck: dict[str, dict] = field(default_factory=dict)
 
     @property
     def spec_acceptance_rate(self) -> float | None:

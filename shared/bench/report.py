@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.shared.bench import bottleneck
 from pdserve.shared.bench.metrics import is_good, request_tpot
 from pdserve.shared.bench.results import (
     RunResult,
@@ -304,6 +305,11 @@ def write_report(
     md = [f"# {name}", "", markdown_table(runs)]
     if summary:
         md += ["", *(f"- {k}: {v}" for k, v in summary.items()), ""]
+    # which roof each phase hit (servers that export pdserve's roofline series)
+    roofs = bottleneck.markdown([(f"{r.series} @ {r.rate_label} req/s", r.metrics.bottleneck)
+                                 for r in runs])  # fmt: skip
+    if roofs:
+        md += ["", roofs]
     if plots and any(r.records for r in runs):
         paths["cdf"] = out_dir / f"{name}_latency_cdf.png"
         plot_latency_cdfs(runs, paths["cdf"], title=name)

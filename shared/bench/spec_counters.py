@@ -54,14 +54,23 @@ def parse_spec(text: str) -> SpecTotals | None:
     return totals if found else None
 
 
-def scrape_spec(
-    base_url: str, api_key: str | None = None, timeout: float = 5.0
-) -> SpecTotals | None:
-    """``base_url``'s /metrics totals; None when it exposes none or cannot be read."""
+def scrape_metrics(base_url: str, api_key: str | None = None, timeout: float = 5.0) -> str | None:
+    """``base_url``'s /metrics page; None when it cannot be read."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     req = urllib.request.Request(base_url.rstrip("/") + "/metrics", headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return parse_spec(resp.read().decode(errors="replace"))
+            return resp.read().decode(errors="replace")
     except (OSError, ValueError):
+        return None
+
+
+def scrape_spec(
+    base_url: str, api_key: str | None = None, timeout: float = 5.0
+) -> SpecTotals | None:
+    """``base_url``'s /metrics totals; None when it exposes none or cannot be read."""
+    page = scrape_metrics(base_url, api_key, timeout)
+    try:
+        return parse_spec(page) if page is not None else None
+    except ValueError:  # not a Prometheus page
         return None

@@ -1,6 +1,6 @@
 """One `pdserve bench` invocation's work: the workload its options describe, a warm-up, one
-measured run per request rate (with the server's speculation counters around it), and the summary
-printed after each. The scenario harness (perf/scenarios.py) drives the same pieces per topology.
+measured run per request rate (with the server's speculation and roofline counters around it:
+``spec_counters``, ``bottleneck``), and the summary printed after each. The scenario harness (perf/scenarios.py) drives the same pieces per topology.
 
 The options themselves are ``cli``, which imports this module only when a benchmark runs.
 """
@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.shared.bench import bottleneck as bn
 from pdserve.shared.bench import datasets as ds
 from pdserve.shared.bench.client import (
     ClientConfig,
@@ -23,7 +24,7 @@ from pdserve.shared.bench.client import (
 )
 from pdserve.shared.bench.metrics import compute_metrics, max_goodput_rate, parse_goodput
 from pdserve.shared.bench.results import RunResult
-from pdserve.shared.bench.spec_counters import scrape_spec
+from pdserve.shared.bench.spec_counters import SpecTotals, parse_spec, scrape_metrics
 
 # Seed offsets: each rate of a sweep and the warm-up get prompts of their own, so a server's
 # prefix cache can never answer a later run from an earlier one. Every side of a comparison
@@ -31,8 +32,8 @@ from pdserve.shared.bench.spec_counters import scrape_spec
 WARMUP_SEED_OFFSET = 1_000_003
 CLIENT_BUSY = 0.7  # client CPU per wall second above which its numbers are suspect
 CALIBRATION_SEED_OFFSET = 2_000_003
-# pdserve's gateway learns its workers' speculation totals from their heartbeats (0.5 s apart
-# by default): wait that long after a run before reading them
+# pdserve's gateway learns its workers' speculation and roofline totals from their heartbeats
+# (0.5 s apart by default): wait that long after a run before reading them
 SPEC_SETTLE_S = 1.0
 
 
@@ -101,19 +102,40 @@ async def measure_rate(
     """One measured run of `requests` at `rate`; returns a RunResult with its metrics."""
     conc = max_concurrency if max_concurrency is not None else ns.max_concurrency
     load = LoadConfig(rate, ns.burstiness, conc, ns.seed + seed_offset)
-    spec_before = await asyncio.to_thread(scrape_spec, cfg.base_url, cfg.api_key)
+    spec_before, roof_before = await server_counters(cfg)
+    if roof_before is not None:
+        # the warm-up's (or the previous run's) last passes reach the gateway with the next
+        # heartbeat: read again once it came, so they are not counted as this run's
+        await asyncio.sleep(SPEC_SETTLE_S)
+        spec_before, roof_before = await server_counters(cfg)
     run = await run_benchmark(requests, cfg, load, ns.progress, desc=f"{series} @ {rate:g}/s")
     metrics = compute_metrics(run.records, run.duration, slos, ns.percentiles)
     metrics.client_cpu_fraction = run.client_cpu_s / run.duration
-    if spec_before is not None:  # the server speculates: what did this run draft and accept?
+    if spec_before is not None or roof_before is not None:
         await asyncio.sleep(SPEC_SETTLE_S)
-        spec_after = await asyncio.to_thread(scrape_spec, cfg.base_url, cfg.api_key)
-        if spec_after is not None:
+        spec_after, roof_after = await server_counters(cfg)
+        if spec_before is not None and spec_after is not None:
+            # the server speculates: what did this run draft and accept?
             spec = spec_after.since(spec_before)
             metrics.spec_drafts = int(spec.drafts)
             metrics.spec_draft_tokens = int(spec.draft_tokens)
             metrics.spec_accepted_tokens = int(spec.accepted_tokens)
+        if roof_before is not None and roof_after is not None:
+            # which roof each phase's forward passes hit during the run
+            metrics.bottleneck = bn.as_dicts(bn.bottleneck(roof_before, roof_after))
     return RunResult(series, rate, ns.burstiness, conc, metrics, run.records)
+
+
+async def server_counters(cfg: ClientConfig) -> tuple[SpecTotals | None, bn.Snapshot | None]:
+    """The server's speculation and roofline counters from one read of its /metrics (None for
+    what it does not expose, or both when the page cannot be read)."""
+    page = await asyncio.to_thread(scrape_metrics, cfg.base_url, cfg.api_key)
+    if page is None:
+        return None, None
+    try:
+        return parse_spec(page), bn.parse_roofline(page)
+    except ValueError:  # not a Prometheus page
+        return None, None
 
 
 async def bench_sweep(ns: argparse.Namespace) -> list[RunResult]:
@@ -157,6 +179,7 @@ def print_summary(result: RunResult) -> None:
             f"({m.spec_accepted_tokens}/{m.spec_draft_tokens} draft tokens), "
             f"mean acceptance length {m.spec_mean_acceptance_length:.2f} over {m.spec_drafts} drafts"
         )
+    lines += bn.summary_lines(m.bottleneck)
     if m.client_cpu_fraction > CLIENT_BUSY:
         lines.append(
             f"warning: the bench client used {m.client_cpu_fraction:.0%} of a core; it may be "

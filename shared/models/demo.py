@@ -79,13 +79,17 @@ def ensure_demo_model() -> Path:
     return target
 
 
-def write_demo_model(out: Path, seed: int = 0) -> None:
+def write_demo_model(out: Path, seed: int = 0, config: dict | None = None) -> None:
+    """The demo model into ``out``; ``config`` (a Llama config.json's keys, default the demo's)
+    writes a random Llama of another shape instead (perf/roofline_bench.py's realistic ones),
+    its weights stored at its ``torch_dtype``, without an LM head when it ties its embeddings."""
     # torch is imported here, not at the top: the gateway finds the demo model's tokenizer through
     # this module and must stay torch-free.
     import torch
     from safetensors.torch import save_file
 
-    cfg = DEMO_CONFIG
+    cfg = DEMO_CONFIG if config is None else config
+    dtype = getattr(torch, cfg.get("torch_dtype", "float32"))
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int, std: float = 0.05) -> torch.Tensor:
@@ -95,7 +99,8 @@ def write_demo_model(out: Path, seed: int = 0) -> None:
     q_out = cfg["num_attention_heads"] * cfg["head_dim"]
     kv_out = cfg["num_key_value_heads"] * cfg["head_dim"]
     tensors = {"model.embed_tokens.weight": rand(v, h, std=1.0), "model.norm.weight": torch.ones(h)}
-    tensors["lm_head.weight"] = rand(v, h)
+    if not cfg.get("tie_word_embeddings", False):
+        tensors["lm_head.weight"] = rand(v, h)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}"
         tensors |= {
@@ -109,7 +114,8 @@ def write_demo_model(out: Path, seed: int = 0) -> None:
             f"{p}.input_layernorm.weight": torch.ones(h),
             f"{p}.post_attention_layernorm.weight": torch.ones(h),
         }
-    save_file({k: t.contiguous() for k, t in tensors.items()}, str(out / "model.safetensors"))
+    save_file({k: t.to(dtype).contiguous() for k, t in tensors.items()},
+              str(out / "model.safetensors"))  # fmt: skip
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": cfg["bos_token_id"], "eos_token_id": [257, 260]}, indent=2)

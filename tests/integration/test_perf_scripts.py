@@ -1,5 +1,5 @@
 """Smoke runs of the perf scripts (kv_bench, kv_checksum_bench, load_test, engine_bench,
-stack_bench, tp_bench) at toy sizes (real processes)."""
+stack_bench, tp_bench, roofline_bench) at toy sizes (real processes)."""
 
 from __future__ import annotations
 
@@ -170,3 +170,40 @@ def test_kv_checksum_bench_pulls_with_the_check_on_and_off(tmp_path: Path) -> No
     (case,) = json.loads(out.read_text())["cases"]
     assert case["blocks"] == 2 and case["off_gbps"] > 0 and case["on_gbps"] > 0
     assert case["verify_ms"] > 0 and case["lease_hash_gbps"] > 0
+
+
+def test_roofline_bench_reads_each_pass_against_both_peaks(tmp_path: Path) -> None:
+    """perf/roofline_bench.py (issue 34) on a tiny random-weight Llama: the peaks before and
+    after, the roof their maximum, each case's passes counted as the engine counted them (a
+    prefill of 64 tokens: the analytic FLOPs), and the plot."""
+    from pdserve.shared.telemetry.roofline import ModelCost, ModelShape, Storage, step_shape
+    from perf.roofline_bench import RANDOM_SHAPES
+
+    out, png = tmp_path / "roof.json", tmp_path / "roof.png"
+    proc = run_module("perf.roofline_bench", "--random-shape", "tiny", "--reps", "2",
+                      "--quick-peaks", "--batches", "1", "4", "--int8-batches", "1",
+                      "--prefill-lens", "64", "--steps", "3", "--json", str(out), "--plot",
+                      str(png), timeout=240)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    before, after, roof = (doc["peaks"][k] for k in ("before", "after", "roof"))
+    assert roof["flops_per_s"] == max(before["flops_per_s"], after["flops_per_s"])
+    assert roof["bytes_per_s"] == max(before["bytes_per_s"], after["bytes_per_s"])
+    cases = {c["name"]: c for c in doc["cases"]}
+    assert list(cases) == ["decode b1", "decode b4", "decode b1 int8", "prefill 64"]
+    for c in cases.values():
+        assert len(c["rounds"]) == 2
+        assert all(r["steps"] == (3 if c["phase"] == "decode" else 1) for r in c["rounds"])
+        r = c["result"]
+        assert r["bound"] in ("compute", "memory") and r["advice"].startswith(c["phase"])
+        assert r["bandwidth_fraction"] == r["bytes_per_s"] / roof["bytes_per_s"]
+    # INT8 weights move fewer bytes for the same FLOPs
+    b1, b1_int8 = cases["decode b1"]["rounds"][0], cases["decode b1 int8"]["rounds"][0]
+    assert b1_int8["flops"] == b1["flops"] and b1_int8["bytes"] < b1["bytes"] / 2
+    s = RANDOM_SHAPES["tiny"]
+    shape = ModelShape(s["num_hidden_layers"], s["hidden_size"], s["num_attention_heads"],
+                       s["num_key_value_heads"], s["head_dim"], s["intermediate_size"],
+                       s["vocab_size"])  # fmt: skip
+    prefill = ModelCost(shape, Storage(0, 0, 0, 0)).cost(step_shape([64], [0], 0, False, 1, 1))
+    assert cases["prefill 64"]["rounds"][1]["flops"] == prefill.flops
+    assert png.read_bytes().startswith(b"\x89PNG") and png.stat().st_size > 20_000

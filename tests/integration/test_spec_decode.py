@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -209,3 +210,44 @@ def test_a_request_may_opt_out(stack):
     expected = hf_greedy(model, PROMPTS[:1], MAX_TOKENS)[0]
     assert complete(base, PROMPTS[0], "spec-out", speculate=False) == text(model, expected)
     assert counters(worker, "pdserve_worker_spec_decode_num_drafts") == before
+
+
+def test_bench_reports_each_phases_bottleneck(stack, tmp_path, capsys):
+    """``pdserve bench`` against the stack: its report's bottleneck section, per phase, from the
+    gateway's per-worker roofline totals before and after the run (shared/bench/bottleneck.py),
+    beside the speculation it reads the same way."""
+    from pdserve.cli import main as cli_main
+    from pdserve.services.engine.model_config import ModelConfig
+    from pdserve.shared.telemetry.roofline import ModelCost, ModelShape, Storage, step_shape
+
+    base, _, model, _ = stack
+    rc = cli_main(["bench", "--base-url", base, "--num-requests", "4", "--input-len", "24",
+                   "--output-len", "12", "--request-rate", "inf", "--result-dir", str(tmp_path),
+                   "--result-name", "roof", "--no-plots", "--no-progress"])  # fmt: skip
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "bottleneck (forward passes during the run" in out
+    doc = json.loads((tmp_path / "roof.json").read_text())
+    m = doc["runs"][0]["metrics"]
+    assert m["completed"] == 4 and m["spec_drafts"] > 0
+    phases = m["bottleneck"]
+    assert phases["prefill"]["workers"] == ["spec-p0"] and phases["decode"]["workers"] == [
+        "spec-d0"
+    ]
+    for phase, b in phases.items():
+        assert b["flops"] > 0 and b["bytes"] > 0 and b["busy_seconds"] > 0
+        assert b["intensity"] == pytest.approx(b["flops"] / b["bytes"])
+        # a tiny model's passes are overhead, far below either roof; never above one
+        assert 0 < b["compute_fraction"] < 1 and 0 < b["bandwidth_fraction"] < 1
+        assert b["bound"] in ("compute", "memory") and b["advice"].startswith(f"{phase} at ")
+        assert f"  {phase}: {b['bound']}-bound: " in out
+    # the run's passes only, not the warm-up request's before it: the prefill FLOPs are those
+    # of its 4 prompts of 24 tokens (one logits row each), however they were packed into passes
+    cfg = ModelConfig.from_dir(Path(model))
+    shape = ModelShape(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                       cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)  # fmt: skip
+    prompts = step_shape([24] * 4, [0] * 4, 0, False, logit_rows=4, lm_head_calls=4)
+    expected = ModelCost(shape, Storage(0, 0, 0, 0)).cost(prompts).flops
+    assert phases["prefill"]["flops"] == pytest.approx(expected, rel=1e-9)
+    md = (tmp_path / "roof.md").read_text()
+    assert "## Bottleneck" in md and "| pdserve @ inf req/s | decode |" in md
