@@ -40,7 +40,6 @@ import json
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -63,6 +62,7 @@ from pdserve.shared.planner.profile import Profile
 from pdserve.shared.planner.sim_data import RateSchedule
 from pdserve.shared.planner.workload import SLO
 from perf.planner_sim import PHASES, SimSetup, plot_timeline, run_sim, table
+from perf.stack_bench import stop_stack  # Popen.send_signal skips a process already reaped
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "perf" / "results"
@@ -99,16 +99,6 @@ def start_stack(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
             raise RuntimeError(f"pdserve up did not start:\n{log.read_text()[-3000:]}")
         time.sleep(0.5)
     return proc, f"http://127.0.0.1:{port}"
-
-
-def stop_stack(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def _series(text: str, name: str) -> dict[str, float]:
