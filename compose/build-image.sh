@@ -43,6 +43,9 @@ if [ "$variant" = cpu ]; then
 elif [ -n "${BASE_IMAGE:-}" ]; then
     set -- "$@" --build-arg BASE_IMAGE="$BASE_IMAGE"
 fi
+# The tree the image was built from (compose/source_digest.py): the container test tiers rebuild
+# an image whose label differs from the working tree's, instead of testing older code.
+set -- "$@" --label "org.pdserve.source-digest=$(python3 "$here/source_digest.py" "$repo")"
 status=0
 docker build --network host -f "$here/Dockerfile" -t "$image" "$@" "$repo" || status=$?
 rm -rf "$inputs/wheels" "$inputs/ca-certificates.crt"

@@ -17,10 +17,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from tests.docker.image import IMAGE, is_current, rebuild
+
 # Link-local only (169.254.0.0/16): traffic towards private ranges is flagged where this runs.
 DOCKERD_BRIDGE = "169.254.77.1/24"
 DOCKERD_POOL = "base=169.254.96.0/20,size=24"
-IMAGE = os.environ.get("PDSERVE_TEST_IMAGE", "pdserve:latest-cpu")
 
 
 class NoDocker(Exception):
@@ -116,6 +117,12 @@ def docker_engine(log: Path) -> Iterator[Engine]:
     try:
         if not docker("images", "-q", IMAGE, check=False):
             raise NoDocker(f"image {IMAGE} is not built: run `make image` (compose/build-image.sh)")
+        if not is_current("docker"):
+            why = rebuild(log.with_name("make-image.log"))
+            if why is not None:
+                raise NoDocker(
+                    f"image {IMAGE} is from another tree, and rebuilding it failed: {why}"
+                )
         yield Engine(compose, started)
     finally:
         if started is not None:

@@ -20,9 +20,10 @@ from typing import Any
 
 import yaml
 
+from tests.docker.image import IMAGE, is_current
+
 REPO = Path(__file__).resolve().parents[2]
 OVERLAY = REPO / "compose" / "kubernetes" / "overlays" / "cpu"
-IMAGE = os.environ.get("PDSERVE_TEST_IMAGE", "pdserve:latest-cpu")
 # Not 10/8, 172.16/12 or 192.168/16 (traffic to those is flagged where this runs), and not
 # link-local: UCX's TCP transport leaves link-local interfaces out. 198.18.0.0/15 is the
 # benchmarking range the multihost tier uses too.
@@ -99,7 +100,31 @@ def find_podman(workdir: Path) -> Podman:
             f"image {IMAGE} is not in podman's storage: run `make image` (with podman "
             f"installed it loads the image there too), or `docker save {IMAGE} | podman load`"
         )
+    if not is_current("podman", podman.env):
+        _refresh(podman, workdir)
     return podman
+
+
+def _refresh(podman: Podman, workdir: Path) -> None:
+    """Podman's copy of the image was built from another tree: docker rebuilds it if its own is
+    stale too (`make image` loads it here), else its current one is copied over."""
+    from tests.docker.engine import NoDocker, docker_engine
+
+    try:
+        with docker_engine(workdir / "dockerd.log"):
+            if not is_current("podman", podman.env):
+                subprocess.run(
+                    ["sh", "-c", 'docker save "$1" | podman load', "sh", IMAGE],
+                    env=podman.env, capture_output=True, timeout=900, check=True,
+                )  # fmt: skip
+    except (NoDocker, subprocess.SubprocessError) as exc:
+        raise NoPodman(
+            f"image {IMAGE} is from another tree and could not be rebuilt: {exc}"
+        ) from None
+    if not is_current("podman", podman.env):
+        raise NoPodman(
+            f"image {IMAGE} in podman's storage is still from another tree after a rebuild"
+        )
 
 
 def _exists(podman: Podman) -> bool:

@@ -337,13 +337,16 @@ async def test_stopping_a_prefill_pod_during_pulls_loses_nothing(cluster: Cluste
     await asyncio.wait_for(task, 300)
     await asyncio.to_thread(stopper.join, 120)
     print(f"{victim}: {leases[victim]} leases at SIGTERM; /ready then: {status} {at_drain}")
-    assert_same(results, reference)
+    logs = cluster.podman.logs(f"{victim}-prefill", 100_000)
+    try:
+        assert_same(results, reference)
+    except AssertionError as failed:  # the drain as the stopped worker told it
+        raise AssertionError(f"{failed}\n{victim}'s log:\n{logs[-4000:]}") from None
     for d in decode:  # every pull succeeded: nothing failed, nothing was prefilled again
         for c in counters:
             assert metric_sum(cluster.url(d), c) == before[(d, c)], (d, c)
     state = cluster.podman("pod", "inspect", victim, "--format", "{{.State}}")
     assert state == "Exited", state
-    logs = cluster.podman.logs(f"{victim}-prefill", 100_000)
     exit_code = cluster.podman("inspect", f"{victim}-prefill", "--format", "{{.State.ExitCode}}")
     assert exit_code == "0", logs[-3000:]  # it left by itself, before the grace period's SIGKILL
     # Prompts it had not finished within PDSERVE_DRAIN_SECONDS (30 s) are retried by the
