@@ -59,8 +59,11 @@ def test_keys_that_slug_alike_keep_their_own_files(tmp_path: Path) -> None:
 def test_a_full_measurement_beats_a_quick_one(tmp_path: Path) -> None:
     quick, full = replace(PEAKS, flops_per_s=1e11), replace(PEAKS, flops_per_s=2e11)
     assert peaks.store(quick, KEY, True, tmp_path)
-    assert peaks.store(replace(quick, bytes_per_s=1e10), KEY, True, tmp_path)  # quick over quick
-    assert peaks.read_cached(KEY, tmp_path) == (replace(quick, bytes_per_s=1e10), True)
+    # quick over quick: the highest of each roof (one under contention reads low, never high)
+    assert peaks.store(replace(quick, bytes_per_s=1e10, flops_per_s=3e11), KEY, True, tmp_path)
+    assert peaks.read_cached(KEY, tmp_path) == (replace(quick, flops_per_s=3e11), True)
+    assert peaks.quick_runs(KEY, tmp_path) == 2
+    assert peaks.store(quick, KEY, True, tmp_path)
     assert peaks.store(full, KEY, False, tmp_path)  # full over quick
     assert peaks.read_cached(KEY, tmp_path) == (full, False)
     assert not peaks.store(quick, KEY, True, tmp_path)  # quick never over full
@@ -161,3 +164,21 @@ def test_the_doctor_reports_peaks_beside_the_ucx_figures() -> None:
     assert [c.status for c in report.checks] == [OK, FAIL] and report.exit_code == 1
     assert "cpu float32, 2 thread(s): measuring failed: CUDA out of memory" in text
     assert report.data["peaks"] == [found]
+
+
+def test_starts_measure_again_until_enough_quick_runs_merged(tmp_path: Path, monkeypatch) -> None:
+    """A start beside other loading workers reads low: the next starts measure again and the
+    cache keeps the highest, until QUICK_RUNS readings are in; then starts only read it."""
+    readings = iter([2e10, 5e10, 4e10])
+    calls = []
+
+    def fake(device, dtype, threads, plan):
+        calls.append(plan)
+        return replace(PEAKS, bytes_per_s=next(readings)), {}
+
+    monkeypatch.setattr(peaks, "measure_with", fake)
+    monkeypatch.setattr(peaks, "cache_key", lambda device, dtype, threads: KEY)
+    got = [peaks.load_or_measure("cpu", "float32", 2, tmp_path).bytes_per_s for _ in range(5)]
+    assert got == [2e10, 5e10, 5e10, 5e10, 5e10]
+    assert len(calls) == peaks.QUICK_RUNS == 3
+    assert peaks.quick_runs(KEY, tmp_path) == 3
