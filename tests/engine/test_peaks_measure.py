@@ -35,17 +35,22 @@ def test_not_a_float_dtype_is_refused() -> None:
 
 
 def test_load_or_measure_measures_once_then_reads_the_cache(tmp_path: Path) -> None:
-    """The quick measurement a worker makes at start (sizes as a worker's), cached: the second
-    start reads it; a damaged file is measured again and rewritten whole."""
+    """The quick measurement a worker makes at start (sizes as a worker's), cached: the first
+    QUICK_RUNS starts measure and merge by maximum, later starts read it; a damaged file is
+    measured again and rewritten whole."""
     first = peaks.load_or_measure("cpu", "float32", 1, tmp_path)
     assert first.threads == 1 and first.flops_per_s > 1e6 and first.bytes_per_s > 1e6
     (path,) = tmp_path.iterdir()
     body = json.loads(path.read_text())
-    assert body["quick"] is True and body["read_bytes"] >= 64 << 20
-    assert peaks.load_or_measure("cpu", "float32", 1, tmp_path) == first  # not re-measured
+    assert body["quick"] is True and body["read_bytes"] >= 64 << 20 and body["quick_runs"] == 1
+    for _ in range(peaks.QUICK_RUNS - 1):
+        merged = peaks.load_or_measure("cpu", "float32", 1, tmp_path)
+    assert merged.bytes_per_s >= first.bytes_per_s and merged.flops_per_s >= first.flops_per_s
+    assert json.loads(path.read_text())["quick_runs"] == peaks.QUICK_RUNS
+    assert peaks.load_or_measure("cpu", "float32", 1, tmp_path) == merged  # not re-measured
     path.write_text(path.read_text()[:40])
     again = peaks.load_or_measure("cpu", "float32", 1, tmp_path)
-    assert again.measured_at > first.measured_at
+    assert again.measured_at > merged.measured_at
     assert peaks.read_cached(peaks.cache_key("cpu", "float32", 1), tmp_path) == (again, True)
 
 

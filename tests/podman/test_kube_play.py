@@ -321,12 +321,17 @@ async def test_stopping_a_prefill_pod_during_pulls_loses_nothing(cluster: Cluste
     prefill = cluster.role_pods("prefill")
     await until(leased, "KV leased on a prefill pod", 180)
     victim = max(leases, key=leases.get)
-    # `podman pod stop` sends SIGTERM and waits the grace period the manifest gives the pod
-    # before SIGKILL; it blocks until the pod is down.
+    # As the kubelet ends a pod: SIGTERM to the worker's container, SIGKILL after the grace
+    # period, and the sandbox (podman's infra container, which holds the pod's network) last.
+    # `podman pod stop` alone will not do: podman 4.3 stops the infra container beside the
+    # others, so the draining worker lost its network mid-drain and its leases went unpulled.
     grace = "45"
-    stopper = threading.Thread(
-        target=cluster.podman, args=("pod", "stop", "-t", grace, victim), kwargs={"timeout": 120}
-    )
+
+    def stop_pod() -> None:
+        cluster.podman("stop", "-t", grace, f"{victim}-prefill", timeout=120)
+        cluster.podman("pod", "stop", victim, timeout=60)
+
+    stopper = threading.Thread(target=stop_pod)
     stopper.start()
     status, at_drain = 0, {}
     for _ in range(100):  # the drain as the kubelet's readiness probe sees it
