@@ -12,12 +12,14 @@ address path listens only where ``pdserve.shared.kv.ucx_config`` lets UCX's tran
 (``--ucx-host``/``--ucx-port``). Tags are 64-bit; every pull draws a fresh random tag ``T``, so
 pulls on one endpoint run concurrently and never see each other's messages::
 
-    decode -> prefill   on the server's control tag: u32 length + msgpack {bus_id, token,
-                        fingerprint, runs: [[src, n]..], reply_to: the decode worker's UCX
-                        address, tag: T, heads: [lo, hi], whole: bool, checksum: bool}
+    decode -> prefill   on the server's control tag: u32 length + msgpack {v: the wire version
+                        (wire.KV_WIRE_VERSION), bus_id, token, fingerprint, runs: [[src, n]..],
+                        reply_to: the decode worker's UCX address, tag: T, heads: [lo, hi],
+                        whole: bool, sliced: the form the puller posted its receives for,
+                        checksum: bool}
+    prefill -> decode   on T+2: one message per run, straight from / into the cache tensors
     prefill -> decode   on T+1: one fixed-size reply (ok as blocks, ok as head slices, or the
                         reason for a refusal; a yes says how many checksums per block follow)
-    prefill -> decode   on T+2: one message per run, straight from / into the cache tensors
     prefill -> decode   on T+3, if asked (``--kv-checksum``): the xxh3 hash of each pulled
                         (block, KV head), taken at lease time, which the puller checks against
                         what landed (``checksum.py``)
@@ -25,18 +27,25 @@ pulls on one endpoint run concurrently and never see each other's messages::
 Tensor parallelism: each rank's cache holds only its KV heads ``[lo, hi)`` (``heads=``), and the
 two ends may run different TP sizes (fingerprints are compared without ``tensor_parallel_size``).
 A decode rank pulls each piece of its ``tp_layout.pull_plan`` from the prefill rank that holds it
-(``pull(address=, heads=)``). ``whole`` says the heads are all the puller holds; if they are also
-all the server holds, whole blocks move as above. Otherwise a run's message is, for each part of
+(``pull(address=, heads=)``). ``whole`` says the heads are all the puller holds; with equal TP sizes they
+are also all the server holds, and whole blocks move as above (``sliced`` false). Otherwise a run's message is, for each part of
 the storage (``split=``: values, then scales for a quantized cache), its ``[run, :, :, :, heads]``
 slice made contiguous, concatenated: packed into staging by the server (sent in place when the
 slice is contiguous), unpacked from staging into the puller's head slice (received in place when
 contiguous). The server refuses heads it does not hold.
 
-The puller posts the receive for the reply before it sends the request, and its receives into
-its blocks once the reply says yes, all on its endpoint to the server. If the data does not come
-in time the puller aborts that endpoint, which cancels every receive still pointing into its
-blocks (so no late byte can reach blocks given to another request) and, UCX pairing the two
-peers' endpoints, also fails the server's sends at once; a refusal leaves nothing posted.
+The puller posts every receive - the reply, one per run straight into its blocks (or their
+staging), the checksums - before it sends the request, all on its endpoint to the server, and
+wakes once, when the last has completed: the server sends the KV the moment its checks pass,
+with no round trip between its yes and the data (issue 29: on shared memory that round trip and
+the Python around it cost a 1 MiB pull half its speed). The puller decides the form up front
+(whole blocks where both TP sizes are equal, head slices otherwise); a server that cannot send
+that form refuses. A refusal completes each posted receive with an empty message, which writes
+no byte, so the connection - and every other pull on it - lives on. If the data or those
+empties do not come in time, or a server from before version 2 refuses without them, the
+puller aborts that endpoint, which cancels every receive still pointing into its blocks (so no
+late byte can reach blocks given to another request) and, UCX pairing the two peers'
+endpoints, also fails the server's sends at once.
 
 The server checks the lease's secret token before anything else - until then it does not even
 connect back to the address in the request - then the layout fingerprint and that every requested

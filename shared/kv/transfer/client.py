@@ -14,12 +14,14 @@ import torch
 
 from pdserve.shared.bus.protocol import KVHandle
 from pdserve.shared.kv import ucx_config, ucx_progress
-from pdserve.shared.kv.tp_layout import without_tp
+from pdserve.shared.kv.tp_layout import TP_KEY, without_tp
 from pdserve.shared.kv.transfer.checksum import KVChecksumError, KVHasher
 from pdserve.shared.kv.transfer.heads import Heads, HeadSlicer, Split, settle
 from pdserve.shared.kv.transfer.wire import (
+    KV_WIRE_VERSION,
     MAX_CONTROL_BYTES,
     REPLY_BYTES,
+    BlockBytes,
     Endpoints,
     FingerprintMismatch,
     KVTransferError,
@@ -28,11 +30,13 @@ from pdserve.shared.kv.transfer.wire import (
     blocks_for_tokens,
     buffer,
     fingerprint_diff,
+    nbytes,
     own_address,
     parse_address,
     pull_tag,
     reply_sliced,
     reply_sums,
+    reply_version,
     retrieve,
     unpack_reply,
 )
@@ -43,8 +47,8 @@ log = logging.getLogger("pdserve.kv")
 @dataclass
 class _Pull:
     ep: Any
-    # the server said yes, so KV is headed our way on this endpoint (and, once receives are
-    # posted, into our blocks): until all of it is in, only aborting the endpoint stops it
+    # receives into our blocks are posted on this endpoint: until the server has completed
+    # every one (with KV, or with empty messages when it refuses), only an abort cancels them
     incoming: bool = False
 
 
@@ -77,17 +81,33 @@ class KVClient:
         self.block_size = block_size
         self.host = host
         self.port = port
+        self.blocks = BlockBytes(kv_cache)
         self.endpoints = Endpoints()
         self._address: bytes | None = None
+        self._addresses: dict[str, tuple[int, bytes]] = {}  # parsed once per server
+        self._checked: dict | None = None  # the last handle fingerprint that matched ours
+        self._prefix: tuple[dict, bytes] | None = None  # see _request
+
+    def _parse(self, address: str) -> tuple[int, bytes]:
+        parsed = self._addresses.get(address)
+        if parsed is None:
+            parsed = parse_address(address)
+            if len(self._addresses) >= len(self.endpoints.eps) + 64:  # servers come and go
+                self._addresses.clear()
+            self._addresses[address] = parsed
+        return parsed
 
     def check(self, handle: KVHandle) -> None:
         """Raise FingerprintMismatch unless ``handle``'s layout equals ours but for TP (which
         head-sliced pulls bridge)."""
+        if handle.fingerprint == self._checked:  # a worker's handles all carry the same one
+            return
         ours, theirs = without_tp(self.fingerprint), without_tp(handle.fingerprint)
         if theirs != ours:
             raise FingerprintMismatch(
                 f"KV layout of {handle.worker_id} differs ({fingerprint_diff(ours, theirs)})"
             )
+        self._checked = dict(handle.fingerprint)
 
     def own_address(self) -> bytes:
         """Our UCX worker address, where servers send the KV (configures UCX on first use)."""
@@ -137,35 +157,37 @@ class KVClient:
                 f"{n} blocks needed for {handle.num_tokens} tokens; handle has "
                 f"{len(handle.block_ids)}, destination {len(dst_block_ids)}"
             )
-        num_blocks = self.kv_cache.shape[0]
-        if not all(0 <= b < num_blocks for b in dst_block_ids[:n]):
+        dst = dst_block_ids[:n]
+        if dst and (min(dst) < 0 or max(dst) >= self.kv_cache.shape[0]):
             raise KVTransferError("destination block id out of range")
-        control_tag, raw = parse_address(address or handle.ucx_address)
-        runs = block_runs(handle.block_ids[:n], dst_block_ids[:n])
+        control_tag, raw = self._parse(address or handle.ucx_address)
+        runs = block_runs(handle.block_ids[:n], dst)
+        sliced = self._sliced(handle, whole)
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         while True:
             try:
-                ep, reused = await self.endpoints.get(raw)
+                ep, reused = self.endpoints.cached(raw), True
+                if ep is None:
+                    ep, reused = await self.endpoints.get(raw)
             except Exception as exc:  # e.g. UCXXUnreachableError: the prefill worker is gone
                 raise KVTransferError(
                     f"cannot reach {handle.worker_id} for the KV pull: {exc!r}"
                 ) from exc
             pull = _Pull(ep)
             try:
-                stats = await asyncio.wait_for(
-                    self._pull(pull, control_tag, bus_id, handle, runs, want),
-                    deadline - time.monotonic(),
+                stats = await self._pull(
+                    pull, control_tag, bus_id, handle, runs, want, sliced, deadline
                 )
                 break
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if pull.incoming:  # receives point into our blocks: only an abort cancels them
                     self.endpoints.drop(raw, ep)
                 raise KVTransferError(
                     f"KV pull from {handle.worker_id} timed out after {timeout}s"
                 ) from None
-            except KVTransferError:  # refused: nothing of ours is left posted
-                if pull.incoming:  # unless it said yes in a form we cannot take
+            except KVTransferError:  # refused: the server completed our receives, if any
+                if pull.incoming:  # unless it could not (or answered in a form we cannot take)
                     self.endpoints.drop(raw, ep)
                 raise
             except BaseException as exc:
@@ -180,6 +202,44 @@ class KVClient:
         stats.num_blocks = n
         return stats
 
+    def _sliced(self, handle: KVHandle, whole: bool) -> bool:
+        """The form we receive in, decided before the server answers (our receives are posted
+        by then): whole blocks where the server's cache holds exactly our heads, which
+        equal TP sizes mean (``tp_layout.pull_plan`` pulls a range from the rank holding it);
+        else head slices. A server whose heads differ refuses whole blocks."""
+        if not whole:
+            return True
+        if self.slicer.parts is None:
+            return False  # an opaque cache takes whole blocks only
+        return handle.fingerprint.get(TP_KEY, 1) != self.fingerprint.get(TP_KEY, 1)
+
+    def _request(self, bus_id: str, handle: KVHandle, runs, tag: int, heads, sliced) -> Any:
+        """The request message: u32 length + a msgpack map. Its entries that stay the same
+        from pull to pull (version, our address, the fingerprint, checksum) are packed once
+        and spliced in: a map's entries may come in any order, and both parts fit a fixmap
+        (at most 15 entries, the header one byte: 0x80 | count)."""
+        if self._prefix is None or self._prefix[0] != handle.fingerprint:
+            fixed = {"v": KV_WIRE_VERSION, "fingerprint": handle.fingerprint,
+                     "reply_to": self.own_address(), "checksum": self.checksum}  # fmt: skip
+            self._prefix = (dict(handle.fingerprint), msgpack.packb(fixed, use_bin_type=True))
+        fixed_entries = self._prefix[1]
+        varying = msgpack.packb(
+            {
+                "bus_id": bus_id,
+                "token": handle.token,
+                "runs": [[s, n] for s, _, n in runs],
+                "tag": tag,
+                "heads": list(heads),
+                "whole": heads == self.slicer.heads,
+                "sliced": sliced,
+            },
+            use_bin_type=True,
+        )
+        body = bytes([0x80 | 11]) + fixed_entries[1:] + varying[1:]  # 4 + 7 entries
+        if len(body) > MAX_CONTROL_BYTES - 4:
+            raise KVTransferError(f"pull request of {len(body)} bytes is too large")
+        return np.frombuffer(len(body).to_bytes(4, "little") + body, dtype=np.uint8)
+
     async def _pull(
         self,
         pull: _Pull,
@@ -188,69 +248,57 @@ class KVClient:
         handle: KVHandle,
         runs: list[tuple[int, int, int]],
         heads: Heads,
+        sliced: bool,
+        deadline: float,
     ) -> TransferStats:
+        """One try of a pull on ``pull.ep``; its network wait ends at ``deadline``
+        (``time.monotonic``) with TimeoutError."""
         ep, tag = pull.ep, pull_tag()
-        whole = heads == self.slicer.heads
-        body = msgpack.packb(
-            {
-                "bus_id": bus_id,
-                "token": handle.token,
-                "fingerprint": handle.fingerprint,
-                "runs": [[s, n] for s, _, n in runs],
-                "reply_to": self.own_address(),
-                "tag": tag,
-                "heads": list(heads),
-                "whole": whole,
-                **({"checksum": True} if self.checksum else {}),
-            },
-            use_bin_type=True,
-        )
-        if len(body) > MAX_CONTROL_BYTES - 4:
-            raise KVTransferError(f"pull request of {len(body)} bytes is too large")
-        message = np.frombuffer(len(body).to_bytes(4, "little") + body, dtype=np.uint8)
+        message = self._request(bus_id, handle, runs, tag, heads, sliced)
+        # Ask first, then post every receive while the request travels and the server checks
+        # it (UCX holds a message that comes before its receive - eager bytes buffered, a
+        # rendezvous by its announcement - and matches it once the receive is posted). The
+        # server sends the KV the moment its checks pass, the reply beside it: no round trip
+        # between its yes and the data, one wake-up here. A refusal completes our receives
+        # with empty messages (wire.KV_WIRE_VERSION).
+        pull.incoming = True
+        asked = ucx_progress.send(ep, message, control_tag)
+        if sliced:
+            landing = [self.slicer.landing(dst, count, heads) for _, dst, count in runs]
+            buffers = [buffer(t) for t, _ in landing]
+        else:
+            landing = []
+            buffers = [self.blocks.run(dst, count) for _, dst, count in runs]
+        units = self.hasher.units(heads)
         # The reply lands in a buffer of its own, so its receive may outlive a failed pull.
         reply = np.zeros(REPLY_BYTES, dtype=np.uint8)
-        got_reply = asyncio.ensure_future(ucx_progress.recv(ep, reply, tag + 1))
-        got_reply.add_done_callback(retrieve)
-        await asyncio.sleep(0)  # let it post its receive before we ask
-        await asyncio.gather(ucx_progress.send(ep, message, control_tag), got_reply)
+        got_reply = ucx_progress.recv(ep, reply, tag + 1)
+        waits = [asked, got_reply, ucx_progress.recv_many(ep, buffers, tag + 2)]
+        if self.checksum:  # after the runs, on T+3 (checksum.py)
+            sums = np.zeros((sum(count for *_, count in runs), units), dtype=np.uint64)
+            waits.append(ucx_progress.recv(ep, sums, tag + 3))
+        await _answered(waits, got_reply, reply, deadline)
         error = unpack_reply(reply)
         if error is not None:
+            pull.incoming = reply_version(reply) < KV_WIRE_VERSION or not all(
+                f.done() for f in waits
+            )  # an older server leaves our receives posted
             raise KVTransferError(f"{handle.worker_id} refused the pull: {error}")
-        pull.incoming = True
-        sliced = reply_sliced(reply)
-        if sliced and self.slicer.parts is None or not sliced and not whole:
+        pull.incoming = False  # every receive has completed
+        if reply_version(reply) != KV_WIRE_VERSION or reply_sliced(reply) != sliced:
             # whole blocks would overwrite heads we did not ask for; slices need our parts
             raise KVTransferError(f"{handle.worker_id} answered in a form this cache cannot take")
-        units = self.hasher.units(heads)
         if self.checksum and reply_sums(reply) != units:
             raise KVChecksumError(
                 f"{handle.worker_id} sends {reply_sums(reply)} checksums per block, not "
                 f"{units}: the pull cannot be verified"
             )
-        # Only now receive into our blocks: a refusal leaves nothing posted that points there.
-        if sliced:
-            landing = [self.slicer.landing(dst, count, heads) for _, dst, count in runs]
-        else:
-            landing = [(self.kv_cache[dst : dst + count], False) for _, dst, count in runs]
-        # one batch, one future: a receive and a future per run cost a fragmented pull (a run
-        # per block) as much Python time as moving its bytes (ucx_progress, issue 29)
-        received = [ucx_progress.recv_many(ep, [buffer(t) for t, _ in landing], tag + 2)]
-        if self.checksum:  # after the runs, on T+3 (checksum.py)
-            sums = np.zeros((sum(count for *_, count in runs), units), dtype=np.uint64)
-            received.append(asyncio.ensure_future(ucx_progress.recv(ep, sums, tag + 3)))
-        for fut in received:
-            fut.add_done_callback(retrieve)
-        await asyncio.gather(*received)
-        for (_, dst, count), (staging, staged) in zip(runs, landing, strict=True):
-            if staged:
-                self.slicer.unpack(staging, dst, count, heads)
-        pull.incoming = False
-        await settle([t for t, staged in landing if staged])  # the KV is in when we return
-        stats = TransferStats(
-            num_bytes=sum(t.numel() * t.element_size() for t, _ in landing),
-            num_messages=len(landing),
-        )
+        if landing:  # head slices: unpack what came through staging
+            for (_, dst, count), (staging, staged) in zip(runs, landing, strict=True):
+                if staged:
+                    self.slicer.unpack(staging, dst, count, heads)
+            await settle([t for t, staged in landing if staged])  # the KV is in when we return
+        stats = TransferStats(num_bytes=sum(map(nbytes, buffers)), num_messages=len(buffers))
         if self.checksum:  # the blocks as they will be served, off the event loop
             t0 = time.perf_counter()
             dst_runs = [(dst, count) for _, dst, count in runs]
@@ -260,3 +308,43 @@ class KVClient:
 
     async def close(self) -> None:
         self.endpoints.clear()
+
+
+def _answered(
+    waits: list[asyncio.Future], got_reply: asyncio.Future, reply: np.ndarray, deadline: float
+) -> asyncio.Future:
+    """One future for a pull's posted operations: done when all are, failed when one fails or
+    at ``deadline`` (TimeoutError), or done at once on a refusal from an older server (which
+    leaves our receives posted). One future, one wake-up: the reply usually lands before the
+    data, and waking for it would cost a loop turn of Python while the data is moving. The
+    deadline is a timer of the loop's (its clock is ``time.monotonic``): ``asyncio.timeout``
+    cost ~8 us a pull, ``wait_for`` on 3.11 a task and a loop turn more."""
+    loop = got_reply.get_loop()
+    done = loop.create_future()
+    left = len(waits)
+
+    def on_done(fut: asyncio.Future) -> None:
+        nonlocal left
+        left -= 1
+        if done.done():
+            retrieve(fut)
+        elif fut.cancelled():
+            done.set_exception(KVTransferError("a posted operation was cancelled"))
+        elif fut.exception() is not None:
+            done.set_exception(fut.exception())
+        elif left == 0 or (
+            fut is got_reply
+            and unpack_reply(reply) is not None
+            and reply_version(reply) < KV_WIRE_VERSION
+        ):
+            done.set_result(None)
+
+    def on_deadline() -> None:
+        if not done.done():
+            done.set_exception(TimeoutError())
+
+    timer = loop.call_at(deadline, on_deadline)
+    done.add_done_callback(lambda _: timer.cancel())
+    for fut in waits:
+        fut.add_done_callback(on_done)
+    return done

@@ -27,6 +27,7 @@ class Lease:
     checksums: Any = (
         None  # --kv-checksum: its blocks' hashes, or the task taking them (checksum.py)
     )
+    block_set: frozenset[int] | None = None  # block_ids as a set, once a pull checks against it
 
 
 class LeaseTable:

@@ -6,6 +6,8 @@ import asyncio
 import hmac
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -15,24 +17,28 @@ from pdserve.shared.kv.tp_layout import without_tp
 from pdserve.shared.kv.transfer.checksum import KVHasher, hash_lease, lease_sums
 from pdserve.shared.kv.transfer.heads import Heads, HeadSlicer, Split, settle
 from pdserve.shared.kv.transfer.lease import Lease, LeaseTable
+from pdserve.shared.kv.transfer.watch import done_or_after, watch_sends
 from pdserve.shared.kv.transfer.wire import (
+    EMPTY,
+    KV_WIRE_VERSION,
     MAX_CONTROL_BYTES,
     MAX_PENDING_REQUESTS,
-    ORPHAN_GRACE,
     REPLY_TIMEOUT,
+    BlockBytes,
     Endpoints,
-    KVTransferError,
     buffer,
     control_tag,
     fingerprint_diff,
     format_address,
     own_address,
     pack_reply,
-    retrieve,
     unpack_request,
 )
 
 log = logging.getLogger("pdserve.kv")
+# How long the server waits for a transfer it just started before it posts the receive for the
+# next request (one that comes meanwhile waits in UCX): a 1 MiB pull takes ~0.1 ms here.
+REPOST_AFTER = 300e-6
 
 
 class KVServer:
@@ -62,6 +68,10 @@ class KVServer:
         if checksum:
             leases.on_add = lambda lease: hash_lease(self.hasher, lease)
         self.fingerprint = dict(fingerprint)
+        self._layout = without_tp(self.fingerprint)  # what a puller's must equal
+        self._matched: dict | None = None  # the last puller fingerprint that did
+        self.blocks = BlockBytes(kv_cache)
+        self._replies: dict[tuple[bool, int], np.ndarray] = {}
         self.leases = leases
         self.host = host
         self.port = port
@@ -70,7 +80,9 @@ class KVServer:
         self.endpoints = Endpoints()
         self._accept_task: asyncio.Task | None = None
         self._requests: set[asyncio.Task] = set()
-        self.pulls_served = 0
+        self._sending = 0  # transfers whose sends are in flight (followed by callbacks)
+        self.pulls_served = 0  # answered with the KV (its sends posted)
+        self.pulls_aborted = 0  # of those, the ones whose sends did not all complete
         self.pulls_refused = 0  # answered with a reason
         self.requests_dropped = 0  # malformed, unauthenticated or over the limit: not answered
         # tests only: what a pull's run messages become on the wire (to damage them in flight)
@@ -112,18 +124,42 @@ class KVServer:
                 continue
             body = buf[4 : 4 + size].tobytes()
             buf[: 4 + size] = 0
-            if len(self._requests) >= MAX_PENDING_REQUESTS:
-                self._drop(f"{len(self._requests)} requests in progress")
+            if len(self._requests) + self._sending >= MAX_PENDING_REQUESTS:
+                self._drop(f"{len(self._requests) + self._sending} requests in progress")
                 continue
-            task = asyncio.create_task(self._serve(body))
-            self._requests.add(task)
-            task.add_done_callback(self._requests.discard)
+            try:
+                sending = self._on_request(body)
+            except Exception:  # a bug must not stop the server from taking requests
+                log.exception("KV pull request failed")
+                continue
+            if sending is not None and not sending.done() and not self._queued():
+                # The next request may wait in UCX (it holds a message that comes before its
+                # receive): posting the receive for it now, ~8 us of Python, would stall the
+                # copy this process does for the transfer just started (watch.py). One that
+                # is already waiting is taken at once.
+                await done_or_after(sending, REPOST_AFTER)
+
+    def _queued(self) -> bool:
+        """Whether a request waits in UCX, unreceived (``ucp_tag_probe_nb``: no progress)."""
+        from ucxx.types import Tag
+
+        probe = ucx_progress.driver().worker.tag_probe(Tag(self.control_tag))
+        return bool(probe.matched)
 
     def _drop(self, why: str) -> None:
         self.requests_dropped += 1
         log.warning("dropped a KV pull request: %s", why)
 
-    async def _serve(self, body: bytes) -> None:
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._requests.add(task)
+        task.add_done_callback(self._requests.discard)
+
+    def _on_request(self, body: bytes) -> asyncio.Future | None:
+        """Check a request and answer it - in this loop turn when we hold an endpoint to the
+        puller and the data needs no device copy first: the puller's receives are posted
+        (wire.KV_WIRE_VERSION), so each turn of the loop here delays the KV. Returns the sends
+        of a transfer started here."""
         try:
             req = unpack_request(body)
         except Exception as exc:
@@ -133,88 +169,131 @@ class KVServer:
         if type(tag) is not int or not 0 <= tag < 1 << 63:  # T+3 must fit in 64 bits
             self._drop("bad tag")
             return
-        rid, reply_to = req.get("bus_id"), req.get("reply_to")
         if not self._authentic(req):
-            self._drop(f"no valid lease token for {str(rid)[:64]!r}")
+            self._drop(f"no valid lease token for {str(req.get('bus_id'))[:64]!r}")
             return
         try:
-            lease, heads, sliced = self._admit(req)
-            error = None
+            answer: _Answer | str = self._admit(req)
         except Refusal as exc:
-            lease, heads, sliced, error = None, self.slicer.heads, False, str(exc)
-        ep = None
+            answer = str(exc)
+        ep = self.endpoints.cached(req["reply_to"])
+        if ep is None or not isinstance(answer, str) and answer.staged_on_device():
+            self._spawn(self._answer_later(req, answer))
+            return None
+        return self._answer(ep, req, answer)
+
+    async def _answer_later(self, req: dict, answer: _Answer | str) -> None:
         try:
-            ep, _ = await self.endpoints.get(reply_to)
-            if lease is None:
-                self.pulls_refused += 1
-                await asyncio.wait_for(
-                    ucx_progress.send(ep, pack_reply(error), tag + 1), REPLY_TIMEOUT
-                )
-                return
-            self.leases.pin(lease)
-            try:
-                views = await self._messages(req["runs"], heads, sliced)
-                if self.fault is not None:
-                    views = self.fault(views)
-                sums = self.hasher.units(heads) if req.get("checksum") is True else 0
-                sends = [ucx_progress.send(ep, pack_reply(None, sliced, sums), tag + 1)]
-                # every run in flight at once: UCX pipelines them, one tag keeps their order
-                sends.append(ucx_progress.send_many(ep, [buffer(v) for v in views], tag + 2))
-                if sums:
-                    sends.append(self._send_sums(ep, lease, req["runs"], heads, tag + 3))
-                await self._send_all(asyncio.gather(*sends), lease)
-            finally:
-                self.leases.unpin(lease)
-            self.pulls_served += 1
+            ep, _ = await self.endpoints.get(req["reply_to"])
+            if not isinstance(answer, str):
+                await settle(answer.staged)  # UCX must not read half a copy
+        except BaseException as exc:  # the puller's address does not answer, or we stop
+            log.info("KV pull of %s not answered: %r", req.get("bus_id"), exc)
+            if not isinstance(answer, str):
+                self.leases.unpin(answer.lease)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        self._answer(ep, req, answer)
+
+    def _answer(self, ep, req: dict, answer: _Answer | str) -> asyncio.Future | None:
+        """Post the sends of a yes (the runs, the reply, the checksums if asked; returned) or
+        a refusal, and follow them to their end."""
+        tag = req["tag"]
+        if isinstance(answer, str):
+            self.pulls_refused += 1
+            sends = [ucx_progress.send(ep, pack_reply(answer), tag + 1)]
+            if req.get("v") == KV_WIRE_VERSION:  # its receives are posted: complete them empty
+                sends += self._empties(ep, req, tag)
+            self._spawn(self._refused(ep, req, sends))
+            return None
+        try:
+            return self._send_yes(ep, req, answer)
+        except BaseException:
+            self.leases.unpin(answer.lease)  # nothing follows the sends: let the lease go
+            raise
+
+    def _send_yes(self, ep, req: dict, answer: _Answer) -> asyncio.Future:
+        tag = req["tag"]
+        views = answer.views
+        if self.fault is not None:
+            views = [buffer(v) for v in self.fault([torch.as_tensor(v) for v in views])]
+        lease, heads = answer.lease, answer.heads
+        sums = self.hasher.units(heads) if req.get("checksum") is True else 0
+        # every run in flight at once, then the reply, in one post: UCX pipelines them, one
+        # tag keeps the runs' order, and the puller wakes once, for the last byte
+        sends = [
+            ucx_progress.send_many(
+                ep,
+                [*views, self._yes(answer.sliced, sums)],
+                [tag + 2] * len(views) + [tag + 1],
+            )
+        ]
+        if sums:
+            sends.append(self._send_sums(ep, lease, req["runs"], heads, tag + 3))
+        self.pulls_served += 1
+        self._sending += 1
+        # followed by callbacks, not a task: the loop turns right after posting belong to
+        # UCX's progress, which copies the KV (watch.py)
+        all_sent = sends[0] if len(sends) == 1 else asyncio.gather(*sends)
+        watched = watch_sends(all_sent, lease, self.leases.clock)
+        watched.add_done_callback(lambda w: self._sent(ep, req, lease, w))
+        return all_sent
+
+    def _empties(self, ep, req: dict, tag: int) -> list:
+        runs = req.get("runs")
+        if type(runs) is not list or len(runs) > MAX_CONTROL_BYTES:
+            return []  # the puller's timeout aborts its receives
+        sends = [ucx_progress.send_many(ep, [EMPTY] * len(runs), tag + 2)]
+        if req.get("checksum") is True:
+            sends.append(ucx_progress.send(ep, EMPTY, tag + 3))
+        return sends
+
+    def _yes(self, sliced: bool, sums: int) -> np.ndarray:
+        """A yes reply, built once per form (sends only read it)."""
+        reply = self._replies.get((sliced, sums))
+        if reply is None:
+            reply = self._replies[(sliced, sums)] = pack_reply(None, sliced, sums)
+        return reply
+
+    async def _refused(self, ep, req: dict, sends: list) -> None:
+        try:
+            await asyncio.wait_for(asyncio.gather(*sends), REPLY_TIMEOUT)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # the puller went away or gave up mid-transfer
-            log.info("KV pull of %s aborted: %r", rid, exc)
-            if ep is not None:
-                self.endpoints.drop(reply_to, ep)  # cancels whatever is still being sent
+        except Exception as exc:
+            log.info("refusal of %s not delivered: %r", req.get("bus_id"), exc)
+            self.endpoints.drop(req["reply_to"], ep)
 
-    async def _messages(
-        self, runs: list[list[int]], heads: Heads, sliced: bool
-    ) -> list[torch.Tensor]:
-        """One message per run: the blocks themselves, or their head slice (packed unless it is
-        one contiguous piece of the cache)."""
+    def _sent(self, ep, req: dict, lease: Lease, watched: asyncio.Future) -> None:
+        """A transfer's end: the lease unpinned; a failed one also ends its endpoint."""
+        self._sending -= 1
+        self.leases.unpin(lease)
+        if watched.cancelled():
+            return
+        exc = watched.exception()
+        if exc is not None:  # the puller went away or gave up mid-transfer
+            log.info("KV pull of %s aborted: %r", req.get("bus_id"), exc)
+            self.pulls_aborted += 1
+            self.endpoints.drop(req["reply_to"], ep)  # cancels whatever is still being sent
+
+    async def _send_all(self, sends: asyncio.Future, lease: Lease) -> None:
+        """Wait for a transfer's sends, or fail once the puller is taken to have stopped
+        receiving (``watch.watch_sends``)."""
+        await watch_sends(sends, lease, self.leases.clock)
+
+    def _views(self, runs: list[list[int]], heads: Heads, sliced: bool) -> tuple[list, list]:
+        """One message per run - the blocks themselves, or their head slice (packed unless it
+        is one contiguous piece of the cache) - and the staging copies among them."""
         if not sliced:
-            return [self.kv_cache[start : start + count] for start, count in runs]
+            return [self.blocks.run(start, count) for start, count in runs], []
         packed = [self.slicer.pack(start, count, heads) for start, count in runs]
-        await settle([t for t, copied in packed if copied])  # UCX must not read half a copy
-        return [t for t, _ in packed]
+        return [buffer(t) for t, _ in packed], [t for t, copied in packed if copied]
 
     async def _send_sums(self, ep, lease: Lease, runs: list, heads: Heads, tag: int) -> None:
         """The checksums of the pulled blocks' heads, after the runs (``checksum.py``)."""
         sums = await lease_sums(self.hasher, lease, runs, heads)
         await ucx_progress.send(ep, sums.view(np.uint8).reshape(-1), tag)
-
-    async def _send_all(self, sends: asyncio.Future, lease: Lease) -> None:
-        """Wait for a transfer's sends. A puller that gave up has cancelled its receives, so our
-        sends would wait forever and pin the lease: once the lease is let go (or long expired),
-        a short grace later the transfer counts as abandoned."""
-        dropped = asyncio.get_running_loop().create_future()
-
-        def on_drop() -> None:
-            if not dropped.done():
-                dropped.set_result(None)
-
-        lease.on_drop.append(on_drop)
-        if lease.dropped:
-            on_drop()
-        try:
-            expiry = max(0.0, lease.expires - self.leases.clock()) + ORPHAN_GRACE
-            done, _ = await asyncio.wait(
-                {sends, dropped}, timeout=expiry, return_when=asyncio.FIRST_COMPLETED
-            )
-            if sends not in done and dropped in done:
-                await asyncio.wait({sends}, timeout=ORPHAN_GRACE)
-            if not sends.done():
-                sends.add_done_callback(retrieve)  # cancelled with the endpoint, unread
-                raise KVTransferError("the puller stopped receiving")
-            sends.result()
-        finally:
-            lease.on_drop.remove(on_drop)
 
     def _authentic(self, req: dict) -> bool:
         """Whether the request shows the token of a live or recently dropped lease."""
@@ -224,37 +303,75 @@ class KVServer:
         expected = self.leases.token_of(rid)
         return expected is not None and hmac.compare_digest(expected, token)
 
-    def _admit(self, req: dict) -> tuple[Lease, Heads, bool]:
-        """Check an authentic pull request completely before any KV byte moves: the lease, the
-        heads to send and whether as head slices; or raise Refusal with the reason."""
-        rid, fp, runs = (req.get(k) for k in ("bus_id", "fingerprint", "runs"))
+    def _admit(self, req: dict) -> _Answer:
+        """Check an authentic pull request completely before any KV byte moves - the version,
+        the lease, the heads, the form the puller receives in - and take the messages to send
+        (the lease pinned); or raise Refusal with the reason."""
+        version, rid, fp, runs = (req.get(k) for k in ("v", "bus_id", "fingerprint", "runs"))
+        if version != KV_WIRE_VERSION:
+            raise Refusal(f"KV wire version {version!r}; this server speaks {KV_WIRE_VERSION}")
         if type(fp) is not dict:
             raise Refusal("malformed pull request")
-        ours, theirs = without_tp(self.fingerprint), without_tp(fp)
-        if theirs != ours:  # TP alone may differ: head-sliced pulls bridge it
-            raise Refusal(f"KV layout mismatch ({fingerprint_diff(ours, theirs)})")
+        if fp != self._matched:  # a puller's requests all carry the same fingerprint
+            theirs = without_tp(fp)
+            if theirs != self._layout:  # TP alone may differ: head-sliced pulls bridge it
+                raise Refusal(f"KV layout mismatch ({fingerprint_diff(self._layout, theirs)})")
+            self._matched = fp
         try:
             heads, whole = self.slicer.requested(req.get("heads"), req.get("whole"))
         except ValueError as exc:
             raise Refusal(str(exc)) from None
+        sliced = req.get("sliced")
+        if type(sliced) is not bool:
+            raise Refusal("malformed pull request")
+        if not sliced and not (whole and heads == self.slicer.heads):
+            # whole blocks only where both caches hold exactly these heads: the same layout
+            raise Refusal(
+                f"whole blocks asked, but this cache holds heads {list(self.slicer.heads)}"
+            )
+        if sliced and self.slicer.parts is None:
+            raise Refusal("this KV cache cannot be head-sliced (no split given)")
         lease = self.leases.get(rid)
         if lease is None:
             raise Refusal(f"no lease for {rid} (expired or released)")
         if type(runs) is not list or not runs:
             raise Refusal("malformed runs")
-        leased = set(lease.block_ids)
+        if lease.block_set is None:  # checked by every pull of the lease: built once
+            lease.block_set = frozenset(lease.block_ids)
+        leased = lease.block_set
         for run in runs:
             if (
                 type(run) is not list
                 or len(run) != 2
-                or not all(type(x) is int for x in run)
+                or type(run[0]) is not int
+                or type(run[1]) is not int
                 or run[1] < 1
-                or not set(range(run[0], run[0] + run[1])) <= leased
+                or not (
+                    run[0] in leased
+                    if run[1] == 1
+                    else leased.issuperset(range(run[0], run[0] + run[1]))
+                )
             ):
                 raise Refusal("requested blocks are not part of the lease")
-        # whole blocks only where both caches hold exactly these heads: the same block layout
-        return lease, heads, not (whole and heads == self.slicer.heads)
+        views, staged = self._views(runs, heads, sliced)
+        self.leases.pin(lease)
+        return _Answer(lease, heads, sliced, views, staged)
 
 
 class Refusal(Exception):
     """Why an authentic pull request is answered no."""
+
+
+@dataclass
+class _Answer:
+    """A yes: the pinned lease, the heads sent, the form, the messages (UCX-sendable) and the
+    staging copies among them."""
+
+    lease: Lease
+    heads: Heads
+    sliced: bool
+    views: list[Any]
+    staged: list[torch.Tensor]
+
+    def staged_on_device(self) -> bool:
+        return any(t.is_cuda for t in self.staged)

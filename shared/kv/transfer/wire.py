@@ -25,6 +25,12 @@ MAX_PEERS = 1024  # peers whose endpoints are kept
 ORPHAN_GRACE = 2.0  # seconds a transfer may run on after its puller let the lease go
 REPLY_TIMEOUT = 5.0  # seconds a refusal may take to send
 ADDRESS_PREFIX = "ucx1"
+# The exchange's version, in every request ("v") and reply (byte 5). 2: the puller posts all its
+# receives before it asks and says which form it posted them for (whole blocks or head slices);
+# a server answers in that form or refuses, and a refusal completes the posted receives with
+# empty messages. A server refuses other versions (an older puller learns why); a puller treats
+# a refusal without the version (an older server, which sends no empties) as one to abort on.
+KV_WIRE_VERSION = 2
 
 
 class KVTransferError(RuntimeError):
@@ -133,19 +139,31 @@ def unpack_request(data: bytes) -> dict:
     return body
 
 
-REPLY_RAW, REPLY_SLICED = 1, 2  # a yes, and how the runs travel: whole blocks or head slices
+# The reply's first byte: a yes as whole blocks or head slices, or a refusal - 0 from a server
+# before version 2, REPLY_REFUSED from one that completes the puller's posted receives.
+REPLY_RAW, REPLY_SLICED, REPLY_REFUSED = 1, 2, 3
 
 
 def pack_reply(error: str | None, sliced: bool = False, sums: int = 0) -> np.ndarray:
-    """A yes (``sums``: the checksums per block that follow on T+3, 0 for none) or a refusal."""
+    """A yes (``sums``: the checksums per block that follow on T+3, 0 for none; byte 5: the
+    version) or a refusal (its reason from byte 1, as before versions)."""
     out = np.zeros(REPLY_BYTES, dtype=np.uint8)
     if error is None:
         out[0] = REPLY_SLICED if sliced else REPLY_RAW
         out[1:5] = np.frombuffer(sums.to_bytes(4, "little"), dtype=np.uint8)
+        out[5] = KV_WIRE_VERSION
     else:
+        out[0] = REPLY_REFUSED
         text = error.encode()[: REPLY_BYTES - 1]
         out[1 : 1 + len(text)] = np.frombuffer(text, dtype=np.uint8)
     return out
+
+
+def reply_version(reply: np.ndarray) -> int:
+    """The exchange version a reply speaks (0: a server from before versions)."""
+    if reply[0] == REPLY_REFUSED:
+        return KV_WIRE_VERSION
+    return int(reply[5]) if reply[0] in (REPLY_RAW, REPLY_SLICED) else 0
 
 
 def unpack_reply(reply: np.ndarray) -> str | None:
@@ -196,6 +214,14 @@ class Endpoints:
             abort(self.eps.popitem(last=False)[1])
         return ep, False
 
+    def cached(self, raw: bytes) -> Any:
+        """The open endpoint to ``raw``, if one is kept (None: ``get`` must connect)."""
+        ep = self.eps.get(raw)
+        if ep is None or ep.closed:
+            return None
+        self.eps.move_to_end(raw)
+        return ep
+
     def drop(self, raw: bytes, ep: Any) -> None:
         """Abort ``ep``: everything still posted on it is cancelled."""
         if self.eps.get(raw) is ep:
@@ -205,6 +231,31 @@ class Endpoints:
     def clear(self) -> None:
         while self.eps:
             abort(self.eps.popitem()[1])
+
+
+class BlockBytes:
+    """Byte views of runs of whole blocks of a block-major cache, cheap enough to take one per
+    block: a fragmented pull moves a message per block, and a torch slice plus ``buffer`` per
+    message cost ~3 us each, a numpy slice of one byte view of a CPU cache ~0.3 us."""
+
+    def __init__(self, cache: torch.Tensor) -> None:
+        self.cache = cache
+        self.block = cache[0].numel() * cache.element_size() if cache.shape[0] else 0
+        flat = not cache.is_cuda and cache.is_contiguous()
+        self.flat: np.ndarray | None = buffer(cache) if flat else None
+
+    def run(self, start: int, count: int) -> Any:
+        if self.flat is None:
+            return buffer(self.cache[start : start + count])
+        return self.flat[start * self.block : (start + count) * self.block]
+
+
+def nbytes(buf: Any) -> int:
+    """Size of a buffer ``buffer`` or ``BlockBytes.run`` gave (numpy or torch)."""
+    return buf.nbytes if isinstance(buf, np.ndarray) else buf.numel() * buf.element_size()
+
+
+EMPTY = np.zeros(0, dtype=np.uint8)  # completes a posted receive without writing a byte
 
 
 def retrieve(fut: asyncio.Future) -> None:
