@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.services import rollout_command
 from pdserve.services.planning import command as plan_command
 from pdserve.shared.bench import cli as bench_cli
 from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig, UpConfig, WorkerConfig
@@ -78,6 +79,12 @@ COMMANDS: dict[str, Command] = {
         "profile this model here and size prefill and decode workers for a workload and SLOs",
         plan_command.run,
         add_arguments=plan_command.add_arguments,
+    ),
+    "rollout": Command(
+        "swap the model of a running pdserve up: load, verify, switch, drain (or roll back)",
+        rollout_command.run,
+        (BusConfig,),
+        add_arguments=rollout_command.add_arguments,
     ),
     "trace": Command(
         "per-phase breakdown of request traces from Jaeger",

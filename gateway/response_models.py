@@ -314,6 +314,10 @@ class ModelCard(ResponseModel):
         description="longest prompt + output served (the model's context, or less when the "
         "decode workers' KV cache is smaller)"
     )
+    model_versions: list[str] = Field(
+        description="the checkpoint versions the workers routed to serve (more than one only "
+        "while a rollout switches over; standby workers are not counted)"
+    )
 
 
 class ModelList(ResponseModel):

@@ -196,6 +196,10 @@ def _model_card(gw: Gateway) -> dict[str, Any]:
         "created": gw.model.created,
         "owned_by": "pdserve",
         "max_model_len": gw.context_limit(),
+        # which checkpoint serves (a rollout switches it): the routed workers' versions
+        "model_versions": sorted(
+            {w.model_version for r in ("prefill", "decode") for w in gw.router.serving(r)} - {""}
+        ),
     }
 
 

@@ -183,10 +183,18 @@ def one_run(args, tiers: bool, rnd: int, tmp: Path) -> dict:
         requests = make_requests(prefixes, args.repeats, seed=rnd)
         before = scrape(metrics)
         out.update(asyncio.run(run_load(url, requests, args.max_tokens, args.concurrency)))
-        out["counters"] = c = delta(scrape(metrics), before)
+        after = scrape(metrics)
+        out["counters"] = c = delta(after, before)
+        # the prefill worker's measured load costs (gauges: what its heartbeats tell routers)
+        gauges = {t: after.get(f"tier_load_cost.{t}", 0.0) for t in ("host", "disk")}
+        out["load_costs"] = {t: round(v, 4) for t, v in gauges.items()}
+        for t in gauges:
+            c.pop(f"tier_load_cost.{t}", None)  # a gauge: no delta
     finally:
         stop_stack(proc)
     check_evicted(args, tiers, c)
+    if tiers and c.get("tier_hits.host", 0) > 0 and out["load_costs"]["host"] <= 0:
+        raise RuntimeError(f"host blocks were loaded but the load cost was not measured: {out}")
     return out
 
 
@@ -225,6 +233,7 @@ def summarize(args, runs: list[dict]) -> dict:
             "hit_rate": {"pool": round((c.get("hits", 0.0) - host - disk) / queries, 3),
                          "host": round(host / queries, 3), "disk": round(disk / queries, 3)},
             "offloaded_blocks": c.get("offloaded", 0.0),
+            "load_costs": [r.get("load_costs") for r in mine],  # measured, per run (tiers)
             "probe_ttft_median_s": med([t for r in mine for t in r.get("probe_ttfts", [])])
             if any("probe_ttfts" in r for r in mine) else None,
         }  # fmt: skip
@@ -264,7 +273,8 @@ def main(argv: list[str] | None = None) -> dict:
                 runs.append(one_run(args, tiers, rnd, Path(tmp)))
                 r = runs[-1]
                 print(f"round {rnd} {r['config']:5s}: {r['tok_s']:.2f} tok/s, TTFT median "
-                      f"{med(r['ttfts'])} s, probes {r.get('probe_ttfts')}", flush=True)  # fmt: skip
+                      f"{med(r['ttfts'])} s, probes {r.get('probe_ttfts')}, load costs "
+                      f"{r['load_costs']}", flush=True)  # fmt: skip
     result = {
         "workload": {k: v for k, v in vars(args).items() if k != "json"}
         | {"model": MODEL, "block_tokens": BLOCK, "suffix_tokens": SUFFIX,

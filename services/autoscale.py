@@ -14,6 +14,9 @@ prints the reasons, and acts:
   the planner's counts and window leave it out, while its CPUs stay taken until it exits. It
   is then reaped and forgotten, and supervision never reports it as a crash.
 
+``--warm-prefill/decode-workers`` (services/warm_pool.py): **up** promotes a standby worker
+first, then refills the pool by a cold start; pooled workers are no capacity, but cost budget.
+
 A worker that dies on its own is no capacity either: the next window counts without it, so the
 planner replaces it if the load (or the minimum) needs it.
 
@@ -34,15 +37,17 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pdserve.services.autoscale_window import Snapshot, Worker, build_window, parse_snapshot
+from pdserve.services.placement import Placement, least_held, place  # noqa: F401 (re-exported)
 from pdserve.services.processes import Child, visible_gpus
+from pdserve.services.standby import PROMOTE_SIGNAL
+from pdserve.services.warm_pool import WarmPool
 from pdserve.shared.config import EngineConfig, UpConfig, WorkerConfig
 from pdserve.shared.errors import StartupError
 from pdserve.shared.planner.decide import Decision, Planner, pick_to_drain
@@ -52,13 +57,6 @@ from pdserve.shared.planner.workload import SLO
 from pdserve.shared.telemetry.metrics import MetricsServer, start_metrics_server
 
 KILL_AFTER_DRAIN = 30.0  # a drain overrunning its --drain-seconds by this much is killed
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Placement:
-    cpus: list[int] | None = None  # sched affinity; None = every CPU pdserve up may use
-    gpu: str | None = None  # CUDA_VISIBLE_DEVICES; None = left alone
 
 
 @dataclass(frozen=True)
@@ -126,19 +124,6 @@ def fleet_limits(up: UpConfig, costs: dict[str, float], budget: float, unit: str
         raise StartupError(f"--autoscale: {exc}; {flag} raises it (workers then share)") from None
 
 
-def least_held(pool: Sequence[T], held: Sequence[Sequence[T]], n: int) -> list[T]:
-    """The ``n`` items of ``pool`` that the fewest live workers hold (pool order on ties), in
-    pool order: where a new worker preempts the least."""
-    count = {x: 0 for x in pool}
-    for items in held:
-        for x in items:
-            if x in count:
-                count[x] += 1
-    order = {x: i for i, x in enumerate(pool)}
-    chosen = sorted(pool, key=lambda x: (count[x], order[x]))[: max(1, n)]
-    return sorted(chosen, key=order.__getitem__)
-
-
 class Fleet(Protocol):
     """What the autoscaler needs of the launcher (services/launcher.Launcher)."""
 
@@ -152,7 +137,7 @@ class Fleet(Protocol):
     children: list[Child]
     started: dict[str, WorkerStart]
 
-    def add_worker(self, role: str, place: Placement) -> Child: ...
+    def add_worker(self, role: str, place: Placement, standby: bool = False) -> Child: ...
 
 
 def say(text: str) -> None:
@@ -184,7 +169,8 @@ class Autoscaler:
                 say(f"budget {budget:g} CPUs > the {len(cpus)} here: workers will share CPUs")
         self.cpus = cpus if fleet.cpu_shares is not None else None
         self.costs = costs
-        limits = fleet_limits(fleet.up, costs, budget, self.unit)
+        self.pool = WarmPool.from_flags(fleet.up)  # its cost is kept out of the serving budget
+        limits = fleet_limits(fleet.up, costs, budget - self.pool.cost(costs), self.unit)
         planner_config = PlannerConfig(warmup_s=config.warmup_s)
         self.planner = Planner(config.profile, config.slo, limits, planner_config)
         self.retiring: dict[str, tuple[Child, float]] = {}  # draining: child, kill deadline
@@ -198,6 +184,7 @@ class Autoscaler:
         self.current = gauge("pdserve_planner_current_workers", "Workers serving (not draining).")
         self.draining = gauge("pdserve_planner_draining_workers", "Workers draining to exit.")
         self.need = gauge("pdserve_planner_need_workers", "The load in workers (fractional).")
+        self.warm = gauge("pdserve_planner_warm_workers", "Standby workers in the warm pool.")
         self.actions = Counter(
             "pdserve_planner_scaling_actions", "Workers started (up) or drained (down).",
             ["role", "direction"], registry=self.registry,
@@ -236,7 +223,7 @@ class Autoscaler:
         return {
             name: Worker(started[name].role, now - self.joined.get(name, now))
             for name in self._alive()
-            if name not in self.retiring
+            if name not in self.retiring and name not in self.pool
         }
 
     def counts(self) -> Counts:
@@ -258,9 +245,10 @@ class Autoscaler:
     # ---- the loop ---------------------------------------------------------------------------
 
     def poll(self) -> None:
-        """Called by the launcher's supervision loop: reap finished drains; when an interval has
-        passed, decide and act."""
+        """Called by the launcher's supervision loop: reap finished drains, refill the warm
+        pool; when an interval has passed, decide and act."""
         self._reap()
+        self.refill()
         now = time.monotonic()
         if not self.url or now < self.next_at:
             return
@@ -299,20 +287,39 @@ class Autoscaler:
         return decision
 
     def _start(self, role: str) -> None:
-        held = [self.fleet.started[name].place for name in self._alive()]
-        place = Placement()
-        if self.cpus is not None:
-            taken = [p.cpus for p in held if p.cpus]
-            place = Placement(cpus=least_held(self.cpus, taken, int(self.costs[role])))
-        if len(self.fleet.gpus) >= 2:  # one GPU: everyone shares it, as pdserve up does
-            taken = [p.gpu.split(",") for p in held if p.gpu]
-            gpus = least_held(self.fleet.gpus, taken, self.fleet.tps[role])
-            place = Placement(place.cpus, ",".join(gpus))
-        child = self.fleet.add_worker(role, place)
+        """One more serving worker: a registered one from the warm pool if there is one (SIGUSR1,
+        services/standby.py), else a cold start."""
+        alive = self._alive()
+        worker_id = self.pool.take(role, lambda name: name in alive and name in self.joined)
+        if worker_id is None:
+            self._launch(role)
+            return
+        alive[worker_id].signal(PROMOTE_SIGNAL)
         self.actions.labels(role, "up").inc()
-        where = f" on CPUs {','.join(map(str, place.cpus))}" if place.cpus else ""
-        where += f" on GPU {place.gpu}" if place.gpu else ""
-        say(f"started {child.name} (pid {child.pid}){where}")
+        say(f"promoted {worker_id} (pid {alive[worker_id].pid}) from the warm pool")
+        self.refill()
+
+    def refill(self) -> None:
+        """Start a standby worker for each one the warm pool lacks (one that died is gone)."""
+        self.pool.forget_gone(self._alive())
+        for role in self.pool.missing():
+            self.pool.add(self._launch(role, standby=True).name, role)
+        self.warm.labels("prefill").set(len(self.pool.of("prefill")))
+        self.warm.labels("decode").set(len(self.pool.of("decode")))
+
+    def _launch(self, role: str, standby: bool = False) -> Child:
+        held = [self.fleet.started[name].place for name in self._alive()]
+        cpu_cost = int(self.costs[role])
+        where = place(held, self.cpus, cpu_cost, self.fleet.gpus, self.fleet.tps[role])
+        if standby:
+            child = self.fleet.add_worker(role, where, standby=True)
+        else:
+            child = self.fleet.add_worker(role, where)
+            self.actions.labels(role, "up").inc()
+        text = f" on CPUs {','.join(map(str, where.cpus))}" if where.cpus else ""
+        text += f" on GPU {where.gpu}" if where.gpu else ""
+        say(f"started {child.name} (pid {child.pid}){text}" + (" for the warm pool" * standby))
+        return child
 
     def _drain(self, worker_id: str) -> None:
         child = self._alive().get(worker_id)

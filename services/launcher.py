@@ -25,6 +25,7 @@ loopback (a way to try a cluster, and to watch a node die: each worker connects 
 keeps serving while at least one node lives.
 
 ``--autoscale`` (services/autoscale.py) adds workers through ``add_worker`` and drains them.
+``pdserve rollout`` (services/rollout.py) reaches the launcher over NATS (services/control.py).
 """
 
 from __future__ import annotations
@@ -36,12 +37,11 @@ import signal
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from pdserve.services import autoscale
 from pdserve.services.engine.model_config import ModelConfig
+from pdserve.services.launch_checks import registered_workers, tp_refusal
 from pdserve.services.processes import (
     Child,
     NatsCluster,
@@ -51,43 +51,15 @@ from pdserve.services.processes import (
     spawn,
     visible_gpus,
 )
+from pdserve.services.rollout import RolloutDriver
+from pdserve.services.warm_pool import WarmPool
 from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig, UpConfig, WorkerConfig
 from pdserve.shared.cpus import cpu_shares
 from pdserve.shared.errors import StartupError
-from pdserve.shared.kv.tp_layout import tp_problem
 from pdserve.shared.options import build, option_values, service_env
 
 READY_TIMEOUT = 600.0  # loading a large model can take minutes
 STOP_GRACE = 5.0  # beyond the drain time, before SIGKILL
-
-
-def tp_refusal(
-    up: UpConfig, engine: EngineConfig, num_heads: int, num_kv_heads: int, devices: int | None
-) -> str | None:
-    """Why a role's TP size cannot serve a model with these heads on ``devices`` GPUs (None: on
-    the CPU), in one line naming the role, the flag that set the size and the numbers; or None.
-    Only roles that run workers count (no prefill worker with --prefill-workers 0)."""
-    for role, workers in (("prefill", up.prefill_workers), ("decode", up.decode_workers)):
-        tp = up.role_tensor_parallel_size(role, engine.tensor_parallel_size)
-        if workers < 1 or (problem := tp_problem(num_heads, num_kv_heads, tp, devices)) is None:
-            continue
-        own = getattr(up, f"{role}_tensor_parallel_size")
-        flag = f"--{role}-tensor-parallel-size" if own else "--tensor-parallel-size"
-        return (
-            f"{role} workers: {problem.replace('--tensor-parallel-size', flag)} (the model has "
-            f"{num_heads} attention heads and {num_kv_heads} KV heads)"
-        )
-    return None
-
-
-def registered_workers(base_url: str) -> int:
-    """Workers the gateway knows, from its re-export of their loads on /metrics."""
-    try:
-        with urllib.request.urlopen(base_url + "/metrics", timeout=2.0) as resp:
-            text = resp.read().decode("utf-8", "replace")
-    except (urllib.error.URLError, OSError, ValueError):
-        return 0
-    return sum(1 for line in text.splitlines() if line.startswith("pdserve_kv_cache_total_blocks{"))
 
 
 def service_argv(command: str) -> list[str]:
@@ -120,7 +92,9 @@ class Launcher:
         self.started: dict[str, autoscale.WorkerStart] = {}  # worker id -> role, place, time
         # --autoscale's flags are refused here, before anything starts
         self.autoscale = autoscale.settings(self.up) if self.up.autoscale else None
+        WarmPool.from_flags(self.up)  # a warm pool without --autoscale is refused too
         self.autoscaler: autoscale.Autoscaler | None = None
+        self.control: RolloutDriver | None = None  # pdserve rollout's requests (services/rollout)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         if self.stopping:  # a second Ctrl-C: stop waiting for drains
@@ -170,6 +144,8 @@ class Launcher:
                 for c, cs in zip(self.children, self.cpu_shares, strict=True)
             )
             print(f"pdserve: worker CPUs ({placed})", flush=True)
+        if self.autoscaler is not None:  # the warm pool loads beside the starting fleet
+            self.autoscaler.refill()
         env = service_env({**common, **option_values(self.gateway)})
         self.children.append(spawn("gateway", service_argv("gateway"), env))
 
@@ -223,9 +199,10 @@ class Launcher:
         cluster.start()
         return cluster
 
-    def add_worker(self, role: str, place: autoscale.Placement) -> Child:
-        """One more worker of ``role`` (the autoscaler's), placed where it says."""
-        return self._start_worker(role, self.next_index[role], self.common, place)
+    def add_worker(self, role: str, place: autoscale.Placement, standby: bool = False) -> Child:
+        """One more worker of ``role`` (the autoscaler's), placed where it says; ``standby``:
+        loaded and registered but not routed until promoted (services/standby.py)."""
+        return self._start_worker(role, self.next_index[role], self.common, place, standby)
 
     def _start_worker(
         self,
@@ -233,6 +210,8 @@ class Launcher:
         index: int,
         common: dict[str, object],
         place: autoscale.Placement | None = None,
+        standby: bool = False,
+        version: str | None = None,
     ) -> Child:
         # slot: the worker's place in start order (prefill first); first_rank: its first rank's
         tp, slot, first_rank = self.tps[role], self.slots, self.ranks
@@ -240,6 +219,9 @@ class Launcher:
         self.next_index[role] = max(self.next_index[role], index + 1)
         worker = dataclasses.replace(self.worker)
         worker.worker_id = f"{self.worker.worker_id or role}-{index}"
+        worker.standby = standby
+        if version:  # the engine option: part of the KV layout fingerprint
+            common = {**common, "model_version": version}
         if worker.metrics_port:
             worker.metrics_port += slot
         if worker.ucx_port:  # room for a port per rank: the next worker's ports start past them
@@ -268,6 +250,7 @@ class Launcher:
         prefill workers have loaded)."""
         base = f"http://{self._http_host()}:{self.gateway.port}"
         expected = self.up.prefill_workers + self.up.decode_workers
+        expected += self.autoscaler.pool.size() if self.autoscaler is not None else 0
         deadline = time.monotonic() + READY_TIMEOUT
         while not self.stopping and time.monotonic() < deadline:
             dead = self._dead_child()
@@ -307,11 +290,15 @@ class Launcher:
         while not self.stopping:
             if self.autoscaler is not None:
                 self.autoscaler.poll()
+            if self.control is not None:
+                self.control.poll()
             for child in self.children:
                 if not child.alive() and child.pid not in reported:
                     reported.add(child.pid)
                     if self.autoscaler is not None and self.autoscaler.retired(child):
                         continue  # drained on purpose: poll() reaps it
+                    if self.control is not None and self.control.retired(child):
+                        continue  # replaced by a rollout
                     print(
                         f"pdserve: {child.name} exited with {child.popen.returncode}",
                         file=sys.stderr,
@@ -386,13 +373,18 @@ def run(ns: argparse.Namespace) -> int:
                 flush=True,
             )
             print(f"pdserve model: {launcher.model_banner()}", flush=True)
+            url = f"http://{launcher._http_host()}:{launcher.gateway.port}"
             if launcher.autoscaler is not None:
-                launcher.autoscaler.begin(f"http://{launcher._http_host()}:{launcher.gateway.port}")
+                launcher.autoscaler.begin(url)
+            launcher.control = RolloutDriver(launcher, url)
+            launcher.control.start()
             rc = launcher.supervise()
         elif launcher.stopping:
             rc = 0
     finally:
         if launcher.autoscaler is not None:
             launcher.autoscaler.close()
+        if launcher.control is not None:
+            launcher.control.close()
         launcher.stop()
     return rc

@@ -24,20 +24,18 @@ import time
 
 from prometheus_client import CollectorRegistry
 
+from pdserve.services import standby
 from pdserve.services.engine.engine import LLMEngine
 from pdserve.services.engine.engine_thread import EngineThread
 from pdserve.services.engine.outputs import StepResult
 from pdserve.services.engine.parallel.kv_link import RankLink
+from pdserve.services.kv_event_streams import KVEventStreams, kv_event_streams
 from pdserve.services.request_state import RequestState, record_queue
 from pdserve.services.worker_process import default_worker_id, set_torch_threads
 from pdserve.shared.bus.connection import Bus
 from pdserve.shared.bus.protocol import Cancel, WorkerGone, WorkerLoad
 from pdserve.shared.config import BusConfig, EngineConfig, WorkerConfig
-from pdserve.shared.discovery.announce import (
-    HeartbeatPublisher,
-    KVEventPublisher,
-    register_micro_service,
-)
+from pdserve.shared.discovery.announce import HeartbeatPublisher, register_micro_service
 from pdserve.shared.kv import ucx_check, ucx_config
 from pdserve.shared.kv.layout import layout_id
 from pdserve.shared.options import build
@@ -76,11 +74,12 @@ class Worker:
         self.health = health.Health(self.in_flight, lambda: self.bus.connected)
         self.states: dict[str, RequestState] = {}
         self.draining = False
+        self.standby = standby.arm(self)  # services/standby.py: not routed until promoted
         self.metrics_url: str | None = None  # also serves /ready and /live
         self._stop = asyncio.Event()
         self._engine_thread: EngineThread | None = None
         self._heartbeat: HeartbeatPublisher | None = None
-        self._kv_events: KVEventPublisher | None = None
+        self._kv_events: KVEventStreams | None = None
         self._micro: object | None = None
         self._housekeeping: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -150,10 +149,8 @@ class Worker:
             for r in range(1, ranks.size)
         ))  # fmt: skip
         mine = {"pid": os.getpid(), "transports": ucx_check.process_transports()}
-        self.tp_ranks = [
-            {"rank": r, "pid": got["pid"], "transports": got["transports"]}
-            for r, got in enumerate([mine, *others])
-        ]
+        self.tp_ranks = [{"rank": r, "pid": got["pid"], "transports": got["transports"]}
+                         for r, got in enumerate([mine, *others])]  # fmt: skip
         return others
 
     def mark_scheduled(self, state: RequestState, queue_span: str, start_ns: int) -> None:
@@ -164,8 +161,7 @@ class Worker:
 
     @functools.cached_property
     def kv_layout(self) -> str:
-        """The engine's KV layout name (shared.kv_layout): fixed for its life, so every
-        heartbeat reuses it."""
+        """The engine's KV layout name (shared.kv_layout), fixed: every heartbeat reuses it."""
         return layout_id(self.engine.layout_fingerprint())
 
     def load(self) -> WorkerLoad:
@@ -186,6 +182,8 @@ class Worker:
             instance=self.instance,
             kv_layout=self.kv_layout,
             **self.metrics.roofline.load_fields(),  # forward-pass totals and peaks
+            **engine.offload.load_fields(),  # the KV tiers' measured load costs
+            **standby.load_fields(self),
             **self.load_extra(),
         )
 
@@ -308,17 +306,8 @@ class Worker:
         await self._heartbeat.start()
         self.bus.on_reconnect(self._on_bus_reconnect)
         if feed is not None:
-            # What this worker's prefix cache holds, for the gateway's KV-aware routing.
-            self._kv_events = KVEventPublisher(
-                self.bus,
-                self.worker_id,
-                self.instance,
-                self.engine.block_size,
-                feed.drain,
-                feed.snapshot,
-                self.config.heartbeat_seconds,
-                tiers=feed.tiers,
-            )
+            # what its KV tiers hold, for KV-aware routers: ours (NATS), vLLM's format (ZMQ)
+            self._kv_events = kv_event_streams(self, feed)
             await self._kv_events.start()
         with contextlib.suppress(Exception):  # optional: visibility for NATS tooling
             self._micro = await register_micro_service(self.bus, self.load)
@@ -328,11 +317,11 @@ class Worker:
         log.info("%s worker %s ready", self.role, self.worker_id)
 
     async def _on_bus_reconnect(self) -> None:
-        """Our NATS node went away (a cluster node died, a restart): what we published into the
-        dead connection, and what was sent to us while our subscriptions were gone, may be
-        lost. Say so (``WorkerGone(rejoining=True)``; we keep our requests): gateways retry
-        their prefills here, check their streams here (``gateway/legs.py``: those
-        that lost tokens migrate, the others go on) and cancel again what they abandoned."""
+        """Our NATS node went away (a node died, a restart): what we published into the dead
+        connection, and what was sent to us while unsubscribed, may be lost. Say so
+        (``WorkerGone(rejoining=True)``; we keep our requests): gateways retry their prefills
+        here, check their streams (``gateway/legs.py``: those that lost tokens migrate, the
+        others go on) and cancel again what they abandoned."""
         log.warning("reconnected to NATS: telling gateways that messages may be lost")
         subject = self.subjects.load(self.role, self.worker_id)
         await self.bus.publish(subject, WorkerGone(self.worker_id, self.role, rejoining=True))
@@ -367,6 +356,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.begin_drain)
+        standby.install(self, loop)
         await self.start()
         await self._stop.wait()
         await self.drain_and_close()
@@ -392,8 +382,7 @@ class Worker:
             log.info("%s worker %s: model %s, %d KV blocks of %d tokens on %s, %s torch threads",
                      self.role, self.worker_id, engine.model_name, engine.num_blocks,
                      engine.block_size, engine.device, threads)  # fmt: skip
-            # the roofs its steps are measured against (cached, else measured now)
-            self.metrics.roofline.load_peaks(engine.device, engine.dtype, threads)
+            self.metrics.roofline.load_peaks(engine.device, engine.dtype, threads)  # cached or now
             asyncio.run(self.serve())
         finally:
             tracing.shutdown_tracing()

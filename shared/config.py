@@ -46,6 +46,8 @@ class EngineConfig:
     served_model_name: str | None = opt(
         None, "model name in the API (default: the built-in name, file stem or directory name)"
     )
+    # in the KV layout fingerprint when set: a rollout's workers pair only with their own version
+    model_version: str = opt("", "the version this worker announces; empty = from --model's path")
     device: str = opt("auto", "auto, cpu or cuda[:N]")
     dtype: str = opt(
         "auto",
@@ -161,6 +163,9 @@ class WorkerConfig:
     ucx_port: int = opt(0, "TCP port KV transfer listens on; 0 picks a free one")
     metrics_port: int = opt(0, "Prometheus /metrics port; 0 disables it")
     heartbeat_seconds: float = opt(0.5, "how often load is published")
+    kv_events_zmq: str = opt("", "also publish KV events in vLLM's format on ZMQ (tcp://*:5557)")
+    kv_events_zmq_format: str = opt("map", "vLLM KV event encoding", choices=("map", "array"))
+    kv_events_zmq_topic: str = opt("", "the ZMQ topic of --kv-events-zmq (vLLM's default: none)")
     lease_seconds: float = opt(
         30.0, "how long a prefill worker holds KV blocks for the decode pull"
     )
@@ -177,6 +182,7 @@ class WorkerConfig:
     )
     max_queue: int = opt(1024, "waiting requests beyond which new ones are refused")
     drain_seconds: float = opt(30.0, "on SIGTERM, how long in-flight requests may finish")
+    standby: bool = opt(False, "load and register but take no requests until SIGUSR1 promotes it")
 
 
 @dataclass
@@ -297,6 +303,8 @@ class UpConfig:
     planner_metrics_port: int = opt(
         0, "port of --autoscale's /metrics (pdserve_planner_desired_workers...); 0 = off"
     )
+    warm_prefill_workers: int = opt(0, "loaded, unrouted prefill workers --autoscale adds first")
+    warm_decode_workers: int = opt(0, "loaded, unrouted decode workers --autoscale adds first")
 
     def __post_init__(self) -> None:
         for name in ("prefill_tensor_parallel_size", "decode_tensor_parallel_size"):

@@ -70,6 +70,9 @@ class BlockManager:
         # the gateway can route a prompt to the worker that already holds its prefix.
         self.stored_events: list[int] = []
         self.removed_events: list[int] = []
+        # the stored blocks' lineage for the KV event stream, by hash: (parent hash, tokens),
+        # kept from the hashing ``commit`` does anyway (``take_lineage`` hands them out)
+        self.lineage: dict[int, tuple[int, list[int]]] = {}
         # KV offload (``offload.py`` sets these): where evicted cached blocks go, the tiers a
         # prefix lookup continues in, and the loads attached prefixes wait for, by seq_id
         self.on_evict: Callable[[int, int], None] | None = None
@@ -200,15 +203,18 @@ class BlockManager:
         parent = hashes[-1] if hashes else ROOT_HASH
         bs = self.block_size
         for i in range(len(hashes), full):
-            parent = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
-            hashes.append(parent)
+            block_tokens = seq.token_ids[i * bs : (i + 1) * bs]
+            h = hash_block(parent, block_tokens)
+            hashes.append(h)
             block_id = seq.block_table[i]
             # First writer wins; a duplicate block computed concurrently stays private.
-            if parent not in self.hash_to_block:
-                self.hash_to_block[parent] = block_id
-                self.block_hash[block_id] = parent
-                self.stored_events.append(parent)
+            if h not in self.hash_to_block:
+                self.hash_to_block[h] = block_id
+                self.block_hash[block_id] = h
+                self.stored_events.append(h)
+                self.lineage[h] = (parent, block_tokens)
                 self._bound_events()
+            parent = h
 
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> tuple[int, int] | None:
         """Give ``child`` (no blocks yet) the KV of ``parent``'s first ``num_tokens`` tokens.
@@ -267,6 +273,7 @@ class BlockManager:
             return
         stored, removed = self._net_events()
         self.stored_events, self.removed_events = stored, removed[-(limit // 2) :]
+        self.lineage = {h: self.lineage[h] for h in stored if h in self.lineage}
 
     def _net_events(self) -> tuple[list[int], list[int]]:
         stored = [h for h in dict.fromkeys(self.stored_events) if h in self.hash_to_block]
@@ -282,3 +289,9 @@ class BlockManager:
         stored, removed = self._net_events()
         self.stored_events, self.removed_events = [], []
         return stored, removed
+
+    def take_lineage(self, stored: list[int]) -> dict[int, tuple[int, list[int]]]:
+        """The (parent hash, tokens) of ``stored`` (what ``drain_events`` just returned), and
+        forget the rest: a block stored and evicted in between needs none."""
+        lineage, self.lineage = self.lineage, {}
+        return {h: lineage[h] for h in stored if h in lineage}

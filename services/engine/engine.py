@@ -4,10 +4,8 @@ A step is nano-vllm's: schedule, run, postprocess. The scheduler owns every requ
 a status machine (``SequenceStatus``, drawn in ``sequence.py``): it picks each step's batch and
 applies the runner's output (``Scheduler.update_from_output``). The engine around it owns the
 model, the KV cache and the threading. A request with ``sampling.n > 1`` prefills once and forks
-its other choices after that (``sequence_group.py``).
-
-With ``--speculative``, a decode step also verifies drafted tokens of running sequences inside
-the same forward pass (``spec/``; a prefill-only engine never drafts).
+its other choices after that (``sequence_group.py``). With ``--speculative``, a decode step
+also verifies drafted tokens inside the same forward pass (``spec/``; never a prefill engine).
 
 The aggregated baseline runs this engine alone. Disaggregated workers run it too: a prefill worker
 with ``prefill_only=True``, a decode worker adding requests with ``remote_kv=True`` and answering
@@ -189,6 +187,8 @@ class LLMEngine:
             "head_dim": cfg.head_dim,
             TP_KEY: self.shard.size,  # which heads each rank holds (shared/kv/tp_layout.py)
             **self.kv_spec.fingerprint(),  # element type and scale layout of the blocks
+            # a rollout's new version pairs only with itself (its own weights made the KV)
+            **({"model_version": v} if (v := self.config.model_version) else {}),
         }
 
     # ---- commands: any thread ----------------------------------------------------------------
@@ -343,6 +343,7 @@ class LLMEngine:
         self._copy_blocks()  # choices forked from prompts completed in this pass
         stats.seconds = elapsed
         stats.flops, stats.bytes = self.step_cost.of(run.inputs)
+        self.offload.observe_forward(stats)  # prices computing a block (the tiers' load costs)
         if self.speculator is not None and not stats.prefill_seqs:  # what a draft token costs
             self.speculator.cost.observe(batch.num_tokens, elapsed)
         return stats
@@ -371,7 +372,7 @@ class LLMEngine:
         if self._kv_feed is not None:
             stored, removed = bm.drain_events()
             if stored or removed:
-                self._kv_feed.push(stored, removed)
+                self._kv_feed.push(stored, removed, bm.take_lineage(stored))
 
     # ---- convenience for tests and the benchmark ---------------------------------------------
 

@@ -28,8 +28,10 @@ files out.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -37,15 +39,16 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from pdserve.services.engine.commands import KVEventFeed
+from pdserve.services.engine.kv_event_feed import KVEventFeed
 from pdserve.services.engine.kv_tiers import KVTiers, TierStats
+from pdserve.services.engine.kv_tiers.load_cost import CopyTimer, LoadCosts
 from pdserve.services.engine.kv_tiers.weights_digest import weights_digest
 from pdserve.shared.errors import StartupError
 from pdserve.shared.kv.layout import layout_id
 
 if TYPE_CHECKING:
     from pdserve.services.engine.block_manager import BlockManager
-    from pdserve.services.engine.outputs import ScheduledBatch
+    from pdserve.services.engine.outputs import ScheduledBatch, StepStats
     from pdserve.services.engine.parallel.shard import Shard
     from pdserve.services.engine.scheduler import Scheduler
     from pdserve.shared.config import EngineConfig
@@ -61,6 +64,7 @@ class Engine(Protocol):
     block_manager: BlockManager
     kv_cache: torch.Tensor
     bytes_per_block: int
+    block_size: int
     shard: Shard
     device: torch.device
     model_dir: Path
@@ -78,6 +82,9 @@ class KVOffload:
         self._wake = engine.wake
         # disk reads done (on the disk thread): (seq_id, pool blocks, their bytes or None, why)
         self._arrived: deque[tuple[str, list[int], list[np.ndarray] | None, str]] = deque()
+        # what a tier's block costs to load against computing it, measured (load_cost.py)
+        self.costs = LoadCosts(engine.block_size)
+        self._timer = CopyTimer(self.costs, tiers is not None and tiers.cuda)
         if tiers is not None:
             self.bm.tiers = tiers
             self.bm.on_evict = self._evicted
@@ -127,6 +134,7 @@ class KVOffload:
         its loads start."""
         if self.tiers is None:
             return sch.schedule()
+        self._timer.poll()  # the host copies of earlier steps that are done
         while self._arrived:
             self._copy_in(sch, *self._arrived.popleft())
         batch = sch.schedule()
@@ -142,7 +150,20 @@ class KVOffload:
         return KVEventFeed(("device", *self.tiers.names), self.tiers.log.take)
 
     def stats(self) -> TierStats | None:
-        return self.tiers.stats() if self.tiers is not None else None
+        if self.tiers is None:
+            return None
+        costs = self.costs
+        return replace(self.tiers.stats(), host_load_cost=costs.cost("host"),
+                       disk_load_cost=costs.cost("disk"))  # fmt: skip
+
+    def observe_forward(self, stats: StepStats) -> None:
+        """A forward pass ran: one that only prefilled prices computing a block."""
+        if self.tiers is not None and stats.prefill_seqs and not stats.num_decodes:
+            self.costs.observe_prefill(stats.num_tokens, stats.seconds)
+
+    def load_fields(self) -> dict[str, float]:
+        """``WorkerLoad``'s measured tier load costs (0: not measured, or no tiers)."""
+        return self.costs.load_fields() if self.tiers is not None else {}
 
     def flush(self) -> None:
         """Wait for the disk tier's jobs posted so far: its start-up scan, the writes."""
@@ -159,19 +180,29 @@ class KVOffload:
 
     def _start_loads(self) -> None:
         loads, self.bm.loads = self.bm.loads, {}
+        if not loads:
+            return
+        started, copied = self._timer.start(), 0
         for seq_id, pairs in loads.items():
             slow = [(block_id, claim) for block_id, claim in pairs if claim.slow]
             for block_id, claim in pairs:
                 if not claim.slow:  # host memory: queued now, ahead of the forward pass
                     self.tiers.load_host(claim, self.raw[block_id])
+                    copied += 1
             if slow:
                 ids = [block_id for block_id, _ in slow]
+                posted = time.perf_counter()
 
-                def done(blocks, error: str, seq_id: str = seq_id, ids: list[int] = ids) -> None:
-                    self._arrived.append((seq_id, ids, blocks, error))  # the disk thread
+                def done(blocks, error: str, seq_id: str = seq_id, ids: list[int] = ids,
+                         posted: float = posted) -> None:  # fmt: skip
+                    if blocks is not None:  # the disk thread: what the sequence waited
+                        self.costs.observe_load("disk", len(ids), time.perf_counter() - posted)
+                    self._arrived.append((seq_id, ids, blocks, error))
                     self._wake()
 
                 self.tiers.load_disk([claim for _, claim in slow], done)
+        if copied:
+            self._timer.stop(started, copied)
 
     def _copy_in(
         self, sch: Scheduler, seq_id: str, ids: list[int], blocks: list[np.ndarray] | None,

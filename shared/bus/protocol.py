@@ -35,6 +35,7 @@ from pdserve.shared.bus.wire_fields import (
     MAX_BLOCKS,
     MAX_DEPTH,
     MAX_KV_EVENT_HASHES,
+    MAX_KV_EVENT_TOKENS,
     MAX_TEXT_CHARS,
     MAX_TOKEN_ID,
     MAX_TOKENS,
@@ -52,9 +53,10 @@ from pdserve.shared.bus.wire_fields import (
 )
 from pdserve.shared.sampling import MAX_N, GuidedDecoding, SamplingParams, TokenLogprobs
 
-PROTOCOL_VERSION = 8  # 3: n choices, log-probs, penalties, structured output; 4: positions;
+PROTOCOL_VERSION = 9  # 3: n choices, log-probs, penalties, structured output; 4: positions;
 # 5: one name per id (bus_id on the bus, client_id for the x-request-id); 6: TP ranks' KV servers
 # 7: WorkerLoad's roofline totals and peaks; 8: KVEvents per KV tier, WorkerLoad's tier load costs
+# 9: KV events' parents, token ids and clears; WorkerLoad's standby state and model version
 
 ROLES = ("prefill", "decode")
 # where a worker holds a KV block: its device pool, then the offload tiers (issue 33), fastest first
@@ -246,22 +248,22 @@ class WorkerLoad:
     # it (measured by the worker; 0: not measured, the router's defaults apply)
     kv_host_load_cost: float = amount()
     kv_disk_load_cost: float = amount()
+    # services/standby.py: a warm-pool or unverified worker, never routed to until promoted
+    standby: bool = bounded(default=False)
+    model_version: str = text(max_len=128, default="")  # shown by /v1/models; rollouts use it
 
 
 @dataclass
 class KVEvents:
-    """What entered and left a worker's prefix cache, for the gateway's KV-aware router.
-
-    Deltas carry the net change since the worker's previous message: ``stored`` hashes are in
-    the cache now, ``removed`` ones are not (the two lists are disjoint, so their order does not
-    matter). Every few seconds the worker sends a snapshot instead - its whole cache, split over
-    ``parts`` messages under one ``seq`` - which replaces what a gateway knew, so a gateway that
-    joined late or lost a message converges. ``seq`` counts messages per worker incarnation.
-
-    ``tier`` says which of the worker's KV tiers (``KV_TIERS``) the message is about: each tier
-    has its own deltas and snapshots, so a block moving from the device pool to host memory is
-    ``removed`` in a device message and ``stored`` in a host one.
-    """
+    """What entered and left one of a worker's KV tiers (``tier``, ``KV_TIERS``), for
+    KV-aware routers. Deltas carry the net change since the previous message: ``stored`` hashes
+    are in the tier now, ``removed`` ones are not (disjoint lists). Every few seconds a snapshot
+    (the whole tier, over ``parts`` messages under one ``seq``) replaces what a gateway knew,
+    so a late or lossy one converges. ``seq`` counts messages per worker incarnation.
+    A delta's stored blocks may carry their lineage (BlockStored): ``parents[i]`` is the hash
+    before ``stored[i]`` in its chain (ROOT_HASH, 0, for a first block), ``token_ids`` their
+    tokens back to back; both empty when unknown. ``cleared``: every block of the tier went
+    (AllBlocksCleared) before this message's lists apply."""
 
     TYPE: ClassVar[str] = "kv_events"
     worker_id: str = ident()
@@ -274,12 +276,20 @@ class KVEvents:
     part: int = count(hi=1 << 16, default=0)  # snapshots: this message's index among parts
     parts: int = count(lo=1, hi=1 << 16, default=1)
     tier: str = text(max_len=8, choices=KV_TIERS, default="device")
+    parents: list[int] = bounded(default=[], lo=0, hi=UINT64_MAX, max_len=MAX_KV_EVENT_HASHES)
+    token_ids: list[int] = tokens(max_len=MAX_KV_EVENT_TOKENS, default=[])
+    cleared: bool = bounded(default=False)
 
     def __post_init__(self) -> None:
         if self.part >= self.parts:
             raise ValueError(f"part {self.part} of {self.parts}")
         if not self.snapshot and self.parts != 1:
             raise ValueError("a delta is one message")
+        n = len(self.stored)  # lineage: all of the stored blocks' (none in a snapshot), or none
+        if (self.parents or self.token_ids) and (
+            self.snapshot or len(self.parents) != n or len(self.token_ids) != n * self.block_size
+        ):
+            raise ValueError(f"lineage of {len(self.parents)}, {len(self.token_ids)} for {n}")
 
 
 @dataclass

@@ -36,6 +36,9 @@ MAX_DEPTH = 8
 # Block hashes per KVEvents message (9 msgpack bytes each: ~590 KB, under NATS's default 1 MB
 # payload limit); bigger changes and snapshots are split over several messages.
 MAX_KV_EVENT_HASHES = 1 << 16
+# Token ids per KVEvents message (a stored block's tokens ride with it, <= 5 msgpack bytes each:
+# ~330 KB); the publisher splits deltas so hashes and tokens together stay under ~1 MB.
+MAX_KV_EVENT_TOKENS = 1 << 16
 UINT64_MAX = (1 << 64) - 1  # block hashes are unsigned 64-bit (blake2b, 8 bytes)
 
 

@@ -65,6 +65,8 @@ class CachedBlocks:
     partial: tuple[int, int, set[int]] | None = None
 
     def apply(self, msg: KVEvents) -> None:
+        if msg.cleared:  # AllBlocksCleared: the tier is empty, then this message's delta applies
+            self.hashes, self.partial = set(), None
         if not msg.snapshot:
             self.hashes.difference_update(msg.removed)
             self.hashes.update(msg.stored)
@@ -278,8 +280,8 @@ class WorkerRegistry:
         return [e.load for e in self.entries.values() if role is None or e.load.role == role]
 
     def routable(self, role: str) -> list[WorkerLoad]:
-        """Live workers of ``role`` that take new requests."""
-        return [load for load in self.loads(role) if not load.draining]
+        """Live workers of ``role`` that take new requests (not draining, not on standby)."""
+        return [load for load in self.loads(role) if not (load.draining or load.standby)]
 
     def get(self, worker_id: str) -> WorkerLoad | None:
         self.prune()

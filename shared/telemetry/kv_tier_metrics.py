@@ -14,6 +14,7 @@ a step. A worker without tiers exports none of these series.
     pdserve_worker_prefix_cache_disk_writes_total         block files written
     pdserve_worker_prefix_cache_disk_removed_total        torn or corrupt files removed, unserved
     pdserve_worker_prefix_cache_disk_ignored_total        files of another KV layout, ignored
+    pdserve_worker_prefix_cache_tier_load_cost{tier}      measured: a block's load / its compute
 """
 
 from __future__ import annotations
@@ -79,3 +80,9 @@ class KVTierCollector(Collector):
             family = CounterMetricFamily(PREFIX + name, doc, labels=["role"])
             family.add_metric([self.role], value)
             yield family
+        cost = GaugeMetricFamily(PREFIX + "tier_load_cost", "Loading a block from a KV tier, as "
+                                 "a fraction of computing it (measured; 0: not yet).",
+                                 labels=["role", "tier"])  # fmt: skip
+        for tier in ("host", "disk"):
+            cost.add_metric([self.role, tier], getattr(s, f"{tier}_load_cost", 0.0))
+        yield cost

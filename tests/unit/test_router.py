@@ -157,7 +157,7 @@ async def test_events_and_evictions_reach_the_registry_and_the_router():
 
 
 async def test_snapshots_split_over_parts_apply_only_when_complete(monkeypatch):
-    import pdserve.shared.discovery.announce as announce
+    import pdserve.shared.discovery.kv_publisher as announce  # the publisher's home
 
     monkeypatch.setattr(announce, "MAX_KV_EVENT_HASHES", 3)
     registry = WorkerRegistry(bus=None, timeout=60.0)  # type: ignore[arg-type]

@@ -82,7 +82,7 @@ async def test_the_registry_keeps_each_tier_and_follows_a_move(worker):
 
 
 async def test_each_tier_snapshot_replaces_only_that_tier(worker, monkeypatch):
-    import pdserve.shared.discovery.announce as announce
+    import pdserve.shared.discovery.kv_publisher as announce  # the publisher's home
 
     monkeypatch.setattr(announce, "MAX_KV_EVENT_HASHES", 3)
     registry, feed, log, pub = worker

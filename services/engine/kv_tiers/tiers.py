@@ -49,6 +49,9 @@ class TierStats:
     host_blocks: int = 0
     disk_blocks: int = 0
     disk: DiskCounts = field(default_factory=DiskCounts)
+    # measured: loading a block from host memory / disk over computing it (load_cost.py; 0: not)
+    host_load_cost: float = 0.0
+    disk_load_cost: float = 0.0
 
 
 class KVTiers:

@@ -1,0 +1,236 @@
+"""``pdserve rollout --model NEW``: swap the model of a running ``pdserve up`` with no downtime.
+
+The launcher's supervision loop calls ``RolloutDriver.poll`` every 0.2 s; a rollout is a small
+state machine advanced by those calls (nothing here blocks the loop but a rollback's stops):
+
+1. **load**: for every worker now serving, a worker of the same role starts with ``--model NEW``
+   and ``--standby`` (services/standby.py) on the same CPUs/GPU, under the gateway's served name
+   (the gateway holds one name and tokenizer), announcing its ``model_version``;
+2. **verify**: once all have registered, services/version_probe.py sends each a probe through
+   the real prefill -> KV pull -> decode path and checks the answer;
+3. **switch**: SIGUSR1 promotes every new worker; once the gateway's /v1/models lists the new
+   version, every old worker gets SIGTERM: it takes no new requests, finishes (or migrates) its
+   streams and serves the KV pulls it leased, then exits;
+4. **done** when the old ones have exited: the answer names both versions and the phase times.
+
+A worker that dies while loading, a registration that never comes, or a failed probe rolls back:
+the new workers are stopped (standby: nothing was routed to them) and the old keep serving; the
+answer says why, and ``pdserve rollout`` exits 1.
+
+Not yet: a rollout beside ``--autoscale`` (the planner would scale the versions apart) and
+aggregated stacks (``--prefill-workers 0``: the probe needs a prefill worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import json
+import signal
+import time
+import urllib.request
+from typing import Any
+
+from pdserve.services import version_probe
+from pdserve.services.control import ControlListener, ControlRequest
+from pdserve.services.launch_checks import registered_names
+from pdserve.services.processes import Child
+from pdserve.services.standby import PROMOTE_SIGNAL, derive_version
+
+LOAD_TIMEOUT = 600.0  # as pdserve up waits for its first workers
+SWITCH_TIMEOUT = 10.0  # promoted workers reach the gateway's table within a heartbeat or two
+KILL_AFTER_DRAIN = 30.0
+
+
+def models_card(gateway_url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(gateway_url + "/v1/models", timeout=5.0) as resp:
+        return json.loads(resp.read())["data"][0]
+
+
+class RolloutFailed(Exception):
+    pass
+
+
+class Rollout:
+    def __init__(self, fleet: Any, body: dict[str, Any], gateway_url: str) -> None:
+        self.fleet, self.url, self.t0 = fleet, gateway_url, time.monotonic()
+        self.times: dict[str, float] = {}
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise RolloutFailed('"model" is required')
+        if fleet.autoscaler is not None:
+            raise RolloutFailed("a rollout beside --autoscale is not supported yet")
+        card = models_card(gateway_url)
+        served = body.get("served_model_name") or card["id"]
+        if served != card["id"]:
+            raise RolloutFailed(
+                f"the gateway serves {card['id']!r} with its tokenizer: another served name "
+                "needs a pdserve up restart"
+            )
+        self.version = str(body.get("model_version") or derive_version(model))[:128]
+        self.old_versions = list(card.get("model_versions", []))
+        if self.version in self.old_versions:
+            raise RolloutFailed(f"version {self.version} serves already (--model-version)")
+        self.old = {n: c for n, c in self._alive().items()}
+        roles = [fleet.started[n].role for n in self.old]
+        if "prefill" not in roles or "decode" not in roles:
+            raise RolloutFailed("a rollout needs prefill and decode workers (not aggregated)")
+        self.expect = [int(t) for t in body.get("expect") or []]
+        self.common = {**fleet.common, "model": model, "served_model_name": served}
+        self.new: dict[str, Child] = {}
+        for name in self.old:  # same roles and places as the old
+            start = fleet.started[name]
+            child = fleet._start_worker(start.role, fleet.next_index[start.role], self.common,
+                                        start.place, standby=True, version=self.version)  # fmt: skip
+            self.new[child.name] = child
+        self.phase, self.deadline = "load", time.monotonic() + LOAD_TIMEOUT
+        self.probe: concurrent.futures.Future | None = None
+        self.retiring: set[int] = set()  # pids
+        self.say(f"{', '.join(self.new)} loading {model} as version {self.version}")
+
+    def say(self, text: str) -> None:
+        print(f"pdserve rollout: {text}", flush=True)
+
+    def _alive(self) -> dict[str, Child]:
+        return {c.name: c for c in self.fleet.children
+                if c.name in self.fleet.started and c.alive()}  # fmt: skip
+
+    def _mark(self, phase: str) -> None:
+        self.times[phase] = round(time.monotonic() - self.t0, 3)
+
+    def poll(self) -> dict[str, Any] | None:
+        """Advance; the answer once done or rolled back, else None."""
+        try:
+            return getattr(self, f"_{self.phase}")()
+        except RolloutFailed as exc:
+            return self.roll_back(str(exc))
+        except Exception as exc:  # noqa: BLE001 - whatever broke, the old version keeps serving
+            return self.roll_back(f"{type(exc).__name__}: {exc}")
+
+    def _load(self) -> None:
+        for name, child in self.new.items():
+            if not child.alive():
+                raise RolloutFailed(f"{name} exited with {child.popen.returncode} while loading")
+        if time.monotonic() > self.deadline:
+            raise RolloutFailed(f"the new workers did not register in {LOAD_TIMEOUT:.0f} s")
+        if set(self.new) <= registered_names(self.url):
+            self._mark("loaded")
+            role = {n: self.fleet.started[n].role for n in self.new}
+            bus = dataclasses.replace(self.fleet.bus, nats_url=str(self.fleet.common["nats_url"]))
+            check = version_probe.verify(
+                bus, [n for n in self.new if role[n] == "prefill"],
+                [n for n in self.new if role[n] == "decode"], expect=self.expect,
+            )  # fmt: skip
+            pool = concurrent.futures.ThreadPoolExecutor(1, "rollout-probe")
+            self.probe = pool.submit(asyncio.run, check)
+            pool.shutdown(wait=False)
+            self.phase = "verify"
+
+    def _verify(self) -> None:
+        assert self.probe is not None
+        if not self.probe.done():
+            return
+        result = self.probe.result()
+        if not result.ok:
+            raise RolloutFailed(f"verification failed: {result.detail}")
+        self.probed = result.detail
+        self._mark("verified")
+        for child in self.new.values():
+            child.signal(PROMOTE_SIGNAL)
+        self.say(f"verified ({result.detail}); promoted {', '.join(self.new)}")
+        self.phase, self.deadline = "switch", time.monotonic() + SWITCH_TIMEOUT
+
+    def _switch(self) -> None:
+        if self.version not in models_card(self.url).get("model_versions", []):
+            if time.monotonic() < self.deadline:
+                return
+            self.say(f"the gateway does not list {self.version} yet: draining the old anyway")
+        self._mark("switched")
+        drain = self.fleet.worker.drain_seconds + KILL_AFTER_DRAIN
+        for child in self.old.values():
+            child.signal(signal.SIGTERM)
+            self.retiring.add(child.pid)
+        self.say(f"routing to {self.version}; draining {', '.join(self.old)}")
+        self.phase, self.deadline = "drain", time.monotonic() + drain
+
+    def _drain(self) -> dict[str, Any] | None:
+        left = [c for c in self.old.values() if c.alive()]
+        if left and time.monotonic() > self.deadline:
+            for child in left:
+                self.say(f"{child.name} is still draining past its deadline: killed")
+                child.signal(signal.SIGKILL)
+        if left:
+            return None
+        codes = {name: self._forget(child) for name, child in self.old.items()}
+        self.fleet.common = self.common  # later workers (a restart, the next rollout) are new
+        self._mark("drained")
+        self.say(f"done: {self.version} serves; old workers exited {codes}")
+        return {"ok": True, "version": self.version, "old_versions": self.old_versions,
+                "workers": list(self.new), "exited": codes, "probe": self.probed,
+                "seconds": self.times}  # fmt: skip
+
+    def roll_back(self, reason: str) -> dict[str, Any]:
+        self.say(f"rolling back: {reason}")
+        for child in self.new.values():
+            self.retiring.add(child.pid)
+            child.signal(signal.SIGTERM)  # standby: no request to finish
+        for child in self.new.values():
+            self._forget(child, 10.0)
+        return {"ok": False, "error": reason, "rolled_back": True,
+                "serving": self.old_versions}  # fmt: skip
+
+    def _forget(self, child: Child, timeout: float = 0.0) -> int:
+        code = child.stop(timeout)
+        self.fleet.started.pop(child.name, None)
+        if child in self.fleet.children:
+            self.fleet.children.remove(child)
+        return code
+
+
+class RolloutDriver:
+    """Takes control requests off the listener and runs one rollout at a time."""
+
+    def __init__(self, fleet: Any, gateway_url: str) -> None:
+        self.fleet, self.url = fleet, gateway_url
+        bus = dataclasses.replace(fleet.bus, nats_url=str(fleet.common["nats_url"]))
+        self.listener = ControlListener(bus)
+        self.current: tuple[Rollout, ControlRequest] | None = None
+        self.retiring: set[int] = set()  # pids
+
+    def start(self) -> None:
+        """Listen; a NATS that refuses us costs ``pdserve rollout`` only, not serving."""
+        try:
+            self.listener.start()
+        except Exception as exc:  # noqa: BLE001
+            print(f"pdserve: no control channel, pdserve rollout cannot reach us ({exc})",
+                  flush=True)  # fmt: skip
+
+    def retired(self, child: Child) -> bool:
+        """Whether a rollout stopped this child (its exit is no crash)."""
+        return child.pid in self.retiring
+
+    def poll(self) -> None:
+        if self.current is not None:
+            rollout, req = self.current
+            answer = rollout.poll()
+            self.retiring |= rollout.retiring
+            if answer is not None:
+                self.current = None
+                req.reply(answer)
+        while (req := self.listener.get()) is not None:
+            if req.body.get("op") != "rollout":
+                req.reply({"ok": False, "error": f"unknown op {req.body.get('op')!r}"})
+            elif self.current is not None:
+                req.reply({"ok": False, "error": "a rollout is in progress"})
+            else:
+                try:
+                    self.current = (Rollout(self.fleet, req.body, self.url), req)
+                except (RolloutFailed, OSError, ValueError, KeyError) as exc:
+                    req.reply({"ok": False, "error": str(exc), "rolled_back": False})
+
+    def close(self) -> None:
+        if self.current is not None:  # pdserve up stops: the caller must not wait for nothing
+            self.current[1].reply({"ok": False, "error": "pdserve up is stopping"})
+            self.current = None
+        self.listener.close()

@@ -1,0 +1,78 @@
+"""``--kv-events-zmq`` on a real prefill worker process (issue 33): over a real nats-server, a
+prefill's blocks reach a real ZMQ subscriber as vLLM's BlockStored (chained hashes, parent,
+tokens, medium "GPU"), after the worker's first batch, AllBlocksCleared; the same blocks reach
+the gateway's registry on NATS with their lineage."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import zmq
+
+from pdserve.shared.bus.protocol import KVEvents
+from pdserve.shared.kv.layout import ROOT_HASH, prefix_block_hashes
+from tests.integration.stack import start_nats, start_service, stop_all
+from tests.integration.worker_client import connected
+
+BS = 16
+PROMPT = list(range(10, 10 + 3 * BS + 5))  # 3 full blocks and a partial one (demo vocab: 264)
+
+
+def events(sub: zmq.Socket, want: int, timeout_ms: int = 20_000) -> list[dict]:
+    """Events (vLLM's map form) until ``want`` BlockStored hashes arrived."""
+    out: list[dict] = []
+    stored = 0
+    while stored < want and sub.poll(timeout_ms):
+        topic, seq, payload = sub.recv_multipart()
+        assert topic == b"kv" and len(seq) == 8
+        _, batch, rank = msgpack.unpackb(payload, raw=False)
+        assert rank == 0
+        out += batch
+        stored += sum(len(e["block_hashes"]) for e in batch if e["type"] == "BlockStored")
+    return out
+
+
+async def test_a_worker_publishes_vllm_kv_events_on_zmq(tmp_path):
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    port = sub.bind_to_random_port("tcp://127.0.0.1")  # the worker connects (no "*": vLLM's rule)
+    nats = start_nats(tmp_path)
+    opts = {"worker_id": "pz", "block_size": BS, "num_kv_blocks": 32, "heartbeat_seconds": 0.2,
+            "kv_events_zmq": f"tcp://127.0.0.1:{port}", "kv_events_zmq_topic": "kv"}  # fmt: skip
+    worker = start_service("prefill", nats.url, tmp_path, None, opts)
+    try:
+        async with connected(nats.url, [worker]) as gw:
+            on_nats: list[KVEvents] = []
+
+            async def heard(msg: KVEvents, headers) -> None:
+                on_nats.append(msg)
+
+            await gw.bus.subscribe(gw.bus.subjects.kv("pz"), heard, (KVEvents,))
+            await asyncio.sleep(1.0)  # the PUB side's connection (it drops before it is up)
+            result = await gw.prefill("pz", "r1", PROMPT)
+            assert result.error is None
+            got = await asyncio.to_thread(events, sub, 3)
+            chain = prefix_block_hashes(PROMPT, BS)
+            stored = [e for e in got if e["type"] == "BlockStored"]
+            assert [h for e in stored for h in e["block_hashes"]] == chain
+            assert stored[0]["parent_block_hash"] is None and stored[0]["medium"] == "GPU"
+            assert [t for e in stored for t in e["token_ids"]] == PROMPT[: 3 * BS]
+            assert stored[0]["block_size"] == BS
+
+            # the gateway's side on NATS: the same blocks, with their lineage
+            for _ in range(50):
+                deltas = [m for m in on_nats if m.stored and not m.snapshot]
+                if sum(len(m.stored) for m in deltas) >= 3:
+                    break
+                await asyncio.sleep(0.1)
+            assert [h for m in deltas for h in m.stored] == chain
+            assert [p for m in deltas for p in m.parents] == [ROOT_HASH, *chain[:2]]
+            assert [t for m in deltas for t in m.token_ids] == PROMPT[: 3 * BS]
+            assert set(chain) <= gw.registry.cached_blocks("pz").hashes
+    finally:
+        stop_all([worker])
+        nats.stop()
+        sub.close(linger=0)
+        ctx.term()
