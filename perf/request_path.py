@@ -4,8 +4,8 @@ to follow a request (issue 27 asks for 25 or fewer on a streamed, disaggregated 
 Workload: ``pdserve up`` (1 prefill, 1 decode worker, the default model) serving ONE streamed
 ``/v1/chat/completions`` request of 16 tokens, after a warm-up request. Every process of the stack
 runs with a profile hook (``sitecustomize`` on ``PYTHONPATH``) that records the source file of
-every Python function called while recording is on; SIGUSR1 turns recording on and, the second
-time, off and writes the files out. A module counts when any of its functions ran in any of the
+every Python function called while recording is on; SIGUSR2 turns recording on and, the second
+time, off and writes the files out (SIGUSR1 is taken: it promotes a standby worker). A module counts when any of its functions ran in any of the
 three processes (gateway, prefill, decode) while the request was served. Start-up, model loading
 and the warm-up request are not counted.
 
@@ -49,7 +49,7 @@ def _toggle(signum, frame):
 
 sys.setprofile(_profile)
 threading.setprofile(_profile)
-signal.signal(signal.SIGUSR1, _toggle)
+signal.signal(signal.SIGUSR2, _toggle)
 """
 
 FOLDERS = ("gateway", "services", "shared", "kernels")
@@ -124,12 +124,12 @@ def measure(
             chat(port, max_tokens)  # warm-up: first-call paths are not the request path
             pids = [p for p in children(proc.pid) if "nats-server" not in _cmdline(p)]
             for pid in pids:
-                os.kill(pid, signal.SIGUSR1)
+                os.kill(pid, signal.SIGUSR2)
             time.sleep(0.5)
             chunks = chat(port, max_tokens)
             time.sleep(0.5)
             for pid in pids:
-                os.kill(pid, signal.SIGUSR1)
+                os.kill(pid, signal.SIGUSR2)
             time.sleep(2)
             per_process = {}
             for pid in pids:

@@ -77,7 +77,9 @@ class Rollout:
         if "prefill" not in roles or "decode" not in roles:
             raise RolloutFailed("a rollout needs prefill and decode workers (not aggregated)")
         self.expect = [int(t) for t in body.get("expect") or []]
-        self.common = {**fleet.common, "model": model, "served_model_name": served}
+        # the version too: a worker started later (a restart) joins this version's KV layout
+        self.common = {**fleet.common, "model": model, "served_model_name": served,
+                       "model_version": self.version}  # fmt: skip
         self.new: dict[str, Child] = {}
         for name in self.old:  # same roles and places as the old
             start = fleet.started[name]
