@@ -54,7 +54,7 @@ expires mid-transfer is freed only after the last byte left.
 """
 
 from pdserve.shared.kv.transfer.checksum import KVChecksumError
-from pdserve.shared.kv.transfer.client import KVClient
+from pdserve.shared.kv.transfer.client import KVClient, KVStreamFinished
 from pdserve.shared.kv.transfer.lease import Lease, LeaseTable
 from pdserve.shared.kv.transfer.server import KVServer
 from pdserve.shared.kv.transfer.wire import (
@@ -72,6 +72,7 @@ __all__ = [
     "KVChecksumError",
     "KVClient",
     "KVServer",
+    "KVStreamFinished",
     "KVTransferError",
     "Lease",
     "LeaseTable",

@@ -17,6 +17,7 @@ from pdserve.shared.kv import ucx_config, ucx_progress
 from pdserve.shared.kv.tp_layout import TP_KEY, without_tp
 from pdserve.shared.kv.transfer.checksum import KVChecksumError, KVHasher
 from pdserve.shared.kv.transfer.heads import Heads, HeadSlicer, Split, settle
+from pdserve.shared.kv.transfer.stream import FINISHED, Layers, LayerViews, layer_groups
 from pdserve.shared.kv.transfer.wire import (
     KV_WIRE_VERSION,
     MAX_CONTROL_BYTES,
@@ -34,6 +35,7 @@ from pdserve.shared.kv.transfer.wire import (
     own_address,
     parse_address,
     pull_tag,
+    reply_first_token,
     reply_sliced,
     reply_sums,
     reply_version,
@@ -42,6 +44,11 @@ from pdserve.shared.kv.transfer.wire import (
 )
 
 log = logging.getLogger("pdserve.kv")
+
+
+class KVStreamFinished(KVTransferError):
+    """A streamed lease's request finished at its first token: its prompt's KV never completes
+    (the gateway has the answer; the decode worker drops the request)."""
 
 
 @dataclass
@@ -82,6 +89,7 @@ class KVClient:
         self.host = host
         self.port = port
         self.blocks = BlockBytes(kv_cache)
+        self.layer_views = LayerViews(self.slicer.parts) if self.slicer.parts else None
         self.endpoints = Endpoints()
         self._address: bytes | None = None
         self._addresses: dict[str, tuple[int, bytes]] = {}  # parsed once per server
@@ -138,10 +146,14 @@ class KVClient:
         *,
         address: str | None = None,
         heads: Heads | None = None,
+        layers: Layers | None = None,
+        final: bool = False,
     ) -> TransferStats:
         """Copy the handle's first ``ceil(num_tokens / block_size)`` blocks into ``dst_block_ids``:
         global KV heads ``heads`` (default: all ours) from the KV server at ``address`` (default:
-        the handle's), which must hold all of them - one piece of a ``tp_layout.pull_plan``."""
+        the handle's), which must hold all of them - one piece of a ``tp_layout.pull_plan``.
+        ``layers``: only that layer group of a streamed lease, whole blocks (``stream.py``);
+        the ``final`` piece also brings the first token (``TransferStats.first_token``)."""
         self.own_address()  # UCX is configured before its first use, whoever pulls first
         self.check(handle)
         own = self.slicer.heads
@@ -151,6 +163,8 @@ class KVClient:
         whole = want == own
         if not whole and self.slicer.parts is None:
             raise KVTransferError("this KV cache cannot be head-sliced (no split given)")
+        if layers is not None and (self.layer_views is None or self._sliced(handle, whole)):
+            raise KVTransferError("layer pieces move whole blocks of a cache with known parts")
         n = blocks_for_tokens(handle.num_tokens, self.block_size)
         if len(handle.block_ids) < n or len(dst_block_ids) < n:
             raise KVTransferError(
@@ -177,8 +191,9 @@ class KVClient:
             pull = _Pull(ep)
             try:
                 stats = await self._pull(
-                    pull, control_tag, bus_id, handle, runs, want, sliced, deadline
-                )
+                    pull, control_tag, bus_id, handle, runs, want, sliced, deadline,
+                    (layers, final),
+                )  # fmt: skip
                 break
             except TimeoutError:
                 if pull.incoming:  # receives point into our blocks: only an abort cancels them
@@ -213,7 +228,7 @@ class KVClient:
             return False  # an opaque cache takes whole blocks only
         return handle.fingerprint.get(TP_KEY, 1) != self.fingerprint.get(TP_KEY, 1)
 
-    def _request(self, bus_id: str, handle: KVHandle, runs, tag: int, heads, sliced) -> Any:
+    def _request(self, bus_id: str, handle: KVHandle, runs, tag: int, heads, sliced, piece) -> Any:
         """The request message: u32 length + a msgpack map. Its entries that stay the same
         from pull to pull (version, our address, the fingerprint, checksum) are packed once
         and spliced in: a map's entries may come in any order, and both parts fit a fixmap
@@ -223,19 +238,19 @@ class KVClient:
                      "reply_to": self.own_address(), "checksum": self.checksum}  # fmt: skip
             self._prefix = (dict(handle.fingerprint), msgpack.packb(fixed, use_bin_type=True))
         fixed_entries = self._prefix[1]
-        varying = msgpack.packb(
-            {
-                "bus_id": bus_id,
-                "token": handle.token,
-                "runs": [[s, n] for s, _, n in runs],
-                "tag": tag,
-                "heads": list(heads),
-                "whole": heads == self.slicer.heads,
-                "sliced": sliced,
-            },
-            use_bin_type=True,
-        )
-        body = bytes([0x80 | 11]) + fixed_entries[1:] + varying[1:]  # 4 + 7 entries
+        fields = {
+            "bus_id": bus_id,
+            "token": handle.token,
+            "runs": [[s, n] for s, _, n in runs],
+            "tag": tag,
+            "heads": list(heads),
+            "whole": heads == self.slicer.heads,
+            "sliced": sliced,
+        }
+        if piece[0] is not None:  # a streamed lease's layer group
+            fields.update(layers=list(piece[0]), final=piece[1])
+        varying = msgpack.packb(fields, use_bin_type=True)
+        body = bytes([0x80 | (4 + len(fields))]) + fixed_entries[1:] + varying[1:]
         if len(body) > MAX_CONTROL_BYTES - 4:
             raise KVTransferError(f"pull request of {len(body)} bytes is too large")
         return np.frombuffer(len(body).to_bytes(4, "little") + body, dtype=np.uint8)
@@ -250,11 +265,13 @@ class KVClient:
         heads: Heads,
         sliced: bool,
         deadline: float,
+        piece: tuple[Layers | None, bool] = (None, False),
     ) -> TransferStats:
         """One try of a pull on ``pull.ep``; its network wait ends at ``deadline``
-        (``time.monotonic``) with TimeoutError."""
+        (``time.monotonic``) with TimeoutError. ``piece``: (layers, final) of a streamed lease's
+        layer group, or (None, False) for every layer."""
         ep, tag = pull.ep, pull_tag()
-        message = self._request(bus_id, handle, runs, tag, heads, sliced)
+        message = self._request(bus_id, handle, runs, tag, heads, sliced, piece)
         # Ask first, then post every receive while the request travels and the server checks
         # it (UCX holds a message that comes before its receive - eager bytes buffered, a
         # rendezvous by its announcement - and matches it once the receive is posted). The
@@ -263,7 +280,10 @@ class KVClient:
         # with empty messages (wire.KV_WIRE_VERSION).
         pull.incoming = True
         asked = ucx_progress.send(ep, message, control_tag)
-        if sliced:
+        if piece[0] is not None:  # a message per block (and part): part[block, lo:hi]
+            landing = []
+            buffers = self.layer_views.of([(dst, count) for _, dst, count in runs], piece[0])
+        elif sliced:
             landing = [self.slicer.landing(dst, count, heads) for _, dst, count in runs]
             buffers = [buffer(t) for t, _ in landing]
         else:
@@ -283,6 +303,8 @@ class KVClient:
             pull.incoming = reply_version(reply) < KV_WIRE_VERSION or not all(
                 f.done() for f in waits
             )  # an older server leaves our receives posted
+            if error == FINISHED:
+                raise KVStreamFinished(f"the request {bus_id} {error}")
             raise KVTransferError(f"{handle.worker_id} refused the pull: {error}")
         pull.incoming = False  # every receive has completed
         if reply_version(reply) != KV_WIRE_VERSION or reply_sliced(reply) != sliced:
@@ -299,12 +321,48 @@ class KVClient:
                     self.slicer.unpack(staging, dst, count, heads)
             await settle([t for t, staged in landing if staged])  # the KV is in when we return
         stats = TransferStats(num_bytes=sum(map(nbytes, buffers)), num_messages=len(buffers))
+        if piece[1]:
+            stats.first_token = reply_first_token(reply)
         if self.checksum:  # the blocks as they will be served, off the event loop
             t0 = time.perf_counter()
             dst_runs = [(dst, count) for _, dst, count in runs]
             await asyncio.to_thread(self.hasher.verify, dst_runs, heads, sums, handle.worker_id)
             stats.checksum_seconds = time.perf_counter() - t0
         return stats
+
+    async def pull_streamed(
+        self, bus_id: str, handle: KVHandle, dst_block_ids: list[int], timeout: float,
+        groups: int,
+    ) -> TransferStats:  # fmt: skip
+        """Pull a streamed lease as ``groups`` layer groups, all asked at once: the server sends
+        each as prefill writes it, the last with the first token (``stream.py``). Raises
+        KVStreamFinished when the request ended at its first token."""
+        pieces = layer_groups(self.layer_views.num_layers if self.layer_views else 1, groups)
+        t0 = time.perf_counter()
+        done_at: list[float] = [0.0] * len(pieces)
+
+        async def one(i: int) -> TransferStats:
+            stats = await self.pull(bus_id, handle, dst_block_ids, timeout,
+                                    layers=pieces[i], final=i == len(pieces) - 1)  # fmt: skip
+            done_at[i] = time.perf_counter() - t0
+            return stats
+
+        results = await asyncio.gather(*map(one, range(len(pieces))), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            errors.sort(key=lambda e: not isinstance(e, KVStreamFinished))  # why, if it is so
+            raise errors[0]
+        total = TransferStats(
+            num_bytes=sum(r.num_bytes for r in results),
+            num_blocks=results[0].num_blocks,
+            num_messages=sum(r.num_messages for r in results),
+            seconds=time.perf_counter() - t0,
+            first_token=results[-1].first_token,
+        )
+        total.piece_seconds = done_at
+        if total.first_token is None:
+            raise KVTransferError(f"{handle.worker_id} sent no first token with the last piece")
+        return total
 
     async def close(self) -> None:
         self.endpoints.clear()

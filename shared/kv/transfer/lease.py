@@ -28,6 +28,8 @@ class Lease:
         None  # --kv-checksum: its blocks' hashes, or the task taking them (checksum.py)
     )
     block_set: frozenset[int] | None = None  # block_ids as a set, once a pull checks against it
+    # a lease taken while prefill still writes its blocks: how far it got (stream.py)
+    stream: Any = None
 
 
 class LeaseTable:
@@ -60,10 +62,14 @@ class LeaseTable:
         """Leases held under ids starting with ``prefix`` (the doctor's probes, say)."""
         return sum(bus_id.startswith(prefix) for bus_id in self.leases)
 
-    def add(self, bus_id: str, block_ids: list[int], num_tokens: int, ttl: float) -> Lease:
+    def add(
+        self, bus_id: str, block_ids: list[int], num_tokens: int, ttl: float, stream: Any = None
+    ) -> Lease:
+        """Lease ``block_ids``; ``stream`` (a ``stream.LayerStream``) while prefill still writes
+        them."""
         if bus_id in self.leases:
             raise ValueError(f"lease for {bus_id!r} exists")
-        lease = Lease(bus_id, list(block_ids), num_tokens, self.clock() + ttl)
+        lease = Lease(bus_id, list(block_ids), num_tokens, self.clock() + ttl, stream=stream)
         self.leases[bus_id] = lease
         if self.on_add is not None:
             self.on_add(lease)

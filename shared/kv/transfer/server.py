@@ -6,17 +6,17 @@ import asyncio
 import hmac
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from pdserve.shared.kv import ucx_config, ucx_progress
 from pdserve.shared.kv.tp_layout import without_tp
+from pdserve.shared.kv.transfer.answer import Answer, Refusal
 from pdserve.shared.kv.transfer.checksum import KVHasher, hash_lease, lease_sums
 from pdserve.shared.kv.transfer.heads import Heads, HeadSlicer, Split, settle
 from pdserve.shared.kv.transfer.lease import Lease, LeaseTable
+from pdserve.shared.kv.transfer.stream import LayerViews, parse_layers, when_ready
 from pdserve.shared.kv.transfer.watch import done_or_after, watch_sends
 from pdserve.shared.kv.transfer.wire import (
     EMPTY,
@@ -65,8 +65,9 @@ class KVServer:
         self.kv_cache = kv_cache
         self.slicer = HeadSlicer(kv_cache, fingerprint, heads, split)
         self.hasher = KVHasher(kv_cache, self.slicer)
-        if checksum:
-            leases.on_add = lambda lease: hash_lease(self.hasher, lease)
+        if checksum:  # a streamed lease is still being written: hashed when a pull asks
+            leases.on_add = lambda lease: lease.stream or hash_lease(self.hasher, lease)
+        self.layer_views = LayerViews(self.slicer.parts) if self.slicer.parts else None
         self.fingerprint = dict(fingerprint)
         self._layout = without_tp(self.fingerprint)  # what a puller's must equal
         self._matched: dict | None = None  # the last puller fingerprint that did
@@ -173,20 +174,39 @@ class KVServer:
             self._drop(f"no valid lease token for {str(req.get('bus_id'))[:64]!r}")
             return
         try:
-            answer: _Answer | str = self._admit(req)
+            answer: Answer | str = self._admit(req)
         except Refusal as exc:
             answer = str(exc)
+        if not isinstance(answer, str) and not answer.ready():
+            self._hold(req, answer)  # a streamed piece whose layers prefill has not written
+            return None
+        return self._answer_now(req, answer)
+
+    def _answer_now(self, req: dict, answer: Answer | str) -> asyncio.Future | None:
         ep = self.endpoints.cached(req["reply_to"])
-        if ep is None or not isinstance(answer, str) and answer.staged_on_device():
+        if ep is None or not isinstance(answer, str) and answer.waits_for_device():
             self._spawn(self._answer_later(req, answer))
             return None
         return self._answer(ep, req, answer)
 
-    async def _answer_later(self, req: dict, answer: _Answer | str) -> None:
+    def _hold(self, req: dict, answer: Answer) -> None:
+        """Answer a streamed piece once its layers are written (the final piece: once the first
+        token is sampled), or refuse it when the prompt will never be complete or the lease is
+        let go. The lease stays pinned meanwhile: its blocks cannot be freed under the send."""
+
+        def refuse(why: str) -> None:
+            self.leases.unpin(answer.lease)
+            self._answer_now(req, why)
+
+        when_ready(answer.lease, answer.ready, lambda: self._answer_now(req, answer), refuse)
+
+    async def _answer_later(self, req: dict, answer: Answer | str) -> None:
         try:
             ep, _ = await self.endpoints.get(req["reply_to"])
             if not isinstance(answer, str):
                 await settle(answer.staged)  # UCX must not read half a copy
+                if answer.event is not None:  # the layers' kernels must have written them
+                    await asyncio.to_thread(answer.event.synchronize)
         except BaseException as exc:  # the puller's address does not answer, or we stop
             log.info("KV pull of %s not answered: %r", req.get("bus_id"), exc)
             if not isinstance(answer, str):
@@ -196,7 +216,7 @@ class KVServer:
             return
         self._answer(ep, req, answer)
 
-    def _answer(self, ep, req: dict, answer: _Answer | str) -> asyncio.Future | None:
+    def _answer(self, ep, req: dict, answer: Answer | str) -> asyncio.Future | None:
         """Post the sends of a yes (the runs, the reply, the checksums if asked; returned) or
         a refusal, and follow them to their end."""
         tag = req["tag"]
@@ -213,7 +233,7 @@ class KVServer:
             self.leases.unpin(answer.lease)  # nothing follows the sends: let the lease go
             raise
 
-    def _send_yes(self, ep, req: dict, answer: _Answer) -> asyncio.Future:
+    def _send_yes(self, ep, req: dict, answer: Answer) -> asyncio.Future:
         tag = req["tag"]
         views = answer.views
         if self.fault is not None:
@@ -222,13 +242,10 @@ class KVServer:
         sums = self.hasher.units(heads) if req.get("checksum") is True else 0
         # every run in flight at once, then the reply, in one post: UCX pipelines them, one
         # tag keeps the runs' order, and the puller wakes once, for the last byte
-        sends = [
-            ucx_progress.send_many(
-                ep,
-                [*views, self._yes(answer.sliced, sums)],
-                [tag + 2] * len(views) + [tag + 1],
-            )
-        ]
+        yes = self._yes(answer.sliced, sums)
+        if answer.lease.stream is not None and answer.final:  # the first token with the KV
+            yes = pack_reply(None, answer.sliced, sums, answer.lease.stream.first_token)
+        sends = [ucx_progress.send_many(ep, [*views, yes], [tag + 2] * len(views) + [tag + 1])]
         if sums:
             sends.append(self._send_sums(ep, lease, req["runs"], heads, tag + 3))
         self.pulls_served += 1
@@ -244,7 +261,13 @@ class KVServer:
         runs = req.get("runs")
         if type(runs) is not list or len(runs) > MAX_CONTROL_BYTES:
             return []  # the puller's timeout aborts its receives
-        sends = [ucx_progress.send_many(ep, [EMPTY] * len(runs), tag + 2)]
+        count = len(runs)
+        if req.get("layers") is not None:  # a streamed piece: a message per block and part
+            try:
+                count = self.layer_views.count([(int(s), int(n)) for s, n in runs])
+            except (TypeError, ValueError, AttributeError):
+                return []
+        sends = [ucx_progress.send_many(ep, [EMPTY] * count, tag + 2)]
         if req.get("checksum") is True:
             sends.append(ucx_progress.send(ep, EMPTY, tag + 3))
         return sends
@@ -303,7 +326,7 @@ class KVServer:
         expected = self.leases.token_of(rid)
         return expected is not None and hmac.compare_digest(expected, token)
 
-    def _admit(self, req: dict) -> _Answer:
+    def _admit(self, req: dict) -> Answer:
         """Check an authentic pull request completely before any KV byte moves - the version,
         the lease, the heads, the form the puller receives in - and take the messages to send
         (the lease pinned); or raise Refusal with the reason."""
@@ -331,6 +354,14 @@ class KVServer:
             )
         if sliced and self.slicer.parts is None:
             raise Refusal("this KV cache cannot be head-sliced (no split given)")
+        try:
+            piece = parse_layers(req, self.slicer.parts[0].shape[1] if self.slicer.parts else 0)
+        except ValueError as exc:
+            raise Refusal(str(exc)) from None
+        if piece is not None and (sliced or self.layer_views is None):
+            raise Refusal("layer pieces move whole blocks of a cache with known parts")
+        if piece is not None and req.get("checksum") is True:
+            raise Refusal("a streamed lease has no checksums: pull it in bulk")
         lease = self.leases.get(rid)
         if lease is None:
             raise Refusal(f"no lease for {rid} (expired or released)")
@@ -353,25 +384,14 @@ class KVServer:
                 )
             ):
                 raise Refusal("requested blocks are not part of the lease")
-        views, staged = self._views(runs, heads, sliced)
+        if piece is None:
+            views, staged = self._views(runs, heads, sliced)
+            piece = ((0, self.slicer.parts[0].shape[1] if self.slicer.parts else 0), True)
+        else:
+            try:
+                views, staged = self.layer_views.of(runs, piece[0]), []
+            except ValueError as exc:
+                raise Refusal(str(exc)) from None
         self.leases.pin(lease)
-        return _Answer(lease, heads, sliced, views, staged)
-
-
-class Refusal(Exception):
-    """Why an authentic pull request is answered no."""
-
-
-@dataclass
-class _Answer:
-    """A yes: the pinned lease, the heads sent, the form, the messages (UCX-sendable) and the
-    staging copies among them."""
-
-    lease: Lease
-    heads: Heads
-    sliced: bool
-    views: list[Any]
-    staged: list[torch.Tensor]
-
-    def staged_on_device(self) -> bool:
-        return any(t.is_cuda for t in self.staged)
+        # a bulk pull of a lease prefill still writes waits for all of it, like a final piece
+        return Answer(lease, heads, sliced, views, staged, piece[0], piece[1])

@@ -8,7 +8,7 @@ import base64
 import contextlib
 import secrets
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -48,6 +48,8 @@ class TransferStats:
     num_messages: int = 0
     seconds: float = 0.0
     checksum_seconds: float = 0.0  # --kv-checksum: hashing what landed (part of ``seconds``)
+    first_token: int | None = None  # a streamed pull's: what prefill sampled (stream.py)
+    piece_seconds: list[float] = field(default_factory=list)  # ... when each piece was in
 
     @property
     def gbps(self) -> float:
@@ -144,14 +146,20 @@ def unpack_request(data: bytes) -> dict:
 REPLY_RAW, REPLY_SLICED, REPLY_REFUSED = 1, 2, 3
 
 
-def pack_reply(error: str | None, sliced: bool = False, sums: int = 0) -> np.ndarray:
+def pack_reply(
+    error: str | None, sliced: bool = False, sums: int = 0, first_token: int | None = None
+) -> np.ndarray:
     """A yes (``sums``: the checksums per block that follow on T+3, 0 for none; byte 5: the
-    version) or a refusal (its reason from byte 1, as before versions)."""
+    version; bytes 6-14: a streamed lease's first token, flag then u64, on its final piece) or
+    a refusal (its reason from byte 1, as before versions)."""
     out = np.zeros(REPLY_BYTES, dtype=np.uint8)
     if error is None:
         out[0] = REPLY_SLICED if sliced else REPLY_RAW
         out[1:5] = np.frombuffer(sums.to_bytes(4, "little"), dtype=np.uint8)
         out[5] = KV_WIRE_VERSION
+        if first_token is not None:
+            out[6] = 1
+            out[7:15] = np.frombuffer(int(first_token).to_bytes(8, "little"), dtype=np.uint8)
     else:
         out[0] = REPLY_REFUSED
         text = error.encode()[: REPLY_BYTES - 1]
@@ -175,6 +183,13 @@ def unpack_reply(reply: np.ndarray) -> str | None:
 def reply_sums(reply: np.ndarray) -> int:
     """How many checksums per block a yes says follow on T+3 (``checksum.py``); 0: none."""
     return int.from_bytes(reply[1:5].tobytes(), "little") if unpack_reply(reply) is None else 0
+
+
+def reply_first_token(reply: np.ndarray) -> int | None:
+    """The first token a yes to a streamed lease's final piece carries (None: none)."""
+    if unpack_reply(reply) is not None or reply[6] != 1:
+        return None
+    return int.from_bytes(reply[7:15].tobytes(), "little")
 
 
 def reply_sliced(reply: np.ndarray) -> bool:

@@ -1,0 +1,178 @@
+"""Layer-wise streaming of a prefill's KV (issue 29 item 3): a lease whose blocks are still being
+computed, and pulls of one layer group of its blocks that the server answers once prefill has
+written those layers.
+
+The prefill worker leases a long prompt's blocks as soon as the forward pass that completes its
+prompt starts (every earlier chunk is in the cache by then; the block table is final), with a
+``LayerStream``: the engine reports each layer group as the pass writes it (``advance``), and
+the end of the pass with the sampled first token (``finish``), or that the prompt will never be
+complete (``end``: finished at its first token, aborted, failed). A decode worker pulls the
+lease as a few *pieces*, one per layer group, all asked at once: the server holds a piece's
+request until its layers are written, then sends it like any pull. The last piece (``final``)
+also waits for the first token, which its reply carries, so the decode worker gets KV and token
+from the pull alone. A piece's message is one per (block, part): ``part[block, lo:hi]`` is a
+contiguous range of a block-major cache, so nothing is packed or staged.
+
+Pieces move whole blocks only: both ends hold the same KV heads (equal TP sizes) and the
+storage's parts are known (``heads.HeadSlicer``). Checksums are taken when a lease is added, so
+a streamed lease has none: ``--kv-checksum`` pulls in bulk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from pdserve.shared.kv.transfer.wire import buffer
+
+# A refusal's reason when the prompt will never be complete because its request finished at the
+# first token (EOS, max_tokens 1): the decode worker drops the request quietly, the gateway has
+# its answer already.
+FINISHED = "finished at its first token"
+
+Layers = tuple[int, int]
+
+
+@dataclass
+class LayerStream:
+    """How far the prefill of a streamed lease has written its blocks: every layer below
+    ``ready_layers`` holds all of the prompt's tokens. Used from the server's event loop; the
+    engine thread reaches it through ``call_soon_threadsafe``."""
+
+    num_layers: int
+    ready_layers: int = 0
+    first_token: int | None = None
+    complete: bool = False  # the pass is over and the first token sampled
+    ended: str | None = None  # why it never will be (the pieces still waiting are refused)
+    # CUDA: an event recorded after the last layer group written; a send waits for it
+    event: Any = None
+    waiters: list[Callable[[], None]] = field(default_factory=list)
+
+    def ready(self, layers: Layers, final: bool) -> bool:
+        if self.complete:
+            return True
+        return not final and self.ready_layers >= layers[1]
+
+    def advance(self, layers: int, event: Any = None) -> None:
+        if self.complete or self.ended is not None or layers <= self.ready_layers:
+            return
+        self.ready_layers = min(layers, self.num_layers)
+        self.event = event if event is not None else self.event
+        self._notify()
+
+    def finish(self, first_token: int, event: Any = None) -> None:
+        if self.complete or self.ended is not None:
+            return
+        self.ready_layers, self.first_token, self.complete = self.num_layers, first_token, True
+        self.event = event if event is not None else self.event
+        self._notify()
+
+    def end(self, reason: str) -> None:
+        if self.complete or self.ended is not None:
+            return
+        self.ended = reason
+        self._notify()
+
+    def _notify(self) -> None:
+        waiters, self.waiters = self.waiters, []
+        for wake in waiters:
+            wake()
+
+
+def when_ready(
+    lease: Any, ready: Callable[[], bool], go: Callable[[], None], refuse: Callable[[str], None]
+) -> None:
+    """Call ``go`` once ``ready()`` holds for ``lease`` (a streamed one), or ``refuse`` with
+    the reason once it never will: the prompt ended unfinished, or the lease was let go."""
+    stream = lease.stream
+    done = False
+
+    def wake() -> None:
+        nonlocal done
+        if done:
+            return
+        if lease.dropped or stream.ended is not None:
+            why = stream.ended if stream.ended == FINISHED else (
+                f"prefill of {lease.bus_id} " + (f"ended: {stream.ended}" if stream.ended
+                                                 else "was let go")
+            )  # fmt: skip
+            done = True
+            refuse(why)
+        elif ready():
+            done = True
+            go()
+        else:
+            stream.waiters.append(wake)
+            return
+        with contextlib.suppress(ValueError):
+            lease.on_drop.remove(wake)
+
+    stream.waiters.append(wake)
+    lease.on_drop.append(wake)
+
+
+def layer_groups(num_layers: int, groups: int) -> list[Layers]:
+    """``groups`` consecutive layer ranges covering ``[0, num_layers)``, as even as they come."""
+    groups = max(1, min(groups, num_layers))
+    bounds = [round(i * num_layers / groups) for i in range(groups + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(groups)]
+
+
+def parse_layers(req: dict, num_layers: int) -> tuple[Layers, bool] | None:
+    """A pull request's layer range and ``final`` flag (None: a bulk pull), or ValueError."""
+    layers, final = req.get("layers"), req.get("final", False)
+    if layers is None:
+        return None
+    if (
+        type(layers) is not list
+        or len(layers) != 2
+        or not all(type(x) is int for x in layers)
+        or type(final) is not bool
+    ):
+        raise ValueError("malformed layers")
+    lo, hi = layers
+    if not 0 <= lo < hi <= num_layers:
+        raise ValueError(f"layers [{lo}, {hi}) are not within the model's {num_layers}")
+    return (lo, hi), final
+
+
+class LayerViews:
+    """Byte views of ``part[block, lo:hi]`` for each block of some runs and each part of a
+    block-major cache (``parts``: ``HeadSlicer.parts``, byte views ``[blocks, layers, ...]``)."""
+
+    def __init__(self, parts: list[torch.Tensor]) -> None:
+        self.parts = parts
+        self.num_layers = parts[0].shape[1]
+        one = len(parts) == 1 and not parts[0].is_cuda and parts[0].is_contiguous()
+        # a plain CPU cache: numpy slices of one flat view (~0.3 us each, a torch slice ~3 us)
+        self.flat: np.ndarray | None = buffer(parts[0]) if one else None
+        self.block = parts[0][0].numel() if one else 0
+        self.layer = self.block // self.num_layers if one else 0
+
+    def of(self, runs: list[tuple[int, int]], layers: Layers) -> list[Any]:
+        lo, hi = layers
+        if self.flat is not None:
+            b, step = self.block, self.layer
+            return [
+                self.flat[k * b + lo * step : k * b + hi * step]
+                for start, count in runs
+                for k in range(start, start + count)
+            ]
+        views = []
+        for start, count in runs:
+            for k in range(start, start + count):
+                for part in self.parts:
+                    piece = part[k, lo:hi]
+                    if not piece.is_contiguous():
+                        raise ValueError("a layer range of this cache is not contiguous")
+                    views.append(buffer(piece))
+        return views
+
+    def count(self, runs: list[tuple[int, int]]) -> int:
+        """How many messages ``of`` gives for ``runs`` (a refusal completes that many)."""
+        return sum(count for _, count in runs) * len(self.parts)
