@@ -8,10 +8,11 @@ stages of the design:
     route -> PrefillRequest to a prefill worker -> first token (yielded at once)
           -> DecodeRequest with the KV handle to a decode worker -> tokens as they come
 
+(sent as the prompt's last pass starts when its KV streams: ``gateway/streamed_prefill.py``),
 or, when no prefill worker is alive or the prompt is short, straight to a decode worker that
 prefills locally. Every wait has a deadline; a worker leaving the registry has its requests
-retried (prefill) or migrated (decode: ``gateway/inflight.py``) at once; and a request that
-ends early - client gone, stop string, error - is cancelled on the workers so they free its KV
+retried (prefill) or migrated (decode: ``gateway/inflight.py``) at once; a request that ends
+early - client gone, stop string, error - is cancelled on the workers so they free its KV
 blocks. The ``Dispatcher`` is the ``DispatchPort`` through which each request sends.
 
 When the gateway's own NATS connection breaks, anything published meanwhile may be lost (NATS
@@ -29,9 +30,8 @@ reconnects, and what is dropped - and cancelled, unless it finished - when the r
 ``InFlight`` owns its progress: its legs (their workers are what it watches) and what its
 consumer has. The router keeps only load: what this gateway sent or runs on each worker, and
 per bus id where that was counted, to take it off there (``prefill_done``, called by the
-request's prefill attempt; ``decode_done``, by ``unregister``). ``state.InFlightRequests``
-admits HTTP requests by the client's x-request-id; one may be several on the bus (a prompt
-array).
+request's prefill attempt; ``decode_done``, by ``unregister``). ``state.InFlightRequests`` admits
+HTTP requests by the client's x-request-id; one may be several on the bus (a prompt array).
 """
 
 from __future__ import annotations
@@ -129,10 +129,7 @@ class Dispatcher:
     # -- incoming ----------------------------------------------------------------------------
 
     async def _on_message(self, msg: PrefillResult | TokenBatch, headers: dict[str, str]) -> None:
-        if isinstance(msg, PrefillResult):
-            self._deliver(msg.bus_id, msg)
-            return
-        for item in msg.items:
+        for item in [msg] if isinstance(msg, PrefillResult) else msg.items:
             self._deliver(item.bus_id, item)
 
     def _deliver(self, bus_id: str, item: PrefillResult | TokenItem) -> None:
@@ -140,9 +137,7 @@ class Dispatcher:
         if request is not None:
             request.put(item)
         elif isinstance(item, PrefillResult) and item.kv is not None:
-            # A late answer for a request that already ended: free its blocks now rather than
-            # when the lease runs out.
-            self.spawn(self.release_stale(item))
+            self.spawn(self.release_stale(item))  # ended already: free its blocks now
 
     def _on_registry_event(self, event: str, load: WorkerLoad) -> None:
         # LEFT means gone for sure: a clean WorkerGone, a restart, or missed heartbeats that a
@@ -252,6 +247,12 @@ class Dispatcher:
 
     def prefill_done(self, bus_id: str) -> None:
         self.router.prefill_done(bus_id)
+
+    def can_stream(self, kv_layout: str = "") -> bool:
+        return self.router.can_stream(kv_layout)
+
+    def not_streaming(self, kv_layout: str) -> set[str]:
+        return self.router.not_streaming(kv_layout)
 
     def pick_decode(
         self, total_tokens: int, exclude: set[str], bus_id: str, kv_layout: str

@@ -4,8 +4,8 @@ the rest of the gateway only through ``DispatchPort``, declared below: ``Dispatc
 (``gateway/dispatch.py``) implements it, feeds the queue (worker answers, the departure of a
 worker the request waits on, a reconnect of the bus), drives the stages and ends the request.
 
-``prefill()`` sends the prompt to a prefill worker (retrying elsewhere when one refuses or
-vanishes) and returns the first token with the KV handle. ``decode()`` sends the first leg
+``prefill()`` (``gateway/prefill_stage.py``) sends the prompt to a prefill worker (retrying
+elsewhere when one refuses or vanishes) and returns the first token with the KV handle. ``decode()`` sends the first leg
 (``gateway/legs.py``) - with that handle, or without one to have the decode worker prefill
 locally - and yields the tokens its worker streams back. A worker that refuses a leg before its
 first token hands it to another. A worker lost mid-stream, or whose tokens the bus lost
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Coroutine, Iterable
 from typing import Any, Protocol
 
@@ -39,7 +38,6 @@ from pdserve.gateway.inflight_types import (
     MIGRATE_BUS_RECONNECT,
     MIGRATE_WHY,
     MIGRATE_WORKER_LOST,
-    PREFILL_ATTEMPTS,
     RETRYABLE_CODES,
     BusReconnected,
     CheckDue,
@@ -59,6 +57,7 @@ from pdserve.gateway.inflight_types import (
     on_wire,
 )
 from pdserve.gateway.legs import Leg
+from pdserve.gateway.prefill_stage import PrefillStage
 from pdserve.shared.bus.protocol import (
     DecodeRequest,
     KVHandle,
@@ -82,6 +81,9 @@ class DispatchPort(Protocol):
     # the router's picks; a prefill's work stops counting on its worker at ``prefill_done``
     def pick_prefill(self, prompt: list[int], exclude: set[str], bus_id: str) -> str | None: ...
     def prefill_done(self, bus_id: str) -> None: ...
+    # layer-wise KV streaming: whether any decode worker can, and which cannot pull a layout so
+    def can_stream(self, kv_layout: str = "") -> bool: ...
+    def not_streaming(self, kv_layout: str) -> set[str]: ...
     def pick_decode(
         self, total_tokens: int, exclude: set[str], bus_id: str, kv_layout: str
     ) -> str | None: ...
@@ -100,7 +102,7 @@ class DispatchPort(Protocol):
     def count_migration(self, reason: str) -> None: ...
 
 
-class InFlight:
+class InFlight(PrefillStage):
     """One request on the bus: created by ``Dispatcher.generate``, which drives its stages."""
 
     def __init__(
@@ -178,75 +180,6 @@ class InFlight:
             limit = "stall" if streamed else "first_token"
         return self.limits.overdue(limit, self.stage)
 
-    # -- prefill -----------------------------------------------------------------------------
-
-    async def prefill(self) -> TokenEvent | None:
-        """Prefill on a prefill worker. Returns the first token's event, or None when no prefill
-        worker could take the request (a decode worker then prefills it locally)."""
-        self.stage = "prefill"
-        tried: set[str] = set()
-        for _ in range(PREFILL_ATTEMPTS):
-            skip = tried | await self.port.recovered(self.deadline)
-            worker = self.port.pick_prefill(self.prompt, skip, self.bus_id)
-            if worker is None:
-                return None
-            tried.add(worker)
-            result = await self._prefill_on(worker)
-            if result is None:
-                continue  # it left: prefill is idempotent, so try another
-            if result.error is None:
-                return self._first_token(result)
-            if result.error_code in RETRYABLE_CODES:
-                log.info("prefill worker %s refused %s: %s", worker, self.bus_id, result.error)
-                continue
-            raise WorkerFailure(f"prefill failed: {result.error}", result.error_code)
-        # Every prefill worker we tried refused or vanished: a decode worker can still prefill.
-        return None
-
-    async def _prefill_on(self, worker: str) -> PrefillResult | None:
-        """Send the prompt to ``worker`` (just picked) and wait for its answer; None if it left
-        meanwhile (or our bus connection broke, which may have lost the request or its answer).
-        However it ends, the prompt stops counting as work queued on that worker."""
-        try:
-            self.prefill_worker = worker
-            trace.get_current_span(self.context).set_attribute("pdserve.prefill_worker", worker)
-            deadline = min(self.deadline, time.time() + self.limits.prefill_timeout)
-            epoch = self.port.bus_epoch
-            msg = PrefillRequest(
-                self.bus_id, self.prompt, self.sampling, self.port.inbox, on_wire(deadline),
-                self.client_id,
-            )  # fmt: skip
-            await self.port.send(worker, msg, self.headers)
-            while True:
-                item = await self._next(deadline)
-                if isinstance(item, WorkerLeft):
-                    if item.worker_id == worker:
-                        log.warning("prefill worker %s left; retrying %s", worker, self.bus_id)
-                        return None
-                elif isinstance(item, BusReconnected):
-                    if item.epoch > epoch:
-                        log.warning("bus reconnected during the prefill of %s", self.bus_id)
-                        return None
-                elif isinstance(item, PrefillResult) and item.worker_id == worker:
-                    return item
-                else:
-                    await self.port.release_stale(item)  # a late answer of an earlier attempt
-        finally:
-            self.prefill_worker = None
-            self.port.prefill_done(self.bus_id)
-
-    def _first_token(self, result: PrefillResult) -> TokenEvent:
-        check_ending(result.finish_reason, result.worker_id)
-        if result.first_token is not None:
-            self.progressed()
-        event = self.delivered.first_token(result)
-        if self.choices.open:
-            self.kv = result.kv
-        else:
-            self.finished = True
-            self.port.spawn(self.port.release_stale(result))  # its KV is not needed
-        return event
-
     # -- decode --------------------------------------------------------------------------------
 
     async def decode(self) -> AsyncIterator[TokenEvent]:
@@ -272,7 +205,12 @@ class InFlight:
                     log.warning("%s: no answer from %s to a stream check", leg.bus_id, leg.worker)
                     await self._migrate([leg], MIGRATE_BUS_RECONNECT)
             elif isinstance(item, PrefillResult):
-                await self.port.release_stale(item)  # a late answer of a retried prefill
+                if self._streams_from(item):  # the first token of the prompt being pulled
+                    event = self._streamed_first(item)
+                    if event is not None:
+                        yield event
+                else:
+                    await self.port.release_stale(item)  # a late answer of a retried prefill
             elif (leg := self.legs.get(item.bus_id)) is not None:
                 verdict = legs.screen(leg, item, self.choices.open, self.delivered.tokens)
                 if verdict is None:
@@ -294,6 +232,8 @@ class InFlight:
             # The refusing worker dropped any KV lease, so the next one prefills locally.
             log.info("decode worker %s refused %s", leg.worker, leg.bus_id)
             leg.kv = None
+            if leg.index is None:  # a streamed leg's first token may have come meanwhile
+                leg.output = list(self.delivered.tokens[0])
             await self._send_first(leg)
             return None
         check_ending(item.finish_reason, leg.worker)
@@ -321,6 +261,8 @@ class InFlight:
         ``skip``. False when there is none."""
         expected = leg.expected_tokens(len(self.prompt))
         layout = layout_id(leg.kv.fingerprint) if leg.kv is not None else ""
+        if leg.kv is not None and leg.kv.streaming:
+            skip = skip | self.port.not_streaming(layout)
         worker = self.port.pick_decode(expected, leg.tried | skip, leg.bus_id, layout)
         if worker is None:
             return False

@@ -297,6 +297,23 @@ class Router:
             if not self._decoding[worker_id]:
                 del self._decoding[worker_id]
 
+    def not_streaming(self, kv_layout: str) -> set[str]:
+        """The decode workers that cannot pull KV of ``kv_layout`` layer by layer while it is
+        prefilled (they say ``kv_stream``; a streamed pull moves whole blocks of one layout;
+        a worker that names no layout is taken to fit, as ``pick_decode`` does)."""
+        return {
+            w.worker_id
+            for w in self.serving("decode")
+            if not w.kv_stream or w.kv_layout not in (kv_layout, "")
+        }
+
+    def can_stream(self, kv_layout: str = "") -> bool:
+        """Whether any decode worker pulls streamed KV (of ``kv_layout``, if given)."""
+        return any(
+            w.kv_stream and (not kv_layout or w.kv_layout in (kv_layout, ""))
+            for w in self.serving("decode")
+        )
+
     def local_prefill_threshold(self) -> int:
         """Prompts shorter than this go straight to a decode worker (the workers advertise it)."""
         thresholds = [w.local_prefill_threshold for w in self.serving("decode")]

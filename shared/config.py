@@ -175,6 +175,15 @@ class WorkerConfig:
     kv_failure_policy: str = opt(
         "fail", "what a failed KV pull does to the request", choices=("fail", "recompute")
     )
+    kv_stream_threshold: int = opt(
+        1024,
+        "layer-wise KV streaming: a prefill worker leases the KV of a prompt of at least this "
+        "many tokens when its last forward pass starts and sends each layer group as it is "
+        "written; a decode worker with 0 always pulls in bulk; 0 = off",
+    )
+    kv_stream_layer_groups: int = opt(
+        4, "decode: the pieces (groups of layers) a streamed KV pull asks for at once"
+    )
     kv_checksum: bool = opt(
         False,
         "xxh3-hash each leased KV block per KV head (prefill) and verify every pull against "

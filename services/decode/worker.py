@@ -24,6 +24,7 @@ import argparse
 import logging
 import time
 
+from pdserve.services.decode import pull_spans
 from pdserve.services.decode.rank_pull import RankPuller
 from pdserve.services.decode.state import DecodeState, check_answer, record_generate
 from pdserve.services.engine.engine import LLMEngine
@@ -46,7 +47,13 @@ from pdserve.shared.bus.protocol import (
 )
 from pdserve.shared.kv import ucx_check
 from pdserve.shared.kv.probe import ProbePullReply, ProbePullRequest, answer_probes
-from pdserve.shared.kv.transfer import KVChecksumError, KVClient, KVTransferError
+from pdserve.shared.kv.transfer import (
+    KVChecksumError,
+    KVClient,
+    KVStreamFinished,
+    KVTransferError,
+)
+from pdserve.shared.kv.transfer.stream import can_stream, pull_streamed
 from pdserve.shared.telemetry import tracing
 
 log = logging.getLogger("pdserve.decode")
@@ -130,7 +137,11 @@ class DecodeWorker(Worker):
             log.info("could not pre-connect to %s: %r", worker_id, exc)
 
     def load_extra(self) -> dict:
-        extra = {"local_prefill_threshold": self.config.local_prefill_threshold}
+        views = self.kv_client.layer_views if self.kv_client is not None else None
+        streams = can_stream(self.config.kv_stream_threshold, self.config.kv_checksum,
+                             self.rank_link is None, views)  # fmt: skip
+        extra = {"local_prefill_threshold": self.config.local_prefill_threshold,
+                 "kv_stream": streams}  # fmt: skip
         spec = self.engine.stats().spec
         if spec is not None:
             extra.update(spec_drafts=spec.drafts, spec_draft_tokens=spec.draft_tokens,
@@ -216,7 +227,17 @@ class DecodeWorker(Worker):
         start_ns = time.time_ns()
         timeout = max(0.1, min(PULL_TIMEOUT, state.deadline - time.time()))
         try:
-            stats, pieces = await self.puller.pull(rid, handle, blocks, timeout)
+            if handle.streaming:  # layer by layer while prefill computes, the token last
+                groups = self.config.kv_stream_layer_groups
+                stats = await pull_streamed(self.kv_client, rid, handle, blocks, timeout, groups)
+                pieces = []
+            else:
+                stats, pieces = await self.puller.pull(rid, handle, blocks, timeout)
+        except KVStreamFinished:  # the gateway has its answer from the prefill worker
+            self.engine.abort(rid)
+            self.engine.kv_failed(rid, "finished at its first token")  # ends it, no output
+            self._end(state)
+            return
         except KVTransferError as exc:
             self.metrics.kv_pull_failures.inc()
             if self.config.kv_failure_policy == "recompute":
@@ -232,31 +253,15 @@ class DecodeWorker(Worker):
             raise
         finally:
             await self._release_lease(rid, handle)
-        self.engine.kv_ready(rid)
+        if stats.first_token is not None:
+            state.positions[0] = 1  # the first token is the prefill worker's: ours follow it
+        self.engine.kv_ready(rid, stats.first_token)
         self.metrics.kv_transfer_seconds.observe(stats.seconds)
+        if handle.streaming:
+            pull_spans.record_streamed(state, self.worker_id, handle, stats, start_ns)
         self.metrics.kv_transfer_bytes.inc(stats.num_bytes)
-        for piece in pieces:  # one span per rank pair
-            attributes = {
-                **tracing.kv_transfer_attributes(
-                    state.client_id,
-                    piece.stats.num_bytes,
-                    piece.stats.num_blocks,
-                    piece.stats.seconds,
-                    "ucx",
-                ),  # fmt: skip
-                tracing.ATTR_WORKER_ID: self.worker_id,
-                "pdserve.kv.messages": piece.stats.num_messages,
-                "pdserve.prefill_worker": handle.worker_id,
-                "pdserve.kv.decode_rank": piece.decode_rank,
-                "pdserve.kv.prefill_rank": piece.piece.prefill_rank,
-                "pdserve.kv.heads": f"{piece.piece.lo}-{piece.piece.hi}",
-            }
-            if self.config.kv_checksum:
-                attributes[tracing.ATTR_KV_CHECKSUM] = "ok"
-                attributes["pdserve.kv.checksum_seconds"] = piece.stats.checksum_seconds
-            end_ns = start_ns + int(piece.stats.seconds * 1e9)
-            tracing.record_span(tracing.SPAN_KV_TRANSFER, start_ns, end_ns,
-                                context=state.context, attributes=attributes)  # fmt: skip
+        pull_spans.record_pieces(state, self.worker_id, handle, pieces, start_ns,
+                                 self.config.kv_checksum)  # fmt: skip
 
     def _checksum_failed(
         self, state: DecodeState, handle: KVHandle, exc: KVChecksumError, start_ns: int
@@ -266,14 +271,7 @@ class DecodeWorker(Worker):
         self.metrics.kv_checksum_failures.inc()
         log.error("KV of %s from %s is corrupt, not served (%s): %s", state.bus_id,
                   handle.worker_id, self.config.kv_failure_policy, exc)  # fmt: skip
-        attributes = {tracing.ATTR_REQUEST_ID: state.client_id,
-                      tracing.ATTR_WORKER_ID: self.worker_id,
-                      "pdserve.prefill_worker": handle.worker_id,
-                      tracing.ATTR_KV_CHECKSUM: "mismatch"}  # fmt: skip
-        event = (tracing.EVENT_KV_CHECKSUM_MISMATCH, {"message": str(exc)})
-        tracing.record_span(tracing.SPAN_KV_TRANSFER, start_ns, time.time_ns(),
-                            context=state.context, attributes=attributes, error=str(exc),
-                            events=[event])  # fmt: skip
+        pull_spans.record_mismatch(state, self.worker_id, handle, exc, start_ns)
 
     async def _release_lease(self, bus_id: str, handle: KVHandle) -> None:
         try:

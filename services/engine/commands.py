@@ -40,6 +40,7 @@ class Release:
 @dataclass(frozen=True)
 class KVReady:
     bus_id: str
+    first_token: int | None = None  # a streamed pull's: the prefill worker's sampled token
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ its other choices after that (``sequence_group.py``). With ``--speculative``, a 
 also verifies drafted tokens inside the same forward pass (``spec/``; never a prefill engine).
 
 The aggregated baseline runs this engine alone. Disaggregated workers run it too: a prefill worker
-with ``prefill_only=True``, a decode worker adding requests with ``remote_kv=True`` and answering
-each ``KVPull`` of a step's result with ``kv_ready`` or ``kv_failed`` (``kv_failure_policy``
-decides between local recompute and an error), as ``sequence.py``'s diagram draws.
+with ``prefill_only=True`` (``stream_hooks``: layer-wise KV streaming), a decode worker adding
+requests with ``remote_kv=True`` and answering each ``KVPull`` with ``kv_ready`` or ``kv_failed``
+(``kv_failure_policy``: local recompute or an error), as ``sequence.py``'s diagram draws.
 
 Threading: one thread changes engine state, the one that calls ``step()``. Every other method
 posts a command (``services/engine/commands.py``) that the next ``step()`` hands to the
@@ -42,6 +42,7 @@ from pdserve.services.engine.commands import (
     Release,
 )
 from pdserve.services.engine.guided import GuidedDecoder
+from pdserve.services.engine.kv_stream import StreamHooks
 from pdserve.services.engine.loader import resolve_device_dtype
 from pdserve.services.engine.model_config import ModelConfig
 from pdserve.services.engine.model_runner import ModelRunner
@@ -151,6 +152,7 @@ class LLMEngine:
         self._wakeup = threading.Event()
         self._kv_feed: KVEventFeed | None = None
         self._stats = EngineStats(self.num_blocks, self.num_blocks)
+        self.stream_hooks: StreamHooks | None = None  # a prefill worker's (kv_stream.py)
 
     # ---- sizing and layout -------------------------------------------------------------------
 
@@ -164,8 +166,7 @@ class LLMEngine:
         return kv_parts(self.kv_spec)
 
     def close(self) -> None:
-        """Stop the other TP ranks and the disk tier's thread (tests and benchmarks; a worker
-        process just exits)."""
+        """Stop the other TP ranks and the disk tier's thread (a worker process just exits)."""
         if self.ranks is not None:
             self.ranks.close()
         if (offload := getattr(self, "offload", None)) is not None:  # (None: a failed start)
@@ -187,8 +188,7 @@ class LLMEngine:
             "head_dim": cfg.head_dim,
             TP_KEY: self.shard.size,  # which heads each rank holds (shared/kv/tp_layout.py)
             **self.kv_spec.fingerprint(),  # element type and scale layout of the blocks
-            # a rollout's new version pairs only with itself (its own weights made the KV)
-            **({"model_version": v} if (v := self.config.model_version) else {}),
+            **({"model_version": v} if (v := self.config.model_version) else {}),  # a rollout's
         }
 
     # ---- commands: any thread ----------------------------------------------------------------
@@ -221,9 +221,8 @@ class LLMEngine:
         output_token_ids: list[int] | tuple[int, ...] = (),
         remote_kv: bool = False,
     ) -> None:
-        """Queue a request (ValueError at once if this model cannot serve it). With
-        ``output_token_ids`` (e.g. a first token sampled by a prefill worker) it continues after
-        them; with ``remote_kv`` its prompt's KV is pulled into blocks the engine reserves."""
+        """Queue a request (ValueError at once if this model cannot serve it), to continue after
+        ``output_token_ids``; with ``remote_kv`` its prompt's KV is pulled into reserved blocks."""
         self.validate(prompt_token_ids, sampling)
         self._post(
             AddRequest(bus_id, list(prompt_token_ids), sampling, tuple(output_token_ids), remote_kv)
@@ -239,9 +238,9 @@ class LLMEngine:
         """Free a parked (prefill-only) sequence's blocks, or a block from ``hold_block``."""
         self._post(Release(bus_id))
 
-    def kv_ready(self, bus_id: str) -> None:
-        """The pull of a ``KVPull`` completed: the sequence joins the running batch."""
-        self._post(KVReady(bus_id))
+    def kv_ready(self, bus_id: str, first_token: int | None = None) -> None:
+        """The pull of a ``KVPull`` completed: the sequence runs (a streamed pull's token too)."""
+        self._post(KVReady(bus_id, first_token))
 
     def kv_failed(self, bus_id: str, error: str) -> None:
         """The pull of a ``KVPull`` failed (or was not attempted): ``kv_failure_policy`` decides
@@ -249,8 +248,8 @@ class LLMEngine:
         self._post(KVFailed(bus_id, error))
 
     def hold_block(self, hold_id: str) -> Future:
-        """One free block under ``hold_id`` until ``release`` (the doctor's probes). Refused
-        (``BlockHoldRefused``) while requests wait or when admission could not spare it."""
+        """One free block under ``hold_id`` until ``release`` (the doctor's probes); refused
+        (``BlockHoldRefused``) while requests wait or admission could not spare it."""
         reply: Future = Future()
         self._post(HoldBlock(hold_id, reply))
         return reply
@@ -321,7 +320,7 @@ class LLMEngine:
         elif isinstance(cmd, Release):
             sch.release(cmd.bus_id)
         elif isinstance(cmd, KVReady):
-            sch.kv_ready(cmd.bus_id)
+            sch.kv_ready(cmd.bus_id, cmd.first_token)
         elif isinstance(cmd, HoldBlock):
             self._hold(cmd)
         return None
@@ -336,6 +335,8 @@ class LLMEngine:
 
     def _forward(self, batch: ScheduledBatch, outputs: list[StepOutput]) -> StepStats:
         t0 = time.perf_counter()
+        if self.stream_hooks is not None:  # each layer this pass writes may be sent at once
+            self.stream_hooks.before_forward(batch, self.runner.model)
         run = self.runner.run(batch)
         elapsed = time.perf_counter() - t0
         produced, stats = self.scheduler.update_from_output(batch, run)
@@ -349,8 +350,7 @@ class LLMEngine:
         return stats
 
     def _copy_blocks(self) -> None:
-        """Copy-on-write for forked choices: each child's block of its last prompt token, made
-        before anything else may write into the KV cache."""
+        """Forked choices' copy-on-write blocks, before anything else writes into the cache."""
         copies = self.scheduler.block_copies
         if copies:
             self.runner.copy_blocks(list(copies))

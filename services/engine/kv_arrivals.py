@@ -34,11 +34,14 @@ class KVArrivals:
         def _wait_first(self, seq: Sequence) -> None: ...
         def _fork(self, seq: Sequence) -> bool: ...
 
-    def kv_ready(self, bus_id: str) -> None:
-        """The pull into a sequence's reserved blocks completed: it joins the batch."""
+    def kv_ready(self, bus_id: str, first_token: int | None = None) -> None:
+        """The pull into a sequence's reserved blocks completed: it joins the batch. A streamed
+        pull brings the prefill worker's first token with it (the request came without)."""
         seq = self._answered_pull(self._choice_0(bus_id), "KVReady")
         if seq is None:
             return
+        if first_token is not None and not seq.output_token_ids:
+            seq.token_ids.append(first_token)
         seq.remote_kv = False
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.bm.commit(seq)

@@ -9,6 +9,7 @@ All heavy ops go through ``pdserve.kernels.ops``, the one dispatch point between
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -207,6 +208,9 @@ class LlamaForCausalLM(nn.Module):
         # how bind_kv_cache reads the engine's cache storage (services/engine/quant/kv_cache.py);
         # None: a plain float cache tensor
         self.kv_spec: KVCacheSpec | None = None
+        # called with the count of layers written so far, during a forward pass whose KV a
+        # prefill worker streams (services/engine/kv_stream.py); None otherwise
+        self.layer_hook: Callable[[int], None] | None = None
 
     def init_rope(self, max_position: int, device: torch.device) -> None:
         cfg = self.cfg
@@ -236,8 +240,11 @@ class LlamaForCausalLM(nn.Module):
         turns them into logits, in slices the caller bounds."""
         h = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        hook = self.layer_hook  # layer-wise KV streaming: who hears of each layer written
+        for i, layer in enumerate(self.layers):
             h, residual = layer(positions, h, residual, meta, self.cos_sin)
+            if hook is not None:
+                hook(i + 1)
         # Only the positions that are read need the final norm and the (large) vocab projection.
         h, residual = h[output_indices], residual[output_indices]
         h, _ = self.norm(h, residual)

@@ -8,15 +8,24 @@ that message is the request's time to first token.
 
 The lease ends when the decode worker says it has pulled (``ReleaseLease``), when the request is
 cancelled, or when it expires (``lease_seconds``); the blocks go back to the engine then.
+
+Layer-wise streaming (``--kv-stream-threshold``, issue 29 item 3): a long prompt whose request
+allows it (``PrefillRequest.stream_kv``) is leased when the forward pass that completes it
+starts (``services/engine/kv_stream.py``), and a ``PrefillResult`` with that handle and no token
+goes out at once, so a decode worker pulls each layer group as the pass writes it; the pass's
+end completes the lease's stream with the first token (``shared/kv/transfer/stream.py``), and
+the usual ``PrefillResult`` follows.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import time
 
 from pdserve.services.engine.engine import LLMEngine
+from pdserve.services.engine.kv_stream import StreamHooks, StreamStart
 from pdserve.services.engine.outputs import StepResult
 from pdserve.services.probe import lease_probe
 from pdserve.services.request_state import RequestState, record_prefill_forward
@@ -27,6 +36,7 @@ from pdserve.shared.bus.protocol import KVHandle, PrefillRequest, PrefillResult,
 from pdserve.shared.kv import ucx_check
 from pdserve.shared.kv.probe import ProbeLeaseReply, ProbeLeaseRequest, answer_probes
 from pdserve.shared.kv.transfer import KVServer, Lease, LeaseTable
+from pdserve.shared.kv.transfer.stream import FINISHED, LayerStream, can_stream
 from pdserve.shared.telemetry import tracing
 
 log = logging.getLogger("pdserve.prefill")
@@ -41,6 +51,8 @@ class PrefillWorker(Worker):
         self.leases = LeaseTable(self._free_lease)
         self.kv_server: KVServer | None = None
         self.rank_addresses: list[str] = []  # TP > 1: every rank's KV server, by rank
+        self.stream_ok: set[str] = set()  # requests whose KV may stream (stream_kv, long)
+        self.streams: dict[str, LayerStream] = {}  # streamed leases until their pass ends
 
     def make_engine(self) -> LLMEngine:
         return LLMEngine(self.engine_config, prefill_only=True)
@@ -61,6 +73,14 @@ class PrefillWorker(Worker):
         if others:  # TP > 1: each rank serves its own heads
             self.rank_addresses = [self.kv_server.address] + [r["address"] for r in others]
         ucx_check.warn_at_startup(self.role)  # RDMA/GPUs UCX cannot use: TCP would carry KV
+        if can_stream(self.config.kv_stream_threshold, self.config.kv_checksum,
+                      self.rank_link is None, self.kv_server.layer_views):  # fmt: skip
+            loop = asyncio.get_running_loop()
+            self.engine.stream_hooks = StreamHooks(
+                self.config.kv_stream_threshold,
+                lambda starts: loop.call_soon_threadsafe(self._stream_start, starts),
+                lambda ids, n, ev: loop.call_soon_threadsafe(self._stream_layers, ids, n, ev),
+            )
 
     async def close_extra(self) -> None:
         if self.kv_server is not None:
@@ -121,6 +141,8 @@ class PrefillWorker(Worker):
             )
             return
         self.states[req.bus_id] = state
+        if req.stream_kv and state.num_prompt_tokens >= self.config.kv_stream_threshold:
+            self.stream_ok.add(req.bus_id)
 
     def _refusal(self, req: PrefillRequest) -> tuple[str, str] | None:
         if self.draining:
@@ -147,6 +169,7 @@ class PrefillWorker(Worker):
         self._record_forward(step)
         for out in step.outputs:
             state = self.states.pop(out.bus_id, None)
+            self.stream_ok.discard(out.bus_id)
             if state is None:  # cancelled meanwhile: make sure nothing stays parked
                 self.engine.release(out.bus_id)
                 continue
@@ -155,7 +178,9 @@ class PrefillWorker(Worker):
             )
             token = out.new_token_ids[0] if out.new_token_ids else None
             kv = None
-            if out.kv_block_ids is not None:  # parked: its blocks go under a lease
+            if out.bus_id in self.streams:  # leased when its pass started
+                kv = self._stream_end(out.bus_id, out.kv_block_ids is not None, token)
+            elif out.kv_block_ids is not None:  # parked: its blocks go under a lease
                 lease = self.leases.add(
                     out.bus_id, out.kv_block_ids, out.num_kv_tokens, self.config.lease_seconds
                 )
@@ -175,6 +200,57 @@ class PrefillWorker(Worker):
             self.spawn(self._mirror_then_reply(state.reply_to, result, headers))
         self.update_metrics()
 
+    # -- layer-wise streaming (on the loop; the engine thread calls through StreamHooks) -----
+
+    def _stream_start(self, starts: list[StreamStart]) -> None:
+        """A pass that completes these prompts starts: lease the blocks, hand out the handle."""
+        for start in starts:
+            state = self.states.get(start.bus_id)
+            if state is None or start.bus_id not in self.stream_ok:
+                continue
+            if self.leases.get(start.bus_id) is not None:
+                continue
+            stream = LayerStream(self.engine.model_config.num_layers)
+            lease = self.leases.add(start.bus_id, start.block_ids, start.num_tokens,
+                                    self.config.lease_seconds, stream=stream)  # fmt: skip
+            self.streams[start.bus_id] = stream
+            early = PrefillResult(start.bus_id, self.worker_id, None, None, self.make_handle(lease),
+                                  None)  # fmt: skip
+            headers = tracing.inject_headers(context=state.context)
+            self.spawn(self._reply(state.reply_to, early, headers))
+
+    def _stream_layers(self, bus_ids: list[str], layers: int, event: object) -> None:
+        for bus_id in bus_ids:
+            stream = self.streams.get(bus_id)
+            if stream is not None:
+                stream.advance(layers, event)
+
+    def _stream_end(self, bus_id: str, parked: bool, token: int | None) -> KVHandle | None:
+        """The pass of a streamed prompt is over: its stream completes with the first token
+        (the handle for the PrefillResult), or ends - the request finished at its first token,
+        failed, or its lease was let go meanwhile - and its blocks go back."""
+        stream = self.streams.pop(bus_id)
+        lease = self.leases.get(bus_id)
+        if parked and lease is not None and token is not None:
+            # after the PrefillResult's publish (its task is spawned next and runs in the next
+            # loop turn): the gateway hears of the first token before the tokens that follow it
+            loop = asyncio.get_running_loop()
+            loop.call_soon(loop.call_soon, stream.finish, token)
+            return self.make_handle(lease)
+        stream.end(FINISHED if token is not None else "no first token")
+        if lease is not None:
+            self._release(bus_id)  # the blocks go back once no piece reads them
+        elif parked:
+            self.engine.release(bus_id)
+        return None
+
+    def _stream_drop(self, bus_id: str, why: str) -> None:
+        """A streamed request ends here before its pass did (cancelled, failed)."""
+        self.stream_ok.discard(bus_id)
+        stream = self.streams.pop(bus_id, None)
+        if stream is not None:
+            stream.end(why)
+
     def make_handle(self, lease: Lease) -> KVHandle:
         """What a decode worker needs to pull ``lease``'s blocks (requests and doctor probes)."""
         return KVHandle(
@@ -186,6 +262,7 @@ class PrefillWorker(Worker):
             lease_expires=lease.expires,
             token=lease.token,
             rank_addresses=list(self.rank_addresses),
+            streaming=lease.stream is not None,
         )
 
     async def _mirror_then_reply(self, reply_to: str, result: PrefillResult, headers: dict) -> None:
@@ -224,12 +301,14 @@ class PrefillWorker(Worker):
         self.update_metrics()
 
     async def on_cancel(self, bus_id: str) -> None:
+        self._stream_drop(bus_id, "cancelled")
         if self.states.pop(bus_id, None) is not None:
             self.engine.abort(bus_id)
-        else:
-            self._release(bus_id)
+        self._release(bus_id)  # (a streamed lease is taken before the prompt is done)
 
     async def fail(self, state: RequestState, code: str, text: str) -> None:
+        self._stream_drop(state.bus_id, code)
+        self._release(state.bus_id)
         self.states.pop(state.bus_id, None)
         self.engine.abort(state.bus_id)
         result = PrefillResult.failure(state.bus_id, self.worker_id, code, text)

@@ -53,10 +53,11 @@ from pdserve.shared.bus.wire_fields import (
 )
 from pdserve.shared.sampling import MAX_N, GuidedDecoding, SamplingParams, TokenLogprobs
 
-PROTOCOL_VERSION = 9  # 3: n choices, log-probs, penalties, structured output; 4: positions;
+PROTOCOL_VERSION = 10  # 3: n choices, log-probs, penalties, structured output; 4: positions;
 # 5: one name per id (bus_id on the bus, client_id for the x-request-id); 6: TP ranks' KV servers
 # 7: WorkerLoad's roofline totals and peaks; 8: KVEvents per KV tier, WorkerLoad's tier load costs
-# 9: KV events' parents, token ids and clears; WorkerLoad's standby state and model version
+# 9: KV events' parents, token ids and clears; WorkerLoad's standby state and model version;
+# 10: layer-wise KV streaming (PrefillRequest.stream_kv, KVHandle.streaming, kv_stream)
 
 ROLES = ("prefill", "decode")
 # where a worker holds a KV block: its device pool, then the offload tiers (issue 33), fastest first
@@ -95,6 +96,7 @@ class KVHandle:
     token: str = text(max_len=64, default="")
     # a prefill worker of TP > 1: every rank's KV server (rank 0's is ucx_address), by rank
     rank_addresses: list[str] = bounded(default=[], max_len=64)
+    streaming: bool = bounded(default=False)  # still being written (kv/transfer/stream.py)
 
 
 @dataclass
@@ -108,6 +110,8 @@ class PrefillRequest:
     # the client's x-request-id: the bus id above is the gateway's own (unique), this one names
     # the request on spans and in logs, where people look it up
     client_id: str | None = ident(default=None)
+    # a decode worker could pull the KV while it is computed: lease it and answer early
+    stream_kv: bool = bounded(default=False)
 
 
 @dataclass
@@ -120,8 +124,7 @@ class PrefillResult:
     kv: KVHandle | None = bounded()
     error: str | None = text()
     cached_tokens: int = count(hi=MAX_TOKENS, default=0)
-    # machine-readable error kind (see ERROR_CODES); the gateway retries elsewhere on
-    # "overloaded"/"draining"
+    # machine-readable error kind (ERROR_CODES); the gateway retries "overloaded"/"draining"
     error_code: str | None = text(max_len=32, default=None)
     first_logprobs: TokenLogprobs | None = bounded(default=None)  # of first_token (logprobs asked)
     # of the prompt's tokens after the first (prompt_logprobs asked): computed in the prefill
@@ -220,6 +223,7 @@ class WorkerLoad:
     # decode workers prefill prompts shorter than this themselves: the gateway then skips the
     # prefill hop and sends DecodeRequest(kv=None)
     local_prefill_threshold: int = count(hi=MAX_TOKENS, default=0)
+    kv_stream: bool = bounded(default=False)  # a decode worker that pulls KV layer by layer
     block_size: int = count(hi=1 << 16, default=0)
     # prefill workers: highest lease count they accept; 0 = unknown
     max_queue: int = count(default=0)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pdserve.shared.bus.protocol import KVHandle
-from pdserve.shared.kv.transfer import KVStreamFinished, KVTransferError
+from pdserve.shared.kv.transfer import KVStreamFinished, KVTransferError, pull_streamed
 from pdserve.shared.kv.transfer.stream import FINISHED, LayerStream, layer_groups
 from tests.integration.kv_peer import LAYERS
 from tests.integration.test_kv_transfer import Pair, fingerprint
@@ -41,7 +41,7 @@ async def test_pieces_move_only_as_prefill_writes_them() -> None:
         handle, stream = streamed(p, "r1", src, 3 * 4)
         real = p.src.clone()
         p.src[src] = 0.5  # "not computed yet": what the layers hold before prefill writes them
-        pull = asyncio.ensure_future(p.client.pull_streamed("r1", handle, dst, 10.0, groups=2))
+        pull = asyncio.ensure_future(pull_streamed(p.client, "r1", handle, dst, 10.0, groups=2))
         await settle()
         assert not pull.done() and (p.dst[dst] == -1).all()  # nothing is ready: nothing moved
         half = LAYERS // 2
@@ -65,7 +65,7 @@ async def test_pieces_move_only_as_prefill_writes_them() -> None:
 async def test_a_request_finished_at_its_first_token_refuses_the_pieces() -> None:
     async with Pair() as p:
         handle, stream = streamed(p, "r1", [0, 1], 2 * 4)
-        pull = asyncio.ensure_future(p.client.pull_streamed("r1", handle, [5, 6], 10.0, groups=3))
+        pull = asyncio.ensure_future(pull_streamed(p.client, "r1", handle, [5, 6], 10.0, groups=3))
         await settle()
         stream.advance(1)
         stream.end(FINISHED)
@@ -80,7 +80,7 @@ async def test_a_request_finished_at_its_first_token_refuses_the_pieces() -> Non
 async def test_a_lease_let_go_mid_prefill_refuses_and_frees_after_the_pieces() -> None:
     async with Pair() as p:
         handle, stream = streamed(p, "r1", [0, 1], 2 * 4)
-        pull = asyncio.ensure_future(p.client.pull_streamed("r1", handle, [5, 6], 10.0, groups=2))
+        pull = asyncio.ensure_future(pull_streamed(p.client, "r1", handle, [5, 6], 10.0, groups=2))
         await settle()
         assert p.leases.get("r1").pins == 2  # held pieces pin the blocks
         p.leases.release("r1")  # cancelled on the prefill worker

@@ -54,9 +54,10 @@ expires mid-transfer is freed only after the last byte left.
 """
 
 from pdserve.shared.kv.transfer.checksum import KVChecksumError
-from pdserve.shared.kv.transfer.client import KVClient, KVStreamFinished
+from pdserve.shared.kv.transfer.client import KVClient
 from pdserve.shared.kv.transfer.lease import Lease, LeaseTable
 from pdserve.shared.kv.transfer.server import KVServer
+from pdserve.shared.kv.transfer.stream import KVStreamFinished, pull_streamed
 from pdserve.shared.kv.transfer.wire import (
     FingerprintMismatch,
     KVTransferError,
@@ -78,6 +79,7 @@ __all__ = [
     "LeaseTable",
     "TransferStats",
     "block_runs",
+    "pull_streamed",
     "blocks_for_tokens",
     "format_address",
     "parse_address",

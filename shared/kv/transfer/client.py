@@ -17,7 +17,7 @@ from pdserve.shared.kv import ucx_config, ucx_progress
 from pdserve.shared.kv.tp_layout import TP_KEY, without_tp
 from pdserve.shared.kv.transfer.checksum import KVChecksumError, KVHasher
 from pdserve.shared.kv.transfer.heads import Heads, HeadSlicer, Split, settle
-from pdserve.shared.kv.transfer.stream import FINISHED, Layers, LayerViews, layer_groups
+from pdserve.shared.kv.transfer.stream import FINISHED, KVStreamFinished, Layers, LayerViews
 from pdserve.shared.kv.transfer.wire import (
     KV_WIRE_VERSION,
     MAX_CONTROL_BYTES,
@@ -44,11 +44,6 @@ from pdserve.shared.kv.transfer.wire import (
 )
 
 log = logging.getLogger("pdserve.kv")
-
-
-class KVStreamFinished(KVTransferError):
-    """A streamed lease's request finished at its first token: its prompt's KV never completes
-    (the gateway has the answer; the decode worker drops the request)."""
 
 
 @dataclass
@@ -329,40 +324,6 @@ class KVClient:
             await asyncio.to_thread(self.hasher.verify, dst_runs, heads, sums, handle.worker_id)
             stats.checksum_seconds = time.perf_counter() - t0
         return stats
-
-    async def pull_streamed(
-        self, bus_id: str, handle: KVHandle, dst_block_ids: list[int], timeout: float,
-        groups: int,
-    ) -> TransferStats:  # fmt: skip
-        """Pull a streamed lease as ``groups`` layer groups, all asked at once: the server sends
-        each as prefill writes it, the last with the first token (``stream.py``). Raises
-        KVStreamFinished when the request ended at its first token."""
-        pieces = layer_groups(self.layer_views.num_layers if self.layer_views else 1, groups)
-        t0 = time.perf_counter()
-        done_at: list[float] = [0.0] * len(pieces)
-
-        async def one(i: int) -> TransferStats:
-            stats = await self.pull(bus_id, handle, dst_block_ids, timeout,
-                                    layers=pieces[i], final=i == len(pieces) - 1)  # fmt: skip
-            done_at[i] = time.perf_counter() - t0
-            return stats
-
-        results = await asyncio.gather(*map(one, range(len(pieces))), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            errors.sort(key=lambda e: not isinstance(e, KVStreamFinished))  # why, if it is so
-            raise errors[0]
-        total = TransferStats(
-            num_bytes=sum(r.num_bytes for r in results),
-            num_blocks=results[0].num_blocks,
-            num_messages=sum(r.num_messages for r in results),
-            seconds=time.perf_counter() - t0,
-            first_token=results[-1].first_token,
-        )
-        total.piece_seconds = done_at
-        if total.first_token is None:
-            raise KVTransferError(f"{handle.worker_id} sent no first token with the last piece")
-        return total
 
     async def close(self) -> None:
         self.endpoints.clear()

@@ -20,7 +20,9 @@ a streamed lease has none: ``--kv-checksum`` pulls in bulk.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +30,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdserve.shared.kv.transfer.wire import buffer
+from pdserve.shared.kv.transfer.wire import KVTransferError, TransferStats, buffer
+
+
+class KVStreamFinished(KVTransferError):
+    """A streamed lease's request finished at its first token: its prompt's KV never completes
+    (the gateway has the answer; the decode worker drops the request)."""
+
 
 # A refusal's reason when the prompt will never be complete because its request finished at the
 # first token (EOS, max_tokens 1): the decode worker drops the request quietly, the gateway has
@@ -82,6 +90,13 @@ class LayerStream:
         waiters, self.waiters = self.waiters, []
         for wake in waiters:
             wake()
+
+
+def can_stream(threshold: int, checksum: bool, one_rank: bool, views: LayerViews | None) -> bool:
+    """Whether a worker streams (``--kv-stream-threshold`` > 0): one rank (a TP worker's other
+    ranks hear of no layers, and pull in bulk), whole blocks of known parts (``views``), and no
+    ``--kv-checksum`` (hashes are taken when a lease is added; a streamed lease is unwritten)."""
+    return threshold > 0 and one_rank and not checksum and views is not None
 
 
 def when_ready(
@@ -176,3 +191,39 @@ class LayerViews:
     def count(self, runs: list[tuple[int, int]]) -> int:
         """How many messages ``of`` gives for ``runs`` (a refusal completes that many)."""
         return sum(count for _, count in runs) * len(self.parts)
+
+
+async def pull_streamed(
+    client: Any, bus_id: str, handle: Any, dst_block_ids: list[int], timeout: float, groups: int
+) -> TransferStats:
+    """Pull a streamed lease as ``groups`` layer groups, all asked at once: the server sends
+    each as prefill writes it, the last with the first token (``client``: a KVClient). Raises
+    KVStreamFinished when the request ended at its first token."""
+    pieces = layer_groups(client.layer_views.num_layers if client.layer_views else 1, groups)
+    t0 = time.perf_counter()
+    done_at: list[float] = [0.0] * len(pieces)
+
+    async def one(i: int) -> TransferStats:
+        last = i == len(pieces) - 1
+        stats = await client.pull(
+            bus_id, handle, dst_block_ids, timeout, layers=pieces[i], final=last
+        )
+        done_at[i] = time.perf_counter() - t0
+        return stats
+
+    results = await asyncio.gather(*map(one, range(len(pieces))), return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        errors.sort(key=lambda e: not isinstance(e, KVStreamFinished))  # why, if it is so
+        raise errors[0]
+    total = TransferStats(
+        num_bytes=sum(r.num_bytes for r in results),
+        num_blocks=results[0].num_blocks,
+        num_messages=sum(r.num_messages for r in results),
+        seconds=time.perf_counter() - t0,
+        first_token=results[-1].first_token,
+    )
+    total.piece_seconds = done_at
+    if total.first_token is None:
+        raise KVTransferError(f"{handle.worker_id} sent no first token with the last piece")
+    return total
