@@ -47,6 +47,12 @@ puller aborts that endpoint, which cancels every receive still pointing into its
 late byte can reach blocks given to another request) and, UCX pairing the two peers'
 endpoints, also fails the server's sends at once.
 
+Layer-wise streaming (``stream.py``): a lease taken while prefill still writes its blocks is
+pulled as pieces, one per group of layers, each request saying ``layers: [lo, hi]`` and, for the
+last, ``final``; its runs travel as one message per block and part (``part[block, lo:hi]``),
+and the server holds each request until prefill has written those layers, the final one until
+the first token exists, which its reply carries (bytes 6-14).
+
 The server checks the lease's secret token before anything else - until then it does not even
 connect back to the address in the request - then the layout fingerprint and that every requested
 block belongs to the lease. Leased blocks are pinned while they are being sent, so a lease that
