@@ -195,6 +195,16 @@ def openapi_spec(model: str) -> dict[str, Any]:
                     },
                 }
             },
+            "/reset_prefix_cache": {
+                "post": {
+                    "summary": "every worker forgets the prefix-cached blocks of its KV pool "
+                    "(as vLLM's; the offload tiers keep theirs)",
+                    "responses": {
+                        "200": {"description": "reset on every worker: blocks forgotten each"},
+                        "409": {"description": "a worker is busy or did not answer; retry idle"},
+                    },
+                }
+            },
             "/metrics": {
                 "get": {
                     "summary": "Prometheus metrics (text format)",

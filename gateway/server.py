@@ -27,6 +27,7 @@ from typing import Any
 from aiohttp import web
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from pdserve.gateway import admin
 from pdserve.gateway.api_models import (
     ChatRequest,
     CompletionRequest,
@@ -340,6 +341,7 @@ def create_app(
     app.router.add_get("/v1/models/{model:.+}", model)  # names may hold "/"
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/reset_prefix_cache", admin.reset_prefix_cache)
 
     async def on_startup(app: web.Application) -> None:
         await gw.start()

@@ -36,6 +36,7 @@ from pdserve.shared.bus.connection import Bus
 from pdserve.shared.bus.protocol import Cancel, WorkerGone, WorkerLoad
 from pdserve.shared.config import BusConfig, EngineConfig, WorkerConfig
 from pdserve.shared.discovery.announce import HeartbeatPublisher, register_micro_service
+from pdserve.shared.discovery.cache_reset import answer_resets
 from pdserve.shared.kv import ucx_check, ucx_config
 from pdserve.shared.kv.layout import layout_id
 from pdserve.shared.options import build
@@ -99,6 +100,10 @@ class Worker:
 
     def on_step(self, step: StepResult) -> None:
         raise NotImplementedError
+
+    async def _reset_prefix_cache(self) -> int | None:
+        """``POST /reset_prefix_cache``: the pool's cached blocks forgotten (None: busy)."""
+        return await asyncio.wrap_future(self.engine.reset_prefix_cache())
 
     def busy(self) -> bool:
         """True while drain must wait (requests in flight, leases held...)."""
@@ -301,6 +306,7 @@ class Worker:
         self._engine_thread.start()
         await self.start_extra()
         await self.subscribe()
+        await answer_resets(self.bus, self.worker_id, self._reset_prefix_cache)
         await self.bus.subscribe(self.subjects.cancel, self._on_cancel, (Cancel,))
         self._heartbeat = HeartbeatPublisher(self.bus, self.load, self.config.heartbeat_seconds)
         await self._heartbeat.start()

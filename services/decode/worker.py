@@ -59,6 +59,9 @@ from pdserve.shared.telemetry import tracing
 log = logging.getLogger("pdserve.decode")
 
 PULL_TIMEOUT = 30.0  # one request's KV pull, beyond which it counts as failed
+# a streamed pull also waits for the prefill pass it overlaps: its bound is the request's
+# deadline (--first-token-timeout), up to this
+STREAM_PULL_TIMEOUT = 600.0
 
 
 class DecodeWorker(Worker):
@@ -225,7 +228,8 @@ class DecodeWorker(Worker):
         """Pull ``handle``'s blocks into ``blocks``, release its lease, answer the engine."""
         rid = state.bus_id
         start_ns = time.time_ns()
-        timeout = max(0.1, min(PULL_TIMEOUT, state.deadline - time.time()))
+        bound = STREAM_PULL_TIMEOUT if handle.streaming else PULL_TIMEOUT
+        timeout = max(0.1, min(bound, state.deadline - time.time()))
         try:
             if handle.streaming:  # layer by layer while prefill computes, the token last
                 groups = self.config.kv_stream_layer_groups

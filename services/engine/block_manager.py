@@ -78,6 +78,7 @@ class BlockManager:
         self.on_evict: Callable[[int, int], None] | None = None
         self.tiers: KVTiers | None = None
         self.loads: dict[str, list[tuple[int, Claim]]] = {}
+        self.cleared = False  # reset since the last publish: AllBlocksCleared is due
 
     @property
     def num_free_blocks(self) -> int:
@@ -279,6 +280,21 @@ class BlockManager:
         stored = [h for h in dict.fromkeys(self.stored_events) if h in self.hash_to_block]
         removed = [h for h in dict.fromkeys(self.removed_events) if h not in self.hash_to_block]
         return stored, removed
+
+    def reset_prefix_cache(self) -> int | None:
+        """Forget every cached block (``POST /reset_prefix_cache``): the number forgotten, or
+        None and nothing changed while any block is in use (a sequence, a lease, a hold, a
+        tier load). Pending events go too: ``cleared`` tells the engine to announce
+        AllBlocksCleared, after which the stream starts from nothing."""
+        if self.num_used_blocks or self.loads:
+            return None
+        forgotten = len(self.hash_to_block)
+        self.hash_to_block.clear()
+        self.block_hash = [None] * self.num_blocks
+        self.seq_hashes.clear()
+        self.stored_events, self.removed_events, self.lineage = [], [], {}
+        self.cleared = True
+        return forgotten
 
     def drain_events(self) -> tuple[list[int], list[int]]:
         """The net change of the prefix cache since the last call: (stored, removed) hashes.

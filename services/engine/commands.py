@@ -55,7 +55,12 @@ class HoldBlock:
     reply: Future  # -> the block id, or BlockHoldRefused
 
 
-Command = AddRequest | Abort | Release | KVReady | KVFailed | HoldBlock
+@dataclass(frozen=True)
+class ResetPrefixCache:
+    reply: Future  # -> the cached blocks forgotten, or None: a block in use kept them all
+
+
+Command = AddRequest | Abort | Release | KVReady | KVFailed | HoldBlock | ResetPrefixCache
 
 
 class BlockHoldRefused(Exception):

@@ -33,13 +33,13 @@ from pdserve.services.engine.block_manager import BlockManager
 from pdserve.services.engine.commands import (
     Abort,
     AddRequest,
-    BlockHoldRefused,
     Command,
     HoldBlock,
     KVEventFeed,
     KVFailed,
     KVReady,
     Release,
+    ResetPrefixCache,
 )
 from pdserve.services.engine.guided import GuidedDecoder
 from pdserve.services.engine.kv_stream import StreamHooks
@@ -254,6 +254,11 @@ class LLMEngine:
         self._post(HoldBlock(hold_id, reply))
         return reply
 
+    def reset_prefix_cache(self) -> Future:
+        """Forget the pool's cached blocks: a Future of how many (None: one was in use)."""
+        self._post(ResetPrefixCache(reply := Future()))
+        return reply
+
     def _post(self, command: Command) -> None:
         self._commands.append(command)
         self._wakeup.set()
@@ -321,17 +326,9 @@ class LLMEngine:
             sch.release(cmd.bus_id)
         elif isinstance(cmd, KVReady):
             sch.kv_ready(cmd.bus_id, cmd.first_token)
-        elif isinstance(cmd, HoldBlock):
-            self._hold(cmd)
+        elif isinstance(cmd, HoldBlock | ResetPrefixCache):
+            sch.answer(cmd)
         return None
-
-    def _hold(self, cmd: HoldBlock) -> None:
-        if not cmd.reply.set_running_or_notify_cancel():
-            return  # the asker gave up
-        try:
-            cmd.reply.set_result(self.scheduler.hold_block(cmd.hold_id))
-        except BlockHoldRefused as exc:
-            cmd.reply.set_exception(exc)
 
     def _forward(self, batch: ScheduledBatch, outputs: list[StepOutput]) -> StepStats:
         t0 = time.perf_counter()
@@ -369,7 +366,10 @@ class LLMEngine:
             prefix_hits=bm.prefix_hits,
             spec=self.speculator.counters.snapshot() if self.speculator else None,
         )
+        cleared, bm.cleared = bm.cleared, False  # reset_prefix_cache: AllBlocksCleared first
         if self._kv_feed is not None:
+            if cleared:
+                self._kv_feed.clear()
             stored, removed = bm.drain_events()
             if stored or removed:
                 self._kv_feed.push(stored, removed, bm.take_lineage(stored))

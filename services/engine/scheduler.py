@@ -27,7 +27,12 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from pdserve.services.engine.block_manager import BlockManager
-from pdserve.services.engine.commands import AddRequest, BlockHoldRefused
+from pdserve.services.engine.commands import (
+    AddRequest,
+    BlockHoldRefused,
+    HoldBlock,
+    ResetPrefixCache,
+)
 from pdserve.services.engine.kv_arrivals import KVArrivals
 from pdserve.services.engine.outputs import RunnerOutput, ScheduledBatch, StepOutput, StepStats
 from pdserve.services.engine.sequence import Sequence, SequenceStatus
@@ -118,6 +123,18 @@ class Scheduler(KVArrivals):
         seq = self._choice_0(bus_id)
         if seq is not None and seq.status is SequenceStatus.PREFILLED:
             self._finish(seq, None)
+
+    def answer(self, cmd: HoldBlock | ResetPrefixCache) -> None:
+        """Answer a command that waits for its reply (unless the asker gave up)."""
+        if not cmd.reply.set_running_or_notify_cancel():
+            return
+        if isinstance(cmd, ResetPrefixCache):
+            cmd.reply.set_result(self.bm.reset_prefix_cache())
+            return
+        try:
+            cmd.reply.set_result(self.hold_block(cmd.hold_id))
+        except BlockHoldRefused as exc:
+            cmd.reply.set_exception(exc)
 
     def hold_block(self, hold_id: str) -> int:
         """One free block held under ``hold_id`` (parked until ``release``), or

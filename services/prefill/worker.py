@@ -232,6 +232,7 @@ class PrefillWorker(Worker):
         stream = self.streams.pop(bus_id)
         lease = self.leases.get(bus_id)
         if parked and lease is not None and token is not None:
+            self.leases.restart(lease, self.config.lease_seconds)  # unpulled from now on
             # after the PrefillResult's publish (its task is spawned next and runs in the next
             # loop turn): the gateway hears of the first token before the tokens that follow it
             loop = asyncio.get_running_loop()

@@ -276,6 +276,31 @@ async def test_repeated_prefix_goes_to_its_cache_and_matches_hf(
     assert cached == [0] + [common // block * block] * 2, (cached, common)
 
 
+async def test_reset_prefix_cache_forgets_every_workers_blocks(stack):
+    """``POST /reset_prefix_cache`` (as vLLM's): every worker forgets its cached blocks, so a
+    prompt served from the cache a moment ago is computed again."""
+    base, _, _ = stack
+    await wait_all_blocks_free(base)  # (a worker still holding a block would say "busy")
+    async with aiohttp.ClientSession() as session:
+        model = await model_name(session, base)
+        body = {"model": model, "prompt": "Reset the cache. " * 12, "max_tokens": 2}
+
+        async def cached() -> int:
+            async with session.post(base + "/v1/completions", json=body) as r:
+                return (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        await cached()
+        assert await cached() > 0
+        await wait_all_blocks_free(base)
+        async with session.post(base + "/reset_prefix_cache") as r:
+            answer = await r.json()
+            assert r.status == 200, answer
+        assert set(answer["workers"]) == set(WORKERS)
+        assert all(w["status"] == "ok" for w in answer["workers"].values())
+        assert sum(w["blocks"] for w in answer["workers"].values()) > 0
+        assert await cached() == 0
+
+
 async def test_32_concurrent_streams_then_no_blocks_in_use(stack):
     base, _, _ = stack
     async with aiohttp.ClientSession() as session:

@@ -1,7 +1,9 @@
 """``--kv-events-zmq`` on a real prefill worker process (issue 33): over a real nats-server, a
 prefill's blocks reach a real ZMQ subscriber as vLLM's BlockStored (chained hashes, parent,
 tokens, medium "GPU"), after the worker's first batch, AllBlocksCleared; the same blocks reach
-the gateway's registry on NATS with their lineage."""
+the gateway's registry on NATS with their lineage. A prefix-cache reset (``POST
+/reset_prefix_cache``'s request) is refused while a lease holds the blocks, then clears them and
+says so on both streams."""
 
 from __future__ import annotations
 
@@ -10,13 +12,24 @@ import asyncio
 import msgpack
 import zmq
 
-from pdserve.shared.bus.protocol import KVEvents
+from pdserve.shared.bus.protocol import KVEvents, ReleaseLease
+from pdserve.shared.discovery.cache_reset import reset_all
 from pdserve.shared.kv.layout import ROOT_HASH, prefix_block_hashes
 from tests.integration.stack import start_nats, start_service, stop_all
 from tests.integration.worker_client import connected
 
 BS = 16
 PROMPT = list(range(10, 10 + 3 * BS + 5))  # 3 full blocks and a partial one (demo vocab: 264)
+
+
+def cleared_event(sub: zmq.Socket, timeout_ms: int = 20_000) -> dict | None:
+    """The next AllBlocksCleared in the stream (None if none comes in time)."""
+    while sub.poll(timeout_ms):
+        _, _, payload = sub.recv_multipart()
+        for event in msgpack.unpackb(payload, raw=False)[1]:
+            if event["type"] == "AllBlocksCleared":
+                return event
+    return None
 
 
 def events(sub: zmq.Socket, want: int, timeout_ms: int = 20_000) -> list[dict]:
@@ -71,6 +84,30 @@ async def test_a_worker_publishes_vllm_kv_events_on_zmq(tmp_path):
             assert [p for m in deltas for p in m.parents] == [ROOT_HASH, *chain[:2]]
             assert [t for m in deltas for t in m.token_ids] == PROMPT[: 3 * BS]
             assert set(chain) <= gw.registry.cached_blocks("pz").hashes
+
+            # POST /reset_prefix_cache's request: refused while the lease holds the blocks,
+            # then done, announced as AllBlocksCleared on both streams
+            heard_before = len(on_nats)
+            busy = await reset_all(gw.bus, ["pz"], "reset-1", 5.0)
+            assert busy["pz"].status == "busy"
+            await gw.bus.publish(gw.bus.subjects.lease("pz"), ReleaseLease("r1"))
+            for _ in range(50):
+                done = (await reset_all(gw.bus, ["pz"], "reset-2", 5.0))["pz"]
+                if done.status == "ok":
+                    break
+                await asyncio.sleep(0.1)
+            assert (done.status, done.blocks) == ("ok", 3)
+            cleared = await asyncio.to_thread(cleared_event, sub)
+            assert cleared == {"type": "AllBlocksCleared"}
+            for _ in range(50):
+                if any(m.cleared for m in on_nats[heard_before:]):
+                    break
+                await asyncio.sleep(0.1)
+            assert any(m.cleared for m in on_nats[heard_before:]), on_nats
+            assert not gw.registry.cached_blocks("pz").hashes
+            # and the cache starts over: the same prompt is computed, its blocks stored again
+            again = await gw.prefill("pz", "r2", PROMPT)
+            assert again.cached_tokens == 0
     finally:
         stop_all([worker])
         nats.stop()

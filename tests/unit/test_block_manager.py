@@ -170,3 +170,17 @@ def test_fork_without_a_free_block_changes_nothing():
     assert kid.block_table == [] and bm.ref_counts == [1, 1, 1] and "r#1" not in bm.seq_hashes
     bm.free_sequence(parent)
     assert bm.num_free_blocks == 3
+
+
+def test_reset_prefix_cache_forgets_cached_blocks_only_when_none_is_in_use():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = computed(bm, seq("a", list(range(10))))  # 2 full blocks cached
+    assert bm.reset_prefix_cache() is None  # a holds them: nothing changes
+    assert len(bm.hash_to_block) == 2 and not bm.cleared
+    bm.free_sequence(a)
+    bm.drain_events()
+    assert bm.reset_prefix_cache() == 2
+    assert bm.cleared and bm.hash_to_block == {} and bm.drain_events() == ([], [])
+    again = seq("b", list(range(10)))
+    assert match_prefix(bm, again) == 0  # computed anew
+    assert bm.num_free_blocks == 8  # every block still free, now holding nothing

@@ -97,15 +97,22 @@ class LeaseTable:
         return True
 
     def expire(self) -> list[str]:
-        """Release every lease past its expiry; returns their request ids."""
+        """Release every lease past its expiry; returns their request ids. A streamed lease's
+        time starts when its prompt is complete (``restart``): until then prefill holds it."""
         now = self.clock()
         gone = [
-            rid for rid, lease in self.leases.items() if not lease.dropped and lease.expires < now
+            rid
+            for rid, lease in self.leases.items()
+            if not lease.dropped and lease.expires < now and not _being_written(lease)
         ]
         for rid in gone:
             log.info("lease of %s expired unpulled; freeing its blocks", rid)
             self.release(rid)
         return gone
+
+    def restart(self, lease: Lease, ttl: float) -> None:
+        """A streamed lease's prompt is complete: it expires ``ttl`` from now."""
+        lease.expires = self.clock() + ttl
 
     def pin(self, lease: Lease) -> None:
         lease.pins += 1
@@ -121,3 +128,8 @@ class LeaseTable:
             while len(self.dropped_tokens) > self.remember:
                 self.dropped_tokens.popitem(last=False)
             self.on_free(lease.bus_id)
+
+
+def _being_written(lease: Lease) -> bool:
+    stream = lease.stream
+    return stream is not None and not stream.complete and stream.ended is None

@@ -1,0 +1,38 @@
+"""Operator routes of the gateway (behind ``--api-key`` like the API): ``POST
+/reset_prefix_cache``, as vLLM's, for benchmarks and operators who need cold caches.
+
+Every worker the registry knows is asked at once (``shared/discovery/cache_reset.py``); the
+answer lists each one's outcome. 200 when every worker forgot its cached blocks; 409 (OpenAI
+error shape, ``code: "busy"``) when one still runs or holds a request, or did not answer, and
+then the others' caches are reset all the same - try again once the fleet is idle.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from aiohttp import web
+
+from pdserve.gateway.errors import APIError
+from pdserve.gateway.state import GATEWAY_KEY
+from pdserve.shared.discovery.cache_reset import PrefixCacheReset, reset_all
+
+RESET_TIMEOUT = 5.0  # seconds a worker has to answer (a step's length, at most, on the engine)
+
+
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY_KEY]
+    workers = sorted(w.worker_id for w in gw.workers.loads())
+    answers = await reset_all(gw.bus, workers, f"reset-{secrets.token_hex(4)}", RESET_TIMEOUT)
+    outcome = {
+        worker: {"status": a.status, "blocks": a.blocks}
+        if isinstance(a, PrefixCacheReset)
+        else {"status": "no_answer", "error": a}
+        for worker, a in answers.items()
+    }
+    left = {w: o["status"] for w, o in outcome.items() if o["status"] != "ok"}
+    if left:
+        detail = ", ".join(f"{w}: {s}" for w, s in sorted(left.items()))
+        raise APIError(409, f"prefix cache not reset everywhere ({detail}); retry when idle",
+                       code="busy")  # fmt: skip
+    return web.json_response({"object": "prefix_cache_reset", "workers": outcome})

@@ -1,0 +1,106 @@
+"""Resetting the workers' prefix caches (``POST /reset_prefix_cache``, as vLLM's endpoint).
+
+The gateway asks every worker it knows on its own admin subject (``{ns}.admin.{worker}``,
+NATS request/reply); each forgets every cached block of its KV pool that no request holds and
+answers with how many it forgot, or that it is busy (a block in use: a running request, a
+leased prompt), in which case nothing changes - the caller tries again when it is idle. A reset
+pool announces ``AllBlocksCleared`` on its KV event streams (NATS and vLLM's ZMQ format), so
+routers drop what they knew of it. The offload tiers (host memory, disk) keep their blocks:
+they are a worker's to manage (``--kv-offload-*``).
+
+These types live here, registered into ``pdserve.shared.bus.protocol``'s table, because only
+the gateway's admin route and the workers speak them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from pdserve.shared.bus.connection import Bus
+from pdserve.shared.bus.protocol import (
+    MESSAGE_TYPES,
+    ProtocolError,
+    count,
+    decode_as,
+    encode,
+    ident,
+    text,
+)
+from pdserve.shared.bus.subjects import Subjects, is_subject_token
+
+log = logging.getLogger("pdserve.cache_reset")
+
+RESET_STATUSES = ("ok", "busy")
+
+
+@dataclass
+class ResetPrefixCache:
+    TYPE: ClassVar[str] = "reset_prefix_cache"
+    reset_id: str = ident()
+
+
+@dataclass
+class PrefixCacheReset:
+    TYPE: ClassVar[str] = "prefix_cache_reset"
+    reset_id: str = ident()
+    worker_id: str = ident()
+    status: str = text(max_len=8, choices=RESET_STATUSES)
+    blocks: int = count(default=0)  # cached blocks forgotten
+
+
+MESSAGE_TYPES[ResetPrefixCache.TYPE] = ResetPrefixCache
+MESSAGE_TYPES[PrefixCacheReset.TYPE] = PrefixCacheReset
+
+
+def admin_subject(subjects: Subjects, worker_id: str) -> str:
+    if not is_subject_token(worker_id):
+        raise ValueError(f"{worker_id!r} is not a valid subject token")
+    return f"{subjects.namespace}.admin.{worker_id}"
+
+
+async def answer_resets(
+    bus: Bus, worker_id: str, reset: Callable[[], Awaitable[int | None]]
+) -> None:
+    """Answer reset requests on this worker's admin subject: ``reset()`` gives the blocks
+    forgotten, or None when a block in use kept the cache as it was."""
+
+    async def on_msg(raw: Any) -> None:
+        try:
+            msg = decode_as(raw.data, ResetPrefixCache, max_bytes=bus.max_bytes)
+        except ProtocolError as exc:
+            log.warning("rejected admin request on %s: %s", raw.subject, exc)
+            return
+        if not raw.reply:
+            return
+        try:
+            forgot = await reset()
+            status = "busy" if forgot is None else "ok"
+            log.info("prefix cache reset (%s): %s, %d block(s)", msg.reset_id, status, forgot or 0)
+            await raw.respond(
+                encode(PrefixCacheReset(msg.reset_id, worker_id, status, forgot or 0))
+            )
+        except Exception:
+            log.exception("prefix cache reset %s failed", msg.reset_id)
+
+    await bus.nc.subscribe(admin_subject(bus.subjects, worker_id), cb=on_msg)
+
+
+async def reset_all(
+    bus: Bus, worker_ids: list[str], reset_id: str, timeout: float
+) -> dict[str, PrefixCacheReset | str]:
+    """Ask every worker at once; per worker its answer, or why there is none."""
+
+    async def one(worker_id: str) -> PrefixCacheReset | str:
+        try:
+            raw = await bus.nc.request(admin_subject(bus.subjects, worker_id),
+                                       encode(ResetPrefixCache(reset_id)), timeout=timeout)  # fmt: skip
+            return decode_as(raw.data, PrefixCacheReset, max_bytes=bus.max_bytes)
+        except Exception as exc:  # no responders, a timeout, a malformed answer
+            return f"no answer: {type(exc).__name__}"
+
+    answers = await asyncio.gather(*map(one, worker_ids))
+    return dict(zip(worker_ids, answers, strict=True))
