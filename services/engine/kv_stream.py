@@ -24,6 +24,7 @@ class StreamStart:
     bus_id: str
     block_ids: list[int]
     num_tokens: int
+    num_ready_tokens: int  # computed before this pass (earlier chunks, a cached prefix)
 
 
 class StreamHooks:
@@ -45,7 +46,9 @@ class StreamHooks:
         """Hand over the prompts this pass completes and hook the model's layers for them
         (unhooked for a pass that completes none: every pass is announced here)."""
         starts = [
-            StreamStart(seq.bus_id, list(seq.block_table), seq.num_prompt_tokens)
+            StreamStart(
+                seq.bus_id, list(seq.block_table), seq.num_prompt_tokens, seq.num_computed_tokens
+            )  # fmt: skip
             for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
             if seq.num_prompt_tokens >= self.min_tokens
             and not seq.output_token_ids

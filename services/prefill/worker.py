@@ -210,7 +210,8 @@ class PrefillWorker(Worker):
                 continue
             if self.leases.get(start.bus_id) is not None:
                 continue
-            stream = LayerStream(self.engine.model_config.num_layers)
+            done = start.block_ids[: start.num_ready_tokens // self.engine.block_size]
+            stream = LayerStream(self.engine.model_config.num_layers, done_blocks=frozenset(done))
             lease = self.leases.add(start.bus_id, start.block_ids, start.num_tokens,
                                     self.config.lease_seconds, stream=stream)  # fmt: skip
             self.streams[start.bus_id] = stream
@@ -264,6 +265,7 @@ class PrefillWorker(Worker):
             token=lease.token,
             rank_addresses=list(self.rank_addresses),
             streaming=lease.stream is not None,
+            ready_blocks=len(lease.stream.done_blocks) if lease.stream is not None else 0,
         )
 
     async def _mirror_then_reply(self, reply_to: str, result: PrefillResult, headers: dict) -> None:

@@ -97,6 +97,7 @@ class KVHandle:
     # a prefill worker of TP > 1: every rank's KV server (rank 0's is ucx_address), by rank
     rank_addresses: list[str] = bounded(default=[], max_len=64)
     streaming: bool = bounded(default=False)  # still being written (kv/transfer/stream.py)
+    ready_blocks: int = count(hi=MAX_BLOCKS, default=0)  # ... its first ones complete already
 
 
 @dataclass
@@ -110,8 +111,7 @@ class PrefillRequest:
     # the client's x-request-id: the bus id above is the gateway's own (unique), this one names
     # the request on spans and in logs, where people look it up
     client_id: str | None = ident(default=None)
-    # a decode worker could pull the KV while it is computed: lease it and answer early
-    stream_kv: bool = bounded(default=False)
+    stream_kv: bool = bounded(default=False)  # may lease early: kv/transfer/stream.py
 
 
 @dataclass

@@ -15,11 +15,14 @@ from tests.integration.kv_peer import LAYERS
 from tests.integration.test_kv_transfer import Pair, fingerprint
 
 
-def streamed(p: Pair, rid: str, blocks: list[int], num_tokens: int) -> tuple[KVHandle, LayerStream]:
-    stream = LayerStream(LAYERS)
+def streamed(
+    p: Pair, rid: str, blocks: list[int], num_tokens: int, done: int = 0
+) -> tuple[KVHandle, LayerStream]:
+    """A lease whose first ``done`` blocks were complete when it was taken."""
+    stream = LayerStream(LAYERS, done_blocks=frozenset(blocks[:done]))
     lease = p.leases.add(rid, blocks, num_tokens, 30.0, stream=stream)
     handle = KVHandle("prefill-0", p.server.address, blocks, num_tokens, fingerprint(),
-                      lease.expires, lease.token)  # fmt: skip
+                      lease.expires, lease.token, streaming=True, ready_blocks=done)  # fmt: skip
     return handle, stream
 
 
@@ -100,3 +103,17 @@ async def test_a_bulk_pull_of_a_streamed_lease_waits_for_all_of_it() -> None:
         stream.finish(first_token=7)
         await asyncio.wait_for(pull, 5.0)
         assert torch.equal(p.dst[8:10], p.src[2:4])
+
+
+async def test_blocks_complete_when_leased_move_before_any_layer_is_written() -> None:
+    """Earlier chunks of a long prompt: their blocks go at once, every layer, in one piece."""
+    async with Pair() as p:
+        src, dst = [3, 4, 9], [10, 11, 20]
+        handle, stream = streamed(p, "r1", src, 3 * 4, done=2)
+        pull = asyncio.ensure_future(pull_streamed(p.client, "r1", handle, dst, 10.0, groups=2))
+        await settle()
+        assert torch.equal(p.dst[[10, 11]], p.src[[3, 4]]) and (p.dst[20] == -1).all()
+        stream.advance(LAYERS)
+        stream.finish(first_token=3)
+        stats = await asyncio.wait_for(pull, 5.0)
+        assert torch.equal(p.dst[dst], p.src[src]) and len(stats.piece_seconds) == 3

@@ -4,7 +4,7 @@ is complete, never while prefill still writes it; a stream says which layers are
 from __future__ import annotations
 
 from pdserve.shared.kv.transfer import LeaseTable
-from pdserve.shared.kv.transfer.stream import FINISHED, LayerStream, parse_layers, when_ready
+from pdserve.shared.kv.transfer.stream import FINISHED, LayerStream, parse_layers, plan, when_ready
 
 
 class Clock:
@@ -77,3 +77,14 @@ def test_malformed_layer_requests_are_refused() -> None:
         except ValueError:
             continue
         raise AssertionError(f"accepted {bad!r}")
+
+
+def test_a_streamed_pull_takes_the_blocks_complete_when_leased_at_once() -> None:
+    # 10 blocks, the first 6 computed by earlier passes: all their layers in one piece, then
+    # the last pass's 4 blocks by layer group
+    assert plan(8, 2, 6, 10) == [((0, 8), (0, 6)), ((0, 4), (6, 10)), ((4, 8), (6, 10))]
+    assert plan(8, 2, 0, 10) == [((0, 4), (0, 10)), ((4, 8), (0, 10))]
+    assert plan(8, 1, 10, 10)[-1] == ((0, 8), (9, 10))  # the pass writes the last block at least
+    stream = LayerStream(num_layers=8, done_blocks=frozenset({3, 4}))
+    assert stream.ready((0, 8), final=False, done=True)  # blocks done when leased
+    assert not stream.ready((0, 8), final=True, done=True)  # the token is not

@@ -29,10 +29,12 @@ class Answer:
     layers: Layers = (0, 0)  # a streamed piece's layer group (a bulk pull: all)
     final: bool = True  # a streamed lease's last piece: sent with the first token
 
+    done: bool = False  # every block sent was complete in every layer when leased
+
     def ready(self) -> bool:
         """Whether prefill has written what this answer sends (always, unless streamed)."""
         stream = self.lease.stream
-        return stream is None or stream.ready(self.layers, self.final)
+        return stream is None or stream.ready(self.layers, self.final, self.done)
 
     @property
     def event(self) -> Any:

@@ -143,12 +143,14 @@ class KVClient:
         heads: Heads | None = None,
         layers: Layers | None = None,
         final: bool = False,
+        span: tuple[int, int] | None = None,
     ) -> TransferStats:
         """Copy the handle's first ``ceil(num_tokens / block_size)`` blocks into ``dst_block_ids``:
         global KV heads ``heads`` (default: all ours) from the KV server at ``address`` (default:
         the handle's), which must hold all of them - one piece of a ``tp_layout.pull_plan``.
         ``layers``: only that layer group of a streamed lease, whole blocks (``stream.py``);
-        the ``final`` piece also brings the first token (``TransferStats.first_token``)."""
+        the ``final`` piece also brings the first token (``TransferStats.first_token``);
+        ``span``: only the blocks at those positions ``[a, b)`` of the needed ones."""
         self.own_address()  # UCX is configured before its first use, whoever pulls first
         self.check(handle)
         own = self.slicer.heads
@@ -170,7 +172,8 @@ class KVClient:
         if dst and (min(dst) < 0 or max(dst) >= self.kv_cache.shape[0]):
             raise KVTransferError("destination block id out of range")
         control_tag, raw = self._parse(address or handle.ucx_address)
-        runs = block_runs(handle.block_ids[:n], dst)
+        a, b = span or (0, n)
+        runs = block_runs(handle.block_ids[a:b], dst[a:b])
         sliced = self._sliced(handle, whole)
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
@@ -209,7 +212,7 @@ class KVClient:
                     continue
                 raise KVTransferError(f"KV pull from {handle.worker_id} failed: {exc!r}") from exc
         stats.seconds = time.perf_counter() - t0
-        stats.num_blocks = n
+        stats.num_blocks = b - a
         return stats
 
     def _sliced(self, handle: KVHandle, whole: bool) -> bool:

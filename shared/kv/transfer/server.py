@@ -393,5 +393,8 @@ class KVServer:
             except ValueError as exc:
                 raise Refusal(str(exc)) from None
         self.leases.pin(lease)
+        done = lease.stream is not None and all(
+            k in lease.stream.done_blocks for s, n in runs for k in range(s, s + n)
+        )  # blocks leased complete: sent at once
         # a bulk pull of a lease prefill still writes waits for all of it, like a final piece
-        return Answer(lease, heads, sliced, views, staged, piece[0], piece[1])
+        return Answer(lease, heads, sliced, views, staged, piece[0], piece[1], done)

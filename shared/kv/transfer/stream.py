@@ -59,12 +59,16 @@ class LayerStream:
     ended: str | None = None  # why it never will be (the pieces still waiting are refused)
     # CUDA: an event recorded after the last layer group written; a send waits for it
     event: Any = None
+    # blocks complete in every layer when leased (earlier chunks, a cached prefix): a piece
+    # of only these goes at once
+    done_blocks: frozenset[int] = frozenset()
     waiters: list[Callable[[], None]] = field(default_factory=list)
 
-    def ready(self, layers: Layers, final: bool) -> bool:
+    def ready(self, layers: Layers, final: bool, done: bool = False) -> bool:
+        """Whether a piece can go (``done``: all its blocks are in ``done_blocks``)."""
         if self.complete:
             return True
-        return not final and self.ready_layers >= layers[1]
+        return not final and (done or self.ready_layers >= layers[1])
 
     def advance(self, layers: int, event: Any = None) -> None:
         if self.complete or self.ended is not None or layers <= self.ready_layers:
@@ -138,6 +142,17 @@ def layer_groups(num_layers: int, groups: int) -> list[Layers]:
     return [(bounds[i], bounds[i + 1]) for i in range(groups)]
 
 
+def plan(
+    num_layers: int, groups: int, ready_blocks: int, num_blocks: int
+) -> list[tuple[Layers, tuple[int, int]]]:
+    """A streamed pull's pieces, (layers, block positions): the blocks complete when leased
+    (``ready_blocks``) in every layer, ready at once; then the rest, one piece per layer group
+    as the pass writes it, the last also waiting for the first token."""
+    head = min(ready_blocks, num_blocks - 1)  # the pass writes at least the last block
+    tail = [(g, (head, num_blocks)) for g in layer_groups(num_layers, groups)]
+    return ([((0, num_layers), (0, head))] if head > 0 else []) + tail
+
+
 def parse_layers(req: dict, num_layers: int) -> tuple[Layers, bool] | None:
     """A pull request's layer range and ``final`` flag (None: a bulk pull), or ValueError."""
     layers, final = req.get("layers"), req.get("final", False)
@@ -199,14 +214,18 @@ async def pull_streamed(
     """Pull a streamed lease as ``groups`` layer groups, all asked at once: the server sends
     each as prefill writes it, the last with the first token (``client``: a KVClient). Raises
     KVStreamFinished when the request ended at its first token."""
-    pieces = layer_groups(client.layer_views.num_layers if client.layer_views else 1, groups)
+    num_layers = client.layer_views.num_layers if client.layer_views else 1
+    pieces = plan(
+        num_layers, groups, handle.ready_blocks, -(-handle.num_tokens // client.block_size)
+    )
     t0 = time.perf_counter()
     done_at: list[float] = [0.0] * len(pieces)
 
     async def one(i: int) -> TransferStats:
+        layers, span = pieces[i]
         last = i == len(pieces) - 1
         stats = await client.pull(
-            bus_id, handle, dst_block_ids, timeout, layers=pieces[i], final=last
+            bus_id, handle, dst_block_ids, timeout, layers=layers, final=last, span=span
         )
         done_at[i] = time.perf_counter() - t0
         return stats
