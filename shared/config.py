@@ -176,10 +176,11 @@ class WorkerConfig:
         "fail", "what a failed KV pull does to the request", choices=("fail", "recompute")
     )
     kv_stream_threshold: int = opt(
-        1024,
+        -1,
         "layer-wise KV streaming: a prefill worker leases the KV of a prompt of at least this "
         "many tokens when its last forward pass starts and sends each layer group as it is "
-        "written; a decode worker with 0 always pulls in bulk; 0 = off",
+        "written; a decode worker with 0 always pulls in bulk; 0 = off; -1 = auto: 1024 on "
+        "CUDA, off on a CPU (where the pull's copying competes with prefill for the cores)",
     )
     kv_stream_layer_groups: int = opt(
         4, "decode: the pieces (groups of layers) a streamed KV pull asks for at once"
@@ -192,6 +193,17 @@ class WorkerConfig:
     max_queue: int = opt(1024, "waiting requests beyond which new ones are refused")
     drain_seconds: float = opt(30.0, "on SIGTERM, how long in-flight requests may finish")
     standby: bool = opt(False, "load and register but take no requests until SIGUSR1 promotes it")
+
+    def __post_init__(self) -> None:
+        if self.kv_stream_threshold < -1:
+            raise StartupError(
+                f"--kv-stream-threshold must be -1 (auto), 0 (off) or a token count, "
+                f"got {self.kv_stream_threshold}"
+            )
+        if self.kv_stream_layer_groups < 1:
+            raise StartupError(
+                f"--kv-stream-layer-groups must be at least 1, got {self.kv_stream_layer_groups}"
+            )
 
 
 @dataclass

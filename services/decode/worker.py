@@ -53,7 +53,7 @@ from pdserve.shared.kv.transfer import (
     KVStreamFinished,
     KVTransferError,
 )
-from pdserve.shared.kv.transfer.stream import can_stream, pull_streamed
+from pdserve.shared.kv.transfer.stream import can_stream, pull_streamed, stream_threshold
 from pdserve.shared.telemetry import tracing
 
 log = logging.getLogger("pdserve.decode")
@@ -141,7 +141,8 @@ class DecodeWorker(Worker):
 
     def load_extra(self) -> dict:
         views = self.kv_client.layer_views if self.kv_client is not None else None
-        streams = can_stream(self.config.kv_stream_threshold, self.config.kv_checksum,
+        threshold = stream_threshold(self.config.kv_stream_threshold, self.engine.device.type)
+        streams = can_stream(threshold, self.config.kv_checksum,
                              self.rank_link is None, views)  # fmt: skip
         extra = {"local_prefill_threshold": self.config.local_prefill_threshold,
                  "kv_stream": streams}  # fmt: skip

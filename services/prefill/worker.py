@@ -36,7 +36,12 @@ from pdserve.shared.bus.protocol import KVHandle, PrefillRequest, PrefillResult,
 from pdserve.shared.kv import ucx_check
 from pdserve.shared.kv.probe import ProbeLeaseReply, ProbeLeaseRequest, answer_probes
 from pdserve.shared.kv.transfer import KVServer, Lease, LeaseTable
-from pdserve.shared.kv.transfer.stream import FINISHED, LayerStream, can_stream
+from pdserve.shared.kv.transfer.stream import (
+    FINISHED,
+    LayerStream,
+    can_stream,
+    stream_threshold,
+)
 from pdserve.shared.telemetry import tracing
 
 log = logging.getLogger("pdserve.prefill")
@@ -53,6 +58,7 @@ class PrefillWorker(Worker):
         self.rank_addresses: list[str] = []  # TP > 1: every rank's KV server, by rank
         self.stream_ok: set[str] = set()  # requests whose KV may stream (stream_kv, long)
         self.streams: dict[str, LayerStream] = {}  # streamed leases until their pass ends
+        self.stream_from = 0  # prompt tokens from which KV streams (0: never; start_extra)
 
     def make_engine(self) -> LLMEngine:
         return LLMEngine(self.engine_config, prefill_only=True)
@@ -73,11 +79,14 @@ class PrefillWorker(Worker):
         if others:  # TP > 1: each rank serves its own heads
             self.rank_addresses = [self.kv_server.address] + [r["address"] for r in others]
         ucx_check.warn_at_startup(self.role)  # RDMA/GPUs UCX cannot use: TCP would carry KV
-        if can_stream(self.config.kv_stream_threshold, self.config.kv_checksum,
+        threshold = stream_threshold(self.config.kv_stream_threshold, self.engine.device.type)
+        if can_stream(threshold, self.config.kv_checksum,
                       self.rank_link is None, self.kv_server.layer_views):  # fmt: skip
+            self.stream_from = threshold
+            log.info("KV of prompts from %d tokens streams layer by layer", threshold)
             loop = asyncio.get_running_loop()
             self.engine.stream_hooks = StreamHooks(
-                self.config.kv_stream_threshold,
+                self.stream_from,
                 lambda starts: loop.call_soon_threadsafe(self._stream_start, starts),
                 lambda ids, n, ev: loop.call_soon_threadsafe(self._stream_layers, ids, n, ev),
             )
@@ -141,7 +150,7 @@ class PrefillWorker(Worker):
             )
             return
         self.states[req.bus_id] = state
-        if req.stream_kv and state.num_prompt_tokens >= self.config.kv_stream_threshold:
+        if req.stream_kv and 0 < self.stream_from <= state.num_prompt_tokens:
             self.stream_ok.add(req.bus_id)
 
     def _refusal(self, req: PrefillRequest) -> tuple[str, str] | None:

@@ -3,8 +3,20 @@ is complete, never while prefill still writes it; a stream says which layers are
 
 from __future__ import annotations
 
+import pytest
+
+from pdserve.shared.config import WorkerConfig
+from pdserve.shared.errors import StartupError
 from pdserve.shared.kv.transfer import LeaseTable
-from pdserve.shared.kv.transfer.stream import FINISHED, LayerStream, parse_layers, plan, when_ready
+from pdserve.shared.kv.transfer.stream import (
+    AUTO_THRESHOLD_CUDA,
+    FINISHED,
+    LayerStream,
+    parse_layers,
+    plan,
+    stream_threshold,
+    when_ready,
+)
 
 
 class Clock:
@@ -88,3 +100,13 @@ def test_a_streamed_pull_takes_the_blocks_complete_when_leased_at_once() -> None
     stream = LayerStream(num_layers=8, done_blocks=frozenset({3, 4}))
     assert stream.ready((0, 8), final=False, done=True)  # blocks done when leased
     assert not stream.ready((0, 8), final=True, done=True)  # the token is not
+
+
+def test_the_auto_threshold_streams_on_gpus_only() -> None:
+    assert stream_threshold(-1, "cuda") == AUTO_THRESHOLD_CUDA
+    assert stream_threshold(-1, "cpu") == 0  # measured not to pay on CPUs (perf/README.md)
+    assert stream_threshold(0, "cuda") == 0 and stream_threshold(300, "cpu") == 300
+    with pytest.raises(StartupError, match="kv-stream-threshold"):
+        WorkerConfig(kv_stream_threshold=-2)
+    with pytest.raises(StartupError, match="kv-stream-layer-groups"):
+        WorkerConfig(kv_stream_layer_groups=0)

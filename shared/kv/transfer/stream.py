@@ -96,6 +96,19 @@ class LayerStream:
             wake()
 
 
+# --kv-stream-threshold -1 on a GPU. SGLang's measurements put the break-even between 256 tokens
+# (+18% TTFT) and 1K (-61%); on CPUs it never paid here (perf/README.md, issue 29 item 3).
+AUTO_THRESHOLD_CUDA = 1024
+
+
+def stream_threshold(value: int, device_type: str) -> int:
+    """The prompt length from which KV streams: ``--kv-stream-threshold``, or for -1 (auto)
+    ``AUTO_THRESHOLD_CUDA`` on CUDA and off (0) elsewhere."""
+    if value >= 0:
+        return value
+    return AUTO_THRESHOLD_CUDA if device_type == "cuda" else 0
+
+
 def can_stream(threshold: int, checksum: bool, one_rank: bool, views: LayerViews | None) -> bool:
     """Whether a worker streams (``--kv-stream-threshold`` > 0): one rank (a TP worker's other
     ranks hear of no layers, and pull in bulk), whole blocks of known parts (``views``), and no
