@@ -165,6 +165,7 @@ class Bus:
 
     async def _disconnected_cb(self) -> None:
         self._suspended = True
+        self._forget_pending()
         if not self._closing:
             log.warning("disconnected from NATS: dropping what we publish until we reconnect")
 
@@ -279,6 +280,19 @@ class Bus:
         sub = await self.nc.subscribe(subject, queue=queue or "", cb=on_msg)
         self._subs.append(sub)
         return sub
+
+    def _forget_pending(self) -> None:
+        """Empty nats-py's write buffer when the connection is lost: what it holds was published
+        after what went into the dead socket, and nats-py would flush it after the reconnect,
+        behind that loss, as a gap the receiver cannot see (the same reason ``_drop`` keeps new
+        publishes out of it). Subscriptions are re-sent from nats-py's own table, replayable
+        messages from ours. (``_pending`` is nats-py's, 2.x: there is no public way.)"""
+        nc = self.nc
+        pending = getattr(nc, "_pending", None) if nc is not None else None
+        if pending:
+            self.stats.dropped += len(pending)  # a command each: publishes, and maybe a PING
+            nc._pending = []
+            nc._pending_data_size = 0
 
     def _drop(self, subject: str, msg: Message) -> None:
         """A message published while the connection is down goes nowhere, never into nats-py's

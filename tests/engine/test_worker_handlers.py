@@ -63,6 +63,7 @@ class CopyKV:
         self.decode, self.prefills = decode, prefills
         self.gate: asyncio.Event | None = None  # set: pulls wait for it
         self.started = asyncio.Event()
+        self.layer_views = None  # no layer pieces: this decode worker pulls in bulk
 
     def check(self, handle: KVHandle) -> None:
         pass
