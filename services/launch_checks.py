@@ -1,12 +1,13 @@
-"""What ``pdserve up`` checks before and while starting: a TP size the model cannot take, and
-how many workers the gateway has registered (services/launcher.py)."""
+"""What ``pdserve up`` checks before and while starting: a TP size the model cannot take, the
+ports its services will bind, and how many workers the gateway has registered
+(services/launcher.py)."""
 
 from __future__ import annotations
 
 import urllib.error
 import urllib.request
 
-from pdserve.shared.config import EngineConfig, UpConfig
+from pdserve.shared.config import EngineConfig, GatewayConfig, UpConfig, WorkerConfig
 from pdserve.shared.kv.tp_layout import tp_problem
 
 
@@ -47,3 +48,18 @@ def registered_names(base_url: str) -> set[str]:
 def registered_workers(base_url: str) -> int:
     """How many workers the gateway knows."""
     return len(registered_names(base_url))
+
+
+def promised_ports(
+    up: UpConfig, gateway: GatewayConfig, worker: WorkerConfig, workers: int, ranks: int
+) -> frozenset[int]:
+    """The fixed ports ``pdserve up``'s services will bind once started: the gateway's, the
+    planner's metrics, each worker's metrics port and each rank's UCX port (the launcher offsets
+    them by slot and by rank). The private NATS picks its free ports clear of these: a port a
+    caller found free for the gateway is free until the gateway binds it, after NATS started."""
+    ports = {gateway.port, up.planner_metrics_port}
+    if worker.metrics_port:
+        ports.update(range(worker.metrics_port, worker.metrics_port + workers))
+    if worker.ucx_port:
+        ports.update(range(worker.ucx_port, worker.ucx_port + ranks))
+    return frozenset(p for p in ports if p)

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from pdserve.services import autoscale
 from pdserve.services.engine.model_config import ModelConfig
-from pdserve.services.launch_checks import registered_workers, tp_refusal
+from pdserve.services.launch_checks import promised_ports, registered_workers, tp_refusal
 from pdserve.services.processes import (
     Child,
     NatsCluster,
@@ -110,10 +110,15 @@ class Launcher:
         self.model = resolve(self.engine.model)
         self.gpus = visible_gpus() if self.engine.device == "auto" else []
         self._check_tensor_parallel()
+        counts = self._worker_counts()
+        avoid = promised_ports(
+            self.up, self.gateway, self.worker, sum(counts.values()),
+            sum(self.tps[role] * n for role, n in counts.items()),
+        )  # fmt: skip
         if self.up.nats_url:
             nats_url = self.up.nats_url
         elif self.up.nats_cluster > 1:
-            self.nats_cluster = self._start_cluster()
+            self.nats_cluster = self._start_cluster(avoid)
             nats_url = self.nats_cluster.url
         else:
             self.nats = NatsServer(
@@ -121,6 +126,7 @@ class Launcher:
                 token=self.bus.nats_token,
                 user=self.bus.nats_user,
                 password=self.bus.nats_password,
+                avoid_ports=avoid,
             )
             # its chatter goes to a file; the services' logs stay readable on the terminal
             self.nats.log_path = self.nats.workdir / "nats-server.log"
@@ -184,7 +190,7 @@ class Launcher:
             for role, n in self._worker_counts().items()
         )
 
-    def _start_cluster(self) -> NatsCluster:
+    def _start_cluster(self, avoid: frozenset[int]) -> NatsCluster:
         if self.up.nats_cluster > 9:
             raise SystemExit("pdserve up: --nats-cluster takes 1 to 9 nodes")
         workdir = Path(tempfile.mkdtemp(prefix="pdserve-nats-cluster-"))
@@ -195,6 +201,7 @@ class Launcher:
             token=self.bus.nats_token,
             user=self.bus.nats_user,
             password=self.bus.nats_password,
+            avoid_ports=avoid,
         )
         cluster.start()
         return cluster

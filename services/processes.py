@@ -20,14 +20,21 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
+    """A port free now on ``host``, never one of ``avoid``: ports promised to services that
+    have not bound them yet (``pdserve up``'s gateway port, picked free by its caller, is free
+    until the gateway starts, and the kernel may hand it out again in between)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
 
 
 def find_nats_server() -> str:
@@ -189,6 +196,7 @@ class NatsServer:
     argv_prefix: list[str] = field(default_factory=list)  # e.g. ip netns exec NAME
     listen: str = ""  # bind address of clients, routes and monitoring; "" means host
     reach: str = ""  # where this process connects to check on it; "" means host
+    avoid_ports: frozenset[int] = frozenset()  # promised elsewhere: never picked (free_port)
 
     @property
     def url(self) -> str:
@@ -221,7 +229,7 @@ class NatsServer:
 
     def start(self, timeout: float = 10.0) -> None:
         if not self.port:
-            self.port = free_port(self.host)
+            self.port = free_port(self.host, self.avoid_ports)
         conf = self.workdir / (f"{self.server_name}.conf" if self.server_name else "nats.conf")
         conf.write_text(self.config_text())
         argv = [
@@ -269,14 +277,24 @@ class NatsCluster:
 
     @classmethod
     def local(cls, size: int, workdir: Path, **server_kw: object) -> NatsCluster:
-        """``size`` nodes on loopback, on free ports, logging to ``workdir``/node-N.log."""
+        """``size`` nodes on loopback, on free ports, logging to ``workdir``/node-N.log.
+        Every port is picked before any node starts, each clear of the others and of
+        ``avoid_ports`` in ``server_kw``: a port picked free stays free only until it is bound."""
         nodes = []
+        avoid = set(server_kw.get("avoid_ports", ()))  # type: ignore[call-overload]
+
+        def pick() -> int:
+            port = free_port(avoid=avoid)
+            avoid.add(port)
+            return port
+
         for i in range(size):
             nodes.append(
                 NatsServer(
                     server_name=f"node-{i + 1}",
-                    cluster_port=free_port(),
-                    monitor_port=free_port(),
+                    port=pick(),
+                    cluster_port=pick(),
+                    monitor_port=pick(),
                     log_path=workdir / f"node-{i + 1}.log",
                     workdir=workdir,
                     **server_kw,  # type: ignore[arg-type]
