@@ -18,6 +18,9 @@ Everything here runs on the engine thread, around the scheduler's pass (``schedu
   the scheduler's ``kv_loaded`` makes the sequence runnable, so other sequences keep stepping
   meanwhile. A block that fails its checksum is never copied: the sequence is computed instead.
 
+At tensor parallelism the other ranks hold their shards of the tiers' blocks and copy what rank
+0 copies, told once per pass (``parallel/tier_mirror.py``); the tiers' budgets are the worker's.
+
 Preemption, forks and speculative rollback need nothing more: they only free blocks, and a
 freed block reaches a tier only once it is evicted, holding the KV its hash names. The bytes
 copied are the pool's own (an int8/fp8 cache's scales included), so any ``--kv-cache-dtype``
@@ -43,12 +46,14 @@ from pdserve.services.engine.kv_event_feed import KVEventFeed
 from pdserve.services.engine.kv_tiers import KVTiers, TierStats
 from pdserve.services.engine.kv_tiers.load_cost import CopyTimer, LoadCosts
 from pdserve.services.engine.kv_tiers.weights_digest import weights_digest
+from pdserve.services.engine.parallel.tier_mirror import TierLog
 from pdserve.shared.errors import StartupError
 from pdserve.shared.kv.layout import layout_id
 
 if TYPE_CHECKING:
     from pdserve.services.engine.block_manager import BlockManager
     from pdserve.services.engine.outputs import ScheduledBatch, StepStats
+    from pdserve.services.engine.parallel.group import RankGroup
     from pdserve.services.engine.parallel.shard import Shard
     from pdserve.services.engine.scheduler import Scheduler
     from pdserve.shared.config import EngineConfig
@@ -66,6 +71,7 @@ class Engine(Protocol):
     bytes_per_block: int
     block_size: int
     shard: Shard
+    ranks: RankGroup | None
     device: torch.device
     model_dir: Path
     wake: Callable[[], None]
@@ -85,9 +91,15 @@ class KVOffload:
         # what a tier's block costs to load against computing it, measured (load_cost.py)
         self.costs = LoadCosts(engine.block_size)
         self._timer = CopyTimer(self.costs, tiers is not None and tiers.cuda)
+        # TP: what the other ranks copy of this step's tier work (parallel/tier_mirror.py)
+        self.ranks = engine.ranks if tiers is not None else None
+        self.mirror = None
         if tiers is not None:
             self.bm.tiers = tiers
             self.bm.on_evict = self._evicted
+        if self.ranks is not None:
+            self.mirror = TierLog(self.ranks.size - 1, tiers.host.num_slots, engine.bytes_per_block)
+            tiers.ranks_sync = self._sync_ranks
 
     @classmethod
     def build(cls, engine: Engine) -> KVOffload:
@@ -100,30 +112,33 @@ class KVOffload:
                     "through host memory"
                 )
             return cls(engine, None)
-        block = engine.bytes_per_block
+        block, shards = engine.bytes_per_block, engine.shard.size  # this rank's shard; ranks
         problem = (
             "needs the prefix cache: tier blocks are found by their prefix hashes"
             if not cfg.prefix_cache
-            else "runs at --tensor-parallel-size 1 only, for now"
-            if engine.shard.size > 1
-            else f"{cfg.kv_offload_ram_gib} GiB holds no KV block ({block} bytes)"
-            if cfg.kv_offload_ram_gib * GIB < block
+            else f"{cfg.kv_offload_ram_gib} GiB holds no KV block ({block * shards} bytes)"
+            if cfg.kv_offload_ram_gib * GIB < block * shards
             else f"--kv-offload-disk-gib {cfg.kv_offload_disk_gib} holds no KV block"
-            if cfg.kv_offload_disk and cfg.kv_offload_disk_gib * GIB < 2 * block
+            if cfg.kv_offload_disk and cfg.kv_offload_disk_gib * GIB < 2 * block * shards
             else None
         )
         if problem is not None:
             raise StartupError(f"--kv-offload-ram-gib {problem}")
-        layout = layout_id(engine.layout_fingerprint())
+        if engine.ranks is not None and {r["block_bytes"] for r in engine.ranks.ready} != {block}:
+            raise StartupError("--kv-offload-ram-gib: the TP ranks' blocks differ in size")
+        # Pulls pair any two TP sizes (layout_id leaves the size out); a file holds the ranks'
+        # shards one after another, which only the same TP size reads back as its own.
+        shape = {"tier_shards": shards} if shards > 1 else {}
+        layout = layout_id({**engine.layout_fingerprint(), **shape})
         disk = Path(cfg.kv_offload_disk) if cfg.kv_offload_disk else None
         # the disk files name the checkpoint too, digested on the disk thread (weights_digest.py)
         weights = partial(weights_digest, engine.model_dir, cfg.quantization) if disk else None
         tiers = KVTiers(block, layout, int(cfg.kv_offload_ram_gib * GIB), engine.device, disk,
-                        int(cfg.kv_offload_disk_gib * GIB), weights)  # fmt: skip
-        log.info("KV offload: %d blocks of host memory%s%s", tiers.host.num_slots,
+                        int(cfg.kv_offload_disk_gib * GIB), weights, shards)  # fmt: skip
+        log.info("KV offload: %d blocks of host memory%s%s%s", tiers.host.num_slots,
                  " (pinned)" if tiers.cuda else "",
                  f", then {disk} ({cfg.kv_offload_disk_gib} GiB, layout {layout})" if disk
-                 else "")  # fmt: skip
+                 else "", f", a shard on each of {shards} ranks" if shards > 1 else "")  # fmt: skip
         return cls(engine, tiers)
 
     # ---- the engine thread ---------------------------------------------------------------------
@@ -138,8 +153,10 @@ class KVOffload:
         while self._arrived:
             self._copy_in(sch, *self._arrived.popleft())
         batch = sch.schedule()
-        self.tiers.settle()
         self._start_loads()
+        # After the loads: at TP the ranks get this pass's copies, loads too, in one message.
+        # (On CUDA the wait for the copies then waits for the loads as well.)
+        self.tiers.settle()
         return batch
 
     def event_feed(self) -> KVEventFeed:
@@ -176,7 +193,16 @@ class KVOffload:
             self.tiers.close()
 
     def _evicted(self, block_id: int, block_hash: int) -> None:
-        self.tiers.store(block_hash, self.raw[block_id])
+        slot = self.tiers.store(block_hash, self.raw[block_id])
+        if slot is not None and self.mirror is not None:
+            self.mirror.store(block_id, slot)
+
+    def _sync_ranks(self, slots: list[int]) -> list[list[np.ndarray]]:
+        """The other ranks do what this step's tier work asks of them (``settle``, after the
+        copies here); their shards of ``slots``, rank 1's first."""
+        if not (self.mirror or slots):
+            return []
+        return self.ranks.sync_tiers(self.mirror.take(slots))
 
     def _start_loads(self) -> None:
         loads, self.bm.loads = self.bm.loads, {}
@@ -187,6 +213,8 @@ class KVOffload:
             slow = [(block_id, claim) for block_id, claim in pairs if claim.slow]
             for block_id, claim in pairs:
                 if not claim.slow:  # host memory: queued now, ahead of the forward pass
+                    if self.mirror is not None:
+                        self.mirror.load(claim.slot, block_id)
                     self.tiers.load_host(claim, self.raw[block_id])
                     copied += 1
             if slow:
@@ -211,6 +239,9 @@ class KVOffload:
         if blocks is None:
             log.warning("KV load of %s failed, computing it instead: %s", seq_id, error)
         else:
+            own = self.raw.shape[1]  # at TP, a file holds every rank's shard: ours first
             for block_id, data in zip(ids, blocks, strict=True):
-                self.raw[block_id].copy_(torch.from_numpy(data))
+                self.raw[block_id].copy_(torch.from_numpy(data[:own]))
+                if self.mirror is not None:
+                    self.mirror.put(block_id, data)
         sch.kv_loaded(seq_id, blocks is not None)

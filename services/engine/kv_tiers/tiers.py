@@ -64,17 +64,24 @@ class KVTiers:
         disk_dir: Path | None = None,
         disk_bytes: int = 0,
         weights: Callable[[], str] | None = None,  # the disk files' weights digest (disk.py)
+        shards: int = 1,  # TP ranks: ``block_bytes`` is one rank's shard of a block
     ) -> None:
         self.block_bytes = block_bytes
         self.device = device
         self.cuda = device.type == "cuda"
-        self.host = HostTier(ram_bytes, block_bytes, pinned=self.cuda)
+        # each rank holds its shard of every slot, so ``ram_bytes`` buys a slot per whole block
+        self.host = HostTier(ram_bytes // shards, block_bytes, pinned=self.cuda)
         self.log = TierEventLog()  # what the tiers hold, for the KV event stream
         self.disk = (
-            EventedDiskTier(disk_dir, disk_bytes, block_bytes, layout, weights, log=self.log)
+            EventedDiskTier(
+                disk_dir, disk_bytes, block_bytes * shards, layout, weights, log=self.log
+            )  # fmt: skip
             if disk_dir
             else None
         )
+        # TP: has the other ranks copy what this rank did since the last call and returns
+        # their shards of the slots asked for, rank 1's first (services/engine/offload.py)
+        self.ranks_sync: Callable[[list[int]], list[list[np.ndarray]]] | None = None
         self.counts = TierStats()
         self._writes: list[tuple[int, int]] = []  # (hash, slot) to post once copies settled
         self._unsettled = False  # copies queued on the stream since the last settle
@@ -109,8 +116,9 @@ class KVTiers:
             return Claim(block_hash, DISK)
         return None
 
-    def store(self, block_hash: int, src: torch.Tensor) -> None:
-        """Copy an evicted pool block (``src``: its bytes) to host memory, unless it is there."""
+    def store(self, block_hash: int, src: torch.Tensor) -> int | None:
+        """Copy an evicted pool block (``src``: its bytes) to host memory, unless it is there;
+        the slot it went to (None: not copied)."""
         slot = self.host.store(block_hash)
         if self.host.evicted:
             self.log.add(HOST, False, self.host.evicted)
@@ -119,13 +127,14 @@ class KVTiers:
             self.log.add(HOST, True, (block_hash,))
         if slot is None:
             self.counts.dropped += block_hash not in self.host
-            return
+            return None
         self.host.slab[slot].copy_(src, non_blocking=self.cuda)
         self._unsettled |= self.cuda
         self.counts.stored += 1
         if self.disk is not None:
             self.host.pin(slot)  # until the disk thread has written it
             self._writes.append((block_hash, slot))
+        return slot
 
     def load_host(self, claim: Claim, dst: torch.Tensor) -> None:
         """Copy a claimed host block into a pool block (``dst``: its bytes)."""
@@ -144,19 +153,25 @@ class KVTiers:
         self.disk.load([c.block_hash for c in claims], finished)
 
     def settle(self) -> None:
-        """Wait for the copies queued so far, then post the disk writes waiting for them."""
+        """Wait for the copies queued so far (at TP, every rank's), then post the disk writes
+        waiting for them."""
         if self._unsettled:
             torch.cuda.current_stream(self.device).synchronize()
             self._unsettled = False
         writes, self._writes = self._writes, []
-        for block_hash, slot in writes:
+        slots = [slot for _, slot in writes]
+        shards = self.ranks_sync(slots) if self.ranks_sync is not None else []
+        for i, (block_hash, slot) in enumerate(writes):
             assert self.disk is not None  # nothing is written without one
+            payload = self.host.slab[slot].numpy()
+            if shards:  # a file holds the ranks' shards in rank order
+                payload = np.concatenate([payload, *(rank[i] for rank in shards)])
 
             def written(slot: int = slot, block_hash: int = block_hash) -> None:
                 self.host.release(slot)
                 self.disk.written(block_hash)  # stored on disk (the event), unless it failed
 
-            self.disk.put(block_hash, self.host.slab[slot].numpy(), written)
+            self.disk.put(block_hash, payload, written)
         self.counts.to_disk += len(writes)
 
     def stats(self) -> TierStats:

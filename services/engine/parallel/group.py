@@ -25,12 +25,15 @@ from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from pdserve.services.engine.model_config import ModelConfig
 from pdserve.services.engine.outputs import StepInputs
 from pdserve.services.engine.parallel.shard import Shard
+from pdserve.services.engine.parallel.tier_mirror import TierOps
 from pdserve.shared.config import EngineConfig
 
 log = logging.getLogger("pdserve.tp")
@@ -189,7 +192,7 @@ class RankGroup:
         """Wait until every rank has built its shard; keep what each reported."""
         self.ready = [self._recv(rank, conn) for rank, conn in enumerate(self.conns, start=1)]
 
-    def _recv(self, rank: int, conn: Connection) -> dict:
+    def _recv(self, rank: int, conn: Connection) -> Any:
         try:
             kind, body = conn.recv()
         except (EOFError, OSError) as exc:
@@ -229,6 +232,16 @@ class RankGroup:
                 conn.send(("step", inputs))
             except OSError as exc:
                 raise RankFailed(self.failure or f"TP rank {rank} is gone ({exc!r})") from exc
+
+    def sync_tiers(self, ops: list[TierOps]) -> list[list[np.ndarray]]:
+        """Each rank's tier work of this step (``tier_mirror.py``; rank 1's first), applied
+        before this returns; each rank's shard of the gathered slots."""
+        for rank, (conn, rank_ops) in enumerate(zip(self.conns, ops, strict=True), start=1):
+            try:
+                conn.send(("tier", rank_ops))
+            except OSError as exc:
+                raise RankFailed(self.failure or f"TP rank {rank} is gone ({exc!r})") from exc
+        return [self._recv(rank, conn) for rank, conn in enumerate(self.conns, start=1)]
 
     def close(self, timeout: float = 5.0) -> None:
         self._closing = True

@@ -26,6 +26,7 @@ from pdserve.services.engine.model_setup import build_rank_model, kv_parts
 from pdserve.services.engine.parallel.group import RankSpec, join_group, rank_device
 from pdserve.services.engine.parallel.kv_agent import KVAgent
 from pdserve.services.engine.parallel.shard import Shard
+from pdserve.services.engine.parallel.tier_mirror import RankTiers
 from pdserve.shared.config import EngineConfig
 
 log = logging.getLogger("pdserve.tp")
@@ -68,7 +69,9 @@ def serve(spec: RankSpec) -> None:
     agent = KVAgent(kv_conn, built.kv_cache, shard.kv_heads(built.model.cfg),
                     kv_parts(built.kv_spec), config.block_size)  # fmt: skip
     agent.start()
-    conn.send(("ready", {"rank": spec.rank, "pid": os.getpid(), "num_blocks": built.num_blocks}))
+    tiers = RankTiers(built.kv_cache)  # this rank's shard of the KV offload tiers
+    conn.send(("ready", {"rank": spec.rank, "pid": os.getpid(), "num_blocks": built.num_blocks,
+                         "block_bytes": built.kv_spec.bytes_per_block}))  # fmt: skip
     with torch.inference_mode():
         while True:
             try:
@@ -77,6 +80,9 @@ def serve(spec: RankSpec) -> None:
                 return  # rank 0 is gone: so is this worker
             if kind == "stop":
                 return
+            if kind == "tier":  # answered: rank 0 waits until the copies are done
+                conn.send(("tier", tiers.apply(body)))
+                continue
             runner.copy_blocks(body.block_copies)
             runner.follow_logits(body, runner.forward(body))
 
