@@ -198,9 +198,23 @@ def openapi_spec(model: str) -> dict[str, Any]:
             "/reset_prefix_cache": {
                 "post": {
                     "summary": "every worker forgets the prefix-cached blocks of its KV pool "
-                    "(as vLLM's; the offload tiers keep theirs)",
+                    "(as vLLM's; reset_external=true: its offload tiers' blocks too)",
+                    "parameters": [
+                        {
+                            "name": name,
+                            "in": "query",
+                            "required": False,
+                            "schema": {"type": "boolean", "default": False},
+                            "description": doc,
+                        }
+                        for name, doc in (
+                            ("reset_external", "empty the KV offload tiers too"),
+                            ("reset_running_requests", "not supported: true is refused (400)"),
+                        )
+                    ],  # fmt: skip
                     "responses": {
                         "200": {"description": "reset on every worker: blocks forgotten each"},
+                        "400": {"description": "a flag that is not true or false"},
                         "409": {"description": "a worker is busy or did not answer; retry idle"},
                     },
                 }

@@ -101,9 +101,10 @@ class Worker:
     def on_step(self, step: StepResult) -> None:
         raise NotImplementedError
 
-    async def _reset_prefix_cache(self) -> int | None:
-        """``POST /reset_prefix_cache``: the pool's cached blocks forgotten (None: busy)."""
-        return await asyncio.wrap_future(self.engine.reset_prefix_cache())
+    async def _reset_prefix_cache(self, external: bool) -> tuple[int, int] | None:
+        """``POST /reset_prefix_cache``: the cached blocks forgotten, the pool's and (external)
+        the tiers' (None: busy)."""
+        return await asyncio.wrap_future(self.engine.reset_prefix_cache(external))
 
     def busy(self) -> bool:
         """True while drain must wait (requests in flight, leases held...)."""

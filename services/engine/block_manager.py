@@ -281,20 +281,22 @@ class BlockManager:
         removed = [h for h in dict.fromkeys(self.removed_events) if h not in self.hash_to_block]
         return stored, removed
 
-    def reset_prefix_cache(self) -> int | None:
-        """Forget every cached block (``POST /reset_prefix_cache``): the number forgotten, or
-        None and nothing changed while any block is in use (a sequence, a lease, a hold, a
-        tier load). Pending events go too: ``cleared`` tells the engine to announce
-        AllBlocksCleared, after which the stream starts from nothing."""
+    def reset_prefix_cache(self, external: bool = False) -> tuple[int, int] | None:
+        """Forget every cached block (``POST /reset_prefix_cache``) and, ``external``, every
+        block of the offload tiers: how many of each, or None and nothing changed while any
+        block is in use (a sequence, a lease, a hold, a tier load). Pending events go too:
+        ``cleared`` tells the engine to announce AllBlocksCleared, after which the stream
+        starts from nothing (the tiers announce their removals themselves)."""
         if self.num_used_blocks or self.loads:
             return None
         forgotten = len(self.hash_to_block)
+        in_tiers = self.tiers.clear() if external and self.tiers is not None else 0
         self.hash_to_block.clear()
         self.block_hash = [None] * self.num_blocks
         self.seq_hashes.clear()
         self.stored_events, self.removed_events, self.lineage = [], [], {}
         self.cleared = True
-        return forgotten
+        return forgotten, in_tiers
 
     def drain_events(self) -> tuple[list[int], list[int]]:
         """The net change of the prefix cache since the last call: (stored, removed) hashes.

@@ -57,7 +57,9 @@ class HoldBlock:
 
 @dataclass(frozen=True)
 class ResetPrefixCache:
-    reply: Future  # -> the cached blocks forgotten, or None: a block in use kept them all
+    # -> (the pool's cached blocks forgotten, the tiers'), or None: a block in use kept them all
+    reply: Future
+    external: bool = False  # the offload tiers' blocks too (vLLM's ``reset_external``)
 
 
 Command = AddRequest | Abort | Release | KVReady | KVFailed | HoldBlock | ResetPrefixCache

@@ -254,9 +254,9 @@ class LLMEngine:
         self._post(HoldBlock(hold_id, reply))
         return reply
 
-    def reset_prefix_cache(self) -> Future:
-        """Forget the pool's cached blocks: a Future of how many (None: one was in use)."""
-        self._post(ResetPrefixCache(reply := Future()))
+    def reset_prefix_cache(self, external: bool = False) -> Future:
+        """Forget the cached blocks of the pool (and the tiers'): a Future of how many each."""
+        self._post(ResetPrefixCache(reply := Future(), external))
         return reply
 
     def _post(self, command: Command) -> None:

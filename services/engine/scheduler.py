@@ -129,7 +129,7 @@ class Scheduler(KVArrivals):
         if not cmd.reply.set_running_or_notify_cancel():
             return
         if isinstance(cmd, ResetPrefixCache):
-            cmd.reply.set_result(self.bm.reset_prefix_cache())
+            cmd.reply.set_result(self.bm.reset_prefix_cache(cmd.external))
             return
         try:
             cmd.reply.set_result(self.hold_block(cmd.hold_id))

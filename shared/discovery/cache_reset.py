@@ -5,8 +5,9 @@ NATS request/reply); each forgets every cached block of its KV pool that no requ
 answers with how many it forgot, or that it is busy (a block in use: a running request, a
 leased prompt), in which case nothing changes - the caller tries again when it is idle. A reset
 pool announces ``AllBlocksCleared`` on its KV event streams (NATS and vLLM's ZMQ format), so
-routers drop what they knew of it. The offload tiers (host memory, disk) keep their blocks:
-they are a worker's to manage (``--kv-offload-*``).
+routers drop what they knew of it. The offload tiers (host memory, disk) keep their blocks
+unless the request says ``external`` (vLLM's ``reset_external``): then they are emptied too, the
+disk tier's files deleted, and each block's removal is announced per tier.
 
 These types live here, registered into ``pdserve.shared.bus.protocol``'s table, because only
 the gateway's admin route and the workers speak them.
@@ -24,6 +25,7 @@ from pdserve.shared.bus.connection import Bus
 from pdserve.shared.bus.protocol import (
     MESSAGE_TYPES,
     ProtocolError,
+    bounded,
     count,
     decode_as,
     encode,
@@ -41,6 +43,7 @@ RESET_STATUSES = ("ok", "busy")
 class ResetPrefixCache:
     TYPE: ClassVar[str] = "reset_prefix_cache"
     reset_id: str = ident()
+    external: bool = bounded(default=False)  # the offload tiers' blocks too
 
 
 @dataclass
@@ -49,7 +52,8 @@ class PrefixCacheReset:
     reset_id: str = ident()
     worker_id: str = ident()
     status: str = text(max_len=8, choices=RESET_STATUSES)
-    blocks: int = count(default=0)  # cached blocks forgotten
+    blocks: int = count(default=0)  # cached blocks of the pool forgotten
+    tier_blocks: int = count(default=0)  # blocks of the offload tiers forgotten (external)
 
 
 MESSAGE_TYPES[ResetPrefixCache.TYPE] = ResetPrefixCache
@@ -63,10 +67,10 @@ def admin_subject(subjects: Subjects, worker_id: str) -> str:
 
 
 async def answer_resets(
-    bus: Bus, worker_id: str, reset: Callable[[], Awaitable[int | None]]
+    bus: Bus, worker_id: str, reset: Callable[[bool], Awaitable[tuple[int, int] | None]]
 ) -> None:
-    """Answer reset requests on this worker's admin subject: ``reset()`` gives the blocks
-    forgotten, or None when a block in use kept the cache as it was."""
+    """Answer reset requests on this worker's admin subject: ``reset(external)`` gives the
+    blocks forgotten (the pool's, the tiers'), or None when a block in use kept them all."""
 
     async def on_msg(raw: Any) -> None:
         try:
@@ -77,11 +81,13 @@ async def answer_resets(
         if not raw.reply:
             return
         try:
-            forgot = await reset()
+            forgot = await reset(msg.external)
             status = "busy" if forgot is None else "ok"
-            log.info("prefix cache reset (%s): %s, %d block(s)", msg.reset_id, status, forgot or 0)
+            pool, tiers = forgot or (0, 0)
+            log.info("prefix cache reset (%s): %s, %d block(s), %d of the tiers", msg.reset_id,
+                     status, pool, tiers)  # fmt: skip
             await raw.respond(
-                encode(PrefixCacheReset(msg.reset_id, worker_id, status, forgot or 0))
+                encode(PrefixCacheReset(msg.reset_id, worker_id, status, pool, tiers))
             )
         except Exception:
             log.exception("prefix cache reset %s failed", msg.reset_id)
@@ -90,14 +96,15 @@ async def answer_resets(
 
 
 async def reset_all(
-    bus: Bus, worker_ids: list[str], reset_id: str, timeout: float
+    bus: Bus, worker_ids: list[str], reset_id: str, timeout: float, external: bool = False
 ) -> dict[str, PrefixCacheReset | str]:
-    """Ask every worker at once; per worker its answer, or why there is none."""
+    """Ask every worker at once (``external``: to empty its tiers too); per worker its
+    answer, or why there is none."""
 
     async def one(worker_id: str) -> PrefixCacheReset | str:
         try:
             raw = await bus.nc.request(admin_subject(bus.subjects, worker_id),
-                                       encode(ResetPrefixCache(reset_id)), timeout=timeout)  # fmt: skip
+                                       encode(ResetPrefixCache(reset_id, external)), timeout=timeout)  # fmt: skip
             return decode_as(raw.data, PrefixCacheReset, max_bytes=bus.max_bytes)
         except Exception as exc:  # no responders, a timeout, a malformed answer
             return f"no answer: {type(exc).__name__}"

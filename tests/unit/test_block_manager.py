@@ -179,7 +179,7 @@ def test_reset_prefix_cache_forgets_cached_blocks_only_when_none_is_in_use():
     assert len(bm.hash_to_block) == 2 and not bm.cleared
     bm.free_sequence(a)
     bm.drain_events()
-    assert bm.reset_prefix_cache() == 2
+    assert bm.reset_prefix_cache() == (2, 0)  # no tiers: none of theirs
     assert bm.cleared and bm.hash_to_block == {} and bm.drain_events() == ([], [])
     again = seq("b", list(range(10)))
     assert match_prefix(bm, again) == 0  # computed anew

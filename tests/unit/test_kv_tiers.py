@@ -232,3 +232,34 @@ def test_without_disk_host_memory_reuses_its_oldest_slot() -> None:
     tiers.settle()
     assert [tiers.where(h) for h in range(10)] == [None] * 6 + [HOST] * 4
     assert tiers.stats().stored == 10 and tiers.stats().dropped == 0
+
+
+def test_clearing_the_tiers_forgets_every_block_and_deletes_its_files(tmp_path: Path) -> None:
+    """``reset_external``: host memory and disk empty, the files gone (after the writes posted
+    before the clear, so none is left behind), a removal event per block and tier; a restart
+    finds nothing, and the tiers fill again as before."""
+    tiers = KVTiers(BLOCK, LAYOUT, 4 * BLOCK, CPU, tmp_path, 1 << 20)
+    tiers.enable_events()
+    for h in range(4):
+        tiers.store(h, torch.from_numpy(payload(h)))
+    tiers.flush()  # 0-3 written: their slots come free at the next store
+    gate = threading.Event()
+    tiers.disk._jobs.put(gate.wait)  # the writes of 4-7 are posted but cannot run yet
+    for h in range(4, 8):
+        tiers.store(h, torch.from_numpy(payload(h)))
+    tiers.settle()
+    assert tiers.clear() == 8
+    gate.set()
+    tiers.flush()
+    assert [tiers.where(h) for h in range(8)] == [None] * 8
+    assert not list(tmp_path.glob("*.kv"))
+    removed = {(tier, h) for tier, stored, h in tiers.log.take() if not stored}
+    assert {(HOST, h) for h in range(4)} <= removed  # forgotten by host memory's LRU
+    assert {(HOST, h) for h in range(4, 8)} | {(DISK, h) for h in range(8)} <= removed
+    tiers.store(20, torch.from_numpy(payload(20)))
+    tiers.settle()
+    tiers.close()
+    restarted = KVTiers(BLOCK, LAYOUT, 4 * BLOCK, CPU, tmp_path, 1 << 20)
+    restarted.disk.flush()
+    assert restarted.where(20) == DISK and restarted.stats().disk_blocks == 1
+    restarted.close()

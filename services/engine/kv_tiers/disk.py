@@ -167,6 +167,17 @@ class DiskTier:
         """Read claimed blocks on the disk thread; ``done`` gets them there (or None and why)."""
         self._jobs.put(lambda: self._read(hashes, done))
 
+    def clear(self) -> list[int]:
+        """Forget every block no load has claimed and delete its file (a reset); the hashes.
+        The deletions run after the writes posted before, so no file is left behind."""
+        with self._lock:
+            gone = [h for h, entry in self._index.items() if entry.pins == 0]
+            for h in gone:
+                self._bytes -= self._index.pop(h).size
+        for h in gone:
+            self._jobs.put(lambda h=h: self._delete(h))
+        return gone
+
     def _evict_over_capacity(self) -> list[int]:
         """Drop index entries (least recently used, unclaimed) until the capacity holds; the
         caller deletes their files. Under the lock."""

@@ -78,6 +78,17 @@ class HostTier:
         self.slot_hash[slot] = block_hash
         return slot
 
+    def clear(self) -> list[int]:
+        """Forget every entry (a reset); the hashes forgotten. A pinned slot is free once the
+        copy out of it is done, as when its entry is evicted."""
+        for slot in self.index.values():
+            self.slot_hash[slot] = None
+            if self.pins[slot] == 0:
+                self.free.append(slot)
+        forgotten = list(self.index)
+        self.index.clear()
+        return forgotten
+
     def _evict_one(self) -> None:
         """Forget the least recently used entry whose slot is not pinned."""
         victim = next((h for h, slot in self.index.items() if self.pins[slot] == 0), None)

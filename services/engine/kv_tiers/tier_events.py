@@ -67,6 +67,11 @@ class EventedDiskTier(DiskTier):
             if block_hash in self._index:
                 self.log.add(DISK, True, (block_hash,))
 
+    def clear(self) -> list[int]:
+        gone = super().clear()
+        self.log.add(DISK, False, gone)
+        return gone
+
     def _evict_over_capacity(self) -> list[int]:  # under the lock
         evicted = super()._evict_over_capacity()
         self.log.add(DISK, False, evicted)

@@ -174,6 +174,17 @@ class KVTiers:
             self.disk.put(block_hash, payload, written)
         self.counts.to_disk += len(writes)
 
+    def clear(self) -> int:
+        """Forget every block of every tier (``POST /reset_prefix_cache?reset_external=true``);
+        how many blocks were held. Writes not posted yet are dropped with their blocks."""
+        for _, slot in self._writes:
+            self.host.unpin(slot)
+        self._writes = []
+        host = self.host.clear()
+        self.log.add(HOST, False, host)
+        disk = self.disk.clear() if self.disk is not None else []
+        return len(set(host) | set(disk))
+
     def stats(self) -> TierStats:
         """A snapshot of the counters."""
         if self.disk is None:
