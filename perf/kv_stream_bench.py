@@ -40,7 +40,7 @@ from pdserve.services.processes import NatsCluster
 from tests.integration.migration_stack import worker_blocks
 from tests.integration.stack import free_port, start_service, stop_all
 from tests.multihost import netns
-from tests.multihost.hosts import MultiHostStack, cluster_on
+from tests.multihost.hosts import namespace_stack
 
 SIZES = (256, 2048, 8000)
 VOCAB = (200, 40000)  # plain-text ids of SmolLM2's 49152
@@ -150,33 +150,18 @@ def run_loopback(logs: Path, streamed: bool, reps: dict[int, int], seed: int) ->
 
 
 def run_namespaces(logs: Path, streamed: bool, reps: dict[int, int], seed: int) -> dict:
-    topo = netns.new_topology()
-    try:
-        netns.build(["a", "b", "c"], topo)
-        stack = MultiHostStack(topo, cluster_on(topo, logs), logs)
-        stack.cluster.start(timeout=30)
-        opts = options(streamed)
-        try:
-            stack.start_service("b", opts)
-            stack.start_service("c", {**opts, "metrics_port": METRICS_PORT})
-            stack.start_service("a", GATEWAY)
-            wait_ready(stack.base_url)
-            decode_host = topo.hosts["c"]
-            url = f"http://{decode_host.address}:{METRICS_PORT}/metrics"
-            code = f"import urllib.request;print(urllib.request.urlopen({url!r}).read().decode())"
+    opts = options(streamed)
+    decode = {**opts, "metrics_port": METRICS_PORT}
+    with namespace_stack(logs, opts, decode, GATEWAY) as stack:
+        decode_host = stack.topo.hosts["c"]
+        url = f"http://{decode_host.address}:{METRICS_PORT}/metrics"
+        code = f"import urllib.request;print(urllib.request.urlopen({url!r}).read().decode())"
 
-            def scrape() -> str:  # /metrics listens on the host's 198.18 address only
-                argv = decode_host.argv(sys.executable, "-c", code)
-                return subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+        def scrape() -> str:  # /metrics listens on the host's 198.18 address only
+            argv = decode_host.argv(sys.executable, "-c", code)
+            return subprocess.run(argv, capture_output=True, text=True, check=True).stdout
 
-            return asyncio.run(measure(stack.base_url, scrape, reps, seed))
-        finally:
-            stop_all(list(stack.children.values()))
-            stack.cluster.stop()
-    finally:
-        problems = topo.teardown()
-        if problems:
-            print("teardown problems:", problems)
+        return asyncio.run(measure(stack.base_url, scrape, reps, seed))
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict:

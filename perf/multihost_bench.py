@@ -30,7 +30,7 @@ from pdserve.services.processes import NatsCluster
 from tests.integration.migration_stack import worker_blocks
 from tests.integration.stack import free_port, start_service, stop_all
 from tests.multihost import netns
-from tests.multihost.hosts import MultiHostStack, cluster_on
+from tests.multihost.hosts import namespace_stack
 
 WORKER = {
     "model": "demo",
@@ -106,24 +106,8 @@ def run_loopback(logs: Path, requests: int, tokens: int) -> list[float]:
 
 
 def run_namespaces(logs: Path, requests: int, tokens: int) -> list[float]:
-    topo = netns.new_topology()
-    try:
-        netns.build(["a", "b", "c"], topo)
-        stack = MultiHostStack(topo, cluster_on(topo, logs), logs)
-        stack.cluster.start(timeout=30)
-        try:
-            stack.start_service("b", WORKER)
-            stack.start_service("c", WORKER)
-            stack.start_service("a", {"model": "demo"})
-            wait_ready(stack.base_url)
-            return asyncio.run(measure(stack.base_url, requests, tokens))
-        finally:
-            stop_all(list(stack.children.values()))
-            stack.cluster.stop()
-    finally:
-        problems = topo.teardown()
-        if problems:
-            print("teardown problems:", problems)
+    with namespace_stack(logs, WORKER, WORKER, {"model": "demo"}) as stack:
+        return asyncio.run(measure(stack.base_url, requests, tokens))
 
 
 def main() -> None:

@@ -3,12 +3,8 @@ registered before anything is built) and pdserve spread over it."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from tests.integration.migration_stack import worker_blocks
-from tests.integration.stack import stop_all
 from tests.multihost import netns
 from tests.multihost.hosts import MultiHostStack, cluster_on
 
@@ -48,19 +44,8 @@ def stack(topology, tmp_path_factory, llama_dir):
     try:
         cluster.start(timeout=30)
         model = {"model": str(llama_dir)}
-        s.start_service("b", {**model, **WORKER_OPTIONS})
-        s.start_service("c", {**model, **WORKER_OPTIONS})
-        s.start_service("a", {**model, **GATEWAY_OPTIONS})
-        deadline = time.monotonic() + 180
-        while set(worker_blocks(s.base_url)) != {"p0", "d0"}:
-            for host, child in s.children.items():
-                assert child.alive(), f"{child.name} died:\n{s.log(host)}"
-            assert time.monotonic() < deadline, "the multi-host stack did not come up"
-            time.sleep(0.2)
+        s.start_1p1d({**model, **WORKER_OPTIONS}, {**model, **WORKER_OPTIONS},
+                     {**model, **GATEWAY_OPTIONS})  # fmt: skip
         yield s
     finally:
-        for host, child in s.children.items():
-            if not child.alive():
-                print(f"{child.name} exited:\n{s.log(host)}")
-        stop_all(list(s.children.values()))
-        cluster.stop()
+        s.stop()

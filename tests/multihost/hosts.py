@@ -14,13 +14,17 @@ that a node is up) over the hosts' link-local addresses only.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.services.launcher import service_argv
 from pdserve.services.processes import Child, NatsCluster, NatsServer, spawn
 from pdserve.shared.options import service_env
-from tests.integration.stack import QUIET_ENV
+from tests.integration.migration_stack import worker_blocks
+from tests.integration.stack import QUIET_ENV, stop_all
 from tests.multihost import netns
 from tests.multihost.netns import Host, Topology
 
@@ -89,3 +93,49 @@ class MultiHostStack:
         if child is None or child.log_path is None or not child.log_path.exists():
             return ""
         return child.log_path.read_text(errors="replace")[-tail:]
+
+    def start_1p1d(self, prefill: dict, decode: dict, gateway: dict, timeout: float = 180) -> None:
+        """Prefill on b, decode on c, the gateway on a; back once the gateway knows both
+        workers. A service that dies on the way fails it, with the end of its log."""
+        self.start_service("b", prefill)
+        self.start_service("c", decode)
+        self.start_service("a", gateway)
+        deadline = time.monotonic() + timeout
+        while set(worker_blocks(self.base_url)) != set(WORKER_IDS.values()):
+            for host, child in self.children.items():
+                if not child.alive():
+                    raise RuntimeError(f"{child.name} died:\n{self.log(host)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("the multi-host stack did not come up")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """Stop every service (printing the log of any that had died), then the cluster."""
+        for host, child in self.children.items():
+            if not child.alive():
+                print(f"{child.name} exited:\n{self.log(host)}")
+        stop_all(list(self.children.values()))
+        self.cluster.stop()
+
+
+@contextmanager
+def namespace_stack(
+    logs: Path, prefill: dict, decode: dict, gateway: dict
+) -> Iterator[MultiHostStack]:
+    """The three namespace hosts, their NATS cluster and a 1P1D stack on them
+    (``start_1p1d``), all removed afterwards: the benchmarks' way onto the hosts (the tests
+    build the same from fixtures, tests/multihost/conftest.py)."""
+    topo = netns.new_topology()
+    try:
+        netns.build(list(ROLES), topo)
+        stack = MultiHostStack(topo, cluster_on(topo, logs), logs)
+        stack.cluster.start(timeout=30)
+        try:
+            stack.start_1p1d(prefill, decode, gateway)
+            yield stack
+        finally:
+            stack.stop()
+    finally:
+        problems = topo.teardown()
+        if problems:
+            print("teardown problems:", problems)
