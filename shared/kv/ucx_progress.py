@@ -255,21 +255,28 @@ def _post(make: Any, buffer: Any, stream: Stream) -> asyncio.Future:
 
 class _Batch:
     """Operations posted together, seen by the driver as one request: completed once all
-    are, which it learns by looking at the first one still running."""
+    are, which it learns by looking at the first one still running. Each one's status is
+    read as it is passed, not all at the end: 130 of a fragmented pull cost ~50 us of Python
+    between its last byte and its waiter's wake-up."""
 
     def __init__(self, requests: list[Any]) -> None:
         self.requests = requests
         self.done = 0  # requests[:done] have completed
+        self.failed: Any = None  # the first of those that failed
 
     @property
     def completed(self) -> bool:
-        while self.done < len(self.requests) and self.requests[self.done].completed:
-            self.done += 1
-        return self.done == len(self.requests)
+        requests, done = self.requests, self.done
+        while done < len(requests) and requests[done].completed:
+            if self.failed is None and requests[done].status:  # UCS_OK is 0
+                self.failed = requests[done]
+            done += 1
+        self.done = done
+        return done == len(requests)
 
     def check_error(self) -> None:
-        for request in self.requests:
-            request.check_error()
+        if self.failed is not None:
+            self.failed.check_error()
 
 
 def _post_many(ep: Any, kind: str, buffers: list[Any], tags: list[int]) -> asyncio.Future:

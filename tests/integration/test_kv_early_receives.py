@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -14,8 +15,16 @@ import torch
 from pdserve.shared.bus.protocol import KVHandle
 from pdserve.shared.kv.transfer import KVClient, KVTransferError
 from pdserve.shared.kv.transfer import server as server_module
+from pdserve.shared.kv.transfer.request import (
+    SLICED,
+    WHOLE,
+    PullRequest,
+    decode_request,
+    encode_request,
+    request_prefix,
+)
 from pdserve.shared.kv.transfer.server import Refusal
-from pdserve.shared.kv.transfer.wire import KV_WIRE_VERSION, REPLY_BYTES
+from pdserve.shared.kv.transfer.wire import REPLY_BYTES
 from tests.integration.kv_peer import BLOCK, peer_cache
 from tests.integration.test_kv_transfer import Pair, cache, fingerprint, peer
 
@@ -88,25 +97,38 @@ async def test_a_refusal_with_unfinished_receives_is_aborted_at_the_deadline(mon
         assert torch.equal(p.dst[5:7], p.src[0:2])
 
 
+def _request(flags: int = WHOLE, heads=(0, 2), **entries) -> PullRequest:
+    """A pull of blocks 0-1 of r1 as a puller sends it, decoded as the server does; ``entries``
+    replace what the map carries."""
+    body = encode_request(
+        request_prefix(b"puller", fingerprint()), "r1", "t", 8, flags, heads, (0, 0), [(0, 5, 2)]
+    )
+    entries = {**msgpack.unpackb(body[4:]), **entries}
+    return decode_request(msgpack.packb({k: v for k, v in entries.items() if v is not None}))
+
+
 async def test_the_server_answers_only_its_own_version_and_the_form_it_can_send() -> None:
     async with Pair() as p:
         p.lease("r1", [0, 1], 2 * BLOCK)
         lease = p.leases.get("r1")
-        req = {
-            "v": KV_WIRE_VERSION, "bus_id": "r1", "fingerprint": fingerprint(),
-            "runs": [[0, 2]], "heads": [0, 2], "whole": True, "sliced": False,
-        }  # fmt: skip
-        answer = p.server._admit(dict(req))
+        answer = p.server._admit(_request())
         assert answer.lease is lease and lease.pins == 1 and not answer.sliced
         p.leases.unpin(lease)
         with pytest.raises(Refusal, match="wire version None"):  # a puller from before v2
-            p.server._admit({k: v for k, v in req.items() if k != "v"})
-        with pytest.raises(Refusal, match="malformed"):
-            p.server._admit({**req, "sliced": None})
+            p.server._admit(_request(v=None))
+        older = {"fingerprint": fingerprint(), "runs": [[0, 2]], "heads": [0, 2], "whole": True}
+        with pytest.raises(Refusal, match="wire version 2; this server speaks 3"):
+            p.server._admit(_request(v=2, fp=None, pull=None, **older))  # as version 2 asked
+        with pytest.raises(Refusal, match="malformed pull request"):
+            p.server._admit(_request(pull=b"\x01\x00"))
+        with pytest.raises(Refusal, match="KV layout mismatch"):
+            p.server._admit(_request(fp=msgpack.packb({**fingerprint(), "num_layers": 3})))
+        with pytest.raises(Refusal, match="malformed fingerprint"):
+            p.server._admit(_request(fp=b"\xc1"))
         with pytest.raises(Refusal, match="whole blocks asked"):  # only part of our heads
-            p.server._admit({**req, "heads": [0, 1], "whole": True, "sliced": False})
+            p.server._admit(_request(heads=(0, 1)))
         assert lease.pins == 0
-        answer = p.server._admit({**req, "sliced": True})  # slices of a float cache: any time
+        answer = p.server._admit(_request(WHOLE | SLICED))  # slices of a float cache: any time
         assert answer.sliced and lease.pins == 1
         p.leases.unpin(lease)
 
@@ -122,7 +144,7 @@ async def test_a_served_pull_unpins_its_lease_without_a_task() -> None:
             if lease.pins == 0:
                 break
             await asyncio.sleep(0.01)
-        assert lease.pins == 0 and p.server._sending == 0
+        assert lease.pins == 0 and len(p.server.transfers) == 0
         assert not p.server._requests  # no task was left behind
         assert p.leases.release("r1") and p.freed == ["r1"]
         assert p.server.pulls_served == 1 and p.server.pulls_aborted == 0

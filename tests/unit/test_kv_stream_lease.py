@@ -81,11 +81,11 @@ def test_a_held_piece_goes_when_ready_or_is_refused_when_the_lease_goes() -> Non
 
 
 def test_malformed_layer_requests_are_refused() -> None:
-    assert parse_layers({}, 4) is None
-    assert parse_layers({"layers": [0, 2], "final": True}, 4) == ((0, 2), True)
-    for bad in ([2, 2], [0, 5], [-1, 1], "0-2", [0]):
+    assert parse_layers(None, False, 4) is None
+    assert parse_layers((0, 2), True, 4) == ((0, 2), True)
+    for bad in ((2, 2), (0, 5), (-1, 1), (3, 1)):
         try:
-            parse_layers({"layers": bad}, 4)
+            parse_layers(bad, False, 4)
         except ValueError:
             continue
         raise AssertionError(f"accepted {bad!r}")

@@ -15,7 +15,7 @@ from pdserve.shared.kv.ucx_progress import ArmedProgress, _Posted, _settle_strea
 
 
 class Request:
-    """What the driver reads of a ucxx request: ``completed``, ``check_error()``."""
+    """What the driver reads of a ucxx request: ``completed``, ``status``, ``check_error()``."""
 
     def __init__(self) -> None:
         self.done = False
@@ -26,6 +26,10 @@ class Request:
     def completed(self) -> bool:
         self.checks += 1
         return self.done
+
+    @property
+    def status(self) -> int:  # UCS_OK (0) or an error (a batch reads it as it passes one)
+        return 0 if self.error is None else -1
 
     def check_error(self) -> None:
         if self.error is not None:

@@ -13,10 +13,11 @@ address path listens only where ``pdserve.shared.kv.ucx_config`` lets UCX's tran
 pulls on one endpoint run concurrently and never see each other's messages::
 
     decode -> prefill   on the server's control tag: u32 length + msgpack {v: the wire version
-                        (wire.KV_WIRE_VERSION), bus_id, token, fingerprint, runs: [[src, n]..],
-                        reply_to: the decode worker's UCX address, tag: T, heads: [lo, hi],
-                        whole: bool, sliced: the form the puller posted its receives for,
-                        checksum: bool}
+                        (wire.KV_WIRE_VERSION), bus_id, token, reply_to: the decode worker's
+                        UCX address, tag: T, fp: the packed fingerprint, pull: packed flags
+                        (whole, sliced: the form the puller posted its receives for, checksum,
+                        a streamed piece and its finality), heads [lo, hi), layers and the
+                        runs (src, n)} (``request.py``)
     prefill -> decode   on T+2: one message per run, straight from / into the cache tensors
     prefill -> decode   on T+1: one fixed-size reply (ok as blocks, ok as head slices, or the
                         reason for a refusal; a yes says how many checksums per block follow)

@@ -8,15 +8,23 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import numpy as np
 import torch
 
 from pdserve.shared.bus.protocol import KVHandle
-from pdserve.shared.kv import ucx_config, ucx_progress
+from pdserve.shared.kv import ucx_config, ucx_exchange
 from pdserve.shared.kv.tp_layout import TP_KEY, without_tp
 from pdserve.shared.kv.transfer.checksum import KVChecksumError, KVHasher
 from pdserve.shared.kv.transfer.heads import Heads, HeadSlicer, Split, settle
+from pdserve.shared.kv.transfer.request import (
+    CHECKSUM,
+    FINAL,
+    PIECE,
+    SLICED,
+    WHOLE,
+    encode_request,
+    request_prefix,
+)
 from pdserve.shared.kv.transfer.stream import FINISHED, KVStreamFinished, Layers, LayerViews
 from pdserve.shared.kv.transfer.wire import (
     KV_WIRE_VERSION,
@@ -33,14 +41,11 @@ from pdserve.shared.kv.transfer.wire import (
     fingerprint_diff,
     nbytes,
     own_address,
+    pack_reply,
     parse_address,
     pull_tag,
-    reply_first_token,
-    reply_sliced,
-    reply_sums,
-    reply_version,
-    retrieve,
-    unpack_reply,
+    read_reply,
+    reply_leaves_posted,
 )
 
 log = logging.getLogger("pdserve.kv")
@@ -90,6 +95,7 @@ class KVClient:
         self._addresses: dict[str, tuple[int, bytes]] = {}  # parsed once per server
         self._checked: dict | None = None  # the last handle fingerprint that matched ours
         self._prefix: tuple[dict, bytes] | None = None  # see _request
+        self._yeses: dict[tuple[bool, int], bytes] = {}  # see _yes
 
     def _parse(self, address: str) -> tuple[int, bytes]:
         parsed = self._addresses.get(address)
@@ -227,31 +233,25 @@ class KVClient:
         return handle.fingerprint.get(TP_KEY, 1) != self.fingerprint.get(TP_KEY, 1)
 
     def _request(self, bus_id: str, handle: KVHandle, runs, tag: int, heads, sliced, piece) -> Any:
-        """The request message: u32 length + a msgpack map. Its entries that stay the same
-        from pull to pull (version, our address, the fingerprint, checksum) are packed once
-        and spliced in: a map's entries may come in any order, and both parts fit a fixmap
-        (at most 15 entries, the header one byte: 0x80 | count)."""
+        """The request message (``request.py``): its entries that stay the same from pull to
+        pull (version, our address, the fingerprint) are packed once per fingerprint."""
         if self._prefix is None or self._prefix[0] != handle.fingerprint:
-            fixed = {"v": KV_WIRE_VERSION, "fingerprint": handle.fingerprint,
-                     "reply_to": self.own_address(), "checksum": self.checksum}  # fmt: skip
-            self._prefix = (dict(handle.fingerprint), msgpack.packb(fixed, use_bin_type=True))
-        fixed_entries = self._prefix[1]
-        fields = {
-            "bus_id": bus_id,
-            "token": handle.token,
-            "runs": [[s, n] for s, _, n in runs],
-            "tag": tag,
-            "heads": list(heads),
-            "whole": heads == self.slicer.heads,
-            "sliced": sliced,
-        }
-        if piece[0] is not None:  # a streamed lease's layer group
-            fields.update(layers=list(piece[0]), final=piece[1])
-        varying = msgpack.packb(fields, use_bin_type=True)
-        body = bytes([0x80 | (4 + len(fields))]) + fixed_entries[1:] + varying[1:]
-        if len(body) > MAX_CONTROL_BYTES - 4:
-            raise KVTransferError(f"pull request of {len(body)} bytes is too large")
-        return np.frombuffer(len(body).to_bytes(4, "little") + body, dtype=np.uint8)
+            packed = request_prefix(self.own_address(), handle.fingerprint)
+            self._prefix = (dict(handle.fingerprint), packed)
+        flags = (WHOLE if heads == self.slicer.heads else 0) | (SLICED if sliced else 0)
+        flags |= CHECKSUM if self.checksum else 0
+        layers, final = piece
+        if layers is not None:  # a streamed lease's layer group
+            flags |= PIECE | (FINAL if final else 0)
+        try:
+            message = encode_request(
+                self._prefix[1], bus_id, handle.token, tag, flags, heads, layers or (0, 0), runs
+            )
+        except ValueError as exc:
+            raise KVTransferError(str(exc)) from None
+        if len(message) > MAX_CONTROL_BYTES:
+            raise KVTransferError(f"pull request of {len(message)} bytes is too large")
+        return message
 
     async def _pull(
         self,
@@ -277,7 +277,7 @@ class KVClient:
         # between its yes and the data, one wake-up here. A refusal completes our receives
         # with empty messages (wire.KV_WIRE_VERSION).
         pull.incoming = True
-        asked = ucx_progress.send(ep, message, control_tag)
+        asked = ucx_exchange.ask(ep, message, control_tag)
         if piece[0] is not None:  # a message per block (and part): part[block, lo:hi]
             landing = []
             buffers = self.layer_views.of([(dst, count) for _, dst, count in runs], piece[0])
@@ -287,30 +287,68 @@ class KVClient:
         else:
             landing = []
             buffers = [self.blocks.run(dst, count) for _, dst, count in runs]
-        units = self.hasher.units(heads)
         # The reply lands in a buffer of its own, so its receive may outlive a failed pull.
         reply = np.zeros(REPLY_BYTES, dtype=np.uint8)
-        got_reply = ucx_progress.recv(ep, reply, tag + 1)
-        waits = [asked, got_reply, ucx_progress.recv_many(ep, buffers, tag + 2)]
+        posted = [reply, *buffers]
+        tags = [tag + 1] + [tag + 2] * len(buffers)
+        sums, units = None, 0
         if self.checksum:  # after the runs, on T+3 (checksum.py)
+            units = self.hasher.units(heads)
             sums = np.zeros((sum(count for *_, count in runs), units), dtype=np.uint64)
-            waits.append(ucx_progress.recv(ep, sums, tag + 3))
-        await _answered(waits, got_reply, reply, deadline)
-        error = unpack_reply(reply)
+            posted.append(sums)
+            tags.append(tag + 3)
+        # one future for the request and every receive: the puller wakes once, for the last
+        # byte - or at once for a refusal from a server that leaves our receives posted
+        answered = ucx_exchange.exchange(
+            ep, asked, message, posted, tags, lambda: reply_leaves_posted(reply)
+        )
+        # Everything a yes needs is ready before the wait: after the last byte this process
+        # is the last one working on the pull, on caches the copy has just flushed.
+        stats = TransferStats(num_bytes=sum(map(nbytes, buffers)), num_messages=len(buffers))
+        yes = self._yes(sliced, units)
+        head = memoryview(reply)[: len(yes)]
+        # the deadline is a loop timer (``time.monotonic``): ``asyncio.timeout`` cost ~8 us
+        timer = answered.get_loop().call_at(deadline, _expire, answered)
+        try:
+            await answered
+        finally:
+            timer.cancel()
+        if head == yes and not landing and not self.checksum and not piece[1]:
+            pull.incoming = False  # every receive has completed
+            return stats
+        return await self._answered(
+            pull, bus_id, handle, reply, (runs, heads, sliced, landing), stats, sums
+        )
+
+    def _yes(self, sliced: bool, sums: int) -> bytes:
+        """The head of a yes in this form (``wire.pack_reply``): what most replies are."""
+        yes = self._yeses.get((sliced, sums))
+        if yes is None:
+            yes = self._yeses[(sliced, sums)] = pack_reply(None, sliced, sums)[:6].tobytes()
+        return yes
+
+    async def _answered(
+        self, pull: _Pull, bus_id: str, handle: KVHandle, reply: np.ndarray, asked: tuple,
+        stats: TransferStats, sums: np.ndarray | None,
+    ) -> TransferStats:  # fmt: skip
+        """A pull whose receives are all done (or left posted by an older server's refusal):
+        a refusal raised; a yes checked, unpacked and verified. ``asked``: the pull's runs,
+        heads, form and staging (``_pull``)."""
+        runs, heads, sliced, landing = asked
+        error, version, their_sliced, their_sums, first_token = read_reply(reply)
         if error is not None:
-            pull.incoming = reply_version(reply) < KV_WIRE_VERSION or not all(
-                f.done() for f in waits
-            )  # an older server leaves our receives posted
+            pull.incoming = version < KV_WIRE_VERSION  # an older server left them posted
             if error == FINISHED:
                 raise KVStreamFinished(f"the request {bus_id} {error}")
             raise KVTransferError(f"{handle.worker_id} refused the pull: {error}")
         pull.incoming = False  # every receive has completed
-        if reply_version(reply) != KV_WIRE_VERSION or reply_sliced(reply) != sliced:
+        if version != KV_WIRE_VERSION or their_sliced != sliced:
             # whole blocks would overwrite heads we did not ask for; slices need our parts
             raise KVTransferError(f"{handle.worker_id} answered in a form this cache cannot take")
-        if self.checksum and reply_sums(reply) != units:
+        units = self.hasher.units(heads)
+        if self.checksum and their_sums != units:
             raise KVChecksumError(
-                f"{handle.worker_id} sends {reply_sums(reply)} checksums per block, not "
+                f"{handle.worker_id} sends {their_sums} checksums per block, not "
                 f"{units}: the pull cannot be verified"
             )
         if landing:  # head slices: unpack what came through staging
@@ -318,9 +356,7 @@ class KVClient:
                 if staged:
                     self.slicer.unpack(staging, dst, count, heads)
             await settle([t for t, staged in landing if staged])  # the KV is in when we return
-        stats = TransferStats(num_bytes=sum(map(nbytes, buffers)), num_messages=len(buffers))
-        if piece[1]:
-            stats.first_token = reply_first_token(reply)
+        stats.first_token = first_token
         if self.checksum:  # the blocks as they will be served, off the event loop
             t0 = time.perf_counter()
             dst_runs = [(dst, count) for _, dst, count in runs]
@@ -332,41 +368,7 @@ class KVClient:
         self.endpoints.clear()
 
 
-def _answered(
-    waits: list[asyncio.Future], got_reply: asyncio.Future, reply: np.ndarray, deadline: float
-) -> asyncio.Future:
-    """One future for a pull's posted operations: done when all are, failed when one fails or
-    at ``deadline`` (TimeoutError), or done at once on a refusal from an older server (which
-    leaves our receives posted). One future, one wake-up: the reply usually lands before the
-    data, and waking for it would cost a loop turn of Python while the data is moving. The
-    deadline is a timer of the loop's (its clock is ``time.monotonic``): ``asyncio.timeout``
-    cost ~8 us a pull, ``wait_for`` on 3.11 a task and a loop turn more."""
-    loop = got_reply.get_loop()
-    done = loop.create_future()
-    left = len(waits)
-
-    def on_done(fut: asyncio.Future) -> None:
-        nonlocal left
-        left -= 1
-        if done.done():
-            retrieve(fut)
-        elif fut.cancelled():
-            done.set_exception(KVTransferError("a posted operation was cancelled"))
-        elif fut.exception() is not None:
-            done.set_exception(fut.exception())
-        elif left == 0 or (
-            fut is got_reply
-            and unpack_reply(reply) is not None
-            and reply_version(reply) < KV_WIRE_VERSION
-        ):
-            done.set_result(None)
-
-    def on_deadline() -> None:
-        if not done.done():
-            done.set_exception(TimeoutError())
-
-    timer = loop.call_at(deadline, on_deadline)
-    done.add_done_callback(lambda _: timer.cancel())
-    for fut in waits:
-        fut.add_done_callback(on_done)
-    return done
+def _expire(answered: asyncio.Future) -> None:
+    """A pull's deadline: its wait ends with TimeoutError (what is posted stays tracked)."""
+    if not answered.done():
+        answered.set_exception(TimeoutError())

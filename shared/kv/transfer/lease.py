@@ -23,7 +23,8 @@ class Lease:
     token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     pins: int = 0  # transfers reading the blocks right now
     dropped: bool = False  # released or expired while pinned: free after the last transfer
-    on_drop: list[Callable[[], None]] = field(default_factory=list)  # transfers waiting on it
+    dropped_at: float = 0.0  # when (the table's clock): transfers still reading it end soon after
+    on_drop: list[Callable[[], None]] = field(default_factory=list)  # pieces waiting on it
     checksums: Any = (
         None  # --kv-checksum: its blocks' hashes, or the task taking them (checksum.py)
     )
@@ -89,7 +90,7 @@ class LeaseTable:
         lease = self.leases.get(bus_id)
         if lease is None or lease.dropped:
             return False
-        lease.dropped = True
+        lease.dropped, lease.dropped_at = True, self.clock()
         for callback in list(lease.on_drop):
             callback()
         if lease.pins == 0:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import struct
 from collections.abc import Callable
 
+import msgpack
 import numpy as np
 import torch
 
@@ -16,8 +18,9 @@ from pdserve.shared.kv.transfer.answer import Answer, Refusal
 from pdserve.shared.kv.transfer.checksum import KVHasher, hash_lease, lease_sums
 from pdserve.shared.kv.transfer.heads import Heads, HeadSlicer, Split, settle
 from pdserve.shared.kv.transfer.lease import Lease, LeaseTable
+from pdserve.shared.kv.transfer.request import SLICED, WHOLE, PullRequest, decode_request
 from pdserve.shared.kv.transfer.stream import LayerViews, parse_layers, when_ready
-from pdserve.shared.kv.transfer.watch import done_or_after, watch_sends
+from pdserve.shared.kv.transfer.watch import Transfers, done_or_after, watch_sends
 from pdserve.shared.kv.transfer.wire import (
     EMPTY,
     KV_WIRE_VERSION,
@@ -32,7 +35,6 @@ from pdserve.shared.kv.transfer.wire import (
     format_address,
     own_address,
     pack_reply,
-    unpack_request,
 )
 
 log = logging.getLogger("pdserve.kv")
@@ -81,7 +83,8 @@ class KVServer:
         self.endpoints = Endpoints()
         self._accept_task: asyncio.Task | None = None
         self._requests: set[asyncio.Task] = set()
-        self._sending = 0  # transfers whose sends are in flight (followed by callbacks)
+        self.transfers = Transfers(leases.clock)  # whose sends are in flight
+        self._probe: tuple[object, object] | None = None  # see _queued
         self.pulls_served = 0  # answered with the KV (its sends posted)
         self.pulls_aborted = 0  # of those, the ones whose sends did not all complete
         self.pulls_refused = 0  # answered with a reason
@@ -109,6 +112,7 @@ class KVServer:
         # says its length, and the bytes it used are zeroed afterwards - a message that claims
         # more than it sent must never read what an earlier request (its token) left behind.
         buf = np.zeros(MAX_CONTROL_BYTES, dtype=np.uint8)
+        view = memoryview(buf)  # read in place: the request is decoded, never copied out
         while True:
             try:
                 await ucx_progress.worker_recv(buf, self.control_tag)
@@ -118,21 +122,22 @@ class KVServer:
                 self._drop(f"malformed request ({exc!r})")
                 buf[:] = 0
                 continue
-            size = int.from_bytes(buf[:4].tobytes(), "little")
+            size = int.from_bytes(view[:4], "little")
             if not 0 < size <= MAX_CONTROL_BYTES - 4:
                 self._drop(f"request claims {size} bytes")
                 buf[:] = 0
                 continue
-            body = buf[4 : 4 + size].tobytes()
-            buf[: 4 + size] = 0
-            if len(self._requests) + self._sending >= MAX_PENDING_REQUESTS:
-                self._drop(f"{len(self._requests) + self._sending} requests in progress")
+            if len(self._requests) + len(self.transfers) >= MAX_PENDING_REQUESTS:
+                self._drop(f"{len(self._requests) + len(self.transfers)} requests in progress")
+                buf[: 4 + size] = 0
                 continue
             try:
-                sending = self._on_request(body)
+                sending = self._on_request(view[4 : 4 + size])
             except Exception:  # a bug must not stop the server from taking requests
                 log.exception("KV pull request failed")
                 continue
+            finally:
+                buf[: 4 + size] = 0
             if sending is not None and not sending.done() and not self._queued():
                 # The next request may wait in UCX (it holds a message that comes before its
                 # receive): posting the receive for it now, ~8 us of Python, would stall the
@@ -142,10 +147,12 @@ class KVServer:
 
     def _queued(self) -> bool:
         """Whether a request waits in UCX, unreceived (``ucp_tag_probe_nb``: no progress)."""
-        from ucxx.types import Tag
+        if self._probe is None:  # an import and a Tag per look cost more than the look
+            from ucxx.types import Tag
 
-        probe = ucx_progress.driver().worker.tag_probe(Tag(self.control_tag))
-        return bool(probe.matched)
+            self._probe = (ucx_progress.driver().worker, Tag(self.control_tag))
+        worker, tag = self._probe
+        return bool(worker.tag_probe(tag).matched)
 
     def _drop(self, why: str) -> None:
         self.requests_dropped += 1
@@ -156,22 +163,18 @@ class KVServer:
         self._requests.add(task)
         task.add_done_callback(self._requests.discard)
 
-    def _on_request(self, body: bytes) -> asyncio.Future | None:
+    def _on_request(self, body: memoryview) -> asyncio.Future | None:
         """Check a request and answer it - in this loop turn when we hold an endpoint to the
         puller and the data needs no device copy first: the puller's receives are posted
         (wire.KV_WIRE_VERSION), so each turn of the loop here delays the KV. Returns the sends
         of a transfer started here."""
         try:
-            req = unpack_request(body)
+            req = decode_request(body)
         except Exception as exc:
             self._drop(repr(exc))
             return
-        tag = req.get("tag")
-        if type(tag) is not int or not 0 <= tag < 1 << 63:  # T+3 must fit in 64 bits
-            self._drop("bad tag")
-            return
         if not self._authentic(req):
-            self._drop(f"no valid lease token for {str(req.get('bus_id'))[:64]!r}")
+            self._drop(f"no valid lease token for {req.bus_id[:64]!r}")
             return
         try:
             answer: Answer | str = self._admit(req)
@@ -182,14 +185,14 @@ class KVServer:
             return None
         return self._answer_now(req, answer)
 
-    def _answer_now(self, req: dict, answer: Answer | str) -> asyncio.Future | None:
-        ep = self.endpoints.cached(req["reply_to"])
+    def _answer_now(self, req: PullRequest, answer: Answer | str) -> asyncio.Future | None:
+        ep = self.endpoints.cached(req.reply_to)
         if ep is None or not isinstance(answer, str) and answer.waits_for_device():
             self._spawn(self._answer_later(req, answer))
             return None
         return self._answer(ep, req, answer)
 
-    def _hold(self, req: dict, answer: Answer) -> None:
+    def _hold(self, req: PullRequest, answer: Answer) -> None:
         """Answer a streamed piece once its layers are written (the final piece: once the first
         token is sampled), or refuse it when the prompt will never be complete or the lease is
         let go. The lease stays pinned meanwhile: its blocks cannot be freed under the send."""
@@ -200,15 +203,15 @@ class KVServer:
 
         when_ready(answer.lease, answer.ready, lambda: self._answer_now(req, answer), refuse)
 
-    async def _answer_later(self, req: dict, answer: Answer | str) -> None:
+    async def _answer_later(self, req: PullRequest, answer: Answer | str) -> None:
         try:
-            ep, _ = await self.endpoints.get(req["reply_to"])
+            ep, _ = await self.endpoints.get(req.reply_to)
             if not isinstance(answer, str):
                 await settle(answer.staged)  # UCX must not read half a copy
                 if answer.event is not None:  # the layers' kernels must have written them
                     await asyncio.to_thread(answer.event.synchronize)
         except BaseException as exc:  # the puller's address does not answer, or we stop
-            log.info("KV pull of %s not answered: %r", req.get("bus_id"), exc)
+            log.info("KV pull of %s not answered: %r", req.bus_id, exc)
             if not isinstance(answer, str):
                 self.leases.unpin(answer.lease)
             if isinstance(exc, asyncio.CancelledError):
@@ -216,14 +219,14 @@ class KVServer:
             return
         self._answer(ep, req, answer)
 
-    def _answer(self, ep, req: dict, answer: Answer | str) -> asyncio.Future | None:
+    def _answer(self, ep, req: PullRequest, answer: Answer | str) -> asyncio.Future | None:
         """Post the sends of a yes (the runs, the reply, the checksums if asked; returned) or
         a refusal, and follow them to their end."""
-        tag = req["tag"]
+        tag = req.tag
         if isinstance(answer, str):
             self.pulls_refused += 1
             sends = [ucx_progress.send(ep, pack_reply(answer), tag + 1)]
-            if req.get("v") == KV_WIRE_VERSION:  # its receives are posted: complete them empty
+            if req.runs is not None:  # its receives are posted: complete them empty
                 sends += self._empties(ep, req, tag)
             self._spawn(self._refused(ep, req, sends))
             return None
@@ -233,13 +236,13 @@ class KVServer:
             self.leases.unpin(answer.lease)  # nothing follows the sends: let the lease go
             raise
 
-    def _send_yes(self, ep, req: dict, answer: Answer) -> asyncio.Future:
-        tag = req["tag"]
+    def _send_yes(self, ep, req: PullRequest, answer: Answer) -> asyncio.Future:
+        tag = req.tag
         views = answer.views
         if self.fault is not None:
             views = [buffer(v) for v in self.fault([torch.as_tensor(v) for v in views])]
         lease, heads = answer.lease, answer.heads
-        sums = self.hasher.units(heads) if req.get("checksum") is True else 0
+        sums = self.hasher.units(heads) if req.checksum else 0
         # every run in flight at once, then the reply, in one post: UCX pipelines them, one
         # tag keeps the runs' order, and the puller wakes once, for the last byte
         yes = self._yes(answer.sliced, sums)
@@ -247,28 +250,22 @@ class KVServer:
             yes = pack_reply(None, answer.sliced, sums, answer.lease.stream.first_token)
         sends = [ucx_progress.send_many(ep, [*views, yes], [tag + 2] * len(views) + [tag + 1])]
         if sums:
-            sends.append(self._send_sums(ep, lease, req["runs"], heads, tag + 3))
+            sends.append(self._send_sums(ep, lease, req.runs, heads, tag + 3))
         self.pulls_served += 1
-        self._sending += 1
         # followed by callbacks, not a task: the loop turns right after posting belong to
         # UCX's progress, which copies the KV (watch.py)
         all_sent = sends[0] if len(sends) == 1 else asyncio.gather(*sends)
-        watched = watch_sends(all_sent, lease, self.leases.clock)
-        watched.add_done_callback(lambda w: self._sent(ep, req, lease, w))
+        self.transfers.add(all_sent, lease, lambda exc: self._sent(ep, req, lease, exc))
         return all_sent
 
-    def _empties(self, ep, req: dict, tag: int) -> list:
-        runs = req.get("runs")
-        if type(runs) is not list or len(runs) > MAX_CONTROL_BYTES:
-            return []  # the puller's timeout aborts its receives
-        count = len(runs)
-        if req.get("layers") is not None:  # a streamed piece: a message per block and part
-            try:
-                count = self.layer_views.count([(int(s), int(n)) for s, n in runs])
-            except (TypeError, ValueError, AttributeError):
-                return []
+    def _empties(self, ep, req: PullRequest, tag: int) -> list:
+        count = len(req.runs)
+        if req.layers is not None:  # a streamed piece: a message per block and part
+            if self.layer_views is None:
+                return []  # the puller's timeout aborts its receives
+            count = self.layer_views.count(req.runs)
         sends = [ucx_progress.send_many(ep, [EMPTY] * count, tag + 2)]
-        if req.get("checksum") is True:
+        if req.checksum:
             sends.append(ucx_progress.send(ep, EMPTY, tag + 3))
         return sends
 
@@ -279,33 +276,29 @@ class KVServer:
             reply = self._replies[(sliced, sums)] = pack_reply(None, sliced, sums)
         return reply
 
-    async def _refused(self, ep, req: dict, sends: list) -> None:
+    async def _refused(self, ep, req: PullRequest, sends: list) -> None:
         try:
             await asyncio.wait_for(asyncio.gather(*sends), REPLY_TIMEOUT)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.info("refusal of %s not delivered: %r", req.get("bus_id"), exc)
-            self.endpoints.drop(req["reply_to"], ep)
+            log.info("refusal of %s not delivered: %r", req.bus_id, exc)
+            self.endpoints.drop(req.reply_to, ep)
 
-    def _sent(self, ep, req: dict, lease: Lease, watched: asyncio.Future) -> None:
+    def _sent(self, ep, req: PullRequest, lease: Lease, exc: BaseException | None) -> None:
         """A transfer's end: the lease unpinned; a failed one also ends its endpoint."""
-        self._sending -= 1
         self.leases.unpin(lease)
-        if watched.cancelled():
-            return
-        exc = watched.exception()
         if exc is not None:  # the puller went away or gave up mid-transfer
-            log.info("KV pull of %s aborted: %r", req.get("bus_id"), exc)
+            log.info("KV pull of %s aborted: %r", req.bus_id, exc)
             self.pulls_aborted += 1
-            self.endpoints.drop(req["reply_to"], ep)  # cancels whatever is still being sent
+            self.endpoints.drop(req.reply_to, ep)  # cancels whatever is still being sent
 
     async def _send_all(self, sends: asyncio.Future, lease: Lease) -> None:
         """Wait for a transfer's sends, or fail once the puller is taken to have stopped
-        receiving (``watch.watch_sends``)."""
+        receiving (``watch.Transfers``)."""
         await watch_sends(sends, lease, self.leases.clock)
 
-    def _views(self, runs: list[list[int]], heads: Heads, sliced: bool) -> tuple[list, list]:
+    def _views(self, runs: list[tuple[int, int]], heads: Heads, sliced: bool) -> tuple[list, list]:
         """One message per run - the blocks themselves, or their head slice (packed unless it
         is one contiguous piece of the cache) - and the staging copies among them."""
         if not sliced:
@@ -318,35 +311,32 @@ class KVServer:
         sums = await lease_sums(self.hasher, lease, runs, heads)
         await ucx_progress.send(ep, sums.view(np.uint8).reshape(-1), tag)
 
-    def _authentic(self, req: dict) -> bool:
+    def _authentic(self, req: PullRequest) -> bool:
         """Whether the request shows the token of a live or recently dropped lease."""
-        rid, token, reply_to = (req.get(k) for k in ("bus_id", "token", "reply_to"))
-        if type(rid) is not str or type(token) is not str or type(reply_to) is not bytes:
-            return False
-        expected = self.leases.token_of(rid)
-        return expected is not None and hmac.compare_digest(expected, token)
+        expected = self.leases.token_of(req.bus_id)
+        return expected is not None and hmac.compare_digest(expected, req.token)
 
-    def _admit(self, req: dict) -> Answer:
+    def _admit(self, req: PullRequest) -> Answer:
         """Check an authentic pull request completely before any KV byte moves - the version,
         the lease, the heads, the form the puller receives in - and take the messages to send
         (the lease pinned); or raise Refusal with the reason."""
-        version, rid, fp, runs = (req.get(k) for k in ("v", "bus_id", "fingerprint", "runs"))
-        if version != KV_WIRE_VERSION:
-            raise Refusal(f"KV wire version {version!r}; this server speaks {KV_WIRE_VERSION}")
-        if type(fp) is not dict:
-            raise Refusal("malformed pull request")
-        if fp != self._matched:  # a puller's requests all carry the same fingerprint
-            theirs = without_tp(fp)
+        if req.version != KV_WIRE_VERSION:
+            raise Refusal(f"KV wire version {req.version!r}; this server speaks {KV_WIRE_VERSION}")
+        try:
+            req.parse()
+        except (ValueError, struct.error) as exc:
+            raise Refusal(f"malformed pull request ({exc})") from None
+        if req.fingerprint != self._matched:  # a puller's requests all carry the same one
+            theirs = _fingerprint(req.fingerprint)
             if theirs != self._layout:  # TP alone may differ: head-sliced pulls bridge it
                 raise Refusal(f"KV layout mismatch ({fingerprint_diff(self._layout, theirs)})")
-            self._matched = fp
+            self._matched = req.fingerprint
+        flags, runs = req.flags, req.runs
         try:
-            heads, whole = self.slicer.requested(req.get("heads"), req.get("whole"))
+            heads, whole = self.slicer.requested(list(req.heads), bool(flags & WHOLE))
         except ValueError as exc:
             raise Refusal(str(exc)) from None
-        sliced = req.get("sliced")
-        if type(sliced) is not bool:
-            raise Refusal("malformed pull request")
+        sliced = bool(flags & SLICED)
         if not sliced and not (whole and heads == self.slicer.heads):
             # whole blocks only where both caches hold exactly these heads: the same layout
             raise Refusal(
@@ -354,39 +344,29 @@ class KVServer:
             )
         if sliced and self.slicer.parts is None:
             raise Refusal("this KV cache cannot be head-sliced (no split given)")
+        num_layers = self.slicer.parts[0].shape[1] if self.slicer.parts else 0
         try:
-            piece = parse_layers(req, self.slicer.parts[0].shape[1] if self.slicer.parts else 0)
+            piece = parse_layers(req.layers, req.final, num_layers)
         except ValueError as exc:
             raise Refusal(str(exc)) from None
         if piece is not None and (sliced or self.layer_views is None):
             raise Refusal("layer pieces move whole blocks of a cache with known parts")
-        if piece is not None and req.get("checksum") is True:
+        if piece is not None and req.checksum:
             raise Refusal("a streamed lease has no checksums: pull it in bulk")
-        lease = self.leases.get(rid)
+        lease = self.leases.get(req.bus_id)
         if lease is None:
-            raise Refusal(f"no lease for {rid} (expired or released)")
-        if type(runs) is not list or not runs:
-            raise Refusal("malformed runs")
+            raise Refusal(f"no lease for {req.bus_id} (expired or released)")
         if lease.block_set is None:  # checked by every pull of the lease: built once
             lease.block_set = frozenset(lease.block_ids)
         leased = lease.block_set
-        for run in runs:
-            if (
-                type(run) is not list
-                or len(run) != 2
-                or type(run[0]) is not int
-                or type(run[1]) is not int
-                or run[1] < 1
-                or not (
-                    run[0] in leased
-                    if run[1] == 1
-                    else leased.issuperset(range(run[0], run[0] + run[1]))
-                )
+        for start, count in runs:
+            if count < 1 or not (
+                start in leased if count == 1 else leased.issuperset(range(start, start + count))
             ):
                 raise Refusal("requested blocks are not part of the lease")
         if piece is None:
             views, staged = self._views(runs, heads, sliced)
-            piece = ((0, self.slicer.parts[0].shape[1] if self.slicer.parts else 0), True)
+            piece = ((0, num_layers), True)
         else:
             try:
                 views, staged = self.layer_views.of(runs, piece[0]), []
@@ -398,3 +378,14 @@ class KVServer:
         )  # blocks leased complete: sent at once
         # a bulk pull of a lease prefill still writes waits for all of it, like a final piece
         return Answer(lease, heads, sliced, views, staged, piece[0], piece[1], done)
+
+
+def _fingerprint(packed: object) -> dict:
+    """A puller's layout fingerprint, from its packed form (``request.py``), TP left out."""
+    try:
+        fp = msgpack.unpackb(packed, raw=False, max_ext_len=0, strict_map_key=True)
+    except Exception as exc:
+        raise Refusal(f"malformed fingerprint ({exc!r})") from None
+    if type(fp) is not dict:
+        raise Refusal("malformed fingerprint")
+    return without_tp(fp)

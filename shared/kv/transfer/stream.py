@@ -166,18 +166,10 @@ def plan(
     return ([((0, num_layers), (0, head))] if head > 0 else []) + tail
 
 
-def parse_layers(req: dict, num_layers: int) -> tuple[Layers, bool] | None:
+def parse_layers(layers: Layers | None, final: bool, num_layers: int) -> tuple[Layers, bool] | None:
     """A pull request's layer range and ``final`` flag (None: a bulk pull), or ValueError."""
-    layers, final = req.get("layers"), req.get("final", False)
     if layers is None:
         return None
-    if (
-        type(layers) is not list
-        or len(layers) != 2
-        or not all(type(x) is int for x in layers)
-        or type(final) is not bool
-    ):
-        raise ValueError("malformed layers")
     lo, hi = layers
     if not 0 <= lo < hi <= num_layers:
         raise ValueError(f"layers [{lo}, {hi}) are not within the model's {num_layers}")

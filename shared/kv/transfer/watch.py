@@ -10,52 +10,79 @@ are posted, in the middle of that copy; three callbacks and a timer cost a few m
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 
 from pdserve.shared.kv.transfer.lease import Lease
 from pdserve.shared.kv.transfer.wire import ORPHAN_GRACE, KVTransferError, retrieve
 
+Ended = Callable[[BaseException | None], None]
+
+
+class Transfers:
+    """A server's transfers in flight, each followed to its end by one callback on its sends;
+    while any runs, a sweep every ``ORPHAN_GRACE / 4`` gives up those whose puller is taken to
+    have stopped receiving (``abandoned``). A puller that gave up has cancelled its receives,
+    so our sends would wait forever and pin the lease. One timer for all of them: a future, a
+    timer and a hook on the lease per transfer cost ~4 us in the loop turns right after its
+    sends were posted, in the middle of their copy."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.live: dict[asyncio.Future, tuple[Lease, Ended]] = {}
+        self.timer: asyncio.TimerHandle | None = None
+
+    def __len__(self) -> int:
+        return len(self.live)
+
+    def add(self, sends: asyncio.Future, lease: Lease, ended: Ended) -> None:
+        """Follow ``sends`` (of a transfer of ``lease``'s blocks): ``ended`` gets None once they
+        are done, or why not - their error, or KVTransferError for an abandoned transfer."""
+        self.live[sends] = (lease, ended)
+        sends.add_done_callback(self._done)
+        if self.timer is None:
+            self.timer = sends.get_loop().call_later(ORPHAN_GRACE / 4, self._sweep)
+
+    def _done(self, sends: asyncio.Future) -> None:
+        entry = self.live.pop(sends, None)
+        if entry is None:  # given up already
+            return
+        if sends.cancelled():
+            entry[1](KVTransferError("the transfer's sends were cancelled"))
+        else:
+            entry[1](sends.exception())
+
+    def _sweep(self) -> None:
+        self.timer = None
+        now = self.clock()
+        for sends, (lease, ended) in list(self.live.items()):
+            if abandoned(lease, now) and not sends.done():
+                del self.live[sends]
+                sends.add_done_callback(retrieve)  # cancelled with the endpoint, unread
+                ended(KVTransferError("the puller stopped receiving"))
+        if self.live:
+            self.timer = asyncio.get_running_loop().call_later(ORPHAN_GRACE / 4, self._sweep)
+
+
+def abandoned(lease: Lease, now: float) -> bool:
+    """Whether a transfer of ``lease`` counts as abandoned at ``now`` (the lease table's clock):
+    ``ORPHAN_GRACE`` after the lease was let go, or after its expiry."""
+    if lease.dropped and now >= lease.dropped_at + ORPHAN_GRACE:
+        return True
+    return now >= lease.expires + ORPHAN_GRACE
+
 
 def watch_sends(sends: asyncio.Future, lease: Lease, clock: Callable[[], float]) -> asyncio.Future:
-    """A future for a transfer's sends: their outcome, or KVTransferError once the puller is
-    taken to have stopped receiving. A puller that gave up has cancelled its receives, so our
-    sends would wait forever and pin the lease: once the lease is let go (or ``ORPHAN_GRACE``
-    past its expiry, ``clock``'s time), ``ORPHAN_GRACE`` later the transfer counts as
-    abandoned."""
-    loop = asyncio.get_running_loop()
-    out = loop.create_future()
-    timer: asyncio.TimerHandle | None = None
+    """A future for one transfer's sends (``Transfers``): their outcome, or KVTransferError
+    once the puller is taken to have stopped receiving."""
+    out = asyncio.get_running_loop().create_future()
 
-    def finish(abandoned: bool = False) -> None:
-        if out.done():
-            return
-        if timer is not None:
-            timer.cancel()
-        with contextlib.suppress(ValueError):
-            lease.on_drop.remove(on_drop)
-        if abandoned and not sends.done():
-            sends.add_done_callback(retrieve)  # cancelled with the endpoint, unread
-            out.set_exception(KVTransferError("the puller stopped receiving"))
-        elif sends.cancelled():
-            out.set_exception(KVTransferError("the transfer's sends were cancelled"))
-        elif sends.exception() is not None:
-            out.set_exception(sends.exception())
-        else:
+    def ended(exc: BaseException | None) -> None:
+        if exc is None:
             out.set_result(None)
+        else:
+            out.set_exception(exc)
 
-    def on_drop() -> None:
-        nonlocal timer
-        if timer is not None:
-            timer.cancel()
-        timer = loop.call_later(ORPHAN_GRACE, finish, True)
-
-    expiry = max(0.0, lease.expires - clock()) + ORPHAN_GRACE
-    timer = loop.call_later(expiry, finish, True)
-    lease.on_drop.append(on_drop)
-    if lease.dropped:
-        on_drop()
-    sends.add_done_callback(lambda _: finish())
+    Transfers(clock).add(sends, lease, ended)
     return out
 
 

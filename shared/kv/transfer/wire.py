@@ -11,7 +11,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import numpy as np
 import torch
 
@@ -25,12 +24,14 @@ MAX_PEERS = 1024  # peers whose endpoints are kept
 ORPHAN_GRACE = 2.0  # seconds a transfer may run on after its puller let the lease go
 REPLY_TIMEOUT = 5.0  # seconds a refusal may take to send
 ADDRESS_PREFIX = "ucx1"
-# The exchange's version, in every request ("v") and reply (byte 5). 2: the puller posts all its
-# receives before it asks and says which form it posted them for (whole blocks or head slices);
-# a server answers in that form or refuses, and a refusal completes the posted receives with
-# empty messages. A server refuses other versions (an older puller learns why); a puller treats
-# a refusal without the version (an older server, which sends no empties) as one to abort on.
-KV_WIRE_VERSION = 2
+# The exchange's version, in every request ("v") and reply (a yes's byte 5; a refusal's first
+# byte). 2: the puller posts all its receives before it asks and says which form it posted them
+# for (whole blocks or head slices); a server answers in that form or refuses, and a refusal
+# completes the posted receives with empty messages. 3: the request packs its fingerprint and
+# its pull (form, heads, layers, runs) instead of mapping them (``request.py``); refusals say
+# REPLY_REFUSED. A server refuses other versions without empties (an older puller learns why,
+# and aborts); a puller treats a refusal of another version as one to abort on.
+KV_WIRE_VERSION = 3
 
 
 class KVTransferError(RuntimeError):
@@ -127,23 +128,10 @@ def own_address() -> bytes:
     return bytes(ucxx.get_worker_address().tobytes())
 
 
-def unpack_request(data: bytes) -> dict:
-    body = msgpack.unpackb(
-        data,
-        raw=False,
-        max_bin_len=MAX_ADDRESS_BYTES,
-        max_ext_len=0,
-        max_map_len=16,
-        strict_map_key=True,
-    )
-    if type(body) is not dict:
-        raise ValueError("not a map")
-    return body
-
-
 # The reply's first byte: a yes as whole blocks or head slices, or a refusal - 0 from a server
-# before version 2, REPLY_REFUSED from one that completes the puller's posted receives.
-REPLY_RAW, REPLY_SLICED, REPLY_REFUSED = 1, 2, 3
+# before version 2, REPLY_REFUSED_2 from one of version 2, REPLY_REFUSED from this version's,
+# which completes the puller's posted receives when the puller speaks it too.
+REPLY_RAW, REPLY_SLICED, REPLY_REFUSED_2, REPLY_REFUSED = 1, 2, 3, 4
 
 
 def pack_reply(
@@ -171,6 +159,8 @@ def reply_version(reply: np.ndarray) -> int:
     """The exchange version a reply speaks (0: a server from before versions)."""
     if reply[0] == REPLY_REFUSED:
         return KV_WIRE_VERSION
+    if reply[0] == REPLY_REFUSED_2:
+        return 2
     return int(reply[5]) if reply[0] in (REPLY_RAW, REPLY_SLICED) else 0
 
 
@@ -195,6 +185,25 @@ def reply_first_token(reply: np.ndarray) -> int | None:
 def reply_sliced(reply: np.ndarray) -> bool:
     """Whether a yes says the runs come as head slices rather than whole blocks."""
     return bool(reply[0] == REPLY_SLICED)
+
+
+def reply_leaves_posted(reply: np.ndarray) -> bool:
+    """Whether a reply that has landed is a refusal from a server of another version, which
+    completes none of the puller's other receives."""
+    return int(reply[0]) not in (REPLY_RAW, REPLY_SLICED, REPLY_REFUSED)
+
+
+def read_reply(reply: np.ndarray) -> tuple[str | None, int, bool, int, int | None]:
+    """A landed reply at once, from one copy of its head: (refusal reason or None, version,
+    sliced, checksums per block, first token) - what the functions above read one by one, at a
+    numpy scalar per byte, while the puller is the last one still working on a pull."""
+    head = reply[:15].tobytes()
+    kind = head[0]
+    if kind not in (REPLY_RAW, REPLY_SLICED):
+        return unpack_reply(reply), reply_version(reply), False, 0, None
+    first = int.from_bytes(head[7:15], "little") if head[6] == 1 else None
+    sums = int.from_bytes(head[1:5], "little")
+    return None, head[5], kind == REPLY_SLICED, sums, first
 
 
 class Endpoints:
