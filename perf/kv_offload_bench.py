@@ -4,7 +4,8 @@ served from disk against recomputed.
 
 **Stack.** ``pdserve up`` on loopback, 1 prefill + 1 decode worker (KV pulled over UCX), the
 built-in SmolLM2-135M-Instruct in float32 on the CPU, a pool of ``--pool`` KV blocks of 16 tokens
-per worker. "tiers" adds ``--kv-offload-ram-gib`` for ``--host-blocks`` blocks (fewer than the
+per worker (``--tensor-parallel-size``: each worker's ranks, which hold their own shards of the
+pool and of the tiers). "tiers" adds ``--kv-offload-ram-gib`` for ``--host-blocks`` blocks (fewer than the
 working set, so host memory evicts too and the disk tier serves) and ``--kv-offload-disk`` (one
 directory for all tiers runs, which ``pdserve up`` gives both workers); "off" has neither.
 
@@ -163,7 +164,8 @@ def free_port_pair() -> int:
 def one_run(args, tiers: bool, rnd: int, tmp: Path) -> dict:
     metrics = free_port_pair()  # the prefill worker's; the decode worker's is the next port
     extra = ["--num-kv-blocks", str(args.pool), "--metrics-port", str(metrics),
-             "--max-num-seqs", str(max(2, args.concurrency))]  # fmt: skip
+             "--max-num-seqs", str(max(2, args.concurrency)),
+             "--tensor-parallel-size", str(args.tensor_parallel_size)]  # fmt: skip
     if tiers:  # one directory for every tiers run: from round 1 on, each starts as a restart
         disk = tmp / "disk"
         gib = args.host_blocks * block_bytes(MODEL) / (1 << 30)
@@ -260,6 +262,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--probes", type=int, default=4)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="each worker's TP size (its ranks hold their shards of the tiers)")  # fmt: skip
     ap.add_argument("--json", type=Path, help="also write the result here")
     args = ap.parse_args(argv)
     working_set = args.prefixes * args.prefix_blocks
@@ -279,7 +283,8 @@ def main(argv: list[str] | None = None) -> dict:
         "workload": {k: v for k, v in vars(args).items() if k != "json"}
         | {"model": MODEL, "block_tokens": BLOCK, "suffix_tokens": SUFFIX,
            "working_set_blocks": working_set, "working_set_over_pool": working_set / args.pool,
-           "stack": "pdserve up 1P1D, loopback, float32, CPU"},
+           "stack": f"pdserve up 1P1D, TP {args.tensor_parallel_size} each, loopback, "
+                    "float32, CPU"},
         "summary": summarize(args, runs),
         "runs": runs,
         "seconds": round(time.perf_counter() - started, 1),
