@@ -80,6 +80,28 @@ async def test_a_request_finished_at_its_first_token_refuses_the_pieces() -> Non
         assert torch.equal(p.dst[12:14], p.src[7:9])
 
 
+async def test_a_pull_after_the_first_token_ended_the_request_hears_so() -> None:
+    """The prefill worker released the lease before the decode worker's pull came (max_tokens
+    1 seen in a CI run): the refusal still says the request finished, so the decode worker
+    drops it instead of recomputing the prompt."""
+    async with Pair() as p:
+        handle, stream = streamed(p, "r1", [0, 1], 2 * 4)
+        stream.end(FINISHED)
+        p.leases.release("r1")
+        assert p.freed == ["r1"]
+        with pytest.raises(KVStreamFinished):
+            await pull_streamed(p.client, "r1", handle, [5, 6], 10.0, groups=2)
+        with pytest.raises(KVStreamFinished):
+            await p.client.pull("r1", handle, [5, 6], 10.0)
+        # a lease let go for another reason is still just gone
+        handle, stream = streamed(p, "r2", [2, 3], 2 * 4)
+        stream.end("aborted")
+        p.leases.release("r2")
+        with pytest.raises(KVTransferError, match="no lease") as caught:
+            await p.client.pull("r2", handle, [5, 6], 10.0)
+        assert not isinstance(caught.value, KVStreamFinished)
+
+
 async def test_a_lease_let_go_mid_prefill_refuses_and_frees_after_the_pieces() -> None:
     async with Pair() as p:
         handle, stream = streamed(p, "r1", [0, 1], 2 * 4)

@@ -19,7 +19,7 @@ from pdserve.shared.kv.transfer.checksum import KVHasher, hash_lease, lease_sums
 from pdserve.shared.kv.transfer.heads import Heads, HeadSlicer, Split, settle
 from pdserve.shared.kv.transfer.lease import Lease, LeaseTable
 from pdserve.shared.kv.transfer.request import SLICED, WHOLE, PullRequest, decode_request
-from pdserve.shared.kv.transfer.stream import LayerViews, parse_layers, when_ready
+from pdserve.shared.kv.transfer.stream import FINISHED, LayerViews, parse_layers, when_ready
 from pdserve.shared.kv.transfer.watch import Transfers, done_or_after, watch_sends
 from pdserve.shared.kv.transfer.wire import (
     EMPTY,
@@ -355,6 +355,8 @@ class KVServer:
             raise Refusal("a streamed lease has no checksums: pull it in bulk")
         lease = self.leases.get(req.bus_id)
         if lease is None:
+            if self.leases.ended(req.bus_id) == FINISHED:  # released before this pull came
+                raise Refusal(FINISHED)
             raise Refusal(f"no lease for {req.bus_id} (expired or released)")
         if lease.block_set is None:  # checked by every pull of the lease: built once
             lease.block_set = frozenset(lease.block_ids)
