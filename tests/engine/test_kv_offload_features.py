@@ -1,5 +1,6 @@
 """KV offload tiers under the engine's other features: preemption, forked choices (n > 1),
-n-gram speculation (drafts rolled back), int8 and fp8 KV caches, and a prefill-only engine. Each
+n-gram speculation (drafts rolled back), int8 and fp8 KV caches, a prefill-only engine, and
+migrated requests (they come back with the tokens they had, their blocks gone meanwhile). Each
 runs a workload that evicts far more than the pool holds, with tiers on (host memory and a disk
 behind it) and off, and must give the same tokens - while the tiers really served prefixes."""
 
@@ -41,6 +42,9 @@ def run(feature: str, model_dir, options: dict):
         prompts = [PROMPTS[i % 2][:64] + p for i, p in enumerate(repeating_prompts(4, seed=5))]
         sp = replace(GREEDY, max_tokens=16)
         return engine, alternate(engine, prompts, lambda p, i: engine.generate([p], sp))
+    if feature == "migration":
+        engine = make_engine(model_dir, num_kv_blocks=POOL, **options)
+        return engine, alternate(engine, PROMPTS, lambda p, i: migrated(engine, p, i))
     if feature in ("int8", "fp8_e4m3"):
         engine = make_engine(model_dir, num_kv_blocks=POOL, kv_cache_dtype=feature, **options)
         return engine, alternate(engine, PROMPTS, lambda p, i: engine.generate([p], SEEDED))
@@ -58,8 +62,24 @@ def run(feature: str, model_dir, options: dict):
     return engine, alternate(engine, PROMPTS, first_token, lambda p: first_token(p, "f"))
 
 
+def migrated(engine, prompt: list[int], i: int) -> list[int]:
+    """A request served whole, then again as a migrated decode leg resumes it: from its prompt
+    and the 8 tokens it had sent, after fillers pushed its blocks out of the pool. The resumed
+    leg must go on with the tokens the whole run had."""
+    sp = replace(GREEDY, max_tokens=16)
+    whole = engine.generate([prompt], sp)[0]
+    for filler in FILLERS[(5 * i) % 18 : (5 * i) % 18 + 3]:
+        engine.generate([filler], GREEDY)
+    engine.add_request(f"migrated-{i}", prompt, sp, output_token_ids=whole[:8])
+    rest: list[int] = []
+    while engine.has_unfinished():
+        rest += [t for out in step_outputs(engine) for t in out.new_token_ids]
+    assert rest == whole[8:], i
+    return whole
+
+
 @pytest.mark.parametrize("feature", ["preemption", "forks", "ngram", "int8", "fp8_e4m3",
-                                     "prefill_only"])  # fmt: skip
+                                     "prefill_only", "migration"])  # fmt: skip
 def test_features_give_the_same_tokens_with_tiers_on(llama_dir, tmp_path, feature):
     plain, expected = run(feature, llama_dir, {})
     one = block_gib(llama_dir)
