@@ -9,9 +9,12 @@ state machine advanced by those calls (nothing here blocks the loop but a rollba
 2. **verify**: once all have registered, services/version_probe.py sends each a probe through
    the real prefill -> KV pull -> decode path and checks the answer;
 3. **switch**: SIGUSR1 promotes every new worker; once the gateway's /v1/models lists the new
-   version, every old worker gets SIGTERM: it takes no new requests, finishes (or migrates) its
-   streams and serves the KV pulls it leased, then exits;
-4. **done** when the old ones have exited: the answer names both versions and the phase times.
+   version, the old workers get SIGTERM - prefill first: a draining prefill worker takes no new
+   prompt and serves the KV pulls it leased, which only an old decode worker can take (the
+   version is in the KV layout), so those keep serving until the old prefill workers are gone;
+4. **drain**: then the old decode workers get SIGTERM: they take no new legs and finish (or
+   migrate) their streams, then exit;
+5. **done** when the old ones have exited: the answer names both versions and the phase times.
 
 A worker that dies while loading, a registration that never comes, or a failed probe rolls back:
 the new workers are stopped (standby: nothing was routed to them) and the old keep serving; the
@@ -149,20 +152,22 @@ class Rollout:
                 return
             self.say(f"the gateway does not list {self.version} yet: draining the old anyway")
         self._mark("switched")
-        drain = self.fleet.worker.drain_seconds + KILL_AFTER_DRAIN
-        for child in self.old.values():
-            child.signal(signal.SIGTERM)
-            self.retiring.add(child.pid)
-        self.say(f"routing to {self.version}; draining {', '.join(self.old)}")
-        self.phase, self.deadline = "drain", time.monotonic() + drain
+        self._retire("prefill")
+        self.say(f"routing to {self.version}; draining {', '.join(self._old_of('prefill'))}")
+        self.phase = "retire_prefill"
+
+    def _retire_prefill(self) -> None:
+        # A leg whose prompt an old prefill worker computed is pulled by an old decode worker
+        # (a new one would refuse the layout, and a failed pull fails the request): the old
+        # decode workers keep serving until no old prefill worker holds a lease.
+        if self._wait_out("prefill"):
+            return
+        self._retire("decode")
+        self.say(f"draining {', '.join(self._old_of('decode'))}")
+        self.phase = "drain"
 
     def _drain(self) -> dict[str, Any] | None:
-        left = [c for c in self.old.values() if c.alive()]
-        if left and time.monotonic() > self.deadline:
-            for child in left:
-                self.say(f"{child.name} is still draining past its deadline: killed")
-                child.signal(signal.SIGKILL)
-        if left:
+        if self._wait_out("decode"):
             return None
         codes = {name: self._forget(child) for name, child in self.old.items()}
         self.fleet.common = self.common  # later workers (a restart, the next rollout) are new
@@ -171,6 +176,25 @@ class Rollout:
         return {"ok": True, "version": self.version, "old_versions": self.old_versions,
                 "workers": list(self.new), "exited": codes, "probe": self.probed,
                 "seconds": self.times}  # fmt: skip
+
+    def _old_of(self, role: str) -> list[str]:
+        return [n for n in self.old if self.fleet.started[n].role == role]
+
+    def _retire(self, role: str) -> None:
+        """SIGTERM the old workers of ``role``: each drains, then exits."""
+        for name in self._old_of(role):
+            self.old[name].signal(signal.SIGTERM)
+            self.retiring.add(self.old[name].pid)
+        self.deadline = time.monotonic() + self.fleet.worker.drain_seconds + KILL_AFTER_DRAIN
+
+    def _wait_out(self, role: str) -> bool:
+        """Whether an old worker of ``role`` still drains (killed past the deadline)."""
+        left = [self.old[n] for n in self._old_of(role) if self.old[n].alive()]
+        if left and time.monotonic() > self.deadline:
+            for child in left:
+                self.say(f"{child.name} is still draining past its deadline: killed")
+                child.signal(signal.SIGKILL)
+        return bool(left)
 
     def roll_back(self, reason: str) -> dict[str, Any]:
         self.say(f"rolling back: {reason}")

@@ -45,7 +45,11 @@ async def answer(session: aiohttp.ClientSession, gateway: str) -> list[int]:
         return data["choices"][0].get("token_ids") or data["choices"][0]["text"]
 
 
-async def steady(gateway: str, until: asyncio.Event, clients: int = 2) -> list[tuple[int, int]]:
+async def steady(
+    gateway: str, until: asyncio.Event, errors: list[dict], clients: int = 2
+) -> list[tuple[int, int]]:
+    """(status, completion tokens) of each request until ``until``; ``errors`` gets the
+    bodies of the ones that failed."""
     results: list[tuple[int, int]] = []
     body = {"model": SERVED, "prompt": "roll me out " * 4, "max_tokens": MAX_TOKENS,
             "ignore_eos": True, "temperature": 0}  # fmt: skip
@@ -55,6 +59,8 @@ async def steady(gateway: str, until: asyncio.Event, clients: int = 2) -> list[t
             async with session.post(gateway + "/v1/completions", json=body) as resp:
                 data = await resp.json(content_type=None)
                 results.append((resp.status, (data.get("usage") or {}).get("completion_tokens")))
+                if resp.status != 200:
+                    errors.append(data)
             await asyncio.sleep(0.05)
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
@@ -88,7 +94,8 @@ async def test_rollout_under_load_switches_versions_and_rolls_back_bad_ones(
         async with aiohttp.ClientSession() as session:
             before = await answer(session, gateway)
         stop = asyncio.Event()
-        load = asyncio.create_task(steady(gateway, stop))
+        errors: list[dict] = []
+        load = asyncio.create_task(steady(gateway, stop, errors))
         await asyncio.sleep(1.0)
 
         # 1. the new workers cannot load: rolled back, v1 serves on
@@ -120,6 +127,6 @@ async def test_rollout_under_load_switches_versions_and_rolls_back_bad_ones(
         results = await load
         text = log.read_text(errors="replace")
 
-    assert len(results) >= 10 and set(results) == {(200, MAX_TOKENS)}, results
+    assert len(results) >= 10 and set(results) == {(200, MAX_TOKENS)}, (errors, results)
     assert not re.search(r"pdserve: (prefill|decode)-\d+ exited with", text), text[-4000:]
     print(f"rollout: {done['seconds']} ({len(results)} requests, all 200)")
