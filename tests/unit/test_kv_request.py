@@ -21,6 +21,7 @@ from pdserve.shared.kv.transfer.wire import (
     KV_WIRE_VERSION,
     REPLY_REFUSED_2,
     pack_reply,
+    pull_tag,
     read_reply,
     reply_leaves_posted,
 )
@@ -94,3 +95,9 @@ def test_replies_read_at_once() -> None:
     assert not reply_leaves_posted(refusal)  # its empties follow
     refusal[0] = REPLY_REFUSED_2  # a version-2 server: no empties for a version-3 puller
     assert read_reply(refusal)[:2] == ("no lease for r1", 2) and reply_leaves_posted(refusal)
+
+
+def test_pull_tags_are_random_even_and_leave_room_for_their_messages() -> None:
+    tags = [pull_tag() for _ in range(600)]  # drawn 256 at a time: past two refills
+    assert len(set(tags)) == len(tags)
+    assert all(t % 2 == 0 and 0 <= t and t + 3 < 1 << 63 for t in tags)  # T+1..T+3, top bit 0

@@ -42,4 +42,4 @@ class Answer:
         return self.lease.stream.event if self.lease.stream is not None else None
 
     def waits_for_device(self) -> bool:
-        return self.event is not None or any(t.is_cuda for t in self.staged)
+        return self.event is not None or bool(self.staged) and any(t.is_cuda for t in self.staged)

@@ -286,7 +286,7 @@ class KVClient:
             buffers = [buffer(t) for t, _ in landing]
         else:
             landing = []
-            buffers = [self.blocks.run(dst, count) for _, dst, count in runs]
+            buffers = [self.blocks.message(dst, count) for _, dst, count in runs]
         # The reply lands in a buffer of its own, so its receive may outlive a failed pull.
         reply = np.zeros(REPLY_BYTES, dtype=np.uint8)
         posted = [reply, *buffers]

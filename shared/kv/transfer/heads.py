@@ -65,6 +65,10 @@ class HeadSlicer:
         A request without them (an older puller) asks for every head, whole."""
         if heads is None and whole is None:
             heads, whole = list(self.full), True
+        if type(heads) is tuple:  # as a version 3 request has them: two ints
+            if heads == self.heads and type(whole) is bool and (whole or self.parts is not None):
+                return heads, whole  # every head held here: what most pulls ask
+            heads = list(heads)
         if (
             type(heads) is not list
             or len(heads) != 2

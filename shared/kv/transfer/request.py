@@ -26,7 +26,7 @@ from pdserve.shared.kv.transfer.wire import KV_WIRE_VERSION, MAX_ADDRESS_BYTES, 
 
 WHOLE, SLICED, CHECKSUM, PIECE, FINAL = 1, 2, 4, 8, 16
 _HEAD = struct.Struct("<BHHHH")
-_RUN = 8  # bytes per run: u32 source block, u32 count
+_RUN = struct.Struct("<II")  # a run: u32 source block, u32 count
 _FIXED = 3  # entries of the prefix: v, reply_to, fp
 
 
@@ -50,8 +50,8 @@ def encode_request(
     parts are fixmaps (at most 15 entries, the header one byte: 0x80 | count), so the prefix's
     entries are spliced in: a map's entries may come in any order."""
     try:
-        pull = _HEAD.pack(flags, heads[0], heads[1], layers[0], layers[1]) + struct.pack(
-            f"<{2 * len(runs)}I", *[x for s, _, n in runs for x in (s, n)]
+        pull = _HEAD.pack(flags, heads[0], heads[1], layers[0], layers[1]) + b"".join(
+            [_RUN.pack(s, n) for s, _, n in runs]
         )
     except struct.error as exc:  # a block id or head beyond the format's range
         raise ValueError(f"cannot encode the pull request: {exc}") from None
@@ -92,14 +92,12 @@ class PullRequest:
     def parse(self) -> None:
         """Read ``pull`` (flags, heads, layers, runs), or raise ValueError with the reason."""
         pull = self.pull
-        if type(pull) is not bytes or len(pull) < _HEAD.size + _RUN:
+        if type(pull) is not bytes or len(pull) < _HEAD.size + _RUN.size:
             raise ValueError("no runs")
-        if (len(pull) - _HEAD.size) % _RUN:
+        if (len(pull) - _HEAD.size) % _RUN.size:
             raise ValueError("runs cut short")
         flags, lo, hi, first, last = _HEAD.unpack_from(pull)
-        n = (len(pull) - _HEAD.size) // _RUN
-        flat = struct.unpack_from(f"<{2 * n}I", pull, _HEAD.size)
-        self.runs = list(zip(flat[::2], flat[1::2], strict=True))
+        self.runs = list(_RUN.iter_unpack(pull[_HEAD.size :]))
         self.flags, self.heads = flags, (lo, hi)
         self.layers = (first, last) if flags & PIECE else None
 

@@ -7,6 +7,7 @@ import hmac
 import logging
 import struct
 from collections.abc import Callable
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -33,6 +34,7 @@ from pdserve.shared.kv.transfer.wire import (
     control_tag,
     fingerprint_diff,
     format_address,
+    host_view,
     own_address,
     pack_reply,
 )
@@ -74,7 +76,7 @@ class KVServer:
         self._layout = without_tp(self.fingerprint)  # what a puller's must equal
         self._matched: dict | None = None  # the last puller fingerprint that did
         self.blocks = BlockBytes(kv_cache)
-        self._replies: dict[tuple[bool, int], np.ndarray] = {}
+        self._replies: dict[tuple[bool, int], Any] = {}  # see _yes
         self.leases = leases
         self.host = host
         self.port = port
@@ -135,15 +137,17 @@ class KVServer:
                 sending = self._on_request(view[4 : 4 + size])
             except Exception:  # a bug must not stop the server from taking requests
                 log.exception("KV pull request failed")
-                continue
-            finally:
                 buf[: 4 + size] = 0
-            if sending is not None and not sending.done() and not self._queued():
-                # The next request may wait in UCX (it holds a message that comes before its
-                # receive): posting the receive for it now, ~8 us of Python, would stall the
-                # copy this process does for the transfer just started (watch.py). One that
-                # is already waiting is taken at once.
-                await done_or_after(sending, REPOST_AFTER)
+                continue
+            try:
+                if sending is not None and not sending.done() and not self._queued():
+                    # The next request may wait in UCX (it holds a message that comes before
+                    # its receive): posting the receive for it now, ~8 us of Python, would
+                    # stall the copy this process does for the transfer just started
+                    # (watch.py). One that is already waiting is taken at once.
+                    await done_or_after(sending, REPOST_AFTER)
+            finally:  # the request is decoded (nothing reads the buffer): zeroed off the
+                buf[: 4 + size] = 0  # path of its transfer's start, before the next receive
 
     def _queued(self) -> bool:
         """Whether a request waits in UCX, unreceived (``ucp_tag_probe_nb``: no progress)."""
@@ -240,7 +244,7 @@ class KVServer:
         tag = req.tag
         views = answer.views
         if self.fault is not None:
-            views = [buffer(v) for v in self.fault([torch.as_tensor(v) for v in views])]
+            views = [buffer(v) for v in self.fault([torch.as_tensor(host_view(v)) for v in views])]
         lease, heads = answer.lease, answer.heads
         sums = self.hasher.units(heads) if req.checksum else 0
         # every run in flight at once, then the reply, in one post: UCX pipelines them, one
@@ -269,11 +273,13 @@ class KVServer:
             sends.append(ucx_progress.send(ep, EMPTY, tag + 3))
         return sends
 
-    def _yes(self, sliced: bool, sums: int) -> np.ndarray:
-        """A yes reply, built once per form (sends only read it)."""
+    def _yes(self, sliced: bool, sums: int) -> Any:
+        """A yes reply, built once per form as the Array a post takes (sends only read it)."""
         reply = self._replies.get((sliced, sums))
         if reply is None:
-            reply = self._replies[(sliced, sums)] = pack_reply(None, sliced, sums)
+            reply = self._replies[(sliced, sums)] = ucx_progress.array(
+                pack_reply(None, sliced, sums)
+            )
         return reply
 
     async def _refused(self, ep, req: PullRequest, sends: list) -> None:
@@ -302,7 +308,7 @@ class KVServer:
         """One message per run - the blocks themselves, or their head slice (packed unless it
         is one contiguous piece of the cache) - and the staging copies among them."""
         if not sliced:
-            return [self.blocks.run(start, count) for start, count in runs], []
+            return [self.blocks.message(start, count) for start, count in runs], []
         packed = [self.slicer.pack(start, count, heads) for start, count in runs]
         return [buffer(t) for t, _ in packed], [t for t, copied in packed if copied]
 
@@ -333,7 +339,7 @@ class KVServer:
             self._matched = req.fingerprint
         flags, runs = req.flags, req.runs
         try:
-            heads, whole = self.slicer.requested(list(req.heads), bool(flags & WHOLE))
+            heads, whole = self.slicer.requested(req.heads, bool(flags & WHOLE))
         except ValueError as exc:
             raise Refusal(str(exc)) from None
         sliced = bool(flags & SLICED)
