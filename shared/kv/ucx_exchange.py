@@ -32,14 +32,8 @@ class _Exchange(_Batch):
 
     @property
     def completed(self) -> bool:
-        # _Batch's, inlined: the driver asks after each of its progress calls
-        requests, done = self.requests, self.done
-        while done < len(requests) and requests[done].completed:
-            if self.failed is None and requests[done].status:  # UCS_OK is 0
-                self.failed = requests[done]
-            done += 1
-        self.done = done
-        if done == len(requests):
+        done = self._advance()  # the driver asks after each of its progress calls
+        if done == len(self.requests):
             return True
         future = self.future
         if self.looked < 2 and self.looked < done and future is not None:

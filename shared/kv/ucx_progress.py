@@ -266,13 +266,17 @@ class _Batch:
 
     @property
     def completed(self) -> bool:
+        return self._advance() == len(self.requests)
+
+    def _advance(self) -> int:
+        """Pass the requests completed since last time; how many have."""
         requests, done = self.requests, self.done
         while done < len(requests) and requests[done].completed:
             if self.failed is None and requests[done].status:  # UCS_OK is 0
                 self.failed = requests[done]
             done += 1
         self.done = done
-        return done == len(requests)
+        return done
 
     def check_error(self) -> None:
         if self.failed is not None:
