@@ -1,9 +1,9 @@
 """The order in which a rollout retires the old version (services/rollout.py), with real child
 processes standing in for workers and no model: the old prefill workers drain first, and the
 old decode workers - the only ones that can pull the KV an old prefill worker leased, its
-version being in the KV layout - keep serving until every old prefill worker has exited. A CI
-run that SIGTERMed both at once saw a request fail with 502: its decode leg, prefilled by v1,
-reached only v2 decode workers, whose pull was refused."""
+version being in the KV layout - keep serving until every old prefill worker has exited.
+SIGTERMing both at once could leave a leg prefilled by v1 only v2 decode workers, whose pull is
+refused (the likely cause of a 502 in a CI run)."""
 
 from __future__ import annotations
 

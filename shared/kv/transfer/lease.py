@@ -53,11 +53,10 @@ class LeaseTable:
         self.clock = clock
         self.leases: dict[str, Lease] = {}
         self.remember = remember
-        self.dropped_tokens: OrderedDict[str, str] = OrderedDict()
-        # why a dropped streamed lease's prompt never completed, kept like its token: a pull that
-        # comes after the blocks went back still hears that its request finished at the first
-        # token, and drops it quietly instead of recomputing the prompt
-        self.dropped_ends: OrderedDict[str, str] = OrderedDict()
+        # the last ``remember`` freed leases: (token, why a streamed one's prompt never
+        # completed). A pull that comes after the blocks went back still hears that its request
+        # finished at the first token, and drops it quietly instead of recomputing the prompt.
+        self.dropped: OrderedDict[str, tuple[str, str | None]] = OrderedDict()
         self.on_add: Callable[[Lease], None] | None = None
 
     def __len__(self) -> int:
@@ -87,14 +86,16 @@ class LeaseTable:
     def token_of(self, bus_id: str) -> str | None:
         """The secret of a live or recently dropped lease."""
         lease = self.leases.get(bus_id)
-        return lease.token if lease is not None else self.dropped_tokens.get(bus_id)
+        if lease is not None:
+            return lease.token
+        return self.dropped[bus_id][0] if bus_id in self.dropped else None
 
     def ended(self, bus_id: str) -> str | None:
         """Why a dropped streamed lease's prompt never completed (``stream.end``), while its
         token is remembered; None for any other lease."""
         lease = self.leases.get(bus_id)
         if lease is None:
-            return self.dropped_ends.get(bus_id)
+            return self.dropped[bus_id][1] if bus_id in self.dropped else None
         return lease.stream.ended if lease.dropped and lease.stream is not None else None
 
     def release(self, bus_id: str) -> bool:
@@ -137,13 +138,10 @@ class LeaseTable:
 
     def _free(self, lease: Lease) -> None:
         if self.leases.pop(lease.bus_id, None) is not None:
-            self.dropped_tokens[lease.bus_id] = lease.token
-            while len(self.dropped_tokens) > self.remember:
-                self.dropped_tokens.popitem(last=False)
-            if lease.stream is not None and lease.stream.ended is not None:
-                self.dropped_ends[lease.bus_id] = lease.stream.ended
-                while len(self.dropped_ends) > self.remember:
-                    self.dropped_ends.popitem(last=False)
+            ended = lease.stream.ended if lease.stream is not None else None
+            self.dropped[lease.bus_id] = (lease.token, ended)
+            while len(self.dropped) > self.remember:
+                self.dropped.popitem(last=False)
             self.on_free(lease.bus_id)
 
 
