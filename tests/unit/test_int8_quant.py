@@ -21,11 +21,14 @@ def test_cpu_int8_linear_matches_reference_per_token(rows) -> None:
     bias = torch.randn(96, generator=gen)
     x = torch.randn(rows, 80, generator=gen) * torch.logspace(-2, 2, rows)[:, None]
     w8 = quantize_per_channel(weight)
-    got = CpuInt8Linear(w8, bias, torch.float32)(x)
+    layer = CpuInt8Linear(w8, bias, torch.float32)
+    got = layer(x)
     ref = int8_linear_reference(x, w8, bias)
     exact = x @ weight.T + bias
-    # fbgemm rounds activations asymmetrically (uint8); per token it is within one step of ours
-    assert ((got - ref).norm(dim=1) / exact.norm(dim=1)).max() < 0.02
+    # fbgemm rounds activations asymmetrically (uint8); per token it is within one step of ours.
+    # Without VNNI (an AVX2 CPU) it rounds them to 7 bits (reduce_range): a step twice as large.
+    bound = 0.04 if layer.reduce_range else 0.02
+    assert ((got - ref).norm(dim=1) / exact.norm(dim=1)).max() < bound
     assert ((got - exact).norm(dim=1) / exact.norm(dim=1)).max() < 0.03
 
 
