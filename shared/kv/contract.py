@@ -37,29 +37,32 @@ Decode side, ``KVDecodeSide`` (``services/decode/worker.py:DecodeWorker``):
 The hand-off, one request (NATS messages are ``shared/bus/protocol.py``'s; ``<ns>`` is the
 namespace)::
 
-    gateway                      prefill worker                         decode worker
-       |  PrefillRequest               |                                      |
-       |  (NATS <ns>.prefill.<id>)     |                                      |
-       |------------------------------>| queue, forward pass(es), 1st token   |
-       |                               | lease = leases.add(blocks, ttl)      |
-       |  PrefillResult: first token,  | (TP > 1: mirrored to every rank)     |
-       |  KVHandle (address, block     |                                      |
-       |  ids, token, fingerprint)     |                                      |
-       |<------------------------------|                                      |
-       |  DecodeRequest: prompt, first token, KVHandle (NATS <ns>.decode.<id>)|
-       |--------------------------------------------------------------------->|
-       |                               |             reserve blocks (KVPull) |
-       |                               |<-- pull request (UCX, control tag): |
-       |                               |    bus id, lease token, layout,     |
-       |                               |    block runs, heads [, layers]     |
-       |                               | token? layout? blocks? -> pin lease |
-       |                               |-- reply, then the runs (UCX, tag T) |
-       |                               |    straight into the reserved blocks|
-       |                               |                         kv_ready    |
-       |                               |<-- ReleaseLease (NATS <ns>.lease.<id>)
-       |                               | leases.release -> blocks to engine   |
-       |  TokenBatch ... (NATS, the gateway's inbox)                          |
-       |<---------------------------------------------------------------------|
+    gateway                        prefill worker                        decode worker
+       |                                 |                                     |
+       |-- PrefillRequest -------------->|                                     |
+       |   NATS <ns>.prefill.<id>        | queue, forward pass(es),            |
+       |                                 | sample the first token              |
+       |                                 | lease = leases.add(blocks, ttl)     |
+       |                                 | (TP > 1: mirrored to every rank)    |
+       |<-- PrefillResult ---------------|                                     |
+       |   first token, KVHandle:        |                                     |
+       |   address, block ids, token,    |                                     |
+       |   layout fingerprint            |                                     |
+       |-- DecodeRequest: prompt, first token, KVHandle ---------------------->|
+       |   NATS <ns>.decode.<id>         |                                     |
+       |                                 |                     reserve blocks  |
+       |                                 |<-- pull request (UCX, control tag) -|
+       |                                 |   bus id, lease token, layout,      |
+       |                                 |   block runs, heads [, layers]      |
+       |                                 | token? layout? blocks? pin lease    |
+       |                                 |-- reply, then the runs (tag T) ---->|
+       |                                 |   straight into reserved blocks     |
+       |                                 |           kv_ready: joins batch     |
+       |                                 |<-- ReleaseLease --------------------|
+       |                                 |   NATS <ns>.lease.<id>              |
+       |                                 | leases.release: the blocks go       |
+       |                                 | back once no send reads them        |
+       |<-- TokenBatch, every step (NATS, the gateway's inbox) ----------------|
 
 Expiry: a lease nobody releases is freed by ``leases.expire()`` on the prefill worker's
 housekeeping, ``--lease-seconds`` after it was taken (for a streamed lease: after its prompt is
