@@ -6,6 +6,7 @@ through their KV agents (``parallel/kv_agent.py``). All pieces run at once; the 
 when every piece is, and fails if any does. At TP 1 on both sides it is the one whole-block pull
 it always was. With ``--kv-checksum`` each rank verifies the heads it pulled; a checksum failure
 on any rank fails the pull as ``KVChecksumError`` (counted and marked by the decode worker).
+``RankPuller`` is the decode side's ``KVPuller`` (``shared/kv/contract.py``).
 """
 
 from __future__ import annotations

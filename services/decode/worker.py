@@ -46,6 +46,7 @@ from pdserve.shared.bus.protocol import (
     WorkerLoad,
 )
 from pdserve.shared.kv import ucx_check
+from pdserve.shared.kv.contract import KVPuller
 from pdserve.shared.kv.probe import ProbePullReply, ProbePullRequest, answer_probes
 from pdserve.shared.kv.transfer import (
     KVChecksumError,
@@ -71,7 +72,7 @@ class DecodeWorker(Worker):
     def __init__(self, ns: argparse.Namespace | dict, bus: Bus | None = None) -> None:
         super().__init__(ns, bus)
         self.kv_client: KVClient | None = None
-        self.puller: RankPuller | None = None  # every rank's pieces of a pull (rank_pull.py)
+        self.puller: KVPuller | None = None  # every rank's pieces of a pull (rank_pull.py)
         self.kv_servers: dict[str, str] = {}  # prefill worker id -> KV address connected to
         self._spec_counted = SpecCounters()  # the engine's totals already in the metrics
 

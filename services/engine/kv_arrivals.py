@@ -4,7 +4,8 @@ a prefill worker (``kv_ready``, ``kv_failed``) and a prefix's load from the disk
 its blocks, so an abort only marks it and it finishes here.
 
 A part of ``Scheduler`` (``scheduler.py``), kept apart so each file reads in a sitting; every
-status change is still the scheduler's, on the engine thread.
+status change is still the scheduler's, on the engine thread. ``kv_ready`` and ``kv_failed``
+are the decode side's ``KVPullAnswers`` (``shared/kv/contract.py``), as ``LLMEngine``'s are.
 """
 
 from __future__ import annotations

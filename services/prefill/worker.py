@@ -34,6 +34,7 @@ from pdserve.services.worker_process import exit_now
 from pdserve.shared.bus.connection import Bus
 from pdserve.shared.bus.protocol import KVHandle, PrefillRequest, PrefillResult, ReleaseLease
 from pdserve.shared.kv import ucx_check
+from pdserve.shared.kv.contract import KVLayerFeed
 from pdserve.shared.kv.probe import ProbeLeaseReply, ProbeLeaseRequest, answer_probes
 from pdserve.shared.kv.transfer import KVServer, Lease, LeaseTable
 from pdserve.shared.kv.transfer.stream import (
@@ -57,7 +58,7 @@ class PrefillWorker(Worker):
         self.kv_server: KVServer | None = None
         self.rank_addresses: list[str] = []  # TP > 1: every rank's KV server, by rank
         self.stream_ok: set[str] = set()  # requests whose KV may stream (stream_kv, long)
-        self.streams: dict[str, LayerStream] = {}  # streamed leases until their pass ends
+        self.streams: dict[str, KVLayerFeed] = {}  # streamed leases until their pass ends
         self.stream_from = 0  # prompt tokens from which KV streams (0: never; start_extra)
 
     def make_engine(self) -> LLMEngine:

@@ -27,7 +27,7 @@ The definition followed: ``vllm/distributed/kv_events.py`` of vllm-project/vllm 
     ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
     lora_name]``, ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``.
 
-The mapping from pdserve (README "KV events"): a tier's blocks carry vLLM's ``medium``
+The mapping from pdserve (docs/kv-events.md): a tier's blocks carry vLLM's ``medium``
 (``MEDIUM``: device pool "GPU" - also on a CPU-only worker, it is the engine's own pool -, host
 memory "CPU", disk "DISK"); block hashes are pdserve's chained 64-bit blake2b hashes as
 unsigned integers (vLLM's default ``ExternalBlockHash`` is also a 64-bit integer, but computed

@@ -1,5 +1,6 @@
 """KV-cache transfer over UCX (ucxx): the decode worker pulls a prefill worker's leased blocks
-straight into blocks it allocated in its own cache.
+straight into blocks it allocated in its own cache. The hand-off these pulls serve, side by
+side, with the classes that do each part: ``shared/kv/contract.py``.
 
 The engine's cache is one block-major tensor ``[num_blocks, layers, 2, block_size, kv_heads,
 head_dim]``, so a run of consecutive block ids is one contiguous byte range on either side. A pull

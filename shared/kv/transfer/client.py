@@ -66,7 +66,8 @@ class KVClient:
     fingerprint's ``num_kv_heads``, TP 1). ``split``: the storage's parts, each ``[n, layers, 2,
     block_size, heads, X]`` (None: the storage is its one part) - see ``heads.HeadSlicer``.
     ``checksum``: verify every pull against the server's hashes (``--kv-checksum``,
-    ``checksum.py``); a mismatch raises KVChecksumError."""
+    ``checksum.py``); a mismatch raises KVChecksumError. The decode side's ``KVPiecePuller``
+    (``shared/kv/contract.py``)."""
 
     def __init__(
         self,

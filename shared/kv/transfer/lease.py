@@ -41,6 +41,7 @@ class LeaseTable:
     the last ``remember`` dropped leases are kept, so a late puller can be told its lease is gone
     without answering anyone who never held a token. ``on_add(lease)``, if set, sees each new
     lease (a KV server that hashes leased blocks sets it). Used from one event loop only.
+    The prefill side's ``KVLeases`` (``shared/kv/contract.py``).
     """
 
     def __init__(

@@ -50,7 +50,8 @@ Layers = tuple[int, int]
 class LayerStream:
     """How far the prefill of a streamed lease has written its blocks: every layer below
     ``ready_layers`` holds all of the prompt's tokens. Used from the server's event loop; the
-    engine thread reaches it through ``call_soon_threadsafe``."""
+    engine thread reaches it through ``call_soon_threadsafe``. The prefill side's
+    ``KVLayerFeed`` (``shared/kv/contract.py``)."""
 
     num_layers: int
     ready_layers: int = 0
