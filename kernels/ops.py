@@ -103,6 +103,11 @@ def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Ten
     _impl("rotary_embedding", q)(positions, q, k, cos_sin_cache)
 
 
+def rotated(positions: Tensor, x: Tensor, cos_sin_cache: Tensor) -> Tensor:
+    """``rotary_embedding`` of one of q or k, as a new tensor: for traced (compiled) code."""
+    return reference.rotated(positions, x, cos_sin_cache)
+
+
 def store_kvcache(
     key: Tensor,
     value: Tensor,
@@ -212,6 +217,34 @@ def decode_attention(
         max_seqlen_q,
         **_kv_scales(k_scale, v_scale),
     )
+
+
+def paged_decode_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+) -> Tensor:
+    """Paged GQA decode attention, one query per sequence (q [B, Hq, D]), reading the pages in
+    place: the form a compiled decode step traces (``kernels/paged_decode.py``; plain torch that
+    Inductor fuses, no host syncs, the table's block count a dynamic size). Same contract as
+    ``decode_attention`` with max_seqlen_q 1; a row with context 0 (padding) returns zeros."""
+    from pdserve.kernels.paged_decode import paged_decode_attention as impl
+
+    return impl(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
+
+
+def store_kv_graph(key: Tensor, value: Tensor, pages: Tensor, slot_mapping: Tensor) -> None:
+    """``store_kvcache`` into one layer's float pages [blocks, 2, block_size, Hk, D] (K then
+    V), as one opaque in-place call of a compiled step (``kernels/graph_ops.py``: traced as
+    indexing, the write would copy the cache); every slot >= 0."""
+    from pdserve.kernels import graph_ops
+
+    graph_ops.store(key, value, pages, slot_mapping)
 
 
 def int8_linear(x: Tensor, qweight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -88,6 +88,11 @@ class EngineConfig:
     torch_threads: int = opt(
         0, "torch CPU threads of a worker; 0 = one per CPU the process may run on (its affinity)"
     )
+    enforce_eager: bool = opt(
+        False,
+        "run every step eagerly: no compiled decode graphs (on a CPU, decode steps are "
+        "otherwise compiled with Inductor at start, one graph per batch-size bucket)",
+    )
     tp_lm_head: str = opt(
         "vocab",
         "the LM head at TP > 1: vocab = each rank computes its slice of the vocabulary and rank 0 "

@@ -21,6 +21,9 @@ def make_engine(model_dir: Path, **overrides) -> LLMEngine:
         num_kv_blocks=64,
         block_size=16,
         max_num_batched_tokens=64,
+        # the eager path unless a test asks for the compiled one (test_decode_graph.py):
+        # compiling at every engine's start would cost the suite minutes
+        enforce_eager=True,
     )
     kv_failure_policy = overrides.pop("kv_failure_policy", "fail")
     prefill_only = overrides.pop("prefill_only", False)

@@ -29,6 +29,7 @@ from concurrent.futures import Future
 
 import torch
 
+from pdserve.services.engine import decode_graph
 from pdserve.services.engine.block_manager import BlockManager
 from pdserve.services.engine.commands import (
     Abort,
@@ -59,6 +60,7 @@ from pdserve.services.engine.outputs import (
 from pdserve.services.engine.parallel.group import RankFailed, RankGroup
 from pdserve.services.engine.parallel.shard import Shard
 from pdserve.services.engine.quant.options import quantization_problem
+from pdserve.services.engine.request_checks import check_request
 from pdserve.services.engine.scheduler import KV_FAILURE_POLICIES, Scheduler
 from pdserve.services.engine.spec import TargetModel, build_speculator
 from pdserve.services.engine.step_cost import StepCost
@@ -153,6 +155,8 @@ class LLMEngine:
         self._kv_feed: KVEventFeed | None = None
         self._stats = EngineStats(self.num_blocks, self.num_blocks)
         self.stream_hooks: StreamHooks | None = None  # a prefill worker's (kv_stream.py)
+        # the compiled decode step (``--enforce-eager``: none), compiled before any request
+        self.runner.graphs = decode_graph.build(model, config, self.device, prefill_only)
 
     # ---- sizing and layout -------------------------------------------------------------------
 
@@ -194,24 +198,9 @@ class LLMEngine:
     # ---- commands: any thread ----------------------------------------------------------------
 
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        if not prompt_token_ids:
-            raise ValueError("prompt is empty")
+        """ValueError if this model cannot serve the request (request_checks.py)."""
         vocab = self.model_config.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        for name in ("logprobs", "prompt_logprobs"):
-            if (getattr(sampling, name) or 0) > vocab:
-                raise ValueError(f"{name} must be at most the vocabulary size {vocab}")
-        if any(not 0 <= t < vocab for t in sampling.logit_bias_token_ids):
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
-        total = len(prompt_token_ids) + sampling.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
-                f"exceeds the context length {self.max_model_len}"
-            )
-        if sampling.guided is not None:  # compiled here (then cached): a bad spec is refused now
-            self.guided.compiler.compile(sampling.guided)
+        check_request(prompt_token_ids, sampling, vocab, self.max_model_len, self.guided)
 
     def add_request(
         self,

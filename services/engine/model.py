@@ -54,10 +54,22 @@ class AttentionMetadata:
     decode_max_seqlen_q: int = 1
 
 
+@dataclass
+class GraphDecodeMetadata:
+    """A decode step (one new token per row) as a compiled graph takes it: tensors only, the
+    rows padded to a batch-size bucket (``services/engine/decode_graph.py``)."""
+
+    slot_mapping: torch.Tensor  # [B] where each new token's K/V is written
+    block_tables: torch.Tensor  # [B, blocks]; the block count is a dynamic size of the graph
+    context_lens: torch.Tensor  # [B] cached tokens of each row, its new one included
+
+
 class Linear(nn.Linear):
     _few_rows: FewRowsLinear | None = None  # made at the first call, after loading
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # a compiled step: the form is fixed at trace time
+            return super().forward(x)
         if self._few_rows is None or not self._few_rows.serves(self.weight):
             self._few_rows = FewRowsLinear(self.weight, self.bias)
         out = self._few_rows(x)
@@ -92,6 +104,9 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # a float cache's [blocks, 2, block_size, kv_heads, head_dim] view of this layer: K and
+        # V as one tensor, what a compiled decode step takes (decode_graph.py)
+        self.kv_pages = torch.empty(0)
         # a quantized cache's per-token-head scales [blocks, block_size, kv_heads, 1], else None
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
@@ -100,7 +115,7 @@ class Attention(nn.Module):
         self,
         positions: torch.Tensor,
         x: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | GraphDecodeMetadata,
         cos_sin: torch.Tensor,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -108,9 +123,11 @@ class Attention(nn.Module):
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        if isinstance(meta, GraphDecodeMetadata):
+            return self._graph_decode(positions, q, k, v, meta, cos_sin)
         # q and k are strided views into qkv; rotary rotates them in place.
         ops.rotary_embedding(positions, q, k, cos_sin)
-        scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
         ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **scales)
         nd = meta.num_decode_tokens or meta.num_decodes
         parts = []
@@ -153,6 +170,26 @@ class Attention(nn.Module):
                 )
             )
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self.shard.reduce(self.o_proj(out.reshape(-1, self.q_size)))
+
+    def _graph_decode(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: GraphDecodeMetadata,
+        cos_sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """A compiled decode step's attention: rotary as new tensors (an in-place rotation of
+        qkv's views reached the KV write unrotated once traced), the KV write as one opaque
+        in-place op, then attention that reads the pages where they are, over the batch at once."""
+        q, k = ops.rotated(positions, q, cos_sin), ops.rotated(positions, k, cos_sin)
+        pages = self.kv_pages
+        ops.store_kv_graph(k, v, pages, meta.slot_mapping)
+        out = ops.paged_decode_attention(
+            q, pages[:, 0], pages[:, 1], meta.block_tables, meta.context_lens, self.scale
+        )
         return self.shard.reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
@@ -224,6 +261,7 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             layer.self_attn.k_cache = values[:, i, 0]
             layer.self_attn.v_cache = values[:, i, 1]
+            layer.self_attn.kv_pages = values[:, i]
             if scales is not None:
                 layer.self_attn.k_scale = scales[:, i, 0]
                 layer.self_attn.v_scale = scales[:, i, 1]

@@ -17,6 +17,7 @@ from itertools import accumulate
 import torch
 
 from pdserve.kernels import ops
+from pdserve.services.engine.decode_graph import DecodeGraphs
 from pdserve.services.engine.guided import GuidedDecoder
 from pdserve.services.engine.logprobs import (
     PROMPT_SLICE,
@@ -70,6 +71,8 @@ class ModelRunner:
         # inputs; fork copies wait in ``block_copies`` to travel with the next step
         self.ranks = None
         self.block_copies: list[tuple[int, int]] = []
+        # the compiled decode step (decode_graph.py), where the engine made one
+        self.graphs: DecodeGraphs | None = None
 
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
         if not self.pinned:
@@ -143,6 +146,8 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The model over the step's flat batch: the final hidden states at ``inputs.read``.
         Every rank runs this (the other ranks from the inputs rank 0 sent them)."""
+        if self.graphs is not None and self.graphs.serves(inputs):
+            return self.graphs.run(inputs)
         meta, positions = self._metadata(inputs)
         return self.model(
             self._tensor(inputs.input_ids), positions, meta, self._tensor(inputs.read)

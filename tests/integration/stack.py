@@ -61,6 +61,9 @@ QUIET_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
     "PYTHONUNBUFFERED": "1",
+    # decode workers step eagerly unless a test asks (env={"PDSERVE_ENFORCE_EAGER": "0"}):
+    # compiling the decode step at each of the suite's stack starts would cost it minutes
+    "PDSERVE_ENFORCE_EAGER": "1",
 }
 
 

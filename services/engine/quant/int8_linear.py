@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import itertools
+import weakref
 from pathlib import Path
 
 import torch
@@ -45,6 +47,29 @@ def cpu_has_vnni() -> bool:
     except OSError:
         return False
     return any(f in flags for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
+
+
+# fbgemm's packed weights are a TorchScript object that Dynamo cannot trace, so a compiled decode
+# step (services/engine/decode_graph.py) calls each layer's through one opaque op that names it by
+# a handle tensor: an int would be baked into the graph, one graph per layer.
+_PACKED: dict[int, object] = {}
+_next_handle = itertools.count()
+
+
+@torch.library.custom_op("pdserve::fbgemm_linear_dynamic", mutates_args=())
+def fbgemm_linear_dynamic(
+    x: Tensor, handle: Tensor, out_probe: Tensor, reduce_range: bool
+) -> Tensor:
+    """fbgemm's dynamic INT8 linear of the packed weight ``handle`` names; ``out_probe`` is an
+    empty [N, 0] tensor that gives the traced graph the output's width."""
+    return torch.ops.quantized.linear_dynamic(x, _PACKED[int(handle)], reduce_range)
+
+
+@fbgemm_linear_dynamic.register_fake
+def _fbgemm_linear_dynamic_fake(
+    x: Tensor, handle: Tensor, out_probe: Tensor, reduce_range: bool
+) -> Tensor:
+    return x.new_empty(x.shape[0], out_probe.shape[0])
 
 
 class CpuInt8Linear(nn.Module):
@@ -73,6 +98,18 @@ class CpuInt8Linear(nn.Module):
         # the bias is added after the per-token rescale below, so it is not packed
         self.bias = None if bias is None else bias.detach().float()
         self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+        handle = next(_next_handle)
+        _PACKED[handle] = self._packed
+        weakref.finalize(self, _PACKED.pop, handle, None)
+        self._handle = torch.tensor(handle)
+        self._out_probe = torch.empty(self.out_features, 0)
+
+    def _linear(self, x: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.pdserve.fbgemm_linear_dynamic(
+                x, self._handle, self._out_probe, self.reduce_range
+            )
+        return torch.ops.quantized.linear_dynamic(x, self._packed, self.reduce_range)
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)
@@ -83,17 +120,16 @@ class CpuInt8Linear(nn.Module):
         if x2.shape[0] == 1:
             # one row (a batch-1 decode step): fbgemm's one scale is the per-token scale
             # already, and the four small ops below were a quarter of the layer's time
-            y = torch.ops.quantized.linear_dynamic(x2, self._packed, self.reduce_range)
+            y = self._linear(x2)
         else:
             # fbgemm rounds the whole input with one scale; a prompt's rows differ in range by
             # 100x (and SmolLM2 has outlier tokens), so each row is first brought to amax 1:
             # one scale for all is then the per-token scale, and the rows' amax multiply the
             # result back.
             row_max = x2.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
-            y = torch.ops.quantized.linear_dynamic(x2 / row_max, self._packed, self.reduce_range)
-            y.mul_(row_max)
+            y = self._linear(x2 / row_max) * row_max
         if self.bias is not None:
-            y.add_(self.bias)
+            y = y + self.bias
         return y.to(self.out_dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,241 @@
+"""The decode step as compiled graphs, one per batch-size bucket (``--enforce-eager``: none).
+
+Why: a decode step on a CPU is memory-bound, and the eager model spent as long in per-layer
+glue (norms, rotary, the KV write, Python between ~20 ops a layer) as in reading its weights.
+Compiled with Inductor, each layer's glue becomes a few fused C++ loops around the matmuls, and
+decode attention reads the KV pages in place (``kernels/paged_decode.py``).
+
+What runs here: a step whose every row decodes one token (no verification rows, no prompt
+chunk), at TP 1, with no layer hook, of at most the largest bucket's rows. Anything else runs
+eagerly, as before.
+
+- **Buckets.** The rows are padded to the next bucket (1, 2, 4, 8, then multiples of 8, as
+  vLLM's CUDA graphs do). A padding row repeats row 0: it writes row 0's K/V to row 0's slot
+  again (the same values) and its output is dropped. The same bucketing serves CUDA graphs.
+- **Tensors, not host values.** Block tables and context lengths are inputs; the table's block
+  count is a dynamic size (at least 2, so it is never specialised to 1), so a longer context
+  never recompiles.
+- **One layer, compiled once.** The graph is one decoder layer, and every layer runs it with its
+  own weights and cache views as the graph's inputs: compiling 30 layers costs one layer. On a
+  CPU the batch size is dynamic too, so bucket 1 and one graph for all larger buckets are all
+  that compile. Python between layers is one guarded call each.
+- **Compiled at start.** ``compile()`` runs every graph once on dummy rows before the engine
+  takes a request, logs how long it took, and counts compilations; a compilation after that
+  (``recompiles``) is a bug the tests look for. Inductor's cache (under pdserve's cache folder)
+  makes a restart's compile a cache load.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdserve.services.engine.model import DecoderLayer, GraphDecodeMetadata, LlamaForCausalLM
+from pdserve.services.engine.outputs import StepInputs
+from pdserve.shared.config import EngineConfig
+from pdserve.shared.models.demo import cache_dir
+
+log = logging.getLogger(__name__)
+
+MIN_TABLE_BLOCKS = 2  # a dynamic size of 1 would be specialised, and recompile for 2
+
+
+def buckets_up_to(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8, up to the first bucket that holds ``max_batch``."""
+    out = [1, 2, 4, 8]
+    while out[-1] < max_batch:
+        out.append(out[-1] + 8)
+    return [b for b in out if b < max_batch] + [next(b for b in out if b >= max_batch)]
+
+
+def wanted(config: EngineConfig, device: torch.device, prefill_only: bool) -> bool:
+    """Whether an engine compiles its decode step: a decode-capable CPU engine at TP 1 with
+    a float KV cache, unless ``--enforce-eager``. (CUDA graphs are their own issue; a quantized
+    cache's values and scales are two views of one storage, which a graph would take as
+    aliased inputs.) INT8 weights compile too: fbgemm's layers are opaque ops in the graph."""
+    return (
+        not config.enforce_eager
+        and not prefill_only
+        and device.type == "cpu"
+        and config.tensor_parallel_size == 1
+        and config.kv_cache_dtype == "auto"
+    )
+
+
+def build(
+    model: LlamaForCausalLM, config: EngineConfig, device: torch.device, prefill_only: bool
+) -> DecodeGraphs | None:
+    """An engine's compiled decode step, compiled now; None where it runs eagerly."""
+    if not wanted(config, device, prefill_only):
+        return None
+    graphs = DecodeGraphs(model, config.block_size, config.max_num_seqs)
+    graphs.compile()
+    return graphs
+
+
+def inductor_cache_dir() -> Path:
+    """Inductor's compiled code, kept across restarts (``TORCHINDUCTOR_CACHE_DIR`` wins)."""
+    return cache_dir() / "inductor"
+
+
+class _CountingInductor:
+    """Inductor, counting the graphs it is handed: each one is a compilation."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+        from torch._inductor.compile_fx import compile_fx
+
+        self.graphs += 1
+        return compile_fx(gm, example_inputs)
+
+
+def _run_layer(
+    layer: DecoderLayer,
+    positions: torch.Tensor,
+    h: torch.Tensor,
+    residual: torch.Tensor,
+    meta: GraphDecodeMetadata,
+    cos_sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return layer(positions, h, residual, meta, cos_sin)
+
+
+@dataclass
+class _Batch:
+    """A step's rows, padded to their bucket, as the graph's tensors."""
+
+    rows: int  # the real ones, first
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: GraphDecodeMetadata
+
+
+class DecodeGraphs:
+    """The compiled decode step of one model and its cache (TP 1, a CPU or a GPU)."""
+
+    def __init__(self, model: LlamaForCausalLM, block_size: int, max_batch: int) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.buckets = buckets_up_to(max_batch)
+        self.device = model.embed_tokens.weight.device
+        self._backend = _CountingInductor()
+        # one guarded entry per bucket graph, plus slack: never fall back to eager silently
+        torch._dynamo.config.recompile_limit = max(
+            torch._dynamo.config.recompile_limit, 2 * len(self.buckets)
+        )
+        self._layer = torch.compile(
+            _run_layer,
+            backend=self._backend,
+            fullgraph=True,
+            options={"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe},
+        )
+        self.compiled_at_start = 0  # compilations made by compile(), before any request
+        self.steps = 0  # steps run through the graphs (the start's dummy ones included)
+
+    @property
+    def compilations(self) -> int:
+        return self._backend.graphs
+
+    @property
+    def recompiles(self) -> int:
+        """Compilations after start: each one stalled a request's step."""
+        return self._backend.graphs - self.compiled_at_start
+
+    def serves(self, inputs: StepInputs) -> bool:
+        """Whether this step is a plain decode step the graphs run."""
+        rows = len(inputs.counts)
+        return (
+            0 < rows <= self.buckets[-1]
+            and inputs.num_decodes == rows
+            and inputs.num_sampled == rows
+            and len(inputs.read) == rows
+            and self.model.layer_hook is None
+        )
+
+    def bucket(self, rows: int) -> int:
+        return next(b for b in self.buckets if b >= rows)
+
+    @torch.inference_mode()
+    def compile(self) -> float:
+        """Compile every graph on dummy rows (they write block 0, which no request holds yet);
+        returns the seconds it took."""
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
+        start = time.perf_counter()
+        for rows in sorted({1, self.buckets[-1] if len(self.buckets) > 1 else 1}):
+            dummy = StepInputs(
+                input_ids=[0] * rows,
+                counts=[1] * rows,
+                starts=[1] * rows,
+                block_tables=[[0]] * rows,
+                num_decodes=rows,
+                num_verifies=0,
+                read=list(range(rows)),
+                num_sampled=rows,
+            )
+            self.run(dummy)
+        seconds = time.perf_counter() - start
+        self.compiled_at_start = self._backend.graphs
+        log.info(
+            "decode step compiled: %d graphs for buckets %s in %.1f s",
+            self.compiled_at_start,
+            self.buckets,
+            seconds,
+        )
+        return seconds
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """The final hidden states (normed) of the step's rows, in order."""
+        batch = self._pad(inputs)
+        self.steps += 1
+        model = self.model
+        h = model.embed_tokens(batch.input_ids)
+        # the first layer adds a zero residual: the same sums as the eager model, one graph
+        residual = torch.zeros_like(h)
+        for layer in model.layers:
+            h, residual = self._layer(
+                layer, batch.positions, h, residual, batch.meta, model.cos_sin
+            )
+        h, _ = model.norm(h[: batch.rows], residual[: batch.rows])
+        return h
+
+    def _pad(self, inputs: StepInputs) -> _Batch:
+        rows = len(inputs.counts)
+        padded = self.bucket(rows)
+        extra = padded - rows
+        tables = inputs.block_tables
+        width = max(MIN_TABLE_BLOCKS, max(len(t) for t in tables))
+        table = torch.zeros(padded, width, dtype=torch.int64)
+        lengths = torch.tensor([len(t) for t in tables])
+        flat = torch.tensor([b for t in tables for b in t], dtype=torch.int64)
+        # each row's blocks at the start of its table row: one scatter, no loop over rows
+        row_of = torch.repeat_interleave(torch.arange(rows), lengths)
+        col_of = torch.arange(len(flat)) - torch.repeat_interleave(
+            torch.cumsum(lengths, 0) - lengths, lengths
+        )
+        table[row_of, col_of] = flat
+        positions = torch.tensor(inputs.starts + inputs.starts[:1] * extra, dtype=torch.int64)
+        ids = torch.tensor(inputs.input_ids + inputs.input_ids[:1] * extra, dtype=torch.int64)
+        if extra:
+            table[rows:] = table[0]
+        bs = self.block_size
+        slots = table.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
+        if self.device.type != "cpu":
+            table, positions, ids, slots = (
+                t.to(self.device, non_blocking=True) for t in (table, positions, ids, slots)
+            )
+        torch._dynamo.maybe_mark_dynamic(table, 1)
+        if padded > 1:
+            torch._dynamo.maybe_mark_dynamic(table, 0)
+            for t in (positions, ids, slots):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        meta = GraphDecodeMetadata(
+            slot_mapping=slots, block_tables=table, context_lens=positions + 1
+        )
+        return _Batch(rows=rows, input_ids=ids, positions=positions, meta=meta)
