@@ -196,7 +196,8 @@ def test_pdserve_up_1p1d_answers_like_hf(model, hf_tokenizer, tmp_path) -> None:
     from tests.integration.test_up import free_port_range, metric, scrape
 
     port = free_port()
-    env = {"PDSERVE_CACHE_DIR": os.environ["PDSERVE_CACHE_DIR"]}
+    # the product's defaults: the decode worker compiles its decode step (decode_graph.py)
+    env = {"PDSERVE_CACHE_DIR": os.environ["PDSERVE_CACHE_DIR"], "PDSERVE_ENFORCE_EAGER": "0"}
     args = ["--port", str(port), "--prefill-workers", "1", "--decode-workers", "1"]  # no --model
     metrics = free_port_range(2)  # prefill-0's /metrics, then decode-0's
     args += ["--metrics-port", str(metrics)]
@@ -208,6 +209,9 @@ def test_pdserve_up_1p1d_answers_like_hf(model, hf_tokenizer, tmp_path) -> None:
         banner = [x for x in log.read_text().splitlines() if x.startswith("pdserve model:")][0]
         assert f"{NAME} from {model.source}" in banner
         assert "Q4_1 GGUF, 98 MB, 135M parameters" in banner and "in float32" in banner
+        assert (
+            "decode-0 pdserve.services.engine.decode_graph: decode step compiled" in log.read_text()
+        )
         with urllib.request.urlopen(base + "/v1/models", timeout=10) as resp:
             assert [m["id"] for m in json.loads(resp.read())["data"]] == [NAME]
 
