@@ -14,23 +14,26 @@ from the pages of the (strided, per-layer) cache view. What is materialized is s
 [B, nb, bs, Hk, G] (G / (2*D) of the K/V bytes) and one partial output per block [B, nb, Hk, G, D]
 (G / bs of the V bytes).
 
-Why this shape of computation (measured on a 2-core AVX2 EPYC, SmolLM2's 9/3 heads, D 64, block
-16, fp32; perf/paged_decode_bench.py):
+Why this shape of computation (measured on a shared 2-core AVX2 EPYC VM, SmolLM2's 9/3 heads,
+D 64, block 16, fp32; perf/paged_decode_bench.py):
 
 - Two passes, with the softmax over all positions in between (scores -> max -> exp -> sum ->
-  weighted V), not an online softmax per block: Inductor does not fuse the per-block max, exp and
-  V sum into the score loop, so "flash" partials only add passes. The score pass streams each
-  12 KiB K page in order; the extra passes over the small score buffer cost ~15% of the compute.
+  weighted V), not an online softmax per block: Inductor does not fuse a per-block max, exp and
+  V sum into the score loop (its outer-loop fusion needs matching loop prefixes, which these
+  reductions do not have), so "flash" partials only add passes. The softmax passes over the
+  small score buffer cost ~20% of the compute: rows of Hk*G = 9 vectorize as 8 lanes plus a tail.
 - V is summed per block first ([B, nb, Hk, G, D] partials), then over blocks. One reduction over
-  all nb*bs positions makes Inductor sweep every sequence's V once per (head, 8 lanes of D),
-  strided: 3-4x slower. Within a block the 16 rows stay in L1 across those sweeps.
-- Both passes are bound by memory latency, not bandwidth: pages are 12 KiB runs, scattered (and
-  interleaved with the other layers' pages), so the hardware prefetcher restarts at every page
-  and each core keeps only ~10 misses in flight. Two threads help more than any loop order; for
-  batch 1 Inductor parallelizes over blocks, which is what flash-decoding's split buys on a GPU.
+  all nb*bs positions makes Inductor sweep each sequence's V once per (head, 8 lanes of D),
+  strided: 1.5-4x slower. Within a block the 16 rows stay in L1 across those sweeps.
+- Both passes are bound by memory latency more than bandwidth: a page is a 12 KiB run, pages
+  are scattered (and interleaved with the other layers' pages), so the hardware prefetcher
+  restarts at every page. A bare sum over the same scattered pages reaches only ~60% of a
+  contiguous sum's bandwidth on one core; with the dot products in the loop, fewer misses fit in
+  flight. Threads add misses in flight; for batch 1 Inductor parallelizes over blocks, which is
+  what flash-decoding's split buys on a GPU.
 - Table slots past a sequence's last block are redirected to block 0: they are masked anyway, and
-  all of them then hit the same page in cache instead of fetching stale pages from memory (a
-  padded batch row, context 0, costs next to nothing).
+  all of them then hit one page in cache instead of fetching stale pages from memory (a padded
+  batch row, context 0, costs next to nothing).
 
 The query's own K/V is already stored in the cache (context_lens counts it). Output rows with
 context 0 are zeros.
@@ -41,7 +44,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-# Floor for the running max: a row with every position masked (context 0) has max -inf, and
+# Floor for the row max: a row with every position masked (context 0) has max -inf, and
 # exp(-inf - -inf) would be NaN; with this floor its weights are exp(-inf) = 0 and its output 0.
 _MAX_FLOOR = -1e30
 
@@ -81,7 +84,8 @@ def paged_decode_attention(
 
     # Scores [B, nb, bs, Hk, G]: each cached K row against the G query heads that share its KV
     # head. The gather stays lazy, so the reduction over D loads K from the page itself.
-    keys = _gather(k_cache, table).view(batch, table_blocks, block_size, num_kv_heads, 1, head_dim)
+    page_rows = (batch, table_blocks, block_size, num_kv_heads, 1, head_dim)
+    keys = _gather(k_cache, table).view(page_rows)
     queries = q.to(cdt).reshape(batch, 1, 1, num_kv_heads, group, head_dim)
     scores = (queries * keys.to(cdt)).sum(-1)
     if k_scale is not None:  # per token-head scale: factors out of the dot product
@@ -98,7 +102,7 @@ def paged_decode_attention(
 
     # Weighted V: per block first (its 16 rows stay in L1 across the per-head sweeps), then
     # across blocks.
-    values = _gather(v_cache, table).view(batch, table_blocks, block_size, num_kv_heads, 1, head_dim)
+    values = _gather(v_cache, table).view(page_rows)
     per_block = (weights.unsqueeze(-1) * values.to(cdt)).sum(2)  # [B, nb, Hk, G, D]
     out = per_block.sum(1) / denom.unsqueeze(-1)
     return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
