@@ -94,12 +94,19 @@ def make_engine(model: Path, args: argparse.Namespace, dtype: str, quant: str) -
     most = max([*args.batches, *args.int8_batches, 1])
     per_seq = -(-(args.prompt_len + args.warm_steps + args.steps + 2) // BLOCK)
     blocks = max(most * per_seq, -(-max([*args.prefill_lens, WARM_PREFILL]) // BLOCK)) + 8
-    return LLMEngine(
-        EngineConfig(model=str(model), device=args.device, dtype=dtype, quantization=quant,
-                     block_size=BLOCK, num_kv_blocks=blocks, max_num_seqs=most,
-                     max_num_batched_tokens=max([*args.prefill_lens, 2048]),
-                     prefix_cache=False)
-    )  # fmt: skip
+    config = EngineConfig(
+        model=str(model),
+        device=args.device,
+        dtype=dtype,
+        quantization=quant,
+        block_size=BLOCK,
+        num_kv_blocks=blocks,
+        max_num_seqs=most,
+        max_num_batched_tokens=max([*args.prefill_lens, 2048]),
+        prefix_cache=False,
+        enforce_eager=args.enforce_eager,
+    )
+    return LLMEngine(config)
 
 
 def prompts(rng: random.Random, vocab: int, count: int, length: int) -> list[list[int]]:
@@ -204,6 +211,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warm-steps", type=int, default=4)
     ap.add_argument("--steps", type=int, default=24, help="measured decode steps per round")
     ap.add_argument("--reps", type=int, default=3, help="rounds over all cases")
+    ap.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="eager decode steps (the default compiles them on a CPU)",
+    )
     ap.add_argument("--quick-peaks", action="store_true", help="quick peaks (tests only)")
     ap.add_argument("--json", type=Path, default=RESULTS / "roofline_bench.json")
     ap.add_argument("--plot", type=Path, default=RESULTS / "roofline_cpu.png")
