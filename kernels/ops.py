@@ -238,13 +238,13 @@ def paged_decode_attention(
     return impl(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
 
 
-def store_kv_graph(key: Tensor, value: Tensor, pages: Tensor, slot_mapping: Tensor) -> None:
+def store_kv_graph(key: Tensor, value: Tensor, pages: Tensor, rows: Tensor) -> None:
     """``store_kvcache`` into one layer's float pages [blocks, 2, block_size, Hk, D] (K then
     V), as one opaque in-place call of a compiled step (``kernels/graph_ops.py``: traced as
-    indexing, the write would copy the cache); every slot >= 0."""
+    indexing, the write would copy the cache); ``rows`` is ``graph_ops.kv_rows`` of the slots."""
     from pdserve.kernels import graph_ops
 
-    graph_ops.store(key, value, pages, slot_mapping)
+    graph_ops.store(key, value, pages, rows)
 
 
 def int8_linear(x: Tensor, qweight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.kernels import graph_ops
 from pdserve.services.engine.model import DecoderLayer, GraphDecodeMetadata, LlamaForCausalLM
 from pdserve.services.engine.outputs import StepInputs
 from pdserve.shared.config import EngineConfig
@@ -125,6 +126,8 @@ class DecodeGraphs:
         self.block_size = block_size
         self.buckets = buckets_up_to(max_batch)
         self.device = model.embed_tokens.weight.device
+        if not graph_ops.fits(model.layers[0].self_attn.kv_pages):
+            raise ValueError("the compiled decode step needs the block-major float KV cache")
         self._backend = _CountingInductor()
         # one guarded entry per bucket graph, plus slack: never fall back to eager silently
         torch._dynamo.config.recompile_limit = max(
@@ -233,9 +236,10 @@ class DecodeGraphs:
         torch._dynamo.maybe_mark_dynamic(table, 1)
         if padded > 1:
             torch._dynamo.maybe_mark_dynamic(table, 0)
-            for t in (positions, ids, slots):
+            for t in (positions, ids):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-        meta = GraphDecodeMetadata(
-            slot_mapping=slots, block_tables=table, context_lens=positions + 1
-        )
+        kv_rows = graph_ops.kv_rows(self.model.layers[0].self_attn.kv_pages, slots)
+        if padded > 1:
+            torch._dynamo.maybe_mark_dynamic(kv_rows, 1)
+        meta = GraphDecodeMetadata(kv_rows=kv_rows, block_tables=table, context_lens=positions + 1)
         return _Batch(rows=rows, input_ids=ids, positions=positions, meta=meta)

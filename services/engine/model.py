@@ -59,7 +59,7 @@ class GraphDecodeMetadata:
     """A decode step (one new token per row) as a compiled graph takes it: tensors only, the
     rows padded to a batch-size bucket (``services/engine/decode_graph.py``)."""
 
-    slot_mapping: torch.Tensor  # [B] where each new token's K/V is written
+    kv_rows: torch.Tensor  # [2, B] where each new token's K and V go (graph_ops.kv_rows)
     block_tables: torch.Tensor  # [B, blocks]; the block count is a dynamic size of the graph
     context_lens: torch.Tensor  # [B] cached tokens of each row, its new one included
 
@@ -186,7 +186,7 @@ class Attention(nn.Module):
         in-place op, then attention that reads the pages where they are, over the batch at once."""
         q, k = ops.rotated(positions, q, cos_sin), ops.rotated(positions, k, cos_sin)
         pages = self.kv_pages
-        ops.store_kv_graph(k, v, pages, meta.slot_mapping)
+        ops.store_kv_graph(k, v, pages, meta.kv_rows)
         out = ops.paged_decode_attention(
             q, pages[:, 0], pages[:, 1], meta.block_tables, meta.context_lens, self.scale
         )
