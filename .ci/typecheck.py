@@ -6,7 +6,8 @@ this file, counted by (file, rule, first line of the message): line numbers are 
 edits that move a finding do not count as new. The check fails when any count grows, naming the
 findings of that kind; a count that fell is reported, and `--shrink` lowers the baseline to match
 (it never raises a count). `--reset` records every finding anew: only for a deliberate change,
-such as a new pyright whose messages differ.
+such as a new pyright whose messages differ, or files moved (the key holds the path); it prints
+the old total beside the new, which should not have grown.
 """
 
 from __future__ import annotations
@@ -88,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     version, diags = run_pyright()
     now = counts(diags)
     if ns.reset:
+        was = sum(load(BASELINE)[1].values()) if BASELINE.exists() else 0
         dump(BASELINE, version, now)
-        print(f"typecheck: {sum(now.values())} findings recorded in {BASELINE.name}")
+        print(f"typecheck: {sum(now.values())} findings recorded in {BASELINE.name} (were {was})")
         return 0
     recorded, baseline = load(BASELINE)
     if recorded != version:
