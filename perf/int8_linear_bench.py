@@ -83,7 +83,7 @@ TORCHAO_COMPILE = False
 
 def torchao_candidates(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     try:
-        import torchao.quantization as tq
+        import torchao.quantization as tq  # pyright: ignore[reportMissingImports]
     except ImportError:
         return {}
     out = {}

@@ -131,7 +131,7 @@ class XGrammar(Backend):
     name, module, install = "xgrammar", "xgrammar", "pip install --no-deps xgrammar apache-tvm-ffi"
 
     def setup(self, tok: TokenizerCase) -> None:
-        import xgrammar
+        import xgrammar  # pyright: ignore[reportMissingImports]
 
         self.xgr = xgrammar
         meta = xgrammar.TokenizerInfo._detect_metadata_from_hf(tok.tokenizer_json)
@@ -175,7 +175,7 @@ class OutlinesCore(Backend):
     name, module, install = "outlines-core", "outlines_core", "pip install outlines-core"
 
     def setup(self, tok: TokenizerCase) -> None:
-        import outlines_core
+        import outlines_core  # pyright: ignore[reportMissingImports]
 
         self.oc = outlines_core
         self.vocabulary = outlines_core.Vocabulary(tok.eos, tok.byte_vocab)

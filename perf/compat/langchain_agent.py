@@ -15,6 +15,8 @@ import json
 import sys
 import time
 
+# pyright: reportMissingImports=false
+# (LangChain is in its own venv, never pdserve's, so pyright does not find it there.)
 from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI

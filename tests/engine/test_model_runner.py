@@ -10,10 +10,12 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
+from pdserve.services.engine import model_runner
 from pdserve.shared.sampling import SamplingParams
 from tests.engine_support import make_engine
 
-ENGINE_DIR = str(Path(__file__).resolve().parents[2] / "services" / "engine")
+# where the engine's code is loaded from (build/'s link tree, in the editable install)
+ENGINE_DIR = str(Path(model_runner.__file__).parent)
 SYNCING = {
     torch.Tensor.item,
     torch.Tensor.tolist,

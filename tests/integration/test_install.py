@@ -134,7 +134,7 @@ import kernels
 assert hasattr(kernels, "CUDAProperties"), kernels.__file__
 assert Path(kernels.__file__).is_relative_to(Path(md.distribution("kernels").locate_file(""))), kernels.__file__
 import pdserve.kernels.ops, pdserve.cli, pdserve.gateway.server, pdserve.services.launcher
-assert Path(pdserve.kernels.ops.__file__) == repo / "kernels" / "ops.py"
+assert Path(pdserve.kernels.ops.__file__).resolve() == repo / "kernels" / "ops.py"
 print("ok", LlamaConfig.__name__, hub_kernels.__name__)
 """
 

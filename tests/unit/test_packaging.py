@@ -9,7 +9,6 @@ side by side, and a non-editable install into a fresh venv that already holds Hu
 
 from __future__ import annotations
 
-import ast
 import importlib.metadata as md
 from pathlib import Path
 
@@ -48,28 +47,48 @@ def test_the_root_holds_one_module_the_cli() -> None:
     assert sorted(p.name for p in REPO.glob("*.py")) == ["cli.py"]
 
 
-def test_the_editable_install_maps_only_the_pdserve_namespace() -> None:
+def link_tree() -> tuple[md.Distribution, Path]:
+    """The editable install (`make setup`) and the tree of links its .pth puts on sys.path."""
     # the installed one, not the pdserve.egg-info an editable build leaves in the root
     installed = [
-        (dist, finder)
+        (dist, pth)
         for dist in md.distributions(name="pdserve")
-        for finder in dist.files or []
-        if finder.name.endswith("_finder.py")
+        for pth in dist.files or []
+        if pth.name.startswith("__editable__") and pth.name.endswith(".pth")
     ]
     assert installed, "pdserve is not installed editable (make setup does that)"
-    [(dist, finder)] = installed
+    [(dist, pth)] = installed
+    tree = Path(dist.locate_file(pth)).read_text().strip()
+    # strict mode: a path (the default mode's import hook is a line of code no static tool runs)
+    assert Path(tree).is_dir(), f"not a strict editable install: {tree!r} (make setup does that)"
+    return dist, Path(tree)
+
+
+def test_the_editable_install_holds_the_pdserve_namespace_only() -> None:
+    """Strict mode: build/ holds `pdserve/`, a tree of links, which pyright, jedi and Python all
+    find on sys.path; an implicit namespace, like the folders it maps."""
+    dist, tree = link_tree()
     assert dist.read_text("top_level.txt").split() == ["pdserve"]
-    tree = ast.parse(Path(dist.locate_file(finder)).read_text())
-    tables = {
-        node.target.id: ast.literal_eval(node.value)
-        for node in tree.body
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value
-        if node.target.id in ("MAPPING", "NAMESPACES")
-    }
-    # `pdserve` is the root (for pdserve.cli); the four folders hang under it as namespaces
-    assert tables["MAPPING"] == {"pdserve": str(REPO)}
-    assert {f"pdserve.{f}" for f in FOLDERS} <= set(tables["NAMESPACES"])
-    assert {name.split(".")[0] for name in tables["NAMESPACES"]} == {"pdserve"}
+    assert tree.parent == REPO / "build"
+    assert [p.name for p in tree.iterdir()] == ["pdserve"]
+    assert not (tree / "pdserve" / "__init__.py").exists()
+    assert {p.name for p in (tree / "pdserve").iterdir()} >= {"cli.py", *FOLDERS}
     # and the console script comes from the namespace
     [script] = [ep for ep in dist.entry_points if ep.group == "console_scripts"]
     assert (script.name, script.value) == ("pdserve", "pdserve.cli:main")
+
+
+def test_the_link_tree_holds_every_module_as_it_is() -> None:
+    """A module added, moved or removed since the tree was laid is missing from `pdserve`, or
+    lingers in it, until `make setup` lays it again (any make target does)."""
+    _, tree = link_tree()
+    modules = {
+        p.relative_to(REPO)
+        for folder in FOLDERS
+        for p in (REPO / folder).rglob("*.py")
+        if "__pycache__" not in p.parts
+    } | {Path("cli.py")}
+    linked = {p.relative_to(tree / "pdserve"): p for p in (tree / "pdserve").rglob("*.py")}
+    stale = sorted(str(p) for p in modules ^ {p for p, link in linked.items() if link.exists()})
+    assert not stale, f"build/'s link tree is out of date, `make setup` lays it again: {stale}"
+    assert all(linked[p].resolve() == REPO / p for p in modules)
