@@ -21,7 +21,9 @@ ENV_PREFIX = "PDSERVE_"
 T = TypeVar("T")
 
 
-def opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, multiple: bool = False):
+def opt(
+    default: Any, help: str, *, choices: tuple[str, ...] | None = None, multiple: bool = False
+) -> Any:
     """A config field: its default, help text, allowed choices, and whether it may repeat."""
     meta = {"help": help, "choices": choices, "multiple": multiple}
     if isinstance(default, list):

@@ -126,7 +126,8 @@ class DecodeGraphs:
         self.block_size = block_size
         self.buckets = buckets_up_to(max_batch)
         self.device = model.embed_tokens.weight.device
-        if not graph_ops.fits(model.layers[0].self_attn.kv_pages):
+        self._first_pages = model.decoder_layers()[0].self_attn.kv_pages
+        if not graph_ops.fits(self._first_pages):
             raise ValueError("the compiled decode step needs the block-major float KV cache")
         self._backend = _CountingInductor()
         # one guarded entry per bucket graph, plus slack: never fall back to eager silently
@@ -201,7 +202,7 @@ class DecodeGraphs:
         h = model.embed_tokens(batch.input_ids)
         # the first layer adds a zero residual: the same sums as the eager model, one graph
         residual = torch.zeros_like(h)
-        for layer in model.layers:
+        for layer in model.decoder_layers():
             h, residual = self._layer(
                 layer, batch.positions, h, residual, batch.meta, model.cos_sin
             )
@@ -238,7 +239,7 @@ class DecodeGraphs:
             torch._dynamo.maybe_mark_dynamic(table, 0)
             for t in (positions, ids):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-        kv_rows = graph_ops.kv_rows(self.model.layers[0].self_attn.kv_pages, slots)
+        kv_rows = graph_ops.kv_rows(self._first_pages, slots)
         if padded > 1:
             torch._dynamo.maybe_mark_dynamic(kv_rows, 1)
         meta = GraphDecodeMetadata(kv_rows=kv_rows, block_tables=table, context_lens=positions + 1)

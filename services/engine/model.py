@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -258,13 +259,18 @@ class LlamaForCausalLM(nn.Module):
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """Point every layer at its K and V views (and scales) of the block-major cache."""
         values, scales = (kv_cache, None) if self.kv_spec is None else self.kv_spec.split(kv_cache)
-        for i, layer in enumerate(self.layers):
-            layer.self_attn.k_cache = values[:, i, 0]
-            layer.self_attn.v_cache = values[:, i, 1]
-            layer.self_attn.kv_pages = values[:, i]
+        for i, layer in enumerate(self.decoder_layers()):
+            attn = layer.self_attn
+            attn.k_cache = values[:, i, 0]
+            attn.v_cache = values[:, i, 1]
+            attn.kv_pages = values[:, i]
             if scales is not None:
-                layer.self_attn.k_scale = scales[:, i, 0]
-                layer.self_attn.v_scale = scales[:, i, 1]
+                attn.k_scale = scales[:, i, 0]
+                attn.v_scale = scales[:, i, 1]
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """The layers, typed (``nn.ModuleList`` yields plain modules to a type checker)."""
+        return [cast(DecoderLayer, layer) for layer in self.layers]
 
     def forward(
         self,
