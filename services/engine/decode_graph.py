@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,8 +135,13 @@ class DecodeGraphs:
         torch._dynamo.config.recompile_limit = max(
             torch._dynamo.config.recompile_limit, 2 * len(self.buckets)
         )
+        # A code object of its own: Dynamo keeps compiled graphs per code object, so engines
+        # sharing ``_run_layer``'s would pile their graphs onto one recompile limit (a test
+        # session hit it), and, with only tensor guards kept, one model's graph could serve
+        # another of the same shapes (its eps and scale are constants in the graph).
+        run_layer = types.FunctionType(_run_layer.__code__.replace(), _run_layer.__globals__)
         self._layer = torch.compile(
-            _run_layer,
+            run_layer,
             backend=self._backend,
             fullgraph=True,
             options={"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe},

@@ -115,3 +115,17 @@ def test_int8_weights_compile_and_match_eager(checkpoints):
     eager, compiled = both(model_dir, dtype="float32", quantization="int8")
     assert run_staggered(compiled, prompts, GREEDY) == run_staggered(eager, prompts, GREEDY)
     served_compiled(compiled)
+
+
+def test_engines_in_one_process_keep_their_own_graphs(checkpoints):
+    """Dynamo keeps compiled graphs per code object: each engine compiles its own, so a process
+    that builds many (a test session did) never meets the recompile limit, and no engine runs
+    another's graph (only tensor guards are kept)."""
+    model_dir = checkpoints["llama-gqa"]
+    prompts = random_prompts(2, seed=16, max_len=10)
+    expected = make_engine(model_dir).generate(prompts, GREEDY)
+    for _ in range(5):  # buckets [1, 2]: a recompile limit of 8 graphs, 10 made
+        engine = make_engine(model_dir, enforce_eager=False, max_num_seqs=2)
+        assert engine.runner.graphs.compiled_at_start == 2
+        assert engine.generate(prompts, GREEDY) == expected
+        served_compiled(engine)
