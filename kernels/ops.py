@@ -103,9 +103,11 @@ def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Ten
     _impl("rotary_embedding", q)(positions, q, k, cos_sin_cache)
 
 
-def rotated(positions: Tensor, x: Tensor, cos_sin_cache: Tensor) -> Tensor:
-    """``rotary_embedding`` of one of q or k, as a new tensor: for traced (compiled) code."""
-    return reference.rotated(positions, x, cos_sin_cache)
+def rotated(
+    positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``rotary_embedding``'s q and k as new tensors: for traced (compiled) code."""
+    return reference.rotated(positions, q, k, cos_sin_cache)
 
 
 def store_kvcache(

@@ -90,20 +90,27 @@ def build_rope_cache(
 
 def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor) -> None:
     """Rotate q [T,Hq,D] and k [T,Hk,D] in place, HF "rotate_half" (neox) style."""
-    for x in (q, k):
-        x.copy_(rotated(positions, x, cos_sin_cache))
+    q_rot, k_rot = rotated(positions, q, k, cos_sin_cache)
+    q.copy_(q_rot)
+    k.copy_(k_rot)
 
 
-def rotated(positions: Tensor, x: Tensor, cos_sin_cache: Tensor) -> Tensor:
-    """x [T,H,D] rotated to positions [T] (a new tensor of x's dtype): what a compiled step
-    uses, where rotating a view of the qkv output in place would be functionalized."""
+def rotated(
+    positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor
+) -> tuple[Tensor, Tensor]:
+    """q and k rotated to positions [T], as new tensors of their dtype (one cos/sin lookup for
+    both): what a compiled step uses, where rotating views of the qkv output in place would be
+    functionalized."""
     cos_sin = cos_sin_cache[positions]
     cos, sin = cos_sin.chunk(2, dim=-1)
     cos = cos[:, None, :]
     sin = sin[:, None, :]
-    xc = x.to(compute_dtype(x.dtype))
-    x1, x2 = xc.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    out = []
+    for x in (q, k):
+        xc = x.to(compute_dtype(x.dtype))
+        x1, x2 = xc.chunk(2, dim=-1)
+        out.append(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype))
+    return out[0], out[1]
 
 
 def store_kvcache(

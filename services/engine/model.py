@@ -185,7 +185,7 @@ class Attention(nn.Module):
         """A compiled decode step's attention: rotary as new tensors (an in-place rotation of
         qkv's views reached the KV write unrotated once traced), the KV write as one opaque
         in-place op, then attention that reads the pages where they are, over the batch at once."""
-        q, k = ops.rotated(positions, q, cos_sin), ops.rotated(positions, k, cos_sin)
+        q, k = ops.rotated(positions, q, k, cos_sin)
         pages = self.kv_pages
         ops.store_kv_graph(k, v, pages, meta.kv_rows)
         out = ops.paged_decode_attention(
