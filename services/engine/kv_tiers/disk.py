@@ -117,10 +117,6 @@ class DiskTier:
         self._identified.wait()
         return self._identity
 
-    @property
-    def used_bytes(self) -> int:
-        return self._bytes
-
     def path(self, block_hash: int) -> Path:
         return self.dir / file_name(block_hash, self.layout)
 
