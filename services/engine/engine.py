@@ -108,8 +108,12 @@ class LLMEngine:
         except BaseException:
             self.close()
             raise
-        log.info("model %s, served as %s in %s", describe(self.resolved), self.model_name,
-                 str(self.dtype).removeprefix("torch."))  # fmt: skip
+        log.info(
+            "model %s, served as %s in %s",
+            describe(self.resolved),
+            self.model_name,
+            str(self.dtype).removeprefix("torch."),
+        )
         if self.is_demo:
             log.warning(
                 "serving the DEMO model (random weights, byte tokenizer): its text is noise"
@@ -137,16 +141,23 @@ class LLMEngine:
         self.runner.ranks = self.ranks
         self.step_cost = StepCost.of_runner(self.runner, cfg, shard)  # the roofline's counts
         # speculative decoding (``spec/``): decode-side only, a prefill worker never drafts
-        target = TargetModel(self.model_dir, cfg, self.num_blocks, self.block_size, self.device,
-                             self.dtype)  # fmt: skip
+        target = TargetModel(
+            self.model_dir, cfg, self.num_blocks, self.block_size, self.device, self.dtype
+        )
         self.speculator = (
             None if prefill_only else build_speculator(config, self.max_model_len, target)
         )
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-            cfg.eos_token_ids, self.max_model_len, prefill_only=prefill_only,
-            kv_failure_policy=kv_failure_policy, speculator=self.speculator, seed=config.seed,
-        )  # fmt: skip
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            cfg.eos_token_ids,
+            self.max_model_len,
+            prefill_only=prefill_only,
+            kv_failure_policy=kv_failure_policy,
+            speculator=self.speculator,
+            seed=config.seed,
+        )
         self.offload = KVOffload.build(self)  # evicted blocks to host memory and disk, and back
         # Crossing threads: commands in (a deque's append/popleft are atomic), a wake-up event,
         # and the latest stats snapshot and prefix-cache events out.

@@ -48,7 +48,7 @@ class StreamHooks:
         starts = [
             StreamStart(
                 seq.bus_id, list(seq.block_table), seq.num_prompt_tokens, seq.num_computed_tokens
-            )  # fmt: skip
+            )
             for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
             if seq.num_prompt_tokens >= self.min_tokens
             and not seq.output_token_ids

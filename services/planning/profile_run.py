@@ -36,9 +36,17 @@ from pdserve.shared.planner.profile import Profile
 ROLE_TIMEOUT_S = 1800.0  # a large model on a slow machine: loading alone may take minutes
 # the options that change what a step costs, recorded so a profile says what it measured
 SHAPING_OPTIONS = (
-    "model", "device", "dtype", "quantization", "kv_cache_dtype", "block_size",
-    "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "speculative",
-)  # fmt: skip
+    "model",
+    "device",
+    "dtype",
+    "quantization",
+    "kv_cache_dtype",
+    "block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "tensor_parallel_size",
+    "speculative",
+)
 
 
 class ProfileError(StartupError):
@@ -60,8 +68,9 @@ class ProfileSettings:
         if quick:
             return cls((64, 256, 1024), (1, 2, 4), (64, 256), 10, 3, 0.5)
         if gpu:  # steps cost milliseconds: batches up to the engine's default cap
-            return cls((128, 512, 2048, 8192), (1, 2, 4, 8, 16, 32, 64), (256, 1024, 4096),
-                       10, 5, 2.0)  # fmt: skip
+            return cls(
+                (128, 512, 2048, 8192), (1, 2, 4, 8, 16, 32, 64), (256, 1024, 4096), 10, 5, 2.0
+            )
         return cls((128, 512, 2048), (1, 2, 4, 8), (256, 1024, 4096), 5, 3, 2.0)
 
     def capped(self, max_num_seqs: int) -> ProfileSettings:
@@ -190,12 +199,23 @@ def run_profile(
     with tempfile.TemporaryDirectory(prefix="pdserve-plan-") as tmp:
         results = {}
         for role, spec in (
-            ("prefill", {"lens": list(settings.prefill_lens), "reps": settings.prefill_reps,
-                         "rep_seconds": settings.rep_seconds}),
-            ("decode", {"batches": list(settings.decode_batches),
-                        "contexts": list(settings.decode_contexts),
-                        "steps": settings.decode_steps}),
-        ):  # fmt: skip
+            (
+                "prefill",
+                {
+                    "lens": list(settings.prefill_lens),
+                    "reps": settings.prefill_reps,
+                    "rep_seconds": settings.rep_seconds,
+                },
+            ),
+            (
+                "decode",
+                {
+                    "batches": list(settings.decode_batches),
+                    "contexts": list(settings.decode_contexts),
+                    "steps": settings.decode_steps,
+                },
+            ),
+        ):
             p = place[role]
             where = f"GPU {p.gpus}" if p.gpus else f"CPUs {p.cpus}" if p.cpus else "all CPUs"
             progress(f"profiling a {role} worker ({where}) ...")

@@ -305,6 +305,12 @@ class DiskTier:
             evicted = self._evict_over_capacity()
         for h in evicted:
             self._delete(h)
-        log.info("KV disk tier %s: %d blocks indexed (%d removed; ignored: %d of other layouts, "
-                 "%d of other weights)", self.dir, len(self._index), self.counts.corrupt_removed,
-                 self.counts.foreign_ignored, self.counts.other_weights_ignored)  # fmt: skip
+        log.info(
+            "KV disk tier %s: %d blocks indexed (%d removed; ignored: %d of other layouts, "
+            "%d of other weights)",
+            self.dir,
+            len(self._index),
+            self.counts.corrupt_removed,
+            self.counts.foreign_ignored,
+            self.counts.other_weights_ignored,
+        )
