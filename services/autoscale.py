@@ -104,7 +104,11 @@ def settings(up: UpConfig) -> Settings:
         start = getattr(up, f"{role}_workers")
         setattr(up, f"{role}_workers", max(low, min(high or start, start)))
     return Settings(
-        profile, slo, up.autoscale_interval, up.planner_warmup_seconds, up.planner_metrics_port
+        profile=profile,
+        slo=slo,
+        interval_s=up.autoscale_interval,
+        warmup_s=up.planner_warmup_seconds,
+        metrics_port=up.planner_metrics_port,
     )
 
 
@@ -119,7 +123,14 @@ def fleet_limits(up: UpConfig, costs: dict[str, float], budget: float, unit: str
         bounds[role] = (low, high or max(low, int(room / costs[role] + 1e-9)))
     try:
         return Limits(
-            *bounds["prefill"], *bounds["decode"], costs["prefill"], costs["decode"], budget, unit
+            min_prefill=bounds["prefill"][0],
+            max_prefill=bounds["prefill"][1],
+            min_decode=bounds["decode"][0],
+            max_decode=bounds["decode"][1],
+            prefill_cost=costs["prefill"],
+            decode_cost=costs["decode"],
+            budget=budget,
+            unit=unit,
         )
     except ValueError as exc:
         flag = f"--autoscale-max-{unit.lower()}s"

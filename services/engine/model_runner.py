@@ -107,14 +107,14 @@ class ModelRunner:
         num_sampled = len(read)
         read += prompt_plan.flat_indices if prompt_plan else []
         inputs = StepInputs(
-            input_ids,
-            counts,
-            starts_list,
-            [s.block_table for s in seqs],
-            batch.num_decodes,
-            batch.num_verifies,
-            read,
-            num_sampled,
+            input_ids=input_ids,
+            counts=counts,
+            starts=starts_list,
+            block_tables=[s.block_table for s in seqs],
+            num_decodes=batch.num_decodes,
+            num_verifies=batch.num_verifies,
+            read=read,
+            num_sampled=num_sampled,
         )
         if self.ranks is not None:
             inputs.block_copies, self.block_copies = self.block_copies, []

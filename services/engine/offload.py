@@ -134,14 +134,14 @@ class KVOffload:
         # the disk files name the checkpoint too, digested on the disk thread (weights_digest.py)
         weights = partial(weights_digest, engine.model_dir, cfg.quantization) if disk else None
         tiers = KVTiers(
-            block,
-            layout,
-            int(cfg.kv_offload_ram_gib * GIB),
-            engine.device,
-            disk,
-            int(cfg.kv_offload_disk_gib * GIB),
-            weights,
-            shards,
+            block_bytes=block,
+            layout=layout,
+            ram_bytes=int(cfg.kv_offload_ram_gib * GIB),
+            device=engine.device,
+            disk_dir=disk,
+            disk_bytes=int(cfg.kv_offload_disk_gib * GIB),
+            weights=weights,
+            shards=shards,
         )
         log.info(
             "KV offload: %d blocks of host memory%s%s%s",

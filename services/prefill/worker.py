@@ -239,7 +239,12 @@ class PrefillWorker(Worker):
             )
             self.streams[start.bus_id] = stream
             early = PrefillResult(
-                start.bus_id, self.worker_id, None, None, self.make_handle(lease), None
+                bus_id=start.bus_id,
+                worker_id=self.worker_id,
+                first_token=None,
+                finish_reason=None,
+                kv=self.make_handle(lease),
+                error=None,
             )
             headers = tracing.inject_headers(context=state.context)
             self.spawn(self._reply(state.reply_to, early, headers))

@@ -137,18 +137,25 @@ def bottleneck(before: Snapshot, after: Snapshot) -> dict[str, PhaseBottleneck]:
             continue
         flops, moved, busy = sums
         b = PhaseBottleneck(
-            phase,
-            workers,
-            flops,
-            moved,
-            busy,
-            Cost(flops, moved).intensity,
-            flops / busy,
-            moved / busy,
+            phase=phase,
+            workers=workers,
+            flops=flops,
+            bytes=moved,
+            busy_seconds=busy,
+            intensity=Cost(flops, moved).intensity,
+            flops_per_s=flops / busy,
+            bytes_per_s=moved / busy,
             unmeasured_workers=unmeasured,
         )
         if measured[2] > 0:
-            peaks = Peaks(attainable[0] / measured[2], attainable[1] / measured[2], "", "", 0, 0)
+            peaks = Peaks(
+                flops_per_s=attainable[0] / measured[2],
+                bytes_per_s=attainable[1] / measured[2],
+                device="",
+                dtype="",
+                threads=0,
+                measured_at=0,
+            )
             r = roofline(Cost(measured[0], measured[1]), measured[2], peaks)
             b.peak_flops_per_s, b.peak_bytes_per_s = peaks.flops_per_s, peaks.bytes_per_s
             b.ridge = peaks.ridge

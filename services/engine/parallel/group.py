@@ -147,16 +147,16 @@ class RankGroup:
         try:
             for rank in range(1, group.size):
                 spec = RankSpec(
-                    rank,
-                    group.size,
-                    server.getsockname()[:2],
-                    key,
-                    init_port,
-                    dataclasses.asdict(config),
-                    str(model_dir),
-                    str(device),
-                    shares[rank] if shares else None,
-                    len(shares[rank]) if shares else threads,
+                    rank=rank,
+                    size=group.size,
+                    control=server.getsockname()[:2],
+                    key=key,
+                    init_port=init_port,
+                    config=dataclasses.asdict(config),
+                    model_dir=str(model_dir),
+                    device=str(device),
+                    cpus=shares[rank] if shares else None,
+                    threads=len(shares[rank]) if shares else threads,
                 )
                 argv = [sys.executable, "-m", "pdserve.services.engine.parallel.rank"]
                 group.procs.append(subprocess.Popen([*argv, json.dumps(dataclasses.asdict(spec))]))

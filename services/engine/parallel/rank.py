@@ -67,11 +67,11 @@ def serve(spec: RankSpec) -> None:
         raise
     runner = ModelRunner(built.model, built.kv_cache, config.block_size, device)
     agent = KVAgent(
-        kv_conn,
-        built.kv_cache,
-        shard.kv_heads(built.model.cfg),
-        kv_parts(built.kv_spec),
-        config.block_size,
+        conn=kv_conn,
+        kv_cache=built.kv_cache,
+        heads=shard.kv_heads(built.model.cfg),
+        split=kv_parts(built.kv_spec),
+        block_size=config.block_size,
     )
     agent.start()
     tiers = RankTiers(built.kv_cache)  # this rank's shard of the KV offload tiers
