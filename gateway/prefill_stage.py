@@ -115,13 +115,13 @@ class PrefillStage:
             deadline = min(self.deadline, time.time() + self.limits.prefill_timeout)
             epoch = self.port.bus_epoch
             msg = PrefillRequest(
-                self.bus_id,
-                self.prompt,
-                self.sampling,
-                self.port.inbox,
-                on_wire(deadline),
-                self.client_id,
-                self.port.can_stream(),
+                bus_id=self.bus_id,
+                prompt_token_ids=self.prompt,
+                sampling=self.sampling,
+                reply_to=self.port.inbox,
+                deadline=on_wire(deadline),
+                client_id=self.client_id,
+                stream_kv=self.port.can_stream(),
             )
             await self.port.send(worker, msg, self.headers)
             while True:

@@ -66,12 +66,31 @@ class ProfileSettings:
     def default(cls, *, quick: bool, gpu: bool) -> ProfileSettings:
         """About a minute for SmolLM2 on 2 CPUs; ``quick``, seconds on the demo model (tests)."""
         if quick:
-            return cls((64, 256, 1024), (1, 2, 4), (64, 256), 10, 3, 0.5)
+            return cls(
+                prefill_lens=(64, 256, 1024),
+                decode_batches=(1, 2, 4),
+                decode_contexts=(64, 256),
+                decode_steps=10,
+                prefill_reps=3,
+                rep_seconds=0.5,
+            )
         if gpu:  # steps cost milliseconds: batches up to the engine's default cap
             return cls(
-                (128, 512, 2048, 8192), (1, 2, 4, 8, 16, 32, 64), (256, 1024, 4096), 10, 5, 2.0
+                prefill_lens=(128, 512, 2048, 8192),
+                decode_batches=(1, 2, 4, 8, 16, 32, 64),
+                decode_contexts=(256, 1024, 4096),
+                decode_steps=10,
+                prefill_reps=5,
+                rep_seconds=2.0,
             )
-        return cls((128, 512, 2048), (1, 2, 4, 8), (256, 1024, 4096), 5, 3, 2.0)
+        return cls(
+            prefill_lens=(128, 512, 2048),
+            decode_batches=(1, 2, 4, 8),
+            decode_contexts=(256, 1024, 4096),
+            decode_steps=5,
+            prefill_reps=3,
+            rep_seconds=2.0,
+        )
 
     def capped(self, max_num_seqs: int) -> ProfileSettings:
         """Batches the engine can run (``--max-num-seqs``); the largest always measured."""

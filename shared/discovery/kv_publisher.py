@@ -147,12 +147,12 @@ class KVEventPublisher:
 
     def _msg(self, stored: list[int], removed: list[int], tier: str, **kw) -> KVEvents:
         return KVEvents(
-            self.worker_id,
-            self.instance,
-            self.block_size,
-            self.seq,
-            stored,
-            removed,
+            worker_id=self.worker_id,
+            instance=self.instance,
+            block_size=self.block_size,
+            seq=self.seq,
+            stored=stored,
+            removed=removed,
             tier=tier,
             **kw,
         )

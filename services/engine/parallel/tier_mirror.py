@@ -73,10 +73,10 @@ class TierLog:
         step = self.shard_bytes
         return [
             TierOps(
-                self.num_slots,
-                [(block, data[r * step : (r + 1) * step]) for block, data in puts],
-                copies,
-                gather,
+                num_slots=self.num_slots,
+                puts=[(block, data[r * step : (r + 1) * step]) for block, data in puts],
+                copies=copies,
+                gather=gather,
             )
             for r in range(1, self.ranks + 1)
         ]
