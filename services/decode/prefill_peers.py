@@ -22,7 +22,7 @@ class PrefillPeers:
         self.addresses: dict[str, str] = {}
         self._spawn = spawn
 
-    def on_load(self, client: KVClient | None, load: WorkerLoad | WorkerGone) -> None:
+    def on_load(self, client: KVClient, load: WorkerLoad | WorkerGone) -> None:
         """A worker rejoining after a NATS reconnect keeps its endpoint: aborting ours would also
         fail its twin on the prefill side, which that worker may be about to send a pull's
         blocks on (UCX pairs the two), and every pull until it noticed would fail."""
@@ -30,15 +30,15 @@ class PrefillPeers:
             if load.rejoining:
                 return
             address = self.addresses.pop(load.worker_id, None)
-            if address is not None and client is not None:
+            if address is not None:
                 client.disconnect(address)
             return
         if load.ucx_address and self.addresses.get(load.worker_id) != load.ucx_address:
             self.addresses[load.worker_id] = load.ucx_address
             self._spawn(self._connect(client, load.worker_id, load.ucx_address))
 
-    async def _connect(self, client: KVClient | None, worker_id: str, address: str) -> None:
+    async def _connect(self, client: KVClient, worker_id: str, address: str) -> None:
         try:
-            await client.connect(address)  # type: ignore[union-attr]
+            await client.connect(address)
         except Exception as exc:  # the pull will try again and report properly
             log.info("could not pre-connect to %s: %r", worker_id, exc)

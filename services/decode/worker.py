@@ -119,6 +119,7 @@ class DecodeWorker(Worker):
     async def _on_prefill_load(
         self, load: WorkerLoad | WorkerGone, headers: dict[str, str]
     ) -> None:
+        assert self.kv_client is not None  # start_extra made it before we subscribed
         self.prefill_peers.on_load(self.kv_client, load)
 
     def load_extra(self) -> dict:
