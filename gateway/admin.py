@@ -37,11 +37,16 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY_KEY]
     external = query_flag(request, "reset_external")
     if query_flag(request, "reset_running_requests"):
-        raise APIError(400, "reset_running_requests is not supported: running requests keep "
-                       "their KV; retry when idle", param="reset_running_requests")  # fmt: skip
+        raise APIError(
+            400,
+            "reset_running_requests is not supported: running requests keep "
+            "their KV; retry when idle",
+            param="reset_running_requests",
+        )
     workers = sorted(w.worker_id for w in gw.workers.loads())
-    answers = await reset_all(gw.bus, workers, f"reset-{secrets.token_hex(4)}", RESET_TIMEOUT,
-                              external)  # fmt: skip
+    answers = await reset_all(
+        gw.bus, workers, f"reset-{secrets.token_hex(4)}", RESET_TIMEOUT, external
+    )
     outcome = {
         worker: {"status": a.status, "blocks": a.blocks, "tier_blocks": a.tier_blocks}
         if isinstance(a, PrefixCacheReset)
@@ -51,6 +56,7 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     left = {w: o["status"] for w, o in outcome.items() if o["status"] != "ok"}
     if left:
         detail = ", ".join(f"{w}: {s}" for w, s in sorted(left.items()))
-        raise APIError(409, f"prefix cache not reset everywhere ({detail}); retry when idle",
-                       code="busy")  # fmt: skip
+        raise APIError(
+            409, f"prefix cache not reset everywhere ({detail}); retry when idle", code="busy"
+        )
     return web.json_response({"object": "prefix_cache_reset", "workers": outcome})

@@ -45,6 +45,7 @@ from typing import Any
 
 from opentelemetry.context import Context
 
+from pdserve.gateway.abandoned import AbandonedLegs
 from pdserve.gateway.inflight import InFlight
 from pdserve.gateway.inflight_types import (
     DEFAULT_MAX_MIGRATIONS,
@@ -85,7 +86,6 @@ _tracer = tracer(__name__)
 # skipped and a migration waits for a decode worker to be heard: past it, the registry knows.
 RECOVERY_TIMEOUTS = 2.0
 RECOVERY_POLL_SECONDS = 0.1  # only while recovering: how often the registry is looked at
-MAX_ABANDONED = 4096  # legs migrated away, remembered to cancel again where they were
 
 
 class Dispatcher:
@@ -117,7 +117,7 @@ class Dispatcher:
         self._pending: dict[str, InFlight] = {}  # bus id -> request
         self._background: set[asyncio.Task] = set()
         # bus id -> (decode worker, deadline) of legs migrated away from that worker
-        self._abandoned: dict[str, tuple[str, float]] = {}
+        self._abandoned = AbandonedLegs()
         self.bus_epoch = 0  # reconnects of our bus so far
         self._reconnected: tuple[float, float] | None = None  # (time.time(), registry clock)
         workers.add_listener(self._on_registry_event)
@@ -210,17 +210,11 @@ class Dispatcher:
         """A leg migrates away from ``worker_id``: cancel it there (a worker that was not really
         gone frees its blocks), now and again if that worker turns up again."""
         self.spawn(self.cancel(bus_id))
-        self._abandoned[bus_id] = (worker_id, deadline)
-        while len(self._abandoned) > MAX_ABANDONED:
-            del self._abandoned[next(iter(self._abandoned))]
+        self._abandoned.add(worker_id, bus_id, deadline)
 
     def _cancel_abandoned(self, worker_id: str | None) -> None:
-        now = time.time()
-        for bus_id, (worker, deadline) in list(self._abandoned.items()):
-            if deadline < now:  # its worker is done with it (see Leg.abandoned_until)
-                del self._abandoned[bus_id]
-            elif worker_id is None or worker == worker_id:
-                self.spawn(self.cancel(bus_id))
+        for bus_id in self._abandoned.to_cancel(worker_id):
+            self.spawn(self.cancel(bus_id))
 
     async def _cancel_abandoned_when_heard(self) -> None:
         """After a reconnect: cancel the abandoned legs again once workers are heard (the
@@ -342,9 +336,13 @@ class Dispatcher:
     def _limits(self) -> Limits:
         """What a request arriving now runs under."""
         return Limits(
-            self.request_timeout, self.prefill_timeout, self.first_token_timeout,
-            self.stall_timeout, self.max_migrations, self.workers.timeout,
-        )  # fmt: skip
+            request_timeout=self.request_timeout,
+            prefill_timeout=self.prefill_timeout,
+            first_token_timeout=self.first_token_timeout,
+            stall_timeout=self.stall_timeout,
+            max_migrations=self.max_migrations,
+            worker_timeout=self.workers.timeout,
+        )
 
     @contextlib.contextmanager
     def _tracking(self, request: InFlight) -> Iterator[None]:

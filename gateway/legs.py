@@ -299,8 +299,15 @@ def record_migration(
     log.warning(
         "migrated %s (%s) from decode worker %s to %s with %d delivered token(s) (%s; "
         "migration %d of at most %d)",
-        client_id, bus_id, ",".join(old), ",".join(to), tokens, reason, count, limit,
-    )  # fmt: skip
+        client_id,
+        bus_id,
+        ",".join(old),
+        ",".join(to),
+        tokens,
+        reason,
+        count,
+        limit,
+    )
     trace.get_current_span(context).add_event(
         tr.EVENT_MIGRATION,
         {

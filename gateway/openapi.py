@@ -211,7 +211,7 @@ def openapi_spec(model: str) -> dict[str, Any]:
                             ("reset_external", "empty the KV offload tiers too"),
                             ("reset_running_requests", "not supported: true is refused (400)"),
                         )
-                    ],  # fmt: skip
+                    ],
                     "responses": {
                         "200": {"description": "reset on every worker: blocks forgotten each"},
                         "400": {"description": "a flag that is not true or false"},

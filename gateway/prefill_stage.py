@@ -115,9 +115,14 @@ class PrefillStage:
             deadline = min(self.deadline, time.time() + self.limits.prefill_timeout)
             epoch = self.port.bus_epoch
             msg = PrefillRequest(
-                self.bus_id, self.prompt, self.sampling, self.port.inbox, on_wire(deadline),
-                self.client_id, self.port.can_stream(),
-            )  # fmt: skip
+                bus_id=self.bus_id,
+                prompt_token_ids=self.prompt,
+                sampling=self.sampling,
+                reply_to=self.port.inbox,
+                deadline=on_wire(deadline),
+                client_id=self.client_id,
+                stream_kv=self.port.can_stream(),
+            )
             await self.port.send(worker, msg, self.headers)
             while True:
                 item = await self._next(deadline)
@@ -162,9 +167,11 @@ class PrefillStage:
         computed (its first token; or why it never came - the leg's pull then fails)."""
         kv = self.kv
         return (
-            kv is not None and kv.streaming and result.bus_id == self.bus_id
+            kv is not None
+            and kv.streaming
+            and result.bus_id == self.bus_id
             and result.worker_id == kv.worker_id
-        )  # fmt: skip
+        )
 
     def _streamed_first(self, result: PrefillResult) -> TokenEvent | None:
         """The prefill worker's first token, while the decode worker pulls the KV: the client

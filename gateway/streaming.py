@@ -109,8 +109,12 @@ class Chunks:
             delta: dict[str, Any] = {} if text is None else {"content": text}
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": index, "text": text or "", "logprobs": logprobs,
-                      "finish_reason": finish}  # fmt: skip
+            choice = {
+                "index": index,
+                "text": text or "",
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }
         payload = {**self.base, "choices": [choice]}
         params = self.gen.params
         if params.return_token_ids:

@@ -42,11 +42,19 @@ TEMPLATE_KWARG_NAME = "^[A-Za-z_][A-Za-z0-9_]{0,63}$"  # a name a Jinja template
 # a client's value would clash with, or silently shadow, the server's.
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {
-        "messages", "add_generation_prompt", "continue_final_message", "bos_token",
-        "eos_token", "raise_exception", "strftime_now", "tools", "documents", "chat_template",
+        "messages",
+        "add_generation_prompt",
+        "continue_final_message",
+        "bos_token",
+        "eos_token",
+        "raise_exception",
+        "strftime_now",
+        "tools",
+        "documents",
+        "chat_template",
         "tokenize",
     }
-)  # fmt: skip
+)
 
 
 def _not_the_whole_vocabulary(value: Any) -> Any:

@@ -50,11 +50,19 @@ def _choice_json(gen: Generation, choice: ResponseChoice) -> dict[str, Any]:
     finish = choice.finish_reason or "stop"
     if gen.chat:
         message, finish = _message(gen, choice, finish)
-        item = {"index": choice.index, "message": message, "logprobs": logprobs,
-                "finish_reason": finish}  # fmt: skip
+        item = {
+            "index": choice.index,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+        }
     else:
-        item = {"index": choice.index, "text": choice.text, "logprobs": logprobs,
-                "finish_reason": finish}  # fmt: skip
+        item = {
+            "index": choice.index,
+            "text": choice.text,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+        }
         item.update(_prompt_fields(gen, choice.prompt))
     if gen.params.return_token_ids:
         item["token_ids"] = choice.token_ids

@@ -67,14 +67,24 @@ def cache_rows(
     both."""
     pages = table_pages(table_row_ptr, tokens, valid, block_size)
     rows = page_rows(
-        pages, tokens, kv_head, block_size, stride_cache_block, stride_cache_offset,
+        pages,
+        tokens,
+        kv_head,
+        block_size,
+        stride_cache_block,
+        stride_cache_offset,
         stride_cache_head,
-    )  # fmt: skip
+    )
     if KV_QUANT:
         scale_rows = page_rows(
-            pages, tokens, kv_head, block_size, stride_scale_block, stride_scale_offset,
+            pages,
+            tokens,
+            kv_head,
+            block_size,
+            stride_scale_block,
+            stride_scale_offset,
             stride_scale_head,
-        )  # fmt: skip
+        )
         return rows, scale_rows
     else:
         return rows, rows
@@ -105,10 +115,19 @@ def key_rows(
     these key positions, paged or packed; without scales the third is the first, never read."""
     if PAGED:
         rows, scale_rows = cache_rows(
-            table_row_ptr, tokens, valid, kv_head, block_size, stride_cache_block,
-            stride_cache_offset, stride_cache_head, stride_scale_block, stride_scale_offset,
-            stride_scale_head, KV_QUANT,
-        )  # fmt: skip
+            table_row_ptr,
+            tokens,
+            valid,
+            kv_head,
+            block_size,
+            stride_cache_block,
+            stride_cache_offset,
+            stride_cache_head,
+            stride_scale_block,
+            stride_scale_offset,
+            stride_scale_head,
+            KV_QUANT,
+        )
         return rows, rows, scale_rows
     else:
         token = (k_start + tokens).to(tl.int64)

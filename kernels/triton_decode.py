@@ -120,10 +120,19 @@ def _decode_split_kernel(
         tokens = tile_start + tl.arange(0, BLOCK_N)
         valid = tokens < end
         rows, scale_rows = cache_rows(
-            table_row, tokens, valid, kv_head, block_size, stride_cache_block,
-            stride_cache_offset, stride_cache_head, stride_scale_block, stride_scale_offset,
-            stride_scale_head, KV_QUANT,
-        )  # fmt: skip
+            table_row,
+            tokens,
+            valid,
+            kv_head,
+            block_size,
+            stride_cache_block,
+            stride_cache_offset,
+            stride_cache_head,
+            stride_scale_block,
+            stride_scale_offset,
+            stride_scale_head,
+            KV_QUANT,
+        )
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if KV_QUANT:

@@ -103,8 +103,13 @@ def settings(up: UpConfig) -> Settings:
             )
         start = getattr(up, f"{role}_workers")
         setattr(up, f"{role}_workers", max(low, min(high or start, start)))
-    return Settings(profile, slo, up.autoscale_interval, up.planner_warmup_seconds,
-                    up.planner_metrics_port)  # fmt: skip
+    return Settings(
+        profile=profile,
+        slo=slo,
+        interval_s=up.autoscale_interval,
+        warmup_s=up.planner_warmup_seconds,
+        metrics_port=up.planner_metrics_port,
+    )
 
 
 def fleet_limits(up: UpConfig, costs: dict[str, float], budget: float, unit: str) -> Limits:
@@ -117,8 +122,16 @@ def fleet_limits(up: UpConfig, costs: dict[str, float], budget: float, unit: str
         room = budget - getattr(up, f"min_{other}_workers") * costs[other]
         bounds[role] = (low, high or max(low, int(room / costs[role] + 1e-9)))
     try:
-        return Limits(*bounds["prefill"], *bounds["decode"], costs["prefill"], costs["decode"],
-                      budget, unit)  # fmt: skip
+        return Limits(
+            min_prefill=bounds["prefill"][0],
+            max_prefill=bounds["prefill"][1],
+            min_decode=bounds["decode"][0],
+            max_decode=bounds["decode"][1],
+            prefill_cost=costs["prefill"],
+            decode_cost=costs["decode"],
+            budget=budget,
+            unit=unit,
+        )
     except ValueError as exc:
         flag = f"--autoscale-max-{unit.lower()}s"
         raise StartupError(f"--autoscale: {exc}; {flag} raises it (workers then share)") from None
@@ -186,19 +199,23 @@ class Autoscaler:
         self.need = gauge("pdserve_planner_need_workers", "The load in workers (fractional).")
         self.warm = gauge("pdserve_planner_warm_workers", "Standby workers in the warm pool.")
         self.actions = Counter(
-            "pdserve_planner_scaling_actions", "Workers started (up) or drained (down).",
-            ["role", "direction"], registry=self.registry,
-        )  # fmt: skip
+            "pdserve_planner_scaling_actions",
+            "Workers started (up) or drained (down).",
+            ["role", "direction"],
+            registry=self.registry,
+        )
         self.server: MetricsServer | None = None
         if config.metrics_port:
             self.server = start_metrics_server(config.metrics_port, self.registry, host)
         self.before: Snapshot | None = None
         self.before_at = self.next_at = 0.0
-        say(f"every {config.interval_s:g} s, {config.slo.describe()}, limits prefill"
+        say(
+            f"every {config.interval_s:g} s, {config.slo.describe()}, limits prefill"
             f" [{limits.min_prefill}, {limits.max_prefill}] decode [{limits.min_decode},"
             f" {limits.max_decode}], budget {budget:g} {self.unit} (a prefill worker costs"
             f" {costs['prefill']:g}, a decode worker {costs['decode']:g}), profile"
-            f" {Path(str(fleet.up.planner_profile)).name}")  # fmt: skip
+            f" {Path(str(fleet.up.planner_profile)).name}"
+        )
 
     def begin(self, gateway_url: str) -> None:
         """The stack is ready: the first window starts now."""
@@ -261,8 +278,9 @@ class Autoscaler:
         if self.before is None:  # the gateway answered for the first time: a window starts
             self.before, self.before_at = after, now
             return
-        window = build_window(self.before, after, now - self.before_at,
-                              self.config.slo.quantile, self.serving())  # fmt: skip
+        window = build_window(
+            self.before, after, now - self.before_at, self.config.slo.quantile, self.serving()
+        )
         self.before, self.before_at = after, now
         self.step(window)
 
@@ -273,8 +291,10 @@ class Autoscaler:
             say(f"{current} -> {decision.counts}:\n  " + "\n  ".join(decision.reasons))
         elif self.last is None or decision.rules != self.last.rules:
             rules = ", ".join(decision.rules) or "none"
-            say(f"hold {current} (need prefill {decision.need['prefill']:.2f}, decode"
-                f" {decision.need['decode']:.2f}; rules: {rules})")  # fmt: skip
+            say(
+                f"hold {current} (need prefill {decision.need['prefill']:.2f}, decode"
+                f" {decision.need['decode']:.2f}; rules: {rules})"
+            )
         self.last = decision
         for role in ROLES:
             self.need.labels(role).set(decision.need[role])

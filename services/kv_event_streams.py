@@ -53,8 +53,14 @@ def kv_event_streams(worker: Worker, feed: KVEventFeed) -> KVEventStreams:
             cfg.kv_events_zmq, cfg.kv_events_zmq_topic, cfg.kv_events_zmq_format
         )
     nats = KVEventPublisher(
-        worker.bus, worker.worker_id, worker.instance, worker.engine.block_size,
-        feed.drain_delta, feed.snapshot, cfg.heartbeat_seconds, tiers=feed.tiers,
+        worker.bus,
+        worker.worker_id,
+        worker.instance,
+        worker.engine.block_size,
+        feed.drain_delta,
+        feed.snapshot,
+        cfg.heartbeat_seconds,
+        tiers=feed.tiers,
         listeners=(zmq,) if zmq is not None else (),
-    )  # fmt: skip
+    )
     return KVEventStreams(nats, zmq)

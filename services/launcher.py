@@ -112,9 +112,12 @@ class Launcher:
         self._check_tensor_parallel()
         counts = self._worker_counts()
         avoid = promised_ports(
-            self.up, self.gateway, self.worker, sum(counts.values()),
+            self.up,
+            self.gateway,
+            self.worker,
+            sum(counts.values()),
             sum(self.tps[role] * n for role, n in counts.items()),
-        )  # fmt: skip
+        )
         if self.up.nats_url:
             nats_url = self.up.nats_url
         elif self.up.nats_cluster > 1:

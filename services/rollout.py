@@ -81,13 +81,23 @@ class Rollout:
             raise RolloutFailed("a rollout needs prefill and decode workers (not aggregated)")
         self.expect = [int(t) for t in body.get("expect") or []]
         # the version too: a worker started later (a restart) joins this version's KV layout
-        self.common = {**fleet.common, "model": model, "served_model_name": served,
-                       "model_version": self.version}  # fmt: skip
+        self.common = {
+            **fleet.common,
+            "model": model,
+            "served_model_name": served,
+            "model_version": self.version,
+        }
         self.new: dict[str, Child] = {}
         for name in self.old:  # same roles and places as the old
             start = fleet.started[name]
-            child = fleet._start_worker(start.role, fleet.next_index[start.role], self.common,
-                                        start.place, standby=True, version=self.version)  # fmt: skip
+            child = fleet._start_worker(
+                start.role,
+                fleet.next_index[start.role],
+                self.common,
+                start.place,
+                standby=True,
+                version=self.version,
+            )
             self.new[child.name] = child
         self.phase, self.deadline = "load", time.monotonic() + LOAD_TIMEOUT
         self.probe: concurrent.futures.Future | None = None
@@ -98,8 +108,9 @@ class Rollout:
         print(f"pdserve rollout: {text}", flush=True)
 
     def _alive(self) -> dict[str, Child]:
-        return {c.name: c for c in self.fleet.children
-                if c.name in self.fleet.started and c.alive()}  # fmt: skip
+        return {
+            c.name: c for c in self.fleet.children if c.name in self.fleet.started and c.alive()
+        }
 
     def _mark(self, phase: str) -> None:
         self.times[phase] = round(time.monotonic() - self.t0, 3)
@@ -124,9 +135,11 @@ class Rollout:
             role = {n: self.fleet.started[n].role for n in self.new}
             bus = dataclasses.replace(self.fleet.bus, nats_url=str(self.fleet.common["nats_url"]))
             check = version_probe.verify(
-                bus, [n for n in self.new if role[n] == "prefill"],
-                [n for n in self.new if role[n] == "decode"], expect=self.expect,
-            )  # fmt: skip
+                bus,
+                [n for n in self.new if role[n] == "prefill"],
+                [n for n in self.new if role[n] == "decode"],
+                expect=self.expect,
+            )
             pool = concurrent.futures.ThreadPoolExecutor(1, "rollout-probe")
             self.probe = pool.submit(asyncio.run, check)
             pool.shutdown(wait=False)
@@ -173,9 +186,15 @@ class Rollout:
         self.fleet.common = self.common  # later workers (a restart, the next rollout) are new
         self._mark("drained")
         self.say(f"done: {self.version} serves; old workers exited {codes}")
-        return {"ok": True, "version": self.version, "old_versions": self.old_versions,
-                "workers": list(self.new), "exited": codes, "probe": self.probed,
-                "seconds": self.times}  # fmt: skip
+        return {
+            "ok": True,
+            "version": self.version,
+            "old_versions": self.old_versions,
+            "workers": list(self.new),
+            "exited": codes,
+            "probe": self.probed,
+            "seconds": self.times,
+        }
 
     def _old_of(self, role: str) -> list[str]:
         return [n for n in self.old if self.fleet.started[n].role == role]
@@ -203,8 +222,7 @@ class Rollout:
             child.signal(signal.SIGTERM)  # standby: no request to finish
         for child in self.new.values():
             self._forget(child, 10.0)
-        return {"ok": False, "error": reason, "rolled_back": True,
-                "serving": self.old_versions}  # fmt: skip
+        return {"ok": False, "error": reason, "rolled_back": True, "serving": self.old_versions}
 
     def _forget(self, child: Child, timeout: float = 0.0) -> int:
         code = child.stop(timeout)
@@ -229,8 +247,9 @@ class RolloutDriver:
         try:
             self.listener.start()
         except Exception as exc:  # noqa: BLE001
-            print(f"pdserve: no control channel, pdserve rollout cannot reach us ({exc})",
-                  flush=True)  # fmt: skip
+            print(
+                f"pdserve: no control channel, pdserve rollout cannot reach us ({exc})", flush=True
+            )
 
     def retired(self, child: Child) -> bool:
         """Whether a rollout stopped this child (its exit is no crash)."""

@@ -17,24 +17,45 @@ from pdserve.shared.options import build
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="the new version: a checkpoint directory, "
-                        ".gguf file or built-in name, as pdserve up --model takes")  # fmt: skip
-    parser.add_argument("--model-version", default="",
-                        help="the version name /v1/models shows (default: from --model's path)")  # fmt: skip
-    parser.add_argument("--served-model-name", default="",
-                        help="must be the gateway's current name (a rename needs a restart)")  # fmt: skip
-    parser.add_argument("--expect-tokens", default="",
-                        help="comma-separated token ids the probe's greedy answer must start with")  # fmt: skip
-    parser.add_argument("--rollout-timeout", type=float, default=900.0,
-                        help="seconds to wait for the outcome (loading, probe, drain)")  # fmt: skip
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="the new version: a checkpoint directory, "
+        ".gguf file or built-in name, as pdserve up --model takes",
+    )
+    parser.add_argument(
+        "--model-version",
+        default="",
+        help="the version name /v1/models shows (default: from --model's path)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default="",
+        help="must be the gateway's current name (a rename needs a restart)",
+    )
+    parser.add_argument(
+        "--expect-tokens",
+        default="",
+        help="comma-separated token ids the probe's greedy answer must start with",
+    )
+    parser.add_argument(
+        "--rollout-timeout",
+        type=float,
+        default=900.0,
+        help="seconds to wait for the outcome (loading, probe, drain)",
+    )
 
 
 def run(ns: argparse.Namespace) -> int:
     from pdserve.services.control import request
 
-    body = {"op": "rollout", "model": ns.model, "model_version": ns.model_version,
-            "served_model_name": ns.served_model_name,
-            "expect": [int(t) for t in ns.expect_tokens.split(",") if t.strip()]}  # fmt: skip
+    body = {
+        "op": "rollout",
+        "model": ns.model,
+        "model_version": ns.model_version,
+        "served_model_name": ns.served_model_name,
+        "expect": [int(t) for t in ns.expect_tokens.split(",") if t.strip()],
+    }
     try:
         answer = asyncio.run(request(build(BusConfig, ns), body, ns.rollout_timeout))
     except Exception as exc:  # noqa: BLE001 - no launcher, no NATS: one line

@@ -93,8 +93,10 @@ async def verify(
     bus = Bus(bus_config, f"rollout-probe-{secrets.token_hex(4)}")
     inbox = _Inbox()
     reply_to = bus.subjects.gateway(f"rollout-{secrets.token_hex(4)}")
-    pairs = [(prefill[i % len(prefill)], decode[i % len(decode)])
-             for i in range(max(len(prefill), len(decode)))]  # fmt: skip
+    pairs = [
+        (prefill[i % len(prefill)], decode[i % len(decode)])
+        for i in range(max(len(prefill), len(decode)))
+    ]
     pairs.append(pairs[0])  # determinism: the first pair again
     try:
         await bus.connect(timeout=10.0)

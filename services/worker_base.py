@@ -30,6 +30,7 @@ from pdserve.services.engine.engine_thread import EngineThread
 from pdserve.services.engine.outputs import StepResult
 from pdserve.services.engine.parallel.kv_link import RankLink
 from pdserve.services.kv_event_streams import KVEventStreams, kv_event_streams
+from pdserve.services.rank_endpoints import rank_table, start_other_ranks
 from pdserve.services.request_state import RequestState, record_queue
 from pdserve.services.worker_process import default_worker_id, set_torch_threads
 from pdserve.shared.bus.connection import Bus
@@ -37,7 +38,7 @@ from pdserve.shared.bus.protocol import Cancel, WorkerGone, WorkerLoad
 from pdserve.shared.config import BusConfig, EngineConfig, WorkerConfig
 from pdserve.shared.discovery.announce import HeartbeatPublisher, register_micro_service
 from pdserve.shared.discovery.cache_reset import answer_resets
-from pdserve.shared.kv import ucx_check, ucx_config
+from pdserve.shared.kv import ucx_config
 from pdserve.shared.kv.layout import layout_id
 from pdserve.shared.options import build
 from pdserve.shared.telemetry import health, tracing
@@ -147,16 +148,11 @@ class Worker:
             return []
         self.rank_link = RankLink(ranks.kv_conns)
         self.rank_link.start()
-        fp, port = self.engine.layout_fingerprint(), self.config.ucx_port
-        others = await asyncio.gather(*(
-            self.rank_link.call(r, "start", role=self.role, fingerprint=fp,
-                                host=self.config.ucx_host, port=port + r if port else 0,
-                                checksum=self.config.kv_checksum)
-            for r in range(1, ranks.size)
-        ))  # fmt: skip
-        mine = {"pid": os.getpid(), "transports": ucx_check.process_transports()}
-        self.tp_ranks = [{"rank": r, "pid": got["pid"], "transports": got["transports"]}
-                         for r, got in enumerate([mine, *others])]  # fmt: skip
+        fingerprint = self.engine.layout_fingerprint()
+        others = await start_other_ranks(
+            self.rank_link, ranks.size, self.role, fingerprint, self.config
+        )
+        self.tp_ranks = rank_table(others)
         return others
 
     def mark_scheduled(self, state: RequestState, queue_span: str, start_ns: int) -> None:
@@ -386,9 +382,16 @@ class Worker:
             threads = set_torch_threads(self.engine_config.torch_threads)
             self.engine = self.make_engine()
             engine = self.engine
-            log.info("%s worker %s: model %s, %d KV blocks of %d tokens on %s, %s torch threads",
-                     self.role, self.worker_id, engine.model_name, engine.num_blocks,
-                     engine.block_size, engine.device, threads)  # fmt: skip
+            log.info(
+                "%s worker %s: model %s, %d KV blocks of %d tokens on %s, %s torch threads",
+                self.role,
+                self.worker_id,
+                engine.model_name,
+                engine.num_blocks,
+                engine.block_size,
+                engine.device,
+                threads,
+            )
             self.metrics.roofline.load_peaks(engine.device, engine.dtype, threads)  # cached or now
             asyncio.run(self.serve())
         finally:

@@ -70,13 +70,15 @@ class EngineConfig:
     num_kv_blocks: int = opt(0, "KV-cache blocks; 0 sizes the cache from --kv-cache-gib")
     kv_cache_gib: float = opt(1.0, "memory for the KV cache when --num-kv-blocks is 0")
     kv_offload_ram_gib: float = opt(
-        0.0, "host memory (pinned on CUDA) for prefix-cached KV blocks evicted from the pool: "
+        0.0,
+        "host memory (pinned on CUDA) for prefix-cached KV blocks evicted from the pool: "
         "a prefix found there is loaded back, not recomputed; 0 = off",
-    )  # fmt: skip
+    )
     kv_offload_disk: str | None = opt(
-        None, "directory for the blocks host memory takes (needs --kv-offload-ram-gib), kept "
+        None,
+        "directory for the blocks host memory takes (needs --kv-offload-ram-gib), kept "
         "and found again after a restart; one worker per directory",
-    )  # fmt: skip
+    )
     kv_offload_disk_gib: float = opt(16.0, "most space --kv-offload-disk's blocks take")
     max_num_seqs: int = opt(64, "most sequences running in one decode step")
     max_num_batched_tokens: int = opt(2048, "token budget of one engine step")

@@ -187,8 +187,10 @@ class SamplingParams:
         if len(self.logit_bias_token_ids) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries")
         if any(abs(v) > MAX_LOGIT_BIAS_VALUE for v in self.logit_bias_values):
-            raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS_VALUE:g}, "
-                             f"{MAX_LOGIT_BIAS_VALUE:g}]")  # fmt: skip
+            raise ValueError(
+                f"logit_bias values must be in [-{MAX_LOGIT_BIAS_VALUE:g}, "
+                f"{MAX_LOGIT_BIAS_VALUE:g}]"
+            )
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens")
 

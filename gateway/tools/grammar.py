@@ -86,8 +86,11 @@ def enforced(setup: ToolSetup) -> list[tuple[int, dict[str, Any], bool]]:
     if setup.choice == "none":
         return []
     if setup.forced:
-        return [(i, f, True) for i, f in enumerate(setup.functions)
-                if setup.choice == "required" or f["name"] == setup.named]  # fmt: skip
+        return [
+            (i, f, True)
+            for i, f in enumerate(setup.functions)
+            if setup.choice == "required" or f["name"] == setup.named
+        ]
     if not any(f.get("strict") for f in setup.functions):
         return []
     return [(i, f, bool(f.get("strict"))) for i, f in enumerate(setup.functions)]

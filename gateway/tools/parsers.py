@@ -35,8 +35,11 @@ class Call:
 
     def json(self, call_id: str) -> dict[str, object]:
         """As a message's ``tool_calls`` entry."""
-        return {"id": call_id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}  # fmt: skip
+        return {
+            "id": call_id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 @dataclass

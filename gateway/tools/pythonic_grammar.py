@@ -23,9 +23,19 @@ import keyword
 from typing import Any
 
 IGNORED = frozenset(
-    {"description", "title", "default", "examples", "$comment", "deprecated", "readOnly",
-     "writeOnly", "$schema", "$id"}
-)  # fmt: skip
+    {
+        "description",
+        "title",
+        "default",
+        "examples",
+        "$comment",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+        "$schema",
+        "$id",
+    }
+)
 BY_TYPE = {
     "string": frozenset({"minLength", "maxLength"}),
     "integer": frozenset(),
@@ -139,8 +149,11 @@ class PythonicGrammar:
                 raise Unenforceable("has an enum that is not an array", where)
             kinds = self._types(schema, where)
             if kinds is not None:  # "integer" also holds floats with no fraction
-                values = [v for v in values if _json_type(v) in kinds
-                          or (_json_type(v) == "integer" and "number" in kinds)]  # fmt: skip
+                values = [
+                    v
+                    for v in values
+                    if _json_type(v) in kinds or (_json_type(v) == "integer" and "number" in kinds)
+                ]
             if not values:
                 raise Unenforceable("has an enum no value satisfies", where)
             return "(" + " | ".join(_lark(python_literal(v)) for v in values) + ")"
@@ -193,8 +206,9 @@ class PythonicGrammar:
             item = self.value(schema.get("items", True), f"{where}.items")
             low, high = _bounds(schema, "minItems", "maxItems", where)
             return self._rule(_repeat(item, low, high))
-        body = self._members(schema, where, lambda key: _lark(python_literal(key) + ": "),
-                             'PY_STR ": "')  # fmt: skip
+        body = self._members(
+            schema, where, lambda key: _lark(python_literal(key) + ": "), 'PY_STR ": "'
+        )
         return self._rule(" ".join(['"{"', *([body] if body else []), '"}"']))
 
     def _members(self, schema: dict[str, Any], where: str, label, any_label: str) -> str | None:
@@ -250,8 +264,9 @@ def _bounds(
 ) -> tuple[int, int | None]:
     low, high = schema.get(low_key, 0), schema.get(high_key)
     for value in (low, high):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or not 0 <= value <= MAX_REPEAT):  # fmt: skip
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_REPEAT
+        ):
             raise Unenforceable(
                 f"{low_key}/{high_key} must be integers in [0, {MAX_REPEAT}]", where
             )

@@ -44,8 +44,12 @@ class ToolCallStream:
             if isinstance(value, str):
                 out.append({"content": value})
                 continue
-            header = {"index": self.sent, "id": call_id(), "type": "function",
-                      "function": {"name": value.name, "arguments": ""}}  # fmt: skip
+            header = {
+                "index": self.sent,
+                "id": call_id(),
+                "type": "function",
+                "function": {"name": value.name, "arguments": ""},
+            }
             arguments = {"index": self.sent, "function": {"arguments": value.arguments}}
             out += [{"tool_calls": [header]}, {"tool_calls": [arguments]}]
             self.sent += 1

@@ -3,6 +3,7 @@ streamed pull (its pieces as events), or one marked with the checksum mismatch t
 
 from __future__ import annotations
 
+import logging
 import time
 
 from pdserve.services.decode.rank_pull import PiecePull
@@ -10,6 +11,8 @@ from pdserve.services.decode.state import DecodeState
 from pdserve.shared.bus.protocol import KVHandle
 from pdserve.shared.kv.transfer import KVChecksumError, TransferStats
 from pdserve.shared.telemetry import tracing
+
+log = logging.getLogger(__name__)
 
 
 def record_pieces(
@@ -38,8 +41,9 @@ def record_pieces(
             attributes[tracing.ATTR_KV_CHECKSUM] = "ok"
             attributes["pdserve.kv.checksum_seconds"] = stats.checksum_seconds
         end_ns = start_ns + int(stats.seconds * 1e9)
-        tracing.record_span(tracing.SPAN_KV_TRANSFER, start_ns, end_ns,
-                            context=state.context, attributes=attributes)  # fmt: skip
+        tracing.record_span(
+            tracing.SPAN_KV_TRANSFER, start_ns, end_ns, context=state.context, attributes=attributes
+        )
 
 
 def record_streamed(
@@ -63,19 +67,47 @@ def record_streamed(
         for i, at in enumerate(stats.piece_seconds)
     ]
     end_ns = start_ns + int(stats.seconds * 1e9)
-    tracing.record_span(tracing.SPAN_KV_TRANSFER, start_ns, end_ns, context=state.context,
-                        attributes=attributes, events=events)  # fmt: skip
+    tracing.record_span(
+        tracing.SPAN_KV_TRANSFER,
+        start_ns,
+        end_ns,
+        context=state.context,
+        attributes=attributes,
+        events=events,
+    )
 
 
 def record_mismatch(
-    state: DecodeState, worker_id: str, handle: KVHandle, exc: KVChecksumError, start_ns: int
+    state: DecodeState,
+    worker_id: str,
+    handle: KVHandle,
+    exc: KVChecksumError,
+    start_ns: int,
+    policy: str,
 ) -> None:
-    """A pull that failed its checksum: a span in error, with the mismatch as an event."""
-    attributes = {tracing.ATTR_REQUEST_ID: state.client_id,
-                  tracing.ATTR_WORKER_ID: worker_id,
-                  "pdserve.prefill_worker": handle.worker_id,
-                  tracing.ATTR_KV_CHECKSUM: "mismatch"}  # fmt: skip
+    """A pull that failed its checksum (pulled KV that is not what was leased): logged, and a
+    span in error with the mismatch as an event; ``policy`` (the KV failure policy) then fails
+    or recomputes the request."""
+    log.error(
+        "KV of %s from %s is corrupt, not served (%s): %s",
+        state.bus_id,
+        handle.worker_id,
+        policy,
+        exc,
+    )
+    attributes = {
+        tracing.ATTR_REQUEST_ID: state.client_id,
+        tracing.ATTR_WORKER_ID: worker_id,
+        "pdserve.prefill_worker": handle.worker_id,
+        tracing.ATTR_KV_CHECKSUM: "mismatch",
+    }
     event = (tracing.EVENT_KV_CHECKSUM_MISMATCH, {"message": str(exc)})
-    tracing.record_span(tracing.SPAN_KV_TRANSFER, start_ns, time.time_ns(),
-                        context=state.context, attributes=attributes, error=str(exc),
-                        events=[event])  # fmt: skip
+    tracing.record_span(
+        tracing.SPAN_KV_TRANSFER,
+        start_ns,
+        time.time_ns(),
+        context=state.context,
+        attributes=attributes,
+        error=str(exc),
+        events=[event],
+    )

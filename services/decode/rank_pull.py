@@ -90,12 +90,20 @@ class RankPuller:
     ) -> TransferStats:
         address, heads = addresses[piece.prefill_rank], (piece.lo, piece.hi)
         if rank == 0:
-            return await self.client.pull(bus_id, handle, blocks, timeout, address=address,
-                                          heads=heads)  # fmt: skip
+            return await self.client.pull(
+                bus_id, handle, blocks, timeout, address=address, heads=heads
+            )
         try:
-            got = await self.link.call(rank, "pull", bus_id=bus_id, handle=_wire(handle),
-                                       dst_block_ids=list(blocks), timeout=timeout,
-                                       address=address, heads=list(heads))  # fmt: skip
+            got = await self.link.call(
+                rank,
+                "pull",
+                bus_id=bus_id,
+                handle=_wire(handle),
+                dst_block_ids=list(blocks),
+                timeout=timeout,
+                address=address,
+                heads=list(heads),
+            )
         except RankCallFailed as exc:  # the agent's answer: "<exception class>: <message>"
             checksum = str(exc).startswith(KVChecksumError.__name__ + ":")
             error = KVChecksumError if checksum else KVTransferError

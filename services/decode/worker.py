@@ -25,6 +25,7 @@ import logging
 import time
 
 from pdserve.services.decode import pull_spans
+from pdserve.services.decode.prefill_peers import PrefillPeers
 from pdserve.services.decode.rank_pull import RankPuller
 from pdserve.services.decode.state import DecodeState, check_answer, record_generate
 from pdserve.services.engine.engine import LLMEngine
@@ -73,7 +74,7 @@ class DecodeWorker(Worker):
         super().__init__(ns, bus)
         self.kv_client: KVClient | None = None
         self.puller: KVPuller | None = None  # every rank's pieces of a pull (rank_pull.py)
-        self.kv_servers: dict[str, str] = {}  # prefill worker id -> KV address connected to
+        self.prefill_peers = PrefillPeers(self.spawn)  # KV endpoints to the prefill workers
         self._spec_counted = SpecCounters()  # the engine's totals already in the metrics
 
     def make_engine(self) -> LLMEngine:
@@ -111,46 +112,31 @@ class DecodeWorker(Worker):
         await answer_probes(self.bus, self.worker_id, (ProbePullRequest,), self._on_probe)
 
     async def _on_probe(self, req: ProbePullRequest) -> ProbePullReply:
-        return await pull_probe(req, self.engine, self.kv_client, self.worker_id, self.draining,
-                                self.tp_ranks)  # fmt: skip
+        return await pull_probe(
+            req, self.engine, self.kv_client, self.worker_id, self.draining, self.tp_ranks
+        )
 
     async def _on_prefill_load(
         self, load: WorkerLoad | WorkerGone, headers: dict[str, str]
     ) -> None:
-        """Connect to a prefill worker when it first shows up, so the first pull does not pay
-        for the endpoint (tens of ms); let the endpoint go when the worker says it left.
-
-        A worker rejoining after a NATS reconnect keeps its endpoint: aborting ours would also
-        fail its twin on the prefill side, which that worker may be about to send a pull's
-        blocks on (UCX pairs the two), and every pull until it noticed would fail."""
-        if isinstance(load, WorkerGone):
-            if load.rejoining:
-                return
-            address = self.kv_servers.pop(load.worker_id, None)
-            if address is not None:
-                self.kv_client.disconnect(address)
-            return
-        if load.ucx_address and self.kv_servers.get(load.worker_id) != load.ucx_address:
-            self.kv_servers[load.worker_id] = load.ucx_address
-            self.spawn(self._connect(load.worker_id, load.ucx_address))
-
-    async def _connect(self, worker_id: str, address: str) -> None:
-        try:
-            await self.kv_client.connect(address)
-        except Exception as exc:  # the pull will try again and report properly
-            log.info("could not pre-connect to %s: %r", worker_id, exc)
+        assert self.kv_client is not None  # start_extra made it before we subscribed
+        self.prefill_peers.on_load(self.kv_client, load)
 
     def load_extra(self) -> dict:
         views = self.kv_client.layer_views if self.kv_client is not None else None
         threshold = stream_threshold(self.config.kv_stream_threshold, self.engine.device.type)
-        streams = can_stream(threshold, self.config.kv_checksum,
-                             self.rank_link is None, views)  # fmt: skip
-        extra = {"local_prefill_threshold": self.config.local_prefill_threshold,
-                 "kv_stream": streams}  # fmt: skip
+        streams = can_stream(threshold, self.config.kv_checksum, self.rank_link is None, views)
+        extra = {
+            "local_prefill_threshold": self.config.local_prefill_threshold,
+            "kv_stream": streams,
+        }
         spec = self.engine.stats().spec
         if spec is not None:
-            extra.update(spec_drafts=spec.drafts, spec_draft_tokens=spec.draft_tokens,
-                         spec_accepted_tokens=spec.accepted_tokens)  # fmt: skip
+            extra.update(
+                spec_drafts=spec.drafts,
+                spec_draft_tokens=spec.draft_tokens,
+                spec_accepted_tokens=spec.accepted_tokens,
+            )
         return extra
 
     def update_metrics(self) -> None:
@@ -249,7 +235,9 @@ class DecodeWorker(Worker):
             if self.config.kv_failure_policy == "recompute":
                 self.metrics.kv_recomputes.inc()
             if isinstance(exc, KVChecksumError):
-                self._checksum_failed(state, handle, exc, start_ns)
+                self.metrics.kv_checksum_failures.inc()
+                policy = self.config.kv_failure_policy
+                pull_spans.record_mismatch(state, self.worker_id, handle, exc, start_ns, policy)
             else:
                 log.warning("KV pull for %s from %s failed: %s", rid, handle.worker_id, exc)
             self.engine.kv_failed(rid, str(exc))  # never kv_ready: the blocks are not served
@@ -266,18 +254,9 @@ class DecodeWorker(Worker):
         if handle.streaming:
             pull_spans.record_streamed(state, self.worker_id, handle, stats, start_ns)
         self.metrics.kv_transfer_bytes.inc(stats.num_bytes)
-        pull_spans.record_pieces(state, self.worker_id, handle, pieces, start_ns,
-                                 self.config.kv_checksum)  # fmt: skip
-
-    def _checksum_failed(
-        self, state: DecodeState, handle: KVHandle, exc: KVChecksumError, start_ns: int
-    ) -> None:
-        """Pulled KV that is not what was leased: counted, logged, marked on a kv.transfer span
-        (status error); the failure policy then fails or recomputes the request."""
-        self.metrics.kv_checksum_failures.inc()
-        log.error("KV of %s from %s is corrupt, not served (%s): %s", state.bus_id,
-                  handle.worker_id, self.config.kv_failure_policy, exc)  # fmt: skip
-        pull_spans.record_mismatch(state, self.worker_id, handle, exc, start_ns)
+        pull_spans.record_pieces(
+            state, self.worker_id, handle, pieces, start_ns, self.config.kv_checksum
+        )
 
     async def _release_lease(self, bus_id: str, handle: KVHandle) -> None:
         try:
@@ -293,7 +272,14 @@ class DecodeWorker(Worker):
             self.spawn(self._release_lease(state.bus_id, state.kv))
 
     async def _fail_request(self, reply_to: str, bus_id: str, code: str, text: str) -> None:
-        await self._publish_batch(reply_to, [TokenItem(bus_id, [], "error", text, code)])
+        await self._publish_batch(
+            reply_to,
+            [
+                TokenItem(
+                    bus_id=bus_id, token_ids=[], finish_reason="error", error=text, error_code=code
+                )
+            ],
+        )
 
     async def _publish_batch(
         self, reply_to: str, items: list[TokenItem], replayable: bool = False
@@ -344,7 +330,13 @@ class DecodeWorker(Worker):
         rid = out.bus_id
         if out.finish_reason == "error":  # the pull failed under the fail policy
             self._end(state)
-            return TokenItem(rid, [], "error", out.error, "kv_transfer")
+            return TokenItem(
+                bus_id=rid,
+                token_ids=[],
+                finish_reason="error",
+                error=out.error,
+                error_code="kv_transfer",
+            )
         state.started = True  # from now on the gateway judges stalls, not the deadline
         first = state.first_step_ns is None  # its first output: the step that ended its prefill
         if first:
@@ -371,8 +363,13 @@ class DecodeWorker(Worker):
         state.num_accepted_tokens += out.num_accepted_tokens
         if out.request_finished:  # every choice is over
             self._end(state)
-            record_generate(state, self.worker_id, out.finish_reason or "stop", step.end_ns,
-                            self.metrics.roofline.since(state.roofline_mark))  # fmt: skip
+            record_generate(
+                state,
+                self.worker_id,
+                out.finish_reason or "stop",
+                step.end_ns,
+                self.metrics.roofline.since(state.roofline_mark),
+            )
         return item
 
     # -- cancel, deadlines ---------------------------------------------------------------------

@@ -43,6 +43,7 @@ from pdserve.services.engine.commands import (
     ResetPrefixCache,
 )
 from pdserve.services.engine.guided import GuidedDecoder
+from pdserve.services.engine.kv_fingerprint import kv_fingerprint
 from pdserve.services.engine.kv_stream import StreamHooks
 from pdserve.services.engine.loader import resolve_device_dtype
 from pdserve.services.engine.model_config import ModelConfig
@@ -66,7 +67,7 @@ from pdserve.services.engine.spec import TargetModel, build_speculator
 from pdserve.services.engine.step_cost import StepCost
 from pdserve.shared.config import EngineConfig
 from pdserve.shared.errors import StartupError
-from pdserve.shared.kv.tp_layout import TP_KEY, tp_problem
+from pdserve.shared.kv.tp_layout import tp_problem
 from pdserve.shared.kv.transfer.heads import Split
 from pdserve.shared.models.resolve import describe, resolve
 from pdserve.shared.sampling import SamplingParams
@@ -108,8 +109,12 @@ class LLMEngine:
         except BaseException:
             self.close()
             raise
-        log.info("model %s, served as %s in %s", describe(self.resolved), self.model_name,
-                 str(self.dtype).removeprefix("torch."))  # fmt: skip
+        log.info(
+            "model %s, served as %s in %s",
+            describe(self.resolved),
+            self.model_name,
+            str(self.dtype).removeprefix("torch."),
+        )
         if self.is_demo:
             log.warning(
                 "serving the DEMO model (random weights, byte tokenizer): its text is noise"
@@ -137,16 +142,28 @@ class LLMEngine:
         self.runner.ranks = self.ranks
         self.step_cost = StepCost.of_runner(self.runner, cfg, shard)  # the roofline's counts
         # speculative decoding (``spec/``): decode-side only, a prefill worker never drafts
-        target = TargetModel(self.model_dir, cfg, self.num_blocks, self.block_size, self.device,
-                             self.dtype)  # fmt: skip
+        target = TargetModel(
+            model_dir=self.model_dir,
+            config=cfg,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            device=self.device,
+            dtype=self.dtype,
+        )
         self.speculator = (
             None if prefill_only else build_speculator(config, self.max_model_len, target)
         )
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-            cfg.eos_token_ids, self.max_model_len, prefill_only=prefill_only,
-            kv_failure_policy=kv_failure_policy, speculator=self.speculator, seed=config.seed,
-        )  # fmt: skip
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            cfg.eos_token_ids,
+            self.max_model_len,
+            prefill_only=prefill_only,
+            kv_failure_policy=kv_failure_policy,
+            speculator=self.speculator,
+            seed=config.seed,
+        )
         self.offload = KVOffload.build(self)  # evicted blocks to host memory and disk, and back
         # Crossing threads: commands in (a deque's append/popleft are atomic), a wake-up event,
         # and the latest stats snapshot and prefix-cache events out.
@@ -182,18 +199,9 @@ class LLMEngine:
 
     def layout_fingerprint(self) -> dict[str, object]:
         """What must match between two engines for KV blocks to be copied as bytes."""
-        cfg = self.model_config
-        return {
-            "model": self.model_name,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "block_size": self.block_size,
-            "num_layers": cfg.num_layers,
-            "num_kv_heads": cfg.num_kv_heads,
-            "head_dim": cfg.head_dim,
-            TP_KEY: self.shard.size,  # which heads each rank holds (shared/kv/tp_layout.py)
-            **self.kv_spec.fingerprint(),  # element type and scale layout of the blocks
-            **({"model_version": v} if (v := self.config.model_version) else {}),  # a rollout's
-        }
+        return kv_fingerprint(
+            self.model_name, self.model_config, self.dtype, self.config, self.shard, self.kv_spec
+        )
 
     # ---- commands: any thread ----------------------------------------------------------------
 

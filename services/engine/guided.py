@@ -101,8 +101,12 @@ class GuidedDecoder:
             if not matcher.consume_token(token):
                 state.failed = True
                 error = matcher.get_error().strip().splitlines()[:1]  # (then a state dump)
-                log.warning("%s: output token %d broke its grammar (%s); only EOS from here",
-                            seq.bus_id, token, error[0] if error else "?")  # fmt: skip
+                log.warning(
+                    "%s: output token %d broke its grammar (%s); only EOS from here",
+                    seq.bus_id,
+                    token,
+                    error[0] if error else "?",
+                )
 
     def bitmask(
         self, seqs: list[Sequence], device: torch.device | None = None

@@ -47,8 +47,11 @@ class StreamHooks:
         (unhooked for a pass that completes none: every pass is announced here)."""
         starts = [
             StreamStart(
-                seq.bus_id, list(seq.block_table), seq.num_prompt_tokens, seq.num_computed_tokens
-            )  # fmt: skip
+                bus_id=seq.bus_id,
+                block_ids=list(seq.block_table),
+                num_tokens=seq.num_prompt_tokens,
+                num_ready_tokens=seq.num_computed_tokens,
+            )
             for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
             if seq.num_prompt_tokens >= self.min_tokens
             and not seq.output_token_ids

@@ -218,17 +218,22 @@ def q8_0_int8_linears(
         weights = sources.get(f"{name}.weight", [])
         if not weights or not all(w in files.q8_0 for w in weights):
             continue
-        pieces = [_shard_int8(f"{name}.weight", i, files.q8_0_weight(w), cfg, shard)
-                  for i, w in enumerate(weights)]  # fmt: skip
+        pieces = [
+            _shard_int8(f"{name}.weight", i, files.q8_0_weight(w), cfg, shard)
+            for i, w in enumerate(weights)
+        ]
         qweight = torch.cat([p.qweight for p in pieces])
-        check_shape(files, name, weights, [p.qweight for p in pieces], qweight.shape,
-                    linear.weight.shape)  # fmt: skip
+        check_shape(
+            files, name, weights, [p.qweight for p in pieces], qweight.shape, linear.weight.shape
+        )
         weight = Int8Weight(qweight, torch.cat([p.scale for p in pieces]))
         bias_names = sources.get(f"{name}.bias")
         bias = None
         if bias_names:
-            parts = [shard_piece(f"{name}.bias", i, files.get(b), cfg, shard)
-                     for i, b in enumerate(bias_names)]  # fmt: skip
+            parts = [
+                shard_piece(f"{name}.bias", i, files.get(b), cfg, shard)
+                for i, b in enumerate(bias_names)
+            ]
             bias = torch.cat(parts).to(device=device, dtype=dtype)
         out[name] = WeightOnlyInt8Linear(weight.to(device), bias)
     if out and cfg.tie_word_embeddings and "lm_head" in targets:

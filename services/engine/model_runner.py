@@ -106,8 +106,16 @@ class ModelRunner:
         ]
         num_sampled = len(read)
         read += prompt_plan.flat_indices if prompt_plan else []
-        inputs = StepInputs(input_ids, counts, starts_list, [s.block_table for s in seqs],
-                            batch.num_decodes, batch.num_verifies, read, num_sampled)  # fmt: skip
+        inputs = StepInputs(
+            input_ids=input_ids,
+            counts=counts,
+            starts=starts_list,
+            block_tables=[s.block_table for s in seqs],
+            num_decodes=batch.num_decodes,
+            num_verifies=batch.num_verifies,
+            read=read,
+            num_sampled=num_sampled,
+        )
         if self.ranks is not None:
             inputs.block_copies, self.block_copies = self.block_copies, []
             self.ranks.send_step(inputs)
@@ -214,11 +222,17 @@ class ModelRunner:
             tables, lens = block_tables[:nq], ctx_lens[:nq].to(torch.int32)
             cu, longest = _cumsum0(q_lens[:nq]), max(counts[:nq])
             meta = AttentionMetadata(
-                slot_mapping=slot_mapping, num_decodes=nq, decode_block_tables=tables,
-                decode_context_lens=lens, decode_plan=ops.decode_plan(tables, lens, cu, longest),
-                verify=None, prefill=group(nq, num_rows), num_decode_tokens=sum(counts[:nq]),
-                decode_cu_seqlens_q=cu, decode_max_seqlen_q=longest,
-            )  # fmt: skip
+                slot_mapping=slot_mapping,
+                num_decodes=nq,
+                decode_block_tables=tables,
+                decode_context_lens=lens,
+                decode_plan=ops.decode_plan(tables, lens, cu, longest),
+                verify=None,
+                prefill=group(nq, num_rows),
+                num_decode_tokens=sum(counts[:nq]),
+                decode_cu_seqlens_q=cu,
+                decode_max_seqlen_q=longest,
+            )
             return meta, positions
         decode_tables, decode_lens = block_tables[:nd], ctx_lens[:nd].to(torch.int32)
         meta = AttentionMetadata(

@@ -23,8 +23,9 @@ def cache_spec(
 ) -> KVCacheSpec:
     """This rank's KV-cache geometry: its own KV heads only."""
     lo, hi = shard.kv_heads(cfg)
-    return kv_cache_spec(config.kv_cache_dtype, dtype, cfg.num_layers, config.block_size,
-                         hi - lo, cfg.head_dim)  # fmt: skip
+    return kv_cache_spec(
+        config.kv_cache_dtype, dtype, cfg.num_layers, config.block_size, hi - lo, cfg.head_dim
+    )
 
 
 def num_blocks_for(config: EngineConfig, spec: KVCacheSpec) -> int:

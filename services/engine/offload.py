@@ -133,12 +133,23 @@ class KVOffload:
         disk = Path(cfg.kv_offload_disk) if cfg.kv_offload_disk else None
         # the disk files name the checkpoint too, digested on the disk thread (weights_digest.py)
         weights = partial(weights_digest, engine.model_dir, cfg.quantization) if disk else None
-        tiers = KVTiers(block, layout, int(cfg.kv_offload_ram_gib * GIB), engine.device, disk,
-                        int(cfg.kv_offload_disk_gib * GIB), weights, shards)  # fmt: skip
-        log.info("KV offload: %d blocks of host memory%s%s%s", tiers.host.num_slots,
-                 " (pinned)" if tiers.cuda else "",
-                 f", then {disk} ({cfg.kv_offload_disk_gib} GiB, layout {layout})" if disk
-                 else "", f", a shard on each of {shards} ranks" if shards > 1 else "")  # fmt: skip
+        tiers = KVTiers(
+            block_bytes=block,
+            layout=layout,
+            ram_bytes=int(cfg.kv_offload_ram_gib * GIB),
+            device=engine.device,
+            disk_dir=disk,
+            disk_bytes=int(cfg.kv_offload_disk_gib * GIB),
+            weights=weights,
+            shards=shards,
+        )
+        log.info(
+            "KV offload: %d blocks of host memory%s%s%s",
+            tiers.host.num_slots,
+            " (pinned)" if tiers.cuda else "",
+            f", then {disk} ({cfg.kv_offload_disk_gib} GiB, layout {layout})" if disk else "",
+            f", a shard on each of {shards} ranks" if shards > 1 else "",
+        )
         return cls(engine, tiers)
 
     # ---- the engine thread ---------------------------------------------------------------------
@@ -170,8 +181,9 @@ class KVOffload:
         if self.tiers is None:
             return None
         costs = self.costs
-        return replace(self.tiers.stats(), host_load_cost=costs.cost("host"),
-                       disk_load_cost=costs.cost("disk"))  # fmt: skip
+        return replace(
+            self.tiers.stats(), host_load_cost=costs.cost("host"), disk_load_cost=costs.cost("disk")
+        )
 
     def observe_forward(self, stats: StepStats) -> None:
         """A forward pass ran: one that only prefilled prices computing a block."""
@@ -221,8 +233,13 @@ class KVOffload:
                 ids = [block_id for block_id, _ in slow]
                 posted = time.perf_counter()
 
-                def done(blocks, error: str, seq_id: str = seq_id, ids: list[int] = ids,
-                         posted: float = posted) -> None:  # fmt: skip
+                def done(
+                    blocks,
+                    error: str,
+                    seq_id: str = seq_id,
+                    ids: list[int] = ids,
+                    posted: float = posted,
+                ) -> None:
                     if blocks is not None:  # the disk thread: what the sequence waited
                         self.costs.observe_load("disk", len(ids), time.perf_counter() - posted)
                     self._arrived.append((seq_id, ids, blocks, error))
@@ -233,9 +250,13 @@ class KVOffload:
             self._timer.stop(started, copied)
 
     def _copy_in(
-        self, sch: Scheduler, seq_id: str, ids: list[int], blocks: list[np.ndarray] | None,
+        self,
+        sch: Scheduler,
+        seq_id: str,
+        ids: list[int],
+        blocks: list[np.ndarray] | None,
         error: str,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if blocks is None:
             log.warning("KV load of %s failed, computing it instead: %s", seq_id, error)
         else:

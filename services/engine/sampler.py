@@ -111,8 +111,9 @@ def build_penalties(seqs: Seq[Sequence], vocab: int, to_device: ToDevice) -> Pen
     out_rows, out_ids = _flat_tokens(seqs, rows, lambda s: s.output_token_ids)
     out_rows_t, out_ids_t = to_device(out_rows), to_device(out_ids)
     counts = torch.zeros(b, vocab, dtype=torch.float32, device=out_rows_t.device)
-    counts.index_put_((out_rows_t, out_ids_t), torch.ones_like(out_rows_t, dtype=counts.dtype),
-                      accumulate=True)  # fmt: skip
+    counts.index_put_(
+        (out_rows_t, out_ids_t), torch.ones_like(out_rows_t, dtype=counts.dtype), accumulate=True
+    )
     reps = [s.sampling.repetition_penalty for s in seqs]
     repetition = seen = None
     if any(r != 1.0 for r in reps):
@@ -211,8 +212,13 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     logits = process_logits(logits, st)
     greedy_tokens = logits.argmax(dim=-1)
     if st.draft is not None:
-        tokens = resolve_drafts(_target_probs(logits, st, greedy_tokens), st.draft, st.seeds,
-                                st.steps, _sample_random(logits, st, greedy_tokens))  # fmt: skip
+        tokens = resolve_drafts(
+            _target_probs(logits, st, greedy_tokens),
+            st.draft,
+            st.seeds,
+            st.steps,
+            _sample_random(logits, st, greedy_tokens),
+        )
     elif st.all_greedy:
         tokens = greedy_tokens
     else:

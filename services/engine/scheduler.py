@@ -177,8 +177,13 @@ class Scheduler(KVArrivals):
             seq = self.running[i]
             if seq.spec_token_ids:  # cut to the budget and to blocks no later one may need
                 later = len(self.running) - i - 1
-                seq.cut_draft(min(len(seq.spec_token_ids), budget - seq.num_uncomputed_tokens,
-                                  self.bm.room(seq, seq.num_tokens, later)))  # fmt: skip
+                seq.cut_draft(
+                    min(
+                        len(seq.spec_token_ids),
+                        budget - seq.num_uncomputed_tokens,
+                        self.bm.room(seq, seq.num_tokens, later),
+                    )
+                )
             n = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget)
             while not self.bm.can_allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]

@@ -62,9 +62,13 @@ def model_cost(
     layers = sum(
         stored_bytes(linear)
         for layer in model.layers
-        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                       layer.mlp.gate_up_proj, layer.mlp.down_proj)
-    )  # fmt: skip
+        for linear in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+    )
     embedding = model.embed_tokens.weight
     storage = Storage(
         layer_weight_bytes=float(layers),

@@ -47,9 +47,10 @@ class PlanConfig:
     isl: float | None = opt(None, "mean prompt length, tokens")
     osl: float | None = opt(None, "mean output length, tokens")
     workload_records: str | None = opt(
-        None, "a pdserve bench result (NAME.records.jsonl, or NAME.json beside it): the prompt "
+        None,
+        "a pdserve bench result (NAME.records.jsonl, or NAME.json beside it): the prompt "
         "and output lengths of its successful requests, instead of --isl/--osl",
-    )  # fmt: skip
+    )
     ttft_ms: float | None = opt(None, "TTFT target, ms (required)")
     itl_ms: float | None = opt(None, "inter-token latency target, ms (required)")
     percentile: str = opt(

@@ -36,9 +36,17 @@ from pdserve.shared.planner.profile import Profile
 ROLE_TIMEOUT_S = 1800.0  # a large model on a slow machine: loading alone may take minutes
 # the options that change what a step costs, recorded so a profile says what it measured
 SHAPING_OPTIONS = (
-    "model", "device", "dtype", "quantization", "kv_cache_dtype", "block_size",
-    "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "speculative",
-)  # fmt: skip
+    "model",
+    "device",
+    "dtype",
+    "quantization",
+    "kv_cache_dtype",
+    "block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "tensor_parallel_size",
+    "speculative",
+)
 
 
 class ProfileError(StartupError):
@@ -58,11 +66,31 @@ class ProfileSettings:
     def default(cls, *, quick: bool, gpu: bool) -> ProfileSettings:
         """About a minute for SmolLM2 on 2 CPUs; ``quick``, seconds on the demo model (tests)."""
         if quick:
-            return cls((64, 256, 1024), (1, 2, 4), (64, 256), 10, 3, 0.5)
+            return cls(
+                prefill_lens=(64, 256, 1024),
+                decode_batches=(1, 2, 4),
+                decode_contexts=(64, 256),
+                decode_steps=10,
+                prefill_reps=3,
+                rep_seconds=0.5,
+            )
         if gpu:  # steps cost milliseconds: batches up to the engine's default cap
-            return cls((128, 512, 2048, 8192), (1, 2, 4, 8, 16, 32, 64), (256, 1024, 4096),
-                       10, 5, 2.0)  # fmt: skip
-        return cls((128, 512, 2048), (1, 2, 4, 8), (256, 1024, 4096), 5, 3, 2.0)
+            return cls(
+                prefill_lens=(128, 512, 2048, 8192),
+                decode_batches=(1, 2, 4, 8, 16, 32, 64),
+                decode_contexts=(256, 1024, 4096),
+                decode_steps=10,
+                prefill_reps=5,
+                rep_seconds=2.0,
+            )
+        return cls(
+            prefill_lens=(128, 512, 2048),
+            decode_batches=(1, 2, 4, 8),
+            decode_contexts=(256, 1024, 4096),
+            decode_steps=5,
+            prefill_reps=3,
+            rep_seconds=2.0,
+        )
 
     def capped(self, max_num_seqs: int) -> ProfileSettings:
         """Batches the engine can run (``--max-num-seqs``); the largest always measured."""
@@ -190,12 +218,23 @@ def run_profile(
     with tempfile.TemporaryDirectory(prefix="pdserve-plan-") as tmp:
         results = {}
         for role, spec in (
-            ("prefill", {"lens": list(settings.prefill_lens), "reps": settings.prefill_reps,
-                         "rep_seconds": settings.rep_seconds}),
-            ("decode", {"batches": list(settings.decode_batches),
-                        "contexts": list(settings.decode_contexts),
-                        "steps": settings.decode_steps}),
-        ):  # fmt: skip
+            (
+                "prefill",
+                {
+                    "lens": list(settings.prefill_lens),
+                    "reps": settings.prefill_reps,
+                    "rep_seconds": settings.rep_seconds,
+                },
+            ),
+            (
+                "decode",
+                {
+                    "batches": list(settings.decode_batches),
+                    "contexts": list(settings.decode_contexts),
+                    "steps": settings.decode_steps,
+                },
+            ),
+        ):
             p = place[role]
             where = f"GPU {p.gpus}" if p.gpus else f"CPUs {p.cpus}" if p.cpus else "all CPUs"
             progress(f"profiling a {role} worker ({where}) ...")

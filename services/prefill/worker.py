@@ -81,8 +81,9 @@ class PrefillWorker(Worker):
             self.rank_addresses = [self.kv_server.address] + [r["address"] for r in others]
         ucx_check.warn_at_startup(self.role)  # RDMA/GPUs UCX cannot use: TCP would carry KV
         threshold = stream_threshold(self.config.kv_stream_threshold, self.engine.device.type)
-        if can_stream(threshold, self.config.kv_checksum,
-                      self.rank_link is None, self.kv_server.layer_views):  # fmt: skip
+        if can_stream(
+            threshold, self.config.kv_checksum, self.rank_link is None, self.kv_server.layer_views
+        ):
             self.stream_from = threshold
             log.info("KV of prompts from %d tokens streams layer by layer", threshold)
             loop = asyncio.get_running_loop()
@@ -107,8 +108,15 @@ class PrefillWorker(Worker):
         await answer_probes(self.bus, self.worker_id, (ProbeLeaseRequest,), self._on_probe)
 
     async def _on_probe(self, req: ProbeLeaseRequest) -> ProbeLeaseReply:
-        return await lease_probe(req, self.engine, self.leases, self.make_handle, self.worker_id,
-                                 self.draining, self.tp_ranks)  # fmt: skip
+        return await lease_probe(
+            req,
+            self.engine,
+            self.leases,
+            self.make_handle,
+            self.worker_id,
+            self.draining,
+            self.tp_ranks,
+        )
 
     def load_extra(self) -> dict:
         return {"ucx_address": self.kv_server.address if self.kv_server else ""}
@@ -222,11 +230,22 @@ class PrefillWorker(Worker):
                 continue
             done = start.block_ids[: start.num_ready_tokens // self.engine.block_size]
             stream = LayerStream(self.engine.model_config.num_layers, done_blocks=frozenset(done))
-            lease = self.leases.add(start.bus_id, start.block_ids, start.num_tokens,
-                                    self.config.lease_seconds, stream=stream)  # fmt: skip
+            lease = self.leases.add(
+                start.bus_id,
+                start.block_ids,
+                start.num_tokens,
+                self.config.lease_seconds,
+                stream=stream,
+            )
             self.streams[start.bus_id] = stream
-            early = PrefillResult(start.bus_id, self.worker_id, None, None, self.make_handle(lease),
-                                  None)  # fmt: skip
+            early = PrefillResult(
+                bus_id=start.bus_id,
+                worker_id=self.worker_id,
+                first_token=None,
+                finish_reason=None,
+                kv=self.make_handle(lease),
+                error=None,
+            )
             headers = tracing.inject_headers(context=state.context)
             self.spawn(self._reply(state.reply_to, early, headers))
 
@@ -283,10 +302,14 @@ class PrefillWorker(Worker):
         lease = self.leases.get(result.bus_id) if result.kv is not None else None
         if lease is not None and self.rank_link is not None:
             try:
-                await self.rank_link.call_all("lease", bus_id=lease.bus_id,
-                                              block_ids=lease.block_ids,
-                                              num_tokens=lease.num_tokens,
-                                              expires=lease.expires, token=lease.token)  # fmt: skip
+                await self.rank_link.call_all(
+                    "lease",
+                    bus_id=lease.bus_id,
+                    block_ids=lease.block_ids,
+                    num_tokens=lease.num_tokens,
+                    expires=lease.expires,
+                    token=lease.token,
+                )
             except Exception as exc:  # a rank is gone: the pull fails and the worker leaves
                 log.error("could not hand the lease of %s to every rank: %s", lease.bus_id, exc)
         await self._reply(reply_to, result, headers)

@@ -58,8 +58,11 @@ def parse_roofline(text: str) -> Snapshot | None:
             found = True
             for s in family.samples:
                 if s.name == base + "_total":
-                    key = (s.labels.get("worker", ""), s.labels.get("role", ""),
-                           s.labels.get("phase", ""))  # fmt: skip
+                    key = (
+                        s.labels.get("worker", ""),
+                        s.labels.get("role", ""),
+                        s.labels.get("phase", ""),
+                    )
                     totals.setdefault(key, [0.0, 0.0, 0.0])[COUNTER_INDEX[base]] += s.value
         elif family.name in GAUGE_INDEX:
             found = True
@@ -134,11 +137,25 @@ def bottleneck(before: Snapshot, after: Snapshot) -> dict[str, PhaseBottleneck]:
             continue
         flops, moved, busy = sums
         b = PhaseBottleneck(
-            phase, workers, flops, moved, busy, Cost(flops, moved).intensity, flops / busy,
-            moved / busy, unmeasured_workers=unmeasured,
-        )  # fmt: skip
+            phase=phase,
+            workers=workers,
+            flops=flops,
+            bytes=moved,
+            busy_seconds=busy,
+            intensity=Cost(flops, moved).intensity,
+            flops_per_s=flops / busy,
+            bytes_per_s=moved / busy,
+            unmeasured_workers=unmeasured,
+        )
         if measured[2] > 0:
-            peaks = Peaks(attainable[0] / measured[2], attainable[1] / measured[2], "", "", 0, 0)
+            peaks = Peaks(
+                flops_per_s=attainable[0] / measured[2],
+                bytes_per_s=attainable[1] / measured[2],
+                device="",
+                dtype="",
+                threads=0,
+                measured_at=0,
+            )
             r = roofline(Cost(measured[0], measured[1]), measured[2], peaks)
             b.peak_flops_per_s, b.peak_bytes_per_s = peaks.flops_per_s, peaks.bytes_per_s
             b.ridge = peaks.ridge
@@ -186,8 +203,10 @@ def summary_lines(phases: Mapping[str, Mapping[str, Any]]) -> list[str]:
         )
         lines.append(f"    {b['advice']}")
         if b["unmeasured_workers"]:
-            lines.append(f"    (without peaks, left out of the fractions: "
-                         f"{', '.join(b['unmeasured_workers'])})")  # fmt: skip
+            lines.append(
+                f"    (without peaks, left out of the fractions: "
+                f"{', '.join(b['unmeasured_workers'])})"
+            )
     return lines
 
 
@@ -197,13 +216,28 @@ def markdown(runs: Sequence[tuple[str, Mapping[str, Mapping[str, Any]]]]) -> str
     rows = [(label, phase, b) for label, phases in runs for phase, b in phases.items()]
     if not rows:
         return ""
-    head = ["run", "phase", "busy s", "FLOP/byte", "ridge", "achieved FLOP/s", "of peak compute",
-            "achieved B/s", "of peak bandwidth", "bound"]  # fmt: skip
-    lines = ["## Bottleneck", "",
-             "Forward passes during each run, summed over the workers, against the peaks each "
-             "worker measured on its device (`pdserve doctor`'s, or its own quick measurement "
-             "at start).", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
+    head = [
+        "run",
+        "phase",
+        "busy s",
+        "FLOP/byte",
+        "ridge",
+        "achieved FLOP/s",
+        "of peak compute",
+        "achieved B/s",
+        "of peak bandwidth",
+        "bound",
+    ]
+    lines = [
+        "## Bottleneck",
+        "",
+        "Forward passes during each run, summed over the workers, against the peaks each "
+        "worker measured on its device (`pdserve doctor`'s, or its own quick measurement "
+        "at start).",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     for label, phase, b in rows:
         ridge = "-" if b["ridge"] is None else f"{b['ridge']:.1f}"
         intensity = b["intensity"]

@@ -306,8 +306,9 @@ def write_report(
     if summary:
         md += ["", *(f"- {k}: {v}" for k, v in summary.items()), ""]
     # which roof each phase hit (servers that export pdserve's roofline series)
-    roofs = bottleneck.markdown([(f"{r.series} @ {r.rate_label} req/s", r.metrics.bottleneck)
-                                 for r in runs])  # fmt: skip
+    roofs = bottleneck.markdown(
+        [(f"{r.series} @ {r.rate_label} req/s", r.metrics.bottleneck) for r in runs]
+    )
     if roofs:
         md += ["", roofs]
     if plots and any(r.records for r in runs):

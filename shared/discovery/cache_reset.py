@@ -84,8 +84,13 @@ async def answer_resets(
             forgot = await reset(msg.external)
             status = "busy" if forgot is None else "ok"
             pool, tiers = forgot or (0, 0)
-            log.info("prefix cache reset (%s): %s, %d block(s), %d of the tiers", msg.reset_id,
-                     status, pool, tiers)  # fmt: skip
+            log.info(
+                "prefix cache reset (%s): %s, %d block(s), %d of the tiers",
+                msg.reset_id,
+                status,
+                pool,
+                tiers,
+            )
             await raw.respond(
                 encode(PrefixCacheReset(msg.reset_id, worker_id, status, pool, tiers))
             )
@@ -103,8 +108,11 @@ async def reset_all(
 
     async def one(worker_id: str) -> PrefixCacheReset | str:
         try:
-            raw = await bus.nc.request(admin_subject(bus.subjects, worker_id),
-                                       encode(ResetPrefixCache(reset_id, external)), timeout=timeout)  # fmt: skip
+            raw = await bus.nc.request(
+                admin_subject(bus.subjects, worker_id),
+                encode(ResetPrefixCache(reset_id, external)),
+                timeout=timeout,
+            )
             return decode_as(raw.data, PrefixCacheReset, max_bytes=bus.max_bytes)
         except Exception as exc:  # no responders, a timeout, a malformed answer
             return f"no answer: {type(exc).__name__}"

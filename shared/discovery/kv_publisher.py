@@ -114,8 +114,9 @@ class KVEventPublisher:
         for stored, removed, parents, tokens in self._split(delta):
             self.seq += 1
             cleared = delta.cleared and not out  # the first message clears, then the rest apply
-            out.append(self._msg(stored, removed, tier, parents=parents, token_ids=tokens,
-                                 cleared=cleared))  # fmt: skip
+            out.append(
+                self._msg(stored, removed, tier, parents=parents, token_ids=tokens, cleared=cleared)
+            )
         return out
 
     def _split(self, delta: KVDelta) -> list[tuple[list[int], list[int], list[int], list[int]]]:
@@ -146,9 +147,15 @@ class KVEventPublisher:
 
     def _msg(self, stored: list[int], removed: list[int], tier: str, **kw) -> KVEvents:
         return KVEvents(
-            self.worker_id, self.instance, self.block_size, self.seq, stored, removed,
-            tier=tier, **kw,
-        )  # fmt: skip
+            worker_id=self.worker_id,
+            instance=self.instance,
+            block_size=self.block_size,
+            seq=self.seq,
+            stored=stored,
+            removed=removed,
+            tier=tier,
+            **kw,
+        )
 
     async def publish_now(self, snapshot: bool = False) -> None:
         subject = self.bus.subjects.kv(self.worker_id)

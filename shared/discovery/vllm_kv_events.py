@@ -64,12 +64,17 @@ FORMATS = ("map", "array")
 MAX_QUEUE = 1024  # batches waiting for the sender thread
 _FIELDS = {  # each event's fields in declaration order (the array form's positions)
     "BlockStored": (
-        "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
         "lora_name",
     ),
     "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
-}  # fmt: skip
+}
 
 Event = dict[str, Any]  # {"type": tag, field: value...} in declaration order
 
@@ -84,12 +89,18 @@ def stored_events(msg: KVEvents) -> list[Event]:
         if i < len(msg.stored) and msg.parents[i] == msg.stored[i - 1]:
             continue  # the chain goes on
         parent = msg.parents[start]
-        out.append({
-            "type": "BlockStored", "block_hashes": msg.stored[start:i],
-            "parent_block_hash": None if parent == ROOT_HASH else parent,
-            "token_ids": msg.token_ids[start * bs : i * bs], "block_size": bs,
-            "lora_id": None, "medium": medium, "lora_name": None,
-        })  # fmt: skip
+        out.append(
+            {
+                "type": "BlockStored",
+                "block_hashes": msg.stored[start:i],
+                "parent_block_hash": None if parent == ROOT_HASH else parent,
+                "token_ids": msg.token_ids[start * bs : i * bs],
+                "block_size": bs,
+                "lora_id": None,
+                "medium": medium,
+                "lora_name": None,
+            }
+        )
         start = i
     return out
 
@@ -98,8 +109,9 @@ def to_vllm_events(msg: KVEvents) -> list[Event]:
     """One ``KVEvents`` delta as vLLM events: its clear, its removals, its stores."""
     out: list[Event] = [{"type": "AllBlocksCleared"}] if msg.cleared else []
     if msg.removed:
-        out.append({"type": "BlockRemoved", "block_hashes": msg.removed,
-                    "medium": MEDIUM[msg.tier]})  # fmt: skip
+        out.append(
+            {"type": "BlockRemoved", "block_hashes": msg.removed, "medium": MEDIUM[msg.tier]}
+        )
     if msg.parents:
         out += stored_events(msg)
     return out
@@ -227,8 +239,9 @@ class ZmqKVEventPublisher:
 
     def _send(self, sock: Any, seq: int, payload: bytes) -> None:
         try:
-            sock.send_multipart([self.topic, seq.to_bytes(8, "big"), payload],
-                                flags=self._zmq.NOBLOCK)  # fmt: skip
+            sock.send_multipart(
+                [self.topic, seq.to_bytes(8, "big"), payload], flags=self._zmq.NOBLOCK
+            )
             self.sent += 1
         except self._zmq.Again:  # the high-water mark: a slow subscriber loses, we never wait
             self.send_failed += 1
@@ -239,5 +252,8 @@ class ZmqKVEventPublisher:
         self._thread.join(timeout=5.0)
         self._ctx.term()
         if self.dropped or self.send_failed:
-            log.warning("vLLM KV events: %d batches dropped (queue full), %d refused by ZMQ",
-                        self.dropped, self.send_failed)  # fmt: skip
+            log.warning(
+                "vLLM KV events: %d batches dropped (queue full), %d refused by ZMQ",
+                self.dropped,
+                self.send_failed,
+            )

@@ -279,14 +279,23 @@ async def measure(
     num_blocks = geometry.blocks_for(max(sizes_mib))
     token = secrets.token_urlsafe(16)
     child = subprocess.Popen(
-        [*peer_prefix, sys.executable, "-m", "pdserve.shared.doctor.kv_peer",
-         "--serve", str(num_blocks), "--geometry", json.dumps(asdict(geometry)),
-         "--host", peer_host or host],
+        [
+            *peer_prefix,
+            sys.executable,
+            "-m",
+            "pdserve.shared.doctor.kv_peer",
+            "--serve",
+            str(num_blocks),
+            "--geometry",
+            json.dumps(asdict(geometry)),
+            "--host",
+            peer_host or host,
+        ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env={**os.environ, TOKEN_ENV: token, "UCX_WARN_UNUSED_ENV_VARS": "n"},
         text=True,
-    )  # fmt: skip
+    )
     try:
         side = DecodeSide(geometry, num_blocks, token, read_ready(child), host)
         await side.connect()

@@ -113,11 +113,19 @@ class StackCheck:
                 f"... and {len(details) - MAX_WORKER_LINES + 1} more"
             ]
         if not decode:
-            report.add("stack", FAIL, f"no decode worker heard in {discover_seconds:g}s on {where}",
-                       details)  # fmt: skip
+            report.add(
+                "stack",
+                FAIL,
+                f"no decode worker heard in {discover_seconds:g}s on {where}",
+                details,
+            )
             return
-        report.add("stack", OK, f"{len(prefill)} prefill, {len(decode)} decode worker(s) on {where}",
-                   details)  # fmt: skip
+        report.add(
+            "stack",
+            OK,
+            f"{len(prefill)} prefill, {len(decode)} decode worker(s) on {where}",
+            details,
+        )
         if not prefill:
             report.add("KV pulls", INFO, "no prefill worker: aggregated serving, no KV transfer")
             return

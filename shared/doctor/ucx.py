@@ -120,9 +120,22 @@ async def run_peer_test(
         # a fixed port (a worker's --ucx-port exported to UCX) would be taken by the worker
         # itself, or by the first of the two test processes
         env.pop("UCX_TCP_PORT_RANGE", None)
-        argv = [sys.executable, "-m", PEER_MODULE, "--measure", "--result", str(result),
-                "--host", host, "--reps", str(reps), "--warmup", str(warmup),
-                "--sizes-mib", *(f"{s:g}" for s in sizes_mib)]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            PEER_MODULE,
+            "--measure",
+            "--result",
+            str(result),
+            "--host",
+            host,
+            "--reps",
+            str(reps),
+            "--warmup",
+            str(warmup),
+            "--sizes-mib",
+            *(f"{s:g}" for s in sizes_mib),
+        ]
         t0 = time.monotonic()
         child = await asyncio.create_subprocess_exec(
             *argv, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
@@ -181,9 +194,13 @@ def add_transport_checks(report: Report, run: PeerRun) -> None:
                 "not visible from here: rerun with UCX_TLS=sm,self UCX_LOG_LEVEL=info, UCX "
                 "logs why each shared-memory transport cannot reach the peer"
             ]
-            report.add("selected", WARN, f"!! {', '.join(selected)} between two processes of "
-                       f"this host: the network, not shared memory, for {', '.join(over_net)}",
-                       [*(f"why: {w}" for w in why), *details])  # fmt: skip
+            report.add(
+                "selected",
+                WARN,
+                f"!! {', '.join(selected)} between two processes of "
+                f"this host: the network, not shared memory, for {', '.join(over_net)}",
+                [*(f"why: {w}" for w in why), *details],
+            )
         else:
             report.add("selected", OK, f"{', '.join(selected)} between two processes", details)
     else:
@@ -208,12 +225,20 @@ def add_transport_checks(report: Report, run: PeerRun) -> None:
             status = WARN if mine and mine[0]["deliberate"] else FAIL
             report.add(name, status, f"!! {len(devices)} device(s) UNUSED: {why}", devices)
         elif kind == "rdma" and not used:
-            report.add(name, WARN, f"!! {', '.join(usable)} available but the test used "
-                       f"{', '.join(selected) or 'nothing'}; both ends were on this host, so "
-                       "UCX may still pick RDMA between hosts")  # fmt: skip
+            report.add(
+                name,
+                WARN,
+                f"!! {', '.join(usable)} available but the test used "
+                f"{', '.join(selected) or 'nothing'}; both ends were on this host, so "
+                "UCX may still pick RDMA between hosts",
+            )
         else:
-            report.add(name, OK, f"UCX can use {', '.join(usable)}"
-                       + ("" if kind == "rdma" else " (the test moved host memory)"))  # fmt: skip
+            report.add(
+                name,
+                OK,
+                f"UCX can use {', '.join(usable)}"
+                + ("" if kind == "rdma" else " (the test moved host memory)"),
+            )
     if run.problems:
         report.add("UCX log", WARN, f"{len(run.problems)} warning(s) from UCX", run.problems[:5])
 

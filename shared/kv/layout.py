@@ -31,8 +31,9 @@ def layout_id(fingerprint: Mapping[str, object]) -> str:
     Everything but the tensor-parallel size: head-sliced pulls move KV between any two TP
     layouts of one model (``tp_layout.py``), so a TP-2 prefill worker pairs with TP-1 decode
     workers, and the gateway routes by what can actually be pulled."""
-    blob = json.dumps(without_tp(dict(fingerprint)), sort_keys=True, separators=(",", ":"),
-                      default=str)  # fmt: skip
+    blob = json.dumps(
+        without_tp(dict(fingerprint)), sort_keys=True, separators=(",", ":"), default=str
+    )
     return hashlib.blake2b(blob.encode(), digest_size=8).hexdigest()
 
 

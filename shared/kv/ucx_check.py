@@ -32,8 +32,23 @@ from pdserve.shared.kv.ucx_config import SHM_ERROR_HANDLING, rdma_devices
 log = logging.getLogger("pdserve.ucx")
 
 # UCX transport names (and UCX_TLS aliases) that run over RDMA hardware, and over CUDA.
-RDMA_TLS = ("ib", "rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "ud", "ud_v", "ud_x", "ud_verbs",
-            "ud_mlx5", "dc", "dc_x", "dc_mlx5", "srd")  # fmt: skip
+RDMA_TLS = (
+    "ib",
+    "rc",
+    "rc_v",
+    "rc_x",
+    "rc_verbs",
+    "rc_mlx5",
+    "ud",
+    "ud_v",
+    "ud_x",
+    "ud_verbs",
+    "ud_mlx5",
+    "dc",
+    "dc_x",
+    "dc_mlx5",
+    "srd",
+)
 CUDA_TLS = ("cuda", "cuda_copy", "cuda_ipc", "gdr_copy")
 _RESOURCE_RE = re.compile(r"^#\s+resource\s+\d+\s*:.*\s(\S+)/(\S+)\s*$", re.MULTILINE)
 DOCTOR_HINT = "run `pdserve doctor` for the full transport check"
@@ -113,8 +128,11 @@ def uct_modules(lib_dir: Path | None) -> list[str]:
     built into libuct itself and always there)."""
     if lib_dir is None or not (lib_dir / "ucx").is_dir():
         return []
-    names = {m.group(1) for p in (lib_dir / "ucx").glob("libuct_*.so*")
-             if (m := re.match(r"libuct_(\w+?)\.so", p.name))}  # fmt: skip
+    names = {
+        m.group(1)
+        for p in (lib_dir / "ucx").glob("libuct_*.so*")
+        if (m := re.match(r"libuct_(\w+?)\.so", p.name))
+    }
     return sorted(names)
 
 

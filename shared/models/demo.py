@@ -114,8 +114,9 @@ def write_demo_model(out: Path, seed: int = 0, config: dict | None = None) -> No
             f"{p}.input_layernorm.weight": torch.ones(h),
             f"{p}.post_attention_layernorm.weight": torch.ones(h),
         }
-    save_file({k: t.to(dtype).contiguous() for k, t in tensors.items()},
-              str(out / "model.safetensors"))  # fmt: skip
+    save_file(
+        {k: t.to(dtype).contiguous() for k, t in tensors.items()}, str(out / "model.safetensors")
+    )
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": cfg["bos_token_id"], "eos_token_id": [257, 260]}, indent=2)

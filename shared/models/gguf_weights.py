@@ -30,8 +30,18 @@ from pdserve.shared.models.gguf_file import GGUFFile, GGUFTensor
 
 # The types the converter expands. Others (IQ*, Q2_K, Q3_K, TQ*...) fail at start-up by name.
 SUPPORTED_TYPES = (
-    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
-)  # fmt: skip
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",

@@ -108,10 +108,6 @@ class Profile:
         rows = [interp(self.decode_contexts, row, context) for row in self.decode_itl_ms]
         return interp(self.decode_batches, rows, batch)
 
-    def decode_throughput(self, batch: int, context: float) -> float:
-        """Tokens/s of one decode worker at this batch: one token per sequence per step."""
-        return batch * 1000.0 / self.decode_itl(batch, context)
-
     def batch_limit(self, context: float, kv_fraction: float = 1.0) -> int:
         """The largest batch whose KV fits in ``kv_fraction`` of the pool at this context."""
         return max(0, min(self.max_batch, int(kv_fraction * self.kv_capacity_tokens // context)))

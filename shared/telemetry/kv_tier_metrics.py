@@ -60,8 +60,10 @@ class KVTierCollector(Collector):
         held = GaugeMetricFamily(
             PREFIX + "tier_blocks", "KV blocks a KV offload tier holds.", labels=["role", "tier"]
         )
-        for tier, hit, blocks in (("host", s.host_hits, s.host_blocks),
-                                  ("disk", s.disk_hits, s.disk_blocks)):  # fmt: skip
+        for tier, hit, blocks in (
+            ("host", s.host_hits, s.host_blocks),
+            ("disk", s.disk_hits, s.disk_blocks),
+        ):
             hits.add_metric([self.role, tier], hit)
             held.add_metric([self.role, tier], blocks)
         yield hits
@@ -69,20 +71,31 @@ class KVTierCollector(Collector):
         for name, doc, value in (
             ("offloaded", "Evicted pool blocks copied to host memory.", s.stored),
             ("offload_dropped", "Evicted pool blocks not kept: every host slot busy.", s.dropped),
-            ("tier_load_failures", "Disk loads that failed; the tokens were computed instead.",
-             s.load_failures),
+            (
+                "tier_load_failures",
+                "Disk loads that failed; the tokens were computed instead.",
+                s.load_failures,
+            ),
             ("disk_writes", "KV block files written.", s.disk.written),
-            ("disk_removed", "Torn or corrupt KV block files removed, never served.",
-             s.disk.corrupt_removed),
-            ("disk_ignored", "KV block files of another KV layout, ignored.",
-             s.disk.foreign_ignored),
-        ):  # fmt: skip
+            (
+                "disk_removed",
+                "Torn or corrupt KV block files removed, never served.",
+                s.disk.corrupt_removed,
+            ),
+            (
+                "disk_ignored",
+                "KV block files of another KV layout, ignored.",
+                s.disk.foreign_ignored,
+            ),
+        ):
             family = CounterMetricFamily(PREFIX + name, doc, labels=["role"])
             family.add_metric([self.role], value)
             yield family
-        cost = GaugeMetricFamily(PREFIX + "tier_load_cost", "Loading a block from a KV tier, as "
-                                 "a fraction of computing it (measured; 0: not yet).",
-                                 labels=["role", "tier"])  # fmt: skip
+        cost = GaugeMetricFamily(
+            PREFIX + "tier_load_cost",
+            "Loading a block from a KV tier, as a fraction of computing it (measured; 0: not yet).",
+            labels=["role", "tier"],
+        )
         for tier in ("host", "disk"):
             cost.add_metric([self.role, tier], getattr(s, f"{tier}_load_cost", 0.0))
         yield cost

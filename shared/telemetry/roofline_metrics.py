@@ -114,12 +114,19 @@ class RooflineMetrics:
         try:
             self.set_peaks(load_or_measure(device, dtype, 0 if device != "cpu" else threads))
         except Exception as exc:
-            log.warning("no roofline peaks for %s %s (%r): fractions not reported", device,
-                        dtype, exc)  # fmt: skip
+            log.warning(
+                "no roofline peaks for %s %s (%r): fractions not reported", device, dtype, exc
+            )
             return
         p = self.peaks
-        log.info("roofs of %s: %.3g FLOP/s (%s), %.3g B/s, ridge %.1f FLOP/B", p.device,
-                 p.flops_per_s, p.dtype, p.bytes_per_s, p.ridge)  # fmt: skip
+        log.info(
+            "roofs of %s: %.3g FLOP/s (%s), %.3g B/s, ridge %.1f FLOP/B",
+            p.device,
+            p.flops_per_s,
+            p.dtype,
+            p.bytes_per_s,
+            p.ridge,
+        )
 
     def step(self, stats: StepLike) -> Roofline | None:
         """Account one engine step (on the worker's event loop); its roofline, when it ran a
@@ -182,11 +189,17 @@ LOAD_COUNTERS = (
     ("busy_seconds", "pdserve_step_busy_seconds", "Forward-pass seconds per worker and phase."),
 )
 LOAD_GAUGES = (
-    ("peak_flops_per_second", "pdserve_peak_flops_per_second",
-     "Measured peak GEMM FLOP/s of each worker's device."),
-    ("peak_bytes_per_second", "pdserve_peak_bytes_per_second",
-     "Measured peak memory-read bandwidth of each worker's device."),
-)  # fmt: skip
+    (
+        "peak_flops_per_second",
+        "pdserve_peak_flops_per_second",
+        "Measured peak GEMM FLOP/s of each worker's device.",
+    ),
+    (
+        "peak_bytes_per_second",
+        "pdserve_peak_bytes_per_second",
+        "Measured peak memory-read bandwidth of each worker's device.",
+    ),
+)
 
 
 def roofline_families(loads: Iterable[Any]) -> list[CounterMetricFamily | GaugeMetricFamily]:
@@ -204,8 +217,9 @@ def roofline_families(loads: Iterable[Any]) -> list[CounterMetricFamily | GaugeM
     for load in loads:
         for field, family in counters:
             for phase in PHASES:
-                family.add_metric([load.worker_id, load.role, phase],
-                                  getattr(load, f"{phase}_{field}"))  # fmt: skip
+                family.add_metric(
+                    [load.worker_id, load.role, phase], getattr(load, f"{phase}_{field}")
+                )
         for field, family in gauges:
             if getattr(load, field):  # 0: not measured
                 family.add_metric([load.worker_id, load.role], getattr(load, field))

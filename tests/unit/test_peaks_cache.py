@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.shared.doctor import peaks as doctor_peaks
 from pdserve.shared.doctor.report import FAIL, OK, Report
-from pdserve.shared.telemetry import peaks
+from pdserve.shared.telemetry import peaks, read_buffer
 from pdserve.shared.telemetry.roofline import Peaks
 
 KEY = "cpu: Test CPU, 2 threads | float32"
@@ -123,14 +123,14 @@ def test_last_level_cache_counts_each_instance_once(tmp_path: Path) -> None:
         cache_dir(tmp_path, cpu, 1, 1, "Instruction", "32K", str(cpu))
         cache_dir(tmp_path, cpu, 2, 2, "Unified", "1024K", str(cpu))
         cache_dir(tmp_path, cpu, 3, 3, "Unified", "32768K", "0-1" if cpu < 2 else "2-3")
-    assert peaks.llc_bytes(tmp_path) == 64 << 20
-    assert peaks.llc_bytes(tmp_path / "missing") == 0
+    assert read_buffer.llc_bytes(tmp_path) == 64 << 20
+    assert read_buffer.llc_bytes(tmp_path / "missing") == 0
 
 
 def test_the_read_buffer_outgrows_the_caches() -> None:
-    nbytes = peaks.cpu_read_bytes()
-    assert nbytes >= min(peaks.MIN_READ_BYTES, peaks._mem_available() // 4)
-    assert nbytes <= peaks.MAX_CPU_READ_BYTES
+    nbytes = read_buffer.cpu_read_bytes()
+    assert nbytes >= min(read_buffer.MIN_READ_BYTES, read_buffer._mem_available() // 4)
+    assert nbytes <= read_buffer.MAX_CPU_READ_BYTES
 
 
 @pytest.mark.parametrize(("cpus", "threads"), [(1, [1]), (2, [1]), (3, [2, 1]), (16, [8])])

@@ -73,8 +73,15 @@ def file_size(block_bytes: int) -> int:
 
 def write_block(path: Path, layout: str, block_hash: int, payload: np.ndarray) -> None:
     """Write ``payload`` (the block's bytes) to ``path``: a temporary name first, then a rename."""
-    header = HEADER.pack(MAGIC, VERSION, HEADER.size, identity_bytes(layout), block_hash,
-                         payload.nbytes, digest(payload))  # fmt: skip
+    header = HEADER.pack(
+        MAGIC,
+        VERSION,
+        HEADER.size,
+        identity_bytes(layout),
+        block_hash,
+        payload.nbytes,
+        digest(payload),
+    )
     tmp = path.with_name(path.name + TMP_SUFFIX)
     try:
         with open(tmp, "wb") as f:

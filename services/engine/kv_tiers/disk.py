@@ -117,10 +117,6 @@ class DiskTier:
         self._identified.wait()
         return self._identity
 
-    @property
-    def used_bytes(self) -> int:
-        return self._bytes
-
     def path(self, block_hash: int) -> Path:
         return self.dir / file_name(block_hash, self.layout)
 
@@ -309,6 +305,12 @@ class DiskTier:
             evicted = self._evict_over_capacity()
         for h in evicted:
             self._delete(h)
-        log.info("KV disk tier %s: %d blocks indexed (%d removed; ignored: %d of other layouts, "
-                 "%d of other weights)", self.dir, len(self._index), self.counts.corrupt_removed,
-                 self.counts.foreign_ignored, self.counts.other_weights_ignored)  # fmt: skip
+        log.info(
+            "KV disk tier %s: %d blocks indexed (%d removed; ignored: %d of other layouts, "
+            "%d of other weights)",
+            self.dir,
+            len(self._index),
+            self.counts.corrupt_removed,
+            self.counts.foreign_ignored,
+            self.counts.other_weights_ignored,
+        )

@@ -75,7 +75,7 @@ class KVTiers:
         self.disk = (
             EventedDiskTier(
                 disk_dir, disk_bytes, block_bytes * shards, layout, weights, log=self.log
-            )  # fmt: skip
+            )
             if disk_dir
             else None
         )
@@ -189,8 +189,12 @@ class KVTiers:
         """A snapshot of the counters."""
         if self.disk is None:
             return replace(self.counts, host_blocks=len(self.host))
-        return replace(self.counts, host_blocks=len(self.host), disk_blocks=len(self.disk),
-                       disk=replace(self.disk.counts))  # fmt: skip
+        return replace(
+            self.counts,
+            host_blocks=len(self.host),
+            disk_blocks=len(self.disk),
+            disk=replace(self.disk.counts),
+        )
 
     def flush(self) -> None:
         """Post what waits and wait for the disk tier's jobs so far (its start-up scan too)."""

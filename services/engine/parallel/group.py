@@ -146,10 +146,18 @@ class RankGroup:
         key, init_port = secrets.token_hex(16), free_port()
         try:
             for rank in range(1, group.size):
-                spec = RankSpec(rank, group.size, server.getsockname()[:2], key, init_port,
-                                dataclasses.asdict(config), str(model_dir), str(device),
-                                shares[rank] if shares else None,
-                                len(shares[rank]) if shares else threads)  # fmt: skip
+                spec = RankSpec(
+                    rank=rank,
+                    size=group.size,
+                    control=server.getsockname()[:2],
+                    key=key,
+                    init_port=init_port,
+                    config=dataclasses.asdict(config),
+                    model_dir=str(model_dir),
+                    device=str(device),
+                    cpus=shares[rank] if shares else None,
+                    threads=len(shares[rank]) if shares else threads,
+                )
                 argv = [sys.executable, "-m", "pdserve.services.engine.parallel.rank"]
                 group.procs.append(subprocess.Popen([*argv, json.dumps(dataclasses.asdict(spec))]))
             group._accept(server, key)
@@ -161,8 +169,12 @@ class RankGroup:
             raise
         finally:
             server.close()
-        log.info("tensor parallel: %d ranks (%s), pids %s", group.size, backend_for(device),
-                 [p.pid for p in group.procs])  # fmt: skip
+        log.info(
+            "tensor parallel: %d ranks (%s), pids %s",
+            group.size,
+            backend_for(device),
+            [p.pid for p in group.procs],
+        )
         return group
 
     def _accept(self, server: socket.socket, key: str) -> None:

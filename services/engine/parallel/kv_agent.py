@@ -79,21 +79,37 @@ class KVAgent:
         with self._send_lock:
             self.conn.send(reply)
 
-    async def op_start(self, role: str, fingerprint: dict, host: str, port: int,
-                       checksum: bool = False) -> dict:  # fmt: skip
+    async def op_start(
+        self, role: str, fingerprint: dict, host: str, port: int, checksum: bool = False
+    ) -> dict:
         """Start this rank's KV endpoint; its pid and the UCX transports this process opened
         (``ucx_check.process_transports``, as rank 0 reads its own), and a KV server's address.
         ``checksum`` (--kv-checksum): a server hashes its shard of each lease mirrored here, a
         client verifies its pulls (``shared/kv/transfer/checksum.py``)."""
         if role == "prefill":
-            self.server = KVServer(self.kv_cache, fingerprint, self.leases, host=host, port=port,
-                                   heads=self.heads, split=self.split,
-                                   checksum=checksum)  # fmt: skip
+            self.server = KVServer(
+                self.kv_cache,
+                fingerprint,
+                self.leases,
+                host=host,
+                port=port,
+                heads=self.heads,
+                split=self.split,
+                checksum=checksum,
+            )
             await self.server.start()
             asyncio.create_task(self._expire_leases())
             return {"address": self.server.address, **self._facts()}
-        self.client = KVClient(self.kv_cache, fingerprint, self.block_size, host=host, port=port,
-                               heads=self.heads, split=self.split, checksum=checksum)  # fmt: skip
+        self.client = KVClient(
+            self.kv_cache,
+            fingerprint,
+            self.block_size,
+            host=host,
+            port=port,
+            heads=self.heads,
+            split=self.split,
+            checksum=checksum,
+        )
         self.client.own_address()  # a bad host fails now, at start-up
         return self._facts()
 
@@ -107,8 +123,9 @@ class KVAgent:
             await asyncio.sleep(LEASE_CHECK_SECONDS)
             self.leases.expire()
 
-    async def op_lease(self, bus_id: str, block_ids: list[int], num_tokens: int,
-                       expires: float, token: str) -> dict:  # fmt: skip
+    async def op_lease(
+        self, bus_id: str, block_ids: list[int], num_tokens: int, expires: float, token: str
+    ) -> dict:
         lease = self.leases.add(bus_id, block_ids, num_tokens, expires - time.time())
         lease.token, lease.expires = token, expires  # rank 0's lease, mirrored
         return {}
@@ -117,12 +134,29 @@ class KVAgent:
         self.leases.release(bus_id)
         return {}
 
-    async def op_pull(self, bus_id: str, handle: dict, dst_block_ids: list[int], timeout: float,
-                      address: str, heads: list[int]) -> dict:  # fmt: skip
+    async def op_pull(
+        self,
+        bus_id: str,
+        handle: dict,
+        dst_block_ids: list[int],
+        timeout: float,
+        address: str,
+        heads: list[int],
+    ) -> dict:
         if self.client is None:
             raise RuntimeError("this rank has no KV client (not a decode worker)")
-        stats = await self.client.pull(bus_id, KVHandle(**handle), dst_block_ids, timeout,
-                                       address=address, heads=(heads[0], heads[1]))  # fmt: skip
-        return {"num_bytes": stats.num_bytes, "num_blocks": stats.num_blocks,
-                "num_messages": stats.num_messages, "seconds": stats.seconds,
-                "checksum_seconds": stats.checksum_seconds}  # fmt: skip
+        stats = await self.client.pull(
+            bus_id,
+            KVHandle(**handle),
+            dst_block_ids,
+            timeout,
+            address=address,
+            heads=(heads[0], heads[1]),
+        )
+        return {
+            "num_bytes": stats.num_bytes,
+            "num_blocks": stats.num_blocks,
+            "num_messages": stats.num_messages,
+            "seconds": stats.seconds,
+            "checksum_seconds": stats.checksum_seconds,
+        }

@@ -66,12 +66,26 @@ def serve(spec: RankSpec) -> None:
         conn.send(("error", f"{type(exc).__name__}: {exc}"[:500]))
         raise
     runner = ModelRunner(built.model, built.kv_cache, config.block_size, device)
-    agent = KVAgent(kv_conn, built.kv_cache, shard.kv_heads(built.model.cfg),
-                    kv_parts(built.kv_spec), config.block_size)  # fmt: skip
+    agent = KVAgent(
+        conn=kv_conn,
+        kv_cache=built.kv_cache,
+        heads=shard.kv_heads(built.model.cfg),
+        split=kv_parts(built.kv_spec),
+        block_size=config.block_size,
+    )
     agent.start()
     tiers = RankTiers(built.kv_cache)  # this rank's shard of the KV offload tiers
-    conn.send(("ready", {"rank": spec.rank, "pid": os.getpid(), "num_blocks": built.num_blocks,
-                         "block_bytes": built.kv_spec.bytes_per_block}))  # fmt: skip
+    conn.send(
+        (
+            "ready",
+            {
+                "rank": spec.rank,
+                "pid": os.getpid(),
+                "num_blocks": built.num_blocks,
+                "block_bytes": built.kv_spec.bytes_per_block,
+            },
+        )
+    )
     with torch.inference_mode():
         while True:
             try:

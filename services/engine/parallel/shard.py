@@ -111,8 +111,3 @@ def shard_piece(
             part = torch.cat([part, part.new_zeros(rows - (hi - lo), *part.shape[1:])])
         return part
     return t  # embedding, norms, LM head: whole on every rank
-
-
-def shard_columns(name: str) -> bool:
-    """Whether ``name``'s weight is cut along its input columns (row-parallel)."""
-    return name.endswith(("o_proj", "down_proj", "o_proj.weight", "down_proj.weight"))

@@ -73,11 +73,11 @@ class TierLog:
         step = self.shard_bytes
         return [
             TierOps(
-                self.num_slots,
-                [(block, data[r * step : (r + 1) * step]) for block, data in puts],
-                copies,
-                gather,
-            )  # fmt: skip
+                num_slots=self.num_slots,
+                puts=[(block, data[r * step : (r + 1) * step]) for block, data in puts],
+                copies=copies,
+                gather=gather,
+            )
             for r in range(1, self.ranks + 1)
         ]
 
@@ -93,8 +93,9 @@ class RankTiers:
     def apply(self, ops: TierOps) -> list[np.ndarray]:
         """Do ``ops``; the gathered slots' bytes (views: the caller sends them at once)."""
         if self.slab is None:
-            self.slab = torch.empty((ops.num_slots, self.raw.shape[1]), dtype=torch.uint8,
-                                    pin_memory=self.cuda)  # fmt: skip
+            self.slab = torch.empty(
+                (ops.num_slots, self.raw.shape[1]), dtype=torch.uint8, pin_memory=self.cuda
+            )
         for block_id, data in ops.puts:
             self.raw[block_id].copy_(torch.from_numpy(data))
         for op, block_id, slot in ops.copies:

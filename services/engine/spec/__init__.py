@@ -69,9 +69,15 @@ def build_speculator(
     if config.speculative == "ngram":
         proposer = NgramProposer(config.ngram_min, config.ngram_max)
     elif config.speculative == "draft" and config.draft_model:
-        proposer = load_draft(config.draft_model, target.model_dir, target.config,
-                              target.num_blocks, target.block_size, target.device,
-                              target.dtype)  # fmt: skip
+        proposer = load_draft(
+            config.draft_model,
+            target.model_dir,
+            target.config,
+            target.num_blocks,
+            target.block_size,
+            target.device,
+            target.dtype,
+        )
     else:
         raise StartupError(f"--speculative {config.speculative} needs --draft-model")
     fixed = None if config.spec_token_cost == -1.0 else config.spec_token_cost

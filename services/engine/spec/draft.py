@@ -67,8 +67,9 @@ class DraftModelProposer(Proposer):
         self.model = model
         self.block_size = block_size
         self.device = device
-        spec = kv_cache_spec("auto", dtype, cfg.num_layers, block_size, cfg.num_kv_heads,
-                             cfg.head_dim)  # fmt: skip
+        spec = kv_cache_spec(
+            "auto", dtype, cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim
+        )
         self.kv_cache = spec.allocate(num_blocks, device)
         self.bytes_per_block = spec.bytes_per_block
         model.bind_kv_cache(self.kv_cache)
@@ -176,12 +177,17 @@ class DraftModelProposer(Proposer):
         longest = max(counts)
         if longest <= SHORT_ROWS:  # short rows: paged decode attention, several queries per row
             meta = AttentionMetadata(
-                slot_mapping=slots, num_decodes=len(counts), decode_block_tables=tables,
+                slot_mapping=slots,
+                num_decodes=len(counts),
+                decode_block_tables=tables,
                 decode_context_lens=ctx_lens,
                 decode_plan=ops.decode_plan(tables, ctx_lens, cu32, longest),
-                verify=None, prefill=None, num_decode_tokens=num_tokens,
-                decode_cu_seqlens_q=cu32, decode_max_seqlen_q=longest,
-            )  # fmt: skip
+                verify=None,
+                prefill=None,
+                num_decode_tokens=num_tokens,
+                decode_cu_seqlens_q=cu32,
+                decode_max_seqlen_q=longest,
+            )
         else:  # a context computed into the cache: varlen causal attention over the pages
             cu_k = torch.zeros_like(cu32)
             cu_k[1:] = ctx_lens.cumsum(0)
@@ -191,9 +197,14 @@ class DraftModelProposer(Proposer):
             paged = tables if has_prefix else None
             group = ChunkGroup(num_tokens, cu32, cu_k, longest, longest_k, paged)
             meta = AttentionMetadata(
-                slot_mapping=slots, num_decodes=0, decode_block_tables=tables[:0],
-                decode_context_lens=ctx_lens[:0], decode_plan=None, verify=None, prefill=group,
-            )  # fmt: skip
+                slot_mapping=slots,
+                num_decodes=0,
+                decode_block_tables=tables[:0],
+                decode_context_lens=ctx_lens[:0],
+                decode_plan=None,
+                verify=None,
+                prefill=group,
+            )
         hidden = self.model(ids, positions, meta, cu_q[1:] - 1)
         return self.model.compute_logits(hidden)
 

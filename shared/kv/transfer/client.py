@@ -196,9 +196,16 @@ class KVClient:
             pull = _Pull(ep)
             try:
                 stats = await self._pull(
-                    pull, control_tag, bus_id, handle, runs, want, sliced, deadline,
+                    pull,
+                    control_tag,
+                    bus_id,
+                    handle,
+                    runs,
+                    want,
+                    sliced,
+                    deadline,
                     (layers, final),
-                )  # fmt: skip
+                )
                 break
             except TimeoutError:
                 if pull.incoming:  # receives point into our blocks: only an abort cancels them
@@ -329,9 +336,15 @@ class KVClient:
         return yes
 
     async def _answered(
-        self, pull: _Pull, bus_id: str, handle: KVHandle, reply: np.ndarray, asked: tuple,
-        stats: TransferStats, sums: np.ndarray | None,
-    ) -> TransferStats:  # fmt: skip
+        self,
+        pull: _Pull,
+        bus_id: str,
+        handle: KVHandle,
+        reply: np.ndarray,
+        asked: tuple,
+        stats: TransferStats,
+        sums: np.ndarray | None,
+    ) -> TransferStats:
         """A pull whose receives are all done (or left posted by an older server's refusal):
         a refusal raised; a yes checked, unpacked and verified. ``asked``: the pull's runs,
         heads, form and staging (``_pull``)."""

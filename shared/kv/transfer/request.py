@@ -64,9 +64,18 @@ class PullRequest:
     """A decoded request: who asks (checked by ``decode_request``), and what (``parse``)."""
 
     __slots__ = (
-        "version", "bus_id", "token", "reply_to", "tag", "fingerprint", "pull",
-        "flags", "heads", "layers", "runs",
-    )  # fmt: skip
+        "version",
+        "bus_id",
+        "token",
+        "reply_to",
+        "tag",
+        "fingerprint",
+        "pull",
+        "flags",
+        "heads",
+        "layers",
+        "runs",
+    )
 
     def __init__(self, entries: dict) -> None:
         self.version = entries.get("v")

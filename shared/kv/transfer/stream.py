@@ -130,10 +130,14 @@ def when_ready(
         if done:
             return
         if lease.dropped or stream.ended is not None:
-            why = stream.ended if stream.ended == FINISHED else (
-                f"prefill of {lease.bus_id} " + (f"ended: {stream.ended}" if stream.ended
-                                                 else "was let go")
-            )  # fmt: skip
+            why = (
+                stream.ended
+                if stream.ended == FINISHED
+                else (
+                    f"prefill of {lease.bus_id} "
+                    + (f"ended: {stream.ended}" if stream.ended else "was let go")
+                )
+            )
             done = True
             refuse(why)
         elif ready():

@@ -185,18 +185,6 @@ def reply_sums(reply: np.ndarray) -> int:
     return int.from_bytes(reply[1:5].tobytes(), "little") if unpack_reply(reply) is None else 0
 
 
-def reply_first_token(reply: np.ndarray) -> int | None:
-    """The first token a yes to a streamed lease's final piece carries (None: none)."""
-    if unpack_reply(reply) is not None or reply[6] != 1:
-        return None
-    return int.from_bytes(reply[7:15].tobytes(), "little")
-
-
-def reply_sliced(reply: np.ndarray) -> bool:
-    """Whether a yes says the runs come as head slices rather than whole blocks."""
-    return bool(reply[0] == REPLY_SLICED)
-
-
 def reply_leaves_posted(reply: np.ndarray) -> bool:
     """Whether a reply that has landed is a refusal from a server of another version, which
     completes none of the puller's other receives."""
