@@ -12,18 +12,17 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.services import rollout_command
-from pdserve.services.planning import command as plan_command
-from pdserve.shared.bench import cli as bench_cli
+from pdserve.services.control import rollout_command, trace_cli
+from pdserve.services.control.bench import cli as bench_cli
+from pdserve.services.control.doctor import command as doctor_command
+from pdserve.services.control.planner import command as plan_command
 from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig, UpConfig, WorkerConfig
-from pdserve.shared.doctor import command as doctor_command
 from pdserve.shared.errors import StartupError
 from pdserve.shared.options import add_options
-from pdserve.shared.telemetry import trace_cli
 
 
 def _up(ns: argparse.Namespace) -> int:
-    from pdserve.services.launcher import run
+    from pdserve.services.control.launcher import run
 
     return run(ns)
 

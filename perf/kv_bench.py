@@ -1,6 +1,6 @@
 """KV transfer bandwidth: pdserve's pull (shared/kv/transfer.py) against raw ucxx, same bytes.
 
-Two processes, as in serving; the measurement itself lives in ``shared/doctor/kv_peer.py`` (which
+Two processes, as in serving; the measurement itself lives in ``services/control/doctor/kv_peer.py`` (which
 ``pdserve doctor`` runs too): a prefill-side child holds a block-major KV cache behind a real
 ``KVServer`` and a raw sender, this process is the decode side with a real ``KVClient``. For each
 size and block pattern, pull and raw alternate (ABBA) and the medians are compared:
@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from pdserve.shared.doctor.kv_peer import Geometry, measure
-from pdserve.shared.doctor.kv_peer_result import CaseResult
+from pdserve.services.control.doctor.kv_peer import Geometry, measure
+from pdserve.services.control.doctor.kv_peer_result import CaseResult
 from pdserve.shared.kv import ucx_check
 
 TARGET_RATIO = 0.8

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
+from pdserve.services.control.doctor.kv_peer import Geometry
 from pdserve.shared.bus.protocol import KVHandle
-from pdserve.shared.doctor.kv_peer import Geometry
 from pdserve.shared.kv.transfer import KVClient, KVServer, LeaseTable
 from pdserve.shared.kv.transfer.checksum import KVHasher
 from pdserve.shared.kv.transfer.heads import HeadSlicer

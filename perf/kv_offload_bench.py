@@ -46,7 +46,7 @@ from pathlib import Path
 
 import aiohttp
 
-from pdserve.services.processes import free_port
+from pdserve.services.control.processes import free_port
 from pdserve.shared.models.resolve import resolve
 from perf.stack_bench import start_stack, stop_stack
 

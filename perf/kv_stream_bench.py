@@ -36,7 +36,7 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.services.processes import NatsCluster
+from pdserve.services.control.processes import NatsCluster
 from tests.integration.migration_stack import worker_blocks
 from tests.integration.stack import free_port, start_service, stop_all
 from tests.multihost import netns

@@ -45,7 +45,7 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.services.processes import free_port
+from pdserve.services.control.processes import free_port
 
 READY_TIMEOUT = 300.0
 SETTLE_TIMEOUT = 60.0  # for the block gauges to return to 0

@@ -38,11 +38,11 @@ import nats
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.services.launcher import service_argv
-from pdserve.services.processes import Child, NatsServer, free_port, spawn
-from pdserve.shared.bench.arrivals import arrival_offsets, paced
-from pdserve.shared.bench.client import discover_model
-from pdserve.shared.bench.datasets import BenchRequest
+from pdserve.services.control.bench.arrivals import arrival_offsets, paced
+from pdserve.services.control.bench.client import discover_model
+from pdserve.services.control.bench.datasets import BenchRequest
+from pdserve.services.control.launcher import service_argv
+from pdserve.services.control.processes import Child, NatsServer, free_port, spawn
 from pdserve.shared.bus.protocol import DecodeRequest, decode
 from pdserve.shared.options import service_env
 from perf.bench.topology import registered_workers

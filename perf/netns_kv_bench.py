@@ -37,7 +37,7 @@ from pathlib import Path
 
 import libucx
 
-from pdserve.shared.doctor.ucx import parse_ucx_log, tag_send_tables
+from pdserve.services.control.doctor.ucx import parse_ucx_log, tag_send_tables
 from tests.multihost import netns
 from tests.multihost.netns import Host
 

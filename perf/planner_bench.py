@@ -50,17 +50,17 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from pdserve.services.processes import free_port
-from pdserve.shared.bench.client import (
+from pdserve.services.control.bench.client import (
     ClientConfig,
     RequestRecord,
     discover_model,
     send_completion,
 )
-from pdserve.shared.bench.datasets import BenchRequest
-from pdserve.shared.planner.profile import Profile
-from pdserve.shared.planner.sim_data import RateSchedule
-from pdserve.shared.planner.workload import SLO
+from pdserve.services.control.bench.datasets import BenchRequest
+from pdserve.services.control.planner.profile import Profile
+from pdserve.services.control.planner.sim_data import RateSchedule
+from pdserve.services.control.planner.workload import SLO
+from pdserve.services.control.processes import free_port
 from perf.planner_sim import PHASES, SimSetup, plot_timeline, run_sim, table
 from perf.stack_bench import stop_stack  # Popen.send_signal skips a process already reaped
 

@@ -1,5 +1,5 @@
 """The simulated half of perf/planner_bench.py: the same low -> high -> low ramp on the planner's
-simulated engine (shared/planner/simulate.py) at a GPU host's scale, where the budget leaves the
+simulated engine (services/control/planner/simulate.py) at a GPU host's scale, where the budget leaves the
 planner room to move. Three fleets go through one seeded arrival sequence:
 
 - ``autoscale``: the SLA planner (``Planner.step``) every window, within the budget;
@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.shared.planner.advisor import advise
-from pdserve.shared.planner.decide import Planner
-from pdserve.shared.planner.inputs import Limits, PlannerConfig
-from pdserve.shared.planner.profile import Profile
-from pdserve.shared.planner.sim_data import RateSchedule, SimConfig, SimResult
-from pdserve.shared.planner.simulate import simulate
-from pdserve.shared.planner.workload import SLO, Workload
+from pdserve.services.control.planner.advisor import advise
+from pdserve.services.control.planner.decide import Planner
+from pdserve.services.control.planner.inputs import Limits, PlannerConfig
+from pdserve.services.control.planner.profile import Profile
+from pdserve.services.control.planner.sim_data import RateSchedule, SimConfig, SimResult
+from pdserve.services.control.planner.simulate import simulate
+from pdserve.services.control.planner.workload import SLO, Workload
 
 # the ramp's phases (RateSchedule.ramp's shape), for attainment by phase
 PHASES = (("low", 0.0, 0.1), ("rise", 0.1, 0.4), ("peak", 0.4, 0.6), ("fall", 0.6, 0.9),

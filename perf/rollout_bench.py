@@ -40,10 +40,10 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from pdserve.services.processes import free_port
-from pdserve.shared.bench.client import ClientConfig, RequestRecord, send_completion
-from pdserve.shared.bench.datasets import BenchRequest
-from pdserve.shared.planner.profile import Profile
+from pdserve.services.control.bench.client import ClientConfig, RequestRecord, send_completion
+from pdserve.services.control.bench.datasets import BenchRequest
+from pdserve.services.control.planner.profile import Profile
+from pdserve.services.control.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "perf" / "results" / "rollout_bench.json"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import aiohttp
 
-from pdserve.services.processes import free_port
+from pdserve.services.control.processes import free_port
 
 POLICIES = ("kv", "round-robin")
 

@@ -45,13 +45,12 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.services.processes import find_nats_server, free_port
-from pdserve.shared.bench.cli import describe, make_parser
-from pdserve.shared.bench.client import ClientConfig, discover_model, warm_up
-from pdserve.shared.bench.metrics import compute_metrics, parse_goodput
-from pdserve.shared.bench.report import write_outputs
-from pdserve.shared.bench.results import RunResult, jsonable
-from pdserve.shared.bench.sweep import (
+from pdserve.services.control.bench.cli import describe, make_parser
+from pdserve.services.control.bench.client import ClientConfig, discover_model, warm_up
+from pdserve.services.control.bench.metrics import compute_metrics, parse_goodput
+from pdserve.services.control.bench.report import write_outputs
+from pdserve.services.control.bench.results import RunResult, jsonable
+from pdserve.services.control.bench.sweep import (
     CALIBRATION_SEED_OFFSET,
     WARMUP_SEED_OFFSET,
     build_dataset,
@@ -59,6 +58,7 @@ from pdserve.shared.bench.sweep import (
     measure_rate,
     print_summary,
 )
+from pdserve.services.control.processes import find_nats_server, free_port
 from perf.bench.compare import Targets, scenario_report
 from perf.bench.topology import (
     EngineSteps,

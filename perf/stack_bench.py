@@ -25,7 +25,7 @@ from pathlib import Path
 
 import aiohttp
 
-from pdserve.services.processes import free_port
+from pdserve.services.control.processes import free_port
 from perf.engine_bench import Workload, make_model, make_workload, run_hf
 
 READY_TIMEOUT = 300.0

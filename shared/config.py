@@ -300,7 +300,7 @@ class UpConfig:
         "ranks of each decode worker (also the aggregated workers of --prefill-workers 0); "
         "0 = --tensor-parallel-size",
     )
-    # The live planner (services/autoscale.py): --prefill/--decode-workers are where it starts.
+    # The live planner (services/control/autoscale.py): --prefill/--decode-workers are where it starts.
     autoscale: bool = opt(
         False,
         "add and remove prefill and decode workers while serving, from the gateway's metrics, "

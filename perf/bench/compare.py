@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pdserve.shared.bench.metrics import max_goodput_rate
-from pdserve.shared.bench.results import RunResult
+from pdserve.services.control.bench.metrics import max_goodput_rate
+from pdserve.services.control.bench.results import RunResult
 from perf.bench.topology import EngineSteps
 
 

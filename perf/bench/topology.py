@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.services.launcher import service_argv
-from pdserve.services.processes import Child, NatsServer, free_port, spawn
-from pdserve.shared.bench.client import discover_model
+from pdserve.services.control.bench.client import discover_model
+from pdserve.services.control.launcher import service_argv
+from pdserve.services.control.processes import Child, NatsServer, free_port, spawn
 from pdserve.shared.options import service_env
 
 READY_TIMEOUT = 600.0

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.services.processes import free_port
+from pdserve.services.control.processes import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 READY_TEXT = "pdserve ready at"

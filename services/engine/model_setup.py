@@ -1,5 +1,5 @@
 """The model and its paged KV cache as one rank holds them: what the engine (rank 0) and every
-other tensor-parallel rank (``parallel/rank.py``) build the same way from the same config."""
+other tensor-parallel rank (``rank_process.py``) build the same way from the same config."""
 
 from __future__ import annotations
 

@@ -1,1 +1,2 @@
-"""Telemetry: OpenTelemetry tracing, Prometheus metrics, and ``pdserve trace`` over Jaeger."""
+"""Telemetry: OpenTelemetry tracing and Prometheus metrics (``pdserve trace``, which reads the traces
+back from Jaeger, is a command: services/control/trace_cli.py)."""

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.services.processes import free_port
+from pdserve.services.control.processes import free_port
 from tests.docker.engine import IMAGE, Engine, NoDocker, docker, docker_engine
 
 REPO = Path(__file__).resolve().parents[2]

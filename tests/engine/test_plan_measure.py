@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.services.engine.engine import LLMEngine
-from pdserve.services.planning.measure import (
+from pdserve.services.control.planner.measure import (
     ProfileInputError,
     cap_lengths,
     decode_pool_blocks,
     measure_decode,
     measure_prefill,
 )
+from pdserve.services.engine.engine import LLMEngine
 from pdserve.shared.config import EngineConfig
 
 

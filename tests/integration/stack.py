@@ -35,8 +35,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from pdserve.services.launcher import service_argv
-from pdserve.services.processes import Child, NatsServer, free_port, http_ok, spawn
+from pdserve.services.control.launcher import service_argv
+from pdserve.services.control.processes import Child, NatsServer, free_port, http_ok, spawn
 from pdserve.shared.options import service_env
 
 __all__ = [

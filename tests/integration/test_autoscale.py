@@ -20,7 +20,7 @@ from pathlib import Path
 
 import aiohttp
 
-from pdserve.shared.planner.profile import Profile
+from pdserve.services.control.planner.profile import Profile
 from tests.integration.stack import free_port, pdserve_up, wait_until
 from tests.integration.test_up import scrape
 

@@ -24,8 +24,13 @@ import pytest
 from aiohttp import web
 
 from pdserve.cli import main as cli_main
-from pdserve.shared.bench.client import ClientConfig, LoadConfig, RequestRecord, run_benchmark
-from pdserve.shared.bench.datasets import BenchRequest
+from pdserve.services.control.bench.client import (
+    ClientConfig,
+    LoadConfig,
+    RequestRecord,
+    run_benchmark,
+)
+from pdserve.services.control.bench.datasets import BenchRequest
 
 TTFT_S = 0.040
 ITL_S = 0.008
@@ -237,8 +242,8 @@ def test_cli_writes_consistent_outputs(server_url: str, tmp_path: Path) -> None:
         assert f"]({png})" in md
 
     # a saved result loads back whole and re-renders elsewhere without touching its data
-    from pdserve.shared.bench.report import main as report_main
-    from pdserve.shared.bench.results import load_runs
+    from pdserve.services.control.bench.report import main as report_main
+    from pdserve.services.control.bench.results import load_runs
 
     runs, _ = load_runs(tmp_path / "fake.json")
     assert [len(r.records) for r in runs] == [10, 10]
@@ -446,8 +451,8 @@ def test_engine_step_scrape_and_overhead_report() -> None:
     """Worker counters come from real worker-style /metrics pages (shared.metrics)."""
     from prometheus_client import CollectorRegistry, start_http_server
 
-    from pdserve.shared.bench.metrics import compute_metrics
-    from pdserve.shared.bench.results import RunResult
+    from pdserve.services.control.bench.metrics import compute_metrics
+    from pdserve.services.control.bench.results import RunResult
     from pdserve.shared.telemetry.metrics import WorkerMetrics
     from perf import scenarios
     from perf.bench import topology

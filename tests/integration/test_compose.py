@@ -591,7 +591,7 @@ class LocalStack:
 
 @pytest.fixture(scope="module")
 def cpu_profile_stack(tmp_path_factory) -> Iterator[LocalStack]:
-    from pdserve.services.processes import find_nats_server, spawn
+    from pdserve.services.control.processes import find_nats_server, spawn
     from tests.integration.stack import QUIET_ENV, free_port, log_text, stop_all, wait_http
     from tests.otlp_receiver import OtlpReceiver
 

@@ -1,4 +1,4 @@
-"""The launcher's control channel (services/control.py) on a real nats-server: a request waits in
+"""The launcher's control channel (services/control/channel.py) on a real nats-server: a request waits in
 the queue until the supervision loop takes it, its answer reaches the caller from the loop's
 thread; a body that is not a JSON object with "op" is answered with an error at once; and a
 running rollout is answered when the launcher stops instead of leaving its caller waiting."""
@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from pdserve.services.control import ControlListener, control_subject, request
-from pdserve.services.rollout import RolloutDriver
+from pdserve.services.control.channel import ControlListener, control_subject, request
+from pdserve.services.control.rollout import RolloutDriver
 from pdserve.shared.bus.connection import Bus
 from pdserve.shared.config import BusConfig
 from tests.integration.stack import start_nats

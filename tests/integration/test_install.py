@@ -113,7 +113,7 @@ def test_a_fresh_venv_with_hugging_face_kernels_keeps_both(wheel: Path, tmp_path
     help_text = run(venv / "bin" / "pdserve", "--help", cwd=tmp_path).stdout
     assert "bench" in help_text and "doctor" in help_text
     check = (
-        "import kernels, pdserve.kernels.ops as ops, pdserve.shared.bench.cli\n"
+        "import kernels, pdserve.kernels.ops as ops, pdserve.services.control.bench.cli\n"
         "from transformers import LlamaConfig\n"
         "from kernels import CUDAProperties\n"
         f"assert kernels.__file__.startswith({str(site)!r}), kernels.__file__\n"
@@ -133,7 +133,7 @@ from transformers.integrations import hub_kernels  # imports Hugging Face's `ker
 import kernels
 assert hasattr(kernels, "CUDAProperties"), kernels.__file__
 assert Path(kernels.__file__).is_relative_to(Path(md.distribution("kernels").locate_file(""))), kernels.__file__
-import pdserve.kernels.ops, pdserve.cli, pdserve.gateway.server, pdserve.services.launcher
+import pdserve.kernels.ops, pdserve.cli, pdserve.gateway.server, pdserve.services.control.launcher
 assert Path(pdserve.kernels.ops.__file__).resolve() == repo / "kernels" / "ops.py"
 print("ok", LlamaConfig.__name__, hub_kernels.__name__)
 """

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from pdserve.services.processes import free_port
+from pdserve.services.control.processes import free_port
 from pdserve.shared.bus.protocol import KVHandle
 from pdserve.shared.kv.tp_layout import TP_KEY, kv_head_range
 from pdserve.shared.kv.transfer import KVChecksumError, KVClient, KVServer, LeaseTable

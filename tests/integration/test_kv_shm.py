@@ -1,6 +1,6 @@
 """KV pulls between two processes of one host go over shared memory (issue 29).
 
-Real UCX, two processes: the doctor's peer test (``shared/doctor/kv_peer.py``) runs a real
+Real UCX, two processes: the doctor's peer test (``services/control/doctor/kv_peer.py``) runs a real
 ``KVServer`` in one and pulls from it with a real ``KVClient`` in the other, with UCX's protocol
 report on (``UCX_PROTO_INFO=y``). Each process logs, per endpoint, the lanes UCX gave tagged
 messages of each size; the row holding the pull's message size says what carried it.
@@ -17,8 +17,8 @@ import re
 
 import pytest
 
-from pdserve.shared.doctor import ucx as doctor_ucx
-from pdserve.shared.doctor.ucx import PeerRun, ProtoTable
+from pdserve.services.control.doctor import ucx as doctor_ucx
+from pdserve.services.control.doctor.ucx import PeerRun, ProtoTable
 from pdserve.shared.kv.ucx_check import SHM_TLS
 from pdserve.shared.kv.ucx_config import SHM_ERROR_HANDLING
 from tests.integration.stack import QUIET_ENV

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.shared.telemetry import trace_cli
+from pdserve.services.control import trace_cli
 from tests.integration.stack import (
     free_port,
     start_nats,

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pdserve.shared.planner.profile import Profile
+from pdserve.services.control.planner.profile import Profile
 
 NOISE = 0.75  # a neighbour's burst may slow one cell; a physics violation is far larger
 

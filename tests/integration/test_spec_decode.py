@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.shared.bench.spec_counters import scrape_spec
+from pdserve.services.control.bench.spec_counters import scrape_spec
 from tests.engine_support import random_prompts
 from tests.integration.stack import (
     free_port,
@@ -214,7 +214,7 @@ def test_a_request_may_opt_out(stack):
 
 def test_bench_reports_each_phases_bottleneck(stack, tmp_path, capsys):
     """``pdserve bench`` against the stack: its report's bottleneck section, per phase, from the
-    gateway's per-worker roofline totals before and after the run (shared/bench/bottleneck.py),
+    gateway's per-worker roofline totals before and after the run (services/control/bench/bottleneck.py),
     beside the speculation it reads the same way."""
     from pdserve.cli import main as cli_main
     from pdserve.services.engine.model_config import ModelConfig

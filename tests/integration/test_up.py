@@ -294,7 +294,7 @@ async def test_sigterm_finishes_streams_then_stops_everything(up) -> None:
 
 
 def test_gpu_placement_without_torch() -> None:
-    from pdserve.services.launcher import gpu_for_worker, visible_gpus
+    from pdserve.services.control.launcher import gpu_for_worker, visible_gpus
 
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2, 5"}) == ["2", "5"]
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import aiohttp
 
-from pdserve.services.launch_checks import registered_names
+from pdserve.services.control.launch_checks import registered_names
 from tests.integration.stack import free_port, pdserve_up, wait_until
 from tests.integration.test_autoscale import load, write_profile
 from tests.integration.test_up import scrape

@@ -20,8 +20,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.services.launcher import service_argv
-from pdserve.services.processes import Child, NatsCluster, NatsServer, spawn
+from pdserve.services.control.launcher import service_argv
+from pdserve.services.control.processes import Child, NatsCluster, NatsServer, spawn
 from pdserve.shared.options import service_env
 from tests.integration.migration_stack import worker_blocks
 from tests.integration.stack import QUIET_ENV, stop_all

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import nats
 
-from pdserve.services.processes import NatsCluster
+from pdserve.services.control.processes import NatsCluster
 from pdserve.shared.bus.connection import Bus, connect_options, nats_servers
 from pdserve.shared.bus.protocol import Cancel, decode
 from pdserve.shared.config import BusConfig

@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from pdserve.services.processes import free_port
+from pdserve.services.control.processes import free_port
 from tests.podman.kube import CHANGES, NoPodman, Podman, dump, find_podman, for_podman, render
 
 # Pods start in about a minute; the fixture alone may take longer than the default per-test limit.

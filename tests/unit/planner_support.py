@@ -3,8 +3,8 @@ metrics windows built from a few numbers."""
 
 from __future__ import annotations
 
-from pdserve.shared.planner.inputs import MetricsWindow, WorkerSample
-from pdserve.shared.planner.profile import Profile
+from pdserve.services.control.planner.inputs import MetricsWindow, WorkerSample
+from pdserve.services.control.planner.profile import Profile
 
 # With hand_profile() and ITL <= 30 ms, one decode worker runs batch 41 at 30 ms: 1366.67 tok/s.
 DECODE_TOKENS_PER_S = 41 / 0.030

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.services import autoscale
-from pdserve.services.autoscale import Autoscaler, Placement, WorkerStart, least_held
-from pdserve.services.processes import Child, free_port, spawn
+from pdserve.services.control import autoscale
+from pdserve.services.control.autoscale import Autoscaler, Placement, WorkerStart, least_held
+from pdserve.services.control.planner.inputs import MetricsWindow, WorkerSample
+from pdserve.services.control.planner.profile import Profile
+from pdserve.services.control.processes import Child, free_port, spawn
 from pdserve.shared.config import EngineConfig, UpConfig, WorkerConfig
 from pdserve.shared.cpus import cpu_shares
 from pdserve.shared.errors import StartupError
-from pdserve.shared.planner.inputs import MetricsWindow, WorkerSample
-from pdserve.shared.planner.profile import Profile
 
 # a worker stand-in: on SIGTERM it "drains" for a moment, then exits 0; once it can, it says
 # so in the file named by its argument

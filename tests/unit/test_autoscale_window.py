@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pdserve.services.autoscale_window import (
+from pdserve.services.control.autoscale_window import (
     Worker,
     bucket_quantile,
     build_window,

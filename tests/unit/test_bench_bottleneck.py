@@ -1,4 +1,4 @@
-"""`pdserve bench`'s bottleneck section (shared/bench/bottleneck.py), model-free: a gateway's
+"""`pdserve bench`'s bottleneck section (services/control/bench/bottleneck.py), model-free: a gateway's
 /metrics page before and after a run gives each phase's achieved rates, fractions of the peaks,
 bound and advice; in the printed summary, the JSON and the markdown; a server without the series
 (vLLM) reports nothing."""
@@ -10,11 +10,11 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pdserve.shared.bench import bottleneck as bn
-from pdserve.shared.bench.metrics import BenchMetrics, Distribution
-from pdserve.shared.bench.report import write_report
-from pdserve.shared.bench.results import RunResult, load_runs, result_document, write_json
-from pdserve.shared.bench.sweep import print_summary
+from pdserve.services.control.bench import bottleneck as bn
+from pdserve.services.control.bench.metrics import BenchMetrics, Distribution
+from pdserve.services.control.bench.report import write_report
+from pdserve.services.control.bench.results import RunResult, load_runs, result_document, write_json
+from pdserve.services.control.bench.sweep import print_summary
 from pdserve.shared.bus.protocol import WorkerLoad
 from pdserve.shared.telemetry.metrics import WorkerLoadCollector, render_metrics
 from pdserve.shared.telemetry.roofline import Cost, Peaks, advice, roofline

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdserve.shared.bench import datasets as ds
-from pdserve.shared.bench.arrivals import arrival_offsets
-from pdserve.shared.bench.cli import make_parser
-from pdserve.shared.bench.client import RequestRecord
-from pdserve.shared.bench.metrics import (
+from pdserve.services.control.bench import datasets as ds
+from pdserve.services.control.bench.arrivals import arrival_offsets
+from pdserve.services.control.bench.cli import make_parser
+from pdserve.services.control.bench.client import RequestRecord
+from pdserve.services.control.bench.metrics import (
     Distribution,
     compute_metrics,
     is_good,
@@ -20,7 +20,7 @@ from pdserve.shared.bench.metrics import (
     parse_goodput,
     request_tpot,
 )
-from pdserve.shared.bench.sweep import build_dataset
+from pdserve.services.control.bench.sweep import build_dataset
 
 
 def rec(
@@ -268,12 +268,12 @@ def test_cli_options_build_the_scenario_mix() -> None:
 
 
 def test_cli_module_stays_light() -> None:
-    """`pdserve` imports pdserve.shared.bench.cli to build its parser; heavy imports wait for `run`."""
+    """`pdserve` imports pdserve.services.control.bench.cli to build its parser; heavy imports wait for `run`."""
     import subprocess
     import sys
 
     code = (
-        "import sys, pdserve.shared.bench.cli; "
+        "import sys, pdserve.services.control.bench.cli; "
         "print(sorted(m for m in ('numpy', 'aiohttp', 'matplotlib', 'tqdm') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -281,8 +281,8 @@ def test_cli_module_stays_light() -> None:
 
 
 def test_activity_timeline_conserves_tokens() -> None:
-    from pdserve.shared.bench.report import _activity
-    from pdserve.shared.bench.results import RunResult
+    from pdserve.services.control.bench.report import _activity
+    from pdserve.services.control.bench.results import RunResult
 
     a = rec(0, 0.2, [0.5, 0.5], 6, start=0.0, usage=6)  # 3 chunks at 0.2, 0.7, 1.2 s: 2 each
     b = rec(1, 0.1, [], 1, start=1.5)  # one chunk at 1.6 s
@@ -295,8 +295,8 @@ def test_activity_timeline_conserves_tokens() -> None:
 
 
 def test_attainment_at_slo_scales(records: list[RequestRecord]) -> None:
-    from pdserve.shared.bench.report import attainment_at_scales
-    from pdserve.shared.bench.results import RunResult
+    from pdserve.services.control.bench.report import attainment_at_scales
+    from pdserve.services.control.bench.results import RunResult
 
     run = RunResult("s", 1.0, 1.0, None, compute_metrics(records, 2.0), records)
     # TTFTs 100..400 ms plus one failure; SLO 200 ms scaled by 0.5, 1, 2

@@ -9,14 +9,14 @@ import types
 import msgpack
 import pytest
 
-from pdserve.shared.bus.protocol import ProtocolError, decode, encode
-from pdserve.shared.doctor.ranks import (
+from pdserve.services.control.doctor.ranks import (
     add_rank_check,
     compact_transports,
     rank_line,
     uneven_ranks,
 )
-from pdserve.shared.doctor.report import OK, WARN, Report
+from pdserve.services.control.doctor.report import OK, WARN, Report
+from pdserve.shared.bus.protocol import ProtocolError, decode, encode
 from pdserve.shared.kv import ucx_check
 from pdserve.shared.kv.probe import (
     MAX_RANK_TRANSPORTS,

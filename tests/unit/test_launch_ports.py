@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.services import processes
-from pdserve.services.launch_checks import promised_ports
-from pdserve.services.processes import NatsCluster, free_port
+from pdserve.services.control import processes
+from pdserve.services.control.launch_checks import promised_ports
+from pdserve.services.control.processes import NatsCluster, free_port
 from pdserve.shared.config import GatewayConfig, UpConfig, WorkerConfig
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli import main, make_parser
-from pdserve.services import launcher as launcher_module
-from pdserve.services.launcher import Launcher, gpu_for_worker, tp_refusal
+from pdserve.services.control import launcher as launcher_module
+from pdserve.services.control.launcher import Launcher, gpu_for_worker, tp_refusal
 from pdserve.shared.config import EngineConfig, UpConfig
 from pdserve.shared.cpus import cpu_shares
 from pdserve.shared.errors import StartupError

@@ -218,6 +218,51 @@ def test_the_circle_check_counts_hidden_imports(tmp_path: Path) -> None:
     ]  # fmt: skip
 
 
+# ---- commands apart from the runtime -----------------------------------------------------------
+# services/control/ holds the commands (up, autoscale, rollout, plan, bench, doctor, trace); the
+# rest of services/ is the workers' runtime, which runs without them. parallel/ is the engine's
+# tensor-parallel plumbing, imported by the model and the engine: it may use their plain data
+# types (the model's config, a step's inputs) but nothing that builds or runs a model - the
+# process of a rank other than 0, which does, is services/engine/rank_process.py.
+
+CONTROL = "pdserve.services.control"
+PARALLEL = "pdserve.services.engine.parallel"
+PARALLEL_MAY_USE = {"pdserve.services.engine.model_config", "pdserve.services.engine.outputs"}
+
+
+def test_the_runtime_never_imports_the_commands() -> None:
+    modules = project_modules()
+    graph = import_graph(modules)
+    bad = [
+        f"{modules[name].relative_to(REPO)}:{line} imports {target}"
+        for name, targets in sorted(graph.items())
+        if not name.startswith(CONTROL) and name != "pdserve.cli"
+        for target, line in sorted(targets.items())
+        if target == CONTROL or target.startswith(CONTROL + ".")
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_shared_holds_no_commands() -> None:
+    """A command's modules are imported by the CLI alone; shared/ is what several processes use."""
+    assert not [p for p in (REPO / "shared").rglob("*.py") if p.stem in {"cli", "command"}]
+
+
+def test_parallel_imports_nothing_above_it() -> None:
+    modules = project_modules()
+    graph = import_graph(modules)
+    bad = [
+        f"{modules[name].relative_to(REPO)}:{line} imports {target}"
+        for name, targets in sorted(graph.items())
+        if name.startswith(PARALLEL)
+        for target, line in sorted(targets.items())
+        if target.startswith("pdserve.services.")
+        and not target.startswith(PARALLEL)
+        and target not in PARALLEL_MAY_USE
+    ]
+    assert not bad, "\n".join(bad)
+
+
 # ---- file size -------------------------------------------------------------------------------
 
 MAX_LINES = 400  # a module one can read in a sitting; past it, split by concern

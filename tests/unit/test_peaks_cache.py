@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.shared.doctor import peaks as doctor_peaks
-from pdserve.shared.doctor.report import FAIL, OK, Report
+from pdserve.services.control.doctor import peaks as doctor_peaks
+from pdserve.services.control.doctor.report import FAIL, OK, Report
 from pdserve.shared.telemetry import peaks, read_buffer
 from pdserve.shared.telemetry.roofline import Peaks
 

@@ -14,7 +14,11 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli import main
-from pdserve.services.planning.profile_run import (
+from pdserve.services.control.bench.client import RequestRecord
+from pdserve.services.control.bench.metrics import compute_metrics
+from pdserve.services.control.bench.results import RunResult, record_lines
+from pdserve.services.control.planner.profile import Profile
+from pdserve.services.control.planner.profile_run import (
     ProfileSettings,
     busy_note,
     cpu_busy,
@@ -22,11 +26,7 @@ from pdserve.services.planning.profile_run import (
     placements,
     save_profile,
 )
-from pdserve.shared.bench.client import RequestRecord
-from pdserve.shared.bench.metrics import compute_metrics
-from pdserve.shared.bench.results import RunResult, record_lines
 from pdserve.shared.config import EngineConfig
-from pdserve.shared.planner.profile import Profile
 
 ROW = re.compile(r"^\s+(\d+P\d+D|agg x\d+)\s+([\d.]+)\s+([\d.]+)%", re.M)
 
@@ -200,7 +200,7 @@ def test_a_bad_profile_file_is_one_line(tmp_path, capsys, content, message):
 
 
 def test_bad_profiling_lengths_fail_before_any_profiling(tmp_path, capsys, monkeypatch):
-    import pdserve.services.planning.profile_run as profile_run
+    import pdserve.services.control.planner.profile_run as profile_run
 
     def never(*_a, **_k):
         raise AssertionError("profiled despite bad input")

@@ -10,16 +10,16 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from pdserve.shared.planner import decide as d
-from pdserve.shared.planner.decide import Planner, decide, fit_budget, pick_to_drain
-from pdserve.shared.planner.inputs import (
+from pdserve.services.control.planner import decide as d
+from pdserve.services.control.planner.decide import Planner, decide, fit_budget, pick_to_drain
+from pdserve.services.control.planner.inputs import (
     Counts,
     Limits,
     MetricsWindow,
     PlannerConfig,
     PlannerState,
 )
-from pdserve.shared.planner.workload import SLO
+from pdserve.services.control.planner.workload import SLO
 from tests.unit.planner_support import hand_profile, osl_for, window
 
 PROFILE = hand_profile()
@@ -195,10 +195,10 @@ def test_pick_to_drain_takes_the_least_loaded() -> None:
 def test_arrivals_with_nothing_finished_hold_the_counts() -> None:
     """Requests arrived but none finished in the window: no ISL/OSL to size by, so the counts
     hold instead of being sized for one-token requests."""
-    from pdserve.shared.planner.decide import decide
-    from pdserve.shared.planner.inputs import Counts, Limits, MetricsWindow, PlannerState
-    from pdserve.shared.planner.profile import Profile
-    from pdserve.shared.planner.workload import SLO
+    from pdserve.services.control.planner.decide import decide
+    from pdserve.services.control.planner.inputs import Counts, Limits, MetricsWindow, PlannerState
+    from pdserve.services.control.planner.profile import Profile
+    from pdserve.services.control.planner.workload import SLO
 
     window = MetricsWindow(duration_s=10.0, requests=40, mean_isl=0.0, mean_osl=0.0,
                            ttft_ms=None, itl_ms=None, workers=())  # fmt: skip

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.shared.planner.advisor import advise, plot_attainment
-from pdserve.shared.planner.decide import Decision, Planner
-from pdserve.shared.planner.inputs import Counts, Limits, MetricsWindow, PlannerState
-from pdserve.shared.planner.profile import Profile
-from pdserve.shared.planner.sim_data import RateSchedule, SimConfig
-from pdserve.shared.planner.simulate import simulate
-from pdserve.shared.planner.workload import SLO, Workload
+from pdserve.services.control.planner.advisor import advise, plot_attainment
+from pdserve.services.control.planner.decide import Decision, Planner
+from pdserve.services.control.planner.inputs import Counts, Limits, MetricsWindow, PlannerState
+from pdserve.services.control.planner.profile import Profile
+from pdserve.services.control.planner.sim_data import RateSchedule, SimConfig
+from pdserve.services.control.planner.simulate import simulate
+from pdserve.services.control.planner.workload import SLO, Workload
 from tests.unit.planner_support import hand_profile
 
 H200 = Profile.synthetic()

@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.shared.bench.client import RequestRecord
-from pdserve.shared.bench.metrics import compute_metrics
-from pdserve.shared.bench.results import RunResult, record_lines
-from pdserve.shared.planner.profile import Profile, interp
-from pdserve.shared.planner.sizing import (
+from pdserve.services.control.bench.client import RequestRecord
+from pdserve.services.control.bench.metrics import compute_metrics
+from pdserve.services.control.bench.results import RunResult, record_lines
+from pdserve.services.control.planner.profile import Profile, interp
+from pdserve.services.control.planner.sizing import (
     erlang_c,
     size_decode,
     size_prefill,
     ttft_quantile,
 )
-from pdserve.shared.planner.workload import SLO, Workload
+from pdserve.services.control.planner.workload import SLO, Workload
 from tests.unit.planner_support import hand_profile
 
 

@@ -1,4 +1,4 @@
-"""The order in which a rollout retires the old version (services/rollout.py), with real child
+"""The order in which a rollout retires the old version (services/control/rollout.py), with real child
 processes standing in for workers and no model: the old prefill workers drain first, and the
 old decode workers - the only ones that can pull the KV an old prefill worker leased, its
 version being in the KV layout - keep serving until every old prefill worker has exited.
@@ -15,8 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdserve.services import rollout
-from pdserve.services.processes import Child, spawn
+from pdserve.services.control import rollout
+from pdserve.services.control.processes import Child, spawn
 
 # a worker's drain in miniature: on SIGTERM it finishes what it holds (a moment), then exits 0
 WORKER = """

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pdserve.shared.bench.metrics import BenchMetrics, Distribution
-from pdserve.shared.bench.results import RunResult
-from pdserve.shared.bench.spec_counters import SpecTotals, parse_spec
-from pdserve.shared.bench.sweep import print_summary
+from pdserve.services.control.bench.metrics import BenchMetrics, Distribution
+from pdserve.services.control.bench.results import RunResult
+from pdserve.services.control.bench.spec_counters import SpecTotals, parse_spec
+from pdserve.services.control.bench.sweep import print_summary
 
 PDSERVE_GATEWAY = """\
 # HELP pdserve_spec_decode_num_drafts_total Speculative drafts verified per decode worker.

@@ -29,7 +29,8 @@ from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, Resou
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from pdserve.shared.telemetry import trace_cli, tracing
+from pdserve.services.control import trace_cli
+from pdserve.shared.telemetry import tracing
 from tests.otlp_receiver import OtlpReceiver, to_jaeger
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "jaeger_traces.json"

@@ -1,4 +1,4 @@
-"""The warm pool without a model: the bookkeeping (services/warm_pool.py), its flags, its cost
+"""The warm pool without a model: the bookkeeping (services/control/warm_pool.py), its flags, its cost
 against the budget, and the autoscaler on a stand-in launcher whose workers are processes that
 note a promotion (SIGUSR1) as services/standby.py does: a scale-up promotes a registered pooled
 worker instead of a cold start, then refills the pool; one not registered yet is passed over;
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.services import autoscale
-from pdserve.services.autoscale import Autoscaler, Placement
-from pdserve.services.processes import Child, spawn
-from pdserve.services.warm_pool import WarmPool
+from pdserve.services.control import autoscale
+from pdserve.services.control.autoscale import Autoscaler, Placement
+from pdserve.services.control.processes import Child, spawn
+from pdserve.services.control.warm_pool import WarmPool
 from pdserve.shared.config import UpConfig
 from pdserve.shared.errors import StartupError
 from tests.unit.test_autoscale import StandIn, up_config, window

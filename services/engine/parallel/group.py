@@ -158,7 +158,7 @@ class RankGroup:
                     cpus=shares[rank] if shares else None,
                     threads=len(shares[rank]) if shares else threads,
                 )
-                argv = [sys.executable, "-m", "pdserve.services.engine.parallel.rank"]
+                argv = [sys.executable, "-m", "pdserve.services.engine.rank_process"]
                 group.procs.append(subprocess.Popen([*argv, json.dumps(dataclasses.asdict(spec))]))
             group._accept(server, key)
             for rank, proc in enumerate(group.procs, start=1):

@@ -1,0 +1,263 @@
+"""The simulated workers: a prefill worker and a decode worker driven by a ``Profile``'s curves.
+
+A **prefill worker** serves its queue first come, first served, one prompt at a time, each in
+``ISL / throughput(ISL)`` seconds: the profile's throughput was measured with the batching the
+real worker does, so the simulator does not batch again.
+
+A **decode worker** runs a continuous batch. Stepping it token by token would cost millions of
+Python steps per simulated minute, so it advances in *segments*: between two events that change
+its batch (a sequence joins or finishes, a prompt's last chunk is done) every step takes the same
+time, ``ITL(batch, mean context)`` from the profile, so a whole segment is one computation. An
+arrival in mid-segment settles the worker to the next step boundary (a sequence joins between
+steps, as in the real engine) and starts a new segment. The mean context is kept as running sums,
+so a step's cost is O(1) whatever the batch.
+
+Admission reserves a sequence's whole KV (ISL + OSL tokens) and never preempts: a sequence waits
+in the queue until its KV fits and the batch is below the profile's ``max_batch``. That is more
+conservative than a paged engine (which allocates as tokens come and preempts), and it makes KV
+capacity limit the batch, as it should.
+
+An **aggregated** worker (``chunk_tokens`` > 0) is a decode worker that also prefills: each step
+carries up to ``chunk_tokens`` of the oldest waiting prompt beside the decode batch, costing
+``chunk / throughput(ISL)`` more, so every running sequence's ITL is inflated while a prompt is in
+progress (chunked prefill, as vLLM and SGLang schedule it). One prompt per step; the prompt's
+sequence joins the batch when its last chunk is done (that step is its first token).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pdserve.services.control.planner.profile import Profile
+
+STARTING, ACTIVE, DRAINING, GONE = "starting", "active", "draining", "gone"
+
+
+@dataclass(slots=True)
+class SimRequest:
+    index: int
+    arrival: float
+    isl: int
+    osl: int
+    first_token: float = math.nan  # s; TTFT = first_token - arrival
+    join: float = math.nan  # when it joined a decode batch
+    done: float = math.nan
+
+    @property
+    def ttft_ms(self) -> float:
+        return (self.first_token - self.arrival) * 1000.0
+
+    @property
+    def itl_ms(self) -> float:
+        """Mean inter-token latency (TPOT): NaN while unfinished, 0 for a one-token answer."""
+        if self.osl <= 1:
+            return 0.0 if self.done == self.done else math.nan
+        return (self.done - self.first_token) * 1000.0 / (self.osl - 1)
+
+
+@dataclass
+class Gaps:
+    """Token gaps seen in the current window: (ms, how many tokens had that gap)."""
+
+    samples: list[tuple[float, int]] = field(default_factory=list)
+
+    def add(self, gap_ms: float, count: int) -> None:
+        if count > 0:
+            self.samples.append((gap_ms, count))
+
+    def percentile(self, q: float) -> float | None:
+        total = sum(n for _, n in self.samples)
+        if total == 0:
+            return None
+        seen = 0
+        for gap, n in sorted(self.samples):
+            seen += n
+            if seen >= q * total:
+                return gap
+        return self.samples[-1][0]
+
+
+@dataclass
+class Worker:
+    worker_id: str
+    role: str  # "prefill", "decode" or "aggregated"
+    created: float  # started loading: costs from here
+    ready_at: float
+    state: str = STARTING
+    retired: float = math.nan
+
+    def age(self, now: float) -> float:
+        return now - self.ready_at
+
+
+class PrefillWorker(Worker):
+    def __init__(self, worker_id: str, created: float, ready_at: float, profile: Profile) -> None:
+        super().__init__(worker_id, "prefill", created, ready_at)
+        self.profile = profile
+        self.queue: deque[SimRequest] = deque()
+        self.busy_until = 0.0
+        self.backlog_tokens = 0  # queued + in progress: the router's cost
+
+    def idle(self) -> bool:
+        return not self.queue and self.backlog_tokens == 0
+
+    def load(self) -> tuple[float, int, int]:  # kv usage, queued, running
+        busy = 1 if self.queue else 0  # the queue's head is the prompt in progress
+        return 0.0, len(self.queue) - busy, busy
+
+    def add(self, req: SimRequest, now: float) -> float | None:
+        """Queue a prompt; returns when it finishes if the worker was idle (else None)."""
+        self.queue.append(req)
+        self.backlog_tokens += req.isl
+        return self._start_next(now) if self.busy_until <= now and len(self.queue) == 1 else None
+
+    def finish(self, now: float) -> tuple[SimRequest, float | None]:
+        """The prompt in progress is done at ``now``; returns it and the next finish time."""
+        req = self.queue.popleft()
+        self.backlog_tokens -= req.isl
+        req.first_token = now
+        return req, self._start_next(now) if self.queue else None
+
+    def _start_next(self, now: float) -> float:
+        head = self.queue[0]
+        self.busy_until = now + self.profile.prefill_seconds(head.isl)
+        return self.busy_until
+
+
+class DecodeWorker(Worker):
+    def __init__(
+        self,
+        worker_id: str,
+        created: float,
+        ready_at: float,
+        profile: Profile,
+        gaps: Gaps,
+        chunk_tokens: int = 0,
+    ) -> None:
+        super().__init__(worker_id, "aggregated" if chunk_tokens else "decode", created, ready_at)
+        self.profile = profile
+        self.gaps = gaps
+        self.chunk = chunk_tokens
+        # heap of (finish step, request index, join step, request)
+        self.running: list[tuple[int, int, int, SimRequest]] = []
+        self.waiting: deque[SimRequest] = deque()  # first token done, KV not yet admitted
+        self.prompts: deque[SimRequest] = deque()  # aggregated: admitted, prefill in progress
+        self.prompt_left = 0  # tokens of prompts[0] still to prefill
+        self.step = 0  # steps done so far
+        self.t_sync = 0.0  # when step `step` ended
+        self.reserved = 0  # KV tokens reserved by running sequences and prompts
+        self.sum_isl = 0  # over running sequences, for their mean context
+        self.sum_join = 0  # join steps of running sequences
+        self.seg_steps = 0  # the current segment: its length in steps, step time, chunk size
+        self.seg_step_s = 0.0
+        self.seg_chunk = 0
+        self.version = 0  # bumps when a segment is replanned: older events are stale
+        self.on_first_token: Callable[[SimRequest], None] = lambda req: None
+
+    def idle(self) -> bool:
+        return not (self.running or self.waiting or self.prompts)
+
+    def load(self) -> tuple[float, int, int]:
+        return (
+            self.used_tokens() / self.profile.kv_capacity_tokens,
+            len(self.waiting),
+            len(self.running),
+        )
+
+    def used_tokens(self) -> int:
+        b = len(self.running)
+        return self.sum_isl + b * self.step - self.sum_join
+
+    def load_tokens(self) -> int:
+        """The router's cost: KV reserved plus what waits to be admitted."""
+        return self.reserved + sum(r.isl + r.osl for r in self.waiting)
+
+    def add(self, req: SimRequest, now: float) -> float | None:
+        """A sequence arrives (its KV pulled; or, aggregated, its raw prompt). Returns when the
+        worker's next event is due, or None when it is idle."""
+        self.settle(now)
+        self.waiting.append(req)
+        return self.replan()
+
+    def settle(self, now: float) -> None:
+        """Run the current segment up to the first step boundary at or after ``now`` (never past
+        the segment's end), then retire finished sequences and complete a finished prompt."""
+        if self.seg_steps == 0:
+            self.t_sync = max(self.t_sync, now)
+            return
+        k = max(0, math.ceil((now - self.t_sync) / self.seg_step_s - 1e-9))
+        k = min(k, self.seg_steps)
+        if k:
+            self.gaps.add(self.seg_step_s * 1000.0, k * len(self.running))
+            self.step += k
+            self.t_sync += k * self.seg_step_s
+            self.seg_steps -= k
+            self.prompt_left -= k * self.seg_chunk
+        while self.running and self.running[0][0] <= self.step:
+            _, _, joined, req = heapq.heappop(self.running)
+            req.done = self.t_sync
+            self.reserved -= req.isl + req.osl
+            self.sum_isl -= req.isl
+            self.sum_join -= joined
+        if self.prompts and self.prompt_left <= 0:
+            req = self.prompts.popleft()
+            req.first_token = self.t_sync
+            self.on_first_token(req)
+            self._join(req)
+            self.prompt_left = self.prompts[0].isl if self.prompts else 0
+
+    def _join(self, req: SimRequest) -> None:
+        req.join = self.t_sync
+        if req.osl <= 1:  # the first token was the whole answer
+            req.done = self.t_sync
+            self.reserved -= req.isl + req.osl
+            return
+        self.sum_isl += req.isl
+        self.sum_join += self.step
+        heapq.heappush(self.running, (self.step + req.osl - 1, req.index, self.step, req))
+        # the wait between the first token and the first decode step is part of one token gap
+        self.gaps.add((self.t_sync - req.first_token) * 1000.0, 1)
+
+    def _admit(self) -> None:
+        cap, limit = self.profile.kv_capacity_tokens, self.profile.max_batch
+        while self.waiting:
+            req = self.waiting[0]
+            batch = len(self.running) + len(self.prompts)
+            fits = batch < limit and self.reserved + req.isl + req.osl <= cap
+            if not fits and batch:  # one larger than the whole pool still runs, alone
+                return
+            self.waiting.popleft()
+            self.reserved += req.isl + req.osl
+            if self.chunk:
+                self.prompts.append(req)
+                if len(self.prompts) == 1:
+                    self.prompt_left = req.isl
+            else:
+                self._join(req)
+
+    def replan(self) -> float | None:
+        """Admit what fits, then plan the next segment; returns when it ends (None: idle)."""
+        self._admit()
+        self.version += 1
+        b = len(self.running)
+        steps_to_finish = self.running[0][0] - self.step if b else math.inf
+        step_s, chunk, steps = 0.0, 0, steps_to_finish
+        if b:
+            context = (self.sum_isl + b * self.step - self.sum_join) / b
+            step_s = self.profile.decode_itl(b, context) / 1000.0
+        if self.prompts:
+            head = self.prompts[0]
+            # full chunks first, the last (partial) chunk as a segment of its own
+            full = (self.prompt_left - 1) // self.chunk
+            chunk = self.chunk if full else self.prompt_left
+            steps = min(steps, full or 1)
+            step_s += chunk / self.profile.prefill_throughput(head.isl)
+        if steps == math.inf:
+            self.seg_steps = 0
+            return None
+        self.seg_steps, self.seg_step_s, self.seg_chunk = int(steps), step_s, chunk
+        return self.t_sync + self.seg_steps * step_s

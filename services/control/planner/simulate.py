@@ -1,0 +1,337 @@
+"""A simulated serving fleet driven by a ``Profile`` (no model): fast tests of the planner, and the
+same load ramp at a GPU host's scale.
+
+Requests arrive by a ``RateSchedule`` (a Poisson process whose rate follows a piecewise-linear
+curve, drawn by thinning), with lengths from a ``Workload``. The gateway routes each prompt to the
+prefill worker with the least queued work, then (after ``kv_transfer_ms``) its sequence to the
+decode worker with the least KV reserved or waiting; sim_workers.py says how each worker spends
+its time. Every ``window_s`` the simulator builds the ``MetricsWindow`` the planner reads (rate,
+mean ISL/OSL, TTFT and ITL at the SLO's percentile, each serving worker's age, KV usage and
+queue), calls the planner, and applies its decision: a new worker serves ``startup_s`` after it is
+asked for (and costs from that moment); a removed worker is drained (no new work, it finishes what
+it holds, then goes). The budget holds for the fleet as it physically is: a worker asked for while
+draining ones still hold the budget waits until they are gone.
+
+Deterministic for a seed; a 10-minute ramp of a few thousand requests runs in well under a second.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import deque
+from collections.abc import Callable
+
+from pdserve.services.control.planner.decide import Decision
+from pdserve.services.control.planner.inputs import Counts, Limits, MetricsWindow, WorkerSample
+from pdserve.services.control.planner.profile import Profile
+from pdserve.services.control.planner.sim_data import (
+    RateSchedule,
+    SimConfig,
+    SimResult,
+    WindowRecord,
+)
+from pdserve.services.control.planner.sim_workers import (
+    ACTIVE,
+    DRAINING,
+    GONE,
+    STARTING,
+    DecodeWorker,
+    Gaps,
+    PrefillWorker,
+    SimRequest,
+    Worker,
+)
+from pdserve.services.control.planner.workload import SLO, Workload
+
+ARRIVE, PREFILL_DONE, KV_READY, DECODE, READY, TICK = range(6)
+
+
+class _Sim:
+    def __init__(
+        self,
+        profile: Profile,
+        workload: Workload,
+        schedule: RateSchedule,
+        slo: SLO,
+        planner: Callable[[MetricsWindow, Counts], Decision] | None,
+        limits: Limits | None,
+        config: SimConfig,
+    ) -> None:
+        self.profile, self.workload, self.schedule, self.slo = profile, workload, schedule, slo
+        self.planner, self.limits, self.cfg = planner, limits, config
+        self.rng = random.Random(config.seed)
+        self.events: list[tuple[float, int, int, object, int]] = []
+        self.seq = 0
+        self.now = 0.0
+        self.workers: list[Worker] = []
+        self.pending: deque[str] = deque()  # roles asked for while the budget was held
+        self.unrouted: dict[str, deque[SimRequest]] = {"prefill": deque(), "decode": deque()}
+        self.requests: list[SimRequest] = []
+        self.gaps = Gaps()
+        self.win_ttft: list[float] = []
+        self.win_arrivals = [0, 0, 0]  # count, ISL sum, OSL sum
+        self.windows: list[WindowRecord] = []
+        self.decisions: list[Decision] = []
+        self.actions = 0
+        self.max_cost = 0.0
+        self.names = 0
+
+    # ---- plumbing ----------------------------------------------------------------------------
+
+    def push(self, t: float, kind: int, payload: object = None, version: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, payload, version))
+
+    def cost_of(self, role: str) -> float:
+        if self.limits is None:
+            return 1.0
+        return self.limits.cost_of("decode" if role == "aggregated" else role)
+
+    def live_cost(self) -> float:
+        return sum(self.cost_of(w.role) for w in self.workers if w.state != GONE)
+
+    def start_worker(self, role: str, ready_at: float) -> None:
+        """Start one, or queue it while the budget is held (by draining workers, say)."""
+        budget = self.limits.budget if self.limits else None
+        if self.pending or (
+            budget is not None and self.live_cost() + self.cost_of(role) > budget + 1e-9
+        ):
+            self.pending.append(role)
+            return
+        self.names += 1
+        name = f"{role}-{self.names}"
+        if role == "prefill":
+            w: Worker = PrefillWorker(name, self.now, ready_at, self.profile)
+        else:
+            chunk = self.cfg.chunk_tokens if role == "aggregated" else 0
+            w = DecodeWorker(name, self.now, ready_at, self.profile, self.gaps, chunk)
+            w.on_first_token = self.first_token
+            w.t_sync = ready_at
+        self.workers.append(w)
+        self.max_cost = max(self.max_cost, self.live_cost())
+        self.push(ready_at, READY, w)
+
+    def retire(self, w: Worker) -> None:
+        w.state, w.retired = GONE, self.now
+        waiting, self.pending = self.pending, deque()
+        for role in waiting:  # in order: each starts if it now fits, else waits again
+            self.start_worker(role, self.now + self.cfg.startup_s)
+
+    def serving(self, role: str) -> list[Worker]:
+        return [w for w in self.workers if w.role == role and w.state == ACTIVE]
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def first_token(self, req: SimRequest) -> None:
+        self.win_ttft.append(req.ttft_ms)
+
+    def route_prefill(self, req: SimRequest) -> None:
+        role = "aggregated" if self.cfg.aggregated else "prefill"
+        pool = self.serving(role)
+        if not pool:
+            self.unrouted["prefill"].append(req)
+            return
+        if role == "aggregated":
+            self.route_decode(req)
+            return
+        w = min(pool, key=lambda w: w.backlog_tokens)
+        due = w.add(req, self.now)
+        if due is not None:
+            self.push(due, PREFILL_DONE, w)
+
+    def route_decode(self, req: SimRequest) -> None:
+        pool = self.serving("aggregated" if self.cfg.aggregated else "decode")
+        if not pool:
+            self.unrouted["decode"].append(req)
+            return
+        w = min(pool, key=lambda w: w.load_tokens())
+        self.schedule_decode(w, w.add(req, self.now))
+
+    def schedule_decode(self, w: DecodeWorker, due: float | None) -> None:
+        if due is not None:
+            self.push(due, DECODE, w, w.version)
+        elif w.state == DRAINING and w.idle():
+            self.retire(w)
+
+    # ---- windows and decisions ---------------------------------------------------------------
+
+    def window(self) -> MetricsWindow:
+        n, isl, osl = self.win_arrivals
+        samples = []
+        for w in self.workers:
+            if w.state == ACTIVE:
+                kv, queue, running = w.load()
+                role = "decode" if w.role == "aggregated" else w.role
+                samples.append(WorkerSample(w.worker_id, role, w.age(self.now), kv, queue, running))
+        ttft = sorted(self.win_ttft)
+        q = self.slo.quantile
+        return MetricsWindow(
+            duration_s=self.cfg.window_s,
+            requests=n,
+            mean_isl=isl / n if n else 0.0,
+            mean_osl=osl / n if n else 0.0,
+            ttft_ms=ttft[min(len(ttft) - 1, math.ceil(q * len(ttft)) - 1)] if ttft else None,
+            itl_ms=self.gaps.percentile(q),
+            workers=tuple(samples),
+        )
+
+    def counted(self) -> Counts:
+        def n(role: str) -> int:
+            live = sum(1 for w in self.workers if w.role == role and w.state in (STARTING, ACTIVE))
+            return live + self.pending.count(role)
+
+        return Counts(n("prefill"), n("decode"))
+
+    def apply(self, desired: Counts) -> None:
+        current = self.counted()
+        for role in ("prefill", "decode"):
+            diff = desired.of(role) - current.of(role)
+            self.actions += diff != 0
+            for _ in range(max(0, diff)):
+                self.start_worker(role, self.now + self.cfg.startup_s)
+            for _ in range(max(0, -diff)):
+                self.remove_one(role)
+
+    def remove_one(self, role: str) -> None:
+        if role in self.pending:
+            self.pending.remove(role)
+            return
+        starting = [w for w in self.workers if w.role == role and w.state == STARTING]
+        if starting:  # never served: it goes at once
+            self.retire(starting[-1])
+            return
+        active = self.serving(role)
+        w = min(active, key=lambda w: (sum(w.load()[1:]), w.load()[0], w.worker_id))
+        w.state = DRAINING
+        if w.idle():
+            self.retire(w)
+
+    def tick(self) -> None:
+        window = self.window()
+        decision = None
+        if self.planner is not None:
+            decision = self.planner(window, self.counted())
+            self.decisions.append(decision)
+            self.apply(decision.counts)
+        serving = Counts(
+            len(self.serving("prefill")),
+            len(self.serving("decode")) + len(self.serving("aggregated")),
+        )
+        self.windows.append(
+            WindowRecord(
+                self.now,
+                window.request_rate,
+                window.ttft_ms,
+                window.itl_ms,
+                serving,
+                self.live_cost(),
+                decision.counts if decision else None,
+                decision.rules if decision else (),
+            )
+        )
+        self.gaps.samples.clear()
+        self.win_ttft.clear()
+        self.win_arrivals = [0, 0, 0]
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def next_arrival(self, t: float) -> None:
+        peak = self.schedule.peak
+        if peak <= 0:
+            return
+        while True:  # thinning: candidates at the peak rate, kept with probability rate/peak
+            t += self.rng.expovariate(peak)
+            if t >= self.schedule.duration:
+                return
+            if self.rng.random() * peak < self.schedule.rate(t):
+                self.push(t, ARRIVE)
+                return
+
+    def run(self) -> SimResult:
+        cfg = self.cfg
+        roles = [("aggregated", cfg.aggregated)] if cfg.aggregated else []
+        roles += [("prefill", cfg.prefill), ("decode", cfg.decode)]
+        for role, n in roles:
+            for _ in range(n):
+                self.start_worker(role, 0.0)
+        self.next_arrival(0.0)
+        t = cfg.window_s
+        while t <= self.schedule.duration + 1e-9:
+            self.push(t, TICK)
+            t += cfg.window_s
+        end = self.schedule.duration + cfg.tail_s
+        while self.events and self.events[0][0] <= end:
+            self.now, _, kind, payload, version = heapq.heappop(self.events)
+            self.handle(kind, payload, version)
+        return self.result()
+
+    def handle(self, kind: int, payload: object, version: int) -> None:
+        if kind == ARRIVE:
+            isl, osl = self.workload.lengths(self.rng)
+            req = SimRequest(len(self.requests), self.now, isl, osl)
+            self.requests.append(req)
+            self.win_arrivals[0] += 1
+            self.win_arrivals[1] += isl
+            self.win_arrivals[2] += osl
+            self.route_prefill(req)
+            self.next_arrival(self.now)
+        elif kind == PREFILL_DONE:
+            w = payload
+            assert isinstance(w, PrefillWorker)
+            req, due = w.finish(self.now)
+            self.first_token(req)
+            self.push(self.now + self.cfg.kv_transfer_ms / 1000.0, KV_READY, req)
+            if due is not None:
+                self.push(due, PREFILL_DONE, w)
+            elif w.state == DRAINING and w.idle():
+                self.retire(w)
+        elif kind == KV_READY:
+            assert isinstance(payload, SimRequest)
+            self.route_decode(payload)
+        elif kind == DECODE:
+            w = payload
+            assert isinstance(w, DecodeWorker)
+            if version == w.version:
+                w.settle(self.now)
+                self.schedule_decode(w, w.replan())
+        elif kind == READY:
+            w = payload
+            assert isinstance(w, Worker)
+            if w.state == STARTING:
+                w.state = ACTIVE
+                for which in ("prefill", "decode"):
+                    waiting, self.unrouted[which] = self.unrouted[which], deque()
+                    for req in waiting:
+                        (self.route_prefill if which == "prefill" else self.route_decode)(req)
+        elif kind == TICK:
+            self.tick()
+
+    def result(self) -> SimResult:
+        d = self.schedule.duration
+        seconds: dict[str, float] = {}
+        for w in self.workers:
+            until = w.retired if w.retired == w.retired else d
+            seconds[w.role] = seconds.get(w.role, 0.0) + max(0.0, min(until, d) - w.created)
+        return SimResult(
+            self.requests, self.windows, self.decisions, seconds, self.actions, self.max_cost, d
+        )
+
+
+def simulate(
+    profile: Profile,
+    workload: Workload,
+    schedule: RateSchedule,
+    slo: SLO,
+    *,
+    planner: Callable[[MetricsWindow, Counts], Decision] | None = None,
+    limits: Limits | None = None,
+    config: SimConfig = SimConfig(),
+) -> SimResult:
+    """Run the schedule through the fleet; ``planner`` (e.g. ``Planner(...).step``) resizes it
+    every window, without one the fleet stays as ``config`` starts it. The workload's rate is not
+    used: the schedule's is."""
+    if config.aggregated and (config.prefill or config.decode):
+        raise ValueError("an aggregated fleet has no separate prefill or decode workers")
+    return _Sim(profile, workload, schedule, slo, planner, limits, config).run()
