@@ -73,7 +73,7 @@ class Worker:
         self.engine: LLMEngine | None = None
         self.bus = bus if bus is not None else Bus(self.bus_config, self.worker_id)
         self.subjects = self.bus.subjects
-        self.health = health.Health(self.in_flight, lambda: self.bus.connected)
+        self.health = health.Health(self.work_counts, lambda: self.bus.connected)
         self.states: dict[str, RequestState] = {}
         self.draining = False
         self.standby = standby.arm(self)  # services/standby.py: not routed until promoted
@@ -114,7 +114,7 @@ class Worker:
     def load_extra(self) -> dict:
         return {}
 
-    def in_flight(self) -> dict[str, int]:
+    def work_counts(self) -> dict[str, int]:
         """What a drain waits for, as /ready shows it."""
         return {"requests": len(self.states)}
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 import time
 
+from pdserve.services.decode.decode_state import DecodeState
 from pdserve.services.decode.rank_pull import PiecePull
-from pdserve.services.decode.state import DecodeState
 from pdserve.shared.bus.protocol import KVHandle
 from pdserve.shared.kv.transfer import KVChecksumError, TransferStats
 from pdserve.shared.telemetry import tracing

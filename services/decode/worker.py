@@ -25,9 +25,9 @@ import logging
 import time
 
 from pdserve.services.decode import pull_spans
+from pdserve.services.decode.decode_state import DecodeState, check_answer, record_generate
 from pdserve.services.decode.prefill_peers import PrefillPeers
 from pdserve.services.decode.rank_pull import RankPuller
-from pdserve.services.decode.state import DecodeState, check_answer, record_generate
 from pdserve.services.engine.engine import LLMEngine
 from pdserve.services.engine.outputs import KVPull, StepOutput, StepResult
 from pdserve.services.engine.spec.speculator import SpecCounters

@@ -124,9 +124,9 @@ class PrefillWorker(Worker):
     def busy(self) -> bool:
         return bool(self.states) or len(self.leases) > 0
 
-    def in_flight(self) -> dict[str, int]:
+    def work_counts(self) -> dict[str, int]:
         # a draining prefill worker also waits for the pulls of the KV it leased
-        return {**super().in_flight(), "leases": len(self.leases)}
+        return {**super().work_counts(), "leases": len(self.leases)}
 
     # -- requests ------------------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ class Health:
     """A worker's readiness and liveness, as the HTTP probes report them."""
 
     # Counts of work in flight (e.g. {"requests": 2, "leases": 5}); shown by /ready.
-    in_flight: Callable[[], dict[str, int]] = dict
+    work_counts: Callable[[], dict[str, int]] = dict
     # Whether the NATS connection is up right now: a worker cut off from the bus gets no work.
     connected: Callable[[], bool] = lambda: True
     stall_seconds: float = STALL_SECONDS
@@ -58,7 +58,7 @@ class Health:
         phase = self.phase
         body: dict = {"status": phase}
         if phase in (READY, DRAINING):
-            body.update(self.in_flight())
+            body.update(self.work_counts())
         if phase == READY and not self.connected():
             return 503, {**body, "reason": "not connected to NATS (reconnecting)"}
         if phase != READY:
