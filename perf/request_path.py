@@ -11,8 +11,10 @@ and the warm-up request are not counted.
 
     python -m perf.request_path                       # this checkout
     python -m perf.request_path --repo /tmp/old --python /tmp/oldvenv/bin/python --cli pdserve.shared.cli
+    python -m perf.request_path --out perf/results/request_path.json --label after
 
-The second form measures another checkout (the ``--cli`` module is where its command lived).
+The second form measures another checkout (the ``--cli`` module is where its command lived); the
+third adds the result, under its label, to a JSON file of such results (a before and an after).
 """
 
 from __future__ import annotations
@@ -112,9 +114,13 @@ def measure(
         argv += ["--model", model] if model else []
         with open(log, "wb") as out:
             proc = subprocess.Popen(
-                argv, cwd=repo, env=env, stdout=out, stderr=subprocess.STDOUT,
+                argv,
+                cwd=repo,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
-            )  # fmt: skip
+            )
         try:
             deadline = time.monotonic() + 600
             while "pdserve ready at" not in log.read_text(errors="replace"):
@@ -164,6 +170,8 @@ def main() -> int:
     p.add_argument("--cli", default="pdserve.cli", help="the module `-m` runs the CLI from")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--model", help="what pdserve up serves (default: its own default)")
+    p.add_argument("--out", type=Path, help="a JSON file to add this result to")
+    p.add_argument("--label", default="this checkout", help="the result's name in --out")
     ns = p.parse_args()
     found = measure(ns.repo.resolve(), ns.python, ns.cli, ns.max_tokens, ns.model)
     chunks = found.pop("_chunks")[0]
@@ -173,7 +181,21 @@ def main() -> int:
         for m in mods:
             print(f"  {m}")
     print(f"one streamed disaggregated chat request ({chunks} chunks): {len(union)} modules")
+    if ns.out:
+        results = json.loads(ns.out.read_text()) if ns.out.exists() else {}
+        results[ns.label] = {
+            "commit": _commit(ns.repo),
+            "modules": len(union),
+            "per_process": {role: len(mods) for role, mods in sorted(found.items())},
+            "union": union,
+        }
+        ns.out.write_text(json.dumps(results, indent=2) + "\n")
     return 0
+
+
+def _commit(repo: Path) -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True)
+    return out.stdout.decode().strip()
 
 
 if __name__ == "__main__":
