@@ -20,7 +20,7 @@ from opentelemetry import trace
 
 from pdserve.gateway.api_models import GenerationParams
 from pdserve.gateway.errors import APIError, overloaded, timeout_error
-from pdserve.gateway.inflight_types import (
+from pdserve.gateway.inflight.request_types import (
     NotSendable,
     NoWorker,
     OpenChoices,

@@ -19,8 +19,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge
 
 from pdserve.gateway.api_models import GenerationParams
-from pdserve.gateway.dispatch import Dispatcher
 from pdserve.gateway.errors import APIError, overloaded
+from pdserve.gateway.inflight.dispatcher import Dispatcher
 from pdserve.gateway.router import Router
 from pdserve.gateway.tokenizer import ChatTemplate, ModelTokenizer
 from pdserve.shared.bus.connection import Bus

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.gateway.legs import BUS_ID_SUFFIX
+from pdserve.gateway.inflight.legs import BUS_ID_SUFFIX
 from pdserve.gateway.router import Router
 from pdserve.gateway.server import create_app
 from pdserve.gateway.state import GATEWAY_KEY, Gateway

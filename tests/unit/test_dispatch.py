@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pdserve.gateway.inflight_types import (
+from pdserve.gateway.inflight.request_types import (
     NotSendable,
     NoWorker,
     StageTimeout,

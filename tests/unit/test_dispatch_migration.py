@@ -14,7 +14,12 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
-from pdserve.gateway.inflight_types import OpenChoices, StageTimeout, TokenEvent, WorkerFailure
+from pdserve.gateway.inflight.request_types import (
+    OpenChoices,
+    StageTimeout,
+    TokenEvent,
+    WorkerFailure,
+)
 from pdserve.shared.bus.protocol import DecodeRequest, TokenBatch
 from pdserve.shared.sampling import SamplingParams, choice_seed
 from pdserve.shared.telemetry.metrics import GatewayMetrics

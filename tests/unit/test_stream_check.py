@@ -1,4 +1,4 @@
-"""Token positions, replays and stream checks (``gateway/legs.py``,
+"""Token positions, replays and stream checks (``gateway/inflight/legs.py``,
 ``shared/bus/replay.py``) below the real bus: a NATS blip migrates only the streams whose tokens
 are really gone. Scripted workers on the in-memory bus (real protocol messages), the real
 registry, router and dispatcher; tokens "lost on the bus" are items a worker counts but never
@@ -11,8 +11,8 @@ import asyncio
 
 import pytest
 
-from pdserve.gateway import legs
-from pdserve.gateway.legs import is_answer, offset
+from pdserve.gateway.inflight import legs
+from pdserve.gateway.inflight.legs import is_answer, offset
 from pdserve.shared.bus.protocol import Cancel, DecodeRequest, TokenBatch, TokenItem
 from pdserve.shared.config import BusConfig
 from pdserve.shared.sampling import SamplingParams

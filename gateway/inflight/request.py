@@ -1,16 +1,16 @@
 """One request in flight on the bus, from the gateway's side: its ids, deadlines, queue, stage
 and decode legs, and the two stages it goes through. ``InFlight`` holds that state and reaches
 the rest of the gateway only through ``DispatchPort``, declared below: ``Dispatcher``
-(``gateway/dispatch.py``) implements it, feeds the queue (worker answers, the departure of a
+(``gateway/inflight/dispatcher.py``) implements it, feeds the queue (worker answers, the departure of a
 worker the request waits on, a reconnect of the bus), drives the stages and ends the request.
 
-``prefill()`` (``gateway/prefill_stage.py``) sends the prompt to a prefill worker (retrying
+``prefill()`` (``gateway/inflight/prefill_stage.py``) sends the prompt to a prefill worker (retrying
 elsewhere when one refuses or vanishes) and returns the first token with the KV handle. ``decode()`` sends the first leg
-(``gateway/legs.py``) - with that handle, or without one to have the decode worker prefill
+(``gateway/inflight/legs.py``) - with that handle, or without one to have the decode worker prefill
 locally - and yields the tokens its worker streams back. A worker that refuses a leg before its
 first token hands it to another. A worker lost mid-stream, or whose tokens the bus lost
-(``gateway/legs.py``), has its legs migrated: re-sent to live decode workers with the
-tokens the client already has, from which they continue exactly (``gateway/legs.py``).
+(``gateway/inflight/legs.py``), has its legs migrated: re-sent to live decode workers with the
+tokens the client already has, from which they continue exactly (``gateway/inflight/legs.py``).
 
 Deadlines follow progress, not the wall clock: a long answer that keeps streaming is never cut
 off. The first token is due within ``--first-token-timeout`` of arrival (queues, prefill, KV
@@ -32,8 +32,10 @@ from typing import Any, Protocol
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from pdserve.gateway import legs
-from pdserve.gateway.inflight_types import (
+from pdserve.gateway.inflight import legs
+from pdserve.gateway.inflight.legs import Leg
+from pdserve.gateway.inflight.prefill_stage import PrefillStage
+from pdserve.gateway.inflight.request_types import (
     DECODE_ATTEMPTS,
     MIGRATE_BUS_RECONNECT,
     MIGRATE_WHY,
@@ -56,8 +58,6 @@ from pdserve.gateway.inflight_types import (
     next_item,
     on_wire,
 )
-from pdserve.gateway.legs import Leg
-from pdserve.gateway.prefill_stage import PrefillStage
 from pdserve.shared.bus.protocol import (
     DecodeRequest,
     KVHandle,

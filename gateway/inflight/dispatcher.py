@@ -2,7 +2,7 @@
 
 One inbox subscription (``{ns}.gw.{gateway_id}``) receives every ``PrefillResult`` and
 ``TokenBatch`` for this gateway; each is handed to the waiting request (an ``InFlight``, see
-``gateway/inflight.py``) by request id. ``Dispatcher.generate`` drives one request through the
+``gateway/inflight/request.py``) by request id. ``Dispatcher.generate`` drives one request through the
 stages of the design:
 
     route -> PrefillRequest to a prefill worker -> first token (yielded at once)
@@ -11,14 +11,14 @@ stages of the design:
 (sent as the prompt's last pass starts when its KV streams: ``gateway/streamed_prefill.py``),
 or, when no prefill worker is alive or the prompt is short, straight to a decode worker that
 prefills locally. Every wait has a deadline; a worker leaving the registry has its requests
-retried (prefill) or migrated (decode: ``gateway/inflight.py``) at once; a request that ends
+retried (prefill) or migrated (decode: ``gateway/inflight/request.py``) at once; a request that ends
 early - client gone, stop string, error - is cancelled on the workers so they free its KV
 blocks. The ``Dispatcher`` is the ``DispatchPort`` through which each request sends.
 
 When the gateway's own NATS connection breaks, anything published meanwhile may be lost (NATS
 core keeps nothing for a subscriber that is away). After the reconnect every request is told
 (``BusReconnected``): prefills in flight are retried, decode legs checked - those that lost
-tokens migrate, the others go on (``gateway/legs.py``); a worker whose own connection
+tokens migrate, the others go on (``gateway/inflight/legs.py``); a worker whose own connection
 broke says so (``REJOINED``), with the same effect on what it serves. Until the workers are
 heard again on the new connection - which also means their subscriptions are back - new
 messages go only to workers that have been, and a migration waits for one (``recovered``).
@@ -45,9 +45,10 @@ from typing import Any
 
 from opentelemetry.context import Context
 
-from pdserve.gateway.abandoned import AbandonedLegs
-from pdserve.gateway.inflight import InFlight
-from pdserve.gateway.inflight_types import (
+from pdserve.gateway.inflight.abandoned_legs import AbandonedLegs
+from pdserve.gateway.inflight.legs import new_bus_id, with_fixed_seed
+from pdserve.gateway.inflight.request import InFlight
+from pdserve.gateway.inflight.request_types import (
     DEFAULT_MAX_MIGRATIONS,
     BusReconnected,
     Limits,
@@ -60,7 +61,6 @@ from pdserve.gateway.inflight_types import (
     WorkerLeft,
     WorkerRejoined,
 )
-from pdserve.gateway.legs import new_bus_id, with_fixed_seed
 from pdserve.gateway.router import Router
 from pdserve.shared.bus import protocol
 from pdserve.shared.bus.connection import Bus
@@ -107,7 +107,7 @@ class Dispatcher:
         self.workers = workers
         self.router = router
         self.inbox = bus.subjects.gateway(gateway_id)
-        # seconds, 0 = no limit (request: a total cap; see gateway/inflight.py)
+        # seconds, 0 = no limit (request: a total cap; see gateway/inflight/request.py)
         self.request_timeout = request_timeout
         self.prefill_timeout = prefill_timeout
         self.first_token_timeout = first_token_timeout
@@ -277,7 +277,7 @@ class Dispatcher:
         task.add_done_callback(_log_failure)
 
     def check_stream(self, worker_id: str, bus_id: str) -> None:
-        """Ask ``worker_id`` where the stream ``bus_id`` stands (``gateway/legs.py``);
+        """Ask ``worker_id`` where the stream ``bus_id`` stands (``gateway/inflight/legs.py``);
         a check that cannot go out now is sent again."""
         check = StreamCheck(bus_id, self.inbox)
         self.spawn(self._publish(self.bus.subjects.decode(worker_id), check))
@@ -311,7 +311,7 @@ class Dispatcher:
         With ``sampling.n > 1`` events carry their choice's index, and ``choices`` lets the caller
         stop one choice early (a stop string in its text).
 
-        A request whose decode worker is lost is migrated (``gateway/legs.py``); for
+        A request whose decode worker is lost is migrated (``gateway/inflight/legs.py``); for
         its randomness to continue exactly, a sampled request without a seed gets one here.
 
         Raises NoWorker before anything was sent, StageTimeout or WorkerFailure on faults.

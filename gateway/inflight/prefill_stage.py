@@ -1,4 +1,4 @@
-"""The prefill stage of a request in flight (``gateway/inflight.py``): a prefill worker computes
+"""The prefill stage of a request in flight (``gateway/inflight/request.py``): a prefill worker computes
 the prompt's KV and samples the first token, which the client gets at once.
 
 Layer-wise KV streaming (issue 29 item 3): a prefill worker may answer twice: first, when the prompt's last forward pass starts, with the
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from pdserve.gateway.inflight_types import (
+from pdserve.gateway.inflight.request_types import (
     PREFILL_ATTEMPTS,
     RETRYABLE_CODES,
     BusReconnected,

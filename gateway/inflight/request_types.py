@@ -1,4 +1,4 @@
-"""What flows through a request in flight (``gateway/inflight.py``): the limits it runs under, the
+"""What flows through a request in flight (``gateway/inflight/request.py``): the limits it runs under, the
 faults it may end with, the events it yields to its consumer, the choices still open and what
 the consumer has been handed, and the items its queue receives.
 """
@@ -23,7 +23,7 @@ DEFAULT_MAX_MIGRATIONS = 3  # a request's re-dispatches after losing its decode 
 # why a request was migrated (the reason label of pdserve_request_migrations_total)
 MIGRATE_WORKER_LOST = "worker_lost"  # its decode worker left the registry (gone, or dead)
 # tokens of its stream were lost on the bus: a gap in their positions, or a check after a NATS
-# reconnect found the stream over or unknown on its worker, or unanswered (gateway/legs.py)
+# reconnect found the stream over or unknown on its worker, or unanswered (gateway/inflight/legs.py)
 MIGRATE_BUS_RECONNECT = "bus_reconnect"
 MIGRATE_WHY = {  # what the error says when a stream cannot migrate
     MIGRATE_WORKER_LOST: "stopped while serving the request",
@@ -37,7 +37,7 @@ WIRE_NO_DEADLINE = 1e11
 @dataclass(frozen=True)
 class Limits:
     """What one request runs under, as the dispatcher's options say when it arrives (seconds,
-    0 = no limit; see ``gateway/inflight.py``)."""
+    0 = no limit; see ``gateway/inflight/request.py``)."""
 
     request_timeout: float  # a total cap, only where the operator sets one
     prefill_timeout: float  # per prefill attempt
@@ -186,21 +186,21 @@ class WorkerLeft:
 class WorkerRejoined(WorkerLeft):
     """Put on a request's queue when a worker it waits on says its NATS connection broke and is
     back: what it was sent or sent meanwhile may be lost. To a prefill that is as good as a
-    departure (retried elsewhere); decode legs on it are checked (``gateway/legs.py``)."""
+    departure (retried elsewhere); decode legs on it are checked (``gateway/inflight/legs.py``)."""
 
 
 @dataclass
 class BusReconnected:
     """Put on every request's queue when the gateway's NATS connection is back after a break:
     whatever was published while it was down (tokens, requests, cancels) may be lost, so
-    prefills are sent again elsewhere and decode legs checked (``gateway/legs.py``)."""
+    prefills are sent again elsewhere and decode legs checked (``gateway/inflight/legs.py``)."""
 
     epoch: int  # the dispatcher's bus epoch since this reconnect
 
 
 @dataclass
 class CheckDue:
-    """A timer of a leg's stream check: ask again, or give up (``gateway/legs.py``)."""
+    """A timer of a leg's stream check: ask again, or give up (``gateway/inflight/legs.py``)."""
 
     bus_id: str
 

@@ -43,7 +43,7 @@ sends this gateway again what it sent it lately, then answers in the stream itse
 every item before it, with the position of each choice - or "unknown" once the request is over
 there (or never arrived). Items past a gap are dropped meanwhile (the replay brings them again).
 The answer is exact: at the delivered positions the stream simply goes on; further on, tokens
-are gone and the leg migrates (``gateway/inflight.py``: re-sent with the delivered tokens,
+are gone and the leg migrates (``gateway/inflight/request.py``: re-sent with the delivered tokens,
 from which another worker continues exactly); "unknown" while the stream is open migrates too.
 
 A stream whose last items (its finish among them) were lost shows no gap: nothing follows. So
@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from pdserve.gateway.inflight_types import CheckDue
+from pdserve.gateway.inflight.request_types import CheckDue
 from pdserve.shared.bus.protocol import DecodeRequest, KVHandle, TokenItem
 from pdserve.shared.bus.subjects import MAX_ID_CHARS
 from pdserve.shared.discovery.worker_registry import CONFIRM_TIMEOUT_FACTOR
@@ -208,7 +208,7 @@ class Leg:
     tried: set[str] = field(default_factory=set)  # decode workers that refused it
     streamed: bool = False  # that worker has sent tokens for it
     epoch: int = 0  # the dispatcher's bus epoch when it was sent (see BusReconnected)
-    # while its stream is checked after a reconnect: when to give up (gateway/legs.py)
+    # while its stream is checked after a reconnect: when to give up (gateway/inflight/legs.py)
     check_until: float | None = None
     # when its worker's next sign of life is due: its first token within --first-token-timeout
     # of being sent, then each item within --stall-timeout of the last (inf: no limit)
