@@ -20,14 +20,8 @@ from opentelemetry import trace
 
 from pdserve.gateway.api_models import GenerationParams
 from pdserve.gateway.errors import APIError, overloaded, timeout_error
-from pdserve.gateway.inflight.request_types import (
-    NotSendable,
-    NoWorker,
-    OpenChoices,
-    StageTimeout,
-    TokenEvent,
-    WorkerFailure,
-)
+from pdserve.gateway.inflight.delivery import OpenChoices, TokenEvent
+from pdserve.gateway.inflight.faults import NotSendable, NoWorker, StageTimeout, WorkerFailure
 from pdserve.gateway.logprob_format import (
     TokenTexts,
     chat_logprobs,

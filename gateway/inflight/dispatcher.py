@@ -46,21 +46,12 @@ from typing import Any
 from opentelemetry.context import Context
 
 from pdserve.gateway.inflight.abandoned_legs import AbandonedLegs
+from pdserve.gateway.inflight.delivery import OpenChoices, TokenEvent
+from pdserve.gateway.inflight.faults import NotSendable, NoWorker, StageTimeout, WorkerFailure
 from pdserve.gateway.inflight.legs import new_bus_id, with_fixed_seed
+from pdserve.gateway.inflight.limits import DEFAULT_MAX_MIGRATIONS, Limits
+from pdserve.gateway.inflight.queue_items import BusReconnected, WorkerLeft, WorkerRejoined
 from pdserve.gateway.inflight.request import InFlight
-from pdserve.gateway.inflight.request_types import (
-    DEFAULT_MAX_MIGRATIONS,
-    BusReconnected,
-    Limits,
-    NotSendable,
-    NoWorker,
-    OpenChoices,
-    StageTimeout,
-    TokenEvent,
-    WorkerFailure,
-    WorkerLeft,
-    WorkerRejoined,
-)
 from pdserve.gateway.router import Router
 from pdserve.shared.bus import protocol
 from pdserve.shared.bus.connection import Bus
@@ -277,7 +268,7 @@ class Dispatcher:
         task.add_done_callback(_log_failure)
 
     def check_stream(self, worker_id: str, bus_id: str) -> None:
-        """Ask ``worker_id`` where the stream ``bus_id`` stands (``gateway/inflight/legs.py``);
+        """Ask ``worker_id`` where the stream ``bus_id`` stands (``stream_check.py``);
         a check that cannot go out now is sent again."""
         check = StreamCheck(bus_id, self.inbox)
         self.spawn(self._publish(self.bus.subjects.decode(worker_id), check))

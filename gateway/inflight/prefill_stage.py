@@ -23,20 +23,10 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from pdserve.gateway.inflight.request_types import (
-    PREFILL_ATTEMPTS,
-    RETRYABLE_CODES,
-    BusReconnected,
-    Delivered,
-    Item,
-    Limits,
-    OpenChoices,
-    TokenEvent,
-    WorkerFailure,
-    WorkerLeft,
-    check_ending,
-    on_wire,
-)
+from pdserve.gateway.inflight.delivery import Delivered, OpenChoices, TokenEvent
+from pdserve.gateway.inflight.faults import WorkerFailure, check_ending
+from pdserve.gateway.inflight.limits import PREFILL_ATTEMPTS, RETRYABLE_CODES, Limits, on_wire
+from pdserve.gateway.inflight.queue_items import BusReconnected, Item, WorkerLeft
 from pdserve.shared.bus.protocol import KVHandle, PrefillRequest, PrefillResult
 from pdserve.shared.kv.layout import layout_id
 from pdserve.shared.sampling import SamplingParams

@@ -32,31 +32,30 @@ from typing import Any, Protocol
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from pdserve.gateway.inflight import legs
-from pdserve.gateway.inflight.legs import Leg
-from pdserve.gateway.inflight.prefill_stage import PrefillStage
-from pdserve.gateway.inflight.request_types import (
-    DECODE_ATTEMPTS,
+from pdserve.gateway.inflight import legs, stream_check
+from pdserve.gateway.inflight.delivery import Delivered, OpenChoices, TokenEvent
+from pdserve.gateway.inflight.faults import NoWorker, StageTimeout, WorkerFailure, check_ending
+from pdserve.gateway.inflight.legs import (
     MIGRATE_BUS_RECONNECT,
     MIGRATE_WHY,
     MIGRATE_WORKER_LOST,
+    Leg,
+)
+from pdserve.gateway.inflight.limits import (
+    DECODE_ATTEMPTS,
     RETRYABLE_CODES,
+    Limits,
+    due_in,
+    on_wire,
+)
+from pdserve.gateway.inflight.prefill_stage import PrefillStage
+from pdserve.gateway.inflight.queue_items import (
     BusReconnected,
     CheckDue,
-    Delivered,
     Item,
-    Limits,
-    NoWorker,
-    OpenChoices,
-    StageTimeout,
-    TokenEvent,
-    WorkerFailure,
     WorkerLeft,
     WorkerRejoined,
-    check_ending,
-    due_in,
     next_item,
-    on_wire,
 )
 from pdserve.shared.bus.protocol import (
     DecodeRequest,
@@ -185,7 +184,7 @@ class InFlight(PrefillStage):
     async def decode(self) -> AsyncIterator[TokenEvent]:
         """Yield the tokens of decode workers until the request finishes. A worker that refuses
         before its first token (full or draining) hands its leg to another; a worker that is
-        lost, or whose tokens the bus lost, has its legs migrated (``legs.py``). After a NATS
+        lost, or whose tokens the bus lost (``stream_check.py``), has its legs migrated (``legs.py``). After a NATS
         reconnect (ours, or the worker's) the legs it may concern are checked."""
         self.stage = "decode"
         first = Leg(self.bus_id, None, list(self.delivered.tokens[0]), self.sampling, self.kv)
@@ -201,7 +200,9 @@ class InFlight(PrefillStage):
                 self._check(leg for leg in self.legs.values() if leg.epoch < item.epoch)
             elif isinstance(item, CheckDue):
                 leg = self.legs.get(item.bus_id)
-                if leg is not None and legs.check_due(leg, self.port.check_stream, self.put):
+                if leg is not None and stream_check.check_due(
+                    leg, self.port.check_stream, self.put
+                ):
                     log.warning("%s: no answer from %s to a stream check", leg.bus_id, leg.worker)
                     await self._migrate([leg], MIGRATE_BUS_RECONNECT)
             elif isinstance(item, PrefillResult):
@@ -212,14 +213,14 @@ class InFlight(PrefillStage):
                 else:
                     await self.port.release_stale(item)  # a late answer of a retried prefill
             elif (leg := self.legs.get(item.bus_id)) is not None:
-                verdict = legs.screen(leg, item, self.choices.open, self.delivered.tokens)
+                verdict = stream_check.screen(leg, item, self.choices.open, self.delivered.tokens)
                 if verdict is None:
                     event = await self._on_item(leg, item)
                     if event is not None:
                         yield event
-                elif verdict == legs.GAP:
+                elif verdict == stream_check.GAP:
                     self._check([leg])  # its worker sends again what it sent lately
-                elif verdict != legs.SKIP:
+                elif verdict != stream_check.SKIP:
                     log.warning("%s lost tokens from %s: %s", leg.bus_id, leg.worker, verdict)
                     await self._migrate([leg], MIGRATE_BUS_RECONNECT)
             # else: a late item of a leg migrated away (its worker is gone): dropped
@@ -302,7 +303,7 @@ class InFlight(PrefillStage):
 
     def _check(self, which: Iterable[Leg]) -> None:
         """Ask the workers of the legs ``which`` where their streams stand."""
-        legs.check(which, self.port.check_stream, self.put, self.limits.worker_timeout)
+        stream_check.check(which, self.port.check_stream, self.put, self.limits.worker_timeout)
 
     # -- migration ---------------------------------------------------------------------------
 

@@ -20,7 +20,8 @@ import pytest
 from aiohttp.test_utils import TestClient
 from tokenizers import Tokenizer
 
-from pdserve.gateway.inflight.request_types import WIRE_NO_DEADLINE, StageTimeout
+from pdserve.gateway.inflight.faults import StageTimeout
+from pdserve.gateway.inflight.limits import WIRE_NO_DEADLINE
 from pdserve.gateway.state import GATEWAY_KEY
 from pdserve.shared.config import GatewayConfig
 from pdserve.shared.errors import StartupError
