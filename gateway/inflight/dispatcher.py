@@ -13,7 +13,9 @@ or, when no prefill worker is alive or the prompt is short, straight to a decode
 prefills locally. Every wait has a deadline; a worker leaving the registry has its requests
 retried (prefill) or migrated (decode: ``gateway/inflight/request.py``) at once; a request that ends
 early - client gone, stop string, error - is cancelled on the workers so they free its KV
-blocks. The ``Dispatcher`` is the ``DispatchPort`` through which each request sends.
+blocks. Each request reaches the rest of the gateway through one ``RequestPort`` (``port.py``):
+the ``Outbox`` it sends with (``outbox.py``), the router, ``Departures`` (``departures.py``: workers
+leaving or rejoining, our bus reconnecting) and this routing table.
 
 When the gateway's own NATS connection breaks, anything published meanwhile may be lost (NATS
 core keeps nothing for a subscriber that is away). After the reconnect every request is told
@@ -21,7 +23,8 @@ core keeps nothing for a subscriber that is away). After the reconnect every req
 tokens migrate, the others go on (``gateway/inflight/legs.py``); a worker whose own connection
 broke says so (``REJOINED``), with the same effect on what it serves. Until the workers are
 heard again on the new connection - which also means their subscriptions are back - new
-messages go only to workers that have been, and a migration waits for one (``recovered``).
+messages go only to workers that have been, and a migration waits for one
+(``Departures.recovered``).
 
 Each fact about a request in flight has one owner. ``Dispatcher._pending`` (bus id ->
 ``InFlight``) is the one routing table: where the inbox delivers, who hears of departures and
@@ -36,50 +39,39 @@ HTTP requests by the client's x-request-id; one may be several on the bus (a pro
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from opentelemetry.context import Context
 
-from pdserve.gateway.inflight.abandoned_legs import AbandonedLegs
 from pdserve.gateway.inflight.delivery import OpenChoices, TokenEvent
-from pdserve.gateway.inflight.faults import NotSendable, NoWorker, StageTimeout, WorkerFailure
+from pdserve.gateway.inflight.departures import Departures
+from pdserve.gateway.inflight.faults import NotSendable, NoWorker
 from pdserve.gateway.inflight.legs import new_bus_id, with_fixed_seed
 from pdserve.gateway.inflight.limits import DEFAULT_MAX_MIGRATIONS, Limits
-from pdserve.gateway.inflight.queue_items import BusReconnected, WorkerLeft, WorkerRejoined
+from pdserve.gateway.inflight.outbox import Outbox
+from pdserve.gateway.inflight.port import RequestPort
+from pdserve.gateway.inflight.queue_items import Addressee
 from pdserve.gateway.inflight.request import InFlight
 from pdserve.gateway.router import Router
 from pdserve.shared.bus import protocol
 from pdserve.shared.bus.connection import Bus
-from pdserve.shared.bus.protocol import (
-    Cancel,
-    DecodeRequest,
-    PrefillRequest,
-    PrefillResult,
-    ReleaseLease,
-    StreamCheck,
-    TokenBatch,
-    TokenItem,
-    WorkerLoad,
-)
-from pdserve.shared.discovery.worker_registry import JOINED, LEFT, REJOINED, WorkerRegistry
+from pdserve.shared.bus.protocol import DecodeRequest, PrefillResult, TokenBatch, TokenItem
+from pdserve.shared.discovery.worker_registry import WorkerRegistry
 from pdserve.shared.sampling import SamplingParams
 from pdserve.shared.telemetry.tracing import ATTR_REQUEST_ID, SPAN_ROUTE, inject_headers, tracer
 
 log = logging.getLogger("pdserve.gateway.dispatch")
 _tracer = tracer(__name__)
 
-# After a reconnect of our bus, how long (in registry timeouts) workers not heard since are
-# skipped and a migration waits for a decode worker to be heard: past it, the registry knows.
-RECOVERY_TIMEOUTS = 2.0
-RECOVERY_POLL_SECONDS = 0.1  # only while recovering: how often the registry is looked at
-
 
 class Dispatcher:
+    """The gateway's bus inbox and its routing table, and the way in for each request
+    (``generate``)."""
+
     def __init__(
         self,
         bus: Bus,
@@ -105,19 +97,24 @@ class Dispatcher:
         self.stall_timeout = stall_timeout
         self.max_migrations = max_migrations
         self._migrations = migrations
-        self._pending: dict[str, InFlight] = {}  # bus id -> request
-        self._background: set[asyncio.Task] = set()
-        # bus id -> (decode worker, deadline) of legs migrated away from that worker
-        self._abandoned = AbandonedLegs()
-        self.bus_epoch = 0  # reconnects of our bus so far
-        self._reconnected: tuple[float, float] | None = None  # (time.time(), registry clock)
-        workers.add_listener(self._on_registry_event)
-        bus.on_reconnect(self._on_reconnect)
+        self._pending: dict[str, Addressee] = {}  # bus id -> request
+        self.outbox = Outbox(bus, self.inbox)
+        self.departures = Departures(bus, workers, router, self.outbox, self._requests)
+        self.port = RequestPort(
+            outbox=self.outbox,
+            router=router,
+            departures=self.departures,
+            routes=self,
+            count_migration=self.count_migration,
+        )
 
     async def start(self) -> None:
         await self.bus.subscribe(self.inbox, self._on_message, (PrefillResult, TokenBatch))
 
-    # -- incoming ----------------------------------------------------------------------------
+    async def close(self) -> None:
+        await self.outbox.close()
+
+    # -- the inbox and its routing table -----------------------------------------------------
 
     async def _on_message(self, msg: PrefillResult | TokenBatch, headers: dict[str, str]) -> None:
         for item in [msg] if isinstance(msg, PrefillResult) else msg.items:
@@ -128,161 +125,22 @@ class Dispatcher:
         if request is not None:
             request.put(item)
         elif isinstance(item, PrefillResult) and item.kv is not None:
-            self.spawn(self.release_stale(item))  # ended already: free its blocks now
+            # ended already: free its blocks now
+            self.outbox.spawn(self.outbox.release_stale(item))
 
-    def _on_registry_event(self, event: str, load: WorkerLoad) -> None:
-        # LEFT means gone for sure: a clean WorkerGone, a restart, or missed heartbeats that a
-        # ping confirmed (a slow but live worker answers it and keeps its requests).
-        if event == LEFT:
-            for request in self._requests():
-                if load.worker_id in request.watching:
-                    request.put(WorkerLeft(load.worker_id))
-        elif event == JOINED:
-            # back after a partition? Cancels sent while it was away never reached it.
-            self._cancel_abandoned(load.worker_id)
-        elif event == REJOINED:  # its connection broke: what it was sent or sent may be lost
-            self._cancel_abandoned(load.worker_id)
-            for request in self._requests():
-                if load.worker_id in request.watching:
-                    request.put(WorkerRejoined(load.worker_id))
-
-    def _requests(self) -> list[InFlight]:
+    def _requests(self) -> list[Addressee]:
         return list(dict.fromkeys(self._pending.values()))  # a request may have several ids
 
-    async def _on_reconnect(self) -> None:
-        self.bus_epoch += 1
-        self._reconnected = (time.time(), self.workers.clock())
-        log.warning("bus reconnected: %d request(s) check what may be lost", len(self._pending))
-        for request in self._requests():
-            request.put(BusReconnected(self.bus_epoch))
-        self.spawn(self._cancel_abandoned_when_heard())
-
-    # -- our bus connection recovering ---------------------------------------------------------
-
-    def _recovery_over(self) -> bool:
-        if self._reconnected is None:
-            return True
-        if time.time() - self._reconnected[0] > RECOVERY_TIMEOUTS * self.workers.timeout:
-            self._reconnected = None
-            return True
-        return False
-
-    def _unheard(self) -> set[str]:
-        """Workers not heard since our last reconnect (their subscriptions may not be back)."""
-        if self._recovery_over():
-            return set()
-        since = self._reconnected[1]
-        return {w for w, entry in self.workers.entries.items() if entry.last_seen <= since}
-
-    async def recovered(self, deadline: float) -> set[str]:
-        """The workers to skip now: none, unless our bus connection broke lately. While it is
-        down, wait for it; once it is back, wait (up to the recovery window) until a decode
-        worker has been heard on it, and skip those not heard yet: NATS delivers nothing to a
-        subscription that is not back yet. Also waits while no decode worker is routable but
-        some are being pinged (silent, not yet confirmed gone: a starved event loop, say)."""
-        while True:
-            if self.bus.connected:
-                recovering = not self._recovery_over()
-                unheard = self._unheard()
-                if any(w.worker_id not in unheard for w in self.router.serving("decode")):
-                    return unheard
-                if not recovering and not self._decode_suspects():
-                    return unheard  # nobody to wait for: the caller finds no worker
-            if time.time() >= deadline:
-                raise StageTimeout("no decode worker was reachable before the request's deadline")
-            await asyncio.sleep(RECOVERY_POLL_SECONDS)
-
-    def _decode_suspects(self) -> bool:
-        return any(e.load.role == "decode" for e in self.workers.suspects.values())
-
-    # -- legs migrated away --------------------------------------------------------------------
-
-    def abandon(self, worker_id: str, bus_id: str, deadline: float) -> None:
-        """A leg migrates away from ``worker_id``: cancel it there (a worker that was not really
-        gone frees its blocks), now and again if that worker turns up again."""
-        self.spawn(self.cancel(bus_id))
-        self._abandoned.add(worker_id, bus_id, deadline)
-
-    def _cancel_abandoned(self, worker_id: str | None) -> None:
-        for bus_id in self._abandoned.to_cancel(worker_id):
-            self.spawn(self.cancel(bus_id))
-
-    async def _cancel_abandoned_when_heard(self) -> None:
-        """After a reconnect: cancel the abandoned legs again once workers are heard (the
-        cancels sent right after the reconnect may have beaten their subscriptions back)."""
-        with contextlib.suppress(StageTimeout):
-            await self.recovered(time.time() + RECOVERY_TIMEOUTS * self.workers.timeout)
-        self._cancel_abandoned(None)
-
-    def count_migration(self, reason: str) -> None:
-        if self._migrations is not None:
-            self._migrations.labels(reason=reason).inc()
-
-    def register(self, bus_id: str, request: InFlight) -> None:
+    def register(self, bus_id: str, request: Addressee) -> None:
         self._pending[bus_id] = request
 
     def unregister(self, bus_id: str) -> None:
         self._pending.pop(bus_id, None)
         self.router.decode_done(bus_id)
 
-    # -- the router's picks, for a request in flight --------------------------------------------
-
-    def pick_prefill(self, prompt: list[int], exclude: set[str], bus_id: str) -> str | None:
-        return self.router.pick_prefill(prompt, exclude, bus_id)
-
-    def prefill_done(self, bus_id: str) -> None:
-        self.router.prefill_done(bus_id)
-
-    def can_stream(self, kv_layout: str = "") -> bool:
-        return self.router.can_stream(kv_layout)
-
-    def not_streaming(self, kv_layout: str) -> set[str]:
-        return self.router.not_streaming(kv_layout)
-
-    def pick_decode(
-        self, total_tokens: int, exclude: set[str], bus_id: str, kv_layout: str
-    ) -> str | None:
-        return self.router.pick_decode(total_tokens, exclude, bus_id, kv_layout)
-
-    # -- outgoing ----------------------------------------------------------------------------
-
-    async def _publish(self, subject: str, msg, headers: dict[str, str] | None = None) -> None:
-        try:
-            await self.bus.publish(subject, msg, headers)
-        except Exception as exc:  # closed or never-connected bus: fail the request, loudly
-            raise WorkerFailure(f"message bus unavailable: {exc}", "bus_unavailable") from exc
-
-    async def send(
-        self, worker: str, msg: PrefillRequest | DecodeRequest, headers: dict[str, str]
-    ) -> None:
-        """Send a request (or a leg of one) to the prefill or decode ``worker``."""
-        subjects = self.bus.subjects
-        subject = subjects.prefill if isinstance(msg, PrefillRequest) else subjects.decode
-        await self._publish(subject(worker), msg, headers)
-
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        """Fire-and-forget publish that survives the cancellation of the request's task."""
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        task.add_done_callback(_log_failure)
-
-    def check_stream(self, worker_id: str, bus_id: str) -> None:
-        """Ask ``worker_id`` where the stream ``bus_id`` stands (``stream_check.py``);
-        a check that cannot go out now is sent again."""
-        check = StreamCheck(bus_id, self.inbox)
-        self.spawn(self._publish(self.bus.subjects.decode(worker_id), check))
-
-    async def cancel(self, bus_id: str, index: int | None = None) -> None:
-        """Cancel a request on every worker, or only its choice ``index``."""
-        await self._publish(self.bus.subjects.cancel, Cancel(bus_id, index))
-
-    async def release_stale(self, item: object) -> None:
-        """Free the leased KV blocks of a prefill answer nobody will pull."""
-        if isinstance(item, PrefillResult) and item.kv is not None:
-            await self._publish(
-                self.bus.subjects.lease(item.kv.worker_id), ReleaseLease(item.bus_id)
-            )
+    def count_migration(self, reason: str) -> None:
+        if self._migrations is not None:
+            self._migrations.labels(reason=reason).inc()
 
     # -- one request -------------------------------------------------------------------------
 
@@ -313,7 +171,15 @@ class Dispatcher:
         self._check_wire(bus_id, prompt_token_ids, sampling)
         limits, headers = self._limits(), inject_headers(context=context)
         request = InFlight(
-            self, limits, client_id, bus_id, prompt_token_ids, sampling, context, headers, choices
+            self.port,
+            limits,
+            client_id,
+            bus_id,
+            prompt_token_ids,
+            sampling,
+            context,
+            headers,
+            choices,
         )
         with self._tracking(request):
             if self._route(request):
@@ -351,7 +217,7 @@ class Dispatcher:
                 # Runs even while the handler is being cancelled (client gone), so it must not
                 # await anything that the cancellation could interrupt.
                 for bus_id in ids:
-                    self.spawn(self.cancel(bus_id))
+                    self.outbox.spawn(self.outbox.cancel(bus_id))
 
     def _route(self, request: InFlight) -> bool:
         """Whether the request goes to a prefill worker first (else a decode worker prefills)."""
@@ -375,13 +241,3 @@ class Dispatcher:
             protocol.decode(protocol.encode(probe), self.bus.max_bytes)
         except protocol.ProtocolError as exc:
             raise NotSendable(str(exc)) from None
-
-    async def close(self) -> None:
-        for task in list(self._background):
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(task, 1.0)
-
-
-def _log_failure(task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("background publish failed: %s", task.exception())

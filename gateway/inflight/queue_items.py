@@ -1,6 +1,7 @@
 """What a request in flight's queue receives besides its workers' answers (``PrefillResult``,
 ``TokenItem``): the dispatcher's notices of a worker leaving or rejoining and of the gateway's bus
-reconnecting, and the timers of its stream checks; and how the request waits for the next item.
+reconnecting, and the timers of its stream checks; how the request waits for the next item;
+and what a request is to those who hand it items (``Addressee``).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Protocol, TypeAlias
 
 from pdserve.shared.bus.protocol import PrefillResult, TokenItem
 
@@ -45,6 +46,15 @@ class CheckDue:
 
 
 Item: TypeAlias = PrefillResult | TokenItem | WorkerLeft | BusReconnected | CheckDue
+
+
+class Addressee(Protocol):
+    """A request in flight as the dispatcher's routing table and ``Departures`` see it: what
+    its queue is handed, and which workers' departures and reconnects concern it."""
+
+    @property
+    def watching(self) -> set[str]: ...
+    def put(self, item: Item) -> None: ...
 
 
 async def next_item(queue: asyncio.Queue[Item], deadline: float) -> Item | None:
