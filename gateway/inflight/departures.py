@@ -2,7 +2,7 @@
 flight hear of them.
 
 A worker leaving the registry (``LEFT``: gone for sure) is news to the requests that wait on it:
-a prefill is retried elsewhere, decode legs migrate (``request.py``). A worker whose own NATS
+a prefill is retried elsewhere, decode legs migrate (``bus_request.py``). A worker whose own NATS
 connection broke says so when it is back (``REJOINED``): what it was sent or sent meanwhile may
 be lost, so its requests are told as well (``WorkerRejoined``). When the gateway's own connection
 breaks, anything published meanwhile may be lost (NATS core keeps nothing for a subscriber that

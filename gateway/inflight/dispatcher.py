@@ -1,8 +1,8 @@
 """The gateway's side of a request's life on the bus.
 
 One inbox subscription (``{ns}.gw.{gateway_id}``) receives every ``PrefillResult`` and
-``TokenBatch`` for this gateway; each is handed to the waiting request (an ``InFlight``, see
-``gateway/inflight/request.py``) by request id. ``Dispatcher.generate`` drives one request through the
+``TokenBatch`` for this gateway; each is handed to the waiting request (an ``BusRequest``, see
+``gateway/inflight/bus_request.py``) by request id. ``Dispatcher.generate`` drives one request through the
 stages of the design:
 
     route -> PrefillRequest to a prefill worker -> first token (yielded at once)
@@ -11,7 +11,7 @@ stages of the design:
 (sent as the prompt's last pass starts when its KV streams: ``gateway/streamed_prefill.py``),
 or, when no prefill worker is alive or the prompt is short, straight to a decode worker that
 prefills locally. Every wait has a deadline; a worker leaving the registry has its requests
-retried (prefill) or migrated (decode: ``gateway/inflight/request.py``) at once; a request that ends
+retried (prefill) or migrated (decode: ``gateway/inflight/bus_request.py``) at once; a request that ends
 early - client gone, stop string, error - is cancelled on the workers so they free its KV
 blocks. Each request reaches the rest of the gateway through one ``RequestPort`` (``port.py``):
 the ``Outbox`` it sends with (``outbox.py``), the router, ``Departures`` (``departures.py``: workers
@@ -27,13 +27,13 @@ messages go only to workers that have been, and a migration waits for one
 (``Departures.recovered``).
 
 Each fact about a request in flight has one owner. ``Dispatcher._pending`` (bus id ->
-``InFlight``) is the one routing table: where the inbox delivers, who hears of departures and
+``BusRequest``) is the one routing table: where the inbox delivers, who hears of departures and
 reconnects, and what is dropped - and cancelled, unless it finished - when the request ends
 (``_tracking``: its one way out; a leg that ends earlier leaves through ``unregister``). The
-``InFlight`` owns its progress: its legs (their workers are what it watches) and what its
+``BusRequest`` owns its progress: its legs (their workers are what it watches) and what its
 consumer has. The router keeps only load: what this gateway sent or runs on each worker, and
 per bus id where that was counted, to take it off there (``prefill_done``, called by the
-request's prefill attempt; ``decode_done``, by ``unregister``). ``state.InFlightRequests`` admits
+request's prefill attempt; ``decode_done``, by ``unregister``). ``state.Admissions`` admits
 HTTP requests by the client's x-request-id; one may be several on the bus (a prompt array).
 """
 
@@ -47,6 +47,7 @@ from typing import Any
 
 from opentelemetry.context import Context
 
+from pdserve.gateway.inflight.bus_request import BusRequest
 from pdserve.gateway.inflight.delivery import OpenChoices, TokenEvent
 from pdserve.gateway.inflight.departures import Departures
 from pdserve.gateway.inflight.faults import NotSendable, NoWorker
@@ -55,7 +56,6 @@ from pdserve.gateway.inflight.limits import DEFAULT_MAX_MIGRATIONS, Limits
 from pdserve.gateway.inflight.outbox import Outbox
 from pdserve.gateway.inflight.port import RequestPort
 from pdserve.gateway.inflight.queue_items import Addressee
-from pdserve.gateway.inflight.request import InFlight
 from pdserve.gateway.router import Router
 from pdserve.shared.bus import protocol
 from pdserve.shared.bus.connection import Bus
@@ -90,7 +90,7 @@ class Dispatcher:
         self.workers = workers
         self.router = router
         self.inbox = bus.subjects.gateway(gateway_id)
-        # seconds, 0 = no limit (request: a total cap; see gateway/inflight/request.py)
+        # seconds, 0 = no limit (request: a total cap; see gateway/inflight/bus_request.py)
         self.request_timeout = request_timeout
         self.prefill_timeout = prefill_timeout
         self.first_token_timeout = first_token_timeout
@@ -169,17 +169,16 @@ class Dispatcher:
         sampling = with_fixed_seed(sampling)
         bus_id = new_bus_id(client_id)
         self._check_wire(bus_id, prompt_token_ids, sampling)
-        limits, headers = self._limits(), inject_headers(context=context)
-        request = InFlight(
-            self.port,
-            limits,
-            client_id,
-            bus_id,
-            prompt_token_ids,
-            sampling,
-            context,
-            headers,
-            choices,
+        request = BusRequest(
+            port=self.port,
+            limits=self._limits(),
+            client_id=client_id,
+            bus_id=bus_id,
+            prompt=prompt_token_ids,
+            sampling=sampling,
+            context=context,
+            headers=inject_headers(context=context),
+            choices=choices,
         )
         with self._tracking(request):
             if self._route(request):
@@ -202,7 +201,7 @@ class Dispatcher:
         )
 
     @contextlib.contextmanager
-    def _tracking(self, request: InFlight) -> Iterator[None]:
+    def _tracking(self, request: BusRequest) -> Iterator[None]:
         """Route the request's messages to it while it lives. Its one way out, however it ends:
         every bus id still routed to it is unregistered, and cancelled on the workers unless the
         request finished normally."""
@@ -219,7 +218,7 @@ class Dispatcher:
                 for bus_id in ids:
                     self.outbox.spawn(self.outbox.cancel(bus_id))
 
-    def _route(self, request: InFlight) -> bool:
+    def _route(self, request: BusRequest) -> bool:
         """Whether the request goes to a prefill worker first (else a decode worker prefills)."""
         with _tracer.start_as_current_span(SPAN_ROUTE, context=request.context) as span:
             span.set_attribute(ATTR_REQUEST_ID, request.client_id)

@@ -21,7 +21,7 @@ WIRE_NO_DEADLINE = 1e11
 @dataclass(frozen=True)
 class Limits:
     """What one request runs under, as the dispatcher's options say when it arrives (seconds,
-    0 = no limit; see ``gateway/inflight/request.py``)."""
+    0 = no limit; see ``gateway/inflight/bus_request.py``)."""
 
     request_timeout: float  # a total cap, only where the operator sets one
     prefill_timeout: float  # per prefill attempt

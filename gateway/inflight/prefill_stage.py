@@ -1,4 +1,4 @@
-"""The prefill stage of a request in flight (``gateway/inflight/request.py``): a prefill worker computes
+"""The prefill stage of a request in flight (``gateway/inflight/bus_request.py``): a prefill worker computes
 the prompt's KV and samples the first token, which the client gets at once.
 
 Layer-wise KV streaming (issue 29 item 3): a prefill worker may answer twice: first, when the prompt's last forward pass starts, with the
@@ -47,7 +47,7 @@ def streamed(result: PrefillResult) -> bool:
 
 
 class PrefillStage:
-    if TYPE_CHECKING:  # the request's own state (``InFlight``)
+    if TYPE_CHECKING:  # the request's own state (``BusRequest``)
         port: RequestPort
         limits: Limits
         client_id: str

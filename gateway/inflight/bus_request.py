@@ -1,5 +1,5 @@
 """One request in flight on the bus, from the gateway's side: its ids, deadlines, queue, stage
-and decode legs, and the two stages it goes through. ``InFlight`` holds that state and reaches
+and decode legs, and the two stages it goes through. ``BusRequest`` holds that state and reaches
 the rest of the gateway only through its ``RequestPort`` (``port.py``). The ``Dispatcher``
 (``dispatcher.py``) creates it, routes its workers' answers to its queue (``Departures`` adds the
 departure of a worker it waits on, a reconnect of the bus), drives the stages and ends it.
@@ -68,11 +68,12 @@ from pdserve.shared.sampling import SamplingParams
 log = logging.getLogger("pdserve.gateway.dispatch")
 
 
-class InFlight(PrefillStage):
+class BusRequest(PrefillStage):
     """One request on the bus: created by ``Dispatcher.generate``, which drives its stages."""
 
     def __init__(
         self,
+        *,
         port: RequestPort,
         limits: Limits,
         client_id: str,
