@@ -31,7 +31,7 @@ from pdserve.shared.discovery.worker_registry import WorkerRegistry
 from pdserve.shared.sampling import SamplingParams
 from pdserve.shared.telemetry.metrics import GatewayMetrics, WorkerLoadCollector
 
-log = logging.getLogger("pdserve.gateway")
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -108,7 +108,7 @@ def api_key_middleware(api_keys: list[str]) -> Middleware:
     return check_api_key
 
 
-log = logging.getLogger("pdserve.gateway")
+log = logging.getLogger(__name__)
 
 
 _tracer = tr.tracer(__name__)

@@ -65,7 +65,7 @@ from pdserve.shared.bus.protocol import (
 from pdserve.shared.kv.layout import layout_id
 from pdserve.shared.sampling import SamplingParams
 
-log = logging.getLogger("pdserve.gateway.dispatch")
+log = logging.getLogger(__name__)
 
 
 class BusRequest(PrefillStage):

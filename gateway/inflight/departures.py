@@ -37,7 +37,7 @@ from pdserve.shared.bus.connection import Bus
 from pdserve.shared.bus.protocol import WorkerLoad
 from pdserve.shared.discovery.worker_registry import JOINED, LEFT, REJOINED, WorkerRegistry
 
-log = logging.getLogger("pdserve.gateway.dispatch")
+log = logging.getLogger(__name__)
 
 # After a reconnect of our bus, how long (in registry timeouts) workers not heard since are
 # skipped and a migration waits for a decode worker to be heard: past it, the registry knows.

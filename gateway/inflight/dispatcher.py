@@ -40,7 +40,6 @@ HTTP requests by the client's x-request-id; one may be several on the bus (a pro
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -64,7 +63,6 @@ from pdserve.shared.discovery.worker_registry import WorkerRegistry
 from pdserve.shared.sampling import SamplingParams
 from pdserve.shared.telemetry.tracing import ATTR_REQUEST_ID, SPAN_ROUTE, inject_headers, tracer
 
-log = logging.getLogger("pdserve.gateway.dispatch")
 _tracer = tracer(__name__)
 
 

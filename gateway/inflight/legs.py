@@ -48,7 +48,7 @@ from pdserve.shared.bus.subjects import MAX_ID_CHARS
 from pdserve.shared.sampling import MAX_SEED, SamplingParams, choice_seed
 from pdserve.shared.telemetry import tracing as tr
 
-log = logging.getLogger("pdserve.gateway.dispatch")
+log = logging.getLogger(__name__)
 
 # why a request was migrated (the reason label of pdserve_request_migrations_total)
 MIGRATE_WORKER_LOST = "worker_lost"  # its decode worker left the registry (gone, or dead)

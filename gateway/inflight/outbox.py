@@ -23,7 +23,7 @@ from pdserve.shared.bus.protocol import (
     StreamCheck,
 )
 
-log = logging.getLogger("pdserve.gateway.dispatch")
+log = logging.getLogger(__name__)
 
 
 class Outbox:

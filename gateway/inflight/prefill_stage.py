@@ -32,7 +32,7 @@ from pdserve.shared.bus.protocol import KVHandle, PrefillRequest, PrefillResult
 from pdserve.shared.kv.layout import layout_id
 from pdserve.shared.sampling import SamplingParams
 
-log = logging.getLogger("pdserve.gateway.dispatch")
+log = logging.getLogger(__name__)
 
 
 def streamed(result: PrefillResult) -> bool:
