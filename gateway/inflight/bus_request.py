@@ -4,13 +4,14 @@ the rest of the gateway only through its ``RequestPort`` (``port.py``). The ``Di
 (``dispatcher.py``) creates it, routes its workers' answers to its queue (``Departures`` adds the
 departure of a worker it waits on, a reconnect of the bus), drives the stages and ends it.
 
-``prefill()`` (``gateway/inflight/prefill_stage.py``) sends the prompt to a prefill worker (retrying
-elsewhere when one refuses or vanishes) and returns the first token with the KV handle. ``decode()`` sends the first leg
-(``gateway/inflight/legs.py``) - with that handle, or without one to have the decode worker prefill
+``prefill()`` (``prefill_stage.py``) sends the prompt to a prefill worker (retrying elsewhere
+when one refuses or vanishes) and returns the first token with the KV handle. ``decode()`` sends
+the first leg (``legs.py``) - with that handle, or without one to have the decode worker prefill
 locally - and yields the tokens its worker streams back. A worker that refuses a leg before its
 first token hands it to another. A worker lost mid-stream, or whose tokens the bus lost
-(``gateway/inflight/legs.py``), has its legs migrated: re-sent to live decode workers with the
-tokens the client already has, from which they continue exactly (``gateway/inflight/legs.py``).
+(``stream_check.py``), has its legs migrated: re-sent to live decode workers with the tokens the
+client already has, from which they continue exactly (``legs.py``). The whole life cycle, step
+by step: ``gateway/inflight/__init__.py``.
 
 Deadlines follow progress, not the wall clock: a long answer that keeps streaming is never cut
 off. The first token is due within ``--first-token-timeout`` of arrival (queues, prefill, KV
@@ -152,8 +153,9 @@ class BusRequest(PrefillStage):
     async def decode(self) -> AsyncIterator[TokenEvent]:
         """Yield the tokens of decode workers until the request finishes. A worker that refuses
         before its first token (full or draining) hands its leg to another; a worker that is
-        lost, or whose tokens the bus lost (``stream_check.py``), has its legs migrated (``legs.py``). After a NATS
-        reconnect (ours, or the worker's) the legs it may concern are checked."""
+        lost, or whose tokens the bus lost (``stream_check.py``), has its legs migrated
+        (``legs.py``). After a NATS reconnect (ours, or the worker's) the legs it may concern are
+        checked."""
         self.stage = "decode"
         first = Leg(self.bus_id, None, list(self.delivered.tokens[0]), self.sampling, self.kv)
         await self._send_first(first)

@@ -1,40 +1,12 @@
-"""The gateway's side of a request's life on the bus.
+"""The gateway's bus inbox and routing table, and the way in for each request on the bus.
 
 One inbox subscription (``{ns}.gw.{gateway_id}``) receives every ``PrefillResult`` and
-``TokenBatch`` for this gateway; each is handed to the waiting request (an ``BusRequest``, see
-``gateway/inflight/bus_request.py``) by request id. ``Dispatcher.generate`` drives one request through the
-stages of the design:
-
-    route -> PrefillRequest to a prefill worker -> first token (yielded at once)
-          -> DecodeRequest with the KV handle to a decode worker -> tokens as they come
-
-(sent as the prompt's last pass starts when its KV streams: ``gateway/streamed_prefill.py``),
-or, when no prefill worker is alive or the prompt is short, straight to a decode worker that
-prefills locally. Every wait has a deadline; a worker leaving the registry has its requests
-retried (prefill) or migrated (decode: ``gateway/inflight/bus_request.py``) at once; a request that ends
-early - client gone, stop string, error - is cancelled on the workers so they free its KV
-blocks. Each request reaches the rest of the gateway through one ``RequestPort`` (``port.py``):
-the ``Outbox`` it sends with (``outbox.py``), the router, ``Departures`` (``departures.py``: workers
-leaving or rejoining, our bus reconnecting) and this routing table.
-
-When the gateway's own NATS connection breaks, anything published meanwhile may be lost (NATS
-core keeps nothing for a subscriber that is away). After the reconnect every request is told
-(``BusReconnected``): prefills in flight are retried, decode legs checked - those that lost
-tokens migrate, the others go on (``gateway/inflight/legs.py``); a worker whose own connection
-broke says so (``REJOINED``), with the same effect on what it serves. Until the workers are
-heard again on the new connection - which also means their subscriptions are back - new
-messages go only to workers that have been, and a migration waits for one
-(``Departures.recovered``).
-
-Each fact about a request in flight has one owner. ``Dispatcher._pending`` (bus id ->
-``BusRequest``) is the one routing table: where the inbox delivers, who hears of departures and
-reconnects, and what is dropped - and cancelled, unless it finished - when the request ends
-(``_tracking``: its one way out; a leg that ends earlier leaves through ``unregister``). The
-``BusRequest`` owns its progress: its legs (their workers are what it watches) and what its
-consumer has. The router keeps only load: what this gateway sent or runs on each worker, and
-per bus id where that was counted, to take it off there (``prefill_done``, called by the
-request's prefill attempt; ``decode_done``, by ``unregister``). ``state.Admissions`` admits
-HTTP requests by the client's x-request-id; one may be several on the bus (a prompt array).
+``TokenBatch`` for this gateway; each item is handed to the request its bus id is routed to (a
+``BusRequest``, ``bus_request.py``). ``Dispatcher.generate`` admits one request to the bus and
+drives it through its stages (the life cycle: ``gateway/inflight/__init__.py``); ``_tracking``
+is its one way out, however it ends. The ``Dispatcher`` builds the ``RequestPort`` its requests
+share: the ``Outbox`` (``outbox.py``), the router, ``Departures`` (``departures.py``) and this
+routing table.
 """
 
 from __future__ import annotations
@@ -88,7 +60,7 @@ class Dispatcher:
         self.workers = workers
         self.router = router
         self.inbox = bus.subjects.gateway(gateway_id)
-        # seconds, 0 = no limit (request: a total cap; see gateway/inflight/bus_request.py)
+        # seconds, 0 = no limit (request: a total cap; see bus_request.py)
         self.request_timeout = request_timeout
         self.prefill_timeout = prefill_timeout
         self.first_token_timeout = first_token_timeout
@@ -158,7 +130,7 @@ class Dispatcher:
         With ``sampling.n > 1`` events carry their choice's index, and ``choices`` lets the caller
         stop one choice early (a stop string in its text).
 
-        A request whose decode worker is lost is migrated (``gateway/inflight/legs.py``); for
+        A request whose decode worker is lost is migrated (``legs.py``); for
         its randomness to continue exactly, a sampled request without a seed gets one here.
 
         Raises NoWorker before anything was sent, StageTimeout or WorkerFailure on faults.

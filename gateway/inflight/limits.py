@@ -1,6 +1,6 @@
 """What a request in flight runs under: its deadlines, as the gateway's options say when it
-arrives (``Limits``; how they follow progress: ``gateway/inflight/__init__.py``), and how often a
-stage is tried on another worker.
+arrives (``Limits``; how they follow progress: ``bus_request.py``), and how often a stage is
+tried on another worker.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ WIRE_NO_DEADLINE = 1e11
 @dataclass(frozen=True)
 class Limits:
     """What one request runs under, as the dispatcher's options say when it arrives (seconds,
-    0 = no limit; see ``gateway/inflight/bus_request.py``)."""
+    0 = no limit; see ``bus_request.py``)."""
 
     request_timeout: float  # a total cap, only where the operator sets one
     prefill_timeout: float  # per prefill attempt

@@ -1,7 +1,8 @@
-"""The prefill stage of a request in flight (``gateway/inflight/bus_request.py``): a prefill worker computes
-the prompt's KV and samples the first token, which the client gets at once.
+"""The prefill stage of a request in flight (``bus_request.py``): a prefill worker computes the
+prompt's KV and samples the first token, which the client gets at once.
 
-Layer-wise KV streaming (issue 29 item 3): a prefill worker may answer twice: first, when the prompt's last forward pass starts, with the
+Layer-wise KV streaming (issue 29 item 3; the worker's side: ``services/prefill/worker.py``): a
+prefill worker may answer twice: first, when the prompt's last forward pass starts, with the
 handle of KV it is still computing and no token (``streamed``); then as always, with the first
 token. On the first answer the request leaves the prefill stage: its decode leg goes at once,
 without a token, to a decode worker that pulls streamed KV, which then pulls each layer group

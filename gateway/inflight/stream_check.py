@@ -14,8 +14,8 @@ sends this gateway again what it sent it lately, then answers in the stream itse
 every item before it, with the position of each choice - or "unknown" once the request is over
 there (or never arrived). Items past a gap are dropped meanwhile (the replay brings them again).
 The answer is exact: at the delivered positions the stream simply goes on; further on, tokens
-are gone and the leg migrates (``gateway/inflight/bus_request.py``: re-sent with the delivered tokens,
-from which another worker continues exactly); "unknown" while the stream is open migrates too.
+are gone and the leg migrates (``bus_request.py``: re-sent with the delivered tokens, from which
+another worker continues exactly); "unknown" while the stream is open migrates too.
 
 A stream whose last items (its finish among them) were lost shows no gap: nothing follows. So
 after a reconnect - ours (``BusReconnected``: every leg sent before it) or a worker's
