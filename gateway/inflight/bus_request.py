@@ -157,7 +157,13 @@ class BusRequest(PrefillStage):
         (``legs.py``). After a NATS reconnect (ours, or the worker's) the legs it may concern are
         checked."""
         self.stage = "decode"
-        first = Leg(self.bus_id, None, list(self.delivered.tokens[0]), self.sampling, self.kv)
+        first = Leg(
+            bus_id=self.bus_id,
+            index=None,
+            output=list(self.delivered.tokens[0]),
+            sampling=self.sampling,
+            kv=self.kv,
+        )
         await self._send_first(first)
         while not self.finished:
             item = await self._next(self.deadline)
@@ -302,7 +308,12 @@ class BusRequest(PrefillStage):
         plans = legs.replan(carried, self.delivered.tokens, self.sampling, sent)
         new: list[Leg] = []
         for index, output, sampling in plans:
-            leg = Leg(legs.new_bus_id(self.client_id), index, output, sampling)
+            leg = Leg(
+                bus_id=legs.new_bus_id(self.client_id),
+                index=index,
+                output=output,
+                sampling=sampling,
+            )
             if not await self._send_leg(leg, skip):
                 raise WorkerFailure(f"{what}; no live decode worker to take it", "worker_lost")
             new.append(leg)

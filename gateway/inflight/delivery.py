@@ -75,9 +75,9 @@ class Delivered:
         self.cached_reported = True
         self.prompt_logprobs_sent = result.prompt_logprobs is not None
         return TokenEvent(
-            list(self.tokens[0]),
-            result.finish_reason,
-            result.cached_tokens,
+            token_ids=list(self.tokens[0]),
+            finish_reason=result.finish_reason,
+            cached_tokens=result.cached_tokens,
             logprobs=result.first_logprobs,
             prompt_logprobs=result.prompt_logprobs,
         )
@@ -95,5 +95,10 @@ class Delivered:
         prompt_logprobs = None if self.prompt_logprobs_sent else item.prompt_logprobs
         self.prompt_logprobs_sent |= prompt_logprobs is not None
         return TokenEvent(
-            list(item.token_ids), item.finish_reason, cached, index, item.logprobs, prompt_logprobs
+            token_ids=list(item.token_ids),
+            finish_reason=item.finish_reason,
+            cached_tokens=cached,
+            index=index,
+            logprobs=item.logprobs,
+            prompt_logprobs=prompt_logprobs,
         )

@@ -205,7 +205,15 @@ class Dispatcher:
     def _check_wire(self, bus_id: str, prompt: list[int], sampling: SamplingParams) -> None:
         """Refuse up front what a worker's decoder would drop: a dropped request would only
         surface as a timeout much later."""
-        probe = DecodeRequest(bus_id, prompt, [], sampling, None, self.inbox, time.time())
+        probe = DecodeRequest(
+            bus_id=bus_id,
+            prompt_token_ids=prompt,
+            output_token_ids=[],
+            sampling=sampling,
+            kv=None,
+            reply_to=self.inbox,
+            deadline=time.time(),
+        )
         try:
             protocol.decode(protocol.encode(probe), self.bus.max_bytes)
         except protocol.ProtocolError as exc:

@@ -125,7 +125,14 @@ class Leg:
     ) -> DecodeRequest:
         """The DecodeRequest that sends it (``deadline``: its first token's, on the wire)."""
         return DecodeRequest(
-            self.bus_id, prompt, self.output, self.sampling, self.kv, reply_to, deadline, client_id
+            bus_id=self.bus_id,
+            prompt_token_ids=prompt,
+            output_token_ids=self.output,
+            sampling=self.sampling,
+            kv=self.kv,
+            reply_to=reply_to,
+            deadline=deadline,
+            client_id=client_id,
         )
 
 
