@@ -15,8 +15,8 @@ import secrets
 
 from aiohttp import web
 
+from pdserve.gateway.app_state import GATEWAY_KEY
 from pdserve.gateway.errors import APIError
-from pdserve.gateway.state import GATEWAY_KEY
 from pdserve.shared.discovery.cache_reset import PrefixCacheReset, reset_all
 
 RESET_TIMEOUT = 5.0  # seconds a worker has to answer (a step's length, at most, on the engine)

@@ -19,15 +19,10 @@ from typing import Any
 from opentelemetry import trace
 
 from pdserve.gateway.api_models import GenerationParams
+from pdserve.gateway.app_state import Gateway
 from pdserve.gateway.errors import APIError, overloaded, timeout_error
-from pdserve.gateway.inflight_types import (
-    NotSendable,
-    NoWorker,
-    OpenChoices,
-    StageTimeout,
-    TokenEvent,
-    WorkerFailure,
-)
+from pdserve.gateway.inflight.delivery import OpenChoices, TokenEvent
+from pdserve.gateway.inflight.faults import NotSendable, NoWorker, StageTimeout, WorkerFailure
 from pdserve.gateway.logprob_format import (
     TokenTexts,
     chat_logprobs,
@@ -35,7 +30,6 @@ from pdserve.gateway.logprob_format import (
     trim_alternatives,
 )
 from pdserve.gateway.response_choice import Piece, ResponseChoice
-from pdserve.gateway.state import Gateway
 from pdserve.shared.sampling import SamplingParams, TokenLogprobs
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.gateway.inflight_types import TokenEvent
+from pdserve.gateway.inflight.delivery import TokenEvent
 from pdserve.gateway.logprob_format import LogprobEntry, LogprobList
 from pdserve.gateway.tokenizer import ModelTokenizer
 from pdserve.gateway.tools.formats import partial_suffix

@@ -40,7 +40,7 @@ them off the reported free blocks (the next report already includes them).
 
 The router keeps load, not requests: per bus id only the worker where that id's load is counted
 (``_in_prefill``, ``_in_decode``), so that ``prefill_done`` and ``decode_done`` take it off
-there. Which requests are in flight is the dispatcher's table (``gateway/dispatch.py``).
+there. Which requests are in flight is the dispatcher's table (``gateway/inflight/dispatcher.py``).
 """
 
 from __future__ import annotations

@@ -37,6 +37,13 @@ from pdserve.gateway.api_models import (
     parse_chat,
     parse_completion,
 )
+from pdserve.gateway.app_state import (
+    ARRIVED_KEY,
+    CLIENT_ID_KEY,
+    GATEWAY_KEY,
+    Gateway,
+    new_gateway_id,
+)
 from pdserve.gateway.errors import (
     APIError,
     bad_request,
@@ -49,7 +56,6 @@ from pdserve.gateway.generation import Prompt
 from pdserve.gateway.openapi import openapi_spec
 from pdserve.gateway.schema_base import parse_json_body
 from pdserve.gateway.serving import serve_generation
-from pdserve.gateway.state import ARRIVED_KEY, CLIENT_ID_KEY, GATEWAY_KEY, Gateway, new_gateway_id
 from pdserve.gateway.tokenizer import (
     ModelTokenizer,
     TemplateFailure,
@@ -102,7 +108,7 @@ def api_key_middleware(api_keys: list[str]) -> Middleware:
     return check_api_key
 
 
-log = logging.getLogger("pdserve.gateway")
+log = logging.getLogger(__name__)
 
 
 _tracer = tr.tracer(__name__)
@@ -367,7 +373,7 @@ async def serve(app: web.Application, host: str, port: int, drain_seconds: float
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("stopping: %d requests in flight", gw.in_flight)
+    log.info("stopping: %d requests in flight", gw.admitted_count)
     await site.stop()  # no new connections
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(gw.idle.wait(), drain_seconds)

@@ -12,8 +12,8 @@ from aiohttp import web
 from opentelemetry import trace
 
 from pdserve.gateway.api_models import GenerationParams, check_length
+from pdserve.gateway.app_state import ARRIVED_KEY, CLIENT_ID_KEY, Gateway
 from pdserve.gateway.generation import Generation, Progress, Prompt
-from pdserve.gateway.state import ARRIVED_KEY, CLIENT_ID_KEY, Gateway
 from pdserve.gateway.streaming import stream_response
 from pdserve.gateway.whole_answer import complete
 from pdserve.shared.telemetry import tracing as tr
@@ -35,7 +35,7 @@ async def serve_generation(
         for p in prompts
     ]
     total_prompt = sum(len(p.ids) for p in prompts)
-    with gw.requests.admit(client_id):
+    with gw.admissions.admit(client_id):
         root = trace.get_current_span()
         root.set_attributes(
             {

@@ -77,7 +77,7 @@ class SSEWriter:
         await self.response.write_eof()
 
 
-log = logging.getLogger("pdserve.gateway")
+log = logging.getLogger(__name__)
 
 
 class Chunks:

@@ -98,7 +98,7 @@ def test_missing_builtin_wheel_says_how_to_install(monkeypatch) -> None:
 
 
 def test_gateway_serves_the_same_name_as_the_workers(good) -> None:
-    from pdserve.gateway.state import ServedModel
+    from pdserve.gateway.app_state import ServedModel
     from pdserve.shared.config import EngineConfig
 
     served = ServedModel.load(EngineConfig(model=str(good)))

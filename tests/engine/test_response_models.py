@@ -22,7 +22,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from pydantic import BaseModel, ValidationError
 
-from pdserve.gateway import state as gateway_state
+from pdserve.gateway import app_state as gateway_state
+from pdserve.gateway.app_state import GATEWAY_KEY
 from pdserve.gateway.openapi import openapi_spec
 from pdserve.gateway.response_models import (
     RESPONSE_MODELS,
@@ -37,7 +38,6 @@ from pdserve.gateway.response_models import (
     Usage,
 )
 from pdserve.gateway.server import create_app
-from pdserve.gateway.state import GATEWAY_KEY
 from pdserve.services.decode.worker import DecodeWorker
 from pdserve.services.engine.engine import LLMEngine
 from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig

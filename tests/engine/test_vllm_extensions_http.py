@@ -18,7 +18,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 import tests.engine.test_response_models as memory_stack
-from pdserve.gateway.state import GATEWAY_KEY
+from pdserve.gateway.app_state import GATEWAY_KEY
 from pdserve.gateway.tokenizer import ChatTemplate, ModelTokenizer
 from pdserve.gateway.vllm_fields import TEMPLATE_KWARGS_MAX_KEYS
 from tests.engine.test_response_models import Stack, check, check_chunks, ref

@@ -26,10 +26,10 @@ from hypothesis import strategies as st
 from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.gateway.legs import BUS_ID_SUFFIX
+from pdserve.gateway.app_state import GATEWAY_KEY, Gateway
+from pdserve.gateway.inflight.legs import BUS_ID_SUFFIX
 from pdserve.gateway.router import Router
 from pdserve.gateway.server import create_app
-from pdserve.gateway.state import GATEWAY_KEY, Gateway
 from pdserve.gateway.tokenizer import ModelTokenizer
 from pdserve.shared.bus.connection import Bus
 from pdserve.shared.bus.protocol import (
@@ -588,7 +588,7 @@ async def test_disconnect_cancels_on_the_workers(gw: Harness):
         assert r.status == 200
         await r.content.readline()  # the first event arrived: the stream is running
     await wait_for(lambda: "gone1" in gw.worker.cancelled, "cancel after a disconnect")
-    await wait_for(lambda: gw.app_state().in_flight == 0, "in-flight back to 0")
+    await wait_for(lambda: gw.app_state().admitted_count == 0, "in-flight back to 0")
 
 
 @pytest.mark.parametrize("seed", [FAIL_SEED, ABORT_SEED])
@@ -792,7 +792,7 @@ async def test_dead_decode_worker_ends_its_streams_with_an_error(nats_url, model
         assert "stopped" in events[-2]["error"]["message"]
         # Within the registry timeout, not --stall-timeout (60 s).
         assert time.monotonic() - started < DEATH_TIMEOUT + 5
-        assert harness.app_state().in_flight == 0
+        assert harness.app_state().admitted_count == 0
 
 
 async def test_late_heartbeats_of_a_live_worker_do_not_fail_its_streams(

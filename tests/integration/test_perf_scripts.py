@@ -124,7 +124,7 @@ def test_request_path_counts_the_modules_each_process_runs() -> None:
     roles = {line.split(":")[0] for line in out.splitlines() if line.endswith(" modules")}
     assert {"gateway", "prefill", "decode"} <= roles, out
     section = out.split("gateway:")[1].split("\n", 1)[1].split(":")[0]
-    assert "gateway/inflight.py" in section and "services/" not in section, out
+    assert "gateway/inflight/bus_request.py" in section and "services/" not in section, out
     assert "services/engine/scheduler.py" in out.split("decode:")[1], out
     assert "one streamed disaggregated chat request" in out, out
 

@@ -16,7 +16,7 @@ import secrets
 import time
 from typing import Any
 
-from pdserve.gateway.dispatch import Dispatcher
+from pdserve.gateway.inflight.dispatcher import Dispatcher
 from pdserve.gateway.router import Router
 from pdserve.shared.bus.protocol import (
     Cancel,

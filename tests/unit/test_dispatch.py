@@ -9,13 +9,8 @@ import time
 
 import pytest
 
-from pdserve.gateway.inflight_types import (
-    NotSendable,
-    NoWorker,
-    StageTimeout,
-    TokenEvent,
-    WorkerFailure,
-)
+from pdserve.gateway.inflight.delivery import TokenEvent
+from pdserve.gateway.inflight.faults import NotSendable, NoWorker, StageTimeout, WorkerFailure
 from pdserve.shared.bus.protocol import DecodeRequest, PrefillRequest
 from pdserve.shared.sampling import SamplingParams
 from tests.bus_memory import MemoryNetwork

@@ -14,7 +14,8 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
-from pdserve.gateway.inflight_types import OpenChoices, StageTimeout, TokenEvent, WorkerFailure
+from pdserve.gateway.inflight.delivery import OpenChoices, TokenEvent
+from pdserve.gateway.inflight.faults import StageTimeout, WorkerFailure
 from pdserve.shared.bus.protocol import DecodeRequest, TokenBatch
 from pdserve.shared.sampling import SamplingParams, choice_seed
 from pdserve.shared.telemetry.metrics import GatewayMetrics

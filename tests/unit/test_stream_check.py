@@ -1,4 +1,4 @@
-"""Token positions, replays and stream checks (``gateway/legs.py``,
+"""Token positions, replays and stream checks (``gateway/inflight/stream_check.py``,
 ``shared/bus/replay.py``) below the real bus: a NATS blip migrates only the streams whose tokens
 are really gone. Scripted workers on the in-memory bus (real protocol messages), the real
 registry, router and dispatcher; tokens "lost on the bus" are items a worker counts but never
@@ -11,8 +11,8 @@ import asyncio
 
 import pytest
 
-from pdserve.gateway import legs
-from pdserve.gateway.legs import is_answer, offset
+from pdserve.gateway.inflight import stream_check
+from pdserve.gateway.inflight.stream_check import is_answer, offset
 from pdserve.shared.bus.protocol import Cancel, DecodeRequest, TokenBatch, TokenItem
 from pdserve.shared.config import BusConfig
 from pdserve.shared.sampling import SamplingParams
@@ -157,7 +157,7 @@ async def test_a_stream_that_lost_its_end_is_found_by_the_check(net, replayed) -
 
 
 async def test_an_unanswered_check_is_asked_again_then_the_stream_moves(net, monkeypatch) -> None:
-    monkeypatch.setattr(legs, "CHECK_RETRY_SECONDS", 0.02)
+    monkeypatch.setattr(stream_check, "CHECK_RETRY_SECONDS", 0.02)
     async with stack(net, ("decode", "d0"), ("decode", "d1")) as (gw, w):
         gw.workers.timeout = 0.05  # the check gives up after CHECK_TIMEOUTS of these
         run = Run(gw, SamplingParams(max_tokens=3, seed=1))

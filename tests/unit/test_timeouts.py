@@ -20,8 +20,9 @@ import pytest
 from aiohttp.test_utils import TestClient
 from tokenizers import Tokenizer
 
-from pdserve.gateway.inflight_types import WIRE_NO_DEADLINE, StageTimeout
-from pdserve.gateway.state import GATEWAY_KEY
+from pdserve.gateway.app_state import GATEWAY_KEY
+from pdserve.gateway.inflight.faults import StageTimeout
+from pdserve.gateway.inflight.limits import WIRE_NO_DEADLINE
 from pdserve.shared.config import GatewayConfig
 from pdserve.shared.errors import StartupError
 from pdserve.shared.options import add_options, build
@@ -126,7 +127,7 @@ async def test_a_stalled_stream_ends_with_a_timeout_event_and_is_cancelled(
         assert events[0]["choices"][0]["text"]  # the tokens it had went out first
         assert_timeout_error(events[-2], "--stall-timeout")
         await until(lambda: d0.cancels == [dec.bus_id], "the cancel that frees the worker")
-        assert client.app[GATEWAY_KEY].in_flight == 0
+        assert client.app[GATEWAY_KEY].admitted_count == 0
 
 
 async def test_a_stalled_answer_is_a_504(model_dir, tokens) -> None:

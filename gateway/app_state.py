@@ -1,4 +1,6 @@
-"""What the gateway's handlers share: the served model and the gateway's live state."""
+"""What the gateway's HTTP handlers share (the aiohttp app's state, ``GATEWAY_KEY``): the served
+model, the admission of requests by x-request-id, and the ``Gateway`` object holding them with the
+bus side, router and metrics."""
 
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge
 
 from pdserve.gateway.api_models import GenerationParams
-from pdserve.gateway.dispatch import Dispatcher
 from pdserve.gateway.errors import APIError, overloaded
+from pdserve.gateway.inflight.dispatcher import Dispatcher
 from pdserve.gateway.router import Router
 from pdserve.gateway.tokenizer import ChatTemplate, ModelTokenizer
 from pdserve.shared.bus.connection import Bus
@@ -29,7 +31,7 @@ from pdserve.shared.discovery.worker_registry import WorkerRegistry
 from pdserve.shared.sampling import SamplingParams
 from pdserve.shared.telemetry.metrics import GatewayMetrics, WorkerLoadCollector
 
-log = logging.getLogger("pdserve.gateway")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -75,12 +77,13 @@ def new_gateway_id() -> str:
     return f"gw-{host}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-# ----------------------------------------------------------------------------- state
+# ----------------------------------------------------------------------------- admission
 
 
-class InFlightRequests:
-    """The generation requests in flight, by x-request-id (the bus names them by the
-    dispatcher's own unique ids). ``admit`` is the one way in and out."""
+class Admissions:
+    """The HTTP generation requests admitted and not yet answered, by the client's x-request-id
+    (on the bus each travels under ids of its own, one per prompt of a prompt array: see
+    ``gateway/inflight/``). ``admit`` is the one way in and out."""
 
     def __init__(self, limit: int, gauge: Gauge) -> None:
         self.limit = limit
@@ -94,8 +97,8 @@ class InFlightRequests:
 
     @contextlib.contextmanager
     def admit(self, client_id: str) -> Iterator[None]:
-        """Hold ``client_id`` in flight for the block; refuse a duplicate id (409) or a full gateway
-        (429)."""
+        """Hold ``client_id`` admitted for the block; refuse a duplicate id (409) or a full
+        gateway (503, ``overloaded``)."""
         if client_id in self._ids:
             raise APIError(
                 409,
@@ -160,16 +163,17 @@ class Gateway:
             first_token_timeout=config.first_token_timeout,
             stall_timeout=config.stall_timeout,
         )
-        self.requests = InFlightRequests(config.max_queue, self.metrics.in_flight)
+        self.admissions = Admissions(config.max_queue, self.metrics.in_flight)
 
     @property
-    def in_flight(self) -> int:
-        return len(self.requests)
+    def admitted_count(self) -> int:
+        """The HTTP requests admitted and not yet answered (one may be several on the bus)."""
+        return len(self.admissions)
 
     @property
     def idle(self) -> asyncio.Event:
         """Set while no request is in flight (a draining gateway waits for it)."""
-        return self.requests.idle
+        return self.admissions.idle
 
     async def start(self) -> None:
         await self.bus.connect()

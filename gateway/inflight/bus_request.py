@@ -1,16 +1,17 @@
 """One request in flight on the bus, from the gateway's side: its ids, deadlines, queue, stage
-and decode legs, and the two stages it goes through. ``InFlight`` holds that state and reaches
-the rest of the gateway only through ``DispatchPort``, declared below: ``Dispatcher``
-(``gateway/dispatch.py``) implements it, feeds the queue (worker answers, the departure of a
-worker the request waits on, a reconnect of the bus), drives the stages and ends the request.
+and decode legs, and the two stages it goes through. ``BusRequest`` holds that state and reaches
+the rest of the gateway only through its ``RequestPort`` (``port.py``). The ``Dispatcher``
+(``dispatcher.py``) creates it, routes its workers' answers to its queue (``Departures`` adds the
+departure of a worker it waits on, a reconnect of the bus), drives the stages and ends it.
 
-``prefill()`` (``gateway/prefill_stage.py``) sends the prompt to a prefill worker (retrying
-elsewhere when one refuses or vanishes) and returns the first token with the KV handle. ``decode()`` sends the first leg
-(``gateway/legs.py``) - with that handle, or without one to have the decode worker prefill
+``prefill()`` (``prefill_stage.py``) sends the prompt to a prefill worker (retrying elsewhere
+when one refuses or vanishes) and returns the first token with the KV handle. ``decode()`` sends
+the first leg (``legs.py``) - with that handle, or without one to have the decode worker prefill
 locally - and yields the tokens its worker streams back. A worker that refuses a leg before its
 first token hands it to another. A worker lost mid-stream, or whose tokens the bus lost
-(``gateway/legs.py``), has its legs migrated: re-sent to live decode workers with the
-tokens the client already has, from which they continue exactly (``gateway/legs.py``).
+(``stream_check.py``), has its legs migrated: re-sent to live decode workers with the tokens the
+client already has, from which they continue exactly (``legs.py``). The whole life cycle, step
+by step: ``gateway/inflight/__init__.py``.
 
 Deadlines follow progress, not the wall clock: a long answer that keeps streaming is never cut
 off. The first token is due within ``--first-token-timeout`` of arrival (queues, prefill, KV
@@ -26,88 +27,55 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Coroutine, Iterable
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Iterable
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from pdserve.gateway import legs
-from pdserve.gateway.inflight_types import (
-    DECODE_ATTEMPTS,
+from pdserve.gateway.inflight import legs, stream_check
+from pdserve.gateway.inflight.delivery import Delivered, OpenChoices, TokenEvent
+from pdserve.gateway.inflight.faults import NoWorker, StageTimeout, WorkerFailure, check_ending
+from pdserve.gateway.inflight.legs import (
     MIGRATE_BUS_RECONNECT,
     MIGRATE_WHY,
     MIGRATE_WORKER_LOST,
+    Leg,
+)
+from pdserve.gateway.inflight.limits import (
+    DECODE_ATTEMPTS,
     RETRYABLE_CODES,
-    BusReconnected,
-    CheckDue,
-    Delivered,
-    Item,
     Limits,
-    NoWorker,
-    OpenChoices,
-    StageTimeout,
-    TokenEvent,
-    WorkerFailure,
-    WorkerLeft,
-    WorkerRejoined,
-    check_ending,
     due_in,
-    next_item,
     on_wire,
 )
-from pdserve.gateway.legs import Leg
-from pdserve.gateway.prefill_stage import PrefillStage
+from pdserve.gateway.inflight.port import RequestPort
+from pdserve.gateway.inflight.prefill_stage import PrefillStage
+from pdserve.gateway.inflight.queue_items import (
+    BusReconnected,
+    CheckDue,
+    Item,
+    WorkerLeft,
+    WorkerRejoined,
+    next_item,
+)
 from pdserve.shared.bus.protocol import (
-    DecodeRequest,
     KVHandle,
-    PrefillRequest,
     PrefillResult,
     TokenItem,
 )
 from pdserve.shared.kv.layout import layout_id
 from pdserve.shared.sampling import SamplingParams
 
-log = logging.getLogger("pdserve.gateway.dispatch")
+log = logging.getLogger(__name__)
 
 
-class DispatchPort(Protocol):
-    """What a request in flight may ask of the gateway's bus side; ``Dispatcher`` has it."""
-
-    inbox: str  # the subject workers answer this gateway on
-    bus_epoch: int  # reconnects of the gateway's bus so far (see BusReconnected)
-
-    async def recovered(self, deadline: float) -> set[str]: ...  # workers to skip meanwhile
-    # the router's picks; a prefill's work stops counting on its worker at ``prefill_done``
-    def pick_prefill(self, prompt: list[int], exclude: set[str], bus_id: str) -> str | None: ...
-    def prefill_done(self, bus_id: str) -> None: ...
-    # layer-wise KV streaming: whether any decode worker can, and which cannot pull a layout so
-    def can_stream(self, kv_layout: str = "") -> bool: ...
-    def not_streaming(self, kv_layout: str) -> set[str]: ...
-    def pick_decode(
-        self, total_tokens: int, exclude: set[str], bus_id: str, kv_layout: str
-    ) -> str | None: ...
-    async def send(
-        self, worker: str, msg: PrefillRequest | DecodeRequest, headers: dict[str, str]
-    ) -> None: ...
-    async def cancel(self, bus_id: str, index: int | None = None) -> None: ...
-    async def release_stale(self, item: object) -> None: ...  # a KV lease nobody will pull
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> None: ...  # outlives the request
-    def check_stream(self, worker_id: str, bus_id: str) -> None: ...
-    # cancel a leg migrated away, now and again if its worker turns up before ``deadline``
-    def abandon(self, worker_id: str, bus_id: str, deadline: float) -> None: ...
-    # route the messages for ``bus_id`` to ``request`` (and stop: unregister)
-    def register(self, bus_id: str, request: InFlight) -> None: ...
-    def unregister(self, bus_id: str) -> None: ...
-    def count_migration(self, reason: str) -> None: ...
-
-
-class InFlight(PrefillStage):
+class BusRequest(PrefillStage):
     """One request on the bus: created by ``Dispatcher.generate``, which drives its stages."""
 
     def __init__(
         self,
-        port: DispatchPort,
+        *,
+        port: RequestPort,
         limits: Limits,
         client_id: str,
         bus_id: str,
@@ -185,10 +153,17 @@ class InFlight(PrefillStage):
     async def decode(self) -> AsyncIterator[TokenEvent]:
         """Yield the tokens of decode workers until the request finishes. A worker that refuses
         before its first token (full or draining) hands its leg to another; a worker that is
-        lost, or whose tokens the bus lost, has its legs migrated (``legs.py``). After a NATS
-        reconnect (ours, or the worker's) the legs it may concern are checked."""
+        lost, or whose tokens the bus lost (``stream_check.py``), has its legs migrated
+        (``legs.py``). After a NATS reconnect (ours, or the worker's) the legs it may concern are
+        checked."""
         self.stage = "decode"
-        first = Leg(self.bus_id, None, list(self.delivered.tokens[0]), self.sampling, self.kv)
+        first = Leg(
+            bus_id=self.bus_id,
+            index=None,
+            output=list(self.delivered.tokens[0]),
+            sampling=self.sampling,
+            kv=self.kv,
+        )
         await self._send_first(first)
         while not self.finished:
             item = await self._next(self.deadline)
@@ -201,7 +176,9 @@ class InFlight(PrefillStage):
                 self._check(leg for leg in self.legs.values() if leg.epoch < item.epoch)
             elif isinstance(item, CheckDue):
                 leg = self.legs.get(item.bus_id)
-                if leg is not None and legs.check_due(leg, self.port.check_stream, self.put):
+                if leg is not None and stream_check.check_due(
+                    leg, self.port.outbox.check_stream, self.put
+                ):
                     log.warning("%s: no answer from %s to a stream check", leg.bus_id, leg.worker)
                     await self._migrate([leg], MIGRATE_BUS_RECONNECT)
             elif isinstance(item, PrefillResult):
@@ -210,16 +187,16 @@ class InFlight(PrefillStage):
                     if event is not None:
                         yield event
                 else:
-                    await self.port.release_stale(item)  # a late answer of a retried prefill
+                    await self.port.outbox.release_stale(item)  # a late answer of a retried prefill
             elif (leg := self.legs.get(item.bus_id)) is not None:
-                verdict = legs.screen(leg, item, self.choices.open, self.delivered.tokens)
+                verdict = stream_check.screen(leg, item, self.choices.open, self.delivered.tokens)
                 if verdict is None:
                     event = await self._on_item(leg, item)
                     if event is not None:
                         yield event
-                elif verdict == legs.GAP:
+                elif verdict == stream_check.GAP:
                     self._check([leg])  # its worker sends again what it sent lately
-                elif verdict != legs.SKIP:
+                elif verdict != stream_check.SKIP:
                     log.warning("%s lost tokens from %s: %s", leg.bus_id, leg.worker, verdict)
                     await self._migrate([leg], MIGRATE_BUS_RECONNECT)
             # else: a late item of a leg migrated away (its worker is gone): dropped
@@ -251,7 +228,7 @@ class InFlight(PrefillStage):
     async def _send_first(self, leg: Leg) -> None:
         """Send ``leg`` to a decode worker it has not tried yet: the request's first leg, or a
         leg that a worker refused before its first token."""
-        if not await self._send_leg(leg, await self.port.recovered(self.deadline)):
+        if not await self._send_leg(leg, await self.port.departures.recovered(self.deadline)):
             if self.delivered.has_tokens():  # the client has tokens: this is now a failure
                 raise WorkerFailure("no decode worker can take the request", "no_worker")
             raise NoWorker("no decode worker can take the request")
@@ -262,22 +239,22 @@ class InFlight(PrefillStage):
         expected = leg.expected_tokens(len(self.prompt))
         layout = layout_id(leg.kv.fingerprint) if leg.kv is not None else ""
         if leg.kv is not None and leg.kv.streaming:
-            skip = skip | self.port.not_streaming(layout)
-        worker = self.port.pick_decode(expected, leg.tried | skip, leg.bus_id, layout)
+            skip = skip | self.port.router.not_streaming(layout)
+        worker = self.port.router.pick_decode(expected, leg.tried | skip, leg.bus_id, layout)
         if worker is None:
             return False
         leg.tried.add(worker)
         leg.worker = worker
-        leg.epoch = self.port.bus_epoch
+        leg.epoch = self.port.departures.bus_epoch
         # a new worker starts with a queue, a KV pull or a local prefill of prompt + output
         leg.due = due_in(self.limits.first_token_timeout)
         self.legs[leg.bus_id] = leg
-        self.port.register(leg.bus_id, self)
+        self.port.routes.register(leg.bus_id, self)
         trace.get_current_span(self.context).set_attribute("pdserve.decode_worker", worker)
         # the worker enforces the deadline only until its first token (services/worker_base.py)
         deadline = on_wire(min(self.cap, leg.due))
-        msg = leg.request(self.prompt, self.port.inbox, deadline, self.client_id)
-        await self.port.send(worker, msg, self.headers)
+        msg = leg.request(self.prompt, self.port.outbox.inbox, deadline, self.client_id)
+        await self.port.outbox.send(worker, msg, self.headers)
         return True
 
     def _drop_leg(self, leg: Leg, cancel: bool) -> None:
@@ -285,9 +262,9 @@ class InFlight(PrefillStage):
         a worker that is not really gone frees its blocks). The request's own end drops the
         rest (``Dispatcher._tracking``)."""
         self.legs.pop(leg.bus_id, None)
-        self.port.unregister(leg.bus_id)
+        self.port.routes.unregister(leg.bus_id)
         if cancel:  # and again if its worker turns up while it might still run it
-            self.port.abandon(leg.worker, leg.bus_id, leg.abandoned_until(self.cap))
+            self.port.departures.abandon(leg.worker, leg.bus_id, leg.abandoned_until(self.cap))
 
     def _cancel_choice(self, index: int) -> None:
         """The consumer stopped choice ``index`` (a stop string): stop it on its worker."""
@@ -296,13 +273,15 @@ class InFlight(PrefillStage):
                 self._drop_leg(leg, cancel=True)
                 return
             if leg.index is None:
-                self.port.spawn(self.port.cancel(leg.bus_id, index))
+                self.port.outbox.spawn(self.port.outbox.cancel(leg.bus_id, index))
                 return
-        self.port.spawn(self.port.cancel(self.bus_id, index))  # not in decode yet
+        self.port.outbox.spawn(self.port.outbox.cancel(self.bus_id, index))  # not in decode yet
 
     def _check(self, which: Iterable[Leg]) -> None:
         """Ask the workers of the legs ``which`` where their streams stand."""
-        legs.check(which, self.port.check_stream, self.put, self.limits.worker_timeout)
+        stream_check.check(
+            which, self.port.outbox.check_stream, self.put, self.limits.worker_timeout
+        )
 
     # -- migration ---------------------------------------------------------------------------
 
@@ -323,13 +302,18 @@ class InFlight(PrefillStage):
                 f"{what}; migrated {self.migrations} time(s) already (--max-migrations {limit})",
                 "worker_lost",
             )
-        skip = await self.port.recovered(self.deadline)
+        skip = await self.port.departures.recovered(self.deadline)
         self.migrations += 1
         sent = self.delivered.prompt_logprobs_sent
         plans = legs.replan(carried, self.delivered.tokens, self.sampling, sent)
         new: list[Leg] = []
         for index, output, sampling in plans:
-            leg = Leg(legs.new_bus_id(self.client_id), index, output, sampling)
+            leg = Leg(
+                bus_id=legs.new_bus_id(self.client_id),
+                index=index,
+                output=output,
+                sampling=sampling,
+            )
             if not await self._send_leg(leg, skip):
                 raise WorkerFailure(f"{what}; no live decode worker to take it", "worker_lost")
             new.append(leg)

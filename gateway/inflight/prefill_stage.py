@@ -1,7 +1,8 @@
-"""The prefill stage of a request in flight (``gateway/inflight.py``): a prefill worker computes
-the prompt's KV and samples the first token, which the client gets at once.
+"""The prefill stage of a request in flight (``bus_request.py``): a prefill worker computes the
+prompt's KV and samples the first token, which the client gets at once.
 
-Layer-wise KV streaming (issue 29 item 3): a prefill worker may answer twice: first, when the prompt's last forward pass starts, with the
+Layer-wise KV streaming (issue 29 item 3; the worker's side: ``services/prefill/worker.py``): a
+prefill worker may answer twice: first, when the prompt's last forward pass starts, with the
 handle of KV it is still computing and no token (``streamed``); then as always, with the first
 token. On the first answer the request leaves the prefill stage: its decode leg goes at once,
 without a token, to a decode worker that pulls streamed KV, which then pulls each layer group
@@ -18,30 +19,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from pdserve.gateway.inflight_types import (
-    PREFILL_ATTEMPTS,
-    RETRYABLE_CODES,
-    BusReconnected,
-    Delivered,
-    Item,
-    Limits,
-    OpenChoices,
-    TokenEvent,
-    WorkerFailure,
-    WorkerLeft,
-    check_ending,
-    on_wire,
-)
+from pdserve.gateway.inflight.delivery import Delivered, OpenChoices, TokenEvent
+from pdserve.gateway.inflight.faults import WorkerFailure, check_ending
+from pdserve.gateway.inflight.limits import PREFILL_ATTEMPTS, RETRYABLE_CODES, Limits, on_wire
+from pdserve.gateway.inflight.port import RequestPort
+from pdserve.gateway.inflight.queue_items import BusReconnected, Item, WorkerLeft
 from pdserve.shared.bus.protocol import KVHandle, PrefillRequest, PrefillResult
 from pdserve.shared.kv.layout import layout_id
 from pdserve.shared.sampling import SamplingParams
 
-log = logging.getLogger("pdserve.gateway.dispatch")
+log = logging.getLogger(__name__)
 
 
 def streamed(result: PrefillResult) -> bool:
@@ -56,8 +48,8 @@ def streamed(result: PrefillResult) -> bool:
 
 
 class PrefillStage:
-    if TYPE_CHECKING:  # the request's own state (``InFlight``)
-        port: Any  # inflight.DispatchPort (which names InFlight: not imported here)
+    if TYPE_CHECKING:  # the request's own state (``BusRequest``)
+        port: RequestPort
         limits: Limits
         client_id: str
         bus_id: str
@@ -85,8 +77,8 @@ class PrefillStage:
         self.stage = "prefill"
         tried: set[str] = set()
         for _ in range(PREFILL_ATTEMPTS):
-            skip = tried | await self.port.recovered(self.deadline)
-            worker = self.port.pick_prefill(self.prompt, skip, self.bus_id)
+            skip = tried | await self.port.departures.recovered(self.deadline)
+            worker = self.port.router.pick_prefill(self.prompt, skip, self.bus_id)
             if worker is None:
                 return None
             tried.add(worker)
@@ -113,17 +105,17 @@ class PrefillStage:
             self.prefill_worker = worker
             trace.get_current_span(self.context).set_attribute("pdserve.prefill_worker", worker)
             deadline = min(self.deadline, time.time() + self.limits.prefill_timeout)
-            epoch = self.port.bus_epoch
+            epoch = self.port.departures.bus_epoch
             msg = PrefillRequest(
                 bus_id=self.bus_id,
                 prompt_token_ids=self.prompt,
                 sampling=self.sampling,
-                reply_to=self.port.inbox,
+                reply_to=self.port.outbox.inbox,
                 deadline=on_wire(deadline),
                 client_id=self.client_id,
-                stream_kv=self.port.can_stream(),
+                stream_kv=self.port.router.can_stream(),
             )
-            await self.port.send(worker, msg, self.headers)
+            await self.port.outbox.send(worker, msg, self.headers)
             while True:
                 item = await self._next(deadline)
                 if isinstance(item, WorkerLeft):
@@ -139,10 +131,11 @@ class PrefillStage:
                         continue  # no decode worker can take it now: wait for all of it
                     return item
                 else:
-                    await self.port.release_stale(item)  # a late answer of an earlier attempt
+                    # a late answer of an earlier attempt
+                    await self.port.outbox.release_stale(item)
         finally:
             self.prefill_worker = None
-            self.port.prefill_done(self.bus_id)
+            self.port.router.prefill_done(self.bus_id)
 
     def _first_token(self, result: PrefillResult) -> TokenEvent:
         check_ending(result.finish_reason, result.worker_id)
@@ -154,13 +147,13 @@ class PrefillStage:
             self.kv = dataclasses.replace(result.kv, streaming=False) if result.kv else None
         else:
             self.finished = True
-            self.port.spawn(self.port.release_stale(result))  # its KV is not needed
+            self.port.outbox.spawn(self.port.outbox.release_stale(result))  # its KV is not needed
         return event
 
     def _streamable(self, kv: KVHandle) -> bool:
         """Whether a decode worker can pull ``kv`` while it is prefilled (else the request
         waits for the whole prefill and any decode worker pulls it in bulk)."""
-        return self.port.can_stream(layout_id(kv.fingerprint))
+        return self.port.router.can_stream(layout_id(kv.fingerprint))
 
     def _streams_from(self, result: PrefillResult) -> bool:
         """Whether ``result`` is the prefill answer for the KV the first leg pulls as it is
@@ -188,5 +181,5 @@ class PrefillStage:
         event = self.delivered.first_token(result)
         if not self.choices.open:  # finished at the first token: the decode leg is refused
             self.finished = True
-            self.port.spawn(self.port.cancel(self.bus_id))
+            self.port.outbox.spawn(self.port.outbox.cancel(self.bus_id))
         return event
