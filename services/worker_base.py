@@ -323,7 +323,7 @@ class Worker:
         """Our NATS node went away (a node died, a restart): what we published into the dead
         connection, and what was sent to us while unsubscribed, may be lost. Say so
         (``WorkerGone(rejoining=True)``; we keep our requests): gateways retry their prefills
-        here, check their streams (``gateway/legs.py``: those that lost tokens migrate, the
+        here, check their streams (``gateway/inflight/stream_check.py``: those that lost tokens migrate, the
         others go on) and cancel again what they abandoned."""
         log.warning("reconnected to NATS: telling gateways that messages may be lost")
         subject = self.subjects.load(self.role, self.worker_id)

@@ -8,7 +8,7 @@ items as a gap and drops those it has already. That makes token batches replayab
 gateway that asks. A ``StreamCheck`` is that question: the worker replays what it sent that
 gateway lately, then answers in the stream itself, behind every item sent before: an empty item
 per choice at the position of its next token, or the error "unknown" for a request that is over
-here or never arrived (the gateway's side: ``gateway/legs.py``).
+here or never arrived (the gateway's side: ``gateway/inflight/stream_check.py``).
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ class TokenItem:
     # with the first item of a request prefilled here, when prompt_logprobs were asked
     prompt_logprobs: TokenLogprobs | None = bounded(default=None)
     # index of token_ids[0] in the choice's output (output_token_ids included): a receiver
-    # sees lost items as a gap (gateway/legs.py)
+    # sees lost items as a gap (gateway/inflight/stream_check.py)
     position: int = count(hi=MAX_TOKENS, default=0)
 
 

@@ -94,7 +94,7 @@ Whatever the failure, the decode worker releases the lease and tells the engine
 or recomputes its prompt on the decode worker. A decode worker that turns a request away
 before pulling (draining, full, past its deadline) releases its lease at once, and the gateway
 releases the lease of any prefill answer nobody will pull
-(``gateway/dispatch.py:Dispatcher.release_stale``). A prefill worker that dies fails the pulls
+(``gateway/inflight/outbox.py:Outbox.release_stale``). A prefill worker that dies fails the pulls
 from it; a decode worker that dies leaves its leases to expire.
 
 Beyond one rank, each rank serves and pulls its own KV heads through its own endpoint
