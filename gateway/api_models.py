@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 
 from pdserve.gateway.errors import APIError, bad_request
-from pdserve.gateway.request_bodies import ChatCompletionBody, CompletionBody
+from pdserve.gateway.request_bodies import ChatCompletionBody, CompletionBody, Message
 from pdserve.gateway.schema_base import StrictModel, api_error
 from pdserve.gateway.tools.grammar import ToolGrammarError, tool_guide
 from pdserve.gateway.tools.setup import ToolSetup
@@ -108,7 +108,8 @@ class ChatRequest:
 Body = TypeVar("Body", bound=StrictModel)
 
 
-def _validated(model: type[Body], body: dict[str, Any]) -> Body:
+def validated(model: type[Body], body: dict[str, Any]) -> Body:
+    """``body`` as ``model``, or the one 400 naming what is wrong with it."""
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -116,7 +117,7 @@ def _validated(model: type[Body], body: dict[str, Any]) -> Body:
 
 
 def parse_completion(body: dict[str, Any]) -> CompletionRequest:
-    req = _validated(CompletionBody, body)
+    req = validated(CompletionBody, body)
     params = _params(
         req,
         max_tokens=req.max_new_tokens,
@@ -134,7 +135,7 @@ def parse_chat(
     """``tool_parser``: the format the served model writes calls in (``--tool-call-parser``,
     resolved for its template); ``tag_tokens``: its tags that are one token each
     (``tools.grammar.tag_tokens``)."""
-    req = _validated(ChatCompletionBody, body)
+    req = validated(ChatCompletionBody, body)
     params = _params(req, max_tokens=req.max_new_tokens, logprobs=req.top_alternatives)
     params.tools = req.tool_setup(tool_parser, tag_tokens)
     try:
@@ -149,8 +150,20 @@ def parse_chat(
     last = req.messages[-1]
     params.reply_role = "assistant" if req.generation_prompt else last.role
     params.chat_echo = last.text() if req.echo and last.role == params.reply_role else ""
+    return ChatRequest(
+        params=params,
+        messages=chat_messages(req.messages),
+        add_generation_prompt=req.generation_prompt,
+        continue_final_message=bool(req.continue_final_message),
+        template_kwargs=dict(req.chat_template_kwargs or {}),
+        tool_parser=tool_parser,
+    )
+
+
+def chat_messages(messages: list[Message]) -> list[ChatMessage]:
+    """A body's messages as the chat template gets them."""
     # 'developer' is OpenAI's newer name for the system role; templates only know 'system'.
-    messages = [
+    return [
         ChatMessage(
             role="system" if m.role == "developer" else m.role,
             content=m.text(),
@@ -158,16 +171,8 @@ def parse_chat(
             tool_calls=[c.for_template() for c in m.tool_calls] if m.tool_calls else None,
             tool_call_id=m.tool_call_id,
         )
-        for m in req.messages
+        for m in messages
     ]
-    return ChatRequest(
-        params=params,
-        messages=messages,
-        add_generation_prompt=req.generation_prompt,
-        continue_final_message=bool(req.continue_final_message),
-        template_kwargs=dict(req.chat_template_kwargs or {}),
-        tool_parser=tool_parser,
-    )
 
 
 def _params(

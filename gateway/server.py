@@ -47,15 +47,11 @@ from pdserve.gateway.errors import (
 )
 from pdserve.gateway.generation import Prompt
 from pdserve.gateway.openapi import openapi_spec
+from pdserve.gateway.prompting import encode, render_chat
 from pdserve.gateway.schema_base import parse_json_body
 from pdserve.gateway.serving import serve_generation
 from pdserve.gateway.state import ARRIVED_KEY, CLIENT_ID_KEY, GATEWAY_KEY, Gateway, new_gateway_id
-from pdserve.gateway.tokenizer import (
-    ModelTokenizer,
-    TemplateFailure,
-    TemplateInputError,
-    truncate_prompt,
-)
+from pdserve.gateway.tokenizer import truncate_prompt
 from pdserve.gateway.tools.grammar import check_schemas, tag_tokens
 from pdserve.gateway.tools.prompt import resolve_parser
 from pdserve.shared import structured_output
@@ -112,12 +108,6 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 DRAIN_SECONDS = 30.0  # on SIGTERM, how long in-flight requests may finish
-
-
-BIG_PROMPT_CHARS = 20_000  # tokenize longer prompts off the event loop
-
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @web.middleware
@@ -236,7 +226,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     for i, prompt in enumerate(req.prompts):
         where = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
         if isinstance(prompt, str):
-            given = await _encode(tok, prompt, add_special_tokens=True)
+            given = await encode(tok, prompt, add_special_tokens=True)
         else:
             check_token_ids(prompt, tok.vocab_size, where)
             given = prompt
@@ -258,25 +248,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tags = tag_tokens(parser, lambda t: gw.model.tokenizer.encode(t, add_special_tokens=False))
     req: ChatRequest = parse_chat(await _read_json(request), parser, tags)
     _check_model(gw, req.params.model)
-    if chat is None:
-        raise bad_request("This model has no chat template; use /v1/completions", "messages")
-    try:
-        text = chat.render(
-            req.messages,
-            add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message,
-            variables=req.template_kwargs,
-            tools=req.params.tools,
-            tool_parser=req.tool_parser,
-        )
-    except TemplateInputError as exc:
-        message = f"The chat template rejected the messages: {exc}"
-        raise bad_request(message, exc.param) from None
-    except TemplateFailure as exc:
-        log.error("chat template failed: %s", exc)
-        raise server_error("the model's chat template failed to render") from None
+    text = render_chat(
+        chat,
+        req.messages,
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        variables=req.template_kwargs,
+        tools=req.params.tools,
+        tool_parser=req.tool_parser,
+    )
     # The template writes BOS itself, so no special tokens are added (as transformers does).
-    prompt_ids = await _encode(gw.model.tokenizer, text, add_special_tokens=False)
+    prompt_ids = await encode(gw.model.tokenizer, text, add_special_tokens=False)
     prompt_ids = _truncated(gw, req.params, prompt_ids)
     check_param_token_ids(req.params, gw.model.tokenizer.vocab_size)
     # each enforced tool schema first, so that one that does not compile is named
@@ -308,12 +290,6 @@ async def _check_guided(gw: Gateway, params: GenerationParams) -> None:
 def _check_model(gw: Gateway, model: str) -> None:
     if model != gw.model.name:
         raise model_not_found(model)
-
-
-async def _encode(tok: ModelTokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    if len(text) > BIG_PROMPT_CHARS:
-        return await asyncio.to_thread(tok.encode, text, add_special_tokens)
-    return tok.encode(text, add_special_tokens)
 
 
 def create_app(
