@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 
 from pdserve.gateway.errors import APIError, bad_request
+from pdserve.gateway.reasoning import ReasoningSetup
 from pdserve.gateway.request_bodies import ChatCompletionBody, CompletionBody, Message
 from pdserve.gateway.schema_base import StrictModel, api_error
 from pdserve.gateway.tools.grammar import ToolGrammarError, tool_guide
@@ -67,6 +68,8 @@ class GenerationParams:
     guided: GuidedDecoding | None = None  # response_format / guided_* / structured_outputs
     guided_param: str | None = None  # the field that set guided, for its compile errors
     tools: ToolSetup | None = None  # chat with tools: what was asked of tool calling
+    # chat with --reasoning-parser: how the answer's reasoning is split out (its prompt decides)
+    reasoning: ReasoningSetup | None = None
     speculate: bool = True  # false: no speculative decoding for this request
     # vLLM's extensions (vllm_fields.py)
     prompt_logprobs: int | None = None  # the prompt's log-probs, this many alternatives each

@@ -48,6 +48,7 @@ from pdserve.gateway.errors import (
 from pdserve.gateway.generation import Prompt
 from pdserve.gateway.openapi import openapi_spec
 from pdserve.gateway.prompting import encode, render_chat
+from pdserve.gateway.reasoning import reasoning_setup
 from pdserve.gateway.schema_base import parse_json_body
 from pdserve.gateway.serving import serve_generation
 from pdserve.gateway.state import ARRIVED_KEY, CLIENT_ID_KEY, GATEWAY_KEY, Gateway, new_gateway_id
@@ -257,6 +258,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         tools=req.params.tools,
         tool_parser=req.tool_parser,
     )
+    # how the answer's reasoning is split out depends on where the template left it
+    req.params.reasoning = reasoning_setup(gw.config.reasoning_parser, text, req.template_kwargs)
     # The template writes BOS itself, so no special tokens are added (as transformers does).
     prompt_ids = await encode(gw.model.tokenizer, text, add_special_tokens=False)
     prompt_ids = _truncated(gw, req.params, prompt_ids)
