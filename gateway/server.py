@@ -27,7 +27,7 @@ from typing import Any
 from aiohttp import web
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from pdserve.gateway import admin
+from pdserve.gateway import admin, tokenize_api
 from pdserve.gateway.api_models import (
     ChatRequest,
     CompletionRequest,
@@ -37,6 +37,7 @@ from pdserve.gateway.api_models import (
     parse_chat,
     parse_completion,
 )
+from pdserve.gateway.endpoint_metrics import endpoint_metrics_middleware
 from pdserve.gateway.errors import (
     APIError,
     bad_request,
@@ -52,6 +53,7 @@ from pdserve.gateway.reasoning import reasoning_setup
 from pdserve.gateway.schema_base import parse_json_body
 from pdserve.gateway.serving import serve_generation
 from pdserve.gateway.state import ARRIVED_KEY, CLIENT_ID_KEY, GATEWAY_KEY, Gateway, new_gateway_id
+from pdserve.gateway.tokenize_api import Vocabulary
 from pdserve.gateway.tokenizer import truncate_prompt
 from pdserve.gateway.tools.grammar import check_schemas, tag_tokens
 from pdserve.gateway.tools.prompt import resolve_parser
@@ -270,6 +272,26 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await serve_generation(request, gw, "chat", req.params, [Prompt(prompt_ids, text)])
 
 
+def _vocabulary(gw: Gateway) -> Vocabulary:
+    return Vocabulary(
+        name=gw.model.name,
+        tokenizer=gw.model.tokenizer,
+        chat=gw.model.chat,
+        max_model_len=gw.context_limit(),
+        tool_call_parser=gw.config.tool_call_parser,
+    )
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    served = _vocabulary(request.app[GATEWAY_KEY])
+    return web.json_response(await tokenize_api.tokenize(await _read_json(request), served))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    served = _vocabulary(request.app[GATEWAY_KEY])
+    return web.json_response(tokenize_api.detokenize(await _read_json(request), served))
+
+
 def _truncated(gw: Gateway, params: GenerationParams, ids: list[int]) -> list[int]:
     limit, most = gw.context_limit(), gw.config.max_prompt_tokens
     return truncate_prompt(ids, params.truncate_prompt_tokens, params.max_tokens, limit, most)
@@ -306,6 +328,7 @@ def create_app(
     app = web.Application(
         client_max_size=config.max_body_bytes,
         middlewares=[
+            endpoint_metrics_middleware(gw.metrics_registry),
             request_id_middleware,
             tracing_middleware,
             error_middleware,
@@ -320,6 +343,8 @@ def create_app(
     app.router.add_get("/v1/models/{model:.+}", model)  # names may hold "/"
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_post("/reset_prefix_cache", admin.reset_prefix_cache)
 
     async def on_startup(app: web.Application) -> None:
