@@ -11,13 +11,9 @@ handler) is not counted here; ``pdserve_requests_total{finish_reason="abort"}`` 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CollectorRegistry, Counter
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 
 UNMATCHED = "unmatched"
 

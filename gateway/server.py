@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from pdserve.gateway import admin, tokenize_api
@@ -69,9 +70,6 @@ PROTECTED_PREFIX = "/v1/"
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 
 
 def key_matches(presented: str, keys: list[bytes]) -> bool:
