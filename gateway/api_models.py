@@ -94,6 +94,7 @@ class ChatMessage:
     # an assistant's calls, as chat templates read them (ToolCall.for_template)
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant's reasoning, sent back by the client
 
 
 @dataclass
@@ -173,6 +174,7 @@ def chat_messages(messages: list[Message]) -> list[ChatMessage]:
             name=m.name,
             tool_calls=[c.for_template() for c in m.tool_calls] if m.tool_calls else None,
             tool_call_id=m.tool_call_id,
+            reasoning_content=m.reasoning_content,
         )
         for m in messages
     ]

@@ -79,6 +79,11 @@ class Message(StrictModel):
     tool_call_id: ToolCallId | None = Field(
         None, description="tool only (and required there): the id of the call answered"
     )
+    reasoning_content: str | None = Field(
+        None,
+        description="assistant only: its reasoning, as a reply with --reasoning-parser gave it "
+        "(agents send replies back whole); handed to the template, which may show or drop it",
+    )
 
     @model_validator(mode="after")
     def _fields_of_the_role(self) -> Message:
@@ -93,6 +98,10 @@ class Message(StrictModel):
         if self.tool_call_id is not None and self.role != "tool":
             raise field_error(
                 "tool_call_id", INVALID_VALUE, "is only allowed on tool messages", None
+            )
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise field_error(
+                "reasoning_content", INVALID_VALUE, "is only allowed on assistant messages", None
             )
         return self
 

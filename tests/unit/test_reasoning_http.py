@@ -23,9 +23,10 @@ THOUGHT = "The user wants the weather.\nI could write <tool_call> here, but not 
 ANSWER = f"<think>\n{THOUGHT}\n</think>\n\nIt is sunny in Paris."
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 # A Qwen3.5-like template: the generation prompt opens the reasoning, or with
-# enable_thinking false writes an empty one, closed.
+# enable_thinking false writes an empty one, closed; past answers show their reasoning.
 THINKING_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n"
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{% if message.reasoning_content %}"
+    "<think>{{ message.reasoning_content }}</think>{% endif %}{{ message['content'] }}</s>\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
     "{% else %}<think>\n{% endif %}{% endif %}"
@@ -149,3 +150,19 @@ async def test_without_a_parser_nothing_changes(model_dir, tok):
         message, _, streamed = await both(client, d0, ASK, ids_of(tok, ANSWER), 3)
     assert message == {"role": "assistant", "content": ANSWER}
     assert streamed[:2] == (None, ANSWER)
+
+
+async def test_a_reply_sent_back_with_its_reasoning(thinking_dir):
+    """Agents send the assistant's message back whole: its reasoning_content is taken, and
+    given to the template, which may show it; on another role it is a 400."""
+    reply = {"role": "assistant", "content": "Sunny.", "reasoning_content": THOUGHT}
+    history = [*ASK["messages"], reply, {"role": "user", "content": "And Rome?"}]
+    async with serving(thinking_dir, reasoning_parser="qwen3") as (client, _):
+        tokenized = await client.post("/tokenize", json={"messages": history})
+        ids = (await tokenized.json())["tokens"]
+        text = await client.post("/detokenize", json={"tokens": ids})
+        assert f"<think>{THOUGHT}</think>Sunny." in (await text.json())["prompt"]
+        wrong = [{**ASK["messages"][0], "reasoning_content": "x"}]
+        refused = await client.post("/v1/chat/completions", json={**ASK, "messages": wrong})
+        error = (await refused.json())["error"]
+    assert (refused.status, error["param"]) == (400, "messages[0].reasoning_content")
