@@ -21,7 +21,8 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 
 from pdserve.gateway.errors import APIError, bad_request
-from pdserve.gateway.request_bodies import ChatCompletionBody, CompletionBody
+from pdserve.gateway.reasoning import ReasoningSetup
+from pdserve.gateway.request_bodies import ChatCompletionBody, CompletionBody, Message
 from pdserve.gateway.schema_base import StrictModel, api_error
 from pdserve.gateway.tools.grammar import ToolGrammarError, tool_guide
 from pdserve.gateway.tools.setup import ToolSetup
@@ -67,6 +68,8 @@ class GenerationParams:
     guided: GuidedDecoding | None = None  # response_format / guided_* / structured_outputs
     guided_param: str | None = None  # the field that set guided, for its compile errors
     tools: ToolSetup | None = None  # chat with tools: what was asked of tool calling
+    # chat with --reasoning-parser: how the answer's reasoning is split out (its prompt decides)
+    reasoning: ReasoningSetup | None = None
     speculate: bool = True  # false: no speculative decoding for this request
     # vLLM's extensions (vllm_fields.py)
     prompt_logprobs: int | None = None  # the prompt's log-probs, this many alternatives each
@@ -91,6 +94,7 @@ class ChatMessage:
     # an assistant's calls, as chat templates read them (ToolCall.for_template)
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant's reasoning, sent back by the client
 
 
 @dataclass
@@ -108,7 +112,8 @@ class ChatRequest:
 Body = TypeVar("Body", bound=StrictModel)
 
 
-def _validated(model: type[Body], body: dict[str, Any]) -> Body:
+def validated(model: type[Body], body: dict[str, Any]) -> Body:
+    """``body`` as ``model``, or the one 400 naming what is wrong with it."""
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -116,7 +121,7 @@ def _validated(model: type[Body], body: dict[str, Any]) -> Body:
 
 
 def parse_completion(body: dict[str, Any]) -> CompletionRequest:
-    req = _validated(CompletionBody, body)
+    req = validated(CompletionBody, body)
     params = _params(
         req,
         max_tokens=req.max_new_tokens,
@@ -134,7 +139,7 @@ def parse_chat(
     """``tool_parser``: the format the served model writes calls in (``--tool-call-parser``,
     resolved for its template); ``tag_tokens``: its tags that are one token each
     (``tools.grammar.tag_tokens``)."""
-    req = _validated(ChatCompletionBody, body)
+    req = validated(ChatCompletionBody, body)
     params = _params(req, max_tokens=req.max_new_tokens, logprobs=req.top_alternatives)
     params.tools = req.tool_setup(tool_parser, tag_tokens)
     try:
@@ -149,25 +154,30 @@ def parse_chat(
     last = req.messages[-1]
     params.reply_role = "assistant" if req.generation_prompt else last.role
     params.chat_echo = last.text() if req.echo and last.role == params.reply_role else ""
+    return ChatRequest(
+        params=params,
+        messages=chat_messages(req.messages),
+        add_generation_prompt=req.generation_prompt,
+        continue_final_message=bool(req.continue_final_message),
+        template_kwargs=dict(req.chat_template_kwargs or {}),
+        tool_parser=tool_parser,
+    )
+
+
+def chat_messages(messages: list[Message]) -> list[ChatMessage]:
+    """A body's messages as the chat template gets them."""
     # 'developer' is OpenAI's newer name for the system role; templates only know 'system'.
-    messages = [
+    return [
         ChatMessage(
             role="system" if m.role == "developer" else m.role,
             content=m.text(),
             name=m.name,
             tool_calls=[c.for_template() for c in m.tool_calls] if m.tool_calls else None,
             tool_call_id=m.tool_call_id,
+            reasoning_content=m.reasoning_content,
         )
-        for m in req.messages
+        for m in messages
     ]
-    return ChatRequest(
-        params=params,
-        messages=messages,
-        add_generation_prompt=req.generation_prompt,
-        continue_final_message=bool(req.continue_final_message),
-        template_kwargs=dict(req.chat_template_kwargs or {}),
-        tool_parser=tool_parser,
-    )
 
 
 def _params(

@@ -124,7 +124,13 @@ class Generation:
         with_logprobs = self.params.logprobs is not None
         self.choices = [
             ResponseChoice(
-                i, tok, self.params.stop, with_logprobs, i // self.per_prompt, self.params.tools
+                i,
+                tok,
+                self.params.stop,
+                with_logprobs,
+                i // self.per_prompt,
+                self.params.tools,
+                self.params.reasoning,
             )
             for i in range(len(self.prompts) * self.per_prompt)
         ]

@@ -21,10 +21,28 @@ from pydantic_core import CoreSchema, core_schema
 
 from pdserve.gateway.request_bodies import ChatCompletionBody, CompletionBody
 from pdserve.gateway.response_models import RESPONSE_MODELS
+from pdserve.gateway.tokenize_bodies import (
+    DetokenizeBody,
+    DetokenizeResponse,
+    TokenizeChatBody,
+    TokenizeResponse,
+    TokenizeTextBody,
+)
 
 REF_TEMPLATE = "#/components/schemas/{model}"
 # The request models under the names the API has always published them by.
-REQUEST_MODELS = {"CompletionRequest": CompletionBody, "ChatCompletionRequest": ChatCompletionBody}
+REQUEST_MODELS = {
+    "CompletionRequest": CompletionBody,
+    "ChatCompletionRequest": ChatCompletionBody,
+    "TokenizeTextRequest": TokenizeTextBody,
+    "TokenizeChatRequest": TokenizeChatBody,
+    "DetokenizeRequest": DetokenizeBody,
+}
+# vLLM's tokenizer endpoints' answers (their models live beside their requests')
+TOKENIZER_RESPONSES = {
+    "TokenizeResponse": TokenizeResponse,
+    "DetokenizeResponse": DetokenizeResponse,
+}
 
 
 class _OpenAPISchema(GenerateJsonSchema):
@@ -48,7 +66,8 @@ def component_schemas() -> dict[str, Any]:
     entries; the top-level ones under their published names. One generation for all of them,
     so pydantic keeps the names of the models inside them apart."""
     published = [(name, model, "validation") for name, model in REQUEST_MODELS.items()]
-    published += [(name, model, "serialization") for name, model in RESPONSE_MODELS.items()]
+    responses = {**RESPONSE_MODELS, **TOKENIZER_RESPONSES}
+    published += [(name, model, "serialization") for name, model in responses.items()]
     refs, top = models_json_schema(
         [(model, mode) for _, model, mode in published],
         ref_template=REF_TEMPLATE,
@@ -136,6 +155,20 @@ def _generation_op(summary: str, request: str, response: str, chunk: str) -> dic
     }
 
 
+def _tokenizer_op(summary: str, request: dict[str, Any], response: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "security": [],  # outside /v1/, open as in vLLM
+            "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+            "responses": {
+                "200": {"description": "the answer", "content": _json(response)},
+                **_errors(400, 404, 413),
+            },
+        }
+    }
+
+
 def openapi_spec(model: str) -> dict[str, Any]:
     schemas = copy.deepcopy(component_schemas())
     for name in REQUEST_MODELS:
@@ -195,6 +228,15 @@ def openapi_spec(model: str) -> dict[str, Any]:
                     },
                 }
             },
+            "/tokenize": _tokenizer_op(
+                "vLLM's: the token ids of text, or of a conversation rendered with the chat "
+                "template as the chat endpoint renders it",
+                {"oneOf": [_ref("TokenizeTextRequest"), _ref("TokenizeChatRequest")]},
+                "TokenizeResponse",
+            ),
+            "/detokenize": _tokenizer_op(
+                "vLLM's: the text of token ids", _ref("DetokenizeRequest"), "DetokenizeResponse"
+            ),
             "/reset_prefix_cache": {
                 "post": {
                     "summary": "every worker forgets the prefix-cached blocks of its KV pool "

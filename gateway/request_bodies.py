@@ -79,6 +79,11 @@ class Message(StrictModel):
     tool_call_id: ToolCallId | None = Field(
         None, description="tool only (and required there): the id of the call answered"
     )
+    reasoning_content: str | None = Field(
+        None,
+        description="assistant only: its reasoning, as a reply with --reasoning-parser gave it "
+        "(agents send replies back whole); handed to the template, which may show or drop it",
+    )
 
     @model_validator(mode="after")
     def _fields_of_the_role(self) -> Message:
@@ -94,12 +99,37 @@ class Message(StrictModel):
             raise field_error(
                 "tool_call_id", INVALID_VALUE, "is only allowed on tool messages", None
             )
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise field_error(
+                "reasoning_content", INVALID_VALUE, "is only allowed on assistant messages", None
+            )
         return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+
+class ChatMessages(StrictModel):
+    """A conversation: the chat endpoint's and /tokenize's ``messages``."""
+
+    messages: Annotated[list[Message], Field(min_length=1)]
+
+    def _check_tool_results(self) -> None:
+        """A tool message answers a call an earlier assistant message made (OpenAI's rule):
+        a template could not place it otherwise. The bodies' own validators call it, after
+        their other rules."""
+        made: set[str] = set()
+        for i, message in enumerate(self.messages):
+            made.update(call.id for call in message.tool_calls or [])
+            if message.role == "tool" and message.tool_call_id not in made:
+                raise field_error(
+                    ("messages", i, "tool_call_id"),
+                    INVALID_VALUE,
+                    "must be the id of a call in an earlier assistant message's 'tool_calls'",
+                    message.tool_call_id,
+                )
 
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's legacy completions default
@@ -236,14 +266,13 @@ class CompletionBody(VllmFields, CommonFields):
         return list(self.prompt)
 
 
-class ChatCompletionBody(ToolFields, ChatNeutralFields, ChatVllmFields, CommonFields):
+class ChatCompletionBody(ToolFields, ChatNeutralFields, ChatVllmFields, CommonFields, ChatMessages):
     """A chat completion, rendered with the model's chat template. With `tools`, the model may
     call functions: `tool_choice` 'required' or a named function (and 'auto' with a `strict`
     function) enforce the calls' format and arguments with a grammar, which cannot be combined
     with `response_format` / `guided_*` / `structured_outputs`. Other fields are a 400
     `unsupported_parameter` unless null."""
 
-    messages: Annotated[list[Message], Field(min_length=1)]
     max_tokens: ChatMaxTokens | None = Field(
         None, description="most tokens to generate; default: the rest of the context"
     )
@@ -285,20 +314,6 @@ class ChatCompletionBody(ToolFields, ChatNeutralFields, ChatVllmFields, CommonFi
             )
         self._check_tool_results()
         return self
-
-    def _check_tool_results(self) -> None:
-        """A tool message answers a call an earlier assistant message made (OpenAI's rule):
-        a template could not place it otherwise."""
-        made: set[str] = set()
-        for i, message in enumerate(self.messages):
-            made.update(call.id for call in message.tool_calls or [])
-            if message.role == "tool" and message.tool_call_id not in made:
-                raise field_error(
-                    ("messages", i, "tool_call_id"),
-                    INVALID_VALUE,
-                    "must be the id of a call in an earlier assistant message's 'tool_calls'",
-                    message.tool_call_id,
-                )
 
     @property
     def max_new_tokens(self) -> int | None:

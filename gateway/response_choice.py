@@ -12,9 +12,11 @@ A stop string can straddle chunks, so the tail of the text that could still grow
 held back until it either completes the match (the request stops, and neither the stop string
 nor anything after it is sent, as OpenAI does) or stops being a possible prefix.
 
-A chat choice whose request has tools (``ToolSetup.parses_calls``) then runs its text through a
-``ToolCallStream``: a piece carries the message's content and ``tool_calls`` deltas, and a
-choice that ends on its own with calls ends with ``tool_calls``.
+With ``--reasoning-parser``, a chat choice's text first goes through a ``ReasoningSplitter``
+(``gateway/reasoning.py``): its reasoning becomes ``reasoning_content`` deltas, and only the
+rest is content. A chat choice whose request has tools (``ToolSetup.parses_calls``) then runs
+that content through a ``ToolCallStream``: a piece carries the message's content and
+``tool_calls`` deltas, and a choice that ends on its own with calls ends with ``tool_calls``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 from pdserve.gateway.inflight.delivery import TokenEvent
 from pdserve.gateway.logprob_format import LogprobEntry, LogprobList
+from pdserve.gateway.reasoning import Event, ReasoningSetup, ReasoningSplitter
 from pdserve.gateway.tokenizer import ModelTokenizer
 from pdserve.gateway.tools.formats import partial_suffix
 from pdserve.gateway.tools.setup import ToolSetup
@@ -161,9 +164,10 @@ class OutputText:
 @dataclass
 class Piece:
     """What one token event adds to a choice: text (maybe empty), the new tokens'
-    log-prob entries (empty unless asked) and the new tokens' ids. With tools, ``text`` is the
-    content only and ``deltas`` the chat deltas in order (``{"content"}`` / ``{"tool_calls"}``);
-    without, ``deltas`` is None."""
+    log-prob entries (empty unless asked) and the new tokens' ids. With tools or a reasoning
+    parser, ``text`` is the content only and ``deltas`` the chat deltas in order
+    (``{"content"}`` / ``{"reasoning_content"}`` / ``{"tool_calls"}``); else ``deltas`` is
+    None."""
 
     text: str
     logprobs: list[LogprobEntry] = field(default_factory=list)
@@ -173,7 +177,8 @@ class Piece:
 
 class ResponseChoice:
     """One choice: ``index`` is its place in the response (prompt i's choice j is i * n + j),
-    ``prompt`` the prompt it answers, ``tools`` what its chat request asked of tool calls."""
+    ``prompt`` the prompt it answers, ``tools`` what its chat request asked of tool calls,
+    ``reasoning`` how its answer's reasoning is split out (chat with ``--reasoning-parser``)."""
 
     def __init__(
         self,
@@ -183,6 +188,7 @@ class ResponseChoice:
         with_logprobs: bool,
         prompt: int = 0,
         tools: ToolSetup | None = None,
+        reasoning: ReasoningSetup | None = None,
     ) -> None:
         self.index = index
         self.prompt = prompt
@@ -194,6 +200,8 @@ class ResponseChoice:
         self.cumulative_logprob = 0.0  # of the generated tokens (best_of ranks by it)
         self.tools = tools if tools is not None and tools.parses_calls else None
         self.calls = ToolCallStream(self.tools) if self.tools is not None else None
+        self.reasoning = reasoning
+        self._thoughts = ReasoningSplitter(reasoning) if reasoning is not None else None
 
     @property
     def done(self) -> bool:
@@ -201,7 +209,8 @@ class ResponseChoice:
 
     @property
     def text(self) -> str:
-        """The generated text, calls included (``tools.parsers.parse`` splits it)."""
+        """The generated text, reasoning and calls included (``reasoning.split`` and
+        ``tools.parsers.parse`` split it)."""
         return "".join(self.pieces)
 
     @property
@@ -214,12 +223,22 @@ class ResponseChoice:
         return self.finish_reason
 
     def _piece(self, text: str, entries: list[LogprobEntry], ids: list[int]) -> Piece:
-        """Record the choice's new text; with tools, read it for calls."""
+        """Record the choice's new text; split its reasoning out, and read the rest for calls."""
         self.pieces.append(text)
-        if self.calls is None:
+        if self.calls is None and self._thoughts is None:
             return Piece(text, entries, ids)
-        deltas = self.calls.feed(text)
-        if self.done:
+        events: list[Event] = [("content", text)]
+        if self._thoughts is not None:
+            events = self._thoughts.feed(text) + (self._thoughts.finish() if self.done else [])
+        deltas: list[dict[str, Any]] = []
+        for kind, value in events:
+            if kind == "reasoning":
+                deltas.append({"reasoning_content": value})
+            elif self.calls is None:
+                deltas.append({"content": value})
+            else:
+                deltas += self.calls.feed(value)  # calls are read in the content only
+        if self.done and self.calls is not None:
             deltas += self.calls.finish()
         content = "".join(d.get("content", "") for d in deltas)
         return Piece(content, entries, ids, deltas)

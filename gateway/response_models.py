@@ -227,6 +227,11 @@ class ChatMessage(ResponseModel):
         description="the text (with echo, vLLM's, after the last message's content); with "
         "tools, the text around the calls, null when the answer is only calls"
     )
+    reasoning_content: str | None = Field(
+        None,
+        description="with --reasoning-parser only: the answer's reasoning (its <think> "
+        "part), null when it has none; content is then the rest, null when nothing followed",
+    )
     tool_calls: list[ChatCompletionMessageToolCall] = omitted(
         "the calls, when the request had tools and the model called them"
     )
@@ -270,11 +275,14 @@ class ChoiceDeltaToolCall(ResponseModel):
 
 
 class ChatDelta(ResponseModel):
-    """What a chunk adds to the message: the role (first chunk), text, a piece of a tool
-    call, or nothing (last)."""
+    """What a chunk adds to the message: the role (first chunk), text, a piece of the
+    reasoning, a piece of a tool call, or nothing (last)."""
 
     role: ReplyRole = omitted("on each choice's first chunk only")
     content: str = omitted("the next piece of text ('' on the first chunk)")
+    reasoning_content: str = omitted(
+        "with --reasoning-parser: the next piece of the reasoning, apart from the content"
+    )
     tool_calls: list[ChoiceDeltaToolCall] = omitted(
         "with tools: a piece of one call; join a call's pieces by index"
     )

@@ -1,13 +1,8 @@
 """The OpenAI-compatible HTTP gateway (aiohttp).
 
-``create_app`` builds the application: middlewares for request ids, tracing, errors and API
-keys; the endpoints; and, on start-up, the NATS connection, the worker registry and the
-dispatcher. ``run`` is the ``pdserve gateway`` command.
-
-API keys are optional Bearer tokens (``--api-key``, several allowed). Only the API under
-``/v1/`` is protected. ``/health`` stays open for load balancers and orchestrators, and
-``/metrics`` and ``/openapi.json`` stay open for scrapers and tooling, as in other
-OpenAI-compatible servers; none of them reveals prompts or output.
+``create_app`` builds the application: the middlewares (``gateway/middlewares.py``: request ids,
+tracing, errors, API keys), the endpoints, and, on start-up, the NATS connection, the worker
+registry and the dispatcher. ``run`` is the ``pdserve gateway`` command.
 """
 
 from __future__ import annotations
@@ -15,19 +10,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import signal
-import time
-import uuid
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
-from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from pdserve.gateway import admin
+from pdserve.gateway import admin, tokenize_api
 from pdserve.gateway.api_models import (
     ChatRequest,
     CompletionRequest,
@@ -38,155 +28,43 @@ from pdserve.gateway.api_models import (
     parse_completion,
 )
 from pdserve.gateway.app_state import (
-    ARRIVED_KEY,
-    CLIENT_ID_KEY,
     GATEWAY_KEY,
     Gateway,
     new_gateway_id,
 )
+from pdserve.gateway.endpoint_metrics import endpoint_metrics_middleware
 from pdserve.gateway.errors import (
-    APIError,
     bad_request,
     model_not_found,
     payload_too_large,
-    server_error,
-    unauthorized,
 )
 from pdserve.gateway.generation import Prompt
+from pdserve.gateway.middlewares import (
+    api_key_middleware,
+    error_middleware,
+    request_id_middleware,
+    tracing_middleware,
+)
 from pdserve.gateway.openapi import openapi_spec
+from pdserve.gateway.prompting import encode, render_chat
+from pdserve.gateway.reasoning import reasoning_setup
 from pdserve.gateway.schema_base import parse_json_body
 from pdserve.gateway.serving import serve_generation
-from pdserve.gateway.tokenizer import (
-    ModelTokenizer,
-    TemplateFailure,
-    TemplateInputError,
-    truncate_prompt,
-)
+from pdserve.gateway.tokenize_api import Vocabulary
+from pdserve.gateway.tokenizer import truncate_prompt
 from pdserve.gateway.tools.grammar import check_schemas, tag_tokens
 from pdserve.gateway.tools.prompt import resolve_parser
 from pdserve.shared import structured_output
 from pdserve.shared.bus.connection import Bus
-from pdserve.shared.bus.subjects import is_subject_token
 from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig
 from pdserve.shared.options import build
 from pdserve.shared.telemetry import tracing as tr
 from pdserve.shared.telemetry.metrics import metrics_handler
 
-PROTECTED_PREFIX = "/v1/"
-
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
-
-
-def key_matches(presented: str, keys: list[bytes]) -> bool:
-    candidate = presented.encode("utf-8", "surrogateescape")
-    # Compare against every key in constant time, so timing reveals neither key nor which one.
-    matched = False
-    for key in keys:
-        matched |= hmac.compare_digest(candidate, key)
-    return matched
-
-
-def api_key_middleware(api_keys: list[str]) -> Middleware:
-    keys = [k.encode("utf-8") for k in api_keys if k]
-
-    @web.middleware
-    async def check_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not keys or not request.path.startswith(PROTECTED_PREFIX):
-            return await handler(request)
-        header = request.headers.get("Authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise unauthorized("Missing API key: send 'Authorization: Bearer <key>'")
-        if not key_matches(token.strip(), keys):
-            raise unauthorized("Incorrect API key provided")
-        return await handler(request)
-
-    return check_api_key
-
-
 log = logging.getLogger(__name__)
 
 
-_tracer = tr.tracer(__name__)
-
-
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-
-
 DRAIN_SECONDS = 30.0  # on SIGTERM, how long in-flight requests may finish
-
-
-BIG_PROMPT_CHARS = 20_000  # tokenize longer prompts off the event loop
-
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-@web.middleware
-async def request_id_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    request[ARRIVED_KEY] = time.monotonic()  # TTFT and E2E count from here
-    client_id = request.headers.get("x-request-id")
-    if client_id is None or client_id == "":
-        client_id = uuid.uuid4().hex
-    elif not is_subject_token(client_id):
-        err = bad_request(
-            "x-request-id must be 1-128 characters of letters, digits, '_', '-' or ':'",
-            "x-request-id",
-            "invalid_request_id",
-        )
-        response = err.response()
-        response.headers["x-request-id"] = uuid.uuid4().hex
-        return response
-    request[CLIENT_ID_KEY] = client_id
-    response = await handler(request)
-    if not response.prepared:
-        response.headers["x-request-id"] = client_id
-    return response
-
-
-@web.middleware
-async def tracing_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if request.method != "POST" or request.path not in GENERATION_PATHS:
-        return await handler(request)
-    # The HTTP server span is the trace's root (or joins a client's trace if it sent one).
-    parent = tr.extract_context(request.headers)
-    with _tracer.start_as_current_span(
-        f"POST {request.path}", context=parent, kind=SpanKind.SERVER
-    ) as span:
-        span.set_attribute(tr.ATTR_REQUEST_ID, request[CLIENT_ID_KEY])
-        span.set_attribute("http.request.method", "POST")
-        span.set_attribute("url.path", request.path)
-        response = await handler(request)
-        span.set_attribute("http.response.status_code", response.status)
-        if response.status >= 500:
-            span.set_status(Status(StatusCode.ERROR))
-        return response
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error leaves as OpenAI-shaped JSON; bad input never becomes a 5xx."""
-    try:
-        return await handler(request)
-    except APIError as err:
-        return err.response()
-    except web.HTTPRequestEntityTooLarge:
-        return payload_too_large(request.app[GATEWAY_KEY].config.max_body_bytes).response()
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        kind = "not_found" if exc.status == 404 else "http_error"
-        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-        return APIError(exc.status, exc.reason or "HTTP error", code=kind, headers=allow).response()
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return server_error("internal server error").response()
 
 
 async def health(request: web.Request) -> web.Response:
@@ -242,7 +120,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     for i, prompt in enumerate(req.prompts):
         where = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
         if isinstance(prompt, str):
-            given = await _encode(tok, prompt, add_special_tokens=True)
+            given = await encode(tok, prompt, add_special_tokens=True)
         else:
             check_token_ids(prompt, tok.vocab_size, where)
             given = prompt
@@ -264,31 +142,45 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tags = tag_tokens(parser, lambda t: gw.model.tokenizer.encode(t, add_special_tokens=False))
     req: ChatRequest = parse_chat(await _read_json(request), parser, tags)
     _check_model(gw, req.params.model)
-    if chat is None:
-        raise bad_request("This model has no chat template; use /v1/completions", "messages")
-    try:
-        text = chat.render(
-            req.messages,
-            add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message,
-            variables=req.template_kwargs,
-            tools=req.params.tools,
-            tool_parser=req.tool_parser,
-        )
-    except TemplateInputError as exc:
-        message = f"The chat template rejected the messages: {exc}"
-        raise bad_request(message, exc.param) from None
-    except TemplateFailure as exc:
-        log.error("chat template failed: %s", exc)
-        raise server_error("the model's chat template failed to render") from None
+    text = render_chat(
+        chat,
+        req.messages,
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        variables=req.template_kwargs,
+        tools=req.params.tools,
+        tool_parser=req.tool_parser,
+    )
+    # how the answer's reasoning is split out depends on where the template left it
+    req.params.reasoning = reasoning_setup(gw.config.reasoning_parser, text, req.template_kwargs)
     # The template writes BOS itself, so no special tokens are added (as transformers does).
-    prompt_ids = await _encode(gw.model.tokenizer, text, add_special_tokens=False)
+    prompt_ids = await encode(gw.model.tokenizer, text, add_special_tokens=False)
     prompt_ids = _truncated(gw, req.params, prompt_ids)
     check_param_token_ids(req.params, gw.model.tokenizer.vocab_size)
     # each enforced tool schema first, so that one that does not compile is named
     await asyncio.to_thread(check_schemas, req.params.tools, gw.model.tokenizer.tokenizer)
     await _check_guided(gw, req.params)
     return await serve_generation(request, gw, "chat", req.params, [Prompt(prompt_ids, text)])
+
+
+def _vocabulary(gw: Gateway) -> Vocabulary:
+    return Vocabulary(
+        name=gw.model.name,
+        tokenizer=gw.model.tokenizer,
+        chat=gw.model.chat,
+        max_model_len=gw.context_limit(),
+        tool_call_parser=gw.config.tool_call_parser,
+    )
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    served = _vocabulary(request.app[GATEWAY_KEY])
+    return web.json_response(await tokenize_api.tokenize(await _read_json(request), served))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    served = _vocabulary(request.app[GATEWAY_KEY])
+    return web.json_response(tokenize_api.detokenize(await _read_json(request), served))
 
 
 def _truncated(gw: Gateway, params: GenerationParams, ids: list[int]) -> list[int]:
@@ -316,12 +208,6 @@ def _check_model(gw: Gateway, model: str) -> None:
         raise model_not_found(model)
 
 
-async def _encode(tok: ModelTokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    if len(text) > BIG_PROMPT_CHARS:
-        return await asyncio.to_thread(tok.encode, text, add_special_tokens)
-    return tok.encode(text, add_special_tokens)
-
-
 def create_app(
     config: GatewayConfig,
     engine: EngineConfig | None = None,
@@ -333,6 +219,7 @@ def create_app(
     app = web.Application(
         client_max_size=config.max_body_bytes,
         middlewares=[
+            endpoint_metrics_middleware(gw.metrics_registry),
             request_id_middleware,
             tracing_middleware,
             error_middleware,
@@ -347,6 +234,8 @@ def create_app(
     app.router.add_get("/v1/models/{model:.+}", model)  # names may hold "/"
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_post("/reset_prefix_cache", admin.reset_prefix_cache)
 
     async def on_startup(app: web.Application) -> None:

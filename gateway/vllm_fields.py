@@ -139,14 +139,9 @@ class VllmFields(StrictModel):
         return None if getattr(self, "stream", None) else self.prompt_logprobs
 
 
-class ChatVllmFields(VllmFields):
-    """vLLM's extensions of the chat endpoint: how the template renders, and echo."""
+class TemplateFields(StrictModel):
+    """vLLM's fields for how the chat template renders: the chat endpoint's and /tokenize's."""
 
-    echo: bool | None = Field(
-        None,
-        description="vLLM's: the reply starts with the last message's content when that "
-        "message has the reply's role",
-    )
     add_generation_prompt: bool | None = Field(
         None,
         description="vLLM's: passed to the chat template (default true, false with "
@@ -165,7 +160,7 @@ class ChatVllmFields(VllmFields):
     )
 
     @model_validator(mode="after")
-    def _continue_or_generation_prompt(self) -> ChatVllmFields:
+    def _continue_or_generation_prompt(self) -> TemplateFields:
         if self.continue_final_message and self.add_generation_prompt:
             raise field_error(
                 "continue_final_message",
@@ -181,3 +176,13 @@ class ChatVllmFields(VllmFields):
         if self.add_generation_prompt is not None:
             return self.add_generation_prompt
         return not self.continue_final_message
+
+
+class ChatVllmFields(TemplateFields, VllmFields):
+    """vLLM's extensions of the chat endpoint: how the template renders, and echo."""
+
+    echo: bool | None = Field(
+        None,
+        description="vLLM's: the reply starts with the last message's content when that "
+        "message has the reply's role",
+    )

@@ -2,9 +2,11 @@
 completion or chat completion with the usage, and vLLM's extra fields when asked
 (``logprob_format.py``: ``prompt_logprobs``, ``prompt_token_ids``, ``token_ids``).
 
-A chat choice with tools is split into the message's ``content`` (None when the answer is
-only calls) and ``tool_calls`` by ``tools.parsers.parse``, the same reading a stream's deltas
-join to; it finishes with ``tool_calls`` when it has calls and ended on its own."""
+With ``--reasoning-parser``, a chat choice's reasoning goes to the message's
+``reasoning_content`` (``reasoning.split``) and the rest is its content. A chat choice with
+tools has that content split into the message's ``content`` (None when the answer is only
+calls) and ``tool_calls`` by ``tools.parsers.parse``. Both are the same readings a stream's
+deltas join to; a choice finishes with ``tool_calls`` when it has calls and ended on its own."""
 
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ from aiohttp import web
 
 from pdserve.gateway.generation import FAULTS, Generation, fault_error
 from pdserve.gateway.logprob_format import prompt_logprobs_json
+from pdserve.gateway.reasoning import split
 from pdserve.gateway.response_choice import Piece, ResponseChoice
-from pdserve.gateway.tools.parsers import parse
+from pdserve.gateway.tools.parsers import Call, parse
 from pdserve.gateway.tools.stream import call_id
 
 
@@ -73,13 +76,23 @@ def _message(gen: Generation, choice: ResponseChoice, finish: str) -> tuple[dict
     """A chat choice's message and finish reason."""
     # chat echo: the reply starts with the last message (its log-probs are not repeated)
     echo = gen.params.chat_echo
-    if choice.tools is None:
-        return {"role": gen.params.reply_role, "content": echo + choice.text}, finish
-    parsed = parse(choice.text, choice.tools)
-    content = parsed.content if not echo else echo + (parsed.content or "")
-    message: dict[str, Any] = {"role": gen.params.reply_role, "content": content}
-    if parsed.calls:
-        message["tool_calls"] = [call.json(call_id()) for call in parsed.calls]
+    content: str | None = choice.text
+    reasoning = None
+    if choice.reasoning is not None:
+        parts = split(choice.text, choice.reasoning)
+        content, reasoning = parts.content, parts.reasoning
+    calls: list[Call] = []
+    if choice.tools is not None and content is not None:
+        parsed = parse(content, choice.tools)
+        content, calls = parsed.content, parsed.calls
+    message: dict[str, Any] = {
+        "role": gen.params.reply_role,
+        "content": content if not echo else echo + (content or ""),
+    }
+    if choice.reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = [call.json(call_id()) for call in calls]
         if finish == "stop":
             finish = "tool_calls"
     return message, finish

@@ -16,6 +16,7 @@ from pdserve.shared.options import opt
 
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "pythonic")  # gateway/tools/setup.PARSERS
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # gateway/reasoning.py
 
 
 @dataclass
@@ -260,6 +261,14 @@ class GatewayConfig:
         "template without tool syntax (the tools then go into a system prompt)",
         choices=TOOL_CALL_PARSERS,
     )
+    reasoning_parser: str | None = opt(
+        None,
+        "split a reasoning model's thinking (between think tags) out of chat answers into "
+        "reasoning_content: deepseek_r1 (the answer starts inside the reasoning) or qwen3 "
+        "(reasoning only where the answer opens it, or the prompt leaves it open); default: "
+        "none, all is content",
+        choices=REASONING_PARSERS,
+    )
 
     def __post_init__(self) -> None:
         for name in ("request_timeout", "first_token_timeout", "stall_timeout"):
@@ -269,6 +278,11 @@ class GatewayConfig:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:  # argparse skips env defaults
             choices, bad = ", ".join(TOOL_CALL_PARSERS), self.tool_call_parser
             raise StartupError(f"--tool-call-parser must be one of {choices}, got {bad!r}")
+        if self.reasoning_parser == "":  # an empty PDSERVE_REASONING_PARSER: none
+            self.reasoning_parser = None
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            choices, bad = ", ".join(REASONING_PARSERS), self.reasoning_parser
+            raise StartupError(f"--reasoning-parser must be one of {choices}, got {bad!r}")
 
 
 @dataclass

@@ -72,8 +72,16 @@ def native_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             item["tool_calls"] = m.tool_calls
         if m.tool_call_id is not None:
             item["tool_call_id"] = m.tool_call_id
+        _reasoning(m, item)
         out.append(item)
     return out
+
+
+def _reasoning(m: ChatMessage, item: dict[str, Any]) -> None:
+    """A past answer's reasoning, for the templates that read it (Qwen3's shows the latest
+    turn's in <think> tags); transformers hands a message's keys over as they come."""
+    if m.reasoning_content is not None:
+        item["reasoning_content"] = m.reasoning_content
 
 
 def fallback_messages(
@@ -101,6 +109,7 @@ def fallback_messages(
         if m.tool_calls:
             calls = written_calls(m.tool_calls, parser)
             item["content"] = f"{m.content}\n{calls}" if m.content else calls
+        _reasoning(m, item)
         out.append(item)
     for item in out:
         item.pop("_results", None)

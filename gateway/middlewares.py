@@ -1,0 +1,134 @@
+"""The gateway's middlewares, outermost first as ``create_app`` installs them: request ids (the
+client's ``x-request-id`` or a new one; its arrival time), tracing (a server span for the
+generation endpoints), errors (every failure leaves as OpenAI-shaped JSON) and API keys.
+
+API keys are optional Bearer tokens (``--api-key``, several allowed). Only the API under
+``/v1/`` is protected. ``/health`` stays open for load balancers and orchestrators, and
+``/metrics`` and ``/openapi.json`` stay open for scrapers and tooling, as in other
+OpenAI-compatible servers; none of them reveals prompts or output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from pdserve.gateway.app_state import ARRIVED_KEY, CLIENT_ID_KEY, GATEWAY_KEY
+from pdserve.gateway.errors import (
+    APIError,
+    bad_request,
+    payload_too_large,
+    server_error,
+    unauthorized,
+)
+from pdserve.shared.bus.subjects import is_subject_token
+from pdserve.shared.telemetry import tracing as tr
+
+log = logging.getLogger(__name__)
+_tracer = tr.tracer(__name__)
+
+PROTECTED_PREFIX = "/v1/"
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def key_matches(presented: str, keys: list[bytes]) -> bool:
+    candidate = presented.encode("utf-8", "surrogateescape")
+    # Compare against every key in constant time, so timing reveals neither key nor which one.
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(candidate, key)
+    return matched
+
+
+def api_key_middleware(api_keys: list[str]) -> Middleware:
+    keys = [k.encode("utf-8") for k in api_keys if k]
+
+    @web.middleware
+    async def check_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not keys or not request.path.startswith(PROTECTED_PREFIX):
+            return await handler(request)
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise unauthorized("Missing API key: send 'Authorization: Bearer <key>'")
+        if not key_matches(token.strip(), keys):
+            raise unauthorized("Incorrect API key provided")
+        return await handler(request)
+
+    return check_api_key
+
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+@web.middleware
+async def request_id_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    request[ARRIVED_KEY] = time.monotonic()  # TTFT and E2E count from here
+    client_id = request.headers.get("x-request-id")
+    if client_id is None or client_id == "":
+        client_id = uuid.uuid4().hex
+    elif not is_subject_token(client_id):
+        err = bad_request(
+            "x-request-id must be 1-128 characters of letters, digits, '_', '-' or ':'",
+            "x-request-id",
+            "invalid_request_id",
+        )
+        response = err.response()
+        response.headers["x-request-id"] = uuid.uuid4().hex
+        return response
+    request[CLIENT_ID_KEY] = client_id
+    response = await handler(request)
+    if not response.prepared:
+        response.headers["x-request-id"] = client_id
+    return response
+
+
+@web.middleware
+async def tracing_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.method != "POST" or request.path not in GENERATION_PATHS:
+        return await handler(request)
+    # The HTTP server span is the trace's root (or joins a client's trace if it sent one).
+    parent = tr.extract_context(request.headers)
+    with _tracer.start_as_current_span(
+        f"POST {request.path}", context=parent, kind=SpanKind.SERVER
+    ) as span:
+        span.set_attribute(tr.ATTR_REQUEST_ID, request[CLIENT_ID_KEY])
+        span.set_attribute("http.request.method", "POST")
+        span.set_attribute("url.path", request.path)
+        response = await handler(request)
+        span.set_attribute("http.response.status_code", response.status)
+        if response.status >= 500:
+            span.set_status(Status(StatusCode.ERROR))
+        return response
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves as OpenAI-shaped JSON; bad input never becomes a 5xx."""
+    try:
+        return await handler(request)
+    except APIError as err:
+        return err.response()
+    except web.HTTPRequestEntityTooLarge:
+        return payload_too_large(request.app[GATEWAY_KEY].config.max_body_bytes).response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "not_found" if exc.status == 404 else "http_error"
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return APIError(exc.status, exc.reason or "HTTP error", code=kind, headers=allow).response()
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return server_error("internal server error").response()
