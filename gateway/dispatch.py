@@ -64,17 +64,10 @@ from pdserve.gateway.legs import new_bus_id, with_fixed_seed
 from pdserve.gateway.router import Router
 from pdserve.shared.bus import protocol
 from pdserve.shared.bus.connection import Bus
-from pdserve.shared.bus.protocol import (
-    Cancel,
-    DecodeRequest,
-    PrefillRequest,
-    PrefillResult,
-    ReleaseLease,
-    StreamCheck,
-    TokenBatch,
-    TokenItem,
-    WorkerLoad,
-)
+from pdserve.shared.bus.discovery_messages import WorkerLoad
+from pdserve.shared.bus.lease_messages import ReleaseLease
+from pdserve.shared.bus.request_messages import Cancel, DecodeRequest, PrefillRequest, PrefillResult
+from pdserve.shared.bus.stream_messages import StreamCheck, TokenBatch, TokenItem
 from pdserve.shared.discovery.worker_registry import JOINED, LEFT, REJOINED, WorkerRegistry
 from pdserve.shared.sampling import SamplingParams
 from pdserve.shared.telemetry.tracing import ATTR_REQUEST_ID, SPAN_ROUTE, inject_headers, tracer

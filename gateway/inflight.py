@@ -58,13 +58,9 @@ from pdserve.gateway.inflight_types import (
 )
 from pdserve.gateway.legs import Leg
 from pdserve.gateway.prefill_stage import PrefillStage
-from pdserve.shared.bus.protocol import (
-    DecodeRequest,
-    KVHandle,
-    PrefillRequest,
-    PrefillResult,
-    TokenItem,
-)
+from pdserve.shared.bus.lease_messages import KVHandle
+from pdserve.shared.bus.request_messages import DecodeRequest, PrefillRequest, PrefillResult
+from pdserve.shared.bus.stream_messages import TokenItem
 from pdserve.shared.kv.layout import layout_id
 from pdserve.shared.sampling import SamplingParams
 

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from pdserve.shared.bus.protocol import PrefillResult, TokenItem
+from pdserve.shared.bus.request_messages import PrefillResult
+from pdserve.shared.bus.stream_messages import TokenItem
 from pdserve.shared.sampling import TokenLogprobs
 
 PREFILL_ATTEMPTS = 3  # prefill is idempotent: a dead or overloaded worker's request goes elsewhere

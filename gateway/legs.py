@@ -71,7 +71,9 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from pdserve.gateway.inflight_types import CheckDue
-from pdserve.shared.bus.protocol import DecodeRequest, KVHandle, TokenItem
+from pdserve.shared.bus.lease_messages import KVHandle
+from pdserve.shared.bus.request_messages import DecodeRequest
+from pdserve.shared.bus.stream_messages import TokenItem
 from pdserve.shared.bus.subjects import MAX_ID_CHARS
 from pdserve.shared.discovery.worker_registry import CONFIRM_TIMEOUT_FACTOR
 from pdserve.shared.sampling import MAX_SEED, SamplingParams, choice_seed

@@ -37,7 +37,8 @@ from pdserve.gateway.inflight_types import (
     check_ending,
     on_wire,
 )
-from pdserve.shared.bus.protocol import KVHandle, PrefillRequest, PrefillResult
+from pdserve.shared.bus.lease_messages import KVHandle
+from pdserve.shared.bus.request_messages import PrefillRequest, PrefillResult
 from pdserve.shared.kv.layout import layout_id
 from pdserve.shared.sampling import SamplingParams
 

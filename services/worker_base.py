@@ -34,7 +34,8 @@ from pdserve.services.rank_endpoints import rank_table, start_other_ranks
 from pdserve.services.request_state import RequestState, record_queue
 from pdserve.services.worker_process import default_worker_id, set_torch_threads
 from pdserve.shared.bus.connection import Bus
-from pdserve.shared.bus.protocol import Cancel, WorkerGone, WorkerLoad
+from pdserve.shared.bus.discovery_messages import WorkerGone, WorkerLoad
+from pdserve.shared.bus.request_messages import Cancel
 from pdserve.shared.config import BusConfig, EngineConfig, WorkerConfig
 from pdserve.shared.discovery.announce import HeartbeatPublisher, register_micro_service
 from pdserve.shared.discovery.cache_reset import answer_resets

@@ -36,16 +36,10 @@ from pdserve.services.request_state import RequestState, record_prefill_forward
 from pdserve.services.worker_base import Worker
 from pdserve.services.worker_process import exit_now
 from pdserve.shared.bus.connection import Bus
-from pdserve.shared.bus.protocol import (
-    DecodeRequest,
-    KVHandle,
-    ReleaseLease,
-    StreamCheck,
-    TokenBatch,
-    TokenItem,
-    WorkerGone,
-    WorkerLoad,
-)
+from pdserve.shared.bus.discovery_messages import WorkerGone, WorkerLoad
+from pdserve.shared.bus.lease_messages import KVHandle, ReleaseLease
+from pdserve.shared.bus.request_messages import DecodeRequest
+from pdserve.shared.bus.stream_messages import StreamCheck, TokenBatch, TokenItem
 from pdserve.shared.kv import ucx_check
 from pdserve.shared.kv.contract import KVPuller
 from pdserve.shared.kv.probe import ProbePullReply, ProbePullRequest, answer_probes

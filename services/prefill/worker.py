@@ -32,7 +32,8 @@ from pdserve.services.request_state import RequestState, record_prefill_forward
 from pdserve.services.worker_base import Worker
 from pdserve.services.worker_process import exit_now
 from pdserve.shared.bus.connection import Bus
-from pdserve.shared.bus.protocol import KVHandle, PrefillRequest, PrefillResult, ReleaseLease
+from pdserve.shared.bus.lease_messages import KVHandle, ReleaseLease
+from pdserve.shared.bus.request_messages import PrefillRequest, PrefillResult
 from pdserve.shared.kv import ucx_check
 from pdserve.shared.kv.contract import KVLayerFeed
 from pdserve.shared.kv.probe import ProbeLeaseReply, ProbeLeaseRequest, answer_probes

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.shared.bus.protocol import KVHandle
+from pdserve.shared.bus.lease_messages import KVHandle
 from pdserve.shared.kv.transfer import KVClient, KVTransferError
 from pdserve.shared.kv.transfer import server as server_module
 from pdserve.shared.kv.transfer.request import (

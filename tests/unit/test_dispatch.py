@@ -16,7 +16,7 @@ from pdserve.gateway.inflight_types import (
     TokenEvent,
     WorkerFailure,
 )
-from pdserve.shared.bus.protocol import DecodeRequest, PrefillRequest
+from pdserve.shared.bus.request_messages import DecodeRequest, PrefillRequest
 from pdserve.shared.sampling import SamplingParams
 from tests.bus_memory import MemoryNetwork
 from tests.unit.fake_workers import FakeWorker, GatewaySide, settle

@@ -15,7 +15,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from pdserve.gateway.inflight_types import OpenChoices, StageTimeout, TokenEvent, WorkerFailure
-from pdserve.shared.bus.protocol import DecodeRequest, TokenBatch
+from pdserve.shared.bus.request_messages import DecodeRequest
+from pdserve.shared.bus.stream_messages import TokenBatch
 from pdserve.shared.sampling import SamplingParams, choice_seed
 from pdserve.shared.telemetry.metrics import GatewayMetrics
 from tests.bus_memory import MemoryNetwork

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 from pdserve.gateway.router import Router
 from pdserve.services import standby
-from pdserve.shared.bus.protocol import WorkerLoad, decode_as, encode
+from pdserve.shared.bus.discovery_messages import WorkerLoad
+from pdserve.shared.bus.protocol import decode_as, encode
 from pdserve.shared.config import EngineConfig
 from pdserve.shared.discovery.worker_registry import WorkerRegistry
 
