@@ -30,7 +30,6 @@ from pdserve.services.decode.prefill_peers import PrefillPeers
 from pdserve.services.decode.rank_pull import RankPuller
 from pdserve.services.engine.engine import LLMEngine
 from pdserve.services.engine.outputs import KVPull, StepOutput, StepResult
-from pdserve.services.engine.spec.speculator import SpecCounters
 from pdserve.services.probe import pull_probe
 from pdserve.services.request_state import RequestState, record_prefill_forward
 from pdserve.services.worker_base import Worker
@@ -68,8 +67,7 @@ class DecodeWorker(Worker):
         super().__init__(ns, bus)
         self.kv_client: KVClient | None = None
         self.puller: KVPuller | None = None  # every rank's pieces of a pull (rank_pull.py)
-        self.prefill_peers = PrefillPeers(self.spawn)  # KV endpoints to the prefill workers
-        self._spec_counted = SpecCounters()  # the engine's totals already in the metrics
+        self.prefill_peers = PrefillPeers(self.tasks.spawn)  # KV endpoints to the prefill workers
 
     def make_engine(self) -> LLMEngine:
         return LLMEngine(self.engine_config, kv_failure_policy=self.config.kv_failure_policy)
@@ -133,21 +131,10 @@ class DecodeWorker(Worker):
             )
         return extra
 
-    def update_metrics(self) -> None:
-        super().update_metrics()
-        spec = self.engine.stats().spec
-        if spec is None or spec.drafts == self._spec_counted.drafts:
-            return
-        new = spec.since(self._spec_counted)
-        self.metrics.count_spec(
-            new.drafts, new.draft_tokens, new.accepted_tokens, new.accepted_per_pos
-        )
-        self._spec_counted = spec
-
     # -- requests ------------------------------------------------------------------------------
 
     async def _on_request(self, req: DecodeRequest | StreamCheck, headers: dict[str, str]) -> None:
-        if not self.reply_ok(req.reply_to):
+        if not self.subjects.is_gateway_inbox(req.reply_to):
             log.warning(
                 "dropping %s: reply subject %r is not a gateway inbox", req.bus_id, req.reply_to
             )
@@ -155,7 +142,7 @@ class DecodeWorker(Worker):
         if isinstance(req, StreamCheck):
             self._answer_check(req)
             return
-        if self.was_cancelled(req.bus_id):  # the gateway gave up on it already
+        if req.bus_id in self.recent_cancels:  # the gateway gave up on it already
             if req.kv is not None:
                 await self._release_lease(req.bus_id, req.kv)
             return
@@ -204,7 +191,7 @@ class DecodeWorker(Worker):
         if state is None or state.kv is None:  # dropped meanwhile (its lease went with it)
             self.engine.kv_failed(pull.bus_id, "the request ended before its pull")
             return
-        state.pull = self.spawn(self._pull(state, state.kv, pull.block_ids))
+        state.pull = self.tasks.spawn(self._pull(state, state.kv, pull.block_ids))
 
     async def _pull(self, state: DecodeState, handle: KVHandle, blocks: list[int]) -> None:
         """Pull ``handle``'s blocks into ``blocks``, release its lease, answer the engine."""
@@ -263,7 +250,7 @@ class DecodeWorker(Worker):
         if self.states.pop(state.bus_id, None) is not state:
             return  # it left already
         if state.kv is not None and state.pull is None:  # never pulled: free it there now
-            self.spawn(self._release_lease(state.bus_id, state.kv))
+            self.tasks.spawn(self._release_lease(state.bus_id, state.kv))
 
     async def _fail_request(self, reply_to: str, bus_id: str, code: str, text: str) -> None:
         await self._publish_batch(
@@ -289,7 +276,7 @@ class DecodeWorker(Worker):
         # Spawned like the token batches, after them: tasks start in order and each publish is
         # in the connection's buffer before it yields, so the answer follows what it counts.
         items = check_answer(check, self.states.get(check.bus_id), self.worker_id)
-        self.spawn(self._replay_and_answer(check.reply_to, items))
+        self.tasks.spawn(self._replay_and_answer(check.reply_to, items))
 
     async def _replay_and_answer(self, reply_to: str, items: list[TokenItem]) -> None:
         await self.bus.replay(reply_to)  # what that gateway may have missed, then the answer
@@ -317,8 +304,8 @@ class DecodeWorker(Worker):
                 item = self._item(state, out, step)
                 batches.setdefault(state.reply_to, []).append(item)
         for reply_to, items in batches.items():
-            self.spawn(self._publish_batch(reply_to, items, replayable=True))
-        self.update_metrics()
+            self.tasks.spawn(self._publish_batch(reply_to, items, replayable=True))
+        self.report.update_metrics()
 
     def _item(self, state: DecodeState, out: StepOutput, step: StepResult) -> TokenItem:
         rid = out.bus_id
