@@ -53,7 +53,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from pdserve.shared.bus.protocol import WorkerLoad
+from pdserve.shared.bus.discovery_messages import WorkerLoad
 from pdserve.shared.kv.layout import prefix_block_hashes
 
 MAX_REMEMBER_SECONDS = 2.0  # a few heartbeat intervals

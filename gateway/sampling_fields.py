@@ -54,7 +54,7 @@ from pdserve.gateway.schema_base import (
     reported_whole,
     shaped,
 )
-from pdserve.shared.bus.protocol import MAX_TOKEN_ID
+from pdserve.shared.bus.wire_fields import MAX_TOKEN_ID
 from pdserve.shared.sampling import BOUNDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_STOP_TOKEN_IDS
 
 

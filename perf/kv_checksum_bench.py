@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from pdserve.services.control.doctor.kv_peer import Geometry
-from pdserve.shared.bus.protocol import KVHandle
+from pdserve.shared.bus.lease_messages import KVHandle
 from pdserve.shared.kv.transfer import KVClient, KVServer, LeaseTable
 from pdserve.shared.kv.transfer.checksum import KVHasher
 from pdserve.shared.kv.transfer.heads import HeadSlicer

@@ -43,7 +43,8 @@ from pdserve.services.control.bench.client import discover_model
 from pdserve.services.control.bench.datasets import BenchRequest
 from pdserve.services.control.launcher import service_argv
 from pdserve.services.control.processes import Child, NatsServer, free_port, spawn
-from pdserve.shared.bus.protocol import DecodeRequest, decode
+from pdserve.shared.bus.protocol import decode
+from pdserve.shared.bus.request_messages import DecodeRequest
 from pdserve.shared.options import service_env
 from perf.bench.topology import registered_workers
 

@@ -47,7 +47,7 @@ from pdserve.services.engine.engine import LLMEngine
 from pdserve.services.engine.model_config import ModelConfig
 from pdserve.services.engine.model_setup import kv_parts
 from pdserve.services.engine.quant.kv_cache import kv_cache_spec
-from pdserve.shared.bus.protocol import KVHandle
+from pdserve.shared.bus.lease_messages import KVHandle
 from pdserve.shared.config import EngineConfig
 from pdserve.shared.kv.tp_layout import TP_KEY, kv_head_range, pull_plan, tp_problem
 from pdserve.shared.kv.transfer import KVClient, KVServer, LeaseTable

@@ -30,7 +30,7 @@ import torch
 from pdserve.services.engine.commands import BlockHoldRefused
 from pdserve.services.engine.engine import LLMEngine
 from pdserve.services.engine.model_setup import kv_parts
-from pdserve.shared.bus.protocol import KVHandle
+from pdserve.shared.bus.lease_messages import KVHandle
 from pdserve.shared.kv import ucx_check
 from pdserve.shared.kv.probe import (
     MAX_PROBE_LEASES,

@@ -77,5 +77,4 @@ def promote(worker: Any) -> None:
         return
     worker.standby = False
     log.info("promoted from standby: serving")
-    if worker._heartbeat is not None:  # into the gateways' routing tables now
-        worker.spawn(worker._heartbeat.publish_now())
+    worker.tasks.spawn(worker.presence.publish_load())  # into the gateways' routing tables now

@@ -58,11 +58,9 @@ from pdserve.gateway.inflight.queue_items import (
     WorkerRejoined,
     next_item,
 )
-from pdserve.shared.bus.protocol import (
-    KVHandle,
-    PrefillResult,
-    TokenItem,
-)
+from pdserve.shared.bus.lease_messages import KVHandle
+from pdserve.shared.bus.request_messages import PrefillResult
+from pdserve.shared.bus.stream_messages import TokenItem
 from pdserve.shared.kv.layout import layout_id
 from pdserve.shared.sampling import SamplingParams
 

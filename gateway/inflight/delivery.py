@@ -8,7 +8,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.shared.bus.protocol import PrefillResult, TokenItem
+from pdserve.shared.bus.request_messages import PrefillResult
+from pdserve.shared.bus.stream_messages import TokenItem
 from pdserve.shared.sampling import TokenLogprobs
 
 

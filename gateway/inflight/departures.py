@@ -34,7 +34,7 @@ from pdserve.gateway.inflight.queue_items import (
 )
 from pdserve.gateway.router import Router
 from pdserve.shared.bus.connection import Bus
-from pdserve.shared.bus.protocol import WorkerLoad
+from pdserve.shared.bus.discovery_messages import WorkerLoad
 from pdserve.shared.discovery.worker_registry import JOINED, LEFT, REJOINED, WorkerRegistry
 
 log = logging.getLogger(__name__)

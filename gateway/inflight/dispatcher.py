@@ -30,7 +30,8 @@ from pdserve.gateway.inflight.queue_items import Addressee
 from pdserve.gateway.router import Router
 from pdserve.shared.bus import protocol
 from pdserve.shared.bus.connection import Bus
-from pdserve.shared.bus.protocol import DecodeRequest, PrefillResult, TokenBatch, TokenItem
+from pdserve.shared.bus.request_messages import DecodeRequest, PrefillResult
+from pdserve.shared.bus.stream_messages import TokenBatch, TokenItem
 from pdserve.shared.discovery.worker_registry import WorkerRegistry
 from pdserve.shared.sampling import SamplingParams
 from pdserve.shared.telemetry.tracing import ATTR_REQUEST_ID, SPAN_ROUTE, inject_headers, tracer

@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from pdserve.shared.bus.protocol import DecodeRequest, KVHandle
+from pdserve.shared.bus.lease_messages import KVHandle
+from pdserve.shared.bus.request_messages import DecodeRequest
 from pdserve.shared.bus.subjects import MAX_ID_CHARS
 from pdserve.shared.sampling import MAX_SEED, SamplingParams, choice_seed
 from pdserve.shared.telemetry import tracing as tr

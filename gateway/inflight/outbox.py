@@ -14,14 +14,9 @@ from typing import Any
 
 from pdserve.gateway.inflight.faults import WorkerFailure
 from pdserve.shared.bus.connection import Bus
-from pdserve.shared.bus.protocol import (
-    Cancel,
-    DecodeRequest,
-    PrefillRequest,
-    PrefillResult,
-    ReleaseLease,
-    StreamCheck,
-)
+from pdserve.shared.bus.lease_messages import ReleaseLease
+from pdserve.shared.bus.request_messages import Cancel, DecodeRequest, PrefillRequest, PrefillResult
+from pdserve.shared.bus.stream_messages import StreamCheck
 
 log = logging.getLogger(__name__)
 

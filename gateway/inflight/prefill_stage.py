@@ -29,7 +29,8 @@ from pdserve.gateway.inflight.faults import WorkerFailure, check_ending
 from pdserve.gateway.inflight.limits import PREFILL_ATTEMPTS, RETRYABLE_CODES, Limits, on_wire
 from pdserve.gateway.inflight.port import RequestPort
 from pdserve.gateway.inflight.queue_items import BusReconnected, Item, WorkerLeft
-from pdserve.shared.bus.protocol import KVHandle, PrefillRequest, PrefillResult
+from pdserve.shared.bus.lease_messages import KVHandle
+from pdserve.shared.bus.request_messages import PrefillRequest, PrefillResult
 from pdserve.shared.kv.layout import layout_id
 from pdserve.shared.sampling import SamplingParams
 

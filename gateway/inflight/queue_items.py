@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
-from pdserve.shared.bus.protocol import PrefillResult, TokenItem
+from pdserve.shared.bus.request_messages import PrefillResult
+from pdserve.shared.bus.stream_messages import TokenItem
 
 
 @dataclass

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from pdserve.gateway.inflight.legs import Leg
 from pdserve.gateway.inflight.queue_items import CheckDue
-from pdserve.shared.bus.protocol import TokenItem
+from pdserve.shared.bus.stream_messages import TokenItem
 from pdserve.shared.discovery.worker_registry import CONFIRM_TIMEOUT_FACTOR
 
 CHECK_RETRY_SECONDS = 0.5

@@ -20,9 +20,8 @@ the GPUs cannot take is refused before anything starts, in one line, instead of 
 to load one after another.
 
 NATS: one private nats-server, or with ``--nats-cluster N`` N nodes routed to each other on
-loopback (a way to try a cluster, and to watch a node die: each worker connects to node
-``slot % N`` first and lists the others for failover; the gateway prefers node 1). The launcher
-keeps serving while at least one node lives.
+loopback (``local_nats.py``; the gateway prefers node 1). The launcher keeps serving while at
+least one node lives.
 
 ``--autoscale`` (services/control/autoscale.py) adds workers through ``add_worker`` and drains them.
 ``pdserve rollout`` (services/control/rollout.py) reaches the launcher over NATS (services/control/channel.py).
@@ -35,16 +34,13 @@ import dataclasses
 import os
 import signal
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 from pdserve.services.control import autoscale
 from pdserve.services.control.launch_checks import promised_ports, registered_workers, tp_refusal
+from pdserve.services.control.local_nats import LocalNats
 from pdserve.services.control.processes import (
     Child,
-    NatsCluster,
-    NatsServer,
     gpu_for_worker,
     http_ok,
     spawn,
@@ -73,8 +69,7 @@ class Launcher:
         self.engine = build(EngineConfig, ns)
         self.worker = build(WorkerConfig, ns)
         self.bus = build(BusConfig, {**vars(ns), "nats_url": self.up.nats_url or "unset"})
-        self.nats: NatsServer | None = None
-        self.nats_cluster: NatsCluster | None = None
+        self.nats = LocalNats(self.up, self.bus)
         self.model = None  # model_resolve.ResolvedModel, set by start()
         self.gpus: list[str] = []
         self.children: list[Child] = []
@@ -118,24 +113,7 @@ class Launcher:
             sum(counts.values()),
             sum(self.tps[role] * n for role, n in counts.items()),
         )
-        if self.up.nats_url:
-            nats_url = self.up.nats_url
-        elif self.up.nats_cluster > 1:
-            self.nats_cluster = self._start_cluster(avoid)
-            nats_url = self.nats_cluster.url
-        else:
-            self.nats = NatsServer(
-                max_payload=self.bus.max_message_bytes,
-                token=self.bus.nats_token,
-                user=self.bus.nats_user,
-                password=self.bus.nats_password,
-                avoid_ports=avoid,
-            )
-            # its chatter goes to a file; the services' logs stay readable on the terminal
-            self.nats.log_path = self.nats.workdir / "nats-server.log"
-            self.nats.start()
-            nats_url = self.nats.url
-        bus = dataclasses.replace(self.bus, nats_url=nats_url)
+        bus = dataclasses.replace(self.bus, nats_url=self.nats.start(avoid))
         common = option_values(bus, self.engine)
         threads = self._plan_cpus(sorted(os.sched_getaffinity(0)))
         if threads is not None:
@@ -193,22 +171,6 @@ class Launcher:
             for role, n in self._worker_counts().items()
         )
 
-    def _start_cluster(self, avoid: frozenset[int]) -> NatsCluster:
-        if self.up.nats_cluster > 9:
-            raise SystemExit("pdserve up: --nats-cluster takes 1 to 9 nodes")
-        workdir = Path(tempfile.mkdtemp(prefix="pdserve-nats-cluster-"))
-        cluster = NatsCluster.local(
-            self.up.nats_cluster,
-            workdir,
-            max_payload=self.bus.max_message_bytes,
-            token=self.bus.nats_token,
-            user=self.bus.nats_user,
-            password=self.bus.nats_password,
-            avoid_ports=avoid,
-        )
-        cluster.start()
-        return cluster
-
     def add_worker(self, role: str, place: autoscale.Placement, standby: bool = False) -> Child:
         """One more worker of ``role`` (the autoscaler's), placed where it says; ``standby``:
         loaded and registered but not routed until promoted (services/standby.py)."""
@@ -236,8 +198,9 @@ class Launcher:
             worker.metrics_port += slot
         if worker.ucx_port:  # room for a port per rank: the next worker's ports start past them
             worker.ucx_port += first_rank
-        if self.nats_cluster is not None:  # spread the workers over the nodes, each its own first
-            common = {**common, "nats_url": self.nats_cluster.client_url(slot)}
+        nats_url = self.nats.client_url(slot)
+        if nats_url is not None:  # spread the workers over a cluster's nodes
+            common = {**common, "nats_url": nats_url}
         if common.get("kv_offload_disk"):  # a directory each: a disk tier evicts what it indexed
             common = {
                 **common,
@@ -315,39 +278,12 @@ class Launcher:
                     )
                     if child.name == "gateway":
                         return 1
-            if self.nats is not None and self.nats.child and not self.nats.child.alive():
-                print("pdserve: nats-server exited", file=sys.stderr)
-                return 1
-            if self.nats_cluster is not None and self._cluster_lost(reported):
-                print("pdserve: every NATS node exited", file=sys.stderr)
+            lost = self.nats.lost(reported)
+            if lost is not None:
+                print(f"pdserve: {lost}", file=sys.stderr)
                 return 1
             time.sleep(0.2)
         return 0
-
-    def _cluster_lost(self, reported: set[int]) -> bool:
-        """Report each NATS node that died, once; True when none is left."""
-        assert self.nats_cluster is not None
-        alive = 0
-        for node in self.nats_cluster.nodes:
-            if node.child is None:
-                continue
-            if node.child.alive():
-                alive += 1
-            elif node.child.pid not in reported:
-                reported.add(node.child.pid)
-                code = node.child.popen.returncode
-                print(f"pdserve: NATS {node.server_name} exited with {code}", file=sys.stderr)
-        return alive == 0
-
-    def nats_banner(self) -> str:
-        if self.nats_cluster is not None:
-            nodes = self.nats_cluster.nodes
-            return f"nats: cluster of {len(nodes)} at {self.nats_cluster.url}, logs in " + str(
-                nodes[0].workdir
-            )
-        if self.nats is not None:
-            return f"nats: {self.nats.url}, log {self.nats.log_path}"
-        return f"nats: {self.up.nats_url}"
 
     def stop(self) -> None:
         """Gateway first: it refuses new requests and finishes its streams while the workers
@@ -363,10 +299,7 @@ class Launcher:
                 time.sleep(0.05)
             for child in group:
                 child.stop(0.0)  # SIGKILL whatever is left, reap the group
-        if self.nats is not None:
-            self.nats.stop()
-        if self.nats_cluster is not None:
-            self.nats_cluster.stop()
+        self.nats.stop()
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -379,7 +312,7 @@ def run(ns: argparse.Namespace) -> int:
         if launcher.wait_ready():
             print(
                 f"pdserve ready at http://{launcher._http_host()}:{launcher.gateway.port} "
-                f"({launcher.workers_banner()}, {launcher.nats_banner()})",
+                f"({launcher.workers_banner()}, {launcher.nats.banner()})",
                 flush=True,
             )
             print(f"pdserve model: {launcher.model_banner()}", flush=True)

@@ -19,12 +19,8 @@ import time
 from dataclasses import dataclass
 
 from pdserve.shared.bus.connection import Bus
-from pdserve.shared.bus.protocol import (
-    DecodeRequest,
-    PrefillRequest,
-    PrefillResult,
-    TokenBatch,
-)
+from pdserve.shared.bus.request_messages import DecodeRequest, PrefillRequest, PrefillResult
+from pdserve.shared.bus.stream_messages import TokenBatch
 from pdserve.shared.config import BusConfig
 from pdserve.shared.sampling import SamplingParams
 

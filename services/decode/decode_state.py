@@ -17,7 +17,8 @@ import asyncio
 from dataclasses import dataclass, field
 
 from pdserve.services.request_state import RequestState
-from pdserve.shared.bus.protocol import KVHandle, StreamCheck, TokenItem
+from pdserve.shared.bus.lease_messages import KVHandle
+from pdserve.shared.bus.stream_messages import StreamCheck, TokenItem
 from pdserve.shared.telemetry import tracing
 from pdserve.shared.telemetry.roofline import Roofline
 

@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from pdserve.shared.bus.protocol import WorkerGone, WorkerLoad
+from pdserve.shared.bus.discovery_messages import WorkerGone, WorkerLoad
 from pdserve.shared.kv.transfer import KVClient
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ import time
 
 from pdserve.services.decode.decode_state import DecodeState
 from pdserve.services.decode.rank_pull import PiecePull
-from pdserve.shared.bus.protocol import KVHandle
+from pdserve.shared.bus.lease_messages import KVHandle
 from pdserve.shared.kv.transfer import KVChecksumError, TransferStats
 from pdserve.shared.telemetry import tracing
 

@@ -15,7 +15,7 @@ import asyncio
 from dataclasses import dataclass
 
 from pdserve.services.engine.parallel.kv_link import RankCallFailed, RankLink
-from pdserve.shared.bus.protocol import KVHandle
+from pdserve.shared.bus.lease_messages import KVHandle
 from pdserve.shared.kv.tp_layout import TP_KEY, PullPiece, pull_plan
 from pdserve.shared.kv.transfer import KVChecksumError, KVClient, KVTransferError, TransferStats
 

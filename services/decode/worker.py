@@ -12,10 +12,10 @@ request ends when its last choice ends (``request_finished``), and a cancel may 
 only (a stop string matched in its text at the gateway).
 
 After every engine step the worker publishes one ``TokenBatch`` per gateway inbox with every token
-that step produced for that inbox, each item with its position (``state.py``: also how a
-``StreamCheck`` is answered). The lease on the prefill worker's blocks is this worker's to
-release, exactly once: by the pull when it is done, or at once when the request ends before the
-engine handed out its pull.
+that step produced for that inbox, each item with its position (``decode_state.py``: also how
+a ``StreamCheck`` is answered). The lease on the prefill worker's blocks is this worker's to
+release, exactly once: by the pull when it is done (``kv_pulls.py``), or at once when the request
+ends before the engine handed out its pull.
 """
 
 from __future__ import annotations
@@ -24,46 +24,30 @@ import argparse
 import logging
 import time
 
-from pdserve.services.decode import pull_spans
 from pdserve.services.decode.decode_state import DecodeState, check_answer, record_generate
+from pdserve.services.decode.kv_pulls import KVPulls
 from pdserve.services.decode.prefill_peers import PrefillPeers
 from pdserve.services.decode.rank_pull import RankPuller
 from pdserve.services.engine.engine import LLMEngine
-from pdserve.services.engine.outputs import KVPull, StepOutput, StepResult
-from pdserve.services.engine.spec.speculator import SpecCounters
+from pdserve.services.engine.outputs import StepOutput, StepResult
 from pdserve.services.probe import pull_probe
 from pdserve.services.request_state import RequestState, record_prefill_forward
 from pdserve.services.worker_base import Worker
 from pdserve.services.worker_process import exit_now
 from pdserve.shared.bus.connection import Bus
-from pdserve.shared.bus.protocol import (
-    DecodeRequest,
-    KVHandle,
-    ReleaseLease,
-    StreamCheck,
-    TokenBatch,
-    TokenItem,
-    WorkerGone,
-    WorkerLoad,
-)
+from pdserve.shared.bus.discovery_messages import WorkerGone, WorkerLoad
+from pdserve.shared.bus.request_messages import DecodeRequest
+from pdserve.shared.bus.stream_messages import StreamCheck, TokenBatch, TokenItem
 from pdserve.shared.kv import ucx_check
 from pdserve.shared.kv.contract import KVPuller
 from pdserve.shared.kv.probe import ProbePullReply, ProbePullRequest, answer_probes
 from pdserve.shared.kv.transfer import (
-    KVChecksumError,
     KVClient,
-    KVStreamFinished,
-    KVTransferError,
 )
-from pdserve.shared.kv.transfer.stream import can_stream, pull_streamed, stream_threshold
+from pdserve.shared.kv.transfer.stream import can_stream, stream_threshold
 from pdserve.shared.telemetry import tracing
 
 log = logging.getLogger("pdserve.decode")
-
-PULL_TIMEOUT = 30.0  # one request's KV pull, beyond which it counts as failed
-# a streamed pull also waits for the prefill pass it overlaps: its bound is the request's
-# deadline (--first-token-timeout), up to this
-STREAM_PULL_TIMEOUT = 600.0
 
 
 class DecodeWorker(Worker):
@@ -74,8 +58,8 @@ class DecodeWorker(Worker):
         super().__init__(ns, bus)
         self.kv_client: KVClient | None = None
         self.puller: KVPuller | None = None  # every rank's pieces of a pull (rank_pull.py)
-        self.prefill_peers = PrefillPeers(self.spawn)  # KV endpoints to the prefill workers
-        self._spec_counted = SpecCounters()  # the engine's totals already in the metrics
+        self.prefill_peers = PrefillPeers(self.tasks.spawn)  # KV endpoints to the prefill workers
+        self.pulls = KVPulls(self, self._end)  # into the blocks the engine reserved (kv_pulls.py)
 
     def make_engine(self) -> LLMEngine:
         return LLMEngine(self.engine_config, kv_failure_policy=self.config.kv_failure_policy)
@@ -139,21 +123,10 @@ class DecodeWorker(Worker):
             )
         return extra
 
-    def update_metrics(self) -> None:
-        super().update_metrics()
-        spec = self.engine.stats().spec
-        if spec is None or spec.drafts == self._spec_counted.drafts:
-            return
-        new = spec.since(self._spec_counted)
-        self.metrics.count_spec(
-            new.drafts, new.draft_tokens, new.accepted_tokens, new.accepted_per_pos
-        )
-        self._spec_counted = spec
-
     # -- requests ------------------------------------------------------------------------------
 
     async def _on_request(self, req: DecodeRequest | StreamCheck, headers: dict[str, str]) -> None:
-        if not self.reply_ok(req.reply_to):
+        if not self.subjects.is_gateway_inbox(req.reply_to):
             log.warning(
                 "dropping %s: reply subject %r is not a gateway inbox", req.bus_id, req.reply_to
             )
@@ -161,18 +134,21 @@ class DecodeWorker(Worker):
         if isinstance(req, StreamCheck):
             self._answer_check(req)
             return
-        if self.was_cancelled(req.bus_id):  # the gateway gave up on it already
+        if req.bus_id in self.recent_cancels:  # the gateway gave up on it already
             if req.kv is not None:
-                await self._release_lease(req.bus_id, req.kv)
+                await self.pulls.release_lease(req.bus_id, req.kv)
             return
         refusal = self._refusal(req)
         if refusal is not None:
             await self._fail_request(req.reply_to, req.bus_id, *refusal)
             if req.kv is not None and refusal[0] != "invalid":
-                await self._release_lease(req.bus_id, req.kv)  # its KV is of no use now
+                await self.pulls.release_lease(req.bus_id, req.kv)  # its KV is of no use now
             return
         state = DecodeState(
-            req.bus_id, req.reply_to, req.deadline, tracing.extract_context(headers)
+            bus_id=req.bus_id,
+            reply_to=req.reply_to,
+            deadline=req.deadline,
+            context=tracing.extract_context(headers),
         )
         state.num_prompt_tokens = len(req.prompt_token_ids)
         state.client_id = req.client_id or req.bus_id
@@ -189,7 +165,7 @@ class DecodeWorker(Worker):
         except ValueError as exc:  # invalid for this model (too long, token id out of range...)
             await self._fail_request(req.reply_to, req.bus_id, "invalid", str(exc))
             if req.kv is not None:
-                await self._release_lease(req.bus_id, req.kv)
+                await self.pulls.release_lease(req.bus_id, req.kv)
             return
         self.states[req.bus_id] = state
 
@@ -204,72 +180,12 @@ class DecodeWorker(Worker):
             return "overloaded", f"decode worker {self.worker_id} is full"
         return None
 
-    def _start_pull(self, pull: KVPull) -> None:
-        """The engine reserved blocks for a request's KV: pull into them, or say why not."""
-        state = self.states.get(pull.bus_id)
-        if state is None or state.kv is None:  # dropped meanwhile (its lease went with it)
-            self.engine.kv_failed(pull.bus_id, "the request ended before its pull")
-            return
-        state.pull = self.spawn(self._pull(state, state.kv, pull.block_ids))
-
-    async def _pull(self, state: DecodeState, handle: KVHandle, blocks: list[int]) -> None:
-        """Pull ``handle``'s blocks into ``blocks``, release its lease, answer the engine."""
-        rid = state.bus_id
-        start_ns = time.time_ns()
-        bound = STREAM_PULL_TIMEOUT if handle.streaming else PULL_TIMEOUT
-        timeout = max(0.1, min(bound, state.deadline - time.time()))
-        try:
-            if handle.streaming:  # layer by layer while prefill computes, the token last
-                groups = self.config.kv_stream_layer_groups
-                stats = await pull_streamed(self.kv_client, rid, handle, blocks, timeout, groups)
-                pieces = []
-            else:
-                stats, pieces = await self.puller.pull(rid, handle, blocks, timeout)
-        except KVStreamFinished:  # the gateway has its answer from the prefill worker
-            self.engine.abort(rid)
-            self.engine.kv_failed(rid, "finished at its first token")  # ends it, no output
-            self._end(state)
-            return
-        except KVTransferError as exc:
-            self.metrics.kv_pull_failures.inc()
-            if self.config.kv_failure_policy == "recompute":
-                self.metrics.kv_recomputes.inc()
-            if isinstance(exc, KVChecksumError):
-                self.metrics.kv_checksum_failures.inc()
-                policy = self.config.kv_failure_policy
-                pull_spans.record_mismatch(state, self.worker_id, handle, exc, start_ns, policy)
-            else:
-                log.warning("KV pull for %s from %s failed: %s", rid, handle.worker_id, exc)
-            self.engine.kv_failed(rid, str(exc))  # never kv_ready: the blocks are not served
-            return
-        except BaseException as exc:  # e.g. cancelled at shutdown: the engine must still know
-            self.engine.kv_failed(rid, f"pull interrupted: {exc!r}")
-            raise
-        finally:
-            await self._release_lease(rid, handle)
-        if stats.first_token is not None:
-            state.positions[0] = 1  # the first token is the prefill worker's: ours follow it
-        self.engine.kv_ready(rid, stats.first_token)
-        self.metrics.kv_transfer_seconds.observe(stats.seconds)
-        if handle.streaming:
-            pull_spans.record_streamed(state, self.worker_id, handle, stats, start_ns)
-        self.metrics.kv_transfer_bytes.inc(stats.num_bytes)
-        pull_spans.record_pieces(
-            state, self.worker_id, handle, pieces, start_ns, self.config.kv_checksum
-        )
-
-    async def _release_lease(self, bus_id: str, handle: KVHandle) -> None:
-        try:
-            await self.bus.publish(self.subjects.lease(handle.worker_id), ReleaseLease(bus_id))
-        except Exception as exc:  # the lease expires on its own
-            log.info("could not release the lease of %s: %s", bus_id, exc)
-
     def _end(self, state: DecodeState) -> None:
         """The request leaves this worker (finished, failed, cancelled)."""
         if self.states.pop(state.bus_id, None) is not state:
             return  # it left already
         if state.kv is not None and state.pull is None:  # never pulled: free it there now
-            self.spawn(self._release_lease(state.bus_id, state.kv))
+            self.tasks.spawn(self.pulls.release_lease(state.bus_id, state.kv))
 
     async def _fail_request(self, reply_to: str, bus_id: str, code: str, text: str) -> None:
         await self._publish_batch(
@@ -295,7 +211,7 @@ class DecodeWorker(Worker):
         # Spawned like the token batches, after them: tasks start in order and each publish is
         # in the connection's buffer before it yields, so the answer follows what it counts.
         items = check_answer(check, self.states.get(check.bus_id), self.worker_id)
-        self.spawn(self._replay_and_answer(check.reply_to, items))
+        self.tasks.spawn(self._replay_and_answer(check.reply_to, items))
 
     async def _replay_and_answer(self, reply_to: str, items: list[TokenItem]) -> None:
         await self.bus.replay(reply_to)  # what that gateway may have missed, then the answer
@@ -315,7 +231,7 @@ class DecodeWorker(Worker):
                     state, self.worker_id, step, **{tracing.ATTR_KV_TRANSPORT: "local"}
                 )
         for pull in step.pulls:
-            self._start_pull(pull)
+            self.pulls.start(pull)
         batches: dict[str, list[TokenItem]] = {}
         for out in step.outputs:
             state = self.states.get(out.bus_id)
@@ -323,8 +239,8 @@ class DecodeWorker(Worker):
                 item = self._item(state, out, step)
                 batches.setdefault(state.reply_to, []).append(item)
         for reply_to, items in batches.items():
-            self.spawn(self._publish_batch(reply_to, items, replayable=True))
-        self.update_metrics()
+            self.tasks.spawn(self._publish_batch(reply_to, items, replayable=True))
+        self.report.update_metrics()
 
     def _item(self, state: DecodeState, out: StepOutput, step: StepResult) -> TokenItem:
         rid = out.bus_id

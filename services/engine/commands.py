@@ -2,14 +2,17 @@
 the one stream that comes out besides step results, the prefix cache's events
 (``kv_event_feed.py``).
 
-Other threads never touch engine state. They post a command (``LLMEngine.add_request``,
-``abort``, ``release``, ``kv_ready``, ``kv_failed``, ``hold_block``), and the thread that steps
-the engine applies it before it schedules. A command that needs an answer carries a
-``concurrent.futures.Future`` (``asyncio.wrap_future`` awaits it from an event loop).
+Other threads never touch engine state. They post a command through ``EngineCommands``, the
+engine's base (``LLMEngine.add_request``, ``abort``, ``release``, ``kv_ready``, ``kv_failed``,
+``hold_block``), and the thread that steps the engine applies it before it schedules. A command
+that needs an answer carries a ``concurrent.futures.Future`` (``asyncio.wrap_future`` awaits it
+from an event loop).
 """
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -67,3 +70,82 @@ Command = AddRequest | Abort | Release | KVReady | KVFailed | HoldBlock | ResetP
 
 class BlockHoldRefused(Exception):
     """``hold_block`` could not spare a block without taking it from a request."""
+
+
+class EngineCommands:
+    """The engine's face to every other thread (``LLMEngine`` derives from it): each method posts
+    a command, and the thread that steps the engine applies them in order (``step()``) - the
+    only thread that changes engine state, so none of this needs a lock."""
+
+    def __init__(self) -> None:
+        self._commands: deque[Command] = deque()  # a deque's append/popleft are atomic
+        self._wakeup = threading.Event()  # the engine thread at rest sleeps on it
+
+    def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        """ValueError if this engine's model cannot serve the request (the engine's own)."""
+        raise NotImplementedError
+
+    def add_request(
+        self,
+        bus_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        output_token_ids: list[int] | tuple[int, ...] = (),
+        remote_kv: bool = False,
+    ) -> None:
+        """Queue a request (ValueError at once if this model cannot serve it), to continue after
+        ``output_token_ids``; with ``remote_kv`` its prompt's KV is pulled into reserved blocks."""
+        self.validate(prompt_token_ids, sampling)
+        add = AddRequest(
+            bus_id=bus_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling=sampling,
+            output_token_ids=tuple(output_token_ids),
+            remote_kv=remote_kv,
+        )
+        self._post(add)
+
+    def abort(self, bus_id: str, index: int | None = None) -> None:
+        """Drop a request wherever it is, or only its choice ``index`` (sampling.n > 1); blocks
+        return to the free list (after its pull, if KV is being pulled into them). Aborted
+        choices produce no output. Unknown ids and choices are ignored."""
+        self._post(Abort(bus_id, index))
+
+    def release(self, bus_id: str) -> None:
+        """Free a parked (prefill-only) sequence's blocks, or a block from ``hold_block``."""
+        self._post(Release(bus_id))
+
+    def kv_ready(self, bus_id: str, first_token: int | None = None) -> None:
+        """The pull of a ``KVPull`` completed: the sequence runs (a streamed pull's token too)."""
+        self._post(KVReady(bus_id, first_token))
+
+    def kv_failed(self, bus_id: str, error: str) -> None:
+        """The pull of a ``KVPull`` failed (or was not attempted): ``kv_failure_policy`` decides
+        between computing the prompt here and finishing with an error output."""
+        self._post(KVFailed(bus_id, error))
+
+    def hold_block(self, hold_id: str) -> Future:
+        """One free block under ``hold_id`` until ``release`` (the doctor's probes); refused
+        (``BlockHoldRefused``) while requests wait or admission could not spare it."""
+        reply: Future = Future()
+        self._post(HoldBlock(hold_id, reply))
+        return reply
+
+    def reset_prefix_cache(self, external: bool = False) -> Future:
+        """Forget the cached blocks of the pool (and the tiers'): a Future of how many each."""
+        self._post(ResetPrefixCache(reply := Future(), external))
+        return reply
+
+    def _post(self, command: Command) -> None:
+        self._commands.append(command)
+        self._wakeup.set()
+
+    def wake(self) -> None:
+        """End a ``wait_for_work`` now (e.g. to stop the thread)."""
+        self._wakeup.set()
+
+    def wait_for_work(self, timeout: float) -> None:
+        """Sleep until a command is posted (or ``timeout``): the engine thread at rest."""
+        if not self._commands:
+            self._wakeup.wait(timeout)
+        self._wakeup.clear()

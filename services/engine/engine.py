@@ -13,19 +13,16 @@ requests with ``remote_kv=True`` and answering each ``KVPull`` with ``kv_ready``
 (``kv_failure_policy``: local recompute or an error), as ``sequence.py``'s diagram draws.
 
 Threading: one thread changes engine state, the one that calls ``step()``. Every other method
-posts a command (``services/engine/commands.py``) that the next ``step()`` hands to the
-scheduler before it schedules, so there is no lock. ``EngineThread`` steps a worker's
-engine; tests and benchmarks call ``step()`` in their own thread. ``stats()`` is a snapshot
-taken at the end of each step.
+posts a command (``EngineCommands``, ``services/engine/commands.py``) that the next ``step()``
+hands to the scheduler before it schedules, so there is no lock. ``EngineThread`` steps a
+worker's engine; tests and benchmarks call ``step()`` in their own thread. ``stats()`` is a
+snapshot taken at the end of each step.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import deque
-from concurrent.futures import Future
 
 import torch
 
@@ -35,6 +32,7 @@ from pdserve.services.engine.commands import (
     Abort,
     AddRequest,
     Command,
+    EngineCommands,
     HoldBlock,
     KVEventFeed,
     KVFailed,
@@ -75,10 +73,11 @@ from pdserve.shared.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(EngineCommands):
     def __init__(
         self, config: EngineConfig, prefill_only: bool = False, kv_failure_policy: str = "fail"
     ) -> None:
+        super().__init__()  # the command queue first: a TP rank's failure wakes the engine thread
         if kv_failure_policy not in KV_FAILURE_POLICIES:
             raise ValueError(f"kv_failure_policy must be one of {KV_FAILURE_POLICIES}")
         self.config = config
@@ -165,10 +164,8 @@ class LLMEngine:
             seed=config.seed,
         )
         self.offload = KVOffload.build(self)  # evicted blocks to host memory and disk, and back
-        # Crossing threads: commands in (a deque's append/popleft are atomic), a wake-up event,
-        # and the latest stats snapshot and prefix-cache events out.
-        self._commands: deque[Command] = deque()
-        self._wakeup = threading.Event()
+        # Crossing threads out (commands come in through EngineCommands): the latest stats
+        # snapshot and prefix-cache events.
         self._kv_feed: KVEventFeed | None = None
         self._stats = EngineStats(self.num_blocks, self.num_blocks)
         self.stream_hooks: StreamHooks | None = None  # a prefill worker's (kv_stream.py)
@@ -203,72 +200,12 @@ class LLMEngine:
             self.model_name, self.model_config, self.dtype, self.config, self.shard, self.kv_spec
         )
 
-    # ---- commands: any thread ----------------------------------------------------------------
+    # ---- any thread (the commands themselves: EngineCommands) ---------------------------------
 
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """ValueError if this model cannot serve the request (request_checks.py)."""
         vocab = self.model_config.vocab_size
         check_request(prompt_token_ids, sampling, vocab, self.max_model_len, self.guided)
-
-    def add_request(
-        self,
-        bus_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        output_token_ids: list[int] | tuple[int, ...] = (),
-        remote_kv: bool = False,
-    ) -> None:
-        """Queue a request (ValueError at once if this model cannot serve it), to continue after
-        ``output_token_ids``; with ``remote_kv`` its prompt's KV is pulled into reserved blocks."""
-        self.validate(prompt_token_ids, sampling)
-        self._post(
-            AddRequest(bus_id, list(prompt_token_ids), sampling, tuple(output_token_ids), remote_kv)
-        )
-
-    def abort(self, bus_id: str, index: int | None = None) -> None:
-        """Drop a request wherever it is, or only its choice ``index`` (sampling.n > 1); blocks
-        return to the free list (after its pull, if KV is being pulled into them). Aborted
-        choices produce no output. Unknown ids and choices are ignored."""
-        self._post(Abort(bus_id, index))
-
-    def release(self, bus_id: str) -> None:
-        """Free a parked (prefill-only) sequence's blocks, or a block from ``hold_block``."""
-        self._post(Release(bus_id))
-
-    def kv_ready(self, bus_id: str, first_token: int | None = None) -> None:
-        """The pull of a ``KVPull`` completed: the sequence runs (a streamed pull's token too)."""
-        self._post(KVReady(bus_id, first_token))
-
-    def kv_failed(self, bus_id: str, error: str) -> None:
-        """The pull of a ``KVPull`` failed (or was not attempted): ``kv_failure_policy`` decides
-        between computing the prompt here and finishing with an error output."""
-        self._post(KVFailed(bus_id, error))
-
-    def hold_block(self, hold_id: str) -> Future:
-        """One free block under ``hold_id`` until ``release`` (the doctor's probes); refused
-        (``BlockHoldRefused``) while requests wait or admission could not spare it."""
-        reply: Future = Future()
-        self._post(HoldBlock(hold_id, reply))
-        return reply
-
-    def reset_prefix_cache(self, external: bool = False) -> Future:
-        """Forget the cached blocks of the pool (and the tiers'): a Future of how many each."""
-        self._post(ResetPrefixCache(reply := Future(), external))
-        return reply
-
-    def _post(self, command: Command) -> None:
-        self._commands.append(command)
-        self._wakeup.set()
-
-    def wake(self) -> None:
-        """End a ``wait_for_work`` now (e.g. to stop the thread)."""
-        self._wakeup.set()
-
-    def wait_for_work(self, timeout: float) -> None:
-        """Sleep until a command is posted (or ``timeout``): the engine thread at rest."""
-        if not self._commands:
-            self._wakeup.wait(timeout)
-        self._wakeup.clear()
 
     def stats(self) -> EngineStats:
         return self._stats

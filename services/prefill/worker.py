@@ -32,7 +32,8 @@ from pdserve.services.request_state import RequestState, record_prefill_forward
 from pdserve.services.worker_base import Worker
 from pdserve.services.worker_process import exit_now
 from pdserve.shared.bus.connection import Bus
-from pdserve.shared.bus.protocol import KVHandle, PrefillRequest, PrefillResult, ReleaseLease
+from pdserve.shared.bus.lease_messages import KVHandle, ReleaseLease
+from pdserve.shared.bus.request_messages import PrefillRequest, PrefillResult
 from pdserve.shared.kv import ucx_check
 from pdserve.shared.kv.contract import KVLayerFeed
 from pdserve.shared.kv.probe import ProbeLeaseReply, ProbeLeaseRequest, answer_probes
@@ -131,12 +132,12 @@ class PrefillWorker(Worker):
     # -- requests ------------------------------------------------------------------------------
 
     async def _on_request(self, req: PrefillRequest, headers: dict[str, str]) -> None:
-        if not self.reply_ok(req.reply_to):
+        if not self.subjects.is_gateway_inbox(req.reply_to):
             log.warning(
                 "dropping %s: reply subject %r is not a gateway inbox", req.bus_id, req.reply_to
             )
             return
-        if self.was_cancelled(req.bus_id):
+        if req.bus_id in self.recent_cancels:
             return  # the gateway gave up on it already
         refusal = self._refusal(req)
         if refusal is not None:
@@ -215,8 +216,8 @@ class PrefillWorker(Worker):
                 prompt_logprobs=out.prompt_logprobs,
             )
             headers = tracing.inject_headers(context=state.context)
-            self.spawn(self._mirror_then_reply(state.reply_to, result, headers))
-        self.update_metrics()
+            self.tasks.spawn(self._mirror_then_reply(state.reply_to, result, headers))
+        self.report.update_metrics()
 
     # -- layer-wise streaming (on the loop; the engine thread calls through StreamHooks) -----
 
@@ -247,7 +248,7 @@ class PrefillWorker(Worker):
                 error=None,
             )
             headers = tracing.inject_headers(context=state.context)
-            self.spawn(self._reply(state.reply_to, early, headers))
+            self.tasks.spawn(self._reply(state.reply_to, early, headers))
 
     def _stream_layers(self, bus_ids: list[str], layers: int, event: object) -> None:
         for bus_id in bus_ids:
@@ -316,7 +317,7 @@ class PrefillWorker(Worker):
 
     def _release(self, bus_id: str) -> None:
         if self.leases.release(bus_id) and self.rank_link is not None:
-            self.spawn(self.rank_link.call_all("release", bus_id=bus_id))
+            self.tasks.spawn(self.rank_link.call_all("release", bus_id=bus_id))
 
     def _record_forward(self, step: StepResult) -> None:
         """prefill.queue once per request, prefill.forward per forward pass it took part in."""
@@ -334,7 +335,7 @@ class PrefillWorker(Worker):
 
     async def _on_release(self, msg: ReleaseLease, headers: dict[str, str]) -> None:
         self._release(msg.bus_id)
-        self.update_metrics()
+        self.report.update_metrics()
 
     async def on_cancel(self, bus_id: str) -> None:
         self._stream_drop(bus_id, "cancelled")

@@ -74,3 +74,8 @@ class Subjects:
     def gateway_prefix(self) -> str:
         """Workers publish replies only under this prefix (reply_to is checked against it)."""
         return f"{self.namespace}.gw."
+
+    def is_gateway_inbox(self, reply_to: str) -> bool:
+        """Whether a worker may reply to ``reply_to``: replies go only to gateway inboxes, so a
+        message cannot make a worker publish elsewhere."""
+        return reply_to.startswith(self.gateway_prefix)

@@ -3,8 +3,8 @@ every field's type and bounds fit, so code behind it can trust what it gets.
 
 Generic over dataclasses: a field's type hint gives its type (int, float, bool, str, lists,
 flat scalar maps, optional, nested dataclasses), its ``metadata`` its bounds (``lo``/``hi``,
-``max_len``, ``pattern``, ``choices``). ``pdserve.shared.bus.protocol`` holds the message schema and
-configures one ``Checker`` for it.
+``max_len``, ``pattern``, ``choices``). The message modules (``shared/bus/*_messages.py``) hold
+the schema; ``pdserve.shared.bus.protocol`` configures one ``Checker`` for it.
 """
 
 from __future__ import annotations

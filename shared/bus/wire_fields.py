@@ -1,4 +1,4 @@
-"""Bounds and field helpers for the wire messages in ``pdserve.shared.bus.protocol``.
+"""Bounds and field helpers for the wire messages (``shared/bus/*_messages.py``).
 
 A message field says what it may hold (``ident()``, ``tokens()``, ``count(lo, hi)``...) in its
 dataclass metadata; the checker in ``pdserve.shared.bus.wire_check`` reads those bounds when it

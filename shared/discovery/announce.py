@@ -19,7 +19,8 @@ import time
 from collections.abc import Callable
 
 from pdserve.shared.bus.connection import Bus
-from pdserve.shared.bus.protocol import WorkerGone, WorkerLoad, encode
+from pdserve.shared.bus.discovery_messages import WorkerGone, WorkerLoad
+from pdserve.shared.bus.protocol import encode
 from pdserve.shared.discovery.kv_publisher import (  # noqa: F401 (its home before; importers)
     KV_SNAPSHOT_SECONDS,
     KVEventPublisher,

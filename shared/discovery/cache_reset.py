@@ -22,17 +22,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pdserve.shared.bus.connection import Bus
-from pdserve.shared.bus.protocol import (
-    MESSAGE_TYPES,
-    ProtocolError,
-    bounded,
-    count,
-    decode_as,
-    encode,
-    ident,
-    text,
-)
+from pdserve.shared.bus.protocol import MESSAGE_TYPES, ProtocolError, decode_as, encode
 from pdserve.shared.bus.subjects import Subjects, is_subject_token
+from pdserve.shared.bus.wire_fields import bounded, count, ident, text
 
 log = logging.getLogger("pdserve.cache_reset")
 

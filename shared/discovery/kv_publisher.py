@@ -22,8 +22,8 @@ from collections.abc import Callable
 from itertools import chain
 
 from pdserve.shared.bus.connection import Bus
-from pdserve.shared.bus.protocol import MAX_KV_EVENT_HASHES, KVEvents
-from pdserve.shared.bus.wire_fields import MAX_KV_EVENT_TOKENS
+from pdserve.shared.bus.discovery_messages import KVEvents
+from pdserve.shared.bus.wire_fields import MAX_KV_EVENT_HASHES, MAX_KV_EVENT_TOKENS
 from pdserve.shared.discovery.kv_delta import KVDelta
 
 log = logging.getLogger("pdserve.discovery")

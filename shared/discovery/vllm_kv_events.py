@@ -54,7 +54,7 @@ from typing import Any
 
 import msgpack
 
-from pdserve.shared.bus.protocol import KVEvents
+from pdserve.shared.bus.discovery_messages import KVEvents
 from pdserve.shared.kv.layout import ROOT_HASH  # the parent of a prompt's first block
 
 log = logging.getLogger("pdserve.discovery")

@@ -26,14 +26,8 @@ from dataclasses import dataclass, field
 from nats.errors import NoRespondersError
 
 from pdserve.shared.bus.connection import Bus
-from pdserve.shared.bus.protocol import (
-    KV_TIERS,
-    KVEvents,
-    ProtocolError,
-    WorkerGone,
-    WorkerLoad,
-    decode_as,
-)
+from pdserve.shared.bus.discovery_messages import KV_TIERS, KVEvents, WorkerGone, WorkerLoad
+from pdserve.shared.bus.protocol import ProtocolError, decode_as
 
 log = logging.getLogger("pdserve.discovery")
 

@@ -34,7 +34,7 @@ Decode side, ``KVDecodeSide`` (``services/decode/worker.py:DecodeWorker``):
                    computes the prompt here. Both are ``LLMEngine``'s commands, applied on the
                    engine thread by ``services/engine/kv_arrivals.py:KVArrivals``.
 
-The hand-off, one request (NATS messages are ``shared/bus/protocol.py``'s; ``<ns>`` is the
+The hand-off, one request (NATS messages: ``shared/bus/*_messages.py``; ``<ns>`` is the
 namespace)::
 
     gateway                        prefill worker                        decode worker
@@ -109,7 +109,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from pdserve.shared.bus.protocol import KVHandle
+    from pdserve.shared.bus.lease_messages import KVHandle
     from pdserve.shared.kv.transfer.heads import Heads
     from pdserve.shared.kv.transfer.lease import Lease
     from pdserve.shared.kv.transfer.wire import TransferStats

@@ -24,18 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from pdserve.shared.bus.connection import Bus
-from pdserve.shared.bus.protocol import (
-    MESSAGE_TYPES,
-    KVHandle,
-    ProtocolError,
-    count,
-    decode_as,
-    encode,
-    ident,
-    seconds,
-    text,
-)
+from pdserve.shared.bus.lease_messages import KVHandle
+from pdserve.shared.bus.protocol import MESSAGE_TYPES, ProtocolError, decode_as, encode
 from pdserve.shared.bus.subjects import Subjects, is_subject_token
+from pdserve.shared.bus.wire_fields import count, ident, seconds, text
 
 log = logging.getLogger("pdserve.probe")
 

@@ -250,7 +250,7 @@ SPEC_LOAD_COUNTERS = (
 
 
 class WorkerLoadLike(Protocol):
-    """The fields of ``pdserve.shared.bus.protocol.WorkerLoad`` this module reads."""
+    """The fields of ``pdserve.shared.bus.discovery_messages.WorkerLoad`` this module reads."""
 
     worker_id: str
     role: str

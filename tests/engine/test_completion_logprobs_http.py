@@ -20,7 +20,9 @@ import pytest
 import torch
 
 import tests.engine.test_response_models as memory_stack
-from pdserve.shared.bus.protocol import DecodeRequest, ProtocolError, TokenBatch, decode
+from pdserve.shared.bus.protocol import ProtocolError, decode
+from pdserve.shared.bus.request_messages import DecodeRequest
+from pdserve.shared.bus.stream_messages import TokenBatch
 from tests.bus_memory import MemoryClient, RawMessage
 from tests.engine.test_response_models import Stack
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import msgpack
 import zmq
 
-from pdserve.shared.bus.protocol import KVEvents
+from pdserve.shared.bus.discovery_messages import KVEvents
 from pdserve.shared.discovery.kv_publisher import KVEventPublisher
 from pdserve.shared.discovery.vllm_kv_events import ZmqKVEventPublisher
 from pdserve.shared.kv.layout import ROOT_HASH, hash_block, prefix_block_hashes

@@ -15,17 +15,9 @@ from pdserve.services.decode.rank_pull import RankPuller
 from pdserve.services.decode.worker import DecodeWorker
 from pdserve.services.engine.engine import LLMEngine
 from pdserve.services.prefill.worker import PrefillWorker
-from pdserve.shared.bus.protocol import (
-    Cancel,
-    DecodeRequest,
-    KVHandle,
-    PrefillRequest,
-    PrefillResult,
-    ReleaseLease,
-    StreamCheck,
-    TokenBatch,
-    TokenItem,
-)
+from pdserve.shared.bus.lease_messages import KVHandle, ReleaseLease
+from pdserve.shared.bus.request_messages import Cancel, DecodeRequest, PrefillRequest, PrefillResult
+from pdserve.shared.bus.stream_messages import StreamCheck, TokenBatch, TokenItem
 from pdserve.shared.config import BusConfig, EngineConfig
 from pdserve.shared.kv.transfer import KVTransferError, TransferStats
 from pdserve.shared.sampling import SamplingParams

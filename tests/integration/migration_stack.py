@@ -17,7 +17,9 @@ import aiohttp
 import nats
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.shared.bus.protocol import DecodeRequest, TokenBatch, TokenItem, decode
+from pdserve.shared.bus.protocol import decode
+from pdserve.shared.bus.request_messages import DecodeRequest
+from pdserve.shared.bus.stream_messages import TokenBatch, TokenItem
 from tests.integration.stack import Child, free_port, log_text, start_service
 
 WORKER_OPTIONS = {

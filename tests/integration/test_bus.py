@@ -14,7 +14,10 @@ from pathlib import Path
 import pytest
 
 from pdserve.shared.bus.connection import Bus
-from pdserve.shared.bus.protocol import Cancel, ReleaseLease, WorkerLoad, encode
+from pdserve.shared.bus.discovery_messages import WorkerLoad
+from pdserve.shared.bus.lease_messages import ReleaseLease
+from pdserve.shared.bus.protocol import encode
+from pdserve.shared.bus.request_messages import Cancel
 from pdserve.shared.config import BusConfig
 from pdserve.shared.discovery.worker_registry import WorkerRegistry
 from tests.integration.stack import NatsServer, free_port, start_nats

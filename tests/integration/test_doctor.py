@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.shared.bus.connection import Bus
-from pdserve.shared.bus.protocol import WorkerLoad
+from pdserve.shared.bus.discovery_messages import WorkerLoad
 from pdserve.shared.config import BusConfig
 from pdserve.shared.kv.ucx_config import interface_addresses
 from pdserve.shared.telemetry import peaks

@@ -23,7 +23,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import PreTrainedTokenizerFast
 
-from pdserve.shared.bus.protocol import DecodeRequest, PrefillRequest, decode
+from pdserve.shared.bus.protocol import decode
+from pdserve.shared.bus.request_messages import DecodeRequest, PrefillRequest
 from tests.integration.stack import free_port, log_text, start_nats, start_service, stop_all
 from tests.oracle import hf_greedy
 

@@ -32,17 +32,10 @@ from pdserve.gateway.router import Router
 from pdserve.gateway.server import create_app
 from pdserve.gateway.tokenizer import ModelTokenizer
 from pdserve.shared.bus.connection import Bus
-from pdserve.shared.bus.protocol import (
-    Cancel,
-    DecodeRequest,
-    KVHandle,
-    PrefillRequest,
-    PrefillResult,
-    ReleaseLease,
-    TokenBatch,
-    TokenItem,
-    WorkerLoad,
-)
+from pdserve.shared.bus.discovery_messages import WorkerLoad
+from pdserve.shared.bus.lease_messages import KVHandle, ReleaseLease
+from pdserve.shared.bus.request_messages import Cancel, DecodeRequest, PrefillRequest, PrefillResult
+from pdserve.shared.bus.stream_messages import TokenBatch, TokenItem
 from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig
 from pdserve.shared.discovery.announce import HeartbeatPublisher
 from tests.integration.stack import free_port, log_text, start_nats, start_service

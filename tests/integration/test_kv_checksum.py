@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pdserve.services.control.processes import free_port
-from pdserve.shared.bus.protocol import KVHandle
+from pdserve.shared.bus.lease_messages import KVHandle
 from pdserve.shared.kv.tp_layout import TP_KEY, kv_head_range
 from pdserve.shared.kv.transfer import KVChecksumError, KVClient, KVServer, LeaseTable
 from pdserve.shared.telemetry import tracing

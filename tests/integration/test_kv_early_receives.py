@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.shared.bus.protocol import KVHandle
+from pdserve.shared.bus.lease_messages import KVHandle
 from pdserve.shared.kv.transfer import KVClient, KVTransferError
 from pdserve.shared.kv.transfer import server as server_module
 from pdserve.shared.kv.transfer.request import (
@@ -111,24 +111,28 @@ async def test_the_server_answers_only_its_own_version_and_the_form_it_can_send(
     async with Pair() as p:
         p.lease("r1", [0, 1], 2 * BLOCK)
         lease = p.leases.get("r1")
-        answer = p.server._admit(_request())
+        answer = p.server.admission.admit(_request())
         assert answer.lease is lease and lease.pins == 1 and not answer.sliced
         p.leases.unpin(lease)
         with pytest.raises(Refusal, match="wire version None"):  # a puller from before v2
-            p.server._admit(_request(v=None))
+            p.server.admission.admit(_request(v=None))
         older = {"fingerprint": fingerprint(), "runs": [[0, 2]], "heads": [0, 2], "whole": True}
         with pytest.raises(Refusal, match="wire version 2; this server speaks 3"):
-            p.server._admit(_request(v=2, fp=None, pull=None, **older))  # as version 2 asked
+            p.server.admission.admit(
+                _request(v=2, fp=None, pull=None, **older)
+            )  # as version 2 asked
         with pytest.raises(Refusal, match="malformed pull request"):
-            p.server._admit(_request(pull=b"\x01\x00"))
+            p.server.admission.admit(_request(pull=b"\x01\x00"))
         with pytest.raises(Refusal, match="KV layout mismatch"):
-            p.server._admit(_request(fp=msgpack.packb({**fingerprint(), "num_layers": 3})))
+            p.server.admission.admit(_request(fp=msgpack.packb({**fingerprint(), "num_layers": 3})))
         with pytest.raises(Refusal, match="malformed fingerprint"):
-            p.server._admit(_request(fp=b"\xc1"))
+            p.server.admission.admit(_request(fp=b"\xc1"))
         with pytest.raises(Refusal, match="whole blocks asked"):  # only part of our heads
-            p.server._admit(_request(heads=(0, 1)))
+            p.server.admission.admit(_request(heads=(0, 1)))
         assert lease.pins == 0
-        answer = p.server._admit(_request(WHOLE | SLICED))  # slices of a float cache: any time
+        answer = p.server.admission.admit(
+            _request(WHOLE | SLICED)
+        )  # slices of a float cache: any time
         assert answer.sliced and lease.pins == 1
         p.leases.unpin(lease)
 

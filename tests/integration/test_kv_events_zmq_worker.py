@@ -12,7 +12,8 @@ import asyncio
 import msgpack
 import zmq
 
-from pdserve.shared.bus.protocol import KVEvents, ReleaseLease
+from pdserve.shared.bus.discovery_messages import KVEvents
+from pdserve.shared.bus.lease_messages import ReleaseLease
 from pdserve.shared.discovery.cache_reset import reset_all
 from pdserve.shared.kv.layout import ROOT_HASH, prefix_block_hashes
 from tests.integration.stack import start_nats, start_service, stop_all

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from pdserve.shared.bus.protocol import KVHandle
+from pdserve.shared.bus.lease_messages import KVHandle
 from pdserve.shared.kv.transfer import KVStreamFinished, KVTransferError, pull_streamed
 from pdserve.shared.kv.transfer.stream import FINISHED, LayerStream, layer_groups
 from tests.integration.kv_peer import LAYERS

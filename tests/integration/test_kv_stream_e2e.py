@@ -16,7 +16,8 @@ import nats
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from pdserve.shared.bus.protocol import DecodeRequest, decode
+from pdserve.shared.bus.protocol import decode
+from pdserve.shared.bus.request_messages import DecodeRequest
 from pdserve.shared.telemetry import tracing
 from tests.integration.stack import log_text
 from tests.integration.test_gateway_e2e import WORKER_OPTIONS, serving

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from pdserve.shared.bus.protocol import KVHandle
+from pdserve.shared.bus.lease_messages import KVHandle
 from pdserve.shared.kv.transfer import (
     FingerprintMismatch,
     KVClient,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdserve.services.engine.quant.kv_cache import KVCacheSpec, kv_cache_spec
-from pdserve.shared.bus.protocol import KVHandle
+from pdserve.shared.bus.lease_messages import KVHandle
 from pdserve.shared.kv.tp_layout import TP_KEY, kv_head_range, pull_plan
 from pdserve.shared.kv.transfer import (
     FingerprintMismatch,

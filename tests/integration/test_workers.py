@@ -12,11 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.shared.bus.protocol import (
-    Cancel,
-    PrefillRequest,
-    ReleaseLease,
-)
+from pdserve.shared.bus.lease_messages import ReleaseLease
+from pdserve.shared.bus.request_messages import Cancel, PrefillRequest
 from pdserve.shared.kv.layout import prefix_block_hashes
 from pdserve.shared.sampling import SamplingParams
 from tests.integration.stack import (

@@ -10,14 +10,9 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 
 from pdserve.shared.bus.connection import Bus
-from pdserve.shared.bus.protocol import (
-    DecodeRequest,
-    PrefillRequest,
-    PrefillResult,
-    TokenBatch,
-    TokenItem,
-    WorkerLoad,
-)
+from pdserve.shared.bus.discovery_messages import WorkerLoad
+from pdserve.shared.bus.request_messages import DecodeRequest, PrefillRequest, PrefillResult
+from pdserve.shared.bus.stream_messages import TokenBatch, TokenItem
 from pdserve.shared.config import BusConfig
 from pdserve.shared.discovery.worker_registry import WorkerRegistry
 from pdserve.shared.sampling import SamplingParams

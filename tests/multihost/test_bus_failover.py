@@ -12,7 +12,8 @@ import nats
 
 from pdserve.services.control.processes import NatsCluster
 from pdserve.shared.bus.connection import Bus, connect_options, nats_servers
-from pdserve.shared.bus.protocol import Cancel, decode
+from pdserve.shared.bus.protocol import decode
+from pdserve.shared.bus.request_messages import Cancel
 from pdserve.shared.config import BusConfig
 
 

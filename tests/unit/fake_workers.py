@@ -18,20 +18,11 @@ from typing import Any
 
 from pdserve.gateway.inflight.dispatcher import Dispatcher
 from pdserve.gateway.router import Router
-from pdserve.shared.bus.protocol import (
-    Cancel,
-    DecodeRequest,
-    KVHandle,
-    PrefillRequest,
-    PrefillResult,
-    ReleaseLease,
-    StreamCheck,
-    TokenBatch,
-    TokenItem,
-    WorkerGone,
-    WorkerLoad,
-    encode,
-)
+from pdserve.shared.bus.discovery_messages import WorkerGone, WorkerLoad
+from pdserve.shared.bus.lease_messages import KVHandle, ReleaseLease
+from pdserve.shared.bus.protocol import encode
+from pdserve.shared.bus.request_messages import Cancel, DecodeRequest, PrefillRequest, PrefillResult
+from pdserve.shared.bus.stream_messages import StreamCheck, TokenBatch, TokenItem
 from pdserve.shared.config import BusConfig
 from pdserve.shared.discovery.worker_registry import WorkerRegistry
 from tests.bus_memory import MemoryBus, MemoryNetwork

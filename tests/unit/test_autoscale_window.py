@@ -16,7 +16,7 @@ from pdserve.services.control.autoscale_window import (
     build_window,
     parse_snapshot,
 )
-from pdserve.shared.bus.protocol import WorkerLoad
+from pdserve.shared.bus.discovery_messages import WorkerLoad
 from pdserve.shared.telemetry.metrics import GatewayMetrics, WorkerLoadCollector, render_metrics
 
 

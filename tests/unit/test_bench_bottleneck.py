@@ -15,7 +15,7 @@ from pdserve.services.control.bench.metrics import BenchMetrics, Distribution
 from pdserve.services.control.bench.report import write_report
 from pdserve.services.control.bench.results import RunResult, load_runs, result_document, write_json
 from pdserve.services.control.bench.sweep import print_summary
-from pdserve.shared.bus.protocol import WorkerLoad
+from pdserve.shared.bus.discovery_messages import WorkerLoad
 from pdserve.shared.telemetry.metrics import WorkerLoadCollector, render_metrics
 from pdserve.shared.telemetry.roofline import Cost, Peaks, advice, roofline
 

@@ -9,14 +9,10 @@ import pytest
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from pdserve.shared.bus.protocol import (
-    Cancel,
-    ProtocolError,
-    TokenBatch,
-    TokenItem,
-    WorkerLoad,
-    encode,
-)
+from pdserve.shared.bus.discovery_messages import WorkerLoad
+from pdserve.shared.bus.protocol import ProtocolError, encode
+from pdserve.shared.bus.request_messages import Cancel
+from pdserve.shared.bus.stream_messages import TokenBatch, TokenItem
 from pdserve.shared.config import BusConfig
 from tests.bus_memory import MemoryBus, MemoryNetwork, subject_matches
 

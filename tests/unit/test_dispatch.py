@@ -11,7 +11,7 @@ import pytest
 
 from pdserve.gateway.inflight.delivery import TokenEvent
 from pdserve.gateway.inflight.faults import NotSendable, NoWorker, StageTimeout, WorkerFailure
-from pdserve.shared.bus.protocol import DecodeRequest, PrefillRequest
+from pdserve.shared.bus.request_messages import DecodeRequest, PrefillRequest
 from pdserve.shared.sampling import SamplingParams
 from tests.bus_memory import MemoryNetwork
 from tests.unit.fake_workers import FakeWorker, GatewaySide, settle

@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from pdserve.shared.bus.protocol import DecodeRequest, PrefillRequest, PrefillResult
+from pdserve.shared.bus.request_messages import DecodeRequest, PrefillRequest, PrefillResult
 from tests.bus_memory import MemoryNetwork
 from tests.unit.fake_workers import FakeWorker, settle
 from tests.unit.test_dispatch import Run, stack

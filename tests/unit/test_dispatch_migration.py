@@ -16,7 +16,8 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.gateway.inflight.delivery import OpenChoices, TokenEvent
 from pdserve.gateway.inflight.faults import StageTimeout, WorkerFailure
-from pdserve.shared.bus.protocol import DecodeRequest, TokenBatch
+from pdserve.shared.bus.request_messages import DecodeRequest
+from pdserve.shared.bus.stream_messages import TokenBatch
 from pdserve.shared.sampling import SamplingParams, choice_seed
 from pdserve.shared.telemetry.metrics import GatewayMetrics
 from tests.bus_memory import MemoryNetwork

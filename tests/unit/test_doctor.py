@@ -11,7 +11,8 @@ import pytest
 from pdserve.services.control.doctor import ucx as doctor_ucx
 from pdserve.services.control.doctor.report import FAIL, INFO, OK, WARN, Report
 from pdserve.services.control.doctor.ucx import PeerRun, parse_ucx_log, tag_send_tables
-from pdserve.shared.bus.protocol import KVHandle, ProtocolError, decode, encode
+from pdserve.shared.bus.lease_messages import KVHandle
+from pdserve.shared.bus.protocol import ProtocolError, decode, encode
 from pdserve.shared.bus.subjects import Subjects
 from pdserve.shared.kv import ucx_check
 from pdserve.shared.kv.probe import (
@@ -343,7 +344,7 @@ def test_probe_messages_round_trip_and_are_checked() -> None:
 
 async def test_stack_check_summarises_many_pairs_and_lists_each_failure() -> None:
     from pdserve.services.control.doctor.stack import StackCheck
-    from pdserve.shared.bus.protocol import WorkerLoad
+    from pdserve.shared.bus.discovery_messages import WorkerLoad
     from pdserve.shared.config import BusConfig
     from pdserve.shared.kv.probe import ProbeLeaseRequest
 

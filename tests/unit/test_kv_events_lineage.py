@@ -13,15 +13,9 @@ import pytest
 from pdserve.services.engine.block_manager import BlockManager
 from pdserve.services.engine.kv_event_feed import KVEventFeed
 from pdserve.services.engine.sequence import Sequence
-from pdserve.shared.bus.protocol import (
-    MAX_KV_EVENT_HASHES,
-    KVEvents,
-    ProtocolError,
-    WorkerLoad,
-    decode,
-    encode,
-)
-from pdserve.shared.bus.wire_fields import MAX_KV_EVENT_TOKENS
+from pdserve.shared.bus.discovery_messages import KVEvents, WorkerLoad
+from pdserve.shared.bus.protocol import ProtocolError, decode, encode
+from pdserve.shared.bus.wire_fields import MAX_KV_EVENT_HASHES, MAX_KV_EVENT_TOKENS
 from pdserve.shared.discovery.kv_delta import KVDelta
 from pdserve.shared.discovery.kv_publisher import KVEventPublisher
 from pdserve.shared.discovery.worker_registry import WorkerRegistry

@@ -11,6 +11,7 @@ import pytest
 
 from pdserve.cli import main, make_parser
 from pdserve.services.control import launcher as launcher_module
+from pdserve.services.control import local_nats
 from pdserve.services.control.launcher import Launcher, gpu_for_worker, tp_refusal
 from pdserve.shared.config import EngineConfig, UpConfig
 from pdserve.shared.cpus import cpu_shares
@@ -183,8 +184,9 @@ def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("pdserve up started a process before refusing")
 
-    for name in ("NatsServer", "NatsCluster", "spawn"):
-        monkeypatch.setattr(launcher_module, name, refuse)
+    monkeypatch.setattr(launcher_module, "spawn", refuse)
+    for name in ("NatsServer", "NatsCluster"):
+        monkeypatch.setattr(local_nats, name, refuse)
 
 
 @pytest.mark.usefixtures("nothing_starts")

@@ -15,7 +15,7 @@ from prometheus_client.openmetrics.parser import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.shared.bus.protocol import WorkerLoad
+from pdserve.shared.bus.discovery_messages import WorkerLoad
 from pdserve.shared.telemetry import metrics
 
 

@@ -7,29 +7,13 @@ import math
 import msgpack
 import pytest
 
-from pdserve.shared.bus.protocol import (
-    MAX_KV_EVENT_HASHES,
-    MAX_TOKEN_ID,
-    PROTOCOL_VERSION,
-    UINT64_MAX,
-    Cancel,
-    DecodeRequest,
-    KVEvents,
-    KVHandle,
-    PrefillRequest,
-    PrefillResult,
-    ProtocolError,
-    ReleaseLease,
-    StreamCheck,
-    TokenBatch,
-    TokenItem,
-    WorkerGone,
-    WorkerLoad,
-    decode,
-    decode_as,
-    encode,
-)
+from pdserve.shared.bus.discovery_messages import KVEvents, WorkerGone, WorkerLoad
+from pdserve.shared.bus.lease_messages import KVHandle, ReleaseLease
+from pdserve.shared.bus.protocol import PROTOCOL_VERSION, ProtocolError, decode, decode_as, encode
+from pdserve.shared.bus.request_messages import Cancel, DecodeRequest, PrefillRequest, PrefillResult
+from pdserve.shared.bus.stream_messages import StreamCheck, TokenBatch, TokenItem
 from pdserve.shared.bus.subjects import Subjects
+from pdserve.shared.bus.wire_fields import MAX_KV_EVENT_HASHES, MAX_TOKEN_ID, UINT64_MAX
 from pdserve.shared.sampling import SamplingParams
 
 FINGERPRINT = {

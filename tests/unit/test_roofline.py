@@ -12,7 +12,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.shared.bus.protocol import WorkerLoad, decode, encode
+from pdserve.shared.bus.discovery_messages import WorkerLoad
+from pdserve.shared.bus.protocol import decode, encode
 from pdserve.shared.telemetry.metrics import WorkerLoadCollector, render_metrics
 from pdserve.shared.telemetry.roofline import (
     Cost,

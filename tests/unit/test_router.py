@@ -11,7 +11,7 @@ from dataclasses import replace
 from pdserve.gateway.router import Router
 from pdserve.services.engine.block_manager import BlockManager
 from pdserve.services.engine.sequence import Sequence
-from pdserve.shared.bus.protocol import KVEvents, WorkerLoad
+from pdserve.shared.bus.discovery_messages import KVEvents, WorkerLoad
 from pdserve.shared.discovery.announce import KVEventPublisher
 from pdserve.shared.discovery.worker_registry import WorkerRegistry
 from pdserve.shared.kv.layout import layout_id, prefix_block_hashes

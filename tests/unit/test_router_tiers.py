@@ -13,7 +13,8 @@ import pytest
 from pdserve.gateway.router import DEFAULT_LOAD_COST, Router
 from pdserve.services.engine.commands import KVEventFeed
 from pdserve.services.engine.kv_tiers.tier_events import TierEventLog
-from pdserve.shared.bus.protocol import KVEvents, WorkerLoad, decode, encode
+from pdserve.shared.bus.discovery_messages import KVEvents, WorkerLoad
+from pdserve.shared.bus.protocol import decode, encode
 from pdserve.shared.discovery.announce import KVEventPublisher
 from pdserve.shared.discovery.worker_registry import WorkerRegistry
 from pdserve.shared.kv.layout import prefix_block_hashes

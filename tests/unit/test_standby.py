@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 from pdserve.gateway.router import Router
 from pdserve.services import standby
-from pdserve.shared.bus.protocol import WorkerLoad, decode_as, encode
+from pdserve.shared.bus.discovery_messages import WorkerLoad
+from pdserve.shared.bus.protocol import decode_as, encode
 from pdserve.shared.config import EngineConfig
 from pdserve.shared.discovery.worker_registry import WorkerRegistry
 
@@ -51,13 +52,13 @@ def test_the_version_comes_from_the_flag_else_from_the_checkpoint_path(tmp_path:
 async def test_a_promotion_serves_and_announces_at_once() -> None:
     published: list[bool] = []
 
-    class Beat:
-        async def publish_now(self) -> None:
+    class Presence:
+        async def publish_load(self) -> None:
             published.append(worker.standby)
 
     tasks: list[asyncio.Task] = []
-    worker = SimpleNamespace(standby=True, _heartbeat=Beat())
-    worker.spawn = lambda coro: tasks.append(asyncio.ensure_future(coro))
+    spawn = SimpleNamespace(spawn=lambda coro: tasks.append(asyncio.ensure_future(coro)))
+    worker = SimpleNamespace(standby=True, presence=Presence(), tasks=spawn)
     standby.promote(worker)
     await asyncio.gather(*tasks)
     assert worker.standby is False and published == [False]

@@ -13,7 +13,8 @@ import pytest
 
 from pdserve.gateway.inflight import stream_check
 from pdserve.gateway.inflight.stream_check import is_answer, offset
-from pdserve.shared.bus.protocol import Cancel, DecodeRequest, TokenBatch, TokenItem
+from pdserve.shared.bus.request_messages import Cancel, DecodeRequest
+from pdserve.shared.bus.stream_messages import TokenBatch, TokenItem
 from pdserve.shared.config import BusConfig
 from pdserve.shared.sampling import SamplingParams
 from tests.bus_memory import MemoryBus, MemoryNetwork

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from pdserve.services.control.doctor.kv_peer_result import CaseResult
-from pdserve.shared.bus.protocol import KVHandle
+from pdserve.shared.bus.lease_messages import KVHandle
 from pdserve.shared.kv import ucx_progress
 from pdserve.shared.kv.transfer import KVClient, KVServer, LeaseTable, block_runs, parse_address
 

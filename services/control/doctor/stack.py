@@ -25,7 +25,8 @@ from nats.errors import NoRespondersError
 from pdserve.services.control.doctor.ranks import RankFacts, add_rank_check
 from pdserve.services.control.doctor.report import FAIL, INFO, OK, WARN, DoctorInputError, Report
 from pdserve.shared.bus.connection import Bus
-from pdserve.shared.bus.protocol import ReleaseLease, WorkerGone, WorkerLoad
+from pdserve.shared.bus.discovery_messages import WorkerGone, WorkerLoad
+from pdserve.shared.bus.lease_messages import ReleaseLease
 from pdserve.shared.config import BusConfig
 from pdserve.shared.kv.probe import (
     PROBE_PREFIX,

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from pdserve.shared.bus.protocol import KVHandle
+from pdserve.shared.bus.lease_messages import KVHandle
 from pdserve.shared.kv import ucx_check
 from pdserve.shared.kv.transfer import KVClient, KVServer, LeaseTable
 from pdserve.shared.kv.transfer.heads import Split

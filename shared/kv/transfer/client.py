@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdserve.shared.bus.protocol import KVHandle
+from pdserve.shared.bus.lease_messages import KVHandle
 from pdserve.shared.kv import ucx_config, ucx_exchange
 from pdserve.shared.kv.tp_layout import TP_KEY, without_tp
 from pdserve.shared.kv.transfer.checksum import KVChecksumError, KVHasher

@@ -1,30 +1,30 @@
-"""The prefill side: serves leased blocks to pullers that show the lease's token."""
+"""The prefill side: serves leased blocks to pullers that show the lease's token.
+
+What a pull may have is ``admission.py``'s to decide; this module receives the requests, holds
+a streamed piece until its layers are written, and moves the bytes (the sends, followed to their
+end, the lease unpinned)."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-import struct
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
 import numpy as np
 import torch
 
 from pdserve.shared.kv import ucx_config, ucx_progress
-from pdserve.shared.kv.tp_layout import without_tp
+from pdserve.shared.kv.transfer.admission import Admission
 from pdserve.shared.kv.transfer.answer import Answer, Refusal
 from pdserve.shared.kv.transfer.checksum import KVHasher, hash_lease, lease_sums
 from pdserve.shared.kv.transfer.heads import Heads, HeadSlicer, Split, settle
 from pdserve.shared.kv.transfer.lease import Lease, LeaseTable
-from pdserve.shared.kv.transfer.request import SLICED, WHOLE, PullRequest, decode_request
-from pdserve.shared.kv.transfer.stream import FINISHED, LayerViews, parse_layers, when_ready
+from pdserve.shared.kv.transfer.request import PullRequest, decode_request
+from pdserve.shared.kv.transfer.stream import LayerViews, when_ready
 from pdserve.shared.kv.transfer.watch import Transfers, done_or_after, watch_sends
 from pdserve.shared.kv.transfer.wire import (
     EMPTY,
-    KV_WIRE_VERSION,
     MAX_CONTROL_BYTES,
     MAX_PENDING_REQUESTS,
     REPLY_TIMEOUT,
@@ -32,7 +32,6 @@ from pdserve.shared.kv.transfer.wire import (
     Endpoints,
     buffer,
     control_tag,
-    fingerprint_diff,
     format_address,
     host_view,
     own_address,
@@ -73,11 +72,10 @@ class KVServer:
             leases.on_add = lambda lease: lease.stream or hash_lease(self.hasher, lease)
         self.layer_views = LayerViews(self.slicer.parts) if self.slicer.parts else None
         self.fingerprint = dict(fingerprint)
-        self._layout = without_tp(self.fingerprint)  # what a puller's must equal
-        self._matched: dict | None = None  # the last puller fingerprint that did
         self.blocks = BlockBytes(kv_cache)
         self._replies: dict[tuple[bool, int], Any] = {}  # see _yes
         self.leases = leases
+        self.admission = Admission(self.slicer, self.blocks, self.layer_views, leases, fingerprint)
         self.host = host
         self.port = port
         self.control_tag = control_tag()
@@ -177,11 +175,11 @@ class KVServer:
         except Exception as exc:
             self._drop(repr(exc))
             return
-        if not self._authentic(req):
+        if not self.admission.authentic(req):
             self._drop(f"no valid lease token for {req.bus_id[:64]!r}")
             return
         try:
-            answer: Answer | str = self._admit(req)
+            answer: Answer | str = self.admission.admit(req)
         except Refusal as exc:
             answer = str(exc)
         if not isinstance(answer, str) and not answer.ready():
@@ -304,96 +302,7 @@ class KVServer:
         receiving (``watch.Transfers``)."""
         await watch_sends(sends, lease, self.leases.clock)
 
-    def _views(self, runs: list[tuple[int, int]], heads: Heads, sliced: bool) -> tuple[list, list]:
-        """One message per run - the blocks themselves, or their head slice (packed unless it
-        is one contiguous piece of the cache) - and the staging copies among them."""
-        if not sliced:
-            return [self.blocks.message(start, count) for start, count in runs], []
-        packed = [self.slicer.pack(start, count, heads) for start, count in runs]
-        return [buffer(t) for t, _ in packed], [t for t, copied in packed if copied]
-
     async def _send_sums(self, ep, lease: Lease, runs: list, heads: Heads, tag: int) -> None:
         """The checksums of the pulled blocks' heads, after the runs (``checksum.py``)."""
         sums = await lease_sums(self.hasher, lease, runs, heads)
         await ucx_progress.send(ep, sums.view(np.uint8).reshape(-1), tag)
-
-    def _authentic(self, req: PullRequest) -> bool:
-        """Whether the request shows the token of a live or recently dropped lease."""
-        expected = self.leases.token_of(req.bus_id)
-        return expected is not None and hmac.compare_digest(expected, req.token)
-
-    def _admit(self, req: PullRequest) -> Answer:
-        """Check an authentic pull request completely before any KV byte moves - the version,
-        the lease, the heads, the form the puller receives in - and take the messages to send
-        (the lease pinned); or raise Refusal with the reason."""
-        if req.version != KV_WIRE_VERSION:
-            raise Refusal(f"KV wire version {req.version!r}; this server speaks {KV_WIRE_VERSION}")
-        try:
-            req.parse()
-        except (ValueError, struct.error) as exc:
-            raise Refusal(f"malformed pull request ({exc})") from None
-        if req.fingerprint != self._matched:  # a puller's requests all carry the same one
-            theirs = _fingerprint(req.fingerprint)
-            if theirs != self._layout:  # TP alone may differ: head-sliced pulls bridge it
-                raise Refusal(f"KV layout mismatch ({fingerprint_diff(self._layout, theirs)})")
-            self._matched = req.fingerprint
-        flags, runs = req.flags, req.runs
-        try:
-            heads, whole = self.slicer.requested(req.heads, bool(flags & WHOLE))
-        except ValueError as exc:
-            raise Refusal(str(exc)) from None
-        sliced = bool(flags & SLICED)
-        if not sliced and not (whole and heads == self.slicer.heads):
-            # whole blocks only where both caches hold exactly these heads: the same layout
-            raise Refusal(
-                f"whole blocks asked, but this cache holds heads {list(self.slicer.heads)}"
-            )
-        if sliced and self.slicer.parts is None:
-            raise Refusal("this KV cache cannot be head-sliced (no split given)")
-        num_layers = self.slicer.parts[0].shape[1] if self.slicer.parts else 0
-        try:
-            piece = parse_layers(req.layers, req.final, num_layers)
-        except ValueError as exc:
-            raise Refusal(str(exc)) from None
-        if piece is not None and (sliced or self.layer_views is None):
-            raise Refusal("layer pieces move whole blocks of a cache with known parts")
-        if piece is not None and req.checksum:
-            raise Refusal("a streamed lease has no checksums: pull it in bulk")
-        lease = self.leases.get(req.bus_id)
-        if lease is None:
-            if self.leases.ended(req.bus_id) == FINISHED:  # released before this pull came
-                raise Refusal(FINISHED)
-            raise Refusal(f"no lease for {req.bus_id} (expired or released)")
-        if lease.block_set is None:  # checked by every pull of the lease: built once
-            lease.block_set = frozenset(lease.block_ids)
-        leased = lease.block_set
-        for start, count in runs:
-            if count < 1 or not (
-                start in leased if count == 1 else leased.issuperset(range(start, start + count))
-            ):
-                raise Refusal("requested blocks are not part of the lease")
-        if piece is None:
-            views, staged = self._views(runs, heads, sliced)
-            piece = ((0, num_layers), True)
-        else:
-            try:
-                views, staged = self.layer_views.of(runs, piece[0]), []
-            except ValueError as exc:
-                raise Refusal(str(exc)) from None
-        self.leases.pin(lease)
-        done = lease.stream is not None and all(
-            k in lease.stream.done_blocks for s, n in runs for k in range(s, s + n)
-        )  # blocks leased complete: sent at once
-        # a bulk pull of a lease prefill still writes waits for all of it, like a final piece
-        return Answer(lease, heads, sliced, views, staged, piece[0], piece[1], done)
-
-
-def _fingerprint(packed: object) -> dict:
-    """A puller's layout fingerprint, from its packed form (``request.py``), TP left out."""
-    try:
-        fp = msgpack.unpackb(packed, raw=False, max_ext_len=0, strict_map_key=True)
-    except Exception as exc:
-        raise Refusal(f"malformed fingerprint ({exc!r})") from None
-    if type(fp) is not dict:
-        raise Refusal("malformed fingerprint")
-    return without_tp(fp)
