@@ -21,7 +21,7 @@ from pdserve.gateway.tokenizer import (
 )
 from pdserve.gateway.tools.setup import ToolSetup
 
-log = logging.getLogger("pdserve.gateway")
+log = logging.getLogger(__name__)
 
 
 BIG_PROMPT_CHARS = 20_000  # tokenize longer texts off the event loop

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Coroutine
 from typing import Any
 
-log = logging.getLogger("pdserve.worker")
+log = logging.getLogger(__name__)
 
 
 class BackgroundTasks:

@@ -27,7 +27,7 @@ from pdserve.shared.config import WorkerConfig
 from pdserve.shared.discovery.announce import HeartbeatPublisher, register_micro_service
 from pdserve.shared.discovery.cache_reset import answer_resets
 
-log = logging.getLogger("pdserve.worker")
+log = logging.getLogger(__name__)
 
 
 class PresentWorker(Protocol):

@@ -44,7 +44,7 @@ from pdserve.shared.kv.probe import (
 from pdserve.shared.kv.tp_layout import TP_KEY, kv_head_range
 from pdserve.shared.kv.transfer import KVClient, KVTransferError, Lease, LeaseTable
 
-log = logging.getLogger("pdserve.probe")
+log = logging.getLogger(__name__)
 
 
 def probe_pattern(num_bytes: int, probe_id: str) -> torch.Tensor:

@@ -19,7 +19,7 @@ from pdserve.services.request_state import RequestState
 from pdserve.services.worker_report import WorkerReport
 from pdserve.shared.telemetry.health import Health
 
-log = logging.getLogger("pdserve.worker")
+log = logging.getLogger(__name__)
 
 HOUSEKEEPING_SECONDS = 0.25  # deadline and lease checks
 

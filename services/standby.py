@@ -27,7 +27,7 @@ from typing import Any
 
 from pdserve.shared.config import EngineConfig
 
-log = logging.getLogger("pdserve.worker")
+log = logging.getLogger(__name__)
 
 PROMOTE_SIGNAL = signal.SIGUSR1
 

@@ -47,7 +47,7 @@ from pdserve.shared.telemetry import health, tracing
 from pdserve.shared.telemetry.kv_tier_metrics import KVTierCollector
 from pdserve.shared.telemetry.metrics import WorkerMetrics
 
-log = logging.getLogger("pdserve.worker")
+log = logging.getLogger(__name__)
 
 
 class Worker:

@@ -25,7 +25,7 @@ from typing import Any
 from pdserve.shared.bus.connection import Bus
 from pdserve.shared.config import BusConfig
 
-log = logging.getLogger("pdserve.control")
+log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024
 

@@ -31,7 +31,7 @@ from pdserve.shared.kv.transfer import KVChecksumError, KVClient, KVStreamFinish
 from pdserve.shared.kv.transfer.stream import pull_streamed
 from pdserve.shared.telemetry.metrics import WorkerMetrics
 
-log = logging.getLogger("pdserve.decode")
+log = logging.getLogger(__name__)
 
 PULL_TIMEOUT = 30.0  # one request's KV pull, beyond which it counts as failed
 # a streamed pull also waits for the prefill pass it overlaps: its bound is the request's

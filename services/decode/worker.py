@@ -47,7 +47,7 @@ from pdserve.shared.kv.transfer import (
 from pdserve.shared.kv.transfer.stream import can_stream, stream_threshold
 from pdserve.shared.telemetry import tracing
 
-log = logging.getLogger("pdserve.decode")
+log = logging.getLogger(__name__)
 
 
 class DecodeWorker(Worker):

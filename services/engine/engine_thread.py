@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pdserve.services.engine.engine import LLMEngine
 from pdserve.services.engine.outputs import StepResult
 
-log = logging.getLogger("pdserve.worker")
+log = logging.getLogger(__name__)
 
 # Longest sleep between steps when no command arrives. Nothing but a command can create work,
 # so this only bounds how long a missed wake-up could last.

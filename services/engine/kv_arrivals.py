@@ -19,7 +19,7 @@ from pdserve.services.engine.sequence import Sequence, SequenceStatus
 if TYPE_CHECKING:
     from pdserve.services.engine.block_manager import BlockManager
 
-log = logging.getLogger("pdserve.services.engine.scheduler")
+log = logging.getLogger(__name__)
 
 
 class KVArrivals:

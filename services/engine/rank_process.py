@@ -29,7 +29,7 @@ from pdserve.services.engine.parallel.shard import Shard
 from pdserve.services.engine.parallel.tier_mirror import RankTiers
 from pdserve.shared.config import EngineConfig
 
-log = logging.getLogger("pdserve.tp")
+log = logging.getLogger("pdserve.services.engine.rank_process")  # its module's name: it runs as __main__
 PR_SET_PDEATHSIG = 1
 
 

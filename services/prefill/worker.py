@@ -46,7 +46,7 @@ from pdserve.shared.kv.transfer.stream import (
 )
 from pdserve.shared.telemetry import tracing
 
-log = logging.getLogger("pdserve.prefill")
+log = logging.getLogger(__name__)
 
 
 class PrefillWorker(Worker):

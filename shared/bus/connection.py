@@ -30,7 +30,7 @@ from pdserve.shared.bus.replay import ReplayWindow
 from pdserve.shared.bus.subjects import Subjects
 from pdserve.shared.config import BusConfig
 
-log = logging.getLogger("pdserve.bus")
+log = logging.getLogger(__name__)
 
 Handler = Callable[[Any, dict[str, str]], Awaitable[None]]
 

@@ -26,7 +26,7 @@ from pdserve.shared.discovery.kv_publisher import (  # noqa: F401 (its home befo
     KVEventPublisher,
 )
 
-log = logging.getLogger("pdserve.discovery")
+log = logging.getLogger(__name__)
 
 LoadFn = Callable[[], WorkerLoad]
 

@@ -26,7 +26,7 @@ from pdserve.shared.bus.protocol import MESSAGE_TYPES, ProtocolError, decode_as,
 from pdserve.shared.bus.subjects import Subjects, is_subject_token
 from pdserve.shared.bus.wire_fields import bounded, count, ident, text
 
-log = logging.getLogger("pdserve.cache_reset")
+log = logging.getLogger(__name__)
 
 RESET_STATUSES = ("ok", "busy")
 

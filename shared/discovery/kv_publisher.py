@@ -26,7 +26,7 @@ from pdserve.shared.bus.discovery_messages import KVEvents
 from pdserve.shared.bus.wire_fields import MAX_KV_EVENT_HASHES, MAX_KV_EVENT_TOKENS
 from pdserve.shared.discovery.kv_delta import KVDelta
 
-log = logging.getLogger("pdserve.discovery")
+log = logging.getLogger(__name__)
 
 KV_SNAPSHOT_SECONDS = 10.0  # a late-joining gateway knows a worker's whole cache within this
 

@@ -57,7 +57,7 @@ import msgpack
 from pdserve.shared.bus.discovery_messages import KVEvents
 from pdserve.shared.kv.layout import ROOT_HASH  # the parent of a prompt's first block
 
-log = logging.getLogger("pdserve.discovery")
+log = logging.getLogger(__name__)
 
 MEDIUM = {"device": "GPU", "host": "CPU", "disk": "DISK"}
 FORMATS = ("map", "array")

@@ -29,7 +29,7 @@ from pdserve.shared.bus.connection import Bus
 from pdserve.shared.bus.discovery_messages import KV_TIERS, KVEvents, WorkerGone, WorkerLoad
 from pdserve.shared.bus.protocol import ProtocolError, decode_as
 
-log = logging.getLogger("pdserve.discovery")
+log = logging.getLogger(__name__)
 
 JOINED = "joined"
 LEFT = "left"

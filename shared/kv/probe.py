@@ -29,7 +29,7 @@ from pdserve.shared.bus.protocol import MESSAGE_TYPES, ProtocolError, decode_as,
 from pdserve.shared.bus.subjects import Subjects, is_subject_token
 from pdserve.shared.bus.wire_fields import count, ident, seconds, text
 
-log = logging.getLogger("pdserve.probe")
+log = logging.getLogger(__name__)
 
 MAX_PROBE_TTL = 30.0  # seconds a probe lease may live if the doctor never releases it
 MAX_PROBE_LEASES = 4  # probe leases one prefill worker holds at once: probes never hoard blocks

@@ -29,7 +29,7 @@ from typing import Any
 
 from pdserve.shared.kv.ucx_config import SHM_ERROR_HANDLING, rdma_devices
 
-log = logging.getLogger("pdserve.ucx")
+log = logging.getLogger(__name__)
 
 # UCX transport names (and UCX_TLS aliases) that run over RDMA hardware, and over CUDA.
 RDMA_TLS = (

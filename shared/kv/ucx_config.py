@@ -48,7 +48,7 @@ from pathlib import Path
 
 from pdserve.shared.kv import ucx_progress
 
-log = logging.getLogger("pdserve.ucx")
+log = logging.getLogger(__name__)
 
 ALL_INTERFACES = ("", "0.0.0.0", "*")
 _VARIABLES = (

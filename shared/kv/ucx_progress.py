@@ -46,7 +46,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger("pdserve.ucx")
+log = logging.getLogger(__name__)
 
 SAFETY_PROGRESS_SECONDS = 1.0
 # After posting an operation or completing one, keep progressing this long before sleeping in

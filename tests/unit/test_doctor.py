@@ -117,7 +117,7 @@ def test_context_resources_are_read_from_ucp_info() -> None:
 def test_workers_warn_at_startup(monkeypatch, caplog) -> None:
     monkeypatch.setattr(ucx_check, "host_devices", lambda: RDMA_HOST)
     monkeypatch.setattr(ucx_check, "uct_modules", lambda lib_dir: ["cma"])
-    with caplog.at_level(logging.WARNING, logger="pdserve.ucx"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.shared.kv.ucx_check"):
         assert len(ucx_check.warn_at_startup("decode")) == 1
     assert "decode worker: RDMA devices present" in caplog.text
     assert "pdserve doctor" in caplog.text

@@ -36,7 +36,7 @@ from pdserve.services.engine.parallel.shard import Shard
 from pdserve.services.engine.parallel.tier_mirror import TierOps
 from pdserve.shared.config import EngineConfig
 
-log = logging.getLogger("pdserve.tp")
+log = logging.getLogger(__name__)
 
 START_SECONDS = 600.0  # ranks connecting and joining the group (they load afterwards)
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a collective waits at most for a rank's load

@@ -28,7 +28,7 @@ from pdserve.shared.kv import ucx_check
 from pdserve.shared.kv.transfer import KVClient, KVServer, LeaseTable
 from pdserve.shared.kv.transfer.heads import Split
 
-log = logging.getLogger("pdserve.tp")
+log = logging.getLogger(__name__)
 LEASE_CHECK_SECONDS = 0.25
 
 

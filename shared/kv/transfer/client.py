@@ -48,7 +48,7 @@ from pdserve.shared.kv.transfer.wire import (
     reply_leaves_posted,
 )
 
-log = logging.getLogger("pdserve.kv")
+log = logging.getLogger(__name__)
 
 
 @dataclass

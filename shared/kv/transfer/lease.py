@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-log = logging.getLogger("pdserve.kv")
+log = logging.getLogger(__name__)
 
 
 @dataclass

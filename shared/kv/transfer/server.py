@@ -38,7 +38,7 @@ from pdserve.shared.kv.transfer.wire import (
     pack_reply,
 )
 
-log = logging.getLogger("pdserve.kv")
+log = logging.getLogger(__name__)
 # How long the server waits for a transfer it just started before it posts the receive for the
 # next request (one that comes meanwhile waits in UCX): a 1 MiB pull takes ~0.1 ms here.
 REPOST_AFTER = 300e-6
