@@ -29,7 +29,8 @@ from pdserve.services.engine.parallel.shard import Shard
 from pdserve.services.engine.parallel.tier_mirror import RankTiers
 from pdserve.shared.config import EngineConfig
 
-log = logging.getLogger("pdserve.services.engine.rank_process")  # its module's name: it runs as __main__
+# Its module's name spelled out: the process runs it as __main__.
+log = logging.getLogger("pdserve.services.engine.rank_process")
 PR_SET_PDEATHSIG = 1
 
 
