@@ -55,39 +55,45 @@ class Command:
 
 COMMANDS: dict[str, Command] = {
     "up": Command(
-        "run NATS, prefill and decode workers and the gateway locally",
-        _up,
-        (UpConfig, GatewayConfig, EngineConfig, WorkerConfig, BusConfig),
+        help="run NATS, prefill and decode workers and the gateway locally",
+        run=_up,
+        options=(UpConfig, GatewayConfig, EngineConfig, WorkerConfig, BusConfig),
     ),
     "gateway": Command(
-        "run the OpenAI-compatible HTTP gateway", _gateway, (GatewayConfig, EngineConfig, BusConfig)
+        help="run the OpenAI-compatible HTTP gateway",
+        run=_gateway,
+        options=(GatewayConfig, EngineConfig, BusConfig),
     ),
-    "prefill": Command("run a prefill worker", _prefill, (WorkerConfig, EngineConfig, BusConfig)),
-    "decode": Command("run a decode worker", _decode, (WorkerConfig, EngineConfig, BusConfig)),
+    "prefill": Command(
+        help="run a prefill worker", run=_prefill, options=(WorkerConfig, EngineConfig, BusConfig)
+    ),
+    "decode": Command(
+        help="run a decode worker", run=_decode, options=(WorkerConfig, EngineConfig, BusConfig)
+    ),
     "bench": Command(
-        "benchmark an OpenAI-compatible endpoint",
-        bench_cli.run,
+        help="benchmark an OpenAI-compatible endpoint",
+        run=bench_cli.run,
         add_arguments=bench_cli.add_arguments,
     ),
     "doctor": Command(
-        "check the KV transfer path: UCX transports, pull vs raw bandwidth, a running stack",
-        doctor_command.run,
+        help="check the KV transfer path: UCX transports, pull vs raw bandwidth, a running stack",
+        run=doctor_command.run,
         add_arguments=doctor_command.add_arguments,
     ),
     "plan": Command(
-        "profile this model here and size prefill and decode workers for a workload and SLOs",
-        plan_command.run,
+        help="profile this model here and size prefill and decode workers for a workload and SLOs",
+        run=plan_command.run,
         add_arguments=plan_command.add_arguments,
     ),
     "rollout": Command(
-        "swap the model of a running pdserve up: load, verify, switch, drain (or roll back)",
-        rollout_command.run,
-        (BusConfig,),
+        help="swap the model of a running pdserve up: load, verify, switch, drain (or roll back)",
+        run=rollout_command.run,
+        options=(BusConfig,),
         add_arguments=rollout_command.add_arguments,
     ),
     "trace": Command(
-        "per-phase breakdown of request traces from Jaeger",
-        trace_cli.run,
+        help="per-phase breakdown of request traces from Jaeger",
+        run=trace_cli.run,
         add_arguments=trace_cli.add_arguments,
     ),
 }

@@ -144,8 +144,8 @@ class Gateway:
         self.workers = WorkerRegistry(self.bus, config.worker_timeout)
         self.metrics_registry.register(WorkerLoadCollector(self.workers.loads))
         self.router = Router(
-            self.workers.routable,
-            engine.block_size,
+            routable=self.workers.routable,
+            block_size=engine.block_size,
             model=self.model.name,
             cached_hits=self.workers.prefix_hits,
             cached_tiers=self.workers.tier_chain,

@@ -145,11 +145,11 @@ def trim_alternatives(logprobs: TokenLogprobs, k: int) -> TokenLogprobs:
     n, old = len(logprobs), logprobs.top_k
     keep = [i * old + j for i in range(n) for j in range(k)]
     return TokenLogprobs(
-        k,
-        list(logprobs.token_logprobs),
-        list(logprobs.ranks),
-        [logprobs.top_token_ids[i] for i in keep],
-        [logprobs.top_logprobs[i] for i in keep],
+        top_k=k,
+        token_logprobs=list(logprobs.token_logprobs),
+        ranks=list(logprobs.ranks),
+        top_token_ids=[logprobs.top_token_ids[i] for i in keep],
+        top_logprobs=[logprobs.top_logprobs[i] for i in keep],
     )
 
 

@@ -226,7 +226,7 @@ class ResponseChoice:
         """Record the choice's new text; split its reasoning out, and read the rest for calls."""
         self.pieces.append(text)
         if self.calls is None and self._thoughts is None:
-            return Piece(text, entries, ids)
+            return Piece(text=text, logprobs=entries, token_ids=ids)
         events: list[Event] = [("content", text)]
         if self._thoughts is not None:
             events = self._thoughts.feed(text) + (self._thoughts.finish() if self.done else [])
@@ -241,7 +241,7 @@ class ResponseChoice:
         if self.done and self.calls is not None:
             deltas += self.calls.finish()
         content = "".join(d.get("content", "") for d in deltas)
-        return Piece(content, entries, ids, deltas)
+        return Piece(text=content, logprobs=entries, token_ids=ids, deltas=deltas)
 
     def prepend_prompt(
         self, text: str, prompt_ids: list[int], prompt_logprobs: TokenLogprobs | None
@@ -252,7 +252,7 @@ class ResponseChoice:
             self.logprobs.add_prompt(prompt_ids, prompt_logprobs)
             entries = list(self.logprobs.entries)
         self.pieces.append(text)
-        return Piece(text, entries)
+        return Piece(text=text, logprobs=entries)
 
     def add(self, event: TokenEvent) -> Piece:
         """Take the choice's next token event; ``done`` tells whether it ended the choice."""

@@ -210,7 +210,7 @@ class Router:
             loads = sum(self.load_cost(w, tier) for tier in chain)
             queued = (w.waiting + w.running) * typical + sum(s.blocks for s in self._recent(w))
             cost = self.prefix_weight * (new_blocks + loads) + queued
-            out.append(_Cost(w, cost, hashes, new_blocks))
+            out.append(_Cost(worker=w, cost=cost, hashes=hashes, new_blocks=new_blocks))
         return out
 
     def pick_prefill(

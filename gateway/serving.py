@@ -55,13 +55,13 @@ async def serve_generation(
         if params.n > 1:
             root.set_attribute(tr.GEN_AI_REQUEST_CHOICE_COUNT, params.n)
         gen = Generation(
-            gw,
-            operation,
-            params,
-            prompts,
-            [gw.sampling_params(params, m) for m in max_tokens],
-            client_id,
-            Progress(prompt_tokens=total_prompt, arrived=request[ARRIVED_KEY]),
+            gw=gw,
+            operation=operation,
+            params=params,
+            prompts=prompts,
+            samplings=[gw.sampling_params(params, m) for m in max_tokens],
+            client_id=client_id,
+            progress=Progress(prompt_tokens=total_prompt, arrived=request[ARRIVED_KEY]),
         )
         try:
             return await (stream_response(request, gen) if params.stream else complete(gen))

@@ -48,7 +48,7 @@ async def complete(gen: Generation) -> web.Response:
 def _choice_json(gen: Generation, choice: ResponseChoice) -> dict[str, Any]:
     logprobs = None
     if choice.logprobs is not None:
-        whole = Piece(choice.text, choice.logprobs.entries)
+        whole = Piece(text=choice.text, logprobs=choice.logprobs.entries)
         logprobs = gen.logprobs_json(choice, whole, 0)
     finish = choice.finish_reason or "stop"
     if gen.chat:

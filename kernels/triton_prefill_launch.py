@@ -67,7 +67,18 @@ def prefill_keys(
         v = v if v.stride(-1) == 1 else v.contiguous()
         packed = (k.stride(0), k.stride(1), v.stride(0), v.stride(1))
         strides = (*packed, 0, 0, 0, 0, 0, 0, 0)
-        return PrefillKeys(k, v, k, v, cu_seqlens_k, k.shape[1], 1, strides, False, False)
+        return PrefillKeys(
+            keys=k,
+            values=v,
+            k_scales=k,
+            v_scales=v,
+            block_tables=cu_seqlens_k,
+            num_kv_heads=k.shape[1],
+            block_size=1,
+            strides=strides,
+            paged=False,
+            quantized=False,
+        )
     assert k_cache is not None and v_cache is not None
     assert k_cache.stride() == v_cache.stride(), "K and V views must share one layout"
     assert block_tables.stride(-1) == 1 and k_cache.stride(-1) == 1
@@ -75,14 +86,14 @@ def prefill_keys(
     cache = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     strides = (0, 0, 0, 0, block_tables.stride(0), *cache, *scale_strides(k_scale, v_scale))
     return PrefillKeys(
-        k_cache,
-        v_cache,
-        k_scale if quantized else k_cache,
-        v_scale if quantized else v_cache,
-        block_tables,
-        k_cache.shape[2],
-        k_cache.shape[1],
-        strides,
-        True,
-        quantized,
+        keys=k_cache,
+        values=v_cache,
+        k_scales=k_scale if quantized else k_cache,
+        v_scales=v_scale if quantized else v_cache,
+        block_tables=block_tables,
+        num_kv_heads=k_cache.shape[2],
+        block_size=k_cache.shape[1],
+        strides=strides,
+        paged=True,
+        quantized=quantized,
     )

@@ -142,7 +142,7 @@ async def lease_probe(
 ) -> ProbeLeaseReply:
     """Lease one block filled with the probe's pattern, as a prefill result leases its KV
     (``make_handle``: the prefill worker's, which names its KV server)."""
-    reply = ProbeLeaseReply(req.probe_id, worker_id, "refused")
+    reply = ProbeLeaseReply(probe_id=req.probe_id, worker_id=worker_id, status="refused")
     _with_ranks(reply, ranks)
     reply.error = _bad_probe(leases, req.probe_id)
     block = reply.error or await _hold_block(engine, req.probe_id, worker_id, draining)
@@ -170,7 +170,7 @@ async def pull_probe(
     ranks: Sequence[dict] = (),
 ) -> ProbePullReply:
     """Pull the probe's block ``req.pulls`` times into a free block, check it, free it."""
-    reply = ProbePullReply(req.probe_id, worker_id, "refused")
+    reply = ProbePullReply(probe_id=req.probe_id, worker_id=worker_id, status="refused")
     _with_ranks(reply, ranks)
     block = await _hold_block(engine, req.probe_id, worker_id, draining)
     if isinstance(block, str):

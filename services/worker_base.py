@@ -70,7 +70,9 @@ class Worker:
         self.engine_thread: EngineThread | None = None
         self.bus = bus if bus is not None else Bus(self.bus_config, self.worker_id)
         self.subjects = self.bus.subjects
-        self.health = health.Health(self.work_counts, lambda: self.bus.connected)
+        self.health = health.Health(
+            work_counts=self.work_counts, connected=lambda: self.bus.connected
+        )
         self.states: dict[str, RequestState] = {}
         self.draining = False
         self.standby = standby.arm(self)  # services/standby.py: not routed until promoted

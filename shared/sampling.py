@@ -54,11 +54,11 @@ class TokenLogprobs:
     def slice(self, start: int, stop: int) -> TokenLogprobs:
         k = self.top_k
         return TokenLogprobs(
-            k,
-            self.token_logprobs[start:stop],
-            self.ranks[start:stop],
-            self.top_token_ids[start * k : stop * k],
-            self.top_logprobs[start * k : stop * k],
+            top_k=k,
+            token_logprobs=self.token_logprobs[start:stop],
+            ranks=self.ranks[start:stop],
+            top_token_ids=self.top_token_ids[start * k : stop * k],
+            top_logprobs=self.top_logprobs[start * k : stop * k],
         )
 
 

@@ -53,18 +53,18 @@ class Outbox:
     def check_stream(self, worker_id: str, bus_id: str) -> None:
         """Ask ``worker_id`` where the stream ``bus_id`` stands (``stream_check.py``);
         a check that cannot go out now is sent again."""
-        check = StreamCheck(bus_id, self.inbox)
+        check = StreamCheck(bus_id=bus_id, reply_to=self.inbox)
         self.spawn(self._publish(self.bus.subjects.decode(worker_id), check))
 
     async def cancel(self, bus_id: str, index: int | None = None) -> None:
         """Cancel a request on every worker, or only its choice ``index``."""
-        await self._publish(self.bus.subjects.cancel, Cancel(bus_id, index))
+        await self._publish(self.bus.subjects.cancel, Cancel(bus_id=bus_id, index=index))
 
     async def release_stale(self, item: object) -> None:
         """Free the leased KV blocks of a prefill answer nobody will pull."""
         if isinstance(item, PrefillResult) and item.kv is not None:
             await self._publish(
-                self.bus.subjects.lease(item.kv.worker_id), ReleaseLease(item.bus_id)
+                self.bus.subjects.lease(item.kv.worker_id), ReleaseLease(bus_id=item.bus_id)
             )
 
     async def close(self) -> None:

@@ -191,7 +191,9 @@ class Autoscaler:
         self.pool = WarmPool.from_flags(fleet.up)  # its cost is kept out of the serving budget
         limits = fleet_limits(fleet.up, costs, budget - self.pool.cost(costs), self.unit)
         planner_config = PlannerConfig(warmup_s=config.warmup_s)
-        self.planner = Planner(config.profile, config.slo, limits, planner_config)
+        self.planner = Planner(
+            profile=config.profile, slo=config.slo, limits=limits, config=planner_config
+        )
         self.retiring: dict[str, tuple[Child, float]] = {}  # draining: child, kill deadline
         self.last: Decision | None = None
         # when each worker first showed in the gateway's registry: its age counts from there,

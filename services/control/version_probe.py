@@ -57,7 +57,13 @@ async def _one(
     bus_id = f"rollout-probe-{secrets.token_hex(6)}"
     sampling = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     deadline = time.time() + timeout
-    req = PrefillRequest(bus_id, PROMPT, sampling, reply_to, deadline)
+    req = PrefillRequest(
+        bus_id=bus_id,
+        prompt_token_ids=PROMPT,
+        sampling=sampling,
+        reply_to=reply_to,
+        deadline=deadline,
+    )
     await bus.publish(bus.subjects.prefill(prefill), req)
     queue = inbox.queue(bus_id)
     result = await asyncio.wait_for(queue.get(), timeout)
@@ -66,7 +72,15 @@ async def _one(
     first = result.first_token
     await bus.publish(
         bus.subjects.decode(decode),
-        DecodeRequest(bus_id, PROMPT, [first], sampling, result.kv, reply_to, deadline),
+        DecodeRequest(
+            bus_id=bus_id,
+            prompt_token_ids=PROMPT,
+            output_token_ids=[first],
+            sampling=sampling,
+            kv=result.kv,
+            reply_to=reply_to,
+            deadline=deadline,
+        ),
     )
     tokens = [first]
     while True:

@@ -62,8 +62,19 @@ def check_answer(check: StreamCheck, state: DecodeState | None, worker_id: str) 
     """The items that answer ``check``, ``state`` being its request's here (None: none)."""
     rid = check.bus_id
     if state is None:
-        return [TokenItem(rid, [], "error", f"decode worker {worker_id} has no {rid}", "unknown")]
-    return [TokenItem(rid, [], index=i, position=p) for i, p in sorted(state.positions.items())]
+        return [
+            TokenItem(
+                bus_id=rid,
+                token_ids=[],
+                finish_reason="error",
+                error=f"decode worker {worker_id} has no {rid}",
+                error_code="unknown",
+            )
+        ]
+    return [
+        TokenItem(bus_id=rid, token_ids=[], index=i, position=p)
+        for i, p in sorted(state.positions.items())
+    ]
 
 
 def record_generate(

@@ -121,7 +121,9 @@ class KVPulls:
         """Let the prefill worker free ``handle``'s blocks (once per request: the caller's)."""
         worker = self.worker
         try:
-            await worker.bus.publish(worker.subjects.lease(handle.worker_id), ReleaseLease(bus_id))
+            await worker.bus.publish(
+                worker.subjects.lease(handle.worker_id), ReleaseLease(bus_id=bus_id)
+            )
         except Exception as exc:  # the lease expires on its own
             log.info("could not release the lease of %s: %s", bus_id, exc)
 

@@ -203,7 +203,7 @@ class DecodeWorker(Worker):
         # Token batches are replayable (state.py); refusals and check answers are not: a
         # refused leg is re-sent elsewhere under the same id, and an answer holds for its check.
         try:
-            await self.bus.publish(reply_to, TokenBatch(items), replayable=replayable)
+            await self.bus.publish(reply_to, TokenBatch(items=items), replayable=replayable)
         except Exception as exc:
             log.warning("could not publish %d token items to %s: %s", len(items), reply_to, exc)
 
@@ -262,9 +262,9 @@ class DecodeWorker(Worker):
             self.mark_scheduled(state, tracing.SPAN_DECODE_QUEUE, step.start_ns)
         position = state.advance(out.index, len(out.new_token_ids))
         item = TokenItem(
-            rid,
-            list(out.new_token_ids),
-            out.finish_reason,
+            bus_id=rid,
+            token_ids=list(out.new_token_ids),
+            finish_reason=out.finish_reason,
             index=out.index,
             logprobs=out.logprobs,
             prompt_logprobs=out.prompt_logprobs,

@@ -141,7 +141,7 @@ class BlockManager:
         if seq.block_table:
             raise RuntimeError(f"{seq.seq_id} already has blocks")
         if not self.enable_prefix_cache:
-            return CachedPrefix([], [], 0, 0)
+            return CachedPrefix(hashes=[], block_ids=[], num_free_blocks=0, num_tokens=0)
         hashes = prefix_block_hashes(seq.token_ids[: seq.num_tokens - 1], self.block_size)
         blocks: list[int | None] = []
         for h in hashes:
@@ -150,7 +150,12 @@ class BlockManager:
                 break
             blocks.append(block_id)
         free = sum(1 for b in blocks if b is not None and self.ref_counts[b] == 0)
-        return CachedPrefix(hashes, blocks, free, len(blocks) * self.block_size)
+        return CachedPrefix(
+            hashes=hashes,
+            block_ids=blocks,
+            num_free_blocks=free,
+            num_tokens=len(blocks) * self.block_size,
+        )
 
     def attach_prefix(self, seq: Sequence, prefix: CachedPrefix) -> int:
         """Attach ``prefix``, just looked up for ``seq``, and count the lookup in the prefix

@@ -167,7 +167,7 @@ class LLMEngine(EngineCommands):
         # Crossing threads out (commands come in through EngineCommands): the latest stats
         # snapshot and prefix-cache events.
         self._kv_feed: KVEventFeed | None = None
-        self._stats = EngineStats(self.num_blocks, self.num_blocks)
+        self._stats = EngineStats(total_blocks=self.num_blocks, free_blocks=self.num_blocks)
         self.stream_hooks: StreamHooks | None = None  # a prefill worker's (kv_stream.py)
         # the compiled decode step (``--enforce-eager``: none), compiled before any request
         self.runner.graphs = decode_graph.build(model, config, self.device, prefill_only)
@@ -246,7 +246,9 @@ class LLMEngine(EngineCommands):
         self._publish()
         if not (outputs or pulls or stats.num_seqs):
             return None
-        return StepResult(outputs, pulls, stats, start_ns, time.time_ns())
+        return StepResult(
+            outputs=outputs, pulls=pulls, stats=stats, start_ns=start_ns, end_ns=time.time_ns()
+        )
 
     def _apply(self, cmd: Command) -> StepOutput | None:
         sch = self.scheduler

@@ -59,7 +59,13 @@ class KVArrivals:
         if self.kv_failure_policy == "fail":  # the whole request: no choice was forked yet
             self._finish(seq, "error")
             text = f"KV transfer failed: {error}"
-            return StepOutput(seq.bus_id, [], "error", error=text, request_finished=True)
+            return StepOutput(
+                bus_id=seq.bus_id,
+                new_token_ids=[],
+                finish_reason="error",
+                error=text,
+                request_finished=True,
+            )
         log.info("recomputing the prefill of %s here: %s", seq.bus_id, error)
         del self.pulling[seq.seq_id]
         self.bm.free_sequence(seq)  # the pull is over: nothing writes into them

@@ -131,7 +131,7 @@ class KVEventFeed:
         cleared = tier in self._cleared
         self._cleared.discard(tier)
         known: dict[int, Lineage] = {h: self._lineage[h] for h in stored if h in self._lineage}
-        return KVDelta(list(stored), list(removed), cleared, known)
+        return KVDelta(stored=list(stored), removed=list(removed), cleared=cleared, lineage=known)
 
     def snapshot(self, tier: str = DEVICE) -> list[int]:
         self._collect()

@@ -40,7 +40,10 @@ class LogprobsTensors:
 
     def cpu(self) -> LogprobsTensors:
         return LogprobsTensors(
-            self.token_logprobs.cpu(), self.ranks.cpu(), self.top_ids.cpu(), self.top_logprobs.cpu()
+            token_logprobs=self.token_logprobs.cpu(),
+            ranks=self.ranks.cpu(),
+            top_ids=self.top_ids.cpu(),
+            top_logprobs=self.top_logprobs.cpu(),
         )
 
     @staticmethod
@@ -48,10 +51,10 @@ class LogprobsTensors:
         if len(parts) == 1:
             return parts[0]
         return LogprobsTensors(
-            torch.cat([p.token_logprobs for p in parts]),
-            torch.cat([p.ranks for p in parts]),
-            torch.cat([p.top_ids for p in parts]),
-            torch.cat([p.top_logprobs for p in parts]),
+            token_logprobs=torch.cat([p.token_logprobs for p in parts]),
+            ranks=torch.cat([p.ranks for p in parts]),
+            top_ids=torch.cat([p.top_ids for p in parts]),
+            top_logprobs=torch.cat([p.top_logprobs for p in parts]),
         )
 
 
@@ -63,7 +66,12 @@ def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> Lo
     # rank = 1 + how many tokens are strictly likelier (ties share the better rank)
     ranks = (logprobs > chosen).sum(dim=-1) + 1
     top_logprobs, top_ids = logprobs.topk(k, dim=-1)
-    return LogprobsTensors(_finite(chosen[:, 0]), ranks, top_ids, _finite(top_logprobs))
+    return LogprobsTensors(
+        token_logprobs=_finite(chosen[:, 0]),
+        ranks=ranks,
+        top_ids=top_ids,
+        top_logprobs=_finite(top_logprobs),
+    )
 
 
 def gather_prompt_logprobs(
@@ -115,7 +123,7 @@ class PromptLogprobsPlan:
         """Entry j of a sequence's prompt log-probs scores prompt token j+1 from position j;
         a chunk computing positions [start, start+count) gathers the entries it can that the
         sequence has not gathered before (a recompute after preemption adds none twice)."""
-        plan = PromptLogprobsPlan([], [], [], 0)
+        plan = PromptLogprobsPlan(flat_indices=[], next_token_ids=[], spans=[], k=0)
         for i, (seq, count, start) in enumerate(zip(seqs, counts, starts, strict=True)):
             if not seq.needs_prompt_logprobs:
                 continue

@@ -96,4 +96,10 @@ def build_rank_model(
         config.max_model_len or cfg.max_position_embeddings, num_blocks * config.block_size
     )
     model.init_rope(max_model_len, device)
-    return RankModel(model, spec, kv_cache, num_blocks, max_model_len)
+    return RankModel(
+        model=model,
+        kv_spec=spec,
+        kv_cache=kv_cache,
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+    )

@@ -57,7 +57,9 @@ def serve(spec: RankSpec) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     group, _store = join_group(device, spec.rank, spec.size, spec.init_port)
-    shard = Shard(spec.rank, spec.size, group, config.tp_lm_head == "vocab")
+    shard = Shard(
+        rank=spec.rank, size=spec.size, group=group, vocab_parallel=config.tp_lm_head == "vocab"
+    )
     model_dir = Path(spec.model_dir)
     try:
         built = build_rank_model(

@@ -102,7 +102,7 @@ class Scheduler(KVArrivals):
         if reason is None:
             return None
         # nothing to do, unless choices are still to fork from its prompt (it carries their KV)
-        out = StepOutput(req.bus_id, [], reason)
+        out = StepOutput(bus_id=req.bus_id, new_token_ids=[], finish_reason=reason)
         if (group := self.requests[req.bus_id]).unforked:
             group.end_choice(0)
         else:
@@ -318,7 +318,11 @@ class Scheduler(KVArrivals):
             if self._fork(seq):  # it only carried the prompt for its request's other choices
                 continue
             out = StepOutput(
-                seq.bus_id, new_tokens, reason, seq.num_prefix_hit_tokens, index=seq.index
+                bus_id=seq.bus_id,
+                new_token_ids=new_tokens,
+                finish_reason=reason,
+                num_prefix_hit_tokens=seq.num_prefix_hit_tokens,
+                index=seq.index,
             )
             out.num_draft_tokens, out.num_accepted_tokens = drafted, accepted
             if new_tokens and i in run.logprobs:

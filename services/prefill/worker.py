@@ -147,7 +147,10 @@ class PrefillWorker(Worker):
             )
             return
         state = RequestState(
-            req.bus_id, req.reply_to, req.deadline, tracing.extract_context(headers)
+            bus_id=req.bus_id,
+            reply_to=req.reply_to,
+            deadline=req.deadline,
+            context=tracing.extract_context(headers),
         )
         state.num_prompt_tokens = len(req.prompt_token_ids)
         state.client_id = req.client_id or req.bus_id

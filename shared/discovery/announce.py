@@ -88,7 +88,7 @@ class HeartbeatPublisher:
             with contextlib.suppress(Exception):
                 await self.bus.publish(
                     self.bus.subjects.load(load.role, load.worker_id),
-                    WorkerGone(load.worker_id, load.role),
+                    WorkerGone(worker_id=load.worker_id, role=load.role),
                 )
                 await self.bus.flush()
 

@@ -84,7 +84,15 @@ async def answer_resets(
                 tiers,
             )
             await raw.respond(
-                encode(PrefixCacheReset(msg.reset_id, worker_id, status, pool, tiers))
+                encode(
+                    PrefixCacheReset(
+                        reset_id=msg.reset_id,
+                        worker_id=worker_id,
+                        status=status,
+                        blocks=pool,
+                        tier_blocks=tiers,
+                    )
+                )
             )
         except Exception:
             log.exception("prefix cache reset %s failed", msg.reset_id)
@@ -102,7 +110,7 @@ async def reset_all(
         try:
             raw = await bus.nc.request(
                 admin_subject(bus.subjects, worker_id),
-                encode(ResetPrefixCache(reset_id, external)),
+                encode(ResetPrefixCache(reset_id=reset_id, external=external)),
                 timeout=timeout,
             )
             return decode_as(raw.data, PrefixCacheReset, max_bytes=bus.max_bytes)

@@ -195,7 +195,9 @@ class WorkerRegistry:
         if cached is None or cached.instance != msg.instance:
             if any(c.instance != msg.instance for c in tiers.values()):
                 tiers.clear()  # a new incarnation: what the old one held is gone
-            cached = tiers[msg.tier] = CachedBlocks(msg.instance, msg.block_size)
+            cached = tiers[msg.tier] = CachedBlocks(
+                instance=msg.instance, block_size=msg.block_size
+            )
         cached.apply(msg)
 
     def _left(self, load: WorkerLoad) -> None:

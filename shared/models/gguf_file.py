@@ -46,7 +46,11 @@ class GGUFFile:
         for t in reader.tensors:
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             self.tensors[t.name] = GGUFTensor(
-                t.name, t.tensor_type.name, shape, t.data, t.tensor_type
+                name=t.name,
+                type_name=t.tensor_type.name,
+                shape=shape,
+                raw=t.data,
+                type_id=t.tensor_type,
             )
         self._check_extent()
 

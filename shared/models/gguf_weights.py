@@ -146,7 +146,9 @@ def plan(f: GGUFFile, cfg: dict[str, Any]) -> list[Planned]:
             heads = cfg["num_attention_heads"]
         elif arch == "llama" and ".self_attn.k_proj." in name:
             heads = cfg["num_key_value_heads"]
-        out.append(Planned(name, t, storage_dtype(name, t.type_name), heads))
+        out.append(
+            Planned(hf_name=name, source=t, dtype=storage_dtype(name, t.type_name), heads=heads)
+        )
     extra = sorted(set(by_hf) - set(expected))
     if extra:
         raise ModelLoadError(f"{f.path}: unexpected tensor {gguf_name_of(extra[0])!r}")

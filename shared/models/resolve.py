@@ -77,19 +77,21 @@ def resolve(spec: str | None) -> ResolvedModel:
 
     if not spec or spec == DEMO:
         path = model_dir.ensure_demo_model()
-        return ResolvedModel(path, path.name, path, "demo")
+        return ResolvedModel(path=path, name=path.name, source=path, kind="demo")
     if spec in BUILTIN_MODELS:
         gguf = BUILTIN_MODELS[spec].locate(spec)
-        return ResolvedModel(_converted(gguf), spec, gguf, "builtin")
+        return ResolvedModel(path=_converted(gguf), name=spec, source=gguf, kind="builtin")
     path = Path(spec).expanduser()
     if path.is_dir():
-        return ResolvedModel(path, path.name, path, "hf")
+        return ResolvedModel(path=path, name=path.name, source=path, kind="hf")
     if path.is_file():
         if not _is_gguf(path):
             raise ModelLoadError(
                 f"--model {spec}: neither a model directory nor a GGUF file (no GGUF magic)"
             )
-        return ResolvedModel(_converted(path), path.stem, path.resolve(), "gguf")
+        return ResolvedModel(
+            path=_converted(path), name=path.stem, source=path.resolve(), kind="gguf"
+        )
     if os.sep not in spec and not spec.endswith(".gguf"):
         names = ", ".join([DEMO, *BUILTIN_MODELS])
         raise ModelLoadError(

@@ -66,13 +66,35 @@ class Plan:
     start_n: int = 256  # first GEMM side of the growth
 
 
-CPU_QUICK = Plan(2048, 0.05, 0.5, 2, 5, reads=3, read_bytes=0)
-CPU_FULL = Plan(4096, 0.25, 6.0, 3, 20, reads=12, read_bytes=0)
+CPU_QUICK = Plan(
+    max_n=2048, min_sample_s=0.05, gemm_s=0.5, min_samples=2, max_samples=5, reads=3, read_bytes=0
+)
+CPU_FULL = Plan(
+    max_n=4096, min_sample_s=0.25, gemm_s=6.0, min_samples=3, max_samples=20, reads=12, read_bytes=0
+)
 # A GPU's samples stay short in full mode too: under a sustained GEMM the clocks fall to the power
 # limit (an H200: ~790 TFLOP/s in 20 ms samples, ~690 in 0.1 s ones), and a prefill step, a burst,
 # can reach the higher rate; a roof must sit above what a step reaches.
-GPU_QUICK = Plan(8192, 0.02, 0.3, 3, 10, reads=10, read_bytes=2 << 30, start_n=1024)
-GPU_FULL = Plan(8192, 0.02, 1.5, 10, 60, reads=30, read_bytes=4 << 30, start_n=1024)
+GPU_QUICK = Plan(
+    max_n=8192,
+    min_sample_s=0.02,
+    gemm_s=0.3,
+    min_samples=3,
+    max_samples=10,
+    reads=10,
+    read_bytes=2 << 30,
+    start_n=1024,
+)
+GPU_FULL = Plan(
+    max_n=8192,
+    min_sample_s=0.02,
+    gemm_s=1.5,
+    min_samples=10,
+    max_samples=60,
+    reads=30,
+    read_bytes=4 << 30,
+    start_n=1024,
+)
 
 
 # -- device keys -------------------------------------------------------------------------------

@@ -202,7 +202,12 @@ def step_shape(
     paged_rows = len(counts) if prefill_paged else num_paged
     kv_read = sum(counts[:paged_rows]) + sum(starts[:paged_rows])
     return StepShape(
-        tokens, attended, kv_read, logit_rows, lm_head_calls, prefill=len(counts) > num_paged
+        tokens=tokens,
+        attended=attended,
+        kv_read_tokens=kv_read,
+        logit_rows=logit_rows,
+        lm_head_calls=lm_head_calls,
+        prefill=len(counts) > num_paged,
     )
 
 

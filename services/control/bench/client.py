@@ -116,7 +116,7 @@ async def send_completion(
     index: int = 0,
     run_start: float | None = None,
 ) -> RequestRecord:
-    rec = RequestRecord(index, req.prompt_len, req.output_len)
+    rec = RequestRecord(index=index, prompt_len=req.prompt_len, expected_output_len=req.output_len)
     body = completion_body(cfg, req)
     sent = time.perf_counter()
     rec.start_time = sent - (run_start if run_start is not None else sent)
@@ -236,4 +236,4 @@ async def run_benchmark(
         duration = time.perf_counter() - start
         cpu = time.process_time() - cpu_start
     bar.close()
-    return BenchRun(records, duration, load, cpu)
+    return BenchRun(records=records, duration=duration, load=load, client_cpu_s=cpu)

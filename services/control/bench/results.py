@@ -96,5 +96,14 @@ def load_runs(json_path: Path) -> tuple[list[RunResult], dict[str, Any]]:
         metrics = BenchMetrics.from_dict(entry["metrics"])
         recs = records.get(i, [])
         rate, conc = float(entry["request_rate"]), entry["max_concurrency"]
-        runs.append(RunResult(entry["series"], rate, entry["burstiness"], conc, metrics, recs))
+        runs.append(
+            RunResult(
+                series=entry["series"],
+                request_rate=rate,
+                burstiness=entry["burstiness"],
+                max_concurrency=conc,
+                metrics=metrics,
+                records=recs,
+            )
+        )
     return runs, doc

@@ -101,7 +101,12 @@ async def measure_rate(
 ) -> RunResult:
     """One measured run of `requests` at `rate`; returns a RunResult with its metrics."""
     conc = max_concurrency if max_concurrency is not None else ns.max_concurrency
-    load = LoadConfig(rate, ns.burstiness, conc, ns.seed + seed_offset)
+    load = LoadConfig(
+        request_rate=rate,
+        burstiness=ns.burstiness,
+        max_concurrency=conc,
+        seed=ns.seed + seed_offset,
+    )
     spec_before, roof_before = await server_counters(cfg)
     if roof_before is not None:
         # the warm-up's (or the previous run's) last passes reach the gateway with the next
@@ -123,7 +128,14 @@ async def measure_rate(
         if roof_before is not None and roof_after is not None:
             # which roof each phase's forward passes hit during the run
             metrics.bottleneck = bn.as_dicts(bn.bottleneck(roof_before, roof_after))
-    return RunResult(series, rate, ns.burstiness, conc, metrics, run.records)
+    return RunResult(
+        series=series,
+        request_rate=rate,
+        burstiness=ns.burstiness,
+        max_concurrency=conc,
+        metrics=metrics,
+        records=run.records,
+    )
 
 
 async def server_counters(cfg: ClientConfig) -> tuple[SpecTotals | None, bn.Snapshot | None]:

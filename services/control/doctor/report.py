@@ -37,7 +37,7 @@ class Report:
     data: dict[str, Any] = field(default_factory=dict)  # raw measurements, for --json
 
     def add(self, name: str, status: str, summary: str, details: list[str] | None = None) -> Check:
-        check = Check(name, status, summary, list(details or []))
+        check = Check(name=name, status=status, summary=summary, details=list(details or []))
         self.checks.append(check)
         return check
 

@@ -139,7 +139,7 @@ class StackCheck:
             for worker_id, lease in leases.items():
                 with contextlib.suppress(Exception):
                     await self.bus.publish(
-                        self.bus.subjects.lease(worker_id), ReleaseLease(lease.probe_id)
+                        self.bus.subjects.lease(worker_id), ReleaseLease(bus_id=lease.probe_id)
                     )
             with contextlib.suppress(Exception):
                 await self.bus.flush()
@@ -160,7 +160,7 @@ class StackCheck:
         leases: dict[str, ProbeLeaseReply] = {}
         tag = secrets.token_hex(4)
         for i, worker_id in enumerate(prefill):
-            ask = ProbeLeaseRequest(f"{PROBE_PREFIX}{tag}-{i}", ttl=PROBE_TTL)
+            ask = ProbeLeaseRequest(probe_id=f"{PROBE_PREFIX}{tag}-{i}", ttl=PROBE_TTL)
             reply = await self._ask(worker_id, ask, ProbeLeaseReply, self.timeout)
             if isinstance(reply, str):
                 report.add("probe lease", FAIL, reply)
@@ -179,7 +179,9 @@ class StackCheck:
         fine: list[tuple[str, ProbePullReply]] = []
         for worker_id in decode:
             for source, lease in leases.items():
-                ask = ProbePullRequest(lease.probe_id, lease.kv, PROBE_PULLS, self.timeout)
+                ask = ProbePullRequest(
+                    probe_id=lease.probe_id, kv=lease.kv, pulls=PROBE_PULLS, timeout=self.timeout
+                )
                 wait = PROBE_PULLS * self.timeout + self.timeout
                 reply = await self._ask(worker_id, ask, ProbePullReply, wait)
                 pair = f"{worker_id} <- {source}"

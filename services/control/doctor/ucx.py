@@ -153,7 +153,13 @@ async def run_peer_test(
             outcome = {"error": f"the peer test exited with {child.returncode} and no result"}
         log_text = "\n".join(p.read_text(errors="replace") for p in Path(tmp).glob("ucx.*.log"))
     tables, problems = parse_ucx_log(log_text)
-    return PeerRun(outcome, tables, problems, seconds, out.decode(errors="replace"))
+    return PeerRun(
+        outcome=outcome,
+        tables=tables,
+        problems=problems,
+        seconds=seconds,
+        output=out.decode(errors="replace"),
+    )
 
 
 def header_lines(ucx: dict[str, Any]) -> list[str]:

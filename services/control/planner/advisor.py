@@ -115,7 +115,7 @@ def advise(
     pre = size_prefill(profile, rate, isl, slo, cv2=cv2)
     dec = size_decode(profile, rate, isl, osl, slo)
     closed = Counts(max(pre.workers, limits.min_prefill), max(dec.workers, limits.min_decode))
-    advice = Advice(workload, slo, target, closed)
+    advice = Advice(workload=workload, slo=slo, target=target, closed_form=closed)
     unit = limits.unit
     out = advice.lines
     out += [

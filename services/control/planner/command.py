@@ -115,7 +115,7 @@ def workload_of(cfg: PlanConfig):
             raise PlanInputError(f"--workload-records {jsonl}: {what}") from None
     for name in ("isl", "osl"):
         _positive(cfg, name, required=True)
-    return Workload(cfg.request_rate, cfg.isl, cfg.osl)
+    return Workload(request_rate=cfg.request_rate, isl=cfg.isl, osl=cfg.osl)
 
 
 def slo_of(cfg: PlanConfig):

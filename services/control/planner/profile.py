@@ -130,7 +130,9 @@ class Profile:
         else:
             limit = "max_batch" if cap == self.max_batch else "kv"
         itl = self.decode_itl(best, context)
-        return DecodeCapacity(best, itl, best * 1000.0 / itl, limit)
+        return DecodeCapacity(
+            batch=best, itl_ms=itl, tokens_per_s=best * 1000.0 / itl, limited_by=limit
+        )
 
     def covers(self, prompt_len: float, context: float) -> bool:
         """Whether these lengths lie inside the measured ranges (no clamping needed)."""

@@ -123,7 +123,7 @@ def placements(
         share = shares[slot] if shares else None
         cost = float(tp) if on_gpu else float(len(share) if share else len(cpus) / 2)
         gpu = gpu_for_worker(slot * tp, gpus, tp) if on_gpu else None
-        out[role] = RolePlacement(share, threads, gpu, cost)
+        out[role] = RolePlacement(cpus=share, torch_threads=threads, gpus=gpu, cost=cost)
     return out
 
 

@@ -103,10 +103,19 @@ class _Sim:
         self.names += 1
         name = f"{role}-{self.names}"
         if role == "prefill":
-            w: Worker = PrefillWorker(name, self.now, ready_at, self.profile)
+            w: Worker = PrefillWorker(
+                worker_id=name, created=self.now, ready_at=ready_at, profile=self.profile
+            )
         else:
             chunk = self.cfg.chunk_tokens if role == "aggregated" else 0
-            w = DecodeWorker(name, self.now, ready_at, self.profile, self.gaps, chunk)
+            w = DecodeWorker(
+                worker_id=name,
+                created=self.now,
+                ready_at=ready_at,
+                profile=self.profile,
+                gaps=self.gaps,
+                chunk_tokens=chunk,
+            )
             w.on_first_token = self.first_token
             w.t_sync = ready_at
         self.workers.append(w)
@@ -164,7 +173,16 @@ class _Sim:
             if w.state == ACTIVE:
                 kv, queue, running = w.load()
                 role = "decode" if w.role == "aggregated" else w.role
-                samples.append(WorkerSample(w.worker_id, role, w.age(self.now), kv, queue, running))
+                samples.append(
+                    WorkerSample(
+                        worker_id=w.worker_id,
+                        role=role,
+                        age_s=w.age(self.now),
+                        kv_usage=kv,
+                        queue=queue,
+                        running=running,
+                    )
+                )
         ttft = sorted(self.win_ttft)
         q = self.slo.quantile
         return MetricsWindow(
@@ -221,14 +239,14 @@ class _Sim:
         )
         self.windows.append(
             WindowRecord(
-                self.now,
-                window.request_rate,
-                window.ttft_ms,
-                window.itl_ms,
-                serving,
-                self.live_cost(),
-                decision.counts if decision else None,
-                decision.rules if decision else (),
+                t=self.now,
+                request_rate=window.request_rate,
+                ttft_ms=window.ttft_ms,
+                itl_ms=window.itl_ms,
+                serving=serving,
+                live_cost=self.live_cost(),
+                desired=decision.counts if decision else None,
+                rules=decision.rules if decision else (),
             )
         )
         self.gaps.samples.clear()
@@ -270,7 +288,7 @@ class _Sim:
     def handle(self, kind: int, payload: object, version: int) -> None:
         if kind == ARRIVE:
             isl, osl = self.workload.lengths(self.rng)
-            req = SimRequest(len(self.requests), self.now, isl, osl)
+            req = SimRequest(index=len(self.requests), arrival=self.now, isl=isl, osl=osl)
             self.requests.append(req)
             self.win_arrivals[0] += 1
             self.win_arrivals[1] += isl
@@ -315,7 +333,13 @@ class _Sim:
             until = w.retired if w.retired == w.retired else d
             seconds[w.role] = seconds.get(w.role, 0.0) + max(0.0, min(until, d) - w.created)
         return SimResult(
-            self.requests, self.windows, self.decisions, seconds, self.actions, self.max_cost, d
+            requests=self.requests,
+            windows=self.windows,
+            decisions=self.decisions,
+            worker_seconds=seconds,
+            scale_actions=self.actions,
+            max_cost=self.max_cost,
+            duration_s=d,
         )
 
 

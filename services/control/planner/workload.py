@@ -75,7 +75,7 @@ class Workload:
         return max(1, round(self.isl)), max(1, round(self.osl))
 
     def at_rate(self, request_rate: float) -> Workload:
-        return Workload(request_rate, self.isl, self.osl, self.samples)
+        return Workload(request_rate=request_rate, isl=self.isl, osl=self.osl, samples=self.samples)
 
     @property
     def decode_context(self) -> float:

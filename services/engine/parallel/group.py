@@ -112,7 +112,7 @@ class RankGroup:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.shard = Shard(0, size)
+        self.shard = Shard(rank=0, size=size)
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []  # steps, rank r at index r - 1
         self.kv_conns: list[Connection] = []  # the ranks' KV agents (kv_link.py)

@@ -84,4 +84,11 @@ def kv_cache_spec(
     """The spec of ``--kv-cache-dtype`` (auto: the model's dtype, unquantized)."""
     element = KV_ELEMENT_TYPES.get(kv_cache_dtype)
     dtype = model_dtype if element is None else element
-    return KVCacheSpec(num_layers, block_size, num_kv_heads, head_dim, dtype, element is not None)
+    return KVCacheSpec(
+        num_layers=num_layers,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        quantized=element is not None,
+    )

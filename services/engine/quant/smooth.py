@@ -81,7 +81,14 @@ def _plain_forward(model: nn.Module, token_ids: list[int]) -> Tensor:
         decode_context_lens=torch.zeros(0, dtype=torch.int32, device=device),
         decode_plan=None,
         verify=None,
-        prefill=ChunkGroup(n, cu, cu, n, n, None),
+        prefill=ChunkGroup(
+            num_tokens=n,
+            cu_seqlens_q=cu,
+            cu_seqlens_k=cu,
+            max_seqlen_q=n,
+            max_seqlen_k=n,
+            block_tables=None,
+        ),
     )
     positions = torch.arange(n, device=device)
     return model(torch.tensor(token_ids, device=device), positions, meta, positions)

@@ -195,7 +195,14 @@ class DraftModelProposer(Proposer):
             # rows that all start at 0 attend over their own keys, not gathered pages
             longest_k = int(tables.shape[1]) * self.block_size
             paged = tables if has_prefix else None
-            group = ChunkGroup(num_tokens, cu32, cu_k, longest, longest_k, paged)
+            group = ChunkGroup(
+                num_tokens=num_tokens,
+                cu_seqlens_q=cu32,
+                cu_seqlens_k=cu_k,
+                max_seqlen_q=longest,
+                max_seqlen_k=longest_k,
+                block_tables=paged,
+            )
             meta = AttentionMetadata(
                 slot_mapping=slots,
                 num_decodes=0,

@@ -36,7 +36,10 @@ class SpecCounters:
 
     def snapshot(self) -> SpecCounters:
         return SpecCounters(
-            self.drafts, self.draft_tokens, self.accepted_tokens, list(self.accepted_per_pos)
+            drafts=self.drafts,
+            draft_tokens=self.draft_tokens,
+            accepted_tokens=self.accepted_tokens,
+            accepted_per_pos=list(self.accepted_per_pos),
         )
 
     def since(self, earlier: SpecCounters) -> SpecCounters:
@@ -45,10 +48,10 @@ class SpecCounters:
         for j, count in enumerate(earlier.accepted_per_pos):
             per_pos[j] -= count
         return SpecCounters(
-            self.drafts - earlier.drafts,
-            self.draft_tokens - earlier.draft_tokens,
-            self.accepted_tokens - earlier.accepted_tokens,
-            per_pos,
+            drafts=self.drafts - earlier.drafts,
+            draft_tokens=self.draft_tokens - earlier.draft_tokens,
+            accepted_tokens=self.accepted_tokens - earlier.accepted_tokens,
+            accepted_per_pos=per_pos,
         )
 
     def add(self, num_drafted: int, num_accepted: int) -> None:

@@ -112,7 +112,16 @@ class Admission:
             k in lease.stream.done_blocks for s, n in runs for k in range(s, s + n)
         )  # blocks leased complete: sent at once
         # a bulk pull of a lease prefill still writes waits for all of it, like a final piece
-        return Answer(lease, heads, sliced, views, staged, piece[0], piece[1], done)
+        return Answer(
+            lease=lease,
+            heads=heads,
+            sliced=sliced,
+            views=views,
+            staged=staged,
+            layers=piece[0],
+            final=piece[1],
+            done=done,
+        )
 
     def _views(self, runs: list[tuple[int, int]], heads: Heads, sliced: bool) -> tuple[list, list]:
         """One message per run - the blocks themselves, or their head slice (packed unless it

@@ -74,7 +74,13 @@ class LeaseTable:
         them."""
         if bus_id in self.leases:
             raise ValueError(f"lease for {bus_id!r} exists")
-        lease = Lease(bus_id, list(block_ids), num_tokens, self.clock() + ttl, stream=stream)
+        lease = Lease(
+            bus_id=bus_id,
+            block_ids=list(block_ids),
+            num_tokens=num_tokens,
+            expires=self.clock() + ttl,
+            stream=stream,
+        )
         self.leases[bus_id] = lease
         if self.on_add is not None:
             self.on_add(lease)
