@@ -121,4 +121,5 @@ def _wire(handle: KVHandle) -> dict:
         "lease_expires": handle.lease_expires,
         "token": handle.token,
         "rank_addresses": list(handle.rank_addresses),
+        "epoch": handle.epoch,  # every rank's pull shows it: rank 0's server checks it
     }

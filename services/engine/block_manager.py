@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from pdserve.services.engine.sequence import Sequence
 from pdserve.shared.kv.layout import ROOT_HASH, hash_block, prefix_block_hashes
 
@@ -62,6 +64,14 @@ class BlockManager:
         # the prefix cache: block hash -> id of the block holding that KV (in use or free)
         self.hash_to_block: dict[int, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Each block's generation: the count of blocks taken off the free list when this one
+        # last was (0: never). A block's KV is overwritten only after it is taken again, which
+        # raises its generation above every earlier one: a lease records the highest of its
+        # blocks' (its epoch), and the KV server refuses a pull whose blocks have risen past
+        # it - freed and reused since - whatever the lease table says (lease.py). Written by
+        # the engine thread, read by the KV server's: aligned 8-byte entries, never torn.
+        self.generations = np.zeros(num_blocks, dtype=np.int64)
+        self.taken = 0
         # per sequence (by seq_id): hashes of its blocks registered so far (prefix of block_table)
         self.seq_hashes: dict[str, list[int]] = {}
         self.prefix_queries = 0
@@ -129,6 +139,8 @@ class BlockManager:
                     self.on_evict(block_id, old)
             self.block_hash[block_id] = None
         self.ref_counts[block_id] = 1
+        self.taken += 1
+        self.generations[block_id] = self.taken
         return block_id
 
     def find_prefix(self, seq: Sequence) -> CachedPrefix:

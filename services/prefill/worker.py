@@ -66,6 +66,9 @@ class PrefillWorker(Worker):
         return LLMEngine(self.engine_config, prefill_only=True)
 
     async def start_extra(self) -> None:
+        assert self.engine is not None
+        # leases record, and pulls are checked against, the engine's block generations
+        self.leases.generations = self.engine.block_manager.generations
         self.kv_server = KVServer(
             self.engine.kv_cache,
             self.engine.layout_fingerprint(),
@@ -299,6 +302,7 @@ class PrefillWorker(Worker):
             rank_addresses=list(self.rank_addresses),
             streaming=lease.stream is not None,
             ready_blocks=len(lease.stream.done_blocks) if lease.stream is not None else 0,
+            epoch=lease.epoch or 0,
         )
 
     async def _mirror_then_reply(self, reply_to: str, result: PrefillResult, headers: dict) -> None:

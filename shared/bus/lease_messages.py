@@ -44,6 +44,9 @@ class KVHandle:
     rank_addresses: list[str] = bounded(default=[], max_len=64)
     streaming: bool = bounded(default=False)  # still being written (kv/transfer/stream.py)
     ready_blocks: int = count(hi=MAX_BLOCKS, default=0)  # ... its first ones complete already
+    # The lease's epoch: the highest generation among its blocks when it was taken (see
+    # lease.py). A pull shows it, and blocks reused since are refused whatever else it shows.
+    epoch: int = count(default=0)
 
 
 @dataclass

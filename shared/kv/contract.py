@@ -9,8 +9,9 @@ flows".
 
 Prefill side, ``KVPrefillSide`` (``services/prefill/worker.py:PrefillWorker``):
 
-    lease          ``KVLeases.add``: the parked prompt's blocks, a time to live and a secret
-                   token (``LeaseTable``, ``shared/kv/transfer/lease.py``); the worker's
+    lease          ``KVLeases.add``: the parked prompt's blocks, a time to live, a secret
+                   token and an epoch, the highest generation of its blocks (``LeaseTable``,
+                   ``shared/kv/transfer/lease.py``; generations: ``BlockManager``); the worker's
                    ``make_handle`` turns the lease into the ``KVHandle`` the gateway carries.
     stream layers  ``KVLayerFeed.advance`` / ``finish`` / ``end``: how far the pass that
                    completes a streamed lease has written, then its first token, or why it
@@ -52,9 +53,10 @@ namespace)::
        |   NATS <ns>.decode.<id>         |                                     |
        |                                 |                     reserve blocks  |
        |                                 |<-- pull request (UCX, control tag) -|
-       |                                 |   bus id, lease token, layout,      |
-       |                                 |   block runs, heads [, layers]      |
-       |                                 | token? layout? blocks? pin lease    |
+       |                                 |   bus id, lease token, epoch,       |
+       |                                 |   layout, runs, heads [, layers]    |
+       |                                 | token? layout? blocks? epoch?       |
+       |                                 | reused since? pin lease             |
        |                                 |-- reply, then the runs (tag T) ---->|
        |                                 |   straight into reserved blocks     |
        |                                 |           kv_ready: joins batch     |

@@ -24,7 +24,7 @@ from pdserve.shared.kv.transfer.request import (
     request_prefix,
 )
 from pdserve.shared.kv.transfer.server import Refusal
-from pdserve.shared.kv.transfer.wire import REPLY_BYTES
+from pdserve.shared.kv.transfer.wire import KV_WIRE_VERSION, REPLY_BYTES
 from tests.integration.kv_peer import BLOCK, peer_cache
 from tests.integration.test_kv_transfer import Pair, cache, fingerprint, peer
 
@@ -117,7 +117,7 @@ async def test_the_server_answers_only_its_own_version_and_the_form_it_can_send(
         with pytest.raises(Refusal, match="wire version None"):  # a puller from before v2
             p.server.admission.admit(_request(v=None))
         older = {"fingerprint": fingerprint(), "runs": [[0, 2]], "heads": [0, 2], "whole": True}
-        with pytest.raises(Refusal, match="wire version 2; this server speaks 3"):
+        with pytest.raises(Refusal, match=f"wire version 2; this server speaks {KV_WIRE_VERSION}"):
             p.server.admission.admit(
                 _request(v=2, fp=None, pull=None, **older)
             )  # as version 2 asked

@@ -80,6 +80,23 @@ def test_lru_eviction_only_when_space_is_needed():
     bm.free_sequence(fresh)
 
 
+def test_a_block_taken_again_gets_a_higher_generation():
+    """What a lease's epoch is checked against (lease.py): a block's generation rises exactly
+    when it is taken off the free list to be written, never when a cached prefix is reused."""
+    bm = BlockManager(num_blocks=4, block_size=4)
+    assert not bm.generations.any()
+    a = computed(bm, seq("a", list(range(8))))  # two full blocks, cached once freed
+    first = bm.generations[a.block_table].copy()
+    assert sorted(first) == [1, 2]
+    bm.free_sequence(a)
+    again = seq("a2", list(range(9)))
+    assert match_prefix(bm, again) == 8  # the cached blocks themselves: KV unchanged
+    assert list(bm.generations[again.block_table]) == list(first)
+    bm.free_sequence(again)
+    other = computed(bm, seq("b", list(range(100, 116))))  # all four blocks: evicts a's
+    assert bm.generations[other.block_table].min() > first.max()
+
+
 def test_eviction_under_pressure_keeps_outputs_consistent():
     bm = BlockManager(num_blocks=3, block_size=4)
     a = computed(bm, seq("a", list(range(9))))

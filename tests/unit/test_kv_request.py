@@ -1,4 +1,4 @@
-"""The pull request's wire form (KV wire version 3, ``transfer/request.py``) and the replies a
+"""The pull request's wire form (KV wire version 4, ``transfer/request.py``) and the replies a
 puller reads (``wire.read_reply``): what the puller packs is what the server reads; a request
 that does not say who asks is never answered, one that does is refused with a reason."""
 
@@ -58,6 +58,20 @@ def test_a_request_reads_back_as_it_was_packed() -> None:
     assert bulk.layers is None and not bulk.checksum and bulk.flags == SLICED
 
 
+def test_the_lease_epoch_travels_and_must_be_shown() -> None:
+    prefix = request_prefix(b"a", FP)
+    message = encode_request(prefix, "r1", "tok", 8, WHOLE, (0, 8), (0, 0), [(3, 0, 2)], epoch=41)
+    req = decode_request(body(message))
+    req.parse()
+    assert req.epoch == 41
+    entries = {"v": KV_WIRE_VERSION, "bus_id": "r1", "token": "t", "reply_to": b"a", "tag": 8}
+    pull = msgpack.unpackb(body(message))["pull"]
+    for epoch in (None, -1, "41"):  # an epoch not shown (an older puller's), or not a count
+        bad = decode_request(msgpack.packb({**entries, "pull": pull, "epoch": epoch}))
+        with pytest.raises(ValueError, match="no lease epoch"):
+            bad.parse()
+
+
 def test_a_block_beyond_the_format_is_not_sent() -> None:
     prefix = request_prefix(b"a", FP)
     with pytest.raises(ValueError, match="cannot encode"):
@@ -82,6 +96,7 @@ def test_a_request_that_does_not_say_who_asks_is_dropped() -> None:
 )
 def test_a_malformed_pull_says_why(pull, why) -> None:
     entries = {"v": KV_WIRE_VERSION, "bus_id": "r1", "token": "t", "reply_to": b"a", "tag": 8}
+    entries["epoch"] = 0
     req = decode_request(msgpack.packb({**entries, "pull": pull}))
     with pytest.raises(ValueError, match=why):
         req.parse()

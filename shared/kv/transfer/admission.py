@@ -99,6 +99,12 @@ class Admission:
                 start in leased if count == 1 else leased.issuperset(range(start, start + count))
             ):
                 raise Refusal("requested blocks are not part of the lease")
+        epoch = req.epoch
+        assert epoch is not None and runs is not None  # parse() read both
+        if lease.epoch is not None and epoch != lease.epoch:
+            raise Refusal(f"lease epoch {epoch} shown, {lease.epoch} leased")
+        if self.leases.reused(epoch, runs):  # the table's word is not taken for it
+            raise Refusal("leased blocks were freed and reused since the lease was taken")
         if piece is None:
             views, staged = self._views(runs, heads, sliced)
             piece = ((0, num_layers), True)

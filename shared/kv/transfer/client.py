@@ -253,7 +253,15 @@ class KVClient:
             flags |= PIECE | (FINAL if final else 0)
         try:
             message = encode_request(
-                self._prefix[1], bus_id, handle.token, tag, flags, heads, layers or (0, 0), runs
+                self._prefix[1],
+                bus_id,
+                handle.token,
+                tag,
+                flags,
+                heads,
+                layers or (0, 0),
+                runs,
+                epoch=handle.epoch,
             )
         except ValueError as exc:
             raise KVTransferError(str(exc)) from None

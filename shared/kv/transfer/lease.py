@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 
@@ -31,6 +33,9 @@ class Lease:
     block_set: frozenset[int] | None = None  # block_ids as a set, once a pull checks against it
     # a lease taken while prefill still writes its blocks: how far it got (stream.py)
     stream: Any = None
+    # the highest generation among its blocks when leased; None where the table has no
+    # generations to read (a TP rank's mirror: rank 0's server checks for the request)
+    epoch: int | None = None
 
 
 class LeaseTable:
@@ -49,8 +54,14 @@ class LeaseTable:
         on_free: Callable[[str], None],
         clock: Callable[[], float] = time.time,
         remember: int = 4096,
+        generations: np.ndarray | None = None,
     ):
         self.on_free = on_free
+        # The engine's block generations (block_manager.py), read when a lease is taken and
+        # when it is pulled: a block whose generation rose past its lease's epoch was freed
+        # and taken again, its KV overwritten - a pull of it is refused (``reused``), so a
+        # leaked token or a lease the table kept by mistake can never serve another's KV.
+        self.generations = generations
         self.clock = clock
         self.leases: dict[str, Lease] = {}
         self.remember = remember
@@ -80,11 +91,26 @@ class LeaseTable:
             num_tokens=num_tokens,
             expires=self.clock() + ttl,
             stream=stream,
+            epoch=self.epoch_of(block_ids),
         )
         self.leases[bus_id] = lease
         if self.on_add is not None:
             self.on_add(lease)
         return lease
+
+    def epoch_of(self, block_ids: list[int]) -> int | None:
+        """The highest generation among ``block_ids`` now (None: no generations here)."""
+        if self.generations is None:
+            return None
+        return int(self.generations[block_ids].max()) if block_ids else 0
+
+    def reused(self, epoch: int, runs: list[tuple[int, int]]) -> bool:
+        """Whether any block of ``runs`` ((start, count) each) was taken off the free list again
+        since a lease of ``epoch`` was taken; False where there are no generations to read."""
+        gens = self.generations
+        if gens is None:
+            return False
+        return any(int(gens[start : start + count].max()) > epoch for start, count in runs)
 
     def get(self, bus_id: str) -> Lease | None:
         lease = self.leases.get(bus_id)

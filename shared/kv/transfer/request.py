@@ -1,7 +1,8 @@
-"""A pull request on the wire (``wire.KV_WIRE_VERSION`` 3): u32 length, then a msgpack map.
+"""A pull request on the wire (``wire.KV_WIRE_VERSION`` 4): u32 length, then a msgpack map.
 
 The map carries who asks - ``v``, ``bus_id``, ``token``, ``reply_to`` (the puller's UCX
-address), ``tag`` - as every version did, so a server of another version still reads enough to
+address), ``tag`` - as every version did, and the lease's ``epoch`` (its blocks' generation
+when leased: blocks reused since are refused), so a server of another version still reads enough to
 authenticate the puller and refuse it with the reason. The rest is packed, not mapped:
 
 - ``fp``: the puller's layout fingerprint as msgpack bytes, packed once per puller; a server
@@ -45,6 +46,7 @@ def encode_request(
     heads: tuple[int, int],
     layers: tuple[int, int],
     runs: list[tuple[int, int, int]],
+    epoch: int = 0,
 ) -> bytes:
     """The request message; ``runs``: (source start, destination start, count) each. Both
     parts are fixmaps (at most 15 entries, the header one byte: 0x80 | count), so the prefix's
@@ -55,8 +57,10 @@ def encode_request(
         )
     except struct.error as exc:  # a block id or head beyond the format's range
         raise ValueError(f"cannot encode the pull request: {exc}") from None
-    varying = msgpack.packb({"bus_id": bus_id, "token": token, "tag": tag, "pull": pull})
-    body = bytes([0x80 | (_FIXED + 4)]) + prefix[1:] + varying[1:]
+    varying = msgpack.packb(
+        {"bus_id": bus_id, "token": token, "tag": tag, "pull": pull, "epoch": epoch}
+    )
+    body = bytes([0x80 | (_FIXED + 5)]) + prefix[1:] + varying[1:]
     return len(body).to_bytes(4, "little") + body
 
 
@@ -69,6 +73,7 @@ class PullRequest:
         "token",
         "reply_to",
         "tag",
+        "epoch",
         "fingerprint",
         "pull",
         "flags",
@@ -83,6 +88,7 @@ class PullRequest:
         self.token = entries.get("token")
         self.reply_to = entries.get("reply_to")
         self.tag = entries.get("tag")
+        self.epoch = entries.get("epoch")
         self.fingerprint = entries.get("fp")
         self.pull = entries.get("pull")
         self.flags = 0
@@ -105,6 +111,8 @@ class PullRequest:
             raise ValueError("no runs")
         if (len(pull) - _HEAD.size) % _RUN.size:
             raise ValueError("runs cut short")
+        if type(self.epoch) is not int or self.epoch < 0:
+            raise ValueError("no lease epoch")
         flags, lo, hi, first, last = _HEAD.unpack_from(pull)
         self.runs = list(_RUN.iter_unpack(pull[_HEAD.size :]))
         self.flags, self.heads = flags, (lo, hi)

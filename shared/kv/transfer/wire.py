@@ -30,9 +30,10 @@ ADDRESS_PREFIX = "ucx1"
 # for (whole blocks or head slices); a server answers in that form or refuses, and a refusal
 # completes the posted receives with empty messages. 3: the request packs its fingerprint and
 # its pull (form, heads, layers, runs) instead of mapping them (``request.py``); refusals say
-# REPLY_REFUSED. A server refuses other versions without empties (an older puller learns why,
-# and aborts); a puller treats a refusal of another version as one to abort on.
-KV_WIRE_VERSION = 3
+# REPLY_REFUSED. 4: the request shows its lease's epoch (``epoch``), and the server refuses
+# blocks reused since (``lease.py``). A server refuses other versions without empties (an older
+# puller learns why, and aborts); a puller treats a refusal of another version as one to abort on.
+KV_WIRE_VERSION = 4
 
 
 class KVTransferError(RuntimeError):
