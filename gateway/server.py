@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.gateway import admin, tokenize_api
+from pdserve.gateway.anthropic import handlers as anthropic
 from pdserve.gateway.api_models import (
     ChatRequest,
     CompletionRequest,
@@ -161,6 +162,15 @@ async def detokenize(request: web.Request) -> web.Response:
     return web.json_response(tokenize_api.detokenize(await _read_json(request), served))
 
 
+async def messages(request: web.Request) -> web.StreamResponse:
+    return await anthropic.messages(request, await _read_json(request))
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY_KEY]
+    return web.json_response(await anthropic.count_tokens(gw, await _read_json(request)))
+
+
 def create_app(
     config: GatewayConfig,
     engine: EngineConfig | None = None,
@@ -187,6 +197,8 @@ def create_app(
     app.router.add_get("/v1/models/{model:.+}", model)  # names may hold "/"
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/messages", messages)  # Anthropic's Messages API
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_post("/reset_prefix_cache", admin.reset_prefix_cache)
