@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
 from pdserve.gateway.anthropic.content import (
     CacheControl,
@@ -37,18 +37,32 @@ from pdserve.gateway.anthropic.content import (
     ToolUseBlockParam,
     cache_field,
 )
-from pdserve.gateway.request_bodies import ChatMaxTokens, ModelField
-from pdserve.gateway.sampling_fields import StopText, TopK, TopP
+from pdserve.gateway.request_bodies import ModelField
+from pdserve.gateway.sampling_fields import StopText, whole_float_as_int
 from pdserve.gateway.schema_base import INVALID_VALUE, StrictModel, field_error
 from pdserve.gateway.tools.request import MAX_TOOLS
-from pdserve.gateway.tools.setup import ToolSetup
-from pdserve.shared.sampling import MAX_GUIDED_SPEC_CHARS, GuidedDecoding
+from pdserve.gateway.tools.setup import Choice, ToolSetup
+from pdserve.shared.sampling import BOUNDS, MAX_GUIDED_SPEC_CHARS, GuidedDecoding
 
 MAX_STOP_SEQUENCES = 16  # as many as chat's stop strings (gateway/sampling_fields.py)
 MAX_USER_ID_CHARS = 256  # Anthropic's limit on metadata.user_id
 
 # Anthropic's bound: [0, 1] (the OpenAI endpoints take up to 2)
 Temperature = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+# The other bounds are the wire's (shared/sampling.py), as on the chat endpoint; an integer may
+# come as 8.0, as there. Written out, so that static tools read them as types.
+MaxTokens = Annotated[
+    int, Field(ge=1, le=int(BOUNDS["max_tokens"].hi)), BeforeValidator(whole_float_as_int)
+]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+TopK = Annotated[int, Field(ge=0, le=int(BOUNDS["top_k"].hi)), BeforeValidator(whole_float_as_int)]
+# tool_choice's type -> chat's tool_choice
+CHAT_CHOICE: dict[str, Choice] = {
+    "auto": "auto",
+    "any": "required",
+    "tool": "function",
+    "none": "none",
+}
 
 
 class CountTokensBody(ModelField):
@@ -140,11 +154,10 @@ class CountTokensBody(ModelField):
         assert self.tools is not None
         choice = self.tool_choice
         named = choice.name if isinstance(choice, ToolChoiceTool) else None
-        kinds = {"any": "required", "tool": "function", "none": "none"}
         single = getattr(choice, "disable_parallel_tool_use", None) is True
         return ToolSetup(
             functions=tuple(t.function() for t in self.tools),
-            choice=kinds.get(choice.type, "auto") if choice is not None else "auto",
+            choice=CHAT_CHOICE[choice.type] if choice is not None else "auto",
             parser=parser,
             named=named,
             # a named tool is called once (the grammar allows no more), as chat's named function
@@ -185,7 +198,7 @@ class MessagesBody(CountTokensBody):
     """Anthropic's Messages request, served as the chat endpoint serves the same conversation.
     Other fields are a 400 invalid_request_error unless null."""
 
-    max_tokens: ChatMaxTokens = Field(description="most tokens to generate")
+    max_tokens: MaxTokens = Field(description="most tokens to generate")
     temperature: Temperature | None = Field(None, description="[0, 1]; 0 is greedy (default 1)")
     top_p: TopP | None = Field(None, description="nucleus sampling mass")
     top_k: TopK | None = Field(None, description="sample among the k likeliest tokens; 0 is off")

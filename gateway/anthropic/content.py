@@ -43,7 +43,7 @@ def typed(members: dict[str, Any], unsupported: tuple[str, ...], what: str) -> P
     def validate(value: Any) -> Any:
         kind = value.get("type") if isinstance(value, dict) else None
         if not isinstance(value, dict):
-            raise PydanticCustomError(INVALID_TYPE, f"must be {what} object")
+            raise PydanticCustomError(INVALID_TYPE, "must be {what} object", {"what": what})
         if kind in unsupported:
             raise PydanticCustomError(
                 UNSUPPORTED_BLOCK,
@@ -52,7 +52,9 @@ def typed(members: dict[str, Any], unsupported: tuple[str, ...], what: str) -> P
             )
         if kind not in adapters:
             raise PydanticCustomError(
-                INVALID_VALUE, f"must be {what} with 'type' one of {accepted}"
+                INVALID_VALUE,
+                "must be {what} with 'type' one of {accepted}",
+                {"what": what, "accepted": accepted},
             )
         return adapters[kind].validate_python(value, strict=True)
 
