@@ -26,7 +26,7 @@ from pydantic import BeforeValidator, Field, model_validator
 from pdserve.gateway.anthropic.content import (
     CacheControl,
     MessageParam,
-    SystemPrompt,
+    TextContent,
     ToolChoice,
     ToolChoiceAny,
     ToolChoiceAuto,
@@ -68,7 +68,7 @@ CHAT_CHOICE: dict[str, Choice] = {
 class CountTokensBody(ModelField):
     """A conversation, counted in tokens as ``/v1/messages`` would serve it."""
 
-    system: SystemPrompt | None = Field(None, description="a string or text blocks")
+    system: TextContent | None = Field(None, description="a string or text blocks")
     messages: Annotated[list[MessageParam], Field(min_length=1)]
     tools: Annotated[list[ToolParam], Field(min_length=1, max_length=MAX_TOOLS)] | None = Field(
         None, description=f"client tools the model may call (1 to {MAX_TOOLS}, unique names)"

@@ -91,10 +91,18 @@ class ToolUseBlockParam(StrictModel):
     cache_control: CacheControl | None = cache_field()
 
 
-ResultContent = Annotated[
+_TEXT_BLOCKS: TypeAdapter[list[TextBlockParam]] = TypeAdapter(
+    Annotated[
+        list[Annotated[Any, typed({"text": TextBlockParam}, ("image",), "a text block")]],
+        Field(min_length=1),
+    ]
+)
+
+# A string, or text blocks: the system prompt, a tool result's content.
+TextContent = Annotated[
     Any,
     PlainValidator(
-        lambda v: v if isinstance(v, str) else _RESULT_BLOCKS.validate_python(v, strict=True),
+        lambda v: v if isinstance(v, str) else _TEXT_BLOCKS.validate_python(v, strict=True),
         json_schema_input_type=Union[str, list[TextBlockParam]],  # noqa: UP007
     ),
 ]
@@ -105,7 +113,7 @@ class ToolResultBlockParam(StrictModel):
 
     type: Literal["tool_result"]
     tool_use_id: Annotated[str, Field(min_length=1, max_length=256)]
-    content: ResultContent | None = Field(None, description="a string or text blocks")
+    content: TextContent | None = Field(None, description="a string or text blocks")
     is_error: bool | None = Field(None, description="the call failed: the model is told so")
     cache_control: CacheControl | None = cache_field()
 
@@ -144,13 +152,6 @@ Block = Annotated[
         what="a content block",
     ),
 ]
-
-_RESULT_BLOCKS: TypeAdapter[list[TextBlockParam]] = TypeAdapter(
-    Annotated[
-        list[Annotated[Any, typed({"text": TextBlockParam}, ("image",), "a text block")]],
-        Field(min_length=1),
-    ]
-)
 
 # which blocks each role's message may hold
 ROLE_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking")}
@@ -270,13 +271,5 @@ ToolChoice = Annotated[
         },
         unsupported=(),
         what="a tool choice",
-    ),
-]
-
-SystemPrompt = Annotated[
-    Any,
-    PlainValidator(
-        lambda v: v if isinstance(v, str) else _RESULT_BLOCKS.validate_python(v, strict=True),
-        json_schema_input_type=Union[str, list[TextBlockParam]],  # noqa: UP007
     ),
 ]

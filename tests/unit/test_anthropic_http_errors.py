@@ -66,6 +66,8 @@ async def test_bad_requests_are_anthropic_errors(model_dir):
         conversation = {"model": "claude-x", "messages": ASK["messages"]}
         counted = await post("/v1/messages/count_tokens", json=conversation)
         await error_of(counted, 404, "not_found_error")
+        bad_id = await post("/v1/messages", json=ASK, headers={"x-request-id": "no spaces"})
+        assert "x-request-id" in await error_of(bad_id, 400, "invalid_request_error")
         count_with_sampling = await post("/v1/messages/count_tokens", json=ASK)
         assert "max_tokens" in await error_of(count_with_sampling, 400, "invalid_request_error")
         # the OpenAI endpoints keep OpenAI's shape
