@@ -8,6 +8,7 @@ attributes). ``count_tokens`` and ``/openapi.json`` too."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -212,3 +213,18 @@ def test_openapi_documents_both_paths():
     assert document["components"]["securitySchemes"]["x-api-key"]["in"] == "header"
     events = messages["responses"]["200"]["content"]["text/event-stream"]["schema"]["anyOf"]
     assert {"$ref": "#/components/schemas/PingEvent"} in events
+
+
+async def test_structured_output_reaches_the_worker_and_a_bad_schema_is_named(model_dir, tok):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    form = {"format": {"type": "json_schema", "schema": schema}}
+    ids = tok.encode('{"city": "Paris"}', add_special_tokens=False).ids
+    async with serving(model_dir) as (client, d0):
+        answer = await message(client, d0, {**ASK, "output_config": form}, ids, 3)
+        guided = d0.received[-1].sampling.guided
+        broken = {"format": {"type": "json_schema", "schema": {"$ref": "#/$defs/missing"}}}
+        refused = await client.post("/v1/messages", json={**ASK, "output_config": broken})
+        message_text = await error_of(refused, 400, "invalid_request_error")
+    assert guided is not None and guided.kind == "json_schema" and json.loads(guided.spec) == schema
+    assert answer["content"] == [{"type": "text", "text": '{"city": "Paris"}'}]
+    assert "Invalid structured output" in message_text
