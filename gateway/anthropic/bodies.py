@@ -38,13 +38,13 @@ from pdserve.gateway.anthropic.content import (
     cache_field,
 )
 from pdserve.gateway.request_bodies import ModelField
-from pdserve.gateway.sampling_fields import StopText, whole_float_as_int
+from pdserve.gateway.sampling_fields import MAX_STOP_STRINGS, StopText, whole_float_as_int
 from pdserve.gateway.schema_base import INVALID_VALUE, StrictModel, field_error
 from pdserve.gateway.tools.request import MAX_TOOLS
 from pdserve.gateway.tools.setup import Choice, ToolSetup
 from pdserve.shared.sampling import BOUNDS, MAX_GUIDED_SPEC_CHARS, GuidedDecoding
 
-MAX_STOP_SEQUENCES = 16  # as many as chat's stop strings (gateway/sampling_fields.py)
+MAX_STOP_SEQUENCES = MAX_STOP_STRINGS  # as many as chat's stop strings
 MAX_USER_ID_CHARS = 256  # Anthropic's limit on metadata.user_id
 
 # Anthropic's bound: [0, 1] (the OpenAI endpoints take up to 2)
