@@ -1,8 +1,10 @@
 """The gateway's middlewares, outermost first as ``create_app`` installs them: request ids (the
 client's ``x-request-id`` or a new one; its arrival time), tracing (a server span for the
-generation endpoints), errors (every failure leaves as OpenAI-shaped JSON) and API keys.
+generation endpoints), errors (every failure leaves as OpenAI-shaped JSON, or Anthropic-shaped on
+Anthropic's ``/v1/messages``: ``gateway/anthropic/errors.py``) and API keys.
 
-API keys are optional Bearer tokens (``--api-key``, several allowed). Only the API under
+API keys are optional (``--api-key``, several allowed), sent as a Bearer token or, as Anthropic's
+clients send them, in ``x-api-key``. Only the API under
 ``/v1/`` is protected. ``/health`` stays open for load balancers and orchestrators, and
 ``/metrics`` and ``/openapi.json`` stay open for scrapers and tooling, as in other
 OpenAI-compatible servers; none of them reveals prompts or output.
@@ -21,6 +23,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from pdserve.gateway.anthropic.errors import error_response, is_anthropic_path
 from pdserve.gateway.app_state import ARRIVED_KEY, CLIENT_ID_KEY, GATEWAY_KEY
 from pdserve.gateway.errors import (
     APIError,
@@ -57,18 +60,34 @@ def api_key_middleware(api_keys: list[str]) -> Middleware:
     async def check_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
         if not keys or not request.path.startswith(PROTECTED_PREFIX):
             return await handler(request)
-        header = request.headers.get("Authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise unauthorized("Missing API key: send 'Authorization: Bearer <key>'")
-        if not key_matches(token.strip(), keys):
+        token = presented_key(request)
+        if not token:
+            raise unauthorized(
+                "Missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+            )
+        if not key_matches(token, keys):
             raise unauthorized("Incorrect API key provided")
         return await handler(request)
 
     return check_api_key
 
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+def presented_key(request: web.Request) -> str:
+    """The key a client sent: Anthropic's ``x-api-key`` header when present (its SDKs send the
+    key there), else the Bearer token; '' when neither holds one."""
+    api_key = request.headers.get("x-api-key")
+    if api_key is not None:
+        return api_key.strip()
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def error_answer(request: web.Request, err: APIError) -> web.Response:
+    """``err`` in the shape of the API the client called."""
+    return error_response(err) if is_anthropic_path(request.path) else err.response()
+
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
 
 
 @web.middleware
@@ -83,7 +102,7 @@ async def request_id_middleware(request: web.Request, handler: Handler) -> web.S
             "x-request-id",
             "invalid_request_id",
         )
-        response = err.response()
+        response = error_answer(request, err)
         response.headers["x-request-id"] = uuid.uuid4().hex
         return response
     request[CLIENT_ID_KEY] = client_id
@@ -114,21 +133,24 @@ async def tracing_middleware(request: web.Request, handler: Handler) -> web.Stre
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error leaves as OpenAI-shaped JSON; bad input never becomes a 5xx."""
+    """Every error leaves as the API's JSON (OpenAI's, or Anthropic's on its paths); bad input
+    never becomes a 5xx."""
     try:
         return await handler(request)
     except APIError as err:
-        return err.response()
+        return error_answer(request, err)
     except web.HTTPRequestEntityTooLarge:
-        return payload_too_large(request.app[GATEWAY_KEY].config.max_body_bytes).response()
+        limit = request.app[GATEWAY_KEY].config.max_body_bytes
+        return error_answer(request, payload_too_large(limit))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         kind = "not_found" if exc.status == 404 else "http_error"
         allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-        return APIError(exc.status, exc.reason or "HTTP error", code=kind, headers=allow).response()
+        err = APIError(exc.status, exc.reason or "HTTP error", code=kind, headers=allow)
+        return error_answer(request, err)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return server_error("internal server error").response()
+        return error_answer(request, server_error("internal server error"))

@@ -19,6 +19,7 @@ from typing import Any
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue, models_json_schema
 from pydantic_core import CoreSchema, core_schema
 
+from pdserve.gateway.anthropic import openapi as anthropic
 from pdserve.gateway.request_bodies import ChatCompletionBody, CompletionBody
 from pdserve.gateway.response_models import RESPONSE_MODELS
 from pdserve.gateway.tokenize_bodies import (
@@ -37,6 +38,7 @@ REQUEST_MODELS = {
     "TokenizeTextRequest": TokenizeTextBody,
     "TokenizeChatRequest": TokenizeChatBody,
     "DetokenizeRequest": DetokenizeBody,
+    **anthropic.REQUEST_MODELS,  # Anthropic's Messages API (gateway/anthropic/openapi.py)
 }
 # vLLM's tokenizer endpoints' answers (their models live beside their requests')
 TOKENIZER_RESPONSES = {
@@ -66,7 +68,7 @@ def component_schemas() -> dict[str, Any]:
     entries; the top-level ones under their published names. One generation for all of them,
     so pydantic keeps the names of the models inside them apart."""
     published = [(name, model, "validation") for name, model in REQUEST_MODELS.items()]
-    responses = {**RESPONSE_MODELS, **TOKENIZER_RESPONSES}
+    responses = {**RESPONSE_MODELS, **TOKENIZER_RESPONSES, **anthropic.RESPONSE_MODELS}
     published += [(name, model, "serialization") for name, model in responses.items()]
     refs, top = models_json_schema(
         [(model, mode) for _, model, mode in published],
@@ -268,9 +270,13 @@ def openapi_spec(model: str) -> dict[str, Any]:
                     "responses": {"200": {"description": "metrics"}},
                 }
             },
+            **anthropic.paths(),
         },
         "components": {
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer"},
+                "x-api-key": anthropic.SECURITY_SCHEME,
+            },
             "schemas": schemas,
         },
     }

@@ -58,7 +58,7 @@ from pdserve.shared.bus.wire_fields import MAX_TOKEN_ID
 from pdserve.shared.sampling import BOUNDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_STOP_TOKEN_IDS
 
 
-def _whole_float_as_int(value: Any) -> Any:
+def whole_float_as_int(value: Any) -> Any:
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return value  # anything else is left for the strict int check to refuse
@@ -68,7 +68,7 @@ def integer(minimum: int | None = None, maximum: int | None = None) -> Any:
     """An integer type in [minimum, maximum] (either end may be open-ended)."""
     # The bounds first, so that they stay on the int schema (and its JSON schema) inside the
     # before-validator.
-    return Annotated[int, Field(ge=minimum, le=maximum), BeforeValidator(_whole_float_as_int)]
+    return Annotated[int, Field(ge=minimum, le=maximum), BeforeValidator(whole_float_as_int)]
 
 
 def bounded_integer(name: str, minimum: int | None = None) -> Any:

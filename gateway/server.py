@@ -18,10 +18,10 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.gateway import admin, tokenize_api
+from pdserve.gateway.anthropic import handlers as anthropic
 from pdserve.gateway.api_models import (
     ChatRequest,
     CompletionRequest,
-    GenerationParams,
     check_param_token_ids,
     check_token_ids,
     parse_chat,
@@ -33,11 +33,7 @@ from pdserve.gateway.app_state import (
     new_gateway_id,
 )
 from pdserve.gateway.endpoint_metrics import endpoint_metrics_middleware
-from pdserve.gateway.errors import (
-    bad_request,
-    model_not_found,
-    payload_too_large,
-)
+from pdserve.gateway.errors import payload_too_large
 from pdserve.gateway.generation import Prompt
 from pdserve.gateway.middlewares import (
     api_key_middleware,
@@ -46,15 +42,17 @@ from pdserve.gateway.middlewares import (
     tracing_middleware,
 )
 from pdserve.gateway.openapi import openapi_spec
-from pdserve.gateway.prompting import encode, render_chat
-from pdserve.gateway.reasoning import reasoning_setup
+from pdserve.gateway.prepare import (
+    chat_prompt,
+    check_guided,
+    check_model,
+    tool_format,
+    truncated,
+)
+from pdserve.gateway.prompting import encode
 from pdserve.gateway.schema_base import parse_json_body
 from pdserve.gateway.serving import serve_generation
 from pdserve.gateway.tokenize_api import Vocabulary
-from pdserve.gateway.tokenizer import truncate_prompt
-from pdserve.gateway.tools.grammar import check_schemas, tag_tokens
-from pdserve.gateway.tools.prompt import resolve_parser
-from pdserve.shared import structured_output
 from pdserve.shared.bus.connection import Bus
 from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig
 from pdserve.shared.options import build
@@ -94,7 +92,7 @@ async def models(request: web.Request) -> web.Response:
 
 async def model(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY_KEY]
-    _check_model(gw, request.match_info["model"])
+    check_model(gw, request.match_info["model"])
     return web.json_response(_model_card(gw))
 
 
@@ -114,7 +112,7 @@ async def _read_json(request: web.Request) -> dict[str, Any]:
 async def completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY_KEY]
     req: CompletionRequest = parse_completion(await _read_json(request))
-    _check_model(gw, req.params.model)
+    check_model(gw, req.params.model)
     tok = gw.model.tokenizer
     prompts: list[Prompt] = []
     for i, prompt in enumerate(req.prompts):
@@ -124,43 +122,24 @@ async def completions(request: web.Request) -> web.StreamResponse:
         else:
             check_token_ids(prompt, tok.vocab_size, where)
             given = prompt
-        ids = _truncated(gw, req.params, given)
+        ids = truncated(gw, req.params, given)
         # echo returns the prompt as given, or as served when it was truncated or token ids
         text = prompt if isinstance(prompt, str) and ids is given else ""
         if req.params.echo and not text:
             text = tok.decode(ids, skip_special_tokens=False)
         prompts.append(Prompt(ids, text))
     check_param_token_ids(req.params, tok.vocab_size)
-    await _check_guided(gw, req.params)
+    await check_guided(gw, req.params)
     return await serve_generation(request, gw, "text_completion", req.params, prompts)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY_KEY]
-    chat = gw.model.chat
-    parser = resolve_parser(gw.config.tool_call_parser, chat.source if chat else None)
-    tags = tag_tokens(parser, lambda t: gw.model.tokenizer.encode(t, add_special_tokens=False))
+    parser, tags = tool_format(gw)
     req: ChatRequest = parse_chat(await _read_json(request), parser, tags)
-    _check_model(gw, req.params.model)
-    text = render_chat(
-        chat,
-        req.messages,
-        add_generation_prompt=req.add_generation_prompt,
-        continue_final_message=req.continue_final_message,
-        variables=req.template_kwargs,
-        tools=req.params.tools,
-        tool_parser=req.tool_parser,
-    )
-    # how the answer's reasoning is split out depends on where the template left it
-    req.params.reasoning = reasoning_setup(gw.config.reasoning_parser, text, req.template_kwargs)
-    # The template writes BOS itself, so no special tokens are added (as transformers does).
-    prompt_ids = await encode(gw.model.tokenizer, text, add_special_tokens=False)
-    prompt_ids = _truncated(gw, req.params, prompt_ids)
-    check_param_token_ids(req.params, gw.model.tokenizer.vocab_size)
-    # each enforced tool schema first, so that one that does not compile is named
-    await asyncio.to_thread(check_schemas, req.params.tools, gw.model.tokenizer.tokenizer)
-    await _check_guided(gw, req.params)
-    return await serve_generation(request, gw, "chat", req.params, [Prompt(prompt_ids, text)])
+    check_model(gw, req.params.model)
+    prompt = await chat_prompt(gw, req)
+    return await serve_generation(request, gw, "chat", req.params, [prompt])
 
 
 def _vocabulary(gw: Gateway) -> Vocabulary:
@@ -183,29 +162,13 @@ async def detokenize(request: web.Request) -> web.Response:
     return web.json_response(tokenize_api.detokenize(await _read_json(request), served))
 
 
-def _truncated(gw: Gateway, params: GenerationParams, ids: list[int]) -> list[int]:
-    limit, most = gw.context_limit(), gw.config.max_prompt_tokens
-    return truncate_prompt(ids, params.truncate_prompt_tokens, params.max_tokens, limit, most)
+async def messages(request: web.Request) -> web.StreamResponse:
+    return await anthropic.messages(request, await _read_json(request))
 
 
-async def _check_guided(gw: Gateway, params: GenerationParams) -> None:
-    """A grammar that does not compile is the client's 400 here, not a worker's error later.
-    Off the event loop: the first check builds the tokenizer's grammar compiler (~0.3 s for a
-    50k vocabulary), and a large schema takes a while to compile."""
-    if params.guided is None:
-        return
-    try:
-        await asyncio.to_thread(
-            structured_output.check, params.guided, gw.model.tokenizer.tokenizer
-        )
-    except ValueError as exc:
-        message = f"Invalid structured output: {exc}"
-        raise bad_request(message, params.guided_param, "invalid_grammar") from None
-
-
-def _check_model(gw: Gateway, model: str) -> None:
-    if model != gw.model.name:
-        raise model_not_found(model)
+async def count_tokens(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY_KEY]
+    return web.json_response(await anthropic.count_tokens(gw, await _read_json(request)))
 
 
 def create_app(
@@ -234,6 +197,8 @@ def create_app(
     app.router.add_get("/v1/models/{model:.+}", model)  # names may hold "/"
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/messages", messages)  # Anthropic's Messages API
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_post("/reset_prefix_cache", admin.reset_prefix_cache)

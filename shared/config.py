@@ -219,7 +219,9 @@ class GatewayConfig:
     host: str = opt("127.0.0.1", "HTTP bind address")
     port: int = opt(8000, "HTTP port")
     api_key: list[str] = opt(
-        [], "accepted Bearer API key; repeat for several (env: comma separated)", multiple=True
+        [],
+        "accepted API key (a Bearer token, or x-api-key); repeat for several (env: comma separated)",
+        multiple=True,
     )
     max_body_bytes: int = opt(4 * 1024 * 1024, "largest accepted HTTP request body")
     max_prompt_tokens: int = opt(0, "longest accepted prompt; 0 means the model's context")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install one client tool into its own venv outside the repo:
-#   perf/compat/install.sh guidellm|lm-eval|aiperf|langchain
+#   perf/compat/install.sh guidellm|lm-eval|aiperf|langchain|anthropic
 # The venv lives in $PDSERVE_COMPAT_DIR/<tool> (default ~/.cache/pdserve-compat/<tool>), so the
 # tools' dependencies (their own transformers, datasets, ...) never touch pdserve's .venv.
 # torch goes in first, pinned to the CPU build already on this machine: otherwise the tools'
@@ -15,10 +15,14 @@ declare -A PINS=(
   [lm-eval]="lm-eval[api]==0.4.13 transformers"
   [aiperf]="aiperf==0.13.0"
   [langchain]="langchain==1.5.2 langchain-openai==1.8.1"
+  [anthropic]="anthropic==2.10.0"
 )
+# Anthropic's SDK needs no torch: its venv is the SDK alone.
+declare -A NO_TORCH=([anthropic]=1)
 
-tool="${1:?usage: install.sh guidellm|lm-eval|aiperf|langchain}"
-pin="${PINS[$tool]:?unknown tool '$tool' (guidellm, lm-eval, aiperf or langchain)}"
+tool="${1:?usage: install.sh guidellm|lm-eval|aiperf|langchain|anthropic}"
+pin="${PINS[$tool]:?unknown tool '$tool' (guidellm, lm-eval, aiperf, langchain or anthropic)}"
+if [[ -n "${NO_TORCH[$tool]:-}" ]]; then TORCH=""; fi
 root="${PDSERVE_COMPAT_DIR:-$HOME/.cache/pdserve-compat}"
 venv="$root/$tool"
 # The same interpreter as pdserve's .venv: the CPU torch wheel on this machine is for it.
@@ -32,8 +36,12 @@ fi
 mkdir -p "$root"
 "$python" -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
-"$venv/bin/python" -m pip install -q "$TORCH"
+if [[ -n "$TORCH" ]]; then "$venv/bin/python" -m pip install -q "$TORCH"; fi
 # shellcheck disable=SC2086  # $pin may name several requirements
 "$venv/bin/python" -m pip install -q $pin
 echo "$TORCH $pin" >"$marker"
-echo "$tool: installed $pin with $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)') in $venv"
+if [[ -n "$TORCH" ]]; then
+  echo "$tool: installed $pin with $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)') in $venv"
+else
+  echo "$tool: installed $pin in $venv"
+fi

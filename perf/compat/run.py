@@ -1,6 +1,6 @@
 """Run the clients people use against a local ``pdserve up``, unmodified (issue 16):
 
-    perf/compat/run.sh [guidellm|lm-eval|aiperf|langchain|all] [--model NAME] [--out DIR] [--no-install]
+    perf/compat/run.sh [guidellm|lm-eval|aiperf|langchain|anthropic|all] [--model NAME] [--out DIR] [--no-install]
 
 Each tool lives in its own venv outside the repo (install.sh). One ``pdserve up`` on free ports
 serves them one after another, then is stopped by its pid. lm-eval runs the local pdserve_mcq
@@ -23,6 +23,7 @@ from pathlib import Path
 
 from perf.compat import hf_mcq
 from perf.compat.aiperf_run import run_aiperf
+from perf.compat.anthropic_run import run_anthropic
 from perf.compat.echo_check import run_echo_check
 from perf.compat.guidellm_run import run_guidellm
 from perf.compat.langchain_run import run_langchain
@@ -30,7 +31,7 @@ from perf.compat.lmeval_run import run_lm_eval
 from perf.compat.stack import Stack, drain_leftovers, pdserve_up
 from perf.compat.tool import COMPAT_DIR, ToolResult, install
 
-TOOLS = ("guidellm", "lm-eval", "aiperf", "langchain")
+TOOLS = ("guidellm", "lm-eval", "aiperf", "langchain", "anthropic")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -77,6 +78,8 @@ def tool_runs(
         yield run_aiperf(stack, tokenizer_dir, args.out)
     elif tool == "langchain":
         yield run_langchain(stack, args.out)
+    elif tool == "anthropic":
+        yield run_anthropic(stack, args.out)
     else:
         assert oracle is not None
         exact = not args.up_args
