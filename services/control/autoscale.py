@@ -45,7 +45,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pdserve.services.control.autoscale_window import Snapshot, Worker, build_window, parse_snapshot
 from pdserve.services.control.placement import Placement, least_held, place  # noqa: F401 (re-exported)
-from pdserve.services.control.planner.decide import Decision, Planner, pick_to_drain
+from pdserve.services.control.planner.decide import Decision, Planner
+from pdserve.services.control.planner.guards import pick_to_drain
 from pdserve.services.control.planner.inputs import (
     ROLES,
     Counts,

@@ -33,7 +33,9 @@ def scripted(*counts: Counts):
     def step(window: MetricsWindow, current: Counts) -> Decision:
         seen.append(window)
         c = counts[min(len(seen), len(counts)) - 1]
-        return Decision(c.prefill, c.decode, (), PlannerState(), {}, ())
+        return Decision(
+            prefill=c.prefill, decode=c.decode, reasons=(), state=PlannerState(), need={}, rules=()
+        )
 
     return step, seen
 
@@ -141,11 +143,13 @@ def test_the_simulation_is_deterministic_for_a_seed() -> None:
 
 def test_constant_load_settles_without_flapping() -> None:
     """Started at the closed form's 2P1D, the planner keeps it; started at 1P1D under that load, it
-    overshoots once to clear the backlog the first minute built, then settles for good."""
+    overshoots once to clear the backlog the first minute built, then settles for good. In 30 s
+    windows: this load needs 85-90% of two prefill workers, and the Poisson noise of 10 s windows
+    (+-10% at 10 req/s) crosses the threshold now and then, each time a brief third worker."""
     schedule = RateSchedule.constant(10, 900)
 
     def run(start: Counts):
-        cfg = SimConfig(prefill=start.prefill, decode=start.decode)
+        cfg = SimConfig(prefill=start.prefill, decode=start.decode, window_s=30.0)
         step = Planner(H200, SLO_, BUDGET).step
         return simulate(H200, LONG, schedule, SLO_, planner=step, limits=BUDGET, config=cfg)
 
