@@ -14,8 +14,18 @@ prints the reasons, and acts:
   the planner's counts and window leave it out, while its CPUs stay taken until it exits. It
   is then reaped and forgotten, and supervision never reports it as a crash.
 
-``--warm-prefill/decode-workers`` (services/control/warm_pool.py): **up** promotes a standby worker
-first, then refills the pool by a cold start; pooled workers are no capacity, but cost budget.
+The warm pool (services/control/warm_pool.py) is in the loop: **up** promotes a registered
+standby worker first (SIGUSR1), and each decision sizes the pool (``Decision.pool``): what the
+forecast needs by the time a cold start could serve, beyond what serves now, and at least
+``--warm-prefill/decode-workers`` (the floor). Missing pooled workers start cold, on standby;
+surplus loaded ones are stopped (SIGTERM: a standby worker holds nothing). Pooled workers are
+no capacity, but cost budget; serving comes first.
+
+The window tells the planner what only the launcher knows: the pool (all, and those registered),
+the workers still loading (never drained), and the measured cold start: from a worker's launch
+to its first appearance in the gateway's registry (to within an interval, as it is seen by a
+scrape). A promotion's latency is not measured (the worker announces itself at once:
+``PlannerConfig.warm_start_s``).
 
 A worker that dies on its own is no capacity either: the next window counts without it, so the
 planner replaces it if the load (or the minimum) needs it.
@@ -31,6 +41,7 @@ served on ``--planner-metrics-port`` so an HPA or KEDA can act on the same decis
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -189,15 +200,25 @@ class Autoscaler:
                 say(f"budget {budget:g} CPUs > the {len(cpus)} here: workers will share CPUs")
         self.cpus = cpus if fleet.cpu_shares is not None else None
         self.costs = costs
-        self.pool = WarmPool.from_flags(fleet.up)  # its cost is kept out of the serving budget
-        limits = fleet_limits(fleet.up, costs, budget - self.pool.cost(costs), self.unit)
-        planner_config = PlannerConfig(warmup_s=config.warmup_s)
+        self.pool = WarmPool.from_flags(fleet.up)  # wanted: the floor, until the planner sizes it
+        floor = Counts(self.pool.wanted["prefill"], self.pool.wanted["decode"])
+        limits = fleet_limits(fleet.up, costs, budget, self.unit)
+        least = Counts(limits.min_prefill, limits.min_decode)
+        if limits.cost(least) + self.pool.cost(costs) > budget + 1e-9:
+            raise StartupError(
+                f"--autoscale: the minimum fleet and the warm pool's floor cost"
+                f" {limits.cost(least) + self.pool.cost(costs):g} {self.unit} > budget"
+                f" {budget:g}; --autoscale-max-{self.unit.lower()}s raises it (workers then share)"
+            )
+        planner_config = PlannerConfig(warmup_s=config.warmup_s, pool_floor=floor)
         self.planner = Planner(config.profile, config.slo, limits, planner_config)
+        self.cold_starts: list[float] = []  # measured: launch -> first seen in the registry
         self.retiring: dict[str, tuple[Child, float]] = {}  # draining: child, kill deadline
         self.last: Decision | None = None
         # when each worker first showed in the gateway's registry: its age counts from there,
         # so one still loading is young (warm-up) and never drained mid-load
         self.joined: dict[str, float] = {}
+        self.promote_on_join: set[str] = set()  # taken from the pool while loading
         self.registry = CollectorRegistry()
         gauge = lambda name, doc: Gauge(name, doc, ["role"], registry=self.registry)  # noqa: E731
         self.desired = gauge("pdserve_planner_desired_workers", "Workers the planner wants.")
@@ -241,14 +262,25 @@ class Autoscaler:
 
     def serving(self) -> dict[str, Worker]:
         """The workers that count as capacity: alive and not draining, with their ages since
-        they registered (0 while loading)."""
+        they registered (0, and loading, until then)."""
         now = time.monotonic()
         started = self.fleet.started
         return {
-            name: Worker(started[name].role, now - self.joined.get(name, now))
+            name: Worker(
+                started[name].role, now - self.joined.get(name, now), name not in self.joined
+            )
             for name in self._alive()
             if name not in self.retiring and name not in self.pool
         }
+
+    def pooled(self) -> tuple[Counts, Counts]:
+        """The warm pool per role: every member, and those registered (ready to promote)."""
+        alive = self._alive()
+        every = [len([w for w in self.pool.of(r) if w in alive]) for r in ROLES]
+        ready = [
+            len([w for w in self.pool.of(r) if w in alive and w in self.joined]) for r in ROLES
+        ]
+        return Counts(*every), Counts(*ready)
 
     def counts(self) -> Counts:
         roles = [w.role for w in self.serving().values()]
@@ -281,7 +313,10 @@ class Autoscaler:
         if after is None:
             return
         for name in after.workers:
+            if name not in self.joined and name in self.fleet.started:
+                self.cold_starts = [*self.cold_starts, now - self.fleet.started[name].at][-8:]
             self.joined.setdefault(name, now)
+        self._promote_joined()
         if self.before is None:  # the gateway answered for the first time: a window starts
             self.before, self.before_at = after, now
             return
@@ -289,7 +324,13 @@ class Autoscaler:
             self.before, after, now - self.before_at, self.config.slo.quantile, self.serving()
         )
         self.before, self.before_at = after, now
-        self.step(window)
+        self.step(self.with_fleet(window))
+
+    def with_fleet(self, window: MetricsWindow) -> MetricsWindow:
+        """The window with what only the launcher knows: the pool and the measured cold start."""
+        pool, ready = self.pooled()
+        cold = sum(self.cold_starts) / len(self.cold_starts) if self.cold_starts else None
+        return dataclasses.replace(window, pool=pool, pool_ready=ready, cold_start_s=cold)
 
     def step(self, window: MetricsWindow) -> Decision:
         current = self.counts()
@@ -303,6 +344,9 @@ class Autoscaler:
                 f" {decision.need['decode']:.2f}; rules: {rules})"
             )
         self.last = decision
+        self.pool.resize(
+            {r: decision.pool.of(r) for r in ROLES}
+        )  # after this decision's promotions
         for role in ROLES:
             self.need.labels(role).set(decision.need[role])
             for _ in range(decision.counts.of(role) - current.of(role)):
@@ -310,21 +354,43 @@ class Autoscaler:
             surplus = current.of(role) - decision.counts.of(role)
             for worker_id in pick_to_drain(window, role, surplus) if surplus > 0 else []:
                 self._drain(worker_id)
+        alive = self._alive()
+        for worker_id in self.pool.surplus(lambda w: w in alive and w in self.joined):
+            self._drain(worker_id, pooled=True)
+        self.refill()
         self._export(decision.counts)
         return decision
 
     def _start(self, role: str) -> None:
         """One more serving worker: a registered one from the warm pool if there is one (SIGUSR1,
-        services/standby.py), else a cold start."""
+        services/standby.py); else one of the pool still loading, promoted once it registers
+        (it serves sooner than a cold start would; a signal before then would find no handler);
+        else a cold start. The pool is refilled after each decision."""
         alive = self._alive()
         worker_id = self.pool.take(role, lambda name: name in alive and name in self.joined)
         if worker_id is None:
-            self._launch(role)
+            worker_id = self.pool.take(role, lambda name: name in alive)
+            if worker_id is None:
+                self._launch(role)
+                return
+            self.promote_on_join.add(worker_id)
+            self.actions.labels(role, "up").inc()
+            say(f"{worker_id} leaves the warm pool: promoted once it has loaded")
             return
         alive[worker_id].signal(PROMOTE_SIGNAL)
         self.actions.labels(role, "up").inc()
         say(f"promoted {worker_id} (pid {alive[worker_id].pid}) from the warm pool")
-        self.refill()
+
+    def _promote_joined(self) -> None:
+        """Promote the former pool members taken while loading that have now registered."""
+        alive = self._alive()
+        for worker_id in sorted(self.promote_on_join):
+            if worker_id not in alive:
+                self.promote_on_join.discard(worker_id)
+            elif worker_id in self.joined:
+                self.promote_on_join.discard(worker_id)
+                alive[worker_id].signal(PROMOTE_SIGNAL)
+                say(f"promoted {worker_id} (pid {alive[worker_id].pid}): it has loaded")
 
     def refill(self) -> None:
         """Start a standby worker for each one the warm pool lacks (one that died is gone)."""
@@ -348,13 +414,19 @@ class Autoscaler:
         say(f"started {child.name} (pid {child.pid}){text}" + (" for the warm pool" * standby))
         return child
 
-    def _drain(self, worker_id: str) -> None:
+    def _drain(self, worker_id: str, pooled: bool = False) -> None:
+        """SIGTERM, as Kubernetes sends: a serving worker drains; a pooled one (standby, holding
+        nothing) leaves the pool and exits. Either is no crash when it exits."""
         child = self._alive().get(worker_id)
         if child is None:
             return
         deadline = time.monotonic() + self.fleet.worker.drain_seconds + KILL_AFTER_DRAIN
         self.retiring[worker_id] = (child, deadline)
         child.signal(signal.SIGTERM)
+        if pooled:
+            self.pool.remove(worker_id)
+            say(f"stopping {worker_id} (pid {child.pid}): the warm pool shrinks")
+            return
         self.actions.labels(self.fleet.started[worker_id].role, "down").inc()
         say(f"draining {worker_id} (pid {child.pid}): SIGTERM, no new requests, in-flight finish")
 
