@@ -98,6 +98,14 @@ class Worker:
     def age(self, now: float) -> float:
         return now - self.ready_at
 
+    def idle(self) -> bool:
+        """Nothing queued or in progress (each role says what that means)."""
+        raise NotImplementedError
+
+    def load(self) -> tuple[float, int, int]:
+        """KV usage, queued, running."""
+        raise NotImplementedError
+
 
 class PrefillWorker(Worker):
     def __init__(self, worker_id: str, created: float, ready_at: float, profile: Profile) -> None:
