@@ -181,3 +181,20 @@ def test_the_advisor_picks_the_cheapest_pd_that_meets_the_slo(tmp_path: Path) ->
     plot_attainment(advice, tmp_path / "attainment.png")
     assert (tmp_path / "attainment.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not math.isnan(best.goodput) and best.goodput > 0.9 * workload.request_rate
+
+
+def test_the_ramp_steepens_about_its_peak_and_the_sawtooth_turns() -> None:
+    """Steepness s: the rise and fall take 30%/s of the ramp each, the peak stays at 40-60%, so
+    the phases (what attainment is reported by) move with them; a sawtooth turns every half
+    period."""
+    flat, steep = RateSchedule.ramp(8, 80, 900), RateSchedule.ramp(8, 80, 900, steepness=2)
+    assert [n for n, _, _ in flat.ramp_phases()] == ["low", "rise", "peak", "fall", "low again"]
+    spans = lambda s: [pytest.approx((a, b)) for _, a, b in s.ramp_phases()]  # noqa: E731
+    assert spans(flat)[1:3] == [(90, 360), (360, 540)]
+    assert spans(steep)[1:4] == [(225, 360), (360, 540), (540, 675)]
+    assert steep.rate(225 + 135 / 2) == pytest.approx(44) == flat.rate(90 + 270 / 2)
+    with pytest.raises(ValueError, match="steepness"):
+        RateSchedule.ramp(8, 80, 900, steepness=0.5)
+    saw = RateSchedule.sawtooth(8, 80, 120, 600)
+    assert [p[0] for p in saw.points] == [0, 120, 240, 360, 480, 600]
+    assert [saw.rate(t) for t in (0, 60, 120, 180, 240)] == [8, 44, 80, 44, 8]
