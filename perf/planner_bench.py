@@ -23,13 +23,19 @@ good ones per second of the ramp. Both runs see the same arrival times and lengt
 
 Workload (simulated, perf/planner_sim.py): 8 GPUs, ``Profile.synthetic()`` (an H200-like 8B
 model, illustrative roofline numbers), ISL 512-1536 / OSL 128-384, 8 -> 80 -> 8 req/s over
-900 s, TTFT <= 500 ms and ITL <= 20 ms at p90, 30 s windows, 60 s worker start; autoscale vs
-fixed 1P1D vs the advisor's best P:D for the peak rate.
+900 s, TTFT <= 500 ms and ITL <= 20 ms at p90, 10 s windows, 60 s cold start, 1 s promotion
+from the warm pool (floor: one prefill worker); autoscale vs fixed 1P1D vs the advisor's best
+P:D for the peak rate. ``--steepness`` takes the rise and fall faster about the same peak,
+``--seeds`` and several ``--steepness`` values sweep (perf/planner_targets.py: one targets row
+per run), ``--sawtooth S`` adds a sawtooth 8 <-> 80 req/s turning every S seconds.
 
     .venv/bin/python -m perf.planner_bench                 # both (about 8 minutes)
     .venv/bin/python -m perf.planner_bench --mode sim      # the simulated half only (seconds)
+    .venv/bin/python -m perf.planner_bench --mode sim --seeds 0 1 2 3 4 \
+        --steepness 1 1.5 2 --sawtooth 120                 # issue 49's targets (minutes)
 
-Writes perf/results/planner_bench.json, planner_ramp_cpu.png and planner_ramp_sim8gpu.png.
+Writes perf/results/planner_bench.json, planner_ramp_cpu.png, planner_ramp_sim8gpu.png (and
+planner_sawtooth_sim8gpu.png).
 """
 
 from __future__ import annotations
@@ -57,11 +63,11 @@ from pdserve.services.control.bench.client import (
     send_completion,
 )
 from pdserve.services.control.bench.datasets import BenchRequest
-from pdserve.services.control.planner.profile import Profile
 from pdserve.services.control.planner.sim_data import RateSchedule
 from pdserve.services.control.planner.workload import SLO
 from pdserve.services.control.processes import free_port
-from perf.planner_sim import PHASES, SimSetup, plot_timeline, run_sim, table
+from perf.planner_sim import PHASES, SimSetup, plot_timeline, table
+from perf.planner_targets import run_sims
 from perf.stack_bench import stop_stack  # Popen.send_signal skips a process already reaped
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,8 +96,9 @@ def start_stack(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     env.pop("OMP_NUM_THREADS", None)  # pdserve up sizes its workers' threads itself
     argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", MODEL, "--port", str(port)]
     with open(log, "wb") as out:
-        proc = subprocess.Popen([*argv, *args], cwd=ROOT, env=env, stdout=out,
-                                stderr=subprocess.STDOUT)  # fmt: skip
+        proc = subprocess.Popen(
+            [*argv, *args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+        )
     deadline = time.monotonic() + READY_TIMEOUT
     while "pdserve ready at" not in log.read_text(errors="replace"):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -125,9 +132,15 @@ async def watch(url: str | None, start: float, stop: asyncio.Event) -> list[dict
             if cur:
                 drn = _series(text, "pdserve_planner_draining_workers")
                 act = _series(text, "pdserve_planner_scaling_actions_total")
-                rows.append({"t": time.perf_counter() - start,
-                             "prefill": cur.get("prefill", 0), "decode": cur.get("decode", 0),
-                             "draining": sum(drn.values()), "actions": sum(act.values())})  # fmt: skip
+                rows.append(
+                    {
+                        "t": time.perf_counter() - start,
+                        "prefill": cur.get("prefill", 0),
+                        "decode": cur.get("decode", 0),
+                        "draining": sum(drn.values()),
+                        "actions": sum(act.values()),
+                    }
+                )
             try:
                 await asyncio.wait_for(stop.wait(), 1.0)
             except asyncio.TimeoutError:
@@ -141,8 +154,9 @@ async def drive(base: str, offsets: np.ndarray, metrics: str | None) -> tuple[li
     cfg = ClientConfig(base, await discover_model(base), timeout=300.0)
     stop = asyncio.Event()
     conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn,
-                                     timeout=aiohttp.ClientTimeout(total=300)) as session:  # fmt: skip
+    async with aiohttp.ClientSession(
+        connector=conn, timeout=aiohttp.ClientTimeout(total=300)
+    ) as session:
         start = time.perf_counter()
         watcher = asyncio.create_task(watch(metrics, start, stop))
 
@@ -159,8 +173,13 @@ async def drive(base: str, offsets: np.ndarray, metrics: str | None) -> tuple[li
     return list(records), timeline
 
 
-def row(label: str, records: list[RequestRecord], timeline: list[dict[str, float]],
-        duration: float, fixed: bool) -> dict[str, Any]:  # fmt: skip
+def row(
+    label: str,
+    records: list[RequestRecord],
+    timeline: list[dict[str, float]],
+    duration: float,
+    fixed: bool,
+) -> dict[str, Any]:
     q = CPU_SLO.quantile
 
     def per_request(r: RequestRecord) -> tuple[float, float]:
@@ -181,42 +200,72 @@ def row(label: str, records: list[RequestRecord], timeline: list[dict[str, float
         return None if math.isinf(got) else got
 
     if fixed:
-        timeline = [{"t": 0.0, "prefill": 1, "decode": 1, "draining": 0, "actions": 0},
-                    {"t": duration, "prefill": 1, "decode": 1, "draining": 0, "actions": 0}]  # fmt: skip
+        timeline = [
+            {"t": 0.0, "prefill": 1, "decode": 1, "draining": 0, "actions": 0},
+            {"t": duration, "prefill": 1, "decode": 1, "draining": 0, "actions": 0},
+        ]
     # worker-seconds within the ramp: serving and draining workers, each sample held a step
     ws = 0.0
     for a, b in zip(timeline, timeline[1:], strict=False):
         t0, t1 = min(a["t"], duration), min(b["t"], duration)
         ws += max(0.0, t1 - t0) * (a["prefill"] + a["decode"] + a["draining"])
     return {
-        "config": label, "requests": len(records),
+        "config": label,
+        "requests": len(records),
         "failed": sum(1 for r in records if not r.success),
-        "attainment": good / len(records) if records else 1.0, "goodput_rps": good / duration,
-        "ttft_ms": pct(0), "itl_ms": pct(1), "worker_seconds": ws,
+        "attainment": good / len(records) if records else 1.0,
+        "goodput_rps": good / duration,
+        "ttft_ms": pct(0),
+        "itl_ms": pct(1),
+        "worker_seconds": ws,
         "scaling_actions": int(timeline[-1]["actions"]) if timeline else 0,
-        "max_workers": max((p["prefill"] + p["decode"] + p["draining"] for p in timeline),
-                           default=0),
+        "max_workers": max(
+            (p["prefill"] + p["decode"] + p["draining"] for p in timeline), default=0
+        ),
         "by_phase": {name: phase(a * duration, b * duration) for name, a, b in PHASES},
         "timeline": timeline,
         "errors": sorted({r.error[:120] for r in records if r.error})[:5],
-    }  # fmt: skip
+    }
 
 
 def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
     schedule = RateSchedule.ramp(args.low, args.high, args.duration)
     offsets = arrivals(schedule, args.seed)
     profile = Path(args.profile).resolve()
-    slo = ["--slo-ttft-ms", str(CPU_SLO.ttft_ms), "--slo-itl-ms", str(CPU_SLO.itl_ms),
-           "--slo-percentile", CPU_SLO.percentile]  # fmt: skip
+    slo = [
+        "--slo-ttft-ms",
+        str(CPU_SLO.ttft_ms),
+        "--slo-itl-ms",
+        str(CPU_SLO.itl_ms),
+        "--slo-percentile",
+        CPU_SLO.percentile,
+    ]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for label in ("autoscale", "fixed 1P1D"):
             mport = free_port()
-            extra = [] if label != "autoscale" else [
-                "--autoscale", "--planner-profile", str(profile), *slo,
-                "--max-prefill-workers", "2", "--max-decode-workers", "2",
-                "--autoscale-max-cpus", "4", "--autoscale-interval", "5",
-                "--planner-warmup-seconds", "10", "--planner-metrics-port", str(mport)]  # fmt: skip
+            extra = (
+                []
+                if label != "autoscale"
+                else [
+                    "--autoscale",
+                    "--planner-profile",
+                    str(profile),
+                    *slo,
+                    "--max-prefill-workers",
+                    "2",
+                    "--max-decode-workers",
+                    "2",
+                    "--autoscale-max-cpus",
+                    "4",
+                    "--autoscale-interval",
+                    "5",
+                    "--planner-warmup-seconds",
+                    "10",
+                    "--planner-metrics-port",
+                    str(mport),
+                ]
+            )
             log = Path(tmp) / f"{label.split()[0]}.log"
             proc, base = start_stack(extra, log)
             try:
@@ -232,16 +281,27 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
                 if keep:
                     said.append(ln)
             rows[-1]["planner_log"] = said[-400:]
-            print(f"{label}: {rows[-1]['attainment']:.1%} good, {rows[-1]['failed']} failed",
-                  flush=True)  # fmt: skip
+            print(
+                f"{label}: {rows[-1]['attainment']:.1%} good, {rows[-1]['failed']} failed",
+                flush=True,
+            )
     return {
-        "setup": {"model": MODEL, "profile": str(profile.relative_to(ROOT)),
-                  "isl": ISL, "osl": OSL, "low": args.low, "high": args.high,
-                  "duration_s": args.duration, "seed": args.seed, "requests": len(offsets),
-                  "slo": CPU_SLO.describe(), "cpus": len(os.sched_getaffinity(0))},
+        "setup": {
+            "model": MODEL,
+            "profile": str(profile.relative_to(ROOT)),
+            "isl": ISL,
+            "osl": OSL,
+            "low": args.low,
+            "high": args.high,
+            "duration_s": args.duration,
+            "seed": args.seed,
+            "requests": len(offsets),
+            "slo": CPU_SLO.describe(),
+            "cpus": len(os.sched_getaffinity(0)),
+        },
         "schedule": [list(p) for p in schedule.points],
         "rows": rows,
-    }  # fmt: skip
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -253,29 +313,61 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--profile", default=str(RESULTS / "plan_profile_smollm2_2cpu.json"))
     ap.add_argument("--sim-profile", default="", help="a Profile JSON (default: synthetic)")
     ap.add_argument("--sim-duration", type=float, default=SimSetup.duration_s)
+    ap.add_argument(
+        "--sim-window",
+        type=float,
+        default=SimSetup.window_s,
+        help="the simulated planner's interval, seconds",
+    )
+    ap.add_argument(
+        "--sim-warm-prefill",
+        type=int,
+        default=SimSetup.warm_prefill,
+        help="simulated warm pool's floor of prefill workers",
+    )
+    ap.add_argument("--sim-warm-decode", type=int, default=SimSetup.warm_decode)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        nargs="*",
+        default=[],
+        help="simulated runs: one ramp per seed (default: --seed)",
+    )
+    ap.add_argument(
+        "--steepness",
+        type=float,
+        nargs="+",
+        default=[1.0],
+        help="simulated ramps: rise and fall this many times as fast (>= 1)",
+    )
+    ap.add_argument(
+        "--sawtooth",
+        type=float,
+        default=0.0,
+        help="also a simulated sawtooth low <-> high turning every this many s",
+    )
+    ap.add_argument("--sawtooth-duration", type=float, default=1200.0)
     ap.add_argument("--json", default=str(RESULTS / "planner_bench.json"))
     ap.add_argument("--plot-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
+    if min(args.steepness) < 1:
+        ap.error("--steepness must be >= 1")
     out: dict[str, Any] = {}
     plots = Path(args.plot_dir)
     plots.mkdir(parents=True, exist_ok=True)
     if args.mode in ("both", "sim"):
-        prof = Profile.load(args.sim_profile) if args.sim_profile else Profile.synthetic()
-        sim = run_sim(SimSetup(duration_s=args.sim_duration, seed=args.seed), prof)
-        print("simulated, 8 GPUs:", sim["setup"]["workload"], sim["setup"]["slo"])
-        print(table(sim["rows"], "GPU"), flush=True)
-        plot_timeline(sim["rows"], sim["schedule"],
-                      f"simulated 8 GPUs: {sim['setup']['slo']}",
-                      plots / "planner_ramp_sim8gpu.png")  # fmt: skip
-        out["sim_8gpu"] = sim
+        out["sim_8gpu"] = run_sims(args, plots)
     if args.mode in ("both", "cpu"):
         cpu = run_cpu(args)
         print(f"CPU stack ({cpu['setup']['cpus']} CPUs): {CPU_SLO.describe()}")
         print(table(cpu["rows"], "worker"), flush=True)
-        plot_timeline(cpu["rows"], cpu["schedule"],
-                      f"{MODEL}, {cpu['setup']['cpus']} CPUs: {CPU_SLO.describe()}",
-                      plots / "planner_ramp_cpu.png")  # fmt: skip
+        plot_timeline(
+            cpu["rows"],
+            cpu["schedule"],
+            f"{MODEL}, {cpu['setup']['cpus']} CPUs: {CPU_SLO.describe()}",
+            plots / "planner_ramp_cpu.png",
+        )
         out["cpu"] = cpu
     Path(args.json).write_text(json.dumps(out, indent=1, default=str) + "\n")
     return out

@@ -347,8 +347,12 @@ class UpConfig:
     planner_metrics_port: int = opt(
         0, "port of --autoscale's /metrics (pdserve_planner_desired_workers...); 0 = off"
     )
-    warm_prefill_workers: int = opt(0, "loaded, unrouted prefill workers --autoscale adds first")
-    warm_decode_workers: int = opt(0, "loaded, unrouted decode workers --autoscale adds first")
+    warm_prefill_workers: int = opt(
+        0, "floor of --autoscale's warm pool: loaded, unrouted prefill workers it promotes first"
+    )
+    warm_decode_workers: int = opt(
+        0, "floor of --autoscale's warm pool: loaded, unrouted decode workers it promotes first"
+    )
 
     def __post_init__(self) -> None:
         for name in ("prefill_tensor_parallel_size", "decode_tensor_parallel_size"):

@@ -14,8 +14,18 @@ prints the reasons, and acts:
   the planner's counts and window leave it out, while its CPUs stay taken until it exits. It
   is then reaped and forgotten, and supervision never reports it as a crash.
 
-``--warm-prefill/decode-workers`` (services/control/warm_pool.py): **up** promotes a standby worker
-first, then refills the pool by a cold start; pooled workers are no capacity, but cost budget.
+The warm pool (services/control/warm_pool.py) is in the loop: **up** promotes a registered
+standby worker first (SIGUSR1), and each decision sizes the pool (``Decision.pool``): what the
+forecast needs by the time a cold start could serve, beyond what serves now, and at least
+``--warm-prefill/decode-workers`` (the floor). Missing pooled workers start cold, on standby;
+surplus loaded ones are stopped (SIGTERM: a standby worker holds nothing). Pooled workers are
+no capacity, but cost budget; serving comes first.
+
+The window tells the planner what only the launcher knows: the pool (all, and those registered),
+the workers still loading (never drained), and the measured cold start: from a worker's launch
+to its first appearance in the gateway's registry (to within an interval, as it is seen by a
+scrape). A promotion's latency is not measured (the worker announces itself at once:
+``PlannerConfig.warm_start_s``).
 
 A worker that dies on its own is no capacity either: the next window counts without it, so the
 planner replaces it if the load (or the minimum) needs it.
@@ -31,6 +41,7 @@ served on ``--planner-metrics-port`` so an HPA or KEDA can act on the same decis
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -43,18 +54,21 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from pdserve.services.control.autoscale_settings import (  # noqa: F401 (re-exported)
+    Settings,
+    fleet_limits,
+    settings,
+)
 from pdserve.services.control.autoscale_window import Snapshot, Worker, build_window, parse_snapshot
 from pdserve.services.control.placement import Placement, least_held, place  # noqa: F401 (re-exported)
-from pdserve.services.control.planner.decide import Decision, Planner, pick_to_drain
+from pdserve.services.control.planner.decide import Decision, Planner
+from pdserve.services.control.planner.guards import pick_to_drain
 from pdserve.services.control.planner.inputs import (
     ROLES,
     Counts,
-    Limits,
     MetricsWindow,
     PlannerConfig,
 )
-from pdserve.services.control.planner.profile import Profile
-from pdserve.services.control.planner.workload import SLO
 from pdserve.services.control.processes import Child, visible_gpus
 from pdserve.services.control.warm_pool import WarmPool
 from pdserve.services.standby import PROMOTE_SIGNAL
@@ -70,77 +84,6 @@ class WorkerStart:
     role: str
     place: Placement
     at: float  # time.monotonic() when the launcher started it
-
-
-@dataclass(frozen=True)
-class Settings:
-    profile: Profile
-    slo: SLO
-    interval_s: float
-    warmup_s: float
-    metrics_port: int
-
-
-def settings(up: UpConfig) -> Settings:
-    """The planner's inputs from the flags, refused in one line before anything starts. Clamps
-    the starting counts (--prefill/--decode-workers) into each role's [min, max]."""
-    if not up.planner_profile:
-        raise StartupError(
-            "--autoscale needs --planner-profile FILE: what one prefill and one decode worker of "
-            "this model do on this host. `pdserve plan --model M --profile-out FILE` (with a "
-            "workload, the SLOs and the engine options you give pdserve up) measures it"
-        )
-    try:
-        profile = Profile.load(up.planner_profile)
-        slo = SLO(up.slo_ttft_ms, up.slo_itl_ms, up.slo_percentile)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise StartupError(f"--planner-profile {up.planner_profile}: {exc}") from None
-    if up.autoscale_interval <= 0 or up.planner_warmup_seconds < 0:
-        raise StartupError("--autoscale-interval must be > 0 and --planner-warmup-seconds >= 0")
-    if up.autoscale_max_cpus and up.autoscale_max_gpus:
-        raise StartupError("give one budget: --autoscale-max-cpus or --autoscale-max-gpus")
-    if up.prefill_workers == 0:
-        raise StartupError("--autoscale sizes prefill and decode apart: not --prefill-workers 0")
-    for role in ROLES:
-        low, high = getattr(up, f"min_{role}_workers"), getattr(up, f"max_{role}_workers")
-        if low < 1 or (high and high < low):
-            raise StartupError(
-                f"--autoscale needs 1 <= --min-{role}-workers <= --max-{role}-workers"
-            )
-        start = getattr(up, f"{role}_workers")
-        setattr(up, f"{role}_workers", max(low, min(high or start, start)))
-    return Settings(
-        profile=profile,
-        slo=slo,
-        interval_s=up.autoscale_interval,
-        warmup_s=up.planner_warmup_seconds,
-        metrics_port=up.planner_metrics_port,
-    )
-
-
-def fleet_limits(up: UpConfig, costs: dict[str, float], budget: float, unit: str) -> Limits:
-    """Each role's [min, max] and cost within the budget; a max of 0 is what the budget holds
-    beside the other role's minimum."""
-    bounds = {}
-    for role in ROLES:
-        other = "decode" if role == "prefill" else "prefill"
-        low, high = getattr(up, f"min_{role}_workers"), getattr(up, f"max_{role}_workers")
-        room = budget - getattr(up, f"min_{other}_workers") * costs[other]
-        bounds[role] = (low, high or max(low, int(room / costs[role] + 1e-9)))
-    try:
-        return Limits(
-            min_prefill=bounds["prefill"][0],
-            max_prefill=bounds["prefill"][1],
-            min_decode=bounds["decode"][0],
-            max_decode=bounds["decode"][1],
-            prefill_cost=costs["prefill"],
-            decode_cost=costs["decode"],
-            budget=budget,
-            unit=unit,
-        )
-    except ValueError as exc:
-        flag = f"--autoscale-max-{unit.lower()}s"
-        raise StartupError(f"--autoscale: {exc}; {flag} raises it (workers then share)") from None
 
 
 class Fleet(Protocol):
@@ -188,17 +131,27 @@ class Autoscaler:
                 say(f"budget {budget:g} CPUs > the {len(cpus)} here: workers will share CPUs")
         self.cpus = cpus if fleet.cpu_shares is not None else None
         self.costs = costs
-        self.pool = WarmPool.from_flags(fleet.up)  # its cost is kept out of the serving budget
-        limits = fleet_limits(fleet.up, costs, budget - self.pool.cost(costs), self.unit)
-        planner_config = PlannerConfig(warmup_s=config.warmup_s)
+        self.pool = WarmPool.from_flags(fleet.up)  # wanted: the floor, until the planner sizes it
+        floor = Counts(self.pool.wanted["prefill"], self.pool.wanted["decode"])
+        limits = fleet_limits(fleet.up, costs, budget, self.unit)
+        least = Counts(limits.min_prefill, limits.min_decode)
+        if limits.cost(least) + self.pool.cost(costs) > budget + 1e-9:
+            raise StartupError(
+                f"--autoscale: the minimum fleet and the warm pool's floor cost"
+                f" {limits.cost(least) + self.pool.cost(costs):g} {self.unit} > budget"
+                f" {budget:g}; --autoscale-max-{self.unit.lower()}s raises it (workers then share)"
+            )
+        planner_config = PlannerConfig(warmup_s=config.warmup_s, pool_floor=floor)
         self.planner = Planner(
             profile=config.profile, slo=config.slo, limits=limits, config=planner_config
         )
+        self.cold_starts: list[float] = []  # measured: launch -> first seen in the registry
         self.retiring: dict[str, tuple[Child, float]] = {}  # draining: child, kill deadline
         self.last: Decision | None = None
         # when each worker first showed in the gateway's registry: its age counts from there,
         # so one still loading is young (warm-up) and never drained mid-load
         self.joined: dict[str, float] = {}
+        self.promote_on_join: set[str] = set()  # taken from the pool while loading
         self.registry = CollectorRegistry()
         gauge = lambda name, doc: Gauge(name, doc, ["role"], registry=self.registry)  # noqa: E731
         self.desired = gauge("pdserve_planner_desired_workers", "Workers the planner wants.")
@@ -242,14 +195,25 @@ class Autoscaler:
 
     def serving(self) -> dict[str, Worker]:
         """The workers that count as capacity: alive and not draining, with their ages since
-        they registered (0 while loading)."""
+        they registered (0, and loading, until then)."""
         now = time.monotonic()
         started = self.fleet.started
         return {
-            name: Worker(started[name].role, now - self.joined.get(name, now))
+            name: Worker(
+                started[name].role, now - self.joined.get(name, now), name not in self.joined
+            )
             for name in self._alive()
             if name not in self.retiring and name not in self.pool
         }
+
+    def pooled(self) -> tuple[Counts, Counts]:
+        """The warm pool per role: every member, and those registered (ready to promote)."""
+        alive = self._alive()
+        every = [len([w for w in self.pool.of(r) if w in alive]) for r in ROLES]
+        ready = [
+            len([w for w in self.pool.of(r) if w in alive and w in self.joined]) for r in ROLES
+        ]
+        return Counts(*every), Counts(*ready)
 
     def counts(self) -> Counts:
         roles = [w.role for w in self.serving().values()]
@@ -282,7 +246,10 @@ class Autoscaler:
         if after is None:
             return
         for name in after.workers:
+            if name not in self.joined and name in self.fleet.started:
+                self.cold_starts = [*self.cold_starts, now - self.fleet.started[name].at][-8:]
             self.joined.setdefault(name, now)
+        self._promote_joined()
         if self.before is None:  # the gateway answered for the first time: a window starts
             self.before, self.before_at = after, now
             return
@@ -290,7 +257,13 @@ class Autoscaler:
             self.before, after, now - self.before_at, self.config.slo.quantile, self.serving()
         )
         self.before, self.before_at = after, now
-        self.step(window)
+        self.step(self.with_fleet(window))
+
+    def with_fleet(self, window: MetricsWindow) -> MetricsWindow:
+        """The window with what only the launcher knows: the pool and the measured cold start."""
+        pool, ready = self.pooled()
+        cold = sum(self.cold_starts) / len(self.cold_starts) if self.cold_starts else None
+        return dataclasses.replace(window, pool=pool, pool_ready=ready, cold_start_s=cold)
 
     def step(self, window: MetricsWindow) -> Decision:
         current = self.counts()
@@ -304,6 +277,9 @@ class Autoscaler:
                 f" {decision.need['decode']:.2f}; rules: {rules})"
             )
         self.last = decision
+        self.pool.resize(
+            {r: decision.pool.of(r) for r in ROLES}
+        )  # after this decision's promotions
         for role in ROLES:
             self.need.labels(role).set(decision.need[role])
             for _ in range(decision.counts.of(role) - current.of(role)):
@@ -311,21 +287,43 @@ class Autoscaler:
             surplus = current.of(role) - decision.counts.of(role)
             for worker_id in pick_to_drain(window, role, surplus) if surplus > 0 else []:
                 self._drain(worker_id)
+        alive = self._alive()
+        for worker_id in self.pool.surplus(lambda w: w in alive and w in self.joined):
+            self._drain(worker_id, pooled=True)
+        self.refill()
         self._export(decision.counts)
         return decision
 
     def _start(self, role: str) -> None:
         """One more serving worker: a registered one from the warm pool if there is one (SIGUSR1,
-        services/standby.py), else a cold start."""
+        services/standby.py); else one of the pool still loading, promoted once it registers
+        (it serves sooner than a cold start would; a signal before then would find no handler);
+        else a cold start. The pool is refilled after each decision."""
         alive = self._alive()
         worker_id = self.pool.take(role, lambda name: name in alive and name in self.joined)
         if worker_id is None:
-            self._launch(role)
+            worker_id = self.pool.take(role, lambda name: name in alive)
+            if worker_id is None:
+                self._launch(role)
+                return
+            self.promote_on_join.add(worker_id)
+            self.actions.labels(role, "up").inc()
+            say(f"{worker_id} leaves the warm pool: promoted once it has loaded")
             return
         alive[worker_id].signal(PROMOTE_SIGNAL)
         self.actions.labels(role, "up").inc()
         say(f"promoted {worker_id} (pid {alive[worker_id].pid}) from the warm pool")
-        self.refill()
+
+    def _promote_joined(self) -> None:
+        """Promote the former pool members taken while loading that have now registered."""
+        alive = self._alive()
+        for worker_id in sorted(self.promote_on_join):
+            if worker_id not in alive:
+                self.promote_on_join.discard(worker_id)
+            elif worker_id in self.joined:
+                self.promote_on_join.discard(worker_id)
+                alive[worker_id].signal(PROMOTE_SIGNAL)
+                say(f"promoted {worker_id} (pid {alive[worker_id].pid}): it has loaded")
 
     def refill(self) -> None:
         """Start a standby worker for each one the warm pool lacks (one that died is gone)."""
@@ -349,13 +347,19 @@ class Autoscaler:
         say(f"started {child.name} (pid {child.pid}){text}" + (" for the warm pool" * standby))
         return child
 
-    def _drain(self, worker_id: str) -> None:
+    def _drain(self, worker_id: str, pooled: bool = False) -> None:
+        """SIGTERM, as Kubernetes sends: a serving worker drains; a pooled one (standby, holding
+        nothing) leaves the pool and exits. Either is no crash when it exits."""
         child = self._alive().get(worker_id)
         if child is None:
             return
         deadline = time.monotonic() + self.fleet.worker.drain_seconds + KILL_AFTER_DRAIN
         self.retiring[worker_id] = (child, deadline)
         child.signal(signal.SIGTERM)
+        if pooled:
+            self.pool.remove(worker_id)
+            say(f"stopping {worker_id} (pid {child.pid}): the warm pool shrinks")
+            return
         self.actions.labels(self.fleet.started[worker_id].role, "down").inc()
         say(f"draining {worker_id} (pid {child.pid}): SIGTERM, no new requests, in-flight finish")
 

@@ -126,10 +126,12 @@ def bucket_quantile(before: Buckets, after: Buckets, q: float) -> float | None:
 
 @dataclass(frozen=True)
 class Worker:
-    """A worker as the launcher knows it: its role, and how long ago it was started."""
+    """A worker as the launcher knows it: its role, how long ago it registered, and whether it
+    is still loading (started, not registered yet)."""
 
     role: str
     age_s: float
+    loading: bool = False
 
 
 def build_window(
@@ -163,6 +165,7 @@ def build_window(
                 kv_usage=load.kv_usage,
                 queue=round(load.waiting),
                 running=round(load.running),
+                loading=worker.loading,
             )
         )
     return MetricsWindow(

@@ -7,10 +7,14 @@ sleep). A scale-up takes the oldest pooled worker of the role that has registere
 it with SIGUSR1; it serves its next request with no load time. Then the pool is refilled by a
 cold start in the background, where its load time costs nobody a request.
 
-The pool is bookkeeping only (which worker ids are pooled, by role): the autoscaler starts,
-signals and places the processes. Pooled workers count against the budget: the planner's limits
-are computed for the budget minus the pool's cost, so serving workers plus a full pool never
-exceed it, and a promotion followed by its refill keeps that true.
+The planner sizes the pool (services/control/planner/decide.py, the ``pool`` rule): it holds
+what the forecast says the load will need by the time a cold start could serve, beyond what
+serves now, and at least ``--warm-*-workers`` (the floor) of capacity available at once. Pooled
+workers cost budget like serving ones; serving comes first, so a pool at the edge of the budget
+gives way to the workers the load needs.
+
+The pool is bookkeeping only (which worker ids are pooled, by role, and how many are wanted):
+the autoscaler starts, signals, places and stops the processes.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from pdserve.shared.errors import StartupError
 
 @dataclass
 class WarmPool:
-    wanted: dict[str, int]  # role -> how many standby workers to keep
+    wanted: dict[str, int]  # role -> how many standby workers to keep (the planner's, or the floor)
     members: dict[str, str] = field(default_factory=dict)  # worker id -> role, oldest first
 
     @classmethod
@@ -44,6 +48,10 @@ class WarmPool:
         """What a full pool takes of the budget."""
         return sum(n * costs[role] for role, n in self.wanted.items())
 
+    def resize(self, wanted: Mapping[str, int]) -> None:
+        """The planner's new size per role."""
+        self.wanted = {role: max(0, int(wanted[role])) for role in ROLES}
+
     def __contains__(self, worker_id: str) -> bool:
         return worker_id in self.members
 
@@ -52,6 +60,9 @@ class WarmPool:
 
     def add(self, worker_id: str, role: str) -> None:
         self.members[worker_id] = role
+
+    def remove(self, worker_id: str) -> None:
+        self.members.pop(worker_id, None)
 
     def forget_gone(self, alive: Collection[str]) -> list[str]:
         """Drop members that are no longer running (crashed, or stopped); returns them."""
@@ -72,3 +83,13 @@ class WarmPool:
     def missing(self) -> list[str]:
         """One role name per worker the pool lacks (prefill first)."""
         return [role for role in ROLES for _ in range(self.wanted[role] - len(self.of(role)))]
+
+    def surplus(self, ready: Callable[[str], bool]) -> list[str]:
+        """The pooled workers beyond the wanted size, newest first, among those ``ready`` (loaded
+        and registered: one still loading is not stopped, as no worker is drained mid-load;
+        it is stopped once it has loaded, if the pool is still too large then)."""
+        out = []
+        for role in ROLES:
+            extra = len(self.of(role)) - self.wanted[role]
+            out += [w for w in reversed(self.of(role)) if ready(w)][: max(0, extra)]
+        return out

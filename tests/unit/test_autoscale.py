@@ -135,14 +135,28 @@ class StandIn:
         return self._spawn(f"{role}-{index}", role, place)
 
 
-def window(scaler: Autoscaler, requests: int, busy: str = "") -> MetricsWindow:
-    """Two seconds with ``requests`` of ISL 16 / OSL 32; ``busy`` runs 3 sequences."""
+def window(
+    scaler: Autoscaler, requests: int, busy: str = "", registered: bool = True
+) -> MetricsWindow:
+    """Two seconds with ``requests`` of ISL 16 / OSL 32; ``busy`` runs 3 sequences. With
+    ``registered``, every serving worker is (the gateway the tests leave out would list it)."""
+    for name in scaler.serving() if registered else ():
+        scaler.joined.setdefault(name, time.monotonic())
     workers = tuple(
-        WorkerSample(name, w.role, w.age_s, running=3 if name == busy else 0)
+        WorkerSample(name, w.role, w.age_s, running=3 if name == busy else 0, loading=w.loading)
         for name, w in scaler.serving().items()
     )
-    return MetricsWindow(2.0, requests, 16.0, 32.0, 500.0 if requests else None,
-                         20.0 if requests else None, workers)  # fmt: skip
+    return scaler.with_fleet(
+        MetricsWindow(
+            duration_s=2.0,
+            requests=requests,
+            mean_isl=16.0,
+            mean_osl=32.0,
+            ttft_ms=500.0 if requests else None,
+            itl_ms=20.0 if requests else None,
+            workers=workers,
+        )
+    )
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -177,10 +191,15 @@ def test_the_loop_starts_under_load_and_drains_when_idle(tmp_path: Path) -> None
         assert metrics['pdserve_planner_current_workers{role="decode"}'] == 2.0
         assert metrics['pdserve_planner_scaling_actions_total{direction="up",role="decode"}'] == 1
 
-        # idle: the minimum, after two windows in a row ask for it; decode-0 still runs a
-        # stream, so the idle newcomer is the one drained
-        assert scaler.step(window(scaler, 0, busy="decode-0")).decode == 2  # streak 1 of 2
-        assert scaler.step(window(scaler, 0, busy="decode-0")).decode == 1
+        # no arrivals while decode-0 still runs a stream: nothing moves [idle-window]
+        held = scaler.step(window(scaler, 0, busy="decode-0"))
+        assert held.decode == 2 and "idle-window" in held.rules
+        # a trickle (0.5 req/s: 0.4 of a worker): down to the minimum once the forecast has
+        # come down to it and two windows in a row ask for it; decode-0 still runs a stream,
+        # so the idle newcomer is the one drained
+        asked = [scaler.step(window(scaler, 1, busy="decode-0")) for _ in range(12)]
+        first = next(i for i, d in enumerate(asked) if d.decode == 1)
+        assert "scale-down-streak" in asked[first - 1].rules and asked[first - 1].decode == 2
         assert scaler.counts().decode == 1  # the draining worker is no capacity at once
         drained = next(c for c in fleet.children if c.name == "decode-1")
         assert scaler.retired(drained)

@@ -33,7 +33,9 @@ def scripted(*counts: Counts):
     def step(window: MetricsWindow, current: Counts) -> Decision:
         seen.append(window)
         c = counts[min(len(seen), len(counts)) - 1]
-        return Decision(c.prefill, c.decode, (), PlannerState(), {}, ())
+        return Decision(
+            prefill=c.prefill, decode=c.decode, reasons=(), state=PlannerState(), need={}, rules=()
+        )
 
     return step, seen
 
@@ -141,11 +143,13 @@ def test_the_simulation_is_deterministic_for_a_seed() -> None:
 
 def test_constant_load_settles_without_flapping() -> None:
     """Started at the closed form's 2P1D, the planner keeps it; started at 1P1D under that load, it
-    overshoots once to clear the backlog the first minute built, then settles for good."""
+    overshoots once to clear the backlog the first minute built, then settles for good. In 30 s
+    windows: this load needs 85-90% of two prefill workers, and the Poisson noise of 10 s windows
+    (+-10% at 10 req/s) crosses the threshold now and then, each time a brief third worker."""
     schedule = RateSchedule.constant(10, 900)
 
     def run(start: Counts):
-        cfg = SimConfig(prefill=start.prefill, decode=start.decode)
+        cfg = SimConfig(prefill=start.prefill, decode=start.decode, window_s=30.0)
         step = Planner(H200, SLO_, BUDGET).step
         return simulate(H200, LONG, schedule, SLO_, planner=step, limits=BUDGET, config=cfg)
 
@@ -177,3 +181,20 @@ def test_the_advisor_picks_the_cheapest_pd_that_meets_the_slo(tmp_path: Path) ->
     plot_attainment(advice, tmp_path / "attainment.png")
     assert (tmp_path / "attainment.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not math.isnan(best.goodput) and best.goodput > 0.9 * workload.request_rate
+
+
+def test_the_ramp_steepens_about_its_peak_and_the_sawtooth_turns() -> None:
+    """Steepness s: the rise and fall take 30%/s of the ramp each, the peak stays at 40-60%, so
+    the phases (what attainment is reported by) move with them; a sawtooth turns every half
+    period."""
+    flat, steep = RateSchedule.ramp(8, 80, 900), RateSchedule.ramp(8, 80, 900, steepness=2)
+    assert [n for n, _, _ in flat.ramp_phases()] == ["low", "rise", "peak", "fall", "low again"]
+    spans = lambda s: [pytest.approx((a, b)) for _, a, b in s.ramp_phases()]  # noqa: E731
+    assert spans(flat)[1:3] == [(90, 360), (360, 540)]
+    assert spans(steep)[1:4] == [(225, 360), (360, 540), (540, 675)]
+    assert steep.rate(225 + 135 / 2) == pytest.approx(44) == flat.rate(90 + 270 / 2)
+    with pytest.raises(ValueError, match="steepness"):
+        RateSchedule.ramp(8, 80, 900, steepness=0.5)
+    saw = RateSchedule.sawtooth(8, 80, 120, 600)
+    assert [p[0] for p in saw.points] == [0, 120, 240, 360, 480, 600]
+    assert [saw.rate(t) for t in (0, 60, 120, 180, 240)] == [8, 44, 80, 44, 8]

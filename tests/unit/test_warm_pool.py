@@ -14,6 +14,8 @@ import pytest
 
 from pdserve.services.control import autoscale
 from pdserve.services.control.autoscale import Autoscaler, Placement
+from pdserve.services.control.planner.guards import pick_to_drain
+from pdserve.services.control.planner.inputs import Counts
 from pdserve.services.control.processes import Child, spawn
 from pdserve.services.control.warm_pool import WarmPool
 from pdserve.shared.config import UpConfig
@@ -95,18 +97,19 @@ def test_a_pool_needs_autoscale_and_counts_are_not_negative() -> None:
     assert WarmPool.from_flags(UpConfig()).size() == 0
 
 
-def test_the_pool_costs_budget_that_serving_workers_cannot_take(tmp_path: Path) -> None:
+def test_the_pool_costs_budget_but_serving_comes_first(tmp_path: Path) -> None:
     up = up_config(tmp_path, autoscale_max_cpus=4.0, warm_decode_workers=1)
     fleet = PoolStandIn(up, tmp_path)
     scaler = Autoscaler(fleet, autoscale.settings(up), "127.0.0.1")
-    try:  # 4 CPUs - 1 for the pool - 1 prefill minimum = 2 decode at most (1 CPU each)
-        assert scaler.planner.limits.max_decode == 2
+    try:  # the whole budget is serving's: 4 CPUs - 1 prefill minimum = 3 decode at most
+        assert scaler.planner.limits.max_decode == 3
+        assert scaler.planner.config.pool_floor == Counts(0, 1)
     finally:
         stop_all(scaler, fleet)
     small = up_config(tmp_path, autoscale_max_cpus=2.0, warm_decode_workers=1)
     fleet = PoolStandIn(small, tmp_path)
-    try:  # 1P1D takes 2 CPUs: nothing left for the pool
-        with pytest.raises(StartupError, match="budget 1"):
+    try:  # 1P1D takes 2 CPUs: the floor could never be held
+        with pytest.raises(StartupError, match="warm pool's floor cost 3 CPU > budget 2"):
             Autoscaler(fleet, autoscale.settings(small), "127.0.0.1")
     finally:
         for child in fleet.children:
@@ -141,17 +144,26 @@ def test_a_scale_up_promotes_a_registered_pooled_worker_then_refills(tmp_path: P
         stop_all(scaler, fleet)
 
 
-def test_a_pooled_worker_still_loading_is_passed_over_for_a_cold_start(tmp_path: Path) -> None:
+def test_a_pooled_worker_still_loading_is_promoted_once_it_registers(tmp_path: Path) -> None:
+    """It serves sooner than a cold start would: it leaves the pool at once (capacity coming,
+    never drained while it loads) and gets SIGUSR1 once the gateway lists it (a signal before
+    its handler is set would kill it)."""
     up = up_config(tmp_path, max_decode_workers=2, autoscale_max_cpus=4.0, warm_decode_workers=1)
     fleet = PoolStandIn(up, tmp_path)
     scaler = Autoscaler(fleet, autoscale.settings(up), "127.0.0.1")
     try:
         scaler.refill()
         (pooled,) = scaler.pool.of("decode")  # never registered: not in scaler.joined
-        assert scaler.step(window(scaler, 10, busy="decode-0")).decode == 2
-        cold = fleet.children[-1].name
-        assert not fleet.standby[cold] and cold in scaler.serving()
-        assert scaler.pool.of("decode") == [pooled] and not fleet.promoted(pooled)
+        before = set(fleet.standby)
+        decision = scaler.step(window(scaler, 10, busy="decode-0"))
+        assert decision.decode == 2 and pooled not in scaler.pool
+        assert all(fleet.standby[name] for name in set(fleet.standby) - before)  # no cold start
+        assert scaler.serving()[pooled].loading and not fleet.promoted(pooled)
+        loading = window(scaler, 0, registered=False)
+        assert pick_to_drain(loading, "decode", 2) == ["decode-0"]  # never it
+        scaler.joined[pooled] = time.monotonic()  # the gateway lists it now
+        scaler._promote_joined()
+        assert wait_for(lambda: fleet.promoted(pooled))
     finally:
         stop_all(scaler, fleet)
 

@@ -8,9 +8,11 @@ The autoscaler (../autoscale.py) runs the same core live.
 The pure core:
 
 profile (what one worker of each role does on this hardware, as measured points) -> workload (the
-request stream and the SLOs) -> sizing (the closed-form arithmetic) -> decide (one pure decision
-per metrics window, with the guards against the known autoscaler bugs) -> simulate (an engine
-driven by the profile, no model, for fast tests and for a GPU host's scale) -> advisor (the
-offline P:D advice of ``pdserve plan``). The core's modules use no torch, no processes and no
+request stream and the SLOs) -> sizing (the closed-form arithmetic) -> forecast and demand (Holt
+filters of each window's rate and lengths, looked ahead to when a worker asked for now would
+serve) -> decide (one pure decision per metrics window: serving and warm-pool targets, with the
+guards against the known autoscaler bugs in guards, role_plan and corrections, named in rules)
+-> simulate (an engine driven by the profile, no model, with a warm pool, for fast tests and for
+a GPU host's scale) -> advisor (the offline P:D advice of ``pdserve plan``). The core's modules use no torch, no processes and no
 HTTP: whoever runs workers calls in here.
 """

@@ -1,40 +1,68 @@
 """One planner decision: a pure function of a metrics window, the profile, the SLOs, the limits,
 the current worker counts and the planner's own state (no clock, no globals; the new state comes
-back in the ``Decision``).
+back in the ``Decision``). It says how many workers of each role serve (or load to serve) and
+how many wait loaded in the warm pool.
 
-The arithmetic is sizing.py's. Around it stand named rules, each against a failure seen in the
-field (NVIDIA Dynamo's planner issues) or a practice of llm-d's variant autoscaler:
+The arithmetic is sizing.py's, on the load demand.py forecasts. Around it stand named rules, each
+against a failure seen in the field (NVIDIA Dynamo's planner issues) or a practice of llm-d's
+variant autoscaler or Kubernetes' HPA:
 
 - ``warm-up`` (dy#12430, cold-start samples inflate the counts): latency samples are not used to
-  update a role's correction while any worker of that role is younger than ``warmup_s`` (its first
-  requests pay compilation and cache warm-up), and a role with such a worker is not scaled down
-  (it has not taken its share of the load yet);
+  update a role's correction while any worker of that role is loading or younger than
+  ``warmup_s`` (its first requests pay compilation and cache warm-up), and a role with such a
+  worker is not scaled down (it has not taken its share of the load yet; one still loading is
+  never drained: SIGTERM would kill it before it can drain);
 - ``few-requests``: a window with fewer than ``min_requests`` requests leaves both corrections as
   they were (a percentile of a handful of samples is noise). Its rate still counts: zero is a rate;
+- ``unsteady``: nor does a window whose rate moved more than ``steady_band`` from the forecast's
+  level: its latencies span the move while the batch they are read against is its end's;
+- ``idle-window``: a window without arrivals while requests still run or wait (a stalled client,
+  a lost scrape) changes nothing, the forecasters included: a rate of 0 fed to them would be
+  followed by a rebound read as a surge;
 - ``zero-demand`` (dy#11624, dy#14251, never scaled down at zero demand): a window without
-  requests has no TTFT or ITL, and that must not stall the planner: the need is zero and the
-  counts go to the minimum, subject to the same in-flight and hysteresis checks as any scale-down;
-- ``trend``: a worker asked for now serves only after its start-up, so a rising rate is planned
-  ``trend_windows`` windows ahead (linearly; a falling one is not: scale-down has its own
-  guards). Dynamo offers constant, ARIMA and Prophet predictors; this is the simplest that looks
-  ahead, and 0 makes it the constant one;
+  requests, with nothing running, has no TTFT or ITL, and that must not stall the planner: the
+  need is zero and the counts go to the minimum, subject to the same hysteresis as any
+  scale-down;
+- ``forecast``: a worker asked for now serves only after its start, so each window's rate, ISL
+  and OSL feed Holt filters (forecast.py) and the load is looked ahead to when a worker asked
+  for now would serve, and until the next decision's could (demand.py), never below its present
+  level. Serving is sized for a promotion from the warm pool (it serves at once); what a cold
+  start's horizon needs beyond it waits in the pool (``use_pool=False``: serving is sized for the
+  cold horizon). All the workers the forecast needs come in one action (sized steps);
 - ``backlog``: requests queued at a role's workers are demand too: the rate a role is sized for
   is the arrival rate plus its queue spread over one window, so a backlog built while workers
   started is cleared rather than carried;
+- ``pool``: the warm pool holds what the cold horizon's outlook, raised by ``pool_z`` of the
+  forecast's measured error, needs beyond the serving target, and at least ``pool_floor``
+  (``--warm-*-workers``) of capacity available at once (serving workers beyond the need count),
+  within what serving leaves of the budget. It shrinks only a replacement time (or the role's
+  cooldown) after it grew, and it does not grow while its role is on the way down (that would
+  start one worker to stop another);
 - ``dead-band`` (hysteresis): a role scales up as soon as ceil(need) exceeds its count, but down to
   n only when the need fits n workers with a margin, need <= n x (1 - dead_band); a load sitting
   exactly at a threshold therefore moves the count once and then holds it;
+- ``cooldown`` (HPA's scale-down stabilization, learnt): a scale-up within ``flap_starts``
+  replacement times (a cold start and a window) of the role's last scale-down undid it: a flap.
+  Each flap sets the role's cooldown to at least twice the last one and the cycle just seen, and
+  the role is not scaled down (nor its pool shrunk) until the load has not needed all its workers
+  for that long. A sawtooth load is held at its peak's fleet after a flap or two; a ramp that
+  never turns back pays nothing. The cooldown halves every ``cooldown_half_life_s``;
 - ``scale-down-streak`` (hysteresis): a scale-down happens only after ``scale_down_windows``
   consecutive windows all asked for one;
+- ``one-step``: a scale-down removes at most ``down_step`` serving workers of a role (the rest
+  wait for the next streak): the way down is taken one step at a time, each one checked against
+  the load the survivors then carry;
 - ``survivors`` (dy#9294, oscillation between 2 and 1 under constant load; llm-d simulates a
   scale-down first): before removing workers, the load they carry now (KV usage and queued
   requests, summed over the role) is spread over the survivors; if a survivor would be saturated
   (KV usage >= ``kv_saturation`` or queue >= ``queue_saturation``) fewer workers are removed;
 - ``min-max``: each role stays within its limits;
-- ``budget`` (dy#12428, exceeded the GPU budget): the fleet's cost (workers x cost per role) never
-  exceeds the budget. When it binds, the split that serves the largest share of the demand is kept
-  (a prefill/decode pipeline serves only as much as its scarcer role allows), and the decision
-  says which role got fewer workers than it needs, and why.
+- ``budget`` (dy#12428, exceeded the GPU budget): the fleet's cost (serving and pooled workers x
+  cost per role) never exceeds the budget. When it binds, the split that serves the largest share
+  of the sustained demand is kept (a prefill/decode pipeline serves only as much as its scarcer
+  role allows; a backlog does not count), growth is trimmed rather than a role cut (unless the
+  fleet is already over a lowered budget), the decision says which role got fewer workers than
+  it needs, and why; the pool gives way first.
 """
 
 from __future__ import annotations
@@ -42,6 +70,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from pdserve.services.control.planner.corrections import corrections
+from pdserve.services.control.planner.demand import (
+    Outlook,
+    Sizing,
+    backlog,
+    horizons,
+    observe,
+    outlook,
+    size,
+)
+from pdserve.services.control.planner.guards import fit_budget, fit_pool
 from pdserve.services.control.planner.inputs import (
     ROLES,
     Counts,
@@ -49,155 +88,100 @@ from pdserve.services.control.planner.inputs import (
     MetricsWindow,
     PlannerConfig,
     PlannerState,
-    WorkerSample,
 )
 from pdserve.services.control.planner.profile import Profile
-from pdserve.services.control.planner.sizing import (
-    DecodeSizing,
-    PrefillSizing,
-    ceil_workers,
-    decode_correction,
-    prefill_correction,
-    size_decode,
-    size_prefill,
+from pdserve.services.control.planner.role_plan import (
+    pool_target,
+    remember,
+    serving_target,
+)
+from pdserve.services.control.planner.rules import (
+    BACKLOG,
+    BUDGET,
+    FORECAST,
+    IDLE_WINDOW,
+    ZERO_DEMAND,
+    Notes,
 )
 from pdserve.services.control.planner.workload import SLO
-
-WARMUP = "warm-up"
-FEW_REQUESTS = "few-requests"
-ZERO_DEMAND = "zero-demand"
-BACKLOG = "backlog"
-TREND = "trend"
-DEAD_BAND = "dead-band"
-STREAK = "scale-down-streak"
-SURVIVORS = "survivors"
-MIN_MAX = "min-max"
-BUDGET = "budget"
 
 
 @dataclass(frozen=True)
 class Decision:
-    prefill: int
+    prefill: int  # serving workers wanted (loading ones count): the planner's counts
     decode: int
     reasons: tuple[str, ...]  # the arithmetic and every rule that acted, in order
     state: PlannerState
-    need: dict[str, float]  # fractional workers per role: the arithmetic (trend, backlog in)
+    need: dict[str, float]  # fractional workers per role: the arithmetic (forecast, backlog in)
     rules: tuple[str, ...]  # names of the rules that changed a count or discarded samples
+    pool: Counts = Counts(0, 0)  # standby workers wanted in the warm pool, per role
+    ahead: Outlook | None = None  # the load sized for when a cold start would serve
 
     @property
     def counts(self) -> Counts:
         return Counts(self.prefill, self.decode)
 
 
-def _corrections(
-    window: MetricsWindow, profile: Profile, state: PlannerState, config: PlannerConfig
-) -> tuple[PlannerState, list[str], list[str]]:
-    """Update the corrections from this window's latencies, unless its samples are suspect."""
-    reasons: list[str] = []
-    rules: list[str] = []
-    lo, hi = config.correction_bounds
-    updates: dict[str, float] = {}
-    for role, observed in (("prefill", window.ttft_ms), ("decode", window.itl_ms)):
-        old = getattr(state, f"{role}_correction")
-        young = [w for w in window.of(role) if w.age_s < config.warmup_s]
-        if window.requests < config.min_requests:
-            rules.append(FEW_REQUESTS)
-            reasons.append(
-                f"{role} correction kept at {old:.2f}: {window.requests} requests <"
-                f" {config.min_requests} [{FEW_REQUESTS}]"
+def _held(window: MetricsWindow, current: Counts, state: PlannerState, run: Notes) -> Decision:
+    return Decision(
+        prefill=current.prefill,
+        decode=current.decode,
+        reasons=tuple(run.reasons),
+        state=state,
+        need={r: float(current.of(r)) for r in ROLES},
+        rules=tuple(dict.fromkeys(run.rules)),
+        pool=window.pool,
+    )
+
+
+def _sizings(
+    window: MetricsWindow,
+    profile: Profile,
+    slo: SLO,
+    current: Counts,
+    state: PlannerState,
+    config: PlannerConfig,
+    run: Notes,
+) -> tuple[dict[str, Sizing], dict[str, int], dict[str, float], Outlook]:
+    """Per role, the sizing of the serving target, the workers the upper outlook needs, and the
+    sustained need the budget is split by (the cold horizon's, without the backlog: a queue
+    built in an overload is cleared by whichever workers there are, and must not buy one role
+    the budget the other will need for good)."""
+    hz = horizons(window, config)
+    cold, warm = outlook(state, hz.cold, config), outlook(state, hz.warm, config)
+    upper = outlook(state, hz.cold, config, config.pool_z)
+    r = state.rate
+    run.note(
+        FORECAST if r.trend > 0 else None,
+        f"forecast: rate {r.level:.2f} req/s, trend {r.trend:+.2f} a window; after a cold start"
+        f" ({hz.cold_s:g} s, {hz.cold:.1f} windows ahead) {cold.describe()}, up to"
+        f" {upper.rate:.2f} req/s ({config.pool_z:g} std errors); from the pool"
+        f" ({hz.warm_s:g} s) {warm.rate:.2f} req/s",
+    )
+    extra = backlog(window)
+    for role in ROLES:
+        if extra[role] > 0:
+            run.note(
+                BACKLOG,
+                f"{role} backlog: {extra[role] * window.duration_s:.0f} queued -> +"
+                f"{extra[role]:.2f} req/s to clear it within one window",
             )
-            continue
-        if young:
-            rules.append(WARMUP)
-            reasons.append(
-                f"{role} correction kept at {old:.2f}: {len(young)} {role} worker(s) younger than"
-                f" the {config.warmup_s:g} s warm-up [{WARMUP}]"
-            )
-            continue
-        if observed is None or window.mean_isl <= 0:
-            continue
-        if role == "prefill":
-            raw = prefill_correction(profile, observed, window.mean_isl)
-            what = f"TTFT {observed:.1f} ms / profiled {profile.prefill_seconds(window.mean_isl) * 1e3:.1f} ms"
+    sizings: dict[str, Sizing] = {}
+    uppers: dict[str, int] = {}
+    split: dict[str, float] = {}
+    for role in ROLES:
+        at_cold = size(role, cold, extra[role], profile, slo, state, config)
+        split[role] = size(role, cold, 0.0, profile, slo, state, config).need
+        top = size(role, upper, extra[role], profile, slo, state, config).workers
+        if config.use_pool:
+            # serving for the pool's horizon: what the cold horizon needs beyond it waits in
+            # the pool, loaded, and is promoted as the load arrives (or stopped if it does not)
+            sizings[role] = size(role, warm, extra[role], profile, slo, state, config)
+            uppers[role] = max(top, at_cold.workers)
         else:
-            workers = window.of("decode")
-            # the batch a token sees (weighted by batch): a mean over workers would let an idle
-            # new worker halve it while the busy one runs twice as full
-            total = sum(w.running for w in workers)
-            batch = sum(w.running**2 for w in workers) / total if total else 1.0
-            context = window.mean_isl + window.mean_osl / 2
-            raw = decode_correction(profile, observed, batch, context)
-            what = (
-                f"ITL {observed:.1f} ms / profiled {profile.decode_itl(max(1.0, batch), context):.1f}"
-                f" ms at batch {batch:.0f}"
-            )
-        updates[f"{role}_correction"] = min(hi, max(lo, raw))
-        reasons.append(f"{role} correction {updates[f'{role}_correction']:.2f} ({what})")
-    return dataclasses.replace(state, **updates), reasons, rules
-
-
-def _band(sizing: PrefillSizing | DecodeSizing | None, current: int, dead_band: float) -> int:
-    """Up to what the load needs at once; down only to the fewest workers that would hold the
-    load with a margin (the load scaled by 1 / (1 - dead_band)); otherwise stay."""
-    if sizing is None:  # no demand
-        return 0
-    up = sizing.workers_at(1.0)
-    if up > current:
-        return up
-    return min(current, sizing.workers_at(1.0 / (1.0 - dead_band)))
-
-
-def _survivors(workers: list[WorkerSample], target: int, config: PlannerConfig) -> tuple[int, str]:
-    """The fewest survivors (>= target) none of which the role's present load would saturate."""
-    kv = sum(w.kv_usage for w in workers)
-    queue = sum(w.queue for w in workers)
-
-    def saturated(n: int) -> bool:  # no survivor at all can carry no load
-        if n == 0:
-            return kv > 0 or queue > 0
-        return kv / n >= config.kv_saturation or queue / n >= config.queue_saturation
-
-    n = target
-    while saturated(n):
-        n += 1
-    if n == target:
-        return target, ""
-    return (
-        n,
-        f"{target} survivors would carry KV {kv / max(target, 1):.2f}, queue {queue / max(target, 1):.1f} each",
-    )
-
-
-def fit_budget(wanted: Counts, need: dict[str, float], limits: Limits) -> tuple[Counts, str]:
-    """The counts within the budget that serve the largest share of the demand: a P/D pipeline
-    serves min(P / need_P, D / need_D) of it. Ties go to the larger fleet, then to decode."""
-    if limits.budget is None or limits.cost(wanted) <= limits.budget + 1e-9:
-        return wanted, ""
-    best: tuple[tuple[float, float, int], Counts] | None = None
-    for p in range(limits.min_prefill, wanted.prefill + 1):
-        room = limits.budget - p * limits.prefill_cost
-        d = min(wanted.decode, int(room / limits.decode_cost + 1e-9))
-        if d < limits.min_decode:
-            break
-        counts = Counts(p, d)
-        share = min(counts.of(r) / need[r] if need[r] > 0 else float("inf") for r in ROLES)
-        key = (share, limits.cost(counts), d)
-        if best is None or key > best[0]:
-            best = (key, counts)
-    assert best is not None  # Limits checked that the minimum fleet fits
-    got = best[1]
-    short = [
-        f"{r} {got.of(r)} of {wanted.of(r)} (covers {got.of(r) / need[r]:.0%} of its need {need[r]:.2f})"
-        for r in ROLES
-        if got.of(r) < wanted.of(r) and need[r] > 0
-    ] or [f"{r} {got.of(r)} of {wanted.of(r)}" for r in ROLES if got.of(r) < wanted.of(r)]
-    return got, (
-        f"budget {limits.budget:g} {limits.unit} binds: {wanted} costs {limits.cost(wanted):g};"
-        f" kept {got} ({limits.cost(got):g}): "
-        + ", ".join(short)
-        + " -- the split that serves the largest share of the demand, since the scarcer role"
-        " limits what the pipeline serves"
-    )
+            sizings[role], uppers[role] = at_cold, 0
+        run.reasons.append(sizings[role].explain())
+    return sizings, uppers, split, cold
 
 
 def decide(
@@ -209,140 +193,98 @@ def decide(
     state: PlannerState,
     config: PlannerConfig = PlannerConfig(),
 ) -> Decision:
-    reasons = [
-        f"window {window.duration_s:g} s: {window.requests} requests ({window.request_rate:.2f}"
-        f" req/s), ISL {window.mean_isl:.0f}, OSL {window.mean_osl:.0f}; TTFT"
-        f" {_ms(window.ttft_ms)}, ITL {_ms(window.itl_ms)} at {slo.percentile}; now {current}"
-    ]
-    state, lines, rules = _corrections(window, profile, state, config)
-    reasons += lines
+    run = Notes(
+        reasons=[
+            f"window {window.duration_s:g} s: {window.requests} requests ({window.request_rate:.2f}"
+            f" req/s), ISL {window.mean_isl:.0f}, OSL {window.mean_osl:.0f}; TTFT"
+            f" {_ms(window.ttft_ms)}, ITL {_ms(window.itl_ms)} at {slo.percentile}; now {current},"
+            f" pool {window.pool} ({window.pool_ready} ready)"
+        ],
+        rules=[],
+    )
+    state = dataclasses.replace(
+        state,
+        **{r: state.of(r).aged(window.duration_s, config.cooldown_half_life_s) for r in ROLES},
+    )
+    state, lines, rules = corrections(window, profile, state, config)
+    run.reasons += lines
+    run.rules += rules
+    busy = sum(w.running + w.queue for w in window.workers)
+    if window.requests == 0 and busy:
+        run.note(IDLE_WINDOW, f"no arrivals while {busy} requests run or wait: hold {current}")
+        return _held(window, current, state, run)
+    state = observe(window, state, config)
+    if window.requests > 0 and state.isl.n == 0:
+        # requests arrived but none has finished yet (the gateway counts tokens at the finish):
+        # no sizes to plan with, so hold rather than size for 1-token requests
+        run.note(None, f"{window.requests} arrived, none finished: no ISL/OSL yet, hold {current}")
+        return _held(window, current, state, run)
 
-    sizing: dict[str, PrefillSizing | DecodeSizing | None] = {r: None for r in ROLES}
-    if window.requests > 0 and window.mean_isl <= 0:
-        # requests arrived but none finished in the window (the gateway counts tokens at the
-        # finish): no sizes to plan with, so hold rather than size for 1-token requests
-        reasons.append(f"{window.requests} arrived, none finished: no ISL/OSL yet, hold {current}")
-        return Decision(
-            prefill=current.prefill,
-            decode=current.decode,
-            reasons=tuple(reasons),
-            state=dataclasses.replace(state, last_rate=window.request_rate),
-            need={r: float(current.of(r)) for r in ROLES},
-            rules=tuple(dict.fromkeys(rules)),
-        )
+    sizings: dict[str, Sizing | None] = {r: None for r in ROLES}
+    uppers: dict[str, int | None] = {r: None for r in ROLES}
+    split = {r: 0.0 for r in ROLES}
+    ahead = None
     if window.requests == 0:
-        rules.append(ZERO_DEMAND)
-        reasons.append(f"no requests: the need is 0, the counts go to the minimum [{ZERO_DEMAND}]")
+        run.note(ZERO_DEMAND, "no requests: the need is 0, the counts go to the minimum")
     else:
-        rate, isl, osl = window.request_rate, max(1.0, window.mean_isl), max(1.0, window.mean_osl)
-        rising = rate - state.last_rate if state.last_rate is not None else 0.0
-        if rising > 0 and config.trend_windows > 0:
-            # new workers serve a window or more after they are asked for: meet the rate then
-            ahead = rate + rising * config.trend_windows
-            rules.append(TREND)
-            reasons.append(
-                f"rate rising {state.last_rate:.2f} -> {rate:.2f} req/s: planned for {ahead:.2f}"
-                f" ({config.trend_windows:g} window(s) ahead) [{TREND}]"
-            )
-            rate = ahead
-        extra = {r: sum(w.queue for w in window.of(r)) / window.duration_s for r in ROLES}
-        for role in ROLES:
-            if extra[role] > 0:
-                rules.append(BACKLOG)
-                reasons.append(
-                    f"{role} backlog: {extra[role] * window.duration_s:.0f} queued -> +"
-                    f"{extra[role]:.2f} req/s to clear it within one window [{BACKLOG}]"
-                )
-        sizing["prefill"] = size_prefill(
-            profile, rate + extra["prefill"], isl, slo, state.prefill_correction, config.prefill_cv2
-        )
-        sizing["decode"] = size_decode(
-            profile,
-            rate + extra["decode"],
-            isl,
-            osl,
-            slo,
-            state.decode_correction,
-            config.kv_saturation,
-        )
-        reasons += [s.explain() for s in sizing.values() if s is not None]
-    need = {r: s.need if s is not None else 0.0 for r, s in sizing.items()}
+        found, top, sustained, ahead = _sizings(window, profile, slo, current, state, config, run)
+        sizings.update(found)
+        uppers.update(top)
+        split.update(sustained)
+    need = {r: s.need if s is not None else 0.0 for r, s in sizings.items()}
 
-    wanted = current
-    streaks = {}
+    wanted, streaks = current, {}
     for role in ROLES:
-        cur, streak = current.of(role), getattr(state, f"{role}_down_streak")
-        target = _band(sizing[role], cur, config.dead_band)
-        if target == cur and ceil_workers(need[role]) < cur:
-            rules.append(DEAD_BAND)
-            reasons.append(
-                f"{role}: hold {cur}: the load ({need[role]:.2f} workers) does not fit {cur - 1}"
-                f" with a {config.dead_band:.0%} margin [{DEAD_BAND}]"
-            )
-        bounded = min(limits.max_of(role), max(limits.min_of(role), target))
-        if bounded != target:
-            rules.append(MIN_MAX)
-            reasons.append(
-                f"{role}: {target} -> {bounded} within [{limits.min_of(role)},"
-                f" {limits.max_of(role)}] [{MIN_MAX}]"
-            )
-        target = bounded
-        if target < cur:
-            workers = window.of(role)
-            young = [w for w in workers if w.age_s < config.warmup_s]
-            kept, why = _survivors(workers, target, config)
-            if young:
-                rules.append(WARMUP)
-                reasons.append(
-                    f"{role}: hold {cur}: {len(young)} worker(s) still in warm-up [{WARMUP}]"
-                )
-                target = cur
-            elif kept > target:
-                rules.append(SURVIVORS)
-                reasons.append(f"{role}: keep {min(kept, cur)}, not {target}: {why} [{SURVIVORS}]")
-                target = min(kept, cur)
-        if target < cur:
-            streak += 1
-            if streak < config.scale_down_windows:
-                rules.append(STREAK)
-                reasons.append(
-                    f"{role}: {cur} -> {target} wanted, window {streak} of"
-                    f" {config.scale_down_windows} [{STREAK}]"
-                )
-                target = cur
-            else:
-                streak = 0
-        else:
-            streak = 0
-        streaks[f"{role}_down_streak"] = streak
+        target, streaks[role] = serving_target(
+            role, sizings[role], window, limits, current, state.of(role), config, run
+        )
         wanted = wanted.with_(role, target)
-
-    final, why = fit_budget(wanted, need, limits)
+    final, why = fit_budget(wanted, split, limits, current)
     if why:
-        rules.append(BUDGET)
-        reasons.append(f"{why} [{BUDGET}]")
+        run.note(BUDGET, why)
+    pool = Counts(
+        *(
+            pool_target(
+                r, uppers[r], final.of(r), need[r], window, current, state.of(r), config, run
+            )
+            for r in ROLES
+        )
+    )
+    fitted = fit_pool(pool, config.pool_floor, final, limits)
+    if fitted != pool:
+        run.note(BUDGET, f"pool {pool} -> {fitted}: what serving leaves of the budget")
+    memory = {}
     for role in ROLES:
+        sizing = sizings[role]
+        needed = sizing is not None and sizing.workers >= current.of(role)
+        memory[role] = remember(
+            role,
+            state.of(role),
+            streaks[role],
+            needed,
+            current,
+            final,
+            fitted,
+            window,
+            config,
+            run,
+        )
         if final.of(role) != current.of(role):
-            reasons.append(f"{role}: {current.of(role)} -> {final.of(role)}")
+            run.note(None, f"{role}: {current.of(role)} -> {final.of(role)}")
     return Decision(
         prefill=final.prefill,
         decode=final.decode,
-        reasons=tuple(reasons),
-        state=dataclasses.replace(state, last_rate=window.request_rate, **streaks),
+        reasons=tuple(run.reasons),
+        state=dataclasses.replace(state, **memory),
         need=need,
-        rules=tuple(dict.fromkeys(rules)),
+        rules=tuple(dict.fromkeys(run.rules)),
+        pool=fitted,
+        ahead=ahead,
     )
 
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f} ms"
-
-
-def pick_to_drain(window: MetricsWindow, role: str, n: int) -> list[str]:
-    """The ``n`` workers of a role to drain: the least loaded (fewest requests held, then the
-    least KV), so draining finishes soonest and moves the least."""
-    ranked = sorted(window.of(role), key=lambda w: (w.running + w.queue, w.kv_usage, w.worker_id))
-    return [w.worker_id for w in ranked[:n]]
 
 
 @dataclass

@@ -1,13 +1,17 @@
 """What the planner reads and keeps: a metrics window (the gateway's view of one adjustment
-interval, each worker's load and age included), worker counts, the limits (min/max per role, the
-cost of a worker and the budget), the planner's tunables, and the state it carries between windows.
+interval, each worker's load and age included, the warm pool and the start latencies measured),
+worker counts, the limits (min/max per role, the cost of a worker and the budget), the planner's
+tunables, and the state it carries between windows (its corrections, streaks and forecasters).
 Plain frozen dataclasses: whoever collects metrics builds them, ``decide`` only reads them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
+
+from pdserve.services.control.planner.forecast import Holt, HoltGains
 
 ROLES = ("prefill", "decode")
 
@@ -22,26 +26,7 @@ class WorkerSample:
     kv_usage: float = 0.0  # used / total KV blocks, 0..1
     queue: int = 0  # requests waiting
     running: int = 0  # requests being served (a decode worker's batch)
-
-
-@dataclass(frozen=True)
-class MetricsWindow:
-    """What the gateway saw over one adjustment interval."""
-
-    duration_s: float
-    requests: int  # requests that arrived in the window
-    mean_isl: float = 0.0
-    mean_osl: float = 0.0
-    ttft_ms: float | None = None  # at the SLO's percentile; None without samples
-    itl_ms: float | None = None
-    workers: tuple[WorkerSample, ...] = ()
-
-    @property
-    def request_rate(self) -> float:
-        return self.requests / self.duration_s if self.duration_s > 0 else 0.0
-
-    def of(self, role: str) -> list[WorkerSample]:
-        return [w for w in self.workers if w.role == role]
+    loading: bool = False  # started, not registered yet: never drained, its age means nothing
 
 
 @dataclass(frozen=True)
@@ -57,6 +42,33 @@ class Counts:
 
     def __str__(self) -> str:
         return f"{self.prefill}P{self.decode}D"
+
+
+@dataclass(frozen=True)
+class MetricsWindow:
+    """What the gateway saw over one adjustment interval."""
+
+    duration_s: float
+    requests: int  # requests that arrived in the window
+    mean_isl: float = 0.0
+    mean_osl: float = 0.0
+    ttft_ms: float | None = None  # at the SLO's percentile; None without samples
+    itl_ms: float | None = None
+    workers: tuple[WorkerSample, ...] = ()
+    # the warm pool (standby workers, never routed to): all of them, and those loaded and ready
+    # to serve at once; neither is in ``workers`` nor in the planner's current counts
+    pool: Counts = Counts(0, 0)
+    pool_ready: Counts = Counts(0, 0)
+    # seconds from "start one" to serving, as measured by whoever runs workers (None: not yet)
+    cold_start_s: float | None = None  # a cold start: the model loads
+    warm_start_s: float | None = None  # a promotion from the warm pool
+
+    @property
+    def request_rate(self) -> float:
+        return self.requests / self.duration_s if self.duration_s > 0 else 0.0
+
+    def of(self, role: str) -> list[WorkerSample]:
+        return [w for w in self.workers if w.role == role]
 
 
 @dataclass(frozen=True)
@@ -104,14 +116,65 @@ class PlannerConfig:
     dead_band: float = 0.1
     scale_down_windows: int = 2
     correction_bounds: tuple[float, float] = (0.25, 4.0)  # one odd window cannot 10x the fleet
+    steady_band: float = 0.25  # a rate moved more than this in a window: corrections kept
     prefill_cv2: float = 1.0  # service-time variability assumed by the TTFT queue model
-    trend_windows: float = 1.0  # a rising rate is planned this many windows ahead (0: constant)
+    # the forecasters (forecast.py): the rate follows a surge at once, the lengths move slowly
+    rate_gains: HoltGains = HoltGains(alpha=0.4, beta=0.1, surge_sigmas=3.0)
+    length_gains: HoltGains = HoltGains(alpha=0.5, beta=0.1)
+    # start latencies until the window brings measured ones
+    cold_start_s: float = 60.0
+    warm_start_s: float = 2.0
+    # the warm pool in the loop: serving is sized for a promotion's horizon and the pool holds
+    # what a cold start's horizon needs beyond it (False: serving for the cold horizon, no pool
+    # above the floor)
+    use_pool: bool = True
+    pool_z: float = 0.25  # the pool covers the forecast up to this many standard errors
+    # --warm-*-workers: the reserve the pool keeps, less serving workers beyond the need (budget
+    # permitting: serving comes first)
+    pool_floor: Counts = Counts(0, 0)
+    # flapping: a scale-up within this many replacement times (a cold start plus a window) of
+    # the role's last scale-down undoes it; each one at least doubles the role's cooldown (no
+    # scale-down until the load has not needed all its workers for that long), from that span
+    # up to ``cooldown_max`` of them; the cooldown halves every ``cooldown_half_life_s``
+    flap_starts: float = 3.0
+    cooldown_max: float = 8.0
+    cooldown_half_life_s: float = 1800.0
+    down_step: int = 1  # serving workers one scale-down removes per role (0: as many as fit)
+
+
+@dataclass(frozen=True)
+class RoleState:
+    """What the planner remembers of one role between windows."""
+
+    down_streak: int = 0  # consecutive windows that asked for fewer serving workers
+    since_up_s: float = math.inf  # since its serving count last grew
+    since_down_s: float = math.inf  # ... and last shrank
+    since_needed_s: float = math.inf  # since the load last needed all its serving workers
+    cooldown_s: float = 0.0  # no scale-down until the load has not needed them this long
+    pool_since_up_s: float = math.inf  # since its warm pool last grew
+
+    def aged(self, seconds: float, half_life_s: float) -> RoleState:
+        """One window later: the clocks advance, the cooldown decays."""
+        return dataclasses.replace(
+            self,
+            since_up_s=self.since_up_s + seconds,
+            since_down_s=self.since_down_s + seconds,
+            since_needed_s=self.since_needed_s + seconds,
+            pool_since_up_s=self.pool_since_up_s + seconds,
+            cooldown_s=self.cooldown_s * 0.5 ** (seconds / half_life_s),
+        )
 
 
 @dataclass(frozen=True)
 class PlannerState:
     prefill_correction: float = 1.0
     decode_correction: float = 1.0
-    prefill_down_streak: int = 0  # consecutive windows that asked for fewer
-    decode_down_streak: int = 0
-    last_rate: float | None = None  # the previous window's request rate, for the trend
+    prefill: RoleState = RoleState()
+    decode: RoleState = RoleState()
+    # the forecasters of the arrival rate (req/s), the mean ISL and the mean OSL
+    rate: Holt = Holt()
+    isl: Holt = Holt()
+    osl: Holt = Holt()
+
+    def of(self, role: str) -> RoleState:
+        return getattr(self, role)

@@ -35,16 +35,42 @@ class RateSchedule:
         return cls(((0.0, rate), (duration_s, rate)))
 
     @classmethod
-    def ramp(cls, low: float, high: float, duration_s: float) -> RateSchedule:
-        """low for the first 10%, up to high by 40%, high until 60%, down to low by 90%."""
-        d = duration_s
-        shape = ((0, low), (0.1, low), (0.4, high), (0.6, high), (0.9, low), (1.0, low))
-        return cls(tuple((f * d, r) for f, r in shape))
+    def ramp(
+        cls, low: float, high: float, duration_s: float, steepness: float = 1.0
+    ) -> RateSchedule:
+        """low for the first 10%, up to high by 40%, high until 60%, down to low by 90%. A
+        ``steepness`` s > 1 takes the rise and the fall s times as fast, about the same peak
+        (high from 40% to 60%): the rise starts at 40 - 30/s %, the fall ends at 60 + 30/s %."""
+        if steepness < 1:
+            raise ValueError("steepness >= 1 (the rise and fall fill 30% of the ramp each at 1)")
+        rise = 0.3 / steepness
+        low_until, low_from = 0.4 - rise, 0.6 + rise
+        shape = ((0, low), (low_until, low), (0.4, high), (0.6, high), (low_from, low), (1, low))
+        return cls(tuple((f * duration_s, r) for f, r in shape))
+
+    def ramp_phases(self) -> tuple[tuple[str, float, float], ...]:
+        """A ramp's phases as (name, start s, end s): low, rise, peak, fall, low again."""
+        t = [p[0] for p in self.points]
+        names = ("low", "rise", "peak", "fall", "low again")
+        return tuple((n, a, b) for n, a, b in zip(names, t, t[1:], strict=False))
+
+    @classmethod
+    def sawtooth(
+        cls, low: float, high: float, half_period_s: float, duration_s: float
+    ) -> RateSchedule:
+        """From low up to high in ``half_period_s``, back down in as long, and again until
+        ``duration_s``: the load turns every ``half_period_s``."""
+        points, t, up = [(0.0, low)], 0.0, True
+        while t < duration_s - 1e-9:
+            t = min(duration_s, t + half_period_s)
+            points.append((t, high if up else low))
+            up = not up
+        return cls(tuple(points))
 
 
 @dataclass(frozen=True)
 class SimConfig:
-    window_s: float = 30.0  # the planner's adjustment interval
+    window_s: float = 10.0  # the planner's adjustment interval (--autoscale-interval's default)
     startup_s: float = 60.0  # from "start a worker" to its first request (model load)
     kv_transfer_ms: float = 2.0
     prefill: int = 1  # the fleet at t = 0 (ready)
@@ -53,6 +79,8 @@ class SimConfig:
     chunk_tokens: int = 2048  # aggregated workers' prefill chunk per step
     tail_s: float = 300.0  # after the schedule ends, how long in-flight requests may finish
     seed: int = 0
+    promote_s: float = 1.0  # from a promotion (SIGUSR1) to a pooled worker's first request
+    pool: Counts = Counts(0, 0)  # the warm pool at t = 0 (loaded)
 
 
 @dataclass(frozen=True)
@@ -65,6 +93,8 @@ class WindowRecord:
     live_cost: float  # every worker that costs: starting, active, draining
     desired: Counts | None
     rules: tuple[str, ...] = ()
+    pool: Counts = Counts(0, 0)  # pooled workers after the decision (loading ones included)
+    forecast: float | None = None  # the rate the decision planned for (req/s)
 
 
 @dataclass
@@ -76,6 +106,8 @@ class SimResult:
     scale_actions: int  # role count changes the planner asked for
     max_cost: float  # the most the live fleet ever cost
     duration_s: float
+    pool_seconds: float = 0.0  # of worker_seconds, spent in the warm pool
+    pool_actions: int = 0  # pool size changes
 
     def _span(self, t0: float, t1: float) -> list[SimRequest]:
         return [r for r in self.requests if t0 <= r.arrival < t1]
@@ -98,3 +130,22 @@ class SimResult:
             getattr(r, metric) if r.done == r.done else math.inf for r in self._span(t0, t1)
         )
         return values[min(len(values) - 1, math.ceil(q * len(values)) - 1)] if values else 0.0
+
+    def reversals(self, within_s: float) -> int:
+        """Flaps: times a role's asked-for count went up again within ``within_s`` of going
+        down (the workers removed had to come back)."""
+        flaps = 0
+        for role in ("prefill", "decode"):
+            last: tuple[float, int] | None = None  # (when, direction) of the last change
+            before = None
+            for w in self.windows:
+                if w.desired is None:
+                    continue
+                now = w.desired.of(role)
+                if before is not None and now != before:
+                    sign = 1 if now > before else -1
+                    if last is not None and sign > last[1] and w.t - last[0] <= within_s:
+                        flaps += 1
+                    last = (w.t, sign)
+                before = now
+        return flaps

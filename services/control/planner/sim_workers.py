@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 
 from pdserve.services.control.planner.profile import Profile
 
-STARTING, ACTIVE, DRAINING, GONE = "starting", "active", "draining", "gone"
+# a pooled worker loads as STARTING, then waits as POOLED (loaded, never routed to) until it is
+# promoted to ACTIVE or stopped
+STARTING, POOLED, ACTIVE, DRAINING, GONE = "starting", "pooled", "active", "draining", "gone"
 
 
 @dataclass(slots=True)
@@ -89,9 +91,20 @@ class Worker:
     ready_at: float
     state: str = STARTING
     retired: float = math.nan
+    pooled: bool = False  # started for the warm pool, not promoted yet
+    asked: float = 0.0  # when the planner asked for it (a start may wait for budget)
+    promoted: float = math.nan  # when it left the pool to serve
 
     def age(self, now: float) -> float:
         return now - self.ready_at
+
+    def idle(self) -> bool:
+        """Nothing queued or in progress (each role says what that means)."""
+        raise NotImplementedError
+
+    def load(self) -> tuple[float, int, int]:
+        """KV usage, queued, running."""
+        raise NotImplementedError
 
 
 class PrefillWorker(Worker):

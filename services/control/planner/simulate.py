@@ -7,10 +7,11 @@ prefill worker with the least queued work, then (after ``kv_transfer_ms``) its s
 decode worker with the least KV reserved or waiting; sim_workers.py says how each worker spends
 its time. Every ``window_s`` the simulator builds the ``MetricsWindow`` the planner reads (rate,
 mean ISL/OSL, TTFT and ITL at the SLO's percentile, each serving worker's age, KV usage and
-queue), calls the planner, and applies its decision: a new worker serves ``startup_s`` after it is
-asked for (and costs from that moment); a removed worker is drained (no new work, it finishes what
-it holds, then goes). The budget holds for the fleet as it physically is: a worker asked for while
-draining ones still hold the budget waits until they are gone.
+queue; the workers still loading; the warm pool; the start latencies measured), calls the
+planner, and applies its decision (sim_fleet.py): a new worker serves ``startup_s`` after it is
+asked for, or ``promote_s`` after it is promoted from the warm pool, and costs from its start,
+pooled or serving; a removed worker is drained (no new work, it finishes what it holds, then
+goes). The budget holds for the fleet as it physically is, the pool included.
 
 Deterministic for a seed; a 10-minute ramp of a few thousand requests runs in well under a second.
 """
@@ -32,10 +33,10 @@ from pdserve.services.control.planner.sim_data import (
     SimResult,
     WindowRecord,
 )
+from pdserve.services.control.planner.sim_fleet import SimFleet
 from pdserve.services.control.planner.sim_workers import (
     ACTIVE,
     DRAINING,
-    GONE,
     STARTING,
     DecodeWorker,
     Gaps,
@@ -65,18 +66,21 @@ class _Sim:
         self.events: list[tuple[float, int, int, object, int]] = []
         self.seq = 0
         self.now = 0.0
-        self.workers: list[Worker] = []
-        self.pending: deque[str] = deque()  # roles asked for while the budget was held
+        self.gaps = Gaps()
+        self.fleet = SimFleet(
+            profile,
+            limits,
+            config,
+            self.gaps,
+            on_ready=lambda w: self.push(w.ready_at, READY, w),
+            on_first_token=self.first_token,
+        )
         self.unrouted: dict[str, deque[SimRequest]] = {"prefill": deque(), "decode": deque()}
         self.requests: list[SimRequest] = []
-        self.gaps = Gaps()
         self.win_ttft: list[float] = []
         self.win_arrivals = [0, 0, 0]  # count, ISL sum, OSL sum
         self.windows: list[WindowRecord] = []
         self.decisions: list[Decision] = []
-        self.actions = 0
-        self.max_cost = 0.0
-        self.names = 0
 
     # ---- plumbing ----------------------------------------------------------------------------
 
@@ -84,52 +88,8 @@ class _Sim:
         self.seq += 1
         heapq.heappush(self.events, (t, self.seq, kind, payload, version))
 
-    def cost_of(self, role: str) -> float:
-        if self.limits is None:
-            return 1.0
-        return self.limits.cost_of("decode" if role == "aggregated" else role)
-
-    def live_cost(self) -> float:
-        return sum(self.cost_of(w.role) for w in self.workers if w.state != GONE)
-
-    def start_worker(self, role: str, ready_at: float) -> None:
-        """Start one, or queue it while the budget is held (by draining workers, say)."""
-        budget = self.limits.budget if self.limits else None
-        if self.pending or (
-            budget is not None and self.live_cost() + self.cost_of(role) > budget + 1e-9
-        ):
-            self.pending.append(role)
-            return
-        self.names += 1
-        name = f"{role}-{self.names}"
-        if role == "prefill":
-            w: Worker = PrefillWorker(
-                worker_id=name, created=self.now, ready_at=ready_at, profile=self.profile
-            )
-        else:
-            chunk = self.cfg.chunk_tokens if role == "aggregated" else 0
-            w = DecodeWorker(
-                worker_id=name,
-                created=self.now,
-                ready_at=ready_at,
-                profile=self.profile,
-                gaps=self.gaps,
-                chunk_tokens=chunk,
-            )
-            w.on_first_token = self.first_token
-            w.t_sync = ready_at
-        self.workers.append(w)
-        self.max_cost = max(self.max_cost, self.live_cost())
-        self.push(ready_at, READY, w)
-
-    def retire(self, w: Worker) -> None:
-        w.state, w.retired = GONE, self.now
-        waiting, self.pending = self.pending, deque()
-        for role in waiting:  # in order: each starts if it now fits, else waits again
-            self.start_worker(role, self.now + self.cfg.startup_s)
-
     def serving(self, role: str) -> list[Worker]:
-        return [w for w in self.workers if w.role == role and w.state == ACTIVE]
+        return self.fleet.serving(role)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -162,17 +122,17 @@ class _Sim:
         if due is not None:
             self.push(due, DECODE, w, w.version)
         elif w.state == DRAINING and w.idle():
-            self.retire(w)
+            self.fleet.retire(w)
 
     # ---- windows and decisions ---------------------------------------------------------------
 
     def window(self) -> MetricsWindow:
         n, isl, osl = self.win_arrivals
         samples = []
-        for w in self.workers:
+        for w in self.fleet.workers:
+            role = "decode" if w.role == "aggregated" else w.role
             if w.state == ACTIVE:
                 kv, queue, running = w.load()
-                role = "decode" if w.role == "aggregated" else w.role
                 samples.append(
                     WorkerSample(
                         worker_id=w.worker_id,
@@ -183,8 +143,14 @@ class _Sim:
                         running=running,
                     )
                 )
+            elif w.state == STARTING and not w.pooled:  # capacity coming: never drained
+                samples.append(
+                    WorkerSample(worker_id=w.worker_id, role=role, age_s=0.0, loading=True)
+                )
         ttft = sorted(self.win_ttft)
         q = self.slo.quantile
+        pool, ready = self.fleet.pool()
+        cold, warm = self.fleet.cold_starts, self.fleet.warm_starts
         return MetricsWindow(
             duration_s=self.cfg.window_s,
             requests=n,
@@ -193,46 +159,19 @@ class _Sim:
             ttft_ms=ttft[min(len(ttft) - 1, math.ceil(q * len(ttft)) - 1)] if ttft else None,
             itl_ms=self.gaps.percentile(q),
             workers=tuple(samples),
+            pool=pool,
+            pool_ready=ready,
+            cold_start_s=sum(cold) / len(cold) if cold else None,
+            warm_start_s=sum(warm) / len(warm) if warm else None,
         )
-
-    def counted(self) -> Counts:
-        def n(role: str) -> int:
-            live = sum(1 for w in self.workers if w.role == role and w.state in (STARTING, ACTIVE))
-            return live + self.pending.count(role)
-
-        return Counts(n("prefill"), n("decode"))
-
-    def apply(self, desired: Counts) -> None:
-        current = self.counted()
-        for role in ("prefill", "decode"):
-            diff = desired.of(role) - current.of(role)
-            self.actions += diff != 0
-            for _ in range(max(0, diff)):
-                self.start_worker(role, self.now + self.cfg.startup_s)
-            for _ in range(max(0, -diff)):
-                self.remove_one(role)
-
-    def remove_one(self, role: str) -> None:
-        if role in self.pending:
-            self.pending.remove(role)
-            return
-        starting = [w for w in self.workers if w.role == role and w.state == STARTING]
-        if starting:  # never served: it goes at once
-            self.retire(starting[-1])
-            return
-        active = self.serving(role)
-        w = min(active, key=lambda w: (sum(w.load()[1:]), w.load()[0], w.worker_id))
-        w.state = DRAINING
-        if w.idle():
-            self.retire(w)
 
     def tick(self) -> None:
         window = self.window()
         decision = None
         if self.planner is not None:
-            decision = self.planner(window, self.counted())
+            decision = self.planner(window, self.fleet.counted())
             self.decisions.append(decision)
-            self.apply(decision.counts)
+            self.fleet.apply(decision.counts, decision.pool)
         serving = Counts(
             len(self.serving("prefill")),
             len(self.serving("decode")) + len(self.serving("aggregated")),
@@ -244,9 +183,11 @@ class _Sim:
                 ttft_ms=window.ttft_ms,
                 itl_ms=window.itl_ms,
                 serving=serving,
-                live_cost=self.live_cost(),
+                live_cost=self.fleet.live_cost(),
                 desired=decision.counts if decision else None,
                 rules=decision.rules if decision else (),
+                pool=self.fleet.pool()[0],
+                forecast=decision.ahead.rate if decision and decision.ahead else None,
             )
         )
         self.gaps.samples.clear()
@@ -273,7 +214,10 @@ class _Sim:
         roles += [("prefill", cfg.prefill), ("decode", cfg.decode)]
         for role, n in roles:
             for _ in range(n):
-                self.start_worker(role, 0.0)
+                self.fleet.start(role)
+        for role in ("prefill", "decode"):  # the warm pool's floor, loaded with the fleet
+            for _ in range(cfg.pool.of(role)):
+                self.fleet.start(role, pooled=True)
         self.next_arrival(0.0)
         t = cfg.window_s
         while t <= self.schedule.duration + 1e-9:
@@ -282,6 +226,7 @@ class _Sim:
         end = self.schedule.duration + cfg.tail_s
         while self.events and self.events[0][0] <= end:
             self.now, _, kind, payload, version = heapq.heappop(self.events)
+            self.fleet.now = self.now
             self.handle(kind, payload, version)
         return self.result()
 
@@ -304,7 +249,7 @@ class _Sim:
             if due is not None:
                 self.push(due, PREFILL_DONE, w)
             elif w.state == DRAINING and w.idle():
-                self.retire(w)
+                self.fleet.retire(w)
         elif kind == KV_READY:
             assert isinstance(payload, SimRequest)
             self.route_decode(payload)
@@ -317,8 +262,7 @@ class _Sim:
         elif kind == READY:
             w = payload
             assert isinstance(w, Worker)
-            if w.state == STARTING:
-                w.state = ACTIVE
+            if self.fleet.loaded(w):
                 for which in ("prefill", "decode"):
                     waiting, self.unrouted[which] = self.unrouted[which], deque()
                     for req in waiting:
@@ -328,18 +272,17 @@ class _Sim:
 
     def result(self) -> SimResult:
         d = self.schedule.duration
-        seconds: dict[str, float] = {}
-        for w in self.workers:
-            until = w.retired if w.retired == w.retired else d
-            seconds[w.role] = seconds.get(w.role, 0.0) + max(0.0, min(until, d) - w.created)
+        seconds, pooled = self.fleet.worker_seconds(d)
         return SimResult(
             requests=self.requests,
             windows=self.windows,
             decisions=self.decisions,
             worker_seconds=seconds,
-            scale_actions=self.actions,
-            max_cost=self.max_cost,
+            scale_actions=self.fleet.actions,
+            max_cost=self.fleet.max_cost,
             duration_s=d,
+            pool_seconds=pooled,
+            pool_actions=self.fleet.pool_actions,
         )
 
 

@@ -208,6 +208,15 @@ def size_prefill(
     )
 
 
+@lru_cache(maxsize=4096)
+def _best_decode(
+    profile: Profile, itl_target_ms: float, context: float, kv_fraction: float
+) -> DecodeCapacity:
+    """``Profile.best_decode``, remembered: a decision sizes decode for several outlooks of one
+    load (the same target, contexts a token apart), and the scan is over every batch."""
+    return profile.best_decode(itl_target_ms, context, kv_fraction)
+
+
 def size_decode(
     profile: Profile,
     rate: float,
@@ -219,7 +228,7 @@ def size_decode(
 ) -> DecodeSizing:
     context = isl + osl / 2
     target = slo.itl_ms / correction
-    capacity = profile.best_decode(target, context, kv_fraction)
+    capacity = _best_decode(profile, target, context, kv_fraction)
     demand = rate * osl
     return DecodeSizing(
         need=demand / capacity.tokens_per_s,
