@@ -21,7 +21,6 @@ from pdserve.gateway import admin, tokenize_api
 from pdserve.gateway.api_models import (
     ChatRequest,
     CompletionRequest,
-    GenerationParams,
     check_param_token_ids,
     check_token_ids,
     parse_chat,
@@ -32,9 +31,9 @@ from pdserve.gateway.app_state import (
     Gateway,
     new_gateway_id,
 )
+from pdserve.gateway.chat_lowering import chat_prompt, check_guided, tool_format, truncated
 from pdserve.gateway.endpoint_metrics import endpoint_metrics_middleware
 from pdserve.gateway.errors import (
-    bad_request,
     model_not_found,
     payload_too_large,
 )
@@ -46,15 +45,10 @@ from pdserve.gateway.middlewares import (
     tracing_middleware,
 )
 from pdserve.gateway.openapi import openapi_spec
-from pdserve.gateway.prompting import encode, render_chat
-from pdserve.gateway.reasoning import reasoning_setup
+from pdserve.gateway.prompting import encode
 from pdserve.gateway.schema_base import parse_json_body
 from pdserve.gateway.serving import serve_generation
 from pdserve.gateway.tokenize_api import Vocabulary
-from pdserve.gateway.tokenizer import truncate_prompt
-from pdserve.gateway.tools.grammar import check_schemas, tag_tokens
-from pdserve.gateway.tools.prompt import resolve_parser
-from pdserve.shared import structured_output
 from pdserve.shared.bus.connection import Bus
 from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig
 from pdserve.shared.options import build
@@ -124,43 +118,24 @@ async def completions(request: web.Request) -> web.StreamResponse:
         else:
             check_token_ids(prompt, tok.vocab_size, where)
             given = prompt
-        ids = _truncated(gw, req.params, given)
+        ids = truncated(gw, req.params, given)
         # echo returns the prompt as given, or as served when it was truncated or token ids
         text = prompt if isinstance(prompt, str) and ids is given else ""
         if req.params.echo and not text:
             text = tok.decode(ids, skip_special_tokens=False)
         prompts.append(Prompt(ids, text))
     check_param_token_ids(req.params, tok.vocab_size)
-    await _check_guided(gw, req.params)
+    await check_guided(gw, req.params)
     return await serve_generation(request, gw, "text_completion", req.params, prompts)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY_KEY]
-    chat = gw.model.chat
-    parser = resolve_parser(gw.config.tool_call_parser, chat.source if chat else None)
-    tags = tag_tokens(parser, lambda t: gw.model.tokenizer.encode(t, add_special_tokens=False))
+    parser, tags = tool_format(gw)
     req: ChatRequest = parse_chat(await _read_json(request), parser, tags)
     _check_model(gw, req.params.model)
-    text = render_chat(
-        chat,
-        req.messages,
-        add_generation_prompt=req.add_generation_prompt,
-        continue_final_message=req.continue_final_message,
-        variables=req.template_kwargs,
-        tools=req.params.tools,
-        tool_parser=req.tool_parser,
-    )
-    # how the answer's reasoning is split out depends on where the template left it
-    req.params.reasoning = reasoning_setup(gw.config.reasoning_parser, text, req.template_kwargs)
-    # The template writes BOS itself, so no special tokens are added (as transformers does).
-    prompt_ids = await encode(gw.model.tokenizer, text, add_special_tokens=False)
-    prompt_ids = _truncated(gw, req.params, prompt_ids)
-    check_param_token_ids(req.params, gw.model.tokenizer.vocab_size)
-    # each enforced tool schema first, so that one that does not compile is named
-    await asyncio.to_thread(check_schemas, req.params.tools, gw.model.tokenizer.tokenizer)
-    await _check_guided(gw, req.params)
-    return await serve_generation(request, gw, "chat", req.params, [Prompt(prompt_ids, text)])
+    prompt = await chat_prompt(gw, req)
+    return await serve_generation(request, gw, "chat", req.params, [prompt])
 
 
 def _vocabulary(gw: Gateway) -> Vocabulary:
@@ -181,26 +156,6 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     served = _vocabulary(request.app[GATEWAY_KEY])
     return web.json_response(tokenize_api.detokenize(await _read_json(request), served))
-
-
-def _truncated(gw: Gateway, params: GenerationParams, ids: list[int]) -> list[int]:
-    limit, most = gw.context_limit(), gw.config.max_prompt_tokens
-    return truncate_prompt(ids, params.truncate_prompt_tokens, params.max_tokens, limit, most)
-
-
-async def _check_guided(gw: Gateway, params: GenerationParams) -> None:
-    """A grammar that does not compile is the client's 400 here, not a worker's error later.
-    Off the event loop: the first check builds the tokenizer's grammar compiler (~0.3 s for a
-    50k vocabulary), and a large schema takes a while to compile."""
-    if params.guided is None:
-        return
-    try:
-        await asyncio.to_thread(
-            structured_output.check, params.guided, gw.model.tokenizer.tokenizer
-        )
-    except ValueError as exc:
-        message = f"Invalid structured output: {exc}"
-        raise bad_request(message, params.guided_param, "invalid_grammar") from None
 
 
 def _check_model(gw: Gateway, model: str) -> None:

@@ -7,6 +7,7 @@ metrics and the request span's GenAI attributes.
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from opentelemetry import trace
@@ -18,6 +19,10 @@ from pdserve.gateway.streaming import stream_response
 from pdserve.gateway.whole_answer import complete
 from pdserve.shared.telemetry import tracing as tr
 
+# An endpoint's own answer to an admitted generation, streamed or whole (``/v1/responses``
+# renders OpenAI's Responses shapes); admission, metrics and the span stay here, once.
+Answer = Callable[[web.Request, Generation], Awaitable[web.StreamResponse]]
+
 
 async def serve_generation(
     request: web.Request,
@@ -25,9 +30,11 @@ async def serve_generation(
     operation: str,
     params: GenerationParams,
     prompts: list[Prompt],
+    answer: Answer | None = None,
 ) -> web.StreamResponse:
     """Admit the request (``prompts``: already validated and tokenized), answer it as the
-    client asked, and account for it however it ends."""
+    client asked (``answer``; by default OpenAI's chat or completion shapes), and account for
+    it however it ends."""
     client_id: str = request[CLIENT_ID_KEY]
     limit = gw.context_limit()
     max_tokens = [
@@ -64,6 +71,8 @@ async def serve_generation(
             progress=Progress(prompt_tokens=total_prompt, arrived=request[ARRIVED_KEY]),
         )
         try:
+            if answer is not None:
+                return await answer(request, gen)
             return await (stream_response(request, gen) if params.stream else complete(gen))
         except BaseException:
             if gen.progress.finish_reason is None:

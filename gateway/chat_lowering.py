@@ -1,0 +1,79 @@
+"""A chat request lowered to what the workers serve: the one place a conversation becomes a
+prompt, whichever API it came in by. ``/v1/chat/completions`` parses its body into a
+``ChatRequest``; ``/v1/responses`` converts its items into the same ``ChatRequest``
+(``gateway/responses/``); both are served from what ``chat_prompt`` makes of it, so templates,
+tools, reasoning, structured output and their checks exist once.
+
+``chat_prompt`` renders the template (``prompting.render_chat``), reads where the answer's
+reasoning starts, tokenizes, truncates (``truncate_prompt_tokens``), and runs the checks that
+need the served model: token ids in the parameters, each enforced tool schema, the grammar.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from pdserve.gateway.api_models import ChatRequest, GenerationParams, check_param_token_ids
+from pdserve.gateway.app_state import Gateway
+from pdserve.gateway.errors import bad_request
+from pdserve.gateway.generation import Prompt
+from pdserve.gateway.prompting import encode, render_chat
+from pdserve.gateway.reasoning import reasoning_setup
+from pdserve.gateway.tokenizer import truncate_prompt
+from pdserve.gateway.tools.grammar import check_schemas, tag_tokens
+from pdserve.gateway.tools.prompt import resolve_parser
+from pdserve.shared import structured_output
+
+
+def tool_format(gw: Gateway) -> tuple[str, tuple[tuple[str, int], ...]]:
+    """The format the served model writes tool calls in (``--tool-call-parser`` resolved for
+    its template), and that format's tags the tokenizer has as one token each."""
+    chat = gw.model.chat
+    parser = resolve_parser(gw.config.tool_call_parser, chat.source if chat else None)
+    tags = tag_tokens(parser, lambda t: gw.model.tokenizer.encode(t, add_special_tokens=False))
+    return parser, tags
+
+
+async def chat_prompt(gw: Gateway, req: ChatRequest) -> Prompt:
+    """The prompt ``req`` is served with; sets ``req.params.reasoning``. Raises the 400s of a
+    conversation the template refuses, a token id outside the vocabulary, a tool schema or a
+    grammar that does not compile."""
+    text = render_chat(
+        gw.model.chat,
+        req.messages,
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        variables=req.template_kwargs,
+        tools=req.params.tools,
+        tool_parser=req.tool_parser,
+    )
+    # how the answer's reasoning is split out depends on where the template left it
+    req.params.reasoning = reasoning_setup(gw.config.reasoning_parser, text, req.template_kwargs)
+    # The template writes BOS itself, so no special tokens are added (as transformers does).
+    prompt_ids = await encode(gw.model.tokenizer, text, add_special_tokens=False)
+    prompt_ids = truncated(gw, req.params, prompt_ids)
+    check_param_token_ids(req.params, gw.model.tokenizer.vocab_size)
+    # each enforced tool schema first, so that one that does not compile is named
+    await asyncio.to_thread(check_schemas, req.params.tools, gw.model.tokenizer.tokenizer)
+    await check_guided(gw, req.params)
+    return Prompt(prompt_ids, text)
+
+
+def truncated(gw: Gateway, params: GenerationParams, ids: list[int]) -> list[int]:
+    limit, most = gw.context_limit(), gw.config.max_prompt_tokens
+    return truncate_prompt(ids, params.truncate_prompt_tokens, params.max_tokens, limit, most)
+
+
+async def check_guided(gw: Gateway, params: GenerationParams) -> None:
+    """A grammar that does not compile is the client's 400 here, not a worker's error later.
+    Off the event loop: the first check builds the tokenizer's grammar compiler (~0.3 s for a
+    50k vocabulary), and a large schema takes a while to compile."""
+    if params.guided is None:
+        return
+    try:
+        await asyncio.to_thread(
+            structured_output.check, params.guided, gw.model.tokenizer.tokenizer
+        )
+    except ValueError as exc:
+        message = f"Invalid structured output: {exc}"
+        raise bad_request(message, params.guided_param, "invalid_grammar") from None
