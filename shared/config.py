@@ -269,8 +269,28 @@ class GatewayConfig:
         "none, all is content",
         choices=REASONING_PARSERS,
     )
+    # POST /v1/responses keeps what it answered (store, previous_response_id) in a NATS
+    # JetStream KV bucket, so every gateway replica can continue any conversation
+    response_store_ttl: float = opt(
+        30 * 24 * 3600.0,
+        "seconds a stored response (/v1/responses with store) is kept in NATS JetStream "
+        "before it expires (default 30 days, as OpenAI keeps them); 0 = until deleted",
+    )
+    response_store_replicas: int = opt(
+        1,
+        "copies JetStream keeps of the stored responses' KV bucket, on as many NATS cluster "
+        "nodes (compose's and Kubernetes' 3-node clusters: 3); 1 to 5",
+    )
 
     def __post_init__(self) -> None:
+        if self.response_store_ttl < 0:
+            raise StartupError(
+                f"--response-store-ttl must be >= 0 (0 = no expiry), got {self.response_store_ttl}"
+            )
+        if not 1 <= self.response_store_replicas <= 5:  # JetStream's own limit
+            raise StartupError(
+                f"--response-store-replicas must be 1 to 5, got {self.response_store_replicas}"
+            )
         for name in ("request_timeout", "first_token_timeout", "stall_timeout"):
             if getattr(self, name) < 0:
                 flag = "--" + name.replace("_", "-")
