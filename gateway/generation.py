@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,7 +158,7 @@ class Generation:
             return chat_logprobs(piece.logprobs, self.texts)
         return completion_logprobs(piece.logprobs, self.texts, offset)
 
-    async def pieces(self) -> AsyncIterator[tuple[ResponseChoice, Piece]]:
+    async def pieces(self) -> AsyncGenerator[tuple[ResponseChoice, Piece], None]:
         """Every choice's text as it is generated, in arrival order: ``(choice, piece)``; after
         a choice's last piece ``choice.done`` is true. Raises the dispatcher's faults."""
         if len(self.prompts) == 1:
@@ -193,7 +193,7 @@ class Generation:
                 task.cancel()  # closes their dispatcher streams, which cancels the requests
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _prompt_pieces(self, p: int) -> AsyncIterator[tuple[ResponseChoice, Piece]]:
+    async def _prompt_pieces(self, p: int) -> AsyncGenerator[tuple[ResponseChoice, Piece], None]:
         prompt, sampling = self.prompts[p], self.samplings[p]
         mine = self.choices[p * self.per_prompt : (p + 1) * self.per_prompt]
         # max_tokens 0 generates nothing: one engine choice stands for all of them

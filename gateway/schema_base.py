@@ -166,7 +166,7 @@ class StrictModel(BaseModel):
 
 
 def field_error(
-    field: str | tuple[str, ...], code: str, phrase: str, value: Any
+    field: str | tuple[str | int, ...], code: str, phrase: str, value: Any
 ) -> ValidationError:
     """An error on ``field`` (a name, or a path, relative to the model raising it), for model
     validators."""
