@@ -21,6 +21,8 @@ from pydantic_core import CoreSchema, core_schema
 
 from pdserve.gateway.request_bodies import ChatCompletionBody, CompletionBody
 from pdserve.gateway.response_models import RESPONSE_MODELS
+from pdserve.gateway.responses import schemas as responses_api
+from pdserve.gateway.responses.bodies import ResponsesBody
 from pdserve.gateway.tokenize_bodies import (
     DetokenizeBody,
     DetokenizeResponse,
@@ -37,6 +39,7 @@ REQUEST_MODELS = {
     "TokenizeTextRequest": TokenizeTextBody,
     "TokenizeChatRequest": TokenizeChatBody,
     "DetokenizeRequest": DetokenizeBody,
+    "ResponsesRequest": ResponsesBody,
 }
 # vLLM's tokenizer endpoints' answers (their models live beside their requests')
 TOKENIZER_RESPONSES = {
@@ -66,7 +69,7 @@ def component_schemas() -> dict[str, Any]:
     entries; the top-level ones under their published names. One generation for all of them,
     so pydantic keeps the names of the models inside them apart."""
     published = [(name, model, "validation") for name, model in REQUEST_MODELS.items()]
-    responses = {**RESPONSE_MODELS, **TOKENIZER_RESPONSES}
+    responses = {**RESPONSE_MODELS, **TOKENIZER_RESPONSES, **responses_api.MODELS}
     published += [(name, model, "serialization") for name, model in responses.items()]
     refs, top = models_json_schema(
         [(model, mode) for _, model, mode in published],
@@ -190,6 +193,7 @@ def openapi_spec(model: str) -> dict[str, Any]:
                 "ChatCompletionResponse",
                 "ChatCompletionChunk",
             ),
+            **responses_api.PATHS,
             "/v1/models": {
                 "get": {
                     "summary": "The served model",
