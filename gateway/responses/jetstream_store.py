@@ -82,7 +82,7 @@ class JetStreamResponseStore(ResponseStore):
         log.info(
             "responses stored in JetStream KV bucket %s (ttl %s, %d replica%s)",
             self.bucket,
-            f"{self.ttl:g} s" if self.ttl else "none",
+            f"{self.ttl:.0f} s" if self.ttl else "none",
             self.replicas,
             "" if self.replicas == 1 else "s",
         )
