@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from pdserve.gateway.api_models import validated
+from pdserve.gateway.api_models import check_length, validated
 from pdserve.gateway.app_state import GATEWAY_KEY, Gateway
 from pdserve.gateway.chat_lowering import chat_prompt, tool_format
 from pdserve.gateway.errors import APIError, bad_request, model_not_found, payload_too_large
@@ -83,6 +83,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     parser, tags = tool_format(gw)
     req = chat_request(body, read_items(history), parser, tags)
     prompt = await chat_prompt(gw, req)
+    _check_length(gw, len(prompt.ids), body.max_output_tokens)
     turn = ResponseTurn(
         id=new_id("resp"),
         created_at=int(time.time()),
@@ -91,6 +92,21 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         store=store if body.stores and store.ready else None,
     )
     return await serve_generation(request, gw, "chat", req.params, [prompt], answer=turn)
+
+
+# the chat parameters a length error names, as this API calls them
+_PARAMS = {"messages": "input", "prompt": "input", "max_tokens": "max_output_tokens"}
+
+
+def _check_length(gw: Gateway, prompt_tokens: int, max_output_tokens: int | None) -> None:
+    """serve_generation's own length check, first, so that its 400 names this API's fields."""
+    limit, most = gw.context_limit(), gw.config.max_prompt_tokens
+    try:
+        check_length(prompt_tokens, max_output_tokens, limit, most)
+    except APIError as err:
+        err.param = _PARAMS.get(err.param or "", err.param)
+        err.message = err.message.replace("max_tokens", "max_output_tokens")
+        raise
 
 
 async def get_response(request: web.Request) -> web.Response:

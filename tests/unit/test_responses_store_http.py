@@ -217,3 +217,14 @@ def test_openapi_publishes_the_endpoints_under_names_of_their_own():
     # two models of one name would be published under their module paths instead
     assert [name for name in schemas if "__" in name] == []
     assert set(schemas["ResponsesRequest"]["properties"]) >= {"input", "previous_response_id"}
+
+
+async def test_a_conversation_too_long_names_this_apis_fields(model_dir):
+    async with serving(model_dir, response_store=MemoryResponseStore()) as (client, _):
+        too_many = await client.post("/v1/responses", json=ask(max_output_tokens=5000))
+        error = await error_of(too_many, 400)
+        assert (
+            error["param"] == "max_output_tokens" and "max_output_tokens (5000)" in error["message"]
+        )
+        too_long = await client.post("/v1/responses", json=ask("word " * 5000))
+        assert (await error_of(too_long, 400))["param"] == "input"
