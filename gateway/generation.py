@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,7 +193,7 @@ class Generation:
                 task.cancel()  # closes their dispatcher streams, which cancels the requests
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _prompt_pieces(self, p: int) -> AsyncGenerator[tuple[ResponseChoice, Piece], None]:
+    async def _prompt_pieces(self, p: int) -> AsyncIterator[tuple[ResponseChoice, Piece]]:
         prompt, sampling = self.prompts[p], self.samplings[p]
         mine = self.choices[p * self.per_prompt : (p + 1) * self.per_prompt]
         # max_tokens 0 generates nothing: one engine choice stands for all of them

@@ -34,12 +34,12 @@ from pdserve.gateway.tokenize_bodies import (
 REF_TEMPLATE = "#/components/schemas/{model}"
 # The request models under the names the API has always published them by.
 REQUEST_MODELS = {
+    "ResponsesRequest": ResponsesBody,  # OpenAI's Responses API (gateway/responses/)
     "CompletionRequest": CompletionBody,
     "ChatCompletionRequest": ChatCompletionBody,
     "TokenizeTextRequest": TokenizeTextBody,
     "TokenizeChatRequest": TokenizeChatBody,
     "DetokenizeRequest": DetokenizeBody,
-    "ResponsesRequest": ResponsesBody,
 }
 # vLLM's tokenizer endpoints' answers (their models live beside their requests')
 TOKENIZER_RESPONSES = {
@@ -69,8 +69,9 @@ def component_schemas() -> dict[str, Any]:
     entries; the top-level ones under their published names. One generation for all of them,
     so pydantic keeps the names of the models inside them apart."""
     published = [(name, model, "validation") for name, model in REQUEST_MODELS.items()]
-    responses = {**RESPONSE_MODELS, **TOKENIZER_RESPONSES, **responses_api.MODELS}
+    responses = {**RESPONSE_MODELS, **TOKENIZER_RESPONSES}
     published += [(name, model, "serialization") for name, model in responses.items()]
+    published += [(name, model, "serialization") for name, model in responses_api.MODELS.items()]
     refs, top = models_json_schema(
         [(model, mode) for _, model, mode in published],
         ref_template=REF_TEMPLATE,

@@ -31,12 +31,8 @@ from pdserve.gateway.app_state import (
     Gateway,
     new_gateway_id,
 )
-from pdserve.gateway.chat_lowering import chat_prompt, check_guided, tool_format, truncated
 from pdserve.gateway.endpoint_metrics import endpoint_metrics_middleware
-from pdserve.gateway.errors import (
-    model_not_found,
-    payload_too_large,
-)
+from pdserve.gateway.errors import payload_too_large
 from pdserve.gateway.generation import Prompt
 from pdserve.gateway.middlewares import (
     api_key_middleware,
@@ -45,6 +41,13 @@ from pdserve.gateway.middlewares import (
     tracing_middleware,
 )
 from pdserve.gateway.openapi import openapi_spec
+from pdserve.gateway.prepare import (
+    chat_prompt,
+    check_guided,
+    check_model,
+    tool_format,
+    truncated,
+)
 from pdserve.gateway.prompting import encode
 from pdserve.gateway.responses import handlers as responses
 from pdserve.gateway.responses.store import ResponseStore
@@ -90,7 +93,7 @@ async def models(request: web.Request) -> web.Response:
 
 async def model(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY_KEY]
-    _check_model(gw, request.match_info["model"])
+    check_model(gw, request.match_info["model"])
     return web.json_response(_model_card(gw))
 
 
@@ -110,7 +113,7 @@ async def _read_json(request: web.Request) -> dict[str, Any]:
 async def completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY_KEY]
     req: CompletionRequest = parse_completion(await _read_json(request))
-    _check_model(gw, req.params.model)
+    check_model(gw, req.params.model)
     tok = gw.model.tokenizer
     prompts: list[Prompt] = []
     for i, prompt in enumerate(req.prompts):
@@ -135,7 +138,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY_KEY]
     parser, tags = tool_format(gw)
     req: ChatRequest = parse_chat(await _read_json(request), parser, tags)
-    _check_model(gw, req.params.model)
+    check_model(gw, req.params.model)
     prompt = await chat_prompt(gw, req)
     return await serve_generation(request, gw, "chat", req.params, [prompt])
 
@@ -158,11 +161,6 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     served = _vocabulary(request.app[GATEWAY_KEY])
     return web.json_response(tokenize_api.detokenize(await _read_json(request), served))
-
-
-def _check_model(gw: Gateway, model: str) -> None:
-    if model != gw.model.name:
-        raise model_not_found(model)
 
 
 def create_app(

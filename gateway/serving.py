@@ -2,6 +2,10 @@
 as SSE (``gateway/streaming.py``) or collected into one JSON body (``gateway/whole_answer.py``)
 from the same ``Generation`` (``gateway/generation.py``) - and the accounting once it is over:
 metrics and the request span's GenAI attributes.
+
+The response is a ``Respond``: OpenAI's shapes by default; another API (Anthropic's Messages,
+``gateway/anthropic/``) passes its own renderer of the same ``Generation``, so admission,
+cancellation, metrics and spans exist once for every API.
 """
 
 from __future__ import annotations
@@ -19,9 +23,13 @@ from pdserve.gateway.streaming import stream_response
 from pdserve.gateway.whole_answer import complete
 from pdserve.shared.telemetry import tracing as tr
 
-# An endpoint's own answer to an admitted generation, streamed or whole (``/v1/responses``
-# renders OpenAI's Responses shapes); admission, metrics and the span stay here, once.
-Answer = Callable[[web.Request, Generation], Awaitable[web.StreamResponse]]
+# What answers an admitted generation: the HTTP response, built from its pieces as they come.
+Respond = Callable[[web.Request, Generation], Awaitable[web.StreamResponse]]
+
+
+async def openai_response(request: web.Request, gen: Generation) -> web.StreamResponse:
+    """OpenAI's shapes: SSE chunks when the client asked for a stream, else one JSON body."""
+    return await (stream_response(request, gen) if gen.params.stream else complete(gen))
 
 
 async def serve_generation(
@@ -30,11 +38,10 @@ async def serve_generation(
     operation: str,
     params: GenerationParams,
     prompts: list[Prompt],
-    answer: Answer | None = None,
+    respond: Respond = openai_response,
 ) -> web.StreamResponse:
-    """Admit the request (``prompts``: already validated and tokenized), answer it as the
-    client asked (``answer``; by default OpenAI's chat or completion shapes), and account for
-    it however it ends."""
+    """Admit the request (``prompts``: already validated and tokenized), answer it with
+    ``respond``, and account for it however it ends."""
     client_id: str = request[CLIENT_ID_KEY]
     limit = gw.context_limit()
     max_tokens = [
@@ -71,9 +78,7 @@ async def serve_generation(
             progress=Progress(prompt_tokens=total_prompt, arrived=request[ARRIVED_KEY]),
         )
         try:
-            if answer is not None:
-                return await answer(request, gen)
-            return await (stream_response(request, gen) if params.stream else complete(gen))
+            return await respond(request, gen)
         except BaseException:
             if gen.progress.finish_reason is None:
                 gen.progress.finish_reason = "abort"  # client gone or an unexpected fault

@@ -1,5 +1,5 @@
 """A generation answered in the Responses API's shapes: the response object, whole or streamed,
-and stored once it is done. ``ResponseTurn`` is the ``answer`` that ``serve_generation`` calls
+and stored once it is done. ``ResponseTurn`` is the ``respond`` that ``serve_generation`` calls
 with the admitted generation (``gateway/serving.py``), so admission, metrics and the request's
 span are the chat endpoint's own.
 

@@ -1,5 +1,5 @@
 """A Responses conversation lowered to the chat endpoint's request: items in, a ``ChatRequest``
-out, which ``gateway/chat_lowering.chat_prompt`` serves like any chat (one conversion core).
+out, which ``gateway/prepare.chat_prompt`` serves like any chat (one conversion core).
 
 The conversation is the stored one first (``previous_response_id``: that response's input items,
 earlier turns' included, then its output), then the request's own ``input``. ``instructions``

@@ -19,8 +19,8 @@ from aiohttp import web
 
 from pdserve.gateway.api_models import check_length, validated
 from pdserve.gateway.app_state import GATEWAY_KEY, Gateway
-from pdserve.gateway.chat_lowering import chat_prompt, tool_format
-from pdserve.gateway.errors import APIError, bad_request, model_not_found, payload_too_large
+from pdserve.gateway.errors import APIError, bad_request, payload_too_large
+from pdserve.gateway.prepare import chat_prompt, check_model, tool_format
 from pdserve.gateway.responses.answer import ResponseTurn
 from pdserve.gateway.responses.bodies import ResponsesBody
 from pdserve.gateway.responses.conversation import (
@@ -71,8 +71,7 @@ def install(app: web.Application, gw: Gateway, store: ResponseStore | None = Non
 async def create_response(request: web.Request) -> web.StreamResponse:
     gw, store = request.app[GATEWAY_KEY], request.app[RESPONSE_STORE_KEY]
     body = validated(ResponsesBody, await _read_json(request, gw))
-    if body.model != gw.model.name:
-        raise model_not_found(body.model)
+    check_model(gw, body.model)
     if body.store:  # asked for explicitly: told when it cannot be done
         store.require("store")
     history: list[dict[str, Any]] = []
@@ -91,7 +90,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         conversation=history + stored_items(input_items(body)),
         store=store if body.stores and store.ready else None,
     )
-    return await serve_generation(request, gw, "chat", req.params, [prompt], answer=turn)
+    return await serve_generation(request, gw, "chat", req.params, [prompt], respond=turn)
 
 
 # the chat parameters a length error names, as this API calls them

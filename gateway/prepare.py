@@ -1,12 +1,10 @@
-"""A chat request lowered to what the workers serve: the one place a conversation becomes a
-prompt, whichever API it came in by. ``/v1/chat/completions`` parses its body into a
-``ChatRequest``; ``/v1/responses`` converts its items into the same ``ChatRequest``
-(``gateway/responses/``); both are served from what ``chat_prompt`` makes of it, so templates,
-tools, reasoning, structured output and their checks exist once.
+"""From a validated request to the prompt the workers are sent: the checks that need the served
+model (its name, vocabulary, context and grammar compiler), and a chat request's conversation
+rendered with the chat template and tokenized.
 
-``chat_prompt`` renders the template (``prompting.render_chat``), reads where the answer's
-reasoning starts, tokenizes, truncates (``truncate_prompt_tokens``), and runs the checks that
-need the served model: token ids in the parameters, each enforced tool schema, the grammar.
+Every API that lowers to a chat request (``/v1/chat/completions``, Anthropic's ``/v1/messages``
+in ``gateway/anthropic/``) goes through ``chat_prompt``, so the template, tools in the prompt,
+reasoning, truncation and grammar checks exist once; ``/v1/completions`` shares the checks.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ import asyncio
 
 from pdserve.gateway.api_models import ChatRequest, GenerationParams, check_param_token_ids
 from pdserve.gateway.app_state import Gateway
-from pdserve.gateway.errors import bad_request
+from pdserve.gateway.errors import bad_request, model_not_found
 from pdserve.gateway.generation import Prompt
 from pdserve.gateway.prompting import encode, render_chat
 from pdserve.gateway.reasoning import reasoning_setup
@@ -24,21 +22,26 @@ from pdserve.gateway.tools.grammar import check_schemas, tag_tokens
 from pdserve.gateway.tools.prompt import resolve_parser
 from pdserve.shared import structured_output
 
+TagTokens = tuple[tuple[str, int], ...]
 
-def tool_format(gw: Gateway) -> tuple[str, tuple[tuple[str, int], ...]]:
-    """The format the served model writes tool calls in (``--tool-call-parser`` resolved for
-    its template), and that format's tags the tokenizer has as one token each."""
+
+def check_model(gw: Gateway, model: str) -> None:
+    if model != gw.model.name:
+        raise model_not_found(model)
+
+
+def tool_format(gw: Gateway) -> tuple[str, TagTokens]:
+    """The format the served model writes tool calls in (``--tool-call-parser``, resolved for
+    its template), and that format's tags its tokenizer has as one token each."""
     chat = gw.model.chat
     parser = resolve_parser(gw.config.tool_call_parser, chat.source if chat else None)
     tags = tag_tokens(parser, lambda t: gw.model.tokenizer.encode(t, add_special_tokens=False))
     return parser, tags
 
 
-async def chat_prompt(gw: Gateway, req: ChatRequest) -> Prompt:
-    """The prompt ``req`` is served with; sets ``req.params.reasoning``. Raises the 400s of a
-    conversation the template refuses, a token id outside the vocabulary, a tool schema or a
-    grammar that does not compile."""
-    text = render_chat(
+def chat_text(gw: Gateway, req: ChatRequest) -> str:
+    """The conversation as prompt text: the chat template with the request's options and tools."""
+    return render_chat(
         gw.model.chat,
         req.messages,
         add_generation_prompt=req.add_generation_prompt,
@@ -47,6 +50,11 @@ async def chat_prompt(gw: Gateway, req: ChatRequest) -> Prompt:
         tools=req.params.tools,
         tool_parser=req.tool_parser,
     )
+
+
+async def chat_prompt(gw: Gateway, req: ChatRequest) -> Prompt:
+    """The prompt a chat request is served with, every check that needs the model passed."""
+    text = chat_text(gw, req)
     # how the answer's reasoning is split out depends on where the template left it
     req.params.reasoning = reasoning_setup(gw.config.reasoning_parser, text, req.template_kwargs)
     # The template writes BOS itself, so no special tokens are added (as transformers does).
