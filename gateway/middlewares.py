@@ -87,7 +87,7 @@ def error_answer(request: web.Request, err: APIError) -> web.Response:
     return error_response(err) if is_anthropic_path(request.path) else err.response()
 
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
 
 
 @web.middleware

@@ -22,6 +22,8 @@ from pydantic_core import CoreSchema, core_schema
 from pdserve.gateway.anthropic import openapi as anthropic
 from pdserve.gateway.request_bodies import ChatCompletionBody, CompletionBody
 from pdserve.gateway.response_models import RESPONSE_MODELS
+from pdserve.gateway.responses import schemas as responses_api
+from pdserve.gateway.responses.bodies import ResponsesBody
 from pdserve.gateway.tokenize_bodies import (
     DetokenizeBody,
     DetokenizeResponse,
@@ -33,6 +35,7 @@ from pdserve.gateway.tokenize_bodies import (
 REF_TEMPLATE = "#/components/schemas/{model}"
 # The request models under the names the API has always published them by.
 REQUEST_MODELS = {
+    "ResponsesRequest": ResponsesBody,  # OpenAI's Responses API (gateway/responses/)
     "CompletionRequest": CompletionBody,
     "ChatCompletionRequest": ChatCompletionBody,
     "TokenizeTextRequest": TokenizeTextBody,
@@ -70,6 +73,7 @@ def component_schemas() -> dict[str, Any]:
     published = [(name, model, "validation") for name, model in REQUEST_MODELS.items()]
     responses = {**RESPONSE_MODELS, **TOKENIZER_RESPONSES, **anthropic.RESPONSE_MODELS}
     published += [(name, model, "serialization") for name, model in responses.items()]
+    published += [(name, model, "serialization") for name, model in responses_api.MODELS.items()]
     refs, top = models_json_schema(
         [(model, mode) for _, model, mode in published],
         ref_template=REF_TEMPLATE,
@@ -192,6 +196,7 @@ def openapi_spec(model: str) -> dict[str, Any]:
                 "ChatCompletionResponse",
                 "ChatCompletionChunk",
             ),
+            **responses_api.PATHS,
             "/v1/models": {
                 "get": {
                     "summary": "The served model",

@@ -50,6 +50,8 @@ from pdserve.gateway.prepare import (
     truncated,
 )
 from pdserve.gateway.prompting import encode
+from pdserve.gateway.responses import handlers as responses
+from pdserve.gateway.responses.store import ResponseStore
 from pdserve.gateway.schema_base import parse_json_body
 from pdserve.gateway.serving import serve_generation
 from pdserve.gateway.tokenize_api import Vocabulary
@@ -177,6 +179,7 @@ def create_app(
     bus: BusConfig | None = None,
     gateway_id: str | None = None,
     message_bus: Bus | None = None,  # tests: an in-memory bus (tests/bus_memory.py)
+    response_store: ResponseStore | None = None,  # tests: a store in memory; default JetStream's
 ) -> web.Application:
     gw = Gateway(config, engine or EngineConfig(), bus or BusConfig(), gateway_id, message_bus)
     app = web.Application(
@@ -211,6 +214,7 @@ def create_app(
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
+    responses.install(app, gw, response_store)  # its store opens on the gateway's bus, after it
     return app
 
 

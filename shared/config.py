@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from pdserve.shared.errors import StartupError
 from pdserve.shared.options import opt
+from pdserve.shared.speculative_options import SPECULATIVE_METHODS, speculative_problem
 
-SPECULATIVE_METHODS = ("off", "ngram", "draft")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "pythonic")  # gateway/tools/setup.PARSERS
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # gateway/reasoning.py
 
@@ -134,30 +134,6 @@ class EngineConfig:
             raise StartupError(problem)
 
 
-def speculative_problem(cfg: EngineConfig) -> str | None:
-    """What is wrong with the speculative-decoding options, in one line, or None."""
-    if cfg.tensor_parallel_size < 1:
-        return f"--tensor-parallel-size must be at least 1, got {cfg.tensor_parallel_size}"
-    if cfg.speculative not in SPECULATIVE_METHODS:
-        methods = ", ".join(SPECULATIVE_METHODS)
-        return f"--speculative must be one of {methods}, got {cfg.speculative!r}"
-    if cfg.num_speculative_tokens < 1:
-        return f"--num-speculative-tokens must be at least 1, got {cfg.num_speculative_tokens}"
-    if cfg.ngram_min < 1:
-        return f"--ngram-min must be at least 1, got {cfg.ngram_min}"
-    if cfg.ngram_min > cfg.ngram_max:
-        return f"--ngram-min ({cfg.ngram_min}) exceeds --ngram-max ({cfg.ngram_max})"
-    if cfg.spec_token_cost < 0.0 and cfg.spec_token_cost != -1.0:
-        return f"--spec-token-cost must be -1 (measured) or >= 0, got {cfg.spec_token_cost}"
-    if cfg.speculative == "draft":
-        if not cfg.draft_model:
-            return "--speculative draft needs --draft-model PATH (a model with --model's tokenizer)"
-        return None
-    if cfg.draft_model:
-        return f"--draft-model is only used with --speculative draft (this is {cfg.speculative})"
-    return None
-
-
 @dataclass
 class WorkerConfig:
     worker_id: str | None = opt(None, "unique worker name (default: role-host-pid)")
@@ -271,8 +247,28 @@ class GatewayConfig:
         "none, all is content",
         choices=REASONING_PARSERS,
     )
+    # POST /v1/responses keeps what it answered (store, previous_response_id) in a NATS
+    # JetStream KV bucket, so every gateway replica can continue any conversation
+    response_store_ttl: float = opt(
+        30 * 24 * 3600.0,
+        "seconds a stored response (/v1/responses with store) is kept in NATS JetStream "
+        "before it expires (default 30 days, as OpenAI keeps them); 0 = until deleted",
+    )
+    response_store_replicas: int = opt(
+        1,
+        "copies JetStream keeps of the stored responses' KV bucket, on as many NATS cluster "
+        "nodes (compose's and Kubernetes' 3-node clusters: 3); 1 to 5",
+    )
 
     def __post_init__(self) -> None:
+        if self.response_store_ttl < 0:
+            raise StartupError(
+                f"--response-store-ttl must be >= 0 (0 = no expiry), got {self.response_store_ttl}"
+            )
+        if not 1 <= self.response_store_replicas <= 5:  # JetStream's own limit
+            raise StartupError(
+                f"--response-store-replicas must be 1 to 5, got {self.response_store_replicas}"
+            )
         for name in ("request_timeout", "first_token_timeout", "stall_timeout"):
             if getattr(self, name) < 0:
                 flag = "--" + name.replace("_", "-")

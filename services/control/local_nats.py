@@ -5,18 +5,60 @@ The cluster is a way to try one, and to watch a node die: each worker connects t
 ``slot % N`` first and lists the others for failover (``client_url``), and the launcher keeps
 serving while at least one node lives (``lost``). It lives apart from the launcher because it is
 a thing of its own, started first, watched while serving, stopped last (draining needs it).
+
+What pdserve starts runs JetStream, where the gateway keeps stored responses (``/v1/responses``),
+in a store under pdserve's cache directory (``PDSERVE_CACHE_DIR``, default ~/.cache/pdserve):
+``nats/jetstream``, or ``nats/cluster-N/node-I`` for a cluster's nodes, so stored responses
+outlive a restart of the stack. nats-server does not lock its store, and two servers writing one
+would corrupt it, so ``StoreDir`` does: a second ``pdserve up`` on the machine gets a temporary
+store, and says so.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 import sys
 import tempfile
 from pathlib import Path
 
 from pdserve.services.control.processes import NatsCluster, NatsServer
 from pdserve.shared.config import BusConfig, UpConfig
+from pdserve.shared.models.demo import cache_dir
 
 MAX_CLUSTER_NODES = 9
+
+
+class StoreDir:
+    """A JetStream store under the cache directory, held by this process while it runs."""
+
+    def __init__(self, name: str) -> None:
+        self.base = cache_dir() / "nats" / name
+        self.path: Path | None = None
+        self.temporary = False
+        self._lock: int | None = None
+
+    def acquire(self) -> Path:
+        self.base.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.base / ".lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when this process ends
+        except BlockingIOError:
+            os.close(fd)
+            self.path, self.temporary = Path(tempfile.mkdtemp(prefix="pdserve-jetstream-")), True
+            return self.path
+        self._lock, self.path = fd, self.base / "store"
+        return self.path
+
+    def describe(self) -> str:
+        if self.temporary:
+            return f"JetStream in {self.path} (temporary: {self.base} is another stack's)"
+        return f"JetStream in {self.path}"
+
+    def release(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
 
 class LocalNats:
@@ -25,6 +67,7 @@ class LocalNats:
         self.bus = bus
         self.server: NatsServer | None = None
         self.cluster: NatsCluster | None = None
+        self.store: StoreDir | None = None
 
     def start(self, avoid: frozenset[int]) -> str:
         """Start what the flags ask for (nothing with ``--nats-url``), on ports outside
@@ -32,27 +75,31 @@ class LocalNats:
         if self.up.nats_url:
             return self.up.nats_url
         if self.up.nats_cluster > 1:
-            self.cluster = self._start_cluster(avoid)
+            self.store = StoreDir(f"cluster-{self.up.nats_cluster}")
+            self.cluster = self._start_cluster(avoid, self.store.acquire())
             return self.cluster.url
+        self.store = StoreDir("jetstream")
         self.server = NatsServer(
             max_payload=self.bus.max_message_bytes,
             token=self.bus.nats_token,
             user=self.bus.nats_user,
             password=self.bus.nats_password,
             avoid_ports=avoid,
+            jetstream_dir=self.store.acquire(),
         )
         # its chatter goes to a file; the services' logs stay readable on the terminal
         self.server.log_path = self.server.workdir / "nats-server.log"
         self.server.start()
         return self.server.url
 
-    def _start_cluster(self, avoid: frozenset[int]) -> NatsCluster:
+    def _start_cluster(self, avoid: frozenset[int], jetstream: Path) -> NatsCluster:
         if self.up.nats_cluster > MAX_CLUSTER_NODES:
             raise SystemExit(f"pdserve up: --nats-cluster takes 1 to {MAX_CLUSTER_NODES} nodes")
         workdir = Path(tempfile.mkdtemp(prefix="pdserve-nats-cluster-"))
         cluster = NatsCluster.local(
             self.up.nats_cluster,
             workdir,
+            jetstream,
             max_payload=self.bus.max_message_bytes,
             token=self.bus.nats_token,
             user=self.bus.nats_user,
@@ -87,13 +134,16 @@ class LocalNats:
         return "every NATS node exited" if alive == 0 else None
 
     def banner(self) -> str:
+        store = f", {self.store.describe()}" if self.store is not None else ""
         if self.cluster is not None:
             nodes = self.cluster.nodes
-            return f"nats: cluster of {len(nodes)} at {self.cluster.url}, logs in " + str(
-                nodes[0].workdir
+            return (
+                f"nats: cluster of {len(nodes)} at {self.cluster.url}, logs in "
+                + str(nodes[0].workdir)
+                + store
             )
         if self.server is not None:
-            return f"nats: {self.server.url}, log {self.server.log_path}"
+            return f"nats: {self.server.url}, log {self.server.log_path}{store}"
         return f"nats: {self.up.nats_url}"
 
     def stop(self) -> None:
@@ -101,3 +151,5 @@ class LocalNats:
             self.server.stop()
         if self.cluster is not None:
             self.cluster.stop()
+        if self.store is not None:
+            self.store.release()

@@ -197,6 +197,8 @@ class NatsServer:
     listen: str = ""  # bind address of clients, routes and monitoring; "" means host
     reach: str = ""  # where this process connects to check on it; "" means host
     avoid_ports: frozenset[int] = frozenset()  # promised elsewhere: never picked (free_port)
+    # JetStream's store directory (the gateway keeps stored responses there); None: no JetStream
+    jetstream_dir: Path | None = None
 
     @property
     def url(self) -> str:
@@ -225,6 +227,8 @@ class NatsServer:
                 *([f'  advertise: "{self.host}:{self.cluster_port}"'] if advertise else []),
                 "}",
             ]
+        if self.jetstream_dir is not None:  # a cluster's nodes replicate by their server_name
+            lines += ["jetstream {", f"  store_dir: {json.dumps(str(self.jetstream_dir))}", "}"]
         return "\n".join(lines) + "\n"
 
     def start(self, timeout: float = 10.0) -> None:
@@ -276,10 +280,13 @@ class NatsCluster:
     nodes: list[NatsServer]
 
     @classmethod
-    def local(cls, size: int, workdir: Path, **server_kw: object) -> NatsCluster:
-        """``size`` nodes on loopback, on free ports, logging to ``workdir``/node-N.log.
-        Every port is picked before any node starts, each clear of the others and of
-        ``avoid_ports`` in ``server_kw``: a port picked free stays free only until it is bound."""
+    def local(
+        cls, size: int, workdir: Path, jetstream_dir: Path | None = None, **server_kw: object
+    ) -> NatsCluster:
+        """``size`` nodes on loopback, on free ports, logging to ``workdir``/node-N.log, with
+        JetStream stores in ``jetstream_dir``/node-N when given. Every port is picked before
+        any node starts, each clear of the others and of ``avoid_ports`` in ``server_kw``: a
+        port picked free stays free only until it is bound."""
         nodes = []
         avoid = set(server_kw.get("avoid_ports", ()))  # type: ignore[call-overload]
 
@@ -297,6 +304,7 @@ class NatsCluster:
                     monitor_port=pick(),
                     log_path=workdir / f"node-{i + 1}.log",
                     workdir=workdir,
+                    jetstream_dir=jetstream_dir / f"node-{i + 1}" if jetstream_dir else None,
                     **server_kw,  # type: ignore[arg-type]
                 )
             )

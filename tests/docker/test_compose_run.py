@@ -209,8 +209,10 @@ def crash_worker(stack: ComposeStack, service: str) -> None:
 
 
 def test_cluster_profile_meshes_three_nats_nodes(engine: Engine, tmp_path: Path) -> None:
-    """The "cluster" profile: nodes 2 and 3 route to node 1, and gossip completes the mesh."""
+    """The "cluster" profile: node 1 takes the cluster's config (NATS_CONFIG=cluster), and the
+    three nodes route to each other."""
     stack = new_stack(engine, tmp_path)
+    stack.env["NATS_CONFIG"] = "cluster"
     nodes = ("nats", "nats-2", "nats-3")
     try:
         stack.compose("--profile", "cluster", "up", "-d", "--no-build", *nodes)

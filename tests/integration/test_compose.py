@@ -617,11 +617,8 @@ def cpu_profile_stack(tmp_path_factory) -> Iterator[LocalStack]:
         nats_port, monitor_port = free_port(), free_port()
         assert nats["command"][0] == "nats-server", nats["command"]
         args = [host_path(nats, a) or a for a in nats["command"][1:]]
-        # The cluster listener (for the "cluster" profile's routes) stays on loopback here.
-        args = [
-            f"nats://127.0.0.1:{free_port()}" if a.startswith("nats://0.0.0.0:") else a
-            for a in args
-        ]
+        # JetStream's store is a volume in the container; here a directory of the test's.
+        args[args.index("--store_dir") + 1] = str(logs / "jetstream")
         argv = [find_nats_server(), *args, "-a", "127.0.0.1", "-p", str(nats_port)]
         argv += ["-m", str(monitor_port)]
         nats_child = spawn("nats", argv, log_path=logs / "nats.log")

@@ -97,9 +97,10 @@ def write_model_dir(
 
 
 @contextlib.asynccontextmanager
-async def serving(model_dir: Path, **options):
+async def serving(model_dir: Path, response_store=None, **options):
     """A gateway app over an in-memory bus with one fake decode worker "d0": (client, d0).
-    ``options`` are GatewayConfig's; its worker timeout is long, since d0 beats once."""
+    ``options`` are GatewayConfig's; its worker timeout is long, since d0 beats once.
+    ``response_store``: /v1/responses' store (default JetStream's, which the memory bus lacks)."""
     from aiohttp.test_utils import TestClient, TestServer
 
     from pdserve.gateway.server import create_app
@@ -114,6 +115,7 @@ async def serving(model_dir: Path, **options):
         EngineConfig(model=str(model_dir)),
         bus_config,
         message_bus=MemoryBus(bus_config, "gw", network=net),
+        response_store=response_store,
     )
     async with TestClient(TestServer(app)) as client:
         d0 = await FakeWorker(net, "decode", "d0").start()
