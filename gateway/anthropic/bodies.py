@@ -40,7 +40,7 @@ from pdserve.gateway.anthropic.content import (
 from pdserve.gateway.request_bodies import ModelField
 from pdserve.gateway.sampling_fields import MAX_STOP_STRINGS, StopText, whole_float_as_int
 from pdserve.gateway.schema_base import INVALID_VALUE, StrictModel, field_error
-from pdserve.gateway.tools.request import MAX_TOOLS
+from pdserve.gateway.tools.request import MAX_TOOLS, tool_indices
 from pdserve.gateway.tools.setup import Choice, ToolSetup
 from pdserve.shared.sampling import BOUNDS, MAX_GUIDED_SPEC_CHARS, GuidedDecoding
 
@@ -95,17 +95,7 @@ class CountTokensBody(ModelField):
         return self
 
     def _check_tools(self) -> None:
-        seen: dict[str, int] = {}
-        for i, tool in enumerate(self.tools or []):
-            if tool.name in seen:
-                raise field_error(
-                    ("tools", i, "name"),
-                    INVALID_VALUE,
-                    f"repeats the name {tool.name!r} of tools[{seen[tool.name]}]; names must be "
-                    "unique",
-                    tool.name,
-                )
-            seen[tool.name] = i
+        seen = tool_indices([tool.name for tool in self.tools or []])
         choice = self.tool_choice
         if isinstance(choice, (ToolChoiceAny, ToolChoiceTool)) and self.tools is None:
             raise field_error(

@@ -36,7 +36,12 @@ from pdserve.gateway.schema_base import (
     refused,
     shaped,
 )
-from pdserve.gateway.tools.request import MAX_TOOLS, FunctionDefinition, FunctionName
+from pdserve.gateway.tools.request import (
+    MAX_TOOLS,
+    FunctionDefinition,
+    FunctionName,
+    tool_indices,
+)
 from pdserve.gateway.tools.setup import ToolSetup
 from pdserve.shared.sampling import MAX_GUIDED_SPEC_CHARS, GuidedDecoding
 
@@ -246,17 +251,7 @@ class ResponsesBody(ModelField):
         return self
 
     def _check_tool_names(self) -> None:
-        seen: dict[str, int] = {}
-        for i, tool in enumerate(self.tools or []):
-            if tool.name in seen:
-                raise field_error(
-                    ("tools", i, "name"),
-                    INVALID_VALUE,
-                    f"{tool.name!r} is already the name of tools[{seen[tool.name]}]; names "
-                    "must be unique",
-                    tool.name,
-                )
-            seen[tool.name] = i
+        seen = tool_indices([tool.name for tool in self.tools or []])
         if isinstance(self.tool_choice, NamedFunctionChoice) and self.tool_choice.name not in seen:
             raise field_error(
                 ("tool_choice", "name"),

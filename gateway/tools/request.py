@@ -78,6 +78,22 @@ class NamedFunction(StrictModel):
     name: FunctionName
 
 
+def tool_indices(names: list[str], path: tuple[str, ...] = ("name",)) -> dict[str, int]:
+    """Each tool's index by its name, for every API that takes function tools; a name given
+    twice is refused at the second (``tools[i]`` then ``path``: where the API keeps the name)."""
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if name in seen:
+            raise field_error(
+                ("tools", i, *path),
+                INVALID_VALUE,
+                f"{name!r} is already the name of tools[{seen[name]}]; names must be unique",
+                name,
+            )
+        seen[name] = i
+    return seen
+
+
 class NamedToolChoice(StrictModel):
     """``tool_choice`` naming the one function the answer must call."""
 
@@ -123,17 +139,7 @@ class ToolFields(StrictModel):
                 "is only allowed when 'tools' are given",
                 self.tool_choice,
             )
-        seen: dict[str, int] = {}
-        for i, tool in enumerate(self.tools or []):
-            name = tool.function.name
-            if name in seen:
-                raise field_error(
-                    ("tools", i, "function", "name"),
-                    INVALID_VALUE,
-                    f"{name!r} is already the name of tools[{seen[name]}]; names must be unique",
-                    name,
-                )
-            seen[name] = i
+        seen = tool_indices([t.function.name for t in self.tools or []], ("function", "name"))
         if isinstance(self.tool_choice, NamedToolChoice):
             named = self.tool_choice.function.name
             if named not in seen:
