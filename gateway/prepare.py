@@ -16,7 +16,7 @@ from pdserve.gateway.app_state import Gateway
 from pdserve.gateway.errors import bad_request, model_not_found
 from pdserve.gateway.generation import Prompt
 from pdserve.gateway.prompting import encode, render_chat
-from pdserve.gateway.reasoning import reasoning_setup
+from pdserve.gateway.reasoning import guided_after_reasoning, reasoning_setup
 from pdserve.gateway.tokenizer import truncate_prompt
 from pdserve.gateway.tools.grammar import check_schemas, tag_tokens
 from pdserve.gateway.tools.prompt import resolve_parser
@@ -57,6 +57,7 @@ async def chat_prompt(gw: Gateway, req: ChatRequest) -> Prompt:
     text = chat_text(gw, req)
     # how the answer's reasoning is split out depends on where the template left it
     req.params.reasoning = reasoning_setup(gw.config.reasoning_parser, text, req.template_kwargs)
+    req.params.guided = guided_after_reasoning(req.params.guided, req.params.reasoning)
     # The template writes BOS itself, so no special tokens are added (as transformers does).
     prompt_ids = await encode(gw.model.tokenizer, text, add_special_tokens=False)
     prompt_ids = truncated(gw, req.params, prompt_ids)

@@ -33,13 +33,15 @@ the tags is trimmed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pdserve.gateway.tools.formats import partial_suffix
+from pdserve.shared.sampling import THINK_CLOSE as CLOSE
+from pdserve.shared.sampling import THINK_OPEN as OPEN
+from pdserve.shared.sampling import GuidedDecoding
 
 PARSERS = ("deepseek_r1", "qwen3")  # what --reasoning-parser takes (shared/config.py)
-OPEN, CLOSE = "<think>", "</think>"
 
 # inside: the answer starts in the reasoning; tag: only if it opens with <think>; off: none
 Start = Literal["inside", "tag", "off"]
@@ -71,6 +73,17 @@ def reasoning_setup(
     else:
         start = "tag"
     return ReasoningSetup(parser=parser, start=start)
+
+
+def guided_after_reasoning(
+    guided: GuidedDecoding | None, setup: ReasoningSetup | None
+) -> GuidedDecoding | None:
+    """Structured output (a response format, a tool grammar) held back until the answer's
+    reasoning ends, where the answer can reason at all; the splitter then finds the grammar's
+    output in ``content``."""
+    if guided is None or setup is None or setup.start == "off":
+        return guided
+    return replace(guided, reasoning=setup.start)
 
 
 class ReasoningSplitter:

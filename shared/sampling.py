@@ -96,6 +96,11 @@ MAX_GUIDED_SPEC_CHARS = 64 * 1024
 
 
 GUIDED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+# Where a reasoning model's answer starts (``GuidedDecoding.reasoning``): "" none, "inside" its
+# <think> section, "tag" only if it opens with <think>. The tags of the <think> family
+# (``--reasoning-parser``: deepseek_r1, qwen3).
+REASONING_STARTS = ("", "inside", "tag")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 @dataclass(frozen=True)
@@ -133,14 +138,22 @@ class GuidedDecoding:
     ``kind`` is one of ``GUIDED_KINDS``; ``spec`` is the JSON schema (``json_schema``), the
     regular expression (``regex``), a JSON array of the allowed strings (``choice``), a
     context-free grammar in Lark or GBNF syntax (``grammar``), or empty (``json_object``: any
-    JSON object)."""
+    JSON object).
+
+    ``reasoning`` (one of ``REASONING_STARTS``) puts the grammar after a reasoning model's
+    thoughts: free text up to ``</think>`` ("inside"), or an optional ``<think>...</think>``
+    section ("tag"). Otherwise the grammar would hold from the first token and forbid the
+    thinking the model was trained to do first."""
 
     kind: str
     spec: str = ""
+    reasoning: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in GUIDED_KINDS:
             raise ValueError(f"guided kind must be one of {GUIDED_KINDS}, got {self.kind!r}")
+        if self.reasoning not in REASONING_STARTS:
+            raise ValueError(f"guided reasoning must be one of {REASONING_STARTS}")
         if len(self.spec) > MAX_GUIDED_SPEC_CHARS:
             raise ValueError(f"guided spec longer than {MAX_GUIDED_SPEC_CHARS} chars")
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import llguidance
 
-from pdserve.shared.sampling import GuidedDecoding
+from pdserve.shared.sampling import THINK_CLOSE, THINK_OPEN, GuidedDecoding
 
 JSON_MAX_WHITESPACE = 12
 _JSON_OPTIONS = {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{JSON_MAX_WHITESPACE}}}"}
@@ -42,6 +42,38 @@ _MAX_COMPILERS = 8  # tokenizers with a compiler, per process (one per served mo
 def grammar_text(guided: GuidedDecoding) -> str:
     """The llguidance grammar for ``guided``; ValueError when its spec is not even well formed
     (compile errors, such as a bad regex, come from ``GrammarCompiler.compile``)."""
+    answer = _answer_grammar(guided)
+    return after_reasoning(answer, guided.reasoning) if guided.reasoning else answer
+
+
+def after_reasoning(answer: str, start: str) -> str:
+    """``answer`` (a grammar) preceded by a reasoning model's thoughts: free text up to the
+    first ``</think>`` ("inside": the prompt left the answer in its reasoning), or an optional
+    ``<think>...</think>`` section ("tag"); a little space may follow the thoughts. The answer becomes a
+    named sub-grammar of the result, whatever kind it is (JSON schema, regex, Lark)."""
+    top = json.loads(answer) if answer.lstrip().startswith("{") else _lark_top(answer)
+    grammars = top["grammars"]
+    grammars[0]["name"] = "answer"
+    close = json.dumps(THINK_CLOSE)
+    # A lazy rule ends at the first </think>, so the thoughts cannot run past it.
+    thoughts = "start: thoughts SPACE? @answer\n"
+    if start == "tag":
+        thoughts = f"start: (SPACE? {json.dumps(THINK_OPEN)} thoughts SPACE?)? @answer\n"
+    lark = (
+        "%llguidance {}\n"
+        + thoughts
+        + f"thoughts[lazy]: THOUGHT {close}\n"
+        + "THOUGHT: /(.|\\n)*/\n"
+        + "SPACE: /[ \\t\\r\\n]{1,8}/\n"
+    )
+    return json.dumps({"grammars": [{"name": "reasoning", "lark_grammar": lark}, *grammars]})
+
+
+def _lark_top(lark: str) -> dict[str, Any]:
+    return {"grammars": [{"lark_grammar": lark}]}
+
+
+def _answer_grammar(guided: GuidedDecoding) -> str:
     M = llguidance.LLMatcher
     if guided.kind == "json_object":
         return M.grammar_from_json_schema(_ANY_OBJECT, overrides=_JSON_OPTIONS)
@@ -113,12 +145,13 @@ class GrammarCompiler:
         self.vocab_size = tokenizer.vocab_size
         self.eos_token_ids = tuple(self.tokenizer.eos_tokens)
         self.cache_size = cache_size
-        self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, str], CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
 
     def compile(self, guided: GuidedDecoding) -> CompiledGrammar:
-        """The compiled grammar (cached by kind and spec); ValueError if it does not compile."""
-        key = (guided.kind, guided.spec)
+        """The compiled grammar (cached by kind, spec and reasoning); ValueError if it does not
+        compile."""
+        key = (guided.kind, guided.spec, guided.reasoning)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:

@@ -22,6 +22,7 @@ from pdserve.shared.sampling import (
     MAX_LOGPROBS,
     MAX_STOP_TOKEN_IDS,
     MIN_LOGPROB,
+    REASONING_STARTS,
 )
 
 # Bounds that hold for any sane deployment; the bus also caps whole messages (max_message_bytes).
@@ -103,6 +104,7 @@ SAMPLING_FIELD_BOUNDS: dict[str, dict[str, Any]] = {
 GUIDED_FIELD_BOUNDS: dict[str, dict[str, Any]] = {
     "kind": {"choices": GUIDED_KINDS, "max_len": 16},
     "spec": {"max_len": MAX_GUIDED_SPEC_CHARS},
+    "reasoning": {"choices": REASONING_STARTS, "max_len": 8},
 }
 LOGPROB_FIELD_BOUNDS: dict[str, dict[str, Any]] = {
     "top_k": {"lo": 0, "hi": MAX_LOGPROBS},

@@ -166,3 +166,26 @@ async def test_a_reply_sent_back_with_its_reasoning(thinking_dir):
         refused = await client.post("/v1/chat/completions", json={**ASK, "messages": wrong})
         error = (await refused.json())["error"]
     assert (refused.status, error["param"]) == (400, "messages[0].reasoning_content")
+
+
+async def test_structured_output_starts_after_the_reasoning(thinking_dir, model_dir, tok):
+    """A response format under a reasoning parser reaches the workers held back until the
+    thoughts end, as the prompt says they start (inside; optional under qwen3 when the prompt
+    opened nothing; none when the template closed them); the JSON comes back as content."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    form = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    body = {**ASK, "response_format": form}
+    off = {**body, "chat_template_kwargs": {"enable_thinking": False}}
+    async with serving(thinking_dir, reasoning_parser="qwen3") as (client, d0):
+        message, _, _ = await both(client, d0, body, ids_of(tok, f'{THOUGHT}</think>{{"a": 1}}'), 2)
+        assert (message["reasoning_content"], message["content"]) == (THOUGHT, '{"a": 1}')
+        await both(client, d0, off, ids_of(tok, '{"a": 1}'), 2)
+        starts = [r.sampling.guided.reasoning for r in d0.received]
+    assert starts == ["inside"] * 2 + [""] * 2  # each answered whole, then streamed
+    async with serving(model_dir, reasoning_parser="qwen3") as (client, d0):
+        await both(client, d0, body, ids_of(tok, '{"a": 1}'), 2)
+        tagged = [r.sampling.guided.reasoning for r in d0.received]
+    async with serving(model_dir) as (client, d0):
+        await both(client, d0, body, ids_of(tok, '{"a": 1}'), 2)
+        plain = [r.sampling.guided.reasoning for r in d0.received]
+    assert (tagged, plain) == (["tag"] * 2, [""] * 2)
