@@ -255,9 +255,10 @@ class GatewayConfig:
         "before it expires (default 30 days, as OpenAI keeps them); 0 = until deleted",
     )
     response_store_replicas: int = opt(
-        1,
+        0,
         "copies JetStream keeps of the stored responses' KV bucket, on as many NATS cluster "
-        "nodes (compose's and Kubernetes' 3-node clusters: 3); 1 to 5",
+        "nodes (compose's and Kubernetes' 3-node clusters: 3); 1 to 5; 0 = 1, or under "
+        "pdserve up --nats-cluster N, min(N, 3)",
     )
 
     def __post_init__(self) -> None:
@@ -265,9 +266,10 @@ class GatewayConfig:
             raise StartupError(
                 f"--response-store-ttl must be >= 0 (0 = no expiry), got {self.response_store_ttl}"
             )
-        if not 1 <= self.response_store_replicas <= 5:  # JetStream's own limit
+        if not 0 <= self.response_store_replicas <= 5:  # JetStream's own limit
             raise StartupError(
-                f"--response-store-replicas must be 1 to 5, got {self.response_store_replicas}"
+                f"--response-store-replicas must be 0 (auto) to 5, "
+                f"got {self.response_store_replicas}"
             )
         for name in ("request_timeout", "first_token_timeout", "stall_timeout"):
             if getattr(self, name) < 0:

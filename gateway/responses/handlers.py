@@ -50,7 +50,7 @@ def install(app: web.Application, gw: Gateway, store: ResponseStore | None = Non
     once the gateway has connected (register after the gateway's own start-up)."""
     config = gw.config
     store = store or JetStreamResponseStore(
-        gw.bus, ttl=config.response_store_ttl, replicas=config.response_store_replicas
+        gw.bus, ttl=config.response_store_ttl, replicas=config.response_store_replicas or 1
     )
     app[RESPONSE_STORE_KEY] = store
     app.router.add_post("/v1/responses", create_response)

@@ -66,6 +66,10 @@ class Launcher:
     def __init__(self, ns: argparse.Namespace) -> None:
         self.up = build(UpConfig, ns)
         self.gateway = build(GatewayConfig, ns)
+        if self.gateway.response_store_replicas == 0 and self.up.nats_url is None:
+            # Stored responses outlive a node of the cluster started here (a quorum of 3 at most).
+            replicas = min(self.up.nats_cluster, 3)
+            self.gateway = dataclasses.replace(self.gateway, response_store_replicas=replicas)
         self.engine = build(EngineConfig, ns)
         self.worker = build(WorkerConfig, ns)
         self.bus = build(BusConfig, {**vars(ns), "nats_url": self.up.nats_url or "unset"})
