@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 from pathlib import Path
 
+import anthropic
 import pytest
 from tokenizers import Tokenizer
 
@@ -275,9 +276,9 @@ async def test_a_last_assistant_message_is_continued(model_dir, tok):
 
 
 async def test_the_anthropic_sdk_reads_the_answers(model_dir, tok):
-    """Anthropic's own SDK (installed outside the repo: perf/compat/anthropic_sdk.py says how)
-    parses the message, the event stream and a tool_use as the whole message has them."""
-    anthropic = pytest.importorskip("anthropic")
+    """Anthropic's own SDK (a test dependency; perf/compat/anthropic_sdk.py runs it against
+    `pdserve up` as users do) parses the message, the event stream and a tool_use as the whole
+    message has them."""
     ids = ids_of(tok, f"Let me check.\n{CALL}")
     async with serving(model_dir) as (client, d0):
         api = anthropic.AsyncAnthropic(
