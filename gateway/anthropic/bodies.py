@@ -7,8 +7,8 @@ and describe it in ``/openapi.json``.
 ``temperature`` [0, 1] as Anthropic bounds it, ``top_p``, ``top_k`` (0 is off),
 ``stop_sequences``, ``stream``, and structured output as ``output_config.format``
 (``{"type": "json_schema", "schema"}``). ``metadata.user_id`` and ``service_tier`` are accepted
-and ignored, like chat's neutral fields; anything else is refused by name (``thinking`` too:
-its budget cannot be honoured).
+and ignored, like chat's neutral fields; anything else is refused by name. ``thinking`` turns
+the template's ``enable_thinking`` on or off (``ThinkingConfig``).
 
 The rules that tie fields together are the models' ``after`` validators, each naming the field
 a client has to change: unique tool names, a ``tool_choice`` naming one of them, a tool result
@@ -65,6 +65,28 @@ CHAT_CHOICE: dict[str, Choice] = {
 }
 
 
+MIN_THINKING_BUDGET = 1024  # Anthropic's floor for budget_tokens
+
+
+class ThinkingConfig(StrictModel):
+    """Extended thinking, on or off. The chat template hears it as ``enable_thinking`` (Qwen3's
+    templates read it: off closes the reasoning in the prompt). The budget is checked as
+    Anthropic checks it and bounded by ``max_tokens``, which holds thinking and answer
+    together; the reasoning itself is not cut at the budget."""
+
+    type: Literal["enabled", "disabled"] = Field(description="'enabled' or 'disabled'")
+    budget_tokens: Annotated[int, Field(ge=MIN_THINKING_BUDGET)] | None = Field(
+        None, description=f"enabled only, required: at least {MIN_THINKING_BUDGET}, < max_tokens"
+    )
+
+    @model_validator(mode="after")
+    def _budget(self) -> ThinkingConfig:
+        if (self.type == "enabled") != (self.budget_tokens is not None):
+            need = "is required" if self.type == "enabled" else "is only for type 'enabled'"
+            raise field_error(("budget_tokens",), INVALID_VALUE, need, self.budget_tokens)
+        return self
+
+
 class CountTokensBody(ModelField):
     """A conversation, counted in tokens as ``/v1/messages`` would serve it."""
 
@@ -79,6 +101,9 @@ class CountTokensBody(ModelField):
         "grammar), 'tool' naming one (one call of it), 'none' (the tools stay in the prompt)",
     )
     cache_control: CacheControl | None = cache_field()
+    thinking: ThinkingConfig | None = Field(
+        None, description="extended thinking on or off (the template's enable_thinking)"
+    )
 
     @model_validator(mode="after")
     def _conversation_rules(self) -> CountTokensBody:
@@ -208,6 +233,11 @@ class MessagesBody(CountTokensBody):
 
     @model_validator(mode="after")
     def _generation_rules(self) -> MessagesBody:
+        budget = self.thinking.budget_tokens if self.thinking is not None else None
+        if budget is not None and budget >= self.max_tokens:
+            raise field_error(
+                ("thinking", "budget_tokens"), INVALID_VALUE, "must be less than max_tokens", budget
+            )
         if self.guided is not None and self.tools_enforced:
             raise field_error(
                 ("output_config", "format"),

@@ -86,7 +86,15 @@ def _chat_request(req: CountTokensBody, params: GenerationParams, parser: str) -
         add_generation_prompt=not continued,
         continue_final_message=continued,
         tool_parser=parser,
+        template_kwargs=_thinking_kwargs(req),
     )
+
+
+def _thinking_kwargs(req: CountTokensBody) -> dict[str, Any]:
+    """What the chat template hears of ``thinking`` (Qwen3's templates read enable_thinking)."""
+    if req.thinking is None:
+        return {}
+    return {"enable_thinking": req.thinking.type == "enabled"}
 
 
 def chat_messages(

@@ -207,6 +207,19 @@ def test_a_last_assistant_message_is_continued():
     assert req.messages == theirs.messages and req.params == theirs.params
 
 
+def test_thinking_is_the_templates_enable_thinking():
+    """Extended thinking on or off reaches the template as Qwen3's templates read it; without
+    it the template decides, as in chat without chat_template_kwargs."""
+    on = lowered({"thinking": {"type": "enabled", "budget_tokens": 1024}, "max_tokens": 2048})
+    off = lowered({"thinking": {"type": "disabled"}})
+    assert on.template_kwargs == {"enable_thinking": True}
+    assert off.template_kwargs == {"enable_thinking": False}
+    assert lowered({}).template_kwargs == {}
+    conversation = {"model": "m", "messages": BASE["messages"], "thinking": {"type": "disabled"}}
+    counted = parse_count(conversation, "hermes")
+    assert counted.template_kwargs == {"enable_thinking": False}
+
+
 def test_null_is_absent_and_cache_control_is_accepted_everywhere():
     cache = {"type": "ephemeral", "ttl": "1h"}
     body = {
@@ -226,7 +239,15 @@ def test_null_is_absent_and_cache_control_is_accepted_everywhere():
 BAD = [
     ({"max_tokens": None}, "max_tokens", "is required"),
     ({"max_tokens": 0}, "max_tokens", "must be >= 1"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking", "Unsupported parameter"),
+    ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens", "is required"),
+    ({"thinking": {"type": "disabled", "budget_tokens": 2048}}, "thinking.budget_tokens", "only"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 100}}, "thinking.budget_tokens", ">= 1024"),
+    (
+        {"thinking": {"type": "enabled", "budget_tokens": 4096}, "max_tokens": 4096},
+        "thinking.budget_tokens",
+        "less than max_tokens",
+    ),
+    ({"thinking": {"type": "sometimes"}}, "thinking.type", "'enabled' or 'disabled'"),
     ({"temperature": 1.5}, "temperature", "must be <= 1"),
     ({"top_p": 0}, "top_p", "must be > 0"),
     ({"stop_sequences": "END"}, "stop_sequences", "must be an array"),
