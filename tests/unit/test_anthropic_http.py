@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from pathlib import Path
 
 import anthropic
 import pytest
-from tokenizers import Tokenizer
 
 from pdserve.gateway import reasoning
 from pdserve.shared.bus.stream_messages import TokenBatch
@@ -26,26 +24,12 @@ from tests.unit.anthropic_fixtures import (
     streamed,
     without_call_ids,
 )
+from tests.unit.conftest import ids_of
 from tests.unit.fake_workers import MODEL
-from tests.unit.gateway_fixtures import serving, train_byte_level, write_model_dir
+from tests.unit.gateway_fixtures import serving
 
 ANSWER = "It is sunny in Paris."
 THOUGHT = "The user wants the weather."
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("model") / MODEL
-    return write_model_dir(path, train_byte_level(300), max_position_embeddings=4096)
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir) -> Tokenizer:
-    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-
-
-def ids_of(tok: Tokenizer, text: str) -> list[int]:
-    return tok.encode(text, add_special_tokens=False).ids
 
 
 async def test_a_whole_message_with_its_usage(model_dir, tok):

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
-import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from tokenizers import Tokenizer
 
 from pdserve.gateway import middlewares
 from pdserve.gateway.anthropic.response_models import AnthropicError
@@ -23,18 +20,7 @@ from pdserve.gateway.openapi import openapi_spec
 from pdserve.shared.telemetry import tracing as tr
 from tests.unit.anthropic_fixtures import ASK, WEATHER, message, sse_events
 from tests.unit.fake_workers import MODEL, settle
-from tests.unit.gateway_fixtures import serving, train_byte_level, write_model_dir
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("model") / MODEL
-    return write_model_dir(path, train_byte_level(300), max_position_embeddings=4096)
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir) -> Tokenizer:
-    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+from tests.unit.gateway_fixtures import serving
 
 
 async def error_of(response, status: int, kind: str) -> str:

@@ -8,17 +8,16 @@ answer, function calls as output items and back as input, reasoning items, the t
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
 
 from pdserve.shared.bus.request_messages import DecodeRequest
+from tests.unit.conftest import ids_of
 from tests.unit.fake_workers import MODEL
-from tests.unit.gateway_fixtures import serving, train_byte_level, write_model_dir
+from tests.unit.gateway_fixtures import serving
 from tests.unit.memory_store import MemoryResponseStore
 from tests.unit.responses_support import ask, read_events, responded, sdk_rebuilt, types
-from tests.unit.test_reasoning_http import THINKING_TEMPLATE
 from tests.unit.test_tool_calls_http import ANSWER as CALLING
 
 WEATHER = {
@@ -30,28 +29,6 @@ WEATHER = {
 CALLS = [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Rome"}')]
 TEXT_ITEM = ["output_item.added", "content_part.added"]
 TEXT_DONE = ["output_text.done", "content_part.done", "output_item.done"]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("model") / MODEL
-    return write_model_dir(path, train_byte_level(300), max_position_embeddings=4096)
-
-
-@pytest.fixture(scope="module")
-def thinking_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("thinking") / MODEL
-    tok = train_byte_level(300)
-    return write_model_dir(path, tok, template=THINKING_TEMPLATE, max_position_embeddings=4096)
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir) -> Tokenizer:
-    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-
-
-def ids_of(tok: Tokenizer, text: str) -> list[int]:
-    return tok.encode(text, add_special_tokens=False).ids
 
 
 def prompt_of(tok: Tokenizer, request: DecodeRequest) -> str:

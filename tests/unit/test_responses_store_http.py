@@ -9,33 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer
 
 from pdserve.gateway.openapi import openapi_spec
-from tests.unit.fake_workers import MODEL
-from tests.unit.gateway_fixtures import serving, train_byte_level, write_model_dir
+from tests.unit.conftest import ids_of
+from tests.unit.gateway_fixtures import serving
 from tests.unit.memory_store import MemoryResponseStore
 from tests.unit.responses_support import ask, published, read_events, responded, types
 
 NO_JETSTREAM = "NATS at nats://x has no JetStream"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("model") / MODEL
-    return write_model_dir(path, train_byte_level(300), max_position_embeddings=4096)
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir) -> Tokenizer:
-    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-
-
-def ids_of(tok: Tokenizer, text: str) -> list[int]:
-    return tok.encode(text, add_special_tokens=False).ids
 
 
 async def error_of(response, status: int) -> dict:

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from pathlib import Path
 
 import jsonschema
 import pytest
-from tokenizers import Tokenizer
 
 from pdserve.gateway.openapi import openapi_spec
 from pdserve.gateway.tokenize_bodies import DetokenizeResponse, TokenizeResponse
@@ -25,17 +23,6 @@ CHAT = [
     {"role": "user", "content": "Grüße aus München! 😀"},
 ]
 WEATHER = {"type": "function", "function": {"name": "get_weather"}}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("model") / MODEL
-    return write_model_dir(path, train_byte_level(300), max_position_embeddings=4096)
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir) -> Tokenizer:
-    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
 
 
 @functools.cache

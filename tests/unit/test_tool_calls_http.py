@@ -9,17 +9,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-from pathlib import Path
 
 import jsonschema
 import pytest
-from tokenizers import Tokenizer
 
 from pdserve.gateway.openapi import openapi_spec
 from pdserve.gateway.response_models import ChatCompletion, ChatCompletionChunk
 from pdserve.gateway.tools.stream import joined
 from tests.unit.fake_workers import MODEL
-from tests.unit.gateway_fixtures import serving, train_byte_level, write_model_dir
+from tests.unit.gateway_fixtures import serving
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
@@ -33,17 +31,6 @@ ANSWER = (
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
 )
 CALLS = [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Rome"}')]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("model") / MODEL
-    return write_model_dir(path, train_byte_level(300), max_position_embeddings=4096)
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir) -> Tokenizer:
-    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
 
 
 async def answered(client, d0, body: dict, ids: list[int], per_event: int, finish: str = "stop"):

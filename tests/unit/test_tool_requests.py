@@ -22,7 +22,7 @@ from pdserve.shared.config import GatewayConfig
 from pdserve.shared.errors import StartupError
 from pdserve.shared.sampling import MAX_GUIDED_SPEC_CHARS
 from tests.unit.fake_workers import MODEL, FakeWorker
-from tests.unit.gateway_fixtures import serving, train_byte_level, write_model_dir
+from tests.unit.gateway_fixtures import serving
 
 WEATHER = {
     "type": "function",
@@ -224,13 +224,6 @@ def test_past_calls_and_tool_results_reach_the_template_as_hf_reads_them():
 
 
 # ----------------------------------------------------------------------------- the real app
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    # the tools' prompt is long for a 300-token vocabulary
-    path = tmp_path_factory.mktemp("model") / MODEL
-    return write_model_dir(path, train_byte_level(300), max_position_embeddings=4096)
 
 
 async def sent(client: TestClient, d0: FakeWorker, body: dict, model_dir: Path):
