@@ -8,7 +8,8 @@
 - a named tool: a ``tool_use`` whose input follows the tool's schema (the grammar, on the
   prefill worker's first token too), whole and streamed;
 - an ``error`` shape for a bad request and a wrong model.
-(Anthropic's own SDK against the same stack: perf/compat/anthropic_sdk.py.)
+- and Anthropic's own SDK, as a client writes it: perf/compat/anthropic_sdk.py's checks (create,
+  stream, a tool round trip, count_tokens, errors as the SDK's exceptions).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from perf.compat import anthropic_sdk
+from perf.compat.anthropic_sdk import WEATHER
 from tests.unit.anthropic_fixtures import accumulated, sse_events, valid_message
 
 pytestmark = pytest.mark.skipif(
@@ -30,19 +33,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 NAME = "smollm2-135m-instruct"
-WEATHER = {
-    "name": "get_weather",
-    "description": "The current weather in a city.",
-    "input_schema": {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string", "maxLength": 30},
-            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-        },
-        "required": ["city", "unit"],
-        "additionalProperties": False,
-    },
-}
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -176,3 +166,15 @@ def test_errors_are_anthropics(base) -> None:
         base, "/v1/messages", {"model": "claude", "max_tokens": 5, "messages": ASK}
     )
     assert status == 404 and json.loads(text)["error"]["type"] == "not_found_error"
+
+
+def test_the_anthropic_sdk_passes_the_compat_checks(base, tmp_path) -> None:
+    """The compat run's own checks (perf/compat/anthropic_sdk.py, which users run in the SDK's
+    venv against `pdserve up`), here with the SDK the tests install."""
+    out = tmp_path / "anthropic_sdk.json"
+    argv = ["anthropic_sdk.py", base, NAME, str(out)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("sys.argv", argv)
+        status = anthropic_sdk.main()
+    failed = [r for r in json.loads(out.read_text())["checks"] if not r["ok"]]
+    assert status == 0 and not failed, failed
