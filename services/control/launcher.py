@@ -37,7 +37,12 @@ import sys
 import time
 
 from pdserve.services.control import autoscale
-from pdserve.services.control.launch_checks import promised_ports, registered_workers, tp_refusal
+from pdserve.services.control.launch_checks import (
+    metrics_key,
+    promised_ports,
+    registered_workers,
+    tp_refusal,
+)
 from pdserve.services.control.local_nats import LocalNats
 from pdserve.services.control.processes import (
     Child,
@@ -66,6 +71,7 @@ class Launcher:
     def __init__(self, ns: argparse.Namespace) -> None:
         self.up = build(UpConfig, ns)
         self.gateway = build(GatewayConfig, ns)
+        self.metrics_key = metrics_key(self.gateway)  # for its own reads of /metrics
         self.engine = build(EngineConfig, ns)
         self.worker = build(WorkerConfig, ns)
         self.bus = build(BusConfig, {**vars(ns), "nats_url": self.up.nats_url or "unset"})
@@ -230,7 +236,10 @@ class Launcher:
             if dead is not None:
                 print(f"pdserve: {dead.name} exited with {dead.popen.returncode}", file=sys.stderr)
                 return False
-            if http_ok(base + "/health", timeout=1.0) and registered_workers(base) >= expected:
+            if (
+                http_ok(base + "/health", timeout=1.0)
+                and registered_workers(base, self.metrics_key) >= expected
+            ):
                 return True
             time.sleep(0.2)
         return False
