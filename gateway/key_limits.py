@@ -4,8 +4,7 @@
 whether limits are set or not.
 
 Accounting: a sliding window of 60 s. A request's prompt tokens are charged when it is admitted
-and its completion tokens when it ends (for a stream, when the stream ends), each at that
-moment. A request is admitted while the key's tokens in the window are below the budget, so one
+and its completion tokens as they arrive from the workers (a long stream pays as it goes). A request is admitted while the key's tokens in the window are below the budget, so one
 request may carry a key past it; the key then waits until enough of its charges leave the
 window (the 429's ``Retry-After`` says when the first admission can succeed). Requests that
 presented no key - none is configured - share one bucket, ``anonymous``: the limits then act on
@@ -28,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from pdserve.gateway.errors import rate_limited
 
 WINDOW = 60.0  # seconds of the token budget
+MERGE = 1.0  # charges this close together are kept as one (a key holds ~60 entries at most)
 
 
 @dataclass
@@ -66,7 +66,7 @@ class KeyMetrics:
 
 
 class Ticket:
-    """One admitted request's account: ``charge`` its completion tokens when it ends."""
+    """One admitted request's account: ``charge`` its completion tokens as they come."""
 
     def __init__(self, limits: KeyLimits, key_id: str) -> None:
         self._limits = limits
@@ -131,7 +131,13 @@ class KeyLimits:
         if not self.tokens_per_minute:
             return  # nothing to keep: no budget to judge
         usage = self._usage.setdefault(key_id, _Usage())
-        usage.charges.append((self._clock(), tokens))
+        now = self._clock()
+        if usage.charges and now - usage.charges[-1][0] < MERGE:
+            # dated by the earlier charge: these tokens leave the window up to MERGE s early
+            when, earlier = usage.charges[-1]
+            usage.charges[-1] = (when, earlier + tokens)
+        else:
+            usage.charges.append((now, tokens))
         usage.in_window += tokens
 
     def used(self, key_id: str) -> int:

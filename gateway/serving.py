@@ -78,7 +78,9 @@ async def serve_generation(
             prompts=prompts,
             samplings=[gw.sampling_params(params, m) for m in max_tokens],
             client_id=client_id,
-            progress=Progress(prompt_tokens=total_prompt, arrived=request[ARRIVED_KEY]),
+            progress=Progress(
+                prompt_tokens=total_prompt, arrived=request[ARRIVED_KEY], charge=ticket.charge
+            ),
         )
         try:
             return await respond(request, gen)
@@ -88,7 +90,6 @@ async def serve_generation(
             raise
         finally:
             progress = gen.progress
-            ticket.charge(progress.completion_tokens)
             e2e = time.monotonic() - progress.arrived
             gw.metrics.request_finished(
                 progress.finish_reason or "abort",

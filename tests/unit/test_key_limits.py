@@ -162,3 +162,28 @@ async def test_without_keys_every_request_shares_the_anonymous_bucket(model_dir,
         assert (await held).status == 200
         page = await (await client.get("/metrics")).text()
     assert metric(page, "pdserve_key_rejected_total", key_id="anonymous", reason="concurrency")
+
+
+async def test_a_stream_pays_for_its_tokens_as_they_come(model_dir, tok):
+    out = tok.encode(" one two three", add_special_tokens=False).ids
+    assert len(out) > 2
+    async with serving(model_dir, api_key=[USER], tokens_per_minute_per_key=10_000) as (
+        client,
+        d0,
+    ):
+        user = {"Authorization": f"Bearer {USER}"}
+        body = {**completion("Hi"), "max_tokens": 50, "stream": True}
+        reply = asyncio.create_task(client.post("/v1/completions", json=body, headers=user))
+        request = await d0.next_request()
+        await d0.tokens(request, out[:2])
+        response = await asyncio.wait_for(reply, 10)
+        assert (await response.content.readuntil(b"\n\n")).startswith(b"data: ")
+        page = await (await client.get("/metrics", headers=user)).text()
+        # charged while the stream is still open, not only once it ends
+        assert metric(page, "pdserve_key_tokens_total", key_id=key_id(USER), kind="completion") == 2
+        await d0.tokens(request, out[2:], "stop")
+        await response.read()
+        page = await (await client.get("/metrics", headers=user)).text()
+    assert metric(page, "pdserve_key_tokens_total", key_id=key_id(USER), kind="completion") == len(
+        out
+    )
