@@ -37,6 +37,7 @@ from pdserve.gateway.app_state import (
 from pdserve.gateway.body import read_json
 from pdserve.gateway.endpoint_metrics import endpoint_metrics_middleware
 from pdserve.gateway.generation import Prompt
+from pdserve.gateway.http_log import http_logger
 from pdserve.gateway.middlewares import (
     error_middleware,
     request_id_middleware,
@@ -192,6 +193,7 @@ def create_app(
             "max_field_size": config.http_max_field_size,
             "max_headers": config.http_max_headers,
             "keepalive_timeout": config.http_keepalive_timeout,
+            "logger": http_logger(),  # a flood of malformed requests is no flood of tracebacks
         },
     )
     app[GATEWAY_KEY] = gw

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from pathlib import Path
 
 import pytest
 
+from pdserve.gateway.http_log import LOGGER_NAME
 from tests.unit.fake_workers import MODEL
 from tests.unit.gateway_fixtures import serving, train_byte_level, write_model_dir
 
@@ -108,3 +110,18 @@ async def test_a_body_that_stalls_gets_408(model_dir):
         assert status == 408 and time.monotonic() - started < 3.0
         error = json.loads(body)["error"]
         assert error["code"] == "request_timeout" and "--http-body-timeout" in error["message"]
+
+
+async def test_malformed_requests_are_logged_briefly(model_dir, caplog, monkeypatch):
+    """aiohttp would log each with its traceback at ERROR: a flood of them would flood the log."""
+    async with serving(model_dir, **LIMITS) as (client, _):
+        (limiter,) = logging.getLogger(LOGGER_NAME).filters
+        monkeypatch.setattr(limiter, "_next", 0.0)  # earlier tests' lines are not this one's
+        with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
+            for _ in range(5):
+                assert (await exchange(client.server.port, get("/health?" + "a" * 1100)))[0] == 400
+    records = [r for r in caplog.records if r.name == LOGGER_NAME]
+    assert len(records) == 1  # within a second: the others are left out, and said so later
+    (record,) = records
+    assert record.levelno == logging.WARNING and record.exc_info is None
+    assert "Got more than 1024 bytes" in record.getMessage()
