@@ -9,8 +9,9 @@ Classes:
   admin surface.
 - ``ADMIN``: with ``--admin-api-key`` set, only those keys; a user's key gets 403. With
   ``--api-key`` set and no admin key the admin routes are closed (403 naming
-  ``--admin-api-key``): configuring user keys must never leave an operator's door open. With no
-  key configured at all, everything is open, admin routes included (a local deployment).
+  ``--admin-api-key``): configuring user keys must never leave an operator's door open. With
+  neither ``--api-key`` nor ``--admin-api-key``, everything but a closed ``/metrics`` is open,
+  admin routes included (a local deployment).
 - ``METRICS``: open unless ``--metrics-api-key`` is set; then a metrics key or an admin key.
 
 A route added without a class is refused to everyone (fail closed), and
