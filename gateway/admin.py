@@ -1,4 +1,5 @@
-"""Operator routes of the gateway (behind ``--api-key`` like the API): ``POST
+"""Operator routes of the gateway (access class admin, ``gateway/access.py``: only
+``--admin-api-key`` keys, closed when ``--api-key`` is set without one): ``POST
 /reset_prefix_cache``, as vLLM's, for benchmarks and operators who need cold caches.
 
 Every worker the registry knows is asked at once (``shared/discovery/cache_reset.py``); the

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from pdserve.gateway.api_models import GenerationParams
 from pdserve.gateway.errors import APIError, overloaded
 from pdserve.gateway.inflight.dispatcher import Dispatcher
+from pdserve.gateway.key_limits import KeyLimits
 from pdserve.gateway.router import Router
 from pdserve.gateway.tokenizer import ChatTemplate, ModelTokenizer
 from pdserve.shared.bus.connection import Bus
@@ -164,6 +165,11 @@ class Gateway:
             stall_timeout=config.stall_timeout,
         )
         self.admissions = Admissions(config.max_queue, self.metrics.in_flight)
+        self.key_limits = KeyLimits(
+            config.max_concurrent_requests_per_key,
+            config.tokens_per_minute_per_key,
+            self.metrics_registry,
+        )
 
     @property
     def admitted_count(self) -> int:

@@ -48,6 +48,8 @@ class APIError(Exception):
 def _default_type(status: int) -> str:
     if status == 401:
         return "authentication_error"
+    if status == 403:
+        return "permission_error"
     if status == 404:
         return "not_found_error"
     if status == 503:
@@ -81,14 +83,33 @@ def unauthorized(message: str = "Invalid API key") -> APIError:
     return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
+def forbidden(message: str) -> APIError:
+    """A key that is valid, but not for this endpoint (a user's key on an admin route)."""
+    return APIError(403, message, code="permission_denied")
+
+
+def retry_after_header(seconds: float) -> dict[str, str]:
+    # Retry-After is whole seconds (RFC 9110); round up so clients never retry too early.
+    return {"Retry-After": str(max(1, int(seconds + 0.999)))}
+
+
+def rate_limited(message: str, kind: str, retry_after: float) -> APIError:
+    """429 as OpenAI words it: ``type`` says which limit (``requests`` or ``tokens``)."""
+    return APIError(
+        429, message, type=kind, code="rate_limit_exceeded", headers=retry_after_header(retry_after)
+    )
+
+
+def request_timeout(message: str) -> APIError:
+    return APIError(408, message, code="request_timeout")
+
+
 def payload_too_large(limit: int) -> APIError:
     return APIError(413, f"Request body is larger than {limit} bytes", code="request_too_large")
 
 
 def overloaded(message: str, retry_after: float = 1.0) -> APIError:
-    # Retry-After is whole seconds (RFC 9110); round up so clients never retry too early.
-    seconds = max(1, int(retry_after + 0.999))
-    return APIError(503, message, code="overloaded", headers={"Retry-After": str(seconds)})
+    return APIError(503, message, code="overloaded", headers=retry_after_header(retry_after))
 
 
 def server_error(message: str, code: str = "internal_error") -> APIError:

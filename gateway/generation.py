@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,8 @@ class Progress:
     first_token_at: float | None = None
     last_token_at: float | None = None
     finish_reason: str | None = None
+    # charges completion tokens to the caller's API key as they arrive (gateway/key_limits.py)
+    charge: Callable[[int], None] | None = None
 
     def tokens(self, gw: Gateway, event: TokenEvent) -> None:
         now = time.monotonic()
@@ -58,6 +60,8 @@ class Progress:
             self.cached_tokens += event.cached_tokens
         if n == 0:
             return
+        if self.charge is not None:
+            self.charge(n)
         if self.first_token_at is None:
             self.first_token_at = now
             gw.metrics.ttft.observe(now - self.arrived)

@@ -1,26 +1,19 @@
 """The gateway's middlewares, outermost first as ``create_app`` installs them: request ids (the
 client's ``x-request-id`` or a new one; its arrival time), tracing (a server span for the
-generation endpoints), errors (every failure leaves as OpenAI-shaped JSON, or Anthropic-shaped on
-Anthropic's ``/v1/messages``: ``gateway/anthropic/errors.py``) and API keys.
-
-API keys are optional (``--api-key``, several allowed), sent as a Bearer token or, as Anthropic's
-clients send them, in ``x-api-key``. Only the API under
-``/v1/`` is protected. ``/health`` stays open for load balancers and orchestrators, and
-``/metrics`` and ``/openapi.json`` stay open for scrapers and tooling, as in other
-OpenAI-compatible servers; none of them reveals prompts or output.
+generation endpoints) and errors (every failure leaves as OpenAI-shaped JSON, or Anthropic-shaped
+on Anthropic's ``/v1/messages``: ``gateway/anthropic/errors.py``). The innermost one, keys and
+each route's access class, is ``gateway/access.py``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
-from aiohttp.typedefs import Middleware
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from pdserve.gateway.anthropic.errors import error_response, is_anthropic_path
@@ -30,7 +23,6 @@ from pdserve.gateway.errors import (
     bad_request,
     payload_too_large,
     server_error,
-    unauthorized,
 )
 from pdserve.shared.bus.subjects import is_subject_token
 from pdserve.shared.telemetry import tracing as tr
@@ -38,48 +30,7 @@ from pdserve.shared.telemetry import tracing as tr
 log = logging.getLogger(__name__)
 _tracer = tr.tracer(__name__)
 
-PROTECTED_PREFIX = "/v1/"
-
-
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def key_matches(presented: str, keys: list[bytes]) -> bool:
-    candidate = presented.encode("utf-8", "surrogateescape")
-    # Compare against every key in constant time, so timing reveals neither key nor which one.
-    matched = False
-    for key in keys:
-        matched |= hmac.compare_digest(candidate, key)
-    return matched
-
-
-def api_key_middleware(api_keys: list[str]) -> Middleware:
-    keys = [k.encode("utf-8") for k in api_keys if k]
-
-    @web.middleware
-    async def check_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not keys or not request.path.startswith(PROTECTED_PREFIX):
-            return await handler(request)
-        token = presented_key(request)
-        if not token:
-            raise unauthorized(
-                "Missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
-            )
-        if not key_matches(token, keys):
-            raise unauthorized("Incorrect API key provided")
-        return await handler(request)
-
-    return check_api_key
-
-
-def presented_key(request: web.Request) -> str:
-    """The key a client sent: Anthropic's ``x-api-key`` header when present (its SDKs send the
-    key there), else the Bearer token; '' when neither holds one."""
-    api_key = request.headers.get("x-api-key")
-    if api_key is not None:
-        return api_key.strip()
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else ""
 
 
 def error_answer(request: web.Request, err: APIError) -> web.Response:

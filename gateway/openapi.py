@@ -112,9 +112,12 @@ def _errors(*codes: int) -> dict[str, Any]:
     text = {
         400: "invalid request (names the offending parameter)",
         401: "missing or wrong API key",
+        403: "a valid key without the right to this endpoint (a user's key on an admin route)",
         404: "unknown model",
         409: "x-request-id already in flight",
+        408: "the request body did not arrive within --http-body-timeout",
         413: "request body too large",
+        429: "this API key's limit (requests in flight or tokens per minute; see Retry-After)",
         502: "a worker failed the request",
         503: "no worker available or admission queue full (see Retry-After)",
         504: "deadline passed",
@@ -155,7 +158,7 @@ def _generation_op(summary: str, request: str, response: str, chunk: str) -> dic
                         "text/event-stream": {"schema": {"anyOf": [_ref(chunk), _ref("Error")]}},
                     },
                 },
-                **_errors(400, 401, 404, 409, 413, 502, 503, 504),
+                **_errors(400, 401, 404, 408, 409, 413, 429, 502, 503, 504),
             },
         }
     }
@@ -165,11 +168,11 @@ def _tokenizer_op(summary: str, request: dict[str, Any], response: str) -> dict[
     return {
         "post": {
             "summary": summary,
-            "security": [],  # outside /v1/, open as in vLLM
+            "security": [{"bearer": []}, {}],  # a user's key, as /v1/ (gateway/access.py)
             "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
             "responses": {
                 "200": {"description": "the answer", "content": _json(response)},
-                **_errors(400, 404, 413),
+                **_errors(400, 401, 404, 408, 413),
             },
         }
     }
@@ -261,7 +264,9 @@ def openapi_spec(model: str) -> dict[str, Any]:
                             ("reset_running_requests", "not supported: true is refused (400)"),
                         )
                     ],
+                    "security": [{"bearer": []}, {}],  # an --admin-api-key
                     "responses": {
+                        **_errors(401, 403),
                         "200": {"description": "reset on every worker: blocks forgotten each"},
                         "400": {"description": "a flag that is not true or false"},
                         "409": {"description": "a worker is busy or did not answer; retry idle"},
@@ -271,8 +276,8 @@ def openapi_spec(model: str) -> dict[str, Any]:
             "/metrics": {
                 "get": {
                     "summary": "Prometheus metrics (text format)",
-                    "security": [],
-                    "responses": {"200": {"description": "metrics"}},
+                    "security": [{"bearer": []}, {}],  # open unless --metrics-api-key
+                    "responses": {"200": {"description": "metrics"}, **_errors(401, 403)},
                 }
             },
             **anthropic.paths(),

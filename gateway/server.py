@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP gateway (aiohttp).
 
 ``create_app`` builds the application: the middlewares (``gateway/middlewares.py``: request ids,
-tracing, errors, API keys), the endpoints, and, on start-up, the NATS connection, the worker
+tracing, errors; ``gateway/access.py``: keys), the endpoints with their access classes, the HTTP
+parser's limits, and, on start-up, the NATS connection, the worker
 registry and the dispatcher. ``run`` is the ``pdserve gateway`` command.
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.gateway import admin, tokenize_api
+from pdserve.gateway.access import Access, KeyPolicy, access_middleware, add_route
 from pdserve.gateway.anthropic import handlers as anthropic
 from pdserve.gateway.api_models import (
     ChatRequest,
@@ -32,11 +34,11 @@ from pdserve.gateway.app_state import (
     Gateway,
     new_gateway_id,
 )
+from pdserve.gateway.body import read_json
 from pdserve.gateway.endpoint_metrics import endpoint_metrics_middleware
-from pdserve.gateway.errors import payload_too_large
 from pdserve.gateway.generation import Prompt
+from pdserve.gateway.http_log import http_logger
 from pdserve.gateway.middlewares import (
-    api_key_middleware,
     error_middleware,
     request_id_middleware,
     tracing_middleware,
@@ -52,7 +54,6 @@ from pdserve.gateway.prepare import (
 from pdserve.gateway.prompting import encode
 from pdserve.gateway.responses import handlers as responses
 from pdserve.gateway.responses.store import ResponseStore
-from pdserve.gateway.schema_base import parse_json_body
 from pdserve.gateway.serving import serve_generation
 from pdserve.gateway.tokenize_api import Vocabulary
 from pdserve.shared.bus.connection import Bus
@@ -102,18 +103,9 @@ async def openapi(request: web.Request) -> web.Response:
     return web.json_response(openapi_spec(request.app[GATEWAY_KEY].model.name))
 
 
-async def _read_json(request: web.Request) -> dict[str, Any]:
-    gw = request.app[GATEWAY_KEY]
-    limit = gw.config.max_body_bytes
-    if request.content_length is not None and request.content_length > limit:
-        raise payload_too_large(limit)
-    raw = await request.read()  # aiohttp enforces client_max_size while reading
-    return parse_json_body(raw)
-
-
 async def completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY_KEY]
-    req: CompletionRequest = parse_completion(await _read_json(request))
+    req: CompletionRequest = parse_completion(await read_json(request))
     check_model(gw, req.params.model)
     tok = gw.model.tokenizer
     prompts: list[Prompt] = []
@@ -138,7 +130,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY_KEY]
     parser, tags = tool_format(gw)
-    req: ChatRequest = parse_chat(await _read_json(request), parser, tags)
+    req: ChatRequest = parse_chat(await read_json(request), parser, tags)
     check_model(gw, req.params.model)
     prompt = await chat_prompt(gw, req)
     return await serve_generation(request, gw, "chat", req.params, [prompt])
@@ -156,21 +148,21 @@ def _vocabulary(gw: Gateway) -> Vocabulary:
 
 async def tokenize(request: web.Request) -> web.Response:
     served = _vocabulary(request.app[GATEWAY_KEY])
-    return web.json_response(await tokenize_api.tokenize(await _read_json(request), served))
+    return web.json_response(await tokenize_api.tokenize(await read_json(request), served))
 
 
 async def detokenize(request: web.Request) -> web.Response:
     served = _vocabulary(request.app[GATEWAY_KEY])
-    return web.json_response(tokenize_api.detokenize(await _read_json(request), served))
+    return web.json_response(tokenize_api.detokenize(await read_json(request), served))
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
-    return await anthropic.messages(request, await _read_json(request))
+    return await anthropic.messages(request, await read_json(request))
 
 
 async def count_tokens(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY_KEY]
-    return web.json_response(await anthropic.count_tokens(gw, await _read_json(request)))
+    return web.json_response(await anthropic.count_tokens(gw, await read_json(request)))
 
 
 def create_app(
@@ -189,22 +181,36 @@ def create_app(
             request_id_middleware,
             tracing_middleware,
             error_middleware,
-            api_key_middleware(config.api_key),
+            access_middleware(
+                KeyPolicy(config.api_key, config.admin_api_key, config.metrics_api_key)
+            ),
         ],
+        # aiohttp's parser limits (a 400 beyond them, before any route) and its keep-alive
+        # timer, which also bounds how long a client may take to send its headers (slowloris);
+        # the body's deadline is body.py's.
+        handler_args={
+            "max_line_size": config.http_max_line_size,
+            "max_field_size": config.http_max_field_size,
+            "max_headers": config.http_max_headers,
+            "keepalive_timeout": config.http_keepalive_timeout,
+            "logger": http_logger(),  # a flood of malformed requests is no flood of tracebacks
+        },
     )
     app[GATEWAY_KEY] = gw
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics_handler(gw.metrics_registry))
-    app.router.add_get("/openapi.json", openapi)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/v1/models/{model:.+}", model)  # names may hold "/"
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/messages", messages)  # Anthropic's Messages API
-    app.router.add_post("/v1/messages/count_tokens", count_tokens)
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/detokenize", detokenize)
-    app.router.add_post("/reset_prefix_cache", admin.reset_prefix_cache)
+    # Every route with its access class (gateway/access.py); tests/unit/test_access.py fails
+    # on a route added without one.
+    add_route(app, "GET", "/health", health, Access.OPEN)
+    add_route(app, "GET", "/openapi.json", openapi, Access.OPEN)
+    add_route(app, "GET", "/metrics", metrics_handler(gw.metrics_registry), Access.METRICS)
+    add_route(app, "GET", "/v1/models", models, Access.USER)
+    add_route(app, "GET", "/v1/models/{model:.+}", model, Access.USER)  # names may hold "/"
+    add_route(app, "POST", "/v1/completions", completions, Access.USER)
+    add_route(app, "POST", "/v1/chat/completions", chat_completions, Access.USER)
+    add_route(app, "POST", "/v1/messages", messages, Access.USER)  # Anthropic's Messages API
+    add_route(app, "POST", "/v1/messages/count_tokens", count_tokens, Access.USER)
+    add_route(app, "POST", "/tokenize", tokenize, Access.USER)
+    add_route(app, "POST", "/detokenize", detokenize, Access.USER)
+    add_route(app, "POST", "/reset_prefix_cache", admin.reset_prefix_cache, Access.ADMIN)
 
     async def on_startup(app: web.Application) -> None:
         await gw.start()

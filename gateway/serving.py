@@ -1,7 +1,8 @@
 """Serving one generation request: admission, then the response the client asked for - streamed
 as SSE (``gateway/streaming.py``) or collected into one JSON body (``gateway/whole_answer.py``)
 from the same ``Generation`` (``gateway/generation.py``) - and the accounting once it is over:
-metrics and the request span's GenAI attributes.
+metrics, the request span's GenAI attributes, and the tokens charged to the caller's API key
+(``gateway/key_limits.py``, which may refuse the request with a 429 first).
 
 The response is a ``Respond``: OpenAI's shapes by default; another API (Anthropic's Messages,
 ``gateway/anthropic/``) passes its own renderer of the same ``Generation``, so admission,
@@ -16,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from opentelemetry import trace
 
+from pdserve.gateway.access import ANONYMOUS, KEY_ID_KEY
 from pdserve.gateway.api_models import GenerationParams, check_length
 from pdserve.gateway.app_state import ARRIVED_KEY, CLIENT_ID_KEY, Gateway
 from pdserve.gateway.generation import Generation, Progress, Prompt
@@ -49,7 +51,8 @@ async def serve_generation(
         for p in prompts
     ]
     total_prompt = sum(len(p.ids) for p in prompts)
-    with gw.admissions.admit(client_id):
+    key_id = request.get(KEY_ID_KEY, ANONYMOUS)
+    with gw.admissions.admit(client_id), gw.key_limits.admit(key_id, total_prompt) as ticket:
         root = trace.get_current_span()
         root.set_attributes(
             {
@@ -75,7 +78,9 @@ async def serve_generation(
             prompts=prompts,
             samplings=[gw.sampling_params(params, m) for m in max_tokens],
             client_id=client_id,
-            progress=Progress(prompt_tokens=total_prompt, arrived=request[ARRIVED_KEY]),
+            progress=Progress(
+                prompt_tokens=total_prompt, arrived=request[ARRIVED_KEY], charge=ticket.charge
+            ),
         )
         try:
             return await respond(request, gen)

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from pdserve.shared.errors import StartupError
+from pdserve.shared.gateway_edge_options import GatewayEdgeOptions, check_edge
 from pdserve.shared.options import opt
 from pdserve.shared.speculative_options import SPECULATIVE_METHODS, speculative_problem
 
@@ -191,7 +192,7 @@ class WorkerConfig:
 
 
 @dataclass
-class GatewayConfig:
+class GatewayConfig(GatewayEdgeOptions):  # keys, per-key limits, HTTP limits
     host: str = opt("127.0.0.1", "HTTP bind address")
     port: int = opt(8000, "HTTP port")
     api_key: list[str] = opt(
@@ -262,6 +263,7 @@ class GatewayConfig:
     )
 
     def __post_init__(self) -> None:
+        check_edge(self)
         if self.response_store_ttl < 0:
             raise StartupError(
                 f"--response-store-ttl must be >= 0 (0 = no expiry), got {self.response_store_ttl}"

@@ -17,9 +17,11 @@ from typing import Any
 
 from aiohttp import web
 
+from pdserve.gateway.access import Access, add_route
 from pdserve.gateway.api_models import check_length, validated
 from pdserve.gateway.app_state import GATEWAY_KEY, Gateway
-from pdserve.gateway.errors import APIError, bad_request, payload_too_large
+from pdserve.gateway.body import read_json
+from pdserve.gateway.errors import APIError, bad_request
 from pdserve.gateway.prepare import chat_prompt, check_model, tool_format
 from pdserve.gateway.responses.answer import ResponseTurn
 from pdserve.gateway.responses.bodies import ResponsesBody
@@ -38,7 +40,6 @@ from pdserve.gateway.responses.store import (
     StoreFailed,
     failed,
 )
-from pdserve.gateway.schema_base import parse_json_body
 from pdserve.gateway.serving import serve_generation
 
 RESPONSE_STORE_KEY = web.AppKey("response_store", ResponseStore)
@@ -53,10 +54,10 @@ def install(app: web.Application, gw: Gateway, store: ResponseStore | None = Non
         gw.bus, ttl=config.response_store_ttl, replicas=config.response_store_replicas or 1
     )
     app[RESPONSE_STORE_KEY] = store
-    app.router.add_post("/v1/responses", create_response)
-    app.router.add_get("/v1/responses/{response_id}", get_response)
-    app.router.add_delete("/v1/responses/{response_id}", delete_response)
-    app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
+    add_route(app, "POST", "/v1/responses", create_response, Access.USER)
+    add_route(app, "GET", "/v1/responses/{response_id}", get_response, Access.USER)
+    add_route(app, "DELETE", "/v1/responses/{response_id}", delete_response, Access.USER)
+    add_route(app, "GET", "/v1/responses/{response_id}/input_items", list_input_items, Access.USER)
 
     async def open_store(app: web.Application) -> None:
         await store.open()
@@ -70,7 +71,7 @@ def install(app: web.Application, gw: Gateway, store: ResponseStore | None = Non
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     gw, store = request.app[GATEWAY_KEY], request.app[RESPONSE_STORE_KEY]
-    body = validated(ResponsesBody, await _read_json(request, gw))
+    body = validated(ResponsesBody, await read_json(request))
     check_model(gw, body.model)
     if body.store:  # asked for explicitly: told when it cannot be done
         store.require("store")
@@ -180,10 +181,3 @@ def _not_found(response_id: str, param: str | None) -> APIError:
         param=param,
         code="not_found",
     )
-
-
-async def _read_json(request: web.Request, gw: Gateway) -> dict[str, Any]:
-    limit = gw.config.max_body_bytes
-    if request.content_length is not None and request.content_length > limit:
-        raise payload_too_large(limit)
-    return parse_json_body(await request.read())  # aiohttp enforces client_max_size

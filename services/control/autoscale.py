@@ -60,6 +60,7 @@ from pdserve.services.control.autoscale_settings import (  # noqa: F401 (re-expo
     settings,
 )
 from pdserve.services.control.autoscale_window import Snapshot, Worker, build_window, parse_snapshot
+from pdserve.services.control.launch_checks import metrics_request
 from pdserve.services.control.placement import Placement, least_held, place  # noqa: F401 (re-exported)
 from pdserve.services.control.planner.decide import Decision, Planner
 from pdserve.services.control.planner.guards import pick_to_drain
@@ -98,6 +99,7 @@ class Fleet(Protocol):
     common: dict[str, object]
     children: list[Child]
     started: dict[str, WorkerStart]
+    metrics_key: str | None  # the key the gateway's /metrics takes (--metrics-api-key), if any
 
     def add_worker(self, role: str, place: Placement, standby: bool = False) -> Child: ...
 
@@ -225,7 +227,8 @@ class Autoscaler:
 
     def scrape(self) -> Snapshot | None:
         try:
-            with urllib.request.urlopen(self.url + "/metrics", timeout=2.0) as resp:
+            request = metrics_request(self.url, self.fleet.metrics_key)
+            with urllib.request.urlopen(request, timeout=2.0) as resp:
                 return parse_snapshot(resp.read().decode("utf-8", "replace"))
         except (urllib.error.URLError, OSError, ValueError) as exc:
             say(f"cannot read the gateway's metrics ({exc}): no decision this window")

@@ -30,11 +30,22 @@ def tp_refusal(
     return None
 
 
-def registered_names(base_url: str) -> set[str]:
+def metrics_key(gateway: GatewayConfig) -> str | None:
+    """The key ``pdserve up``'s own reads of the gateway's /metrics present (readiness,
+    autoscaling, rollouts): a --metrics-api-key; None while /metrics is open."""
+    return gateway.metrics_api_key[0] if gateway.metrics_api_key else None
+
+
+def metrics_request(base_url: str, key: str | None) -> urllib.request.Request:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return urllib.request.Request(base_url + "/metrics", headers=headers)
+
+
+def registered_names(base_url: str, key: str | None = None) -> set[str]:
     """The worker ids the gateway knows (standby ones too), from its re-export of their loads on
-    /metrics."""
+    /metrics (read with ``key``: ``metrics_key``)."""
     try:
-        with urllib.request.urlopen(base_url + "/metrics", timeout=2.0) as resp:
+        with urllib.request.urlopen(metrics_request(base_url, key), timeout=2.0) as resp:
             text = resp.read().decode("utf-8", "replace")
     except (urllib.error.URLError, OSError, ValueError):
         return set()
@@ -45,9 +56,9 @@ def registered_names(base_url: str) -> set[str]:
     }
 
 
-def registered_workers(base_url: str) -> int:
+def registered_workers(base_url: str, key: str | None = None) -> int:
     """How many workers the gateway knows."""
-    return len(registered_names(base_url))
+    return len(registered_names(base_url, key))
 
 
 def promised_ports(

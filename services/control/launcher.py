@@ -37,7 +37,12 @@ import sys
 import time
 
 from pdserve.services.control import autoscale
-from pdserve.services.control.launch_checks import promised_ports, registered_workers, tp_refusal
+from pdserve.services.control.launch_checks import (
+    metrics_key,
+    promised_ports,
+    registered_workers,
+    tp_refusal,
+)
 from pdserve.services.control.local_nats import LocalNats
 from pdserve.services.control.processes import (
     Child,
@@ -70,6 +75,7 @@ class Launcher:
             # Stored responses outlive a node of the cluster started here (a quorum of 3 at most).
             replicas = min(self.up.nats_cluster, 3)
             self.gateway = dataclasses.replace(self.gateway, response_store_replicas=replicas)
+        self.metrics_key = metrics_key(self.gateway)  # for its own reads of /metrics
         self.engine = build(EngineConfig, ns)
         self.worker = build(WorkerConfig, ns)
         self.bus = build(BusConfig, {**vars(ns), "nats_url": self.up.nats_url or "unset"})
@@ -234,7 +240,10 @@ class Launcher:
             if dead is not None:
                 print(f"pdserve: {dead.name} exited with {dead.popen.returncode}", file=sys.stderr)
                 return False
-            if http_ok(base + "/health", timeout=1.0) and registered_workers(base) >= expected:
+            if (
+                http_ok(base + "/health", timeout=1.0)
+                and registered_workers(base, self.metrics_key) >= expected
+            ):
                 return True
             time.sleep(0.2)
         return False

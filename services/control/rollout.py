@@ -130,7 +130,7 @@ class Rollout:
                 raise RolloutFailed(f"{name} exited with {child.popen.returncode} while loading")
         if time.monotonic() > self.deadline:
             raise RolloutFailed(f"the new workers did not register in {LOAD_TIMEOUT:.0f} s")
-        if set(self.new) <= registered_names(self.url):
+        if set(self.new) <= registered_names(self.url, self.fleet.metrics_key):
             self._mark("loaded")
             role = {n: self.fleet.started[n].role for n in self.new}
             bus = dataclasses.replace(self.fleet.bus, nats_url=str(self.fleet.common["nats_url"]))

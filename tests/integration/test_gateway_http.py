@@ -470,7 +470,12 @@ async def test_request_id_is_honoured_and_validated(gw: Harness):
 
 async def test_api_keys(nats_url, model_dir, tokenizer):
     async with running_harness(
-        nats_url, model_dir, tokenizer, "auth", api_key=["key-one", "key-two"]
+        nats_url,
+        model_dir,
+        tokenizer,
+        "auth",
+        api_key=["key-one", "key-two"],
+        admin_api_key=["admin-key"],
     ) as harness:
         for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": "key-one"}):
             code, payload, resp_headers = await harness.post("/v1/completions", COMPLETION, headers)
@@ -485,6 +490,15 @@ async def test_api_keys(nats_url, model_dir, tokenizer):
         status, _ = await harness.get("/v1/models")
         assert status == 401
         assert (await harness.get("/health"))[0] == 200
+        # every route that reads or changes state, not only /v1/ (gateway/access.py)
+        user, admin = {"Authorization": "Bearer key-one"}, {"x-api-key": "admin-key"}
+        assert (await harness.post("/tokenize", {"prompt": "Hi"}))[0] == 401
+        assert (await harness.post("/tokenize", {"prompt": "Hi"}, user))[0] == 200
+        assert (await harness.post("/reset_prefix_cache", b""))[0] == 401
+        code, payload, _ = await harness.post("/reset_prefix_cache", b"", user)
+        assert code == 403 and payload["error"]["code"] == "permission_denied"
+        # the admin key reaches the workers over NATS (busy: the scripted worker never answers)
+        assert (await harness.post("/reset_prefix_cache", b"", admin))[0] in (200, 409)
 
 
 async def test_openapi_and_models(gw: Harness):

@@ -110,6 +110,7 @@ class StandIn:
         self.up, self.engine = up, EngineConfig(model="demo", device="cpu")
         self.worker = WorkerConfig(drain_seconds=5.0)
         self.tps, self.gpus, self.common = {"prefill": 1, "decode": 1}, list(gpus), {}
+        self.metrics_key: str | None = None  # the gateway's /metrics is open
         self.cpus = sorted(os.sched_getaffinity(0))
         self.cpu_shares = cpu_shares(self.cpus, [1, 1])
         self.children: list[Child] = []

@@ -162,8 +162,8 @@ def test_probes_ask_what_the_processes_serve(target: str) -> None:
             assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60
         elif name == "gateway":
             assert paths["readiness"] == "/health" and paths["liveness"] == "/metrics"
-            for path in paths.values():
-                assert f'add_get("{path}"' in gateway_source
+            for path in paths.values():  # routes the gateway adds (gateway/access.py:add_route)
+                assert f'add_route(app, "GET", "{path}"' in gateway_source
             assert ports["http"] == int(env["PDSERVE_PORT"])
         else:
             assert set(paths.values()) == {"/healthz"}, name  # nats-server's monitoring port

@@ -34,6 +34,7 @@ class Fleet:
     children: list[Child] = field(default_factory=list)
     worker: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(drain_seconds=5.0))
     common: dict = field(default_factory=dict)
+    metrics_key: str | None = None
 
 
 def until(check, timeout: float = 10.0) -> None:
