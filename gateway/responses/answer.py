@@ -50,6 +50,7 @@ class ResponseTurn:
     settings: dict[str, Any]  # the request's settings the response repeats (ResponsesBody.echo)
     conversation: list[dict[str, Any]]  # its input items as stored: earlier turns, then its own
     store: ResponseStore | None  # None: not stored
+    owner: str  # the key id of the request (StoredResponse.owner)
     output: OutputBuilder = field(default_factory=OutputBuilder)
 
     async def __call__(self, request: web.Request, gen: Generation) -> web.StreamResponse:
@@ -163,7 +164,7 @@ class ResponseTurn:
     async def _save(self, body: dict[str, Any]) -> None:
         if self.store is None:
             return
-        record = StoredResponse(response=body, input_items=self.conversation)
+        record = StoredResponse(response=body, input_items=self.conversation, owner=self.owner)
         try:
             await self.store.put(self.id, record)
         except StoreFailed as exc:

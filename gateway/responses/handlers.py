@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from pdserve.gateway.access import Access, add_route
+from pdserve.gateway.access import ANONYMOUS, KEY_ID_KEY, Access, add_route
 from pdserve.gateway.api_models import check_length, validated
 from pdserve.gateway.app_state import GATEWAY_KEY, Gateway
 from pdserve.gateway.body import read_json
@@ -78,7 +78,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         history = (
-            await _stored(store, body.previous_response_id, "previous_response_id")
+            await _stored(request, body.previous_response_id, "previous_response_id")
         ).conversation
     parser, tags = tool_format(gw)
     req = chat_request(body, read_items(history), parser, tags)
@@ -90,6 +90,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         settings=body.echo(),
         conversation=history + stored_items(input_items(body)),
         store=store if body.stores and store.ready else None,
+        owner=request.get(KEY_ID_KEY, ANONYMOUS),
     )
     return await serve_generation(request, gw, "chat", req.params, [prompt], respond=turn)
 
@@ -112,15 +113,15 @@ def _check_length(gw: Gateway, prompt_tokens: int, max_output_tokens: int | None
 async def get_response(request: web.Request) -> web.Response:
     if request.query.get("stream", "false") != "false":
         raise bad_request("streaming a stored response again is not supported", "stream")
-    record = await _stored(request.app[RESPONSE_STORE_KEY], request.match_info["response_id"])
+    record = await _stored(request, request.match_info["response_id"])
     return web.json_response(record.response)
 
 
 async def delete_response(request: web.Request) -> web.Response:
     store, response_id = request.app[RESPONSE_STORE_KEY], request.match_info["response_id"]
-    store.require(None)
+    await _stored(request, response_id)  # another key's response is not there for this one
     try:
-        deleted = RESPONSE_ID.match(response_id) is not None and await store.delete(response_id)
+        deleted = await store.delete(response_id)
     except StoreFailed as exc:
         raise failed(str(exc)) from None
     if not deleted:
@@ -131,7 +132,7 @@ async def delete_response(request: web.Request) -> web.Response:
 async def list_input_items(request: web.Request) -> web.Response:
     """OpenAI's list: ``limit`` (1 to 100, default 20), ``order`` (``desc`` by default: the
     newest item first), ``after`` (an item id: the page starts after it)."""
-    record = await _stored(request.app[RESPONSE_STORE_KEY], request.match_info["response_id"])
+    record = await _stored(request, request.match_info["response_id"])
     query = request.query
     limit_text = query.get("limit", "20")
     if not limit_text.isdigit() or not 1 <= int(limit_text) <= MAX_LIST:
@@ -159,15 +160,18 @@ async def list_input_items(request: web.Request) -> web.Response:
 
 
 async def _stored(
-    store: ResponseStore, response_id: str, param: str | None = None
+    request: web.Request, response_id: str, param: str | None = None
 ) -> StoredResponse:
-    """A stored response, or the error: the store's own, or a 404 naming ``param``."""
+    """The stored response the request's key may see, or the error: the store's own, or a 404
+    naming ``param`` (another key's response is answered as one that does not exist, so its
+    existence is not revealed either)."""
+    store = request.app[RESPONSE_STORE_KEY]
     store.require(param)
     try:
         record = await store.get(response_id) if RESPONSE_ID.match(response_id) else None
     except StoreFailed as exc:
         raise failed(str(exc)) from None
-    if record is None:
+    if record is None or not record.seen_by(request.get(KEY_ID_KEY, ANONYMOUS)):
         raise _not_found(response_id, param)
     return record
 

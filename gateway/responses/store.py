@@ -15,6 +15,7 @@ a 503 with ``Retry-After``.
 
 from __future__ import annotations
 
+import hmac
 import json
 import re
 from abc import ABC, abstractmethod
@@ -36,9 +37,18 @@ class StoreFailed(Exception):
 class StoredResponse:
     response: dict[str, Any]  # the response object, as answered
     input_items: list[dict[str, Any]]  # the conversation it answered, each item with an id
+    # The key id (gateway/access.py) of the key that created it: only requests under the same
+    # key see it, so tenants cannot read, continue or delete each other's responses. Every
+    # request is "anonymous" where no keys are configured.
+    owner: str = ""
 
     def encode(self) -> bytes:
-        record = {"version": 1, "response": self.response, "input_items": self.input_items}
+        record = {
+            "version": 1,
+            "response": self.response,
+            "input_items": self.input_items,
+            "owner": self.owner,
+        }
         return json.dumps(record, ensure_ascii=False).encode("utf-8")
 
     @classmethod
@@ -50,7 +60,13 @@ class StoredResponse:
         response, items = record.get("response"), record.get("input_items")
         if not isinstance(response, dict) or not isinstance(items, list):
             raise ValueError("a stored response without its response or input items")
-        return cls(response=response, input_items=items)
+        owner = record.get("owner", "")
+        if not isinstance(owner, str):
+            raise ValueError("a stored response whose owner is not a key id")
+        return cls(response=response, input_items=items, owner=owner)
+
+    def seen_by(self, key_id: str) -> bool:
+        return hmac.compare_digest(self.owner, key_id)
 
     @property
     def conversation(self) -> list[dict[str, Any]]:

@@ -211,3 +211,26 @@ async def test_a_conversation_too_long_names_this_apis_fields(model_dir):
         )
         too_long = await client.post("/v1/responses", json=ask("word " * 5000))
         assert (await error_of(too_long, 400))["param"] == "input"
+
+
+async def test_a_stored_response_is_seen_only_under_the_key_that_made_it(model_dir, tok):
+    """Tenants apart: another key can neither read, list, continue nor delete a response, and
+    is told it does not exist (404), not that it is someone else's; its own key still can."""
+    store = MemoryResponseStore()
+    alice, bob = "key-alice", "key-bob"
+    async with serving(model_dir, response_store=store, api_key=[alice, bob]) as (client, d0):
+        client.session.headers["Authorization"] = f"Bearer {alice}"
+        _, out = await responded(client, d0, ask("Hi"), ids_of(tok, "Hello."))
+        path = f"/v1/responses/{out['id']}"
+        as_bob = {"Authorization": f"Bearer {bob}"}
+        for response in (
+            await client.get(path, headers=as_bob),
+            await client.get(path + "/input_items", headers=as_bob),
+            await client.delete(path, headers=as_bob),
+            await client.post(
+                "/v1/responses", json=ask("More", previous_response_id=out["id"]), headers=as_bob
+            ),
+        ):
+            assert (await error_of(response, 404))["type"] == "invalid_request_error"
+        assert (await client.get(path)).status == 200  # alice's, untouched
+        assert (await client.delete(path)).status == 200
