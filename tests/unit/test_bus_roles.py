@@ -1,15 +1,11 @@
 """Per-role NATS users (shared/bus/roles.py): each role may say exactly what its part of the flow
-needs, and the configuration written for nats-server is one it accepts (``nats-server -t``)."""
+needs (nats-server's ``-t`` checks of the configuration: tests/integration/test_nats_role_configs.py)."""
 
 from __future__ import annotations
 
-import subprocess
-from pathlib import Path
-
 import pytest
 
-from pdserve.services.control.processes import NatsServer, find_nats_server
-from pdserve.shared.bus.roles import ROLES, authorization_block, new_passwords, permissions
+from pdserve.shared.bus.roles import permissions
 from pdserve.shared.bus.subjects import Subjects
 from tests.bus_memory import subject_matches
 
@@ -77,36 +73,3 @@ def test_workers_answer_requests_through_allow_responses_only() -> None:
 def test_unknown_role_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown bus role"):
         permissions("pdserve", "attacker")
-
-
-def nats_config_test(conf: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [find_nats_server(), "-t", "-c", str(conf)],
-        capture_output=True,
-        text=True,
-        env=env or {},
-        timeout=30,
-    )
-
-
-def test_generated_config_is_accepted_by_nats_server(tmp_path: Path) -> None:
-    passwords = new_passwords()
-    assert set(passwords) == set(ROLES) and len(set(passwords.values())) == len(ROLES)
-    server = NatsServer(workdir=tmp_path, authorization=authorization_block("ns-1", passwords))
-    conf = tmp_path / "nats.conf"
-    conf.write_text(server.config_text())
-    done = nats_config_test(conf)
-    assert done.returncode == 0, done.stderr
-    for password in passwords.values():
-        assert f'password: "{password}"' in conf.read_text()
-
-
-def test_password_variables_are_resolved_by_nats_server(tmp_path: Path) -> None:
-    """Compose and Kubernetes hand the passwords to nats-server in its environment."""
-    refs = {role: f"$PDSERVE_NATS_{role.upper()}_PASSWORD" for role in ROLES}
-    conf = tmp_path / "roles.conf"
-    conf.write_text("port: 4222\n" + authorization_block("pdserve", refs))
-    env = {f"PDSERVE_NATS_{role.upper()}_PASSWORD": f"pw-{role}" for role in ROLES}
-    assert nats_config_test(conf, env).returncode == 0
-    missing = nats_config_test(conf, {})
-    assert missing.returncode != 0 and "PDSERVE_NATS_GATEWAY_PASSWORD" in missing.stderr

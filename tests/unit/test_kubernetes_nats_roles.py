@@ -1,18 +1,13 @@
 """compose/kubernetes/components/nats-roles: NATS users per role on Kubernetes. Its roles.conf is
-what shared/bus/roles.py writes and nats-server accepts (``-t``, with the rendered nats.conf it
-includes); rendered on overlays/cpu (examples/nats-roles), the NATS nodes run it with every
-password from the Secret, and each Deployment logs in as its own role.
+what shared/bus/roles.py writes; rendered on overlays/cpu (examples/nats-roles), each Deployment
+logs in as its own role (nats-server's checks: tests/integration/test_nats_role_configs.py).
 
 ``python -m tests.unit.test_kubernetes_nats_roles`` writes roles.conf again."""
 
 from __future__ import annotations
 
-import subprocess
-from pathlib import Path
-
 import pytest
 
-from pdserve.services.control.processes import find_nats_server
 from pdserve.shared.bus.roles import ROLES, authorization_block
 from tests.unit.test_kubernetes_manifests import KUBE, KUBECTL, of_kind, render
 
@@ -35,25 +30,6 @@ def test_roles_conf_is_what_roles_py_writes() -> None:
 
 
 pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl renders the manifests")
-
-
-def test_nats_nodes_run_roles_conf_with_the_passwords(tmp_path: Path) -> None:
-    objects = render("examples/nats-roles")
-    config = of_kind(objects, "ConfigMap")
-    (nats_config,) = [m for name, m in config.items() if name.startswith("nats-config")]
-    for name, text in nats_config["data"].items():
-        (tmp_path / name).write_text(text)
-    (container,) = of_kind(objects, "StatefulSet")["nats"]["spec"]["template"]["spec"]["containers"]
-    assert container["command"] == ["nats-server", "--config", "/etc/nats/roles.conf"]
-    env = {e["name"]: e for e in container["env"]}
-    passwords = {f"NATS_{role.upper()}_PASSWORD": f"pw-{role}" for role in ROLES}
-    for key in passwords:
-        assert env[key]["valueFrom"]["secretKeyRef"] == {"name": SECRET, "key": key}
-    test = [find_nats_server(), "-t", "-c", str(tmp_path / "roles.conf")]
-    done = subprocess.run(
-        test, env={**passwords, "POD_NAME": "nats-0"}, capture_output=True, text=True, timeout=30
-    )
-    assert done.returncode == 0, done.stderr
 
 
 def test_each_deployment_logs_in_as_its_role() -> None:
