@@ -27,6 +27,7 @@ from pdserve.gateway.key_limits import KeyLimits
 from pdserve.gateway.router import Router
 from pdserve.gateway.tokenizer import ChatTemplate, ModelTokenizer
 from pdserve.shared.bus.connection import Bus
+from pdserve.shared.bus.rejects import BusRejectCollector
 from pdserve.shared.config import BusConfig, EngineConfig, GatewayConfig
 from pdserve.shared.discovery.worker_registry import WorkerRegistry
 from pdserve.shared.sampling import SamplingParams
@@ -144,6 +145,7 @@ class Gateway:
         self.bus = bus if bus is not None else Bus(bus_config, self.gateway_id)
         self.workers = WorkerRegistry(self.bus, config.worker_timeout)
         self.metrics_registry.register(WorkerLoadCollector(self.workers.loads))
+        self.metrics_registry.register(BusRejectCollector(lambda: self.bus.stats.rejected_by))
         self.router = Router(
             routable=self.workers.routable,
             block_size=engine.block_size,

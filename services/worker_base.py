@@ -41,6 +41,7 @@ from pdserve.services.request_watch import RequestWatch
 from pdserve.services.worker_process import default_worker_id, set_torch_threads
 from pdserve.services.worker_report import WorkerReport
 from pdserve.shared.bus.connection import Bus
+from pdserve.shared.bus.rejects import BusRejectCollector
 from pdserve.shared.config import BusConfig, EngineConfig, WorkerConfig
 from pdserve.shared.options import build
 from pdserve.shared.telemetry import health, tracing
@@ -70,6 +71,7 @@ class Worker:
         self.engine_thread: EngineThread | None = None
         self.bus = bus if bus is not None else Bus(self.bus_config, self.worker_id)
         self.subjects = self.bus.subjects
+        self.metrics_registry.register(BusRejectCollector(lambda: self.bus.stats.rejected_by))
         self.health = health.Health(
             work_counts=self.work_counts, connected=lambda: self.bus.connected
         )

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 from typing import Any
 
 from nats.errors import Error as NatsError
@@ -28,6 +27,7 @@ from nats.js.kv import KeyValue
 
 from pdserve.gateway.responses.store import ResponseStore, StoredResponse, StoreFailed
 from pdserve.shared.bus.connection import Bus
+from pdserve.shared.bus.roles import responses_bucket
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,8 @@ class NoJetStream(Exception):
 
 
 def bucket_name(namespace: str) -> str:
-    """The KV bucket of a namespace (bucket names take letters, digits, - and _)."""
-    return re.sub(r"[^A-Za-z0-9_-]", "_", namespace) + "_responses"
+    """The KV bucket of a namespace (the gateway's bus permissions name it too)."""
+    return responses_bucket(namespace)
 
 
 class JetStreamResponseStore(ResponseStore):

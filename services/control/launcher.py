@@ -123,8 +123,10 @@ class Launcher:
             sum(counts.values()),
             sum(self.tps[role] * n for role, n in counts.items()),
         )
-        bus = dataclasses.replace(self.bus, nats_url=self.nats.start(avoid))
-        common = option_values(bus, self.engine)
+        url = self.nats.start(avoid)
+        # the launcher (its control channel, rollouts) speaks as control; each child as its role
+        self.bus = dataclasses.replace(self.bus, nats_url=url, **self.nats.credentials("control"))
+        common = option_values(self.bus, self.engine)
         threads = self._plan_cpus(sorted(os.sched_getaffinity(0)))
         if threads is not None:
             common["torch_threads"] = threads
@@ -143,8 +145,8 @@ class Launcher:
             print(f"pdserve: worker CPUs ({placed})", flush=True)
         if self.autoscaler is not None:  # the warm pool loads beside the starting fleet
             self.autoscaler.refill()
-        env = service_env({**common, **option_values(self.gateway)})
-        self.children.append(spawn("gateway", service_argv("gateway"), env))
+        gateway = {**common, **self.nats.credentials("gateway"), **option_values(self.gateway)}
+        self.children.append(spawn("gateway", service_argv("gateway"), service_env(gateway)))
 
     def _check_tensor_parallel(self) -> None:
         """Refuse a TP size the model or the GPUs cannot take, before any process starts."""
@@ -211,6 +213,7 @@ class Launcher:
         nats_url = self.nats.client_url(slot)
         if nats_url is not None:  # spread the workers over a cluster's nodes
             common = {**common, "nats_url": nats_url}
+        common = {**common, **self.nats.credentials(role)}
         if common.get("kv_offload_disk"):  # a directory each: a disk tier evicts what it indexed
             common = {
                 **common,

@@ -12,6 +12,12 @@ in a store under pdserve's cache directory (``PDSERVE_CACHE_DIR``, default ~/.ca
 outlive a restart of the stack. nats-server does not lock its store, and two servers writing one
 would corrupt it, so ``StoreDir`` does: a second ``pdserve up`` on the machine gets a temporary
 store, and says so.
+
+Unless the user brought credentials (``--nats-token``, ``--nats-user``, ``--nats-creds``), the
+NATS that pdserve starts has one user per role (shared/bus/roles.py) with a password made for
+this run: each process gets its own role's (``credentials``), so a worker's cannot send what
+only a gateway may. The control role's (``pdserve rollout``, ``pdserve doctor``) is written to
+``control.env`` beside the server's config, readable by this user alone.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 from pdserve.services.control.processes import NatsCluster, NatsServer
+from pdserve.shared.bus.roles import authorization_block, new_passwords
 from pdserve.shared.config import BusConfig, UpConfig
 from pdserve.shared.models.demo import cache_dir
 
@@ -68,6 +75,34 @@ class LocalNats:
         self.server: NatsServer | None = None
         self.cluster: NatsCluster | None = None
         self.store: StoreDir | None = None
+        # role -> password; None: the user's own credentials (or none) for every process
+        self.passwords: dict[str, str] | None = None
+        self.control_env: Path | None = None
+
+    def _roles(self) -> str:
+        """The authorization block of a bus with per-role users ("" when the user brought
+        credentials of their own, which then serve every process as before)."""
+        if self.bus.nats_token or self.bus.nats_user or self.bus.nats_creds:
+            return ""
+        self.passwords = new_passwords()
+        return authorization_block(self.bus.namespace, self.passwords)
+
+    def credentials(self, role: str) -> dict[str, str]:
+        """The options that make a process of ``role`` log in as its role ({} without roles)."""
+        if self.passwords is None:
+            return {}
+        return {"nats_user": role, "nats_password": self.passwords[role]}
+
+    def _write_control_env(self, workdir: Path, url: str) -> None:
+        if self.passwords is None:
+            return
+        self.control_env = workdir / "control.env"
+        fd = os.open(self.control_env, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(
+                f"PDSERVE_NATS_URL={url}\nPDSERVE_NATS_USER=control\n"
+                f"PDSERVE_NATS_PASSWORD={self.passwords['control']}\n"
+            )
 
     def start(self, avoid: frozenset[int]) -> str:
         """Start what the flags ask for (nothing with ``--nats-url``), on ports outside
@@ -77,6 +112,7 @@ class LocalNats:
         if self.up.nats_cluster > 1:
             self.store = StoreDir(f"cluster-{self.up.nats_cluster}")
             self.cluster = self._start_cluster(avoid, self.store.acquire())
+            self._write_control_env(self.cluster.nodes[0].workdir, self.cluster.url)
             return self.cluster.url
         self.store = StoreDir("jetstream")
         self.server = NatsServer(
@@ -86,10 +122,12 @@ class LocalNats:
             password=self.bus.nats_password,
             avoid_ports=avoid,
             jetstream_dir=self.store.acquire(),
+            authorization=self._roles(),
         )
         # its chatter goes to a file; the services' logs stay readable on the terminal
         self.server.log_path = self.server.workdir / "nats-server.log"
         self.server.start()
+        self._write_control_env(self.server.workdir, self.server.url)
         return self.server.url
 
     def _start_cluster(self, avoid: frozenset[int], jetstream: Path) -> NatsCluster:
@@ -105,6 +143,7 @@ class LocalNats:
             user=self.bus.nats_user,
             password=self.bus.nats_password,
             avoid_ports=avoid,
+            authorization=self._roles(),
         )
         cluster.start()
         return cluster
@@ -135,6 +174,8 @@ class LocalNats:
 
     def banner(self) -> str:
         store = f", {self.store.describe()}" if self.store is not None else ""
+        if self.control_env is not None:
+            store += f", a user per role (control's in {self.control_env})"
         if self.cluster is not None:
             nodes = self.cluster.nodes
             return (

@@ -199,6 +199,9 @@ class NatsServer:
     avoid_ports: frozenset[int] = frozenset()  # promised elsewhere: never picked (free_port)
     # JetStream's store directory (the gateway keeps stored responses there); None: no JetStream
     jetstream_dir: Path | None = None
+    # an ``authorization { users = [...] }`` block (shared/bus/roles.py): one user per role
+    # instead of ``token`` or ``user``
+    authorization: str = ""
 
     @property
     def url(self) -> str:
@@ -229,12 +232,14 @@ class NatsServer:
             ]
         if self.jetstream_dir is not None:  # a cluster's nodes replicate by their server_name
             lines += ["jetstream {", f"  store_dir: {json.dumps(str(self.jetstream_dir))}", "}"]
-        return "\n".join(lines) + "\n"
+        text = "\n".join(lines) + "\n"
+        return text + self.authorization
 
     def start(self, timeout: float = 10.0) -> None:
         if not self.port:
             self.port = free_port(self.host, self.avoid_ports)
         conf = self.workdir / (f"{self.server_name}.conf" if self.server_name else "nats.conf")
+        conf.touch(mode=0o600)  # it may hold the bus's passwords
         conf.write_text(self.config_text())
         argv = [
             *self.argv_prefix,
@@ -248,9 +253,9 @@ class NatsServer:
         ]
         if self.monitor_port:
             argv += ["-m", str(self.monitor_port)]
-        if self.token:
+        if self.token and not self.authorization:  # with it, the users are in the config
             argv += ["--auth", self.token]
-        elif self.user:
+        elif self.user and not self.authorization:
             argv += ["--user", self.user, "--pass", self.password or ""]
         if self.tls_cert:
             argv += ["--tls", "--tlscert", str(self.tls_cert), "--tlskey", str(self.tls_key)]

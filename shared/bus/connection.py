@@ -26,6 +26,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import AuthorizationError
 
 from pdserve.shared.bus.protocol import Message, ProtocolError, decode_as, encode
+from pdserve.shared.bus.rejects import reject_reason, subject_kind
 from pdserve.shared.bus.replay import ReplayWindow
 from pdserve.shared.bus.subjects import Subjects
 from pdserve.shared.config import BusConfig
@@ -39,6 +40,8 @@ Handler = Callable[[Any, dict[str, str]], Awaitable[None]]
 class BusStats:
     received: int = 0
     rejected: int = 0  # oversized or failed the schema check
+    # the same, by (subject kind, reason): pdserve_bus_rejected_messages_total (rejects.py)
+    rejected_by: dict[tuple[str, str], int] = field(default_factory=dict)
     handler_errors: int = 0
     reconnects: int = 0
     dropped: int = 0  # published while the connection was down (see Bus.publish)
@@ -269,7 +272,7 @@ class Bus:
             try:
                 msg = decode_as(raw.data, *accept, max_bytes=self.max_bytes)
             except ProtocolError as exc:
-                self._rejected(raw.subject, exc)
+                self.count_rejected(raw.subject, exc)
                 return
             try:
                 await handler(msg, dict(raw.headers or {}))
@@ -305,8 +308,12 @@ class Bus:
         self.stats.dropped += 1
         log.debug("dropped %s on %s while disconnected", msg.TYPE, subject)
 
-    def _rejected(self, subject: str, exc: Exception) -> None:
+    def count_rejected(self, subject: str, exc: Exception) -> None:
+        """Count (and, rate-limited, log) a message dropped by a decoder: ``Bus.subscribe``'s,
+        and those of handlers that subscribe on ``nc`` directly (request/reply)."""
         self.stats.rejected += 1
+        key = (subject_kind(subject, self.subjects.namespace), reject_reason(exc))
+        self.stats.rejected_by[key] = self.stats.rejected_by.get(key, 0) + 1
         now = time.monotonic()
         if now - self.stats.last_reject_log > 5.0:  # a flood of junk must not flood the log
             self.stats.last_reject_log = now

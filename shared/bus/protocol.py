@@ -112,34 +112,79 @@ def encode(msg: Message) -> bytes:
 # decoding and checking (shared.wire_check)
 
 
+def _unpack(data: bytes | bytearray | memoryview, max_bytes: int) -> Any:
+    """msgpack bytes to Python values, every size bounded before memory is spent on it.
+
+    The byte limit bounds strings and the number of values, but not their cost: one byte
+    (``0x80``, an empty map) becomes a 64-byte dict, so 8 MiB of them would take half a GiB.
+    ``_ContainerBudget`` stops the unpacker past ``MAX_CONTAINERS`` maps and arrays. Nesting
+    past msgpack's own stack (1024 levels) fails in the unpacker; the checker refuses anything
+    deeper than ``MAX_DEPTH`` after it."""
+    budget = _ContainerBudget()
+    return msgpack.unpackb(
+        data,
+        raw=False,
+        strict_map_key=True,
+        max_str_len=max_bytes,
+        max_bin_len=0,  # we never send binary blobs on the bus
+        max_ext_len=0,
+        max_array_len=MAX_TOKENS,
+        max_map_len=64,
+        object_hook=budget.map,
+        list_hook=budget.array,
+    )
+
+
+# Maps and arrays in one message. The largest honest message, a TokenBatch of MAX_BATCH_ITEMS
+# items each with log-probs for its tokens and its prompt, holds about 12 per item (~50k).
+MAX_CONTAINERS = 1 << 17
+
+
+class _ContainerBudget:
+    __slots__ = ("left",)
+
+    def __init__(self) -> None:
+        self.left = MAX_CONTAINERS
+
+    def map(self, value: dict) -> dict:
+        self.left -= 1
+        if self.left < 0:
+            raise ProtocolError(f"more than {MAX_CONTAINERS} maps and arrays", "malformed")
+        return value
+
+    def array(self, value: list) -> list:
+        self.left -= 1
+        if self.left < 0:
+            raise ProtocolError(f"more than {MAX_CONTAINERS} maps and arrays", "malformed")
+        return value
+
+
 def decode(data: bytes, max_bytes: int = 8 * 1024 * 1024) -> Message:
-    """Parse and check one bus message. Raises ProtocolError on anything that does not fit."""
+    """Parse and check one bus message. Raises ProtocolError on anything that does not fit;
+    its ``reason`` says which check failed."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise ProtocolError("message is not bytes")
+        raise ProtocolError("message is not bytes", "malformed")
     if len(data) > max_bytes:
-        raise ProtocolError(f"message of {len(data)} bytes exceeds the {max_bytes} byte limit")
-    try:
-        body = msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-            max_str_len=max_bytes,
-            max_bin_len=0,  # we never send binary blobs on the bus
-            max_ext_len=0,
-            max_array_len=MAX_TOKENS,
-            max_map_len=64,
+        raise ProtocolError(
+            f"message of {len(data)} bytes exceeds the {max_bytes} byte limit", "too_large"
         )
+    try:
+        body = _unpack(data, max_bytes)
+    except ProtocolError:
+        raise
     except Exception as exc:  # msgpack raises several unrelated types for malformed input
-        raise ProtocolError(f"not a valid msgpack message: {type(exc).__name__}: {exc}") from None
+        raise ProtocolError(
+            f"not a valid msgpack message: {type(exc).__name__}: {exc}"[:200], "malformed"
+        ) from None
     if type(body) is not dict:
-        raise ProtocolError("message is not a map")
+        raise ProtocolError("message is not a map", "malformed")
     version = body.get("v")
     if type(version) is not int or version != PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {version!r}")
+        raise ProtocolError(f"unsupported protocol version {str(version)[:20]!r}", "version")
     kind = body.get("type")
     cls = MESSAGE_TYPES.get(kind) if type(kind) is str else None
     if cls is None:
-        raise ProtocolError(f"unknown message type {str(kind)[:40]!r}")
+        raise ProtocolError(f"unknown message type {str(kind)[:40]!r}", "unknown_type")
     return _CHECKER.build(cls, body, cls.TYPE, 0, skip=("v", "type"))
 
 
@@ -148,5 +193,5 @@ def decode_as(data: bytes, *classes: type, max_bytes: int = 8 * 1024 * 1024) -> 
     msg = decode(data, max_bytes)
     if not isinstance(msg, classes):
         names = ", ".join(c.TYPE for c in classes)
-        raise ProtocolError(f"expected {names}, got {msg.TYPE}")
+        raise ProtocolError(f"expected {names}, got {msg.TYPE}", "unexpected_type")
     return msg

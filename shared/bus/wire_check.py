@@ -19,7 +19,19 @@ INT64_MAX = (1 << 63) - 1
 
 
 class ProtocolError(ValueError):
-    """A bus message that does not fit the protocol; it is dropped, never half-used."""
+    """A bus message that does not fit the protocol; it is dropped, never half-used.
+
+    ``reason`` is a short label, one of ``REJECT_REASONS``, for the rejected-messages counter
+    (``pdserve_bus_rejected_messages_total``): too_large, malformed (not msgpack, or past the
+    unpacker's limits), version, unknown_type, unexpected_type (a known type on the wrong
+    subject) or schema (a field's type or bounds)."""
+
+    def __init__(self, message: str, reason: str = "schema") -> None:
+        super().__init__(message)
+        self.reason = reason if reason in REJECT_REASONS else "schema"
+
+
+REJECT_REASONS = ("too_large", "malformed", "version", "unknown_type", "unexpected_type", "schema")
 
 
 def _fail(path: str, why: str) -> typing.NoReturn:

@@ -68,7 +68,7 @@ async def answer_resets(
         try:
             msg = decode_as(raw.data, ResetPrefixCache, max_bytes=bus.max_bytes)
         except ProtocolError as exc:
-            log.warning("rejected admin request on %s: %s", raw.subject, exc)
+            bus.count_rejected(raw.subject, exc)
             return
         if not raw.reply:
             return

@@ -257,7 +257,10 @@ class WorkerRegistry:
         try:
             reply = await self.bus.nc.request(self.bus.subjects.ping(worker_id), b"", timeout)
             return decode_as(reply.data, WorkerLoad, max_bytes=self.bus.max_bytes)
-        except (NoRespondersError, asyncio.TimeoutError, ProtocolError):
+        except ProtocolError as exc:
+            self.bus.count_rejected(self.bus.subjects.ping(worker_id), exc)
+            return None
+        except (NoRespondersError, asyncio.TimeoutError):
             return None
         except Exception as exc:  # nats-py's own timeout type, a closed connection...
             log.debug("ping of %s failed: %s", worker_id, exc)

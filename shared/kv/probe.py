@@ -139,7 +139,7 @@ async def answer_probes(
         try:
             msg = decode_as(raw.data, *accept, max_bytes=bus.max_bytes)
         except ProtocolError as exc:
-            log.warning("rejected probe on %s: %s", raw.subject, exc)
+            bus.count_rejected(raw.subject, exc)
             return
         if not raw.reply:
             return

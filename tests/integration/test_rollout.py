@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import subprocess
 import sys
@@ -68,10 +69,13 @@ async def steady(
     return results
 
 
-async def rollout(nats_url: str, *args: str) -> tuple[int, str, str]:
+async def rollout(control: Path, *args: str) -> tuple[int, str, str]:
+    """``pdserve rollout ARGS`` logged in as the stack's control role (its ``control.env``)."""
+    login = dict(line.split("=", 1) for line in control.read_text().splitlines() if "=" in line)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "pdserve.cli", "rollout", "--nats-url", nats_url, *args,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        sys.executable, "-m", "pdserve.cli", "rollout", *args,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**env, **login},
     )  # fmt: skip
     out, err = await asyncio.wait_for(proc.communicate(), 300)
     return proc.returncode, out.decode(), err.decode()
@@ -89,7 +93,7 @@ async def test_rollout_under_load_switches_versions_and_rolls_back_bad_ones(
     env = {"PDSERVE_HEARTBEAT_SECONDS": "0.2", "PDSERVE_DRAIN_SECONDS": "20"}
     log = tmp_path / "up.log"
     with pdserve_up(args, log, env):
-        nats_url = re.search(r"nats: (nats://[0-9.:]+)", log.read_text()).group(1)
+        control = Path(re.search(r"control's in (\S+?)\)", log.read_text()).group(1))
         assert card(gateway)["model_versions"] == ["v1"]
         async with aiohttp.ClientSession() as session:
             before = await answer(session, gateway)
@@ -99,14 +103,14 @@ async def test_rollout_under_load_switches_versions_and_rolls_back_bad_ones(
         await asyncio.sleep(1.0)
 
         # 1. the new workers cannot load: rolled back, v1 serves on
-        rc, out, err = await rollout(nats_url, "--model", str(tmp_path / "missing"),
+        rc, out, err = await rollout(control, "--model", str(tmp_path / "missing"),
                                      "--model-version", "broken")  # fmt: skip
         assert rc == 1 and "exited with" in err and "while loading" in err, (out, err)
         assert json.loads(out)["rolled_back"] is True
         assert card(gateway)["model_versions"] == ["v1"]
 
         # 2. v2 under load: switch, old drained
-        rc, out, err = await rollout(nats_url, "--model", str(v2), "--model-version", "v2")
+        rc, out, err = await rollout(control, "--model", str(v2), "--model-version", "v2")
         assert rc == 0, (out, err)
         done = json.loads(out)
         assert done["version"] == "v2" and done["old_versions"] == ["v1"]
@@ -118,7 +122,7 @@ async def test_rollout_under_load_switches_versions_and_rolls_back_bad_ones(
         assert after != before  # other weights answer: v2 serves
 
         # 3. the probe's answer is wrong: rolled back, v2 serves on
-        rc, out, err = await rollout(nats_url, "--model", str(v1), "--model-version", "v1-again",
+        rc, out, err = await rollout(control, "--model", str(v1), "--model-version", "v1-again",
                                      "--expect-tokens", "0,0,0,0")  # fmt: skip
         assert rc == 1 and "verification failed" in err, (out, err)
         assert card(gateway)["model_versions"] == ["v2"]
