@@ -36,9 +36,21 @@ def metrics_key(gateway: GatewayConfig) -> str | None:
     return gateway.metrics_api_key[0] if gateway.metrics_api_key else None
 
 
-def metrics_request(base_url: str, key: str | None) -> urllib.request.Request:
+def user_key(gateway: GatewayConfig) -> str | None:
+    """The key ``pdserve up``'s own reads of the gateway's API present (a rollout's
+    /v1/models): an --api-key, or an admin key (which user routes take too); None while the
+    API is open."""
+    keys = gateway.api_key or gateway.admin_api_key
+    return keys[0] if keys else None
+
+
+def keyed_request(url: str, key: str | None) -> urllib.request.Request:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return urllib.request.Request(base_url + "/metrics", headers=headers)
+    return urllib.request.Request(url, headers=headers)
+
+
+def metrics_request(base_url: str, key: str | None) -> urllib.request.Request:
+    return keyed_request(base_url + "/metrics", key)
 
 
 def registered_names(base_url: str, key: str | None = None) -> set[str]:

@@ -37,7 +37,7 @@ from typing import Any
 
 from pdserve.services.control import version_probe
 from pdserve.services.control.channel import ControlListener, ControlRequest
-from pdserve.services.control.launch_checks import registered_names
+from pdserve.services.control.launch_checks import keyed_request, registered_names, user_key
 from pdserve.services.control.processes import Child
 from pdserve.services.standby import PROMOTE_SIGNAL, derive_version
 
@@ -46,8 +46,9 @@ SWITCH_TIMEOUT = 10.0  # promoted workers reach the gateway's table within a hea
 KILL_AFTER_DRAIN = 30.0
 
 
-def models_card(gateway_url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(gateway_url + "/v1/models", timeout=5.0) as resp:
+def models_card(gateway_url: str, key: str | None) -> dict[str, Any]:
+    request = keyed_request(gateway_url + "/v1/models", key)
+    with urllib.request.urlopen(request, timeout=5.0) as resp:
         return json.loads(resp.read())["data"][0]
 
 
@@ -64,7 +65,7 @@ class Rollout:
             raise RolloutFailed('"model" is required')
         if fleet.autoscaler is not None:
             raise RolloutFailed("a rollout beside --autoscale is not supported yet")
-        card = models_card(gateway_url)
+        card = models_card(gateway_url, user_key(fleet.gateway))
         served = body.get("served_model_name") or card["id"]
         if served != card["id"]:
             raise RolloutFailed(
@@ -160,7 +161,9 @@ class Rollout:
         self.phase, self.deadline = "switch", time.monotonic() + SWITCH_TIMEOUT
 
     def _switch(self) -> None:
-        if self.version not in models_card(self.url).get("model_versions", []):
+        if self.version not in models_card(self.url, user_key(self.fleet.gateway)).get(
+            "model_versions", []
+        ):
             if time.monotonic() < self.deadline:
                 return
             self.say(f"the gateway does not list {self.version} yet: draining the old anyway")

@@ -35,6 +35,9 @@ class Fleet:
     worker: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(drain_seconds=5.0))
     common: dict = field(default_factory=dict)
     metrics_key: str | None = None
+    gateway: SimpleNamespace = field(
+        default_factory=lambda: SimpleNamespace(api_key=["user-key"], admin_api_key=[])
+    )
 
 
 def until(check, timeout: float = 10.0) -> None:
@@ -54,8 +57,13 @@ def switching(monkeypatch, tmp_path):
         fleet.started[name] = SimpleNamespace(role=role)
     for child in fleet.children:  # its SIGTERM handler is in place
         until(lambda c=child: c.log_path.read_text().startswith("ready"))
+
     # the gateway lists the new version: the switch may go on
-    monkeypatch.setattr(rollout, "models_card", lambda url: {"model_versions": ["v1", "v2"]})
+    def models_card(url: str, key: str | None) -> dict:
+        assert key == "user-key"  # /v1/models is read with the gateway's API key
+        return {"model_versions": ["v1", "v2"]}
+
+    monkeypatch.setattr(rollout, "models_card", models_card)
     r = object.__new__(rollout.Rollout)
     r.fleet, r.url, r.t0, r.times = fleet, "http://gateway", time.monotonic(), {}
     r.version, r.old_versions, r.probed = "v2", ["v1"], "ok"
