@@ -9,8 +9,9 @@ copies a fork needs wait in ``block_copies`` for the engine.
 
 A batch serves running sequences oldest-first (a decode's token, a prompt's next chunk, a
 draft's 1 + k tokens), then admits waiting ones in arrival order while slots, token budget and
-blocks last (under ``--scheduling-policy priority``, in priority order: ``wait_queue.py``, which
-also orders the decode side's pulls and picks preemption victims). One admission policy for
+blocks last (under ``--scheduling-policy priority`` both in rank order, a prompt's chunks
+yielding to a better-ranked head: ``wait_queue.py``, which also orders the decode side's pulls
+and picks preemption victims). One admission policy for
 local prompts and pulls (``remote_kv``: blocks reserved, no budget): the blocks needed, plus a little headroom once others run, must be free - checked
 before anything is attached, so a head that does not fit leaves the prefix cache and its
 counters as they were. A running sequence short of a block preempts the newest one (under
@@ -180,6 +181,9 @@ class Scheduler(KVArrivals):
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self.waiting.defers(seq) and self._head_admissible():
+                i += 1  # its next prompt chunk yields to a better-ranked head (wait_queue.py)
+                continue
             if seq.spec_token_ids:  # cut to the budget and to blocks no later one may need
                 later = len(self.running) - i - 1
                 seq.cut_draft(
@@ -223,6 +227,11 @@ class Scheduler(KVArrivals):
     def _num_slots(self) -> int:
         """How many more sequences may run (or pull) within ``max_num_seqs``."""
         return self.max_num_seqs - len(self.running) - len(self.pulling)
+
+    def _head_admissible(self) -> bool:
+        """The head of the queue may be admitted this step: a slot is free and its blocks did
+        not fail to fit last time (else a deferred prompt would wait for nothing)."""
+        return self._num_slots() > 0 and self._blocked is not self.waiting[0]
 
     def _headroom(self) -> int:
         """Free blocks admission leaves once others run, so their decodes can grow without
@@ -278,7 +287,7 @@ class Scheduler(KVArrivals):
 
     def _run(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        self.waiting.place(self.running, seq)
 
     def _wait_first(self, seq: Sequence, status: SequenceStatus = SequenceStatus.WAITING) -> None:
         """Back to the front of the queue, to be computed (again) before anyone else."""

@@ -13,6 +13,10 @@ order never changes while they wait: the rank ``priority * aging + arrival`` is 
 (a priority p + 1 request that has waited ``aging`` seconds ties with a fresh priority p one). So
 the queue is kept sorted by insertion (``bisect``), and nothing is re-sorted per step.
 
+Under priority the running list is kept by rank too (a step serves it in order), and a running
+sequence still prefilling skips its chunk while the head of the queue outranks it: a
+high-priority arrival is admitted at the next step, not after every admitted prompt's chunks.
+
 On the decode side the same rank orders the admission of pulls (the KV of the better-ranked
 request is reserved, and so pulled, first) and picks preemption victims: the worst rank among
 those still to run this step (lowest priority, latest arrival), where fcfs takes the newest.
@@ -92,6 +96,24 @@ class WaitQueue:
         if self.by_priority:
             return (seq for _, _, seq in self._sorted)
         return iter(self._fifo)
+
+    def place(self, running: list[Sequence], seq: Sequence) -> None:
+        """Add ``seq`` to the running list, which a step serves in order: last under fcfs
+        (oldest first), by rank under priority (a high-priority prompt's chunks go first)."""
+        if self.by_priority:
+            bisect.insort(running, seq, key=self.rank)
+        else:
+            running.append(seq)
+
+    def defers(self, seq: Sequence) -> bool:
+        """Under priority, whether running ``seq``'s next prompt chunk waits this step: it is
+        still prefilling and the head of the queue outranks it, so the step's token budget
+        goes to admitting the head instead (a decode's one token never waits). Without it a
+        high-priority arrival would wait for every admitted prompt's chunks to finish."""
+        if not self._sorted or seq.num_uncomputed_tokens <= 1:
+            return False
+        rank, _, head = self._sorted[0]
+        return not head.remote_kv and self.rank(seq) > rank  # (a pull takes no token budget)
 
     def victim(self, running: list[Sequence], start: int) -> Sequence:
         """The running sequence to preempt for room, among ``running[start:]`` (those before

@@ -101,3 +101,31 @@ def test_an_aborted_waiting_request_leaves_the_priority_queue():
     batch = sch.schedule()
     outs, _ = sch.update_from_output(batch, fake_run(batch, lambda s: [TOKEN]))
     assert said(outs) == [("x", [TOKEN], "length")] and not sch.has_work()
+
+
+def test_a_high_priority_arrival_is_admitted_while_a_low_prompt_is_mid_prefill():
+    sch = create_scheduler(num_blocks=32, max_num_batched_tokens=4, scheduling_policy="priority")
+    add(sch, "low", list(range(10, 30)), prio(5, max_tokens=1))  # five chunks of 4
+    step(sch)
+    add(sch, "high", [3, 4, 5], prio(0, max_tokens=1))
+    _, outs, _ = step(sch)  # the low prompt's chunk waits: the budget admits "high"
+    assert said(outs) == [("high", [TOKEN], "length")]
+    firsts = []
+    while sch.has_work():
+        _, outs, _ = step(sch)
+        firsts += [o.bus_id for o in outs]
+    assert firsts == ["low"]
+
+
+def test_a_prompt_is_never_deferred_for_a_head_that_cannot_be_admitted():
+    sch = create_scheduler(
+        num_blocks=32, max_num_seqs=1, max_num_batched_tokens=4, scheduling_policy="priority"
+    )
+    add(sch, "low", list(range(10, 30)), prio(5, max_tokens=1))
+    step(sch)
+    add(sch, "high", [3, 4, 5], prio(0, max_tokens=1))  # no slot while "low" runs
+    firsts = []
+    for _ in range(10):
+        _, outs, _ = step(sch)
+        firsts += [o.bus_id for o in outs]
+    assert firsts == ["low", "high"] and not sch.has_work()
