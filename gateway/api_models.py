@@ -77,6 +77,9 @@ class GenerationParams:
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: all that fit)
     reply_role: str = "assistant"  # chat: the last message's without a generation prompt
     chat_echo: str = ""  # chat echo: the text the reply starts with (the last message's)
+    # vLLM's tenancy fields (gateway/tenancy.py): the client's salt, before the key's is added
+    cache_salt: str | None = None
+    priority: int = 0
 
 
 @dataclass
@@ -219,6 +222,8 @@ def _params(
         prompt_logprobs=req.prompt_logprobs_asked,
         return_token_ids=bool(req.return_token_ids),
         truncate_prompt_tokens=req.truncate_prompt_tokens,
+        cache_salt=req.cache_salt,
+        priority=given(req.priority, 0),
     )
 
 

@@ -140,6 +140,7 @@ class Gateway:
         self.gateway_id = gateway_id or new_gateway_id()
         self.model = ServedModel.load(engine)
         self.block_size = engine.block_size
+        self.scheduling_policy = engine.scheduling_policy  # the workers': priority needs it
         self.metrics_registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.metrics_registry)
         self.bus = bus if bus is not None else Bus(bus_config, self.gateway_id)
@@ -217,8 +218,11 @@ class Gateway:
             return self.model.max_model_len
         return min(self.model.max_model_len, max(capacities))
 
-    def sampling_params(self, p: GenerationParams, max_tokens: int) -> SamplingParams:
-        """The engine's parameters for one prompt of the request ``p``."""
+    def sampling_params(
+        self, p: GenerationParams, max_tokens: int, cache_salt: str | None = None
+    ) -> SamplingParams:
+        """The engine's parameters for one prompt of the request ``p``; ``cache_salt``: the
+        digest its blocks are hashed under (``tenancy.request_salt``)."""
         eos = [] if p.ignore_eos else list(self.model.tokenizer.eos_token_ids)
         stop_ids = list(dict.fromkeys(eos + p.stop_token_ids))
         logprobs = p.logprobs
@@ -245,6 +249,8 @@ class Gateway:
             logit_bias_values=[float(v) for v in bias.values()],
             guided=p.guided,
             speculate=p.speculate,
+            priority=p.priority,
+            cache_salt=cache_salt,
         )
 
 

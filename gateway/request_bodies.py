@@ -36,6 +36,7 @@ from pdserve.gateway.schema_base import (
     field_error,
     shaped,
 )
+from pdserve.gateway.tenancy import TenancyFields
 from pdserve.gateway.tools.request import ToolCallId, ToolCalls, ToolFields
 from pdserve.gateway.vllm_fields import ChatVllmFields, VllmFields
 from pdserve.shared.sampling import MAX_MAX_TOKENS
@@ -190,7 +191,9 @@ class ModelField(StrictModel):
     model: Annotated[str, Field(min_length=1)] = Field(description="the served model's name")
 
 
-class CommonFields(NeutralFields, GuidedFields, StreamFields, SamplingFields, ModelField):
+class CommonFields(
+    TenancyFields, NeutralFields, GuidedFields, StreamFields, SamplingFields, ModelField
+):
     """What both endpoints take."""
 
     def _check_min_tokens(self, max_tokens: int | None) -> None:

@@ -54,7 +54,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pdserve.shared.bus.discovery_messages import WorkerLoad
-from pdserve.shared.kv.layout import prefix_block_hashes
+from pdserve.shared.kv.layout import ROOT_HASH, prefix_block_hashes
 
 MAX_REMEMBER_SECONDS = 2.0  # a few heartbeat intervals
 # Cost of one prompt block a worker must compute, relative to one block of work queued there.
@@ -190,18 +190,21 @@ class Router:
         while len(expected) > MAX_EXPECTED_BLOCKS:
             expected.popitem(last=False)
 
-    def prefill_costs(self, prompt: list[int]) -> dict[str, float]:
+    def prefill_costs(self, prompt: list[int], root: int = ROOT_HASH) -> dict[str, float]:
         """Every live prefill worker's cost for this prompt (for inspection and tests)."""
-        return {c.worker.worker_id: c.cost for c in self._costs(prompt, self.serving("prefill"))}
+        costs = self._costs(prompt, self.serving("prefill"), root)
+        return {c.worker.worker_id: c.cost for c in costs}
 
-    def _costs(self, prompt: list[int], candidates: list[WorkerLoad]) -> list[_Cost]:
+    def _costs(
+        self, prompt: list[int], candidates: list[WorkerLoad], root: int = ROOT_HASH
+    ) -> list[_Cost]:
         typical = self._typical_blocks or self.blocks_for(len(prompt))
         by_size: dict[int, list[int]] = {}
         out = []
         for w in candidates:
             size = w.block_size or self.block_size or 16
             if size not in by_size:
-                by_size[size] = prefix_block_hashes(prompt, size)
+                by_size[size] = prefix_block_hashes(prompt, size, root)
             hashes = by_size[size]
             # The worker computes at least the last prompt token (it needs its logits), so it
             # reuses at most the full blocks before that token.
@@ -214,9 +217,14 @@ class Router:
         return out
 
     def pick_prefill(
-        self, prompt: list[int], exclude: set[str] | None = None, bus_id: str | None = None
+        self,
+        prompt: list[int],
+        exclude: set[str] | None = None,
+        bus_id: str | None = None,
+        root: int = ROOT_HASH,
     ) -> str | None:
-        """The prefill worker with the lowest cost for this prompt (see the module docstring).
+        """The prefill worker with the lowest cost for this prompt (see the module docstring);
+        ``root``: its cache salt's chain (``chain_root``), whose blocks only count.
 
         With ``bus_id``, call ``prefill_done(bus_id)`` when its prefill answer arrives:
         its work then stops counting as queued at once, not only at the worker's next report.
@@ -231,7 +239,7 @@ class Router:
         if "" not in pullable:  # every decode worker says which blocks it can pull
             fitting = [w for w in candidates if w.kv_layout in pullable or not w.kv_layout]
             candidates = fitting or candidates  # none: the pull's refusal will say why
-        costs = self._costs(prompt, candidates)
+        costs = self._costs(prompt, candidates, root)
         if self.prefill_policy == "round-robin":
             costs.sort(key=lambda c: c.worker.worker_id)
             best = costs[self._turn % len(costs)]

@@ -21,7 +21,9 @@ from pdserve.gateway.access import ANONYMOUS, KEY_ID_KEY
 from pdserve.gateway.api_models import GenerationParams, check_length
 from pdserve.gateway.app_state import ARRIVED_KEY, CLIENT_ID_KEY, Gateway
 from pdserve.gateway.generation import Generation, Progress, Prompt
+from pdserve.gateway.middlewares import presented_key
 from pdserve.gateway.streaming import stream_response
+from pdserve.gateway.tenancy import check_priority, request_salt
 from pdserve.gateway.whole_answer import complete
 from pdserve.shared.telemetry import tracing as tr
 
@@ -45,6 +47,9 @@ async def serve_generation(
     """Admit the request (``prompts``: already validated and tokenized), answer it with
     ``respond``, and account for it however it ends."""
     client_id: str = request[CLIENT_ID_KEY]
+    check_priority(gw.scheduling_policy, params.priority)
+    key = presented_key(request) if gw.config.api_key else ""
+    salt = request_salt(gw.config.prefix_cache_scope, key, params.cache_salt)
     limit = gw.context_limit()
     max_tokens = [
         check_length(len(p.ids), params.max_tokens, limit, gw.config.max_prompt_tokens)
@@ -76,7 +81,7 @@ async def serve_generation(
             operation=operation,
             params=params,
             prompts=prompts,
-            samplings=[gw.sampling_params(params, m) for m in max_tokens],
+            samplings=[gw.sampling_params(params, m, salt) for m in max_tokens],
             client_id=client_id,
             progress=Progress(
                 prompt_tokens=total_prompt, arrived=request[ARRIVED_KEY], charge=ticket.charge

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pdserve.shared.errors import StartupError
 from pdserve.shared.gateway_edge_options import GatewayEdgeOptions, check_edge
 from pdserve.shared.options import opt
+from pdserve.shared.scheduling_options import SchedulingOptions
 from pdserve.shared.speculative_options import SPECULATIVE_METHODS, speculative_problem
 
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "pythonic")  # gateway/tools/setup.PARSERS
@@ -39,7 +40,7 @@ class BusConfig:
 
 
 @dataclass
-class EngineConfig:
+class EngineConfig(SchedulingOptions):
     model: str | None = opt(
         "smollm2-135m-instruct",
         "a built-in model (smollm2-135m-instruct; demo = random weights for tests), a .gguf file "
@@ -133,6 +134,7 @@ class EngineConfig:
         problem = speculative_problem(self)
         if problem is not None:
             raise StartupError(problem)
+        self.check_scheduling()
 
 
 @dataclass
@@ -254,6 +256,12 @@ class GatewayConfig(GatewayEdgeOptions):  # keys, per-key limits, HTTP limits
         30 * 24 * 3600.0,
         "seconds a stored response (/v1/responses with store) is kept in NATS JetStream "
         "before it expires (default 30 days, as OpenAI keeps them); 0 = until deleted",
+    )
+    prefix_cache_scope: str = opt(
+        "key",
+        "which requests may share cached prompt blocks, with --api-key set: key = only those of "
+        "one API key and one cache_salt; global = those of one cache_salt (gateway/tenancy.py)",
+        choices=("key", "global"),
     )
     response_store_replicas: int = opt(
         0,

@@ -95,6 +95,12 @@ MAX_REPETITION_PENALTY = 10.0
 MAX_GUIDED_SPEC_CHARS = 64 * 1024
 
 
+MAX_PRIORITY = 2**31 - 1  # vLLM's priority is any int; an int32's range is plenty
+
+
+MAX_CACHE_SALT_CHARS = 256  # the gateway sends a 32-hex-digit digest (gateway/tenancy.py)
+
+
 GUIDED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 # Where a reasoning model's answer starts (``GuidedDecoding.reasoning``): "" none, "inside" its
 # <think> section, "tag" only if it opens with <think>. The tags of the <think> family
@@ -128,6 +134,7 @@ BOUNDS: dict[str, Bound] = {
     "presence_penalty": Bound(-2.0, 2.0),
     "frequency_penalty": Bound(-2.0, 2.0),
     "repetition_penalty": Bound(0.0, MAX_REPETITION_PENALTY, lo_open=True),
+    "priority": Bound(-MAX_PRIORITY, MAX_PRIORITY),
 }
 
 
@@ -185,6 +192,13 @@ class SamplingParams:
     # Speculative decoding where the decode worker runs it (--speculative): False opts this
     # request out. It changes speed only: greedy and seeded outputs are the same either way.
     speculate: bool = True
+    # vLLM's: lower is served first under --scheduling-policy priority (always 0 under fcfs).
+    # Not sampling, but it travels where sampling does: prefill, decode and migrated legs.
+    priority: int = 0
+    # The prefix-cache salt: it names the root of the request's chain of block hashes
+    # (shared/kv/layout.py), so requests with different salts never share a cached block.
+    # None: the unsalted chain. The gateway combines the client's cache_salt and its API key.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         for name, bound in BOUNDS.items():
@@ -204,6 +218,8 @@ class SamplingParams:
                 f"logit_bias values must be in [-{MAX_LOGIT_BIAS_VALUE:g}, "
                 f"{MAX_LOGIT_BIAS_VALUE:g}]"
             )
+        if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS:
+            raise ValueError(f"cache_salt must be 1 to {MAX_CACHE_SALT_CHARS} characters")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens")
 

@@ -40,6 +40,7 @@ from pdserve.gateway.anthropic.content import (
 from pdserve.gateway.request_bodies import ModelField
 from pdserve.gateway.sampling_fields import MAX_STOP_STRINGS, StopText, whole_float_as_int
 from pdserve.gateway.schema_base import INVALID_VALUE, StrictModel, field_error
+from pdserve.gateway.tenancy import TenancyFields
 from pdserve.gateway.tools.request import MAX_TOOLS, tool_indices
 from pdserve.gateway.tools.setup import Choice, ToolSetup
 from pdserve.shared.sampling import BOUNDS, MAX_GUIDED_SPEC_CHARS, GuidedDecoding
@@ -209,7 +210,7 @@ class MetadataParam(StrictModel):
     )
 
 
-class MessagesBody(CountTokensBody):
+class MessagesBody(TenancyFields, CountTokensBody):
     """Anthropic's Messages request, served as the chat endpoint serves the same conversation.
     Other fields are a 400 invalid_request_error unless null."""
 

@@ -56,6 +56,8 @@ def parse_messages(body: dict[str, Any], tool_parser: str, tag_tokens: TagTokens
         stream=bool(req.stream),
         guided=req.guided,
         guided_param="output_config.format" if req.guided is not None else None,
+        cache_salt=req.cache_salt,
+        priority=req.priority or 0,
     )
     if req.tools is not None:
         params.tools = req.tool_setup(tool_parser, tag_tokens)

@@ -31,7 +31,7 @@ from pdserve.gateway.inflight.port import RequestPort
 from pdserve.gateway.inflight.queue_items import BusReconnected, Item, WorkerLeft
 from pdserve.shared.bus.lease_messages import KVHandle
 from pdserve.shared.bus.request_messages import PrefillRequest, PrefillResult
-from pdserve.shared.kv.layout import layout_id
+from pdserve.shared.kv.layout import chain_root, layout_id
 from pdserve.shared.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,8 @@ class PrefillStage:
         tried: set[str] = set()
         for _ in range(PREFILL_ATTEMPTS):
             skip = tried | await self.port.departures.recovered(self.deadline)
-            worker = self.port.router.pick_prefill(self.prompt, skip, self.bus_id)
+            root = chain_root(self.sampling.cache_salt)  # a salted prompt hits its own chain only
+            worker = self.port.router.pick_prefill(self.prompt, skip, self.bus_id, root)
             if worker is None:
                 return None
             tried.add(worker)

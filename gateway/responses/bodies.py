@@ -36,6 +36,7 @@ from pdserve.gateway.schema_base import (
     refused,
     shaped,
 )
+from pdserve.gateway.tenancy import TenancyFields
 from pdserve.gateway.tools.request import (
     MAX_TOOLS,
     FunctionDefinition,
@@ -161,7 +162,7 @@ class ResponsesStreamOptions(StrictModel):
     )
 
 
-class ResponsesBody(ModelField):
+class ResponsesBody(TenancyFields, ModelField):
     """A response (OpenAI's Responses API), rendered with the model's chat template. Other
     fields are a 400 `unsupported_parameter` unless null."""
 

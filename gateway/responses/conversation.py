@@ -174,6 +174,8 @@ def chat_request(
         temperature=1.0 if body.temperature is None else float(body.temperature),
         top_p=1.0 if body.top_p is None else float(body.top_p),
         stream=bool(body.stream),
+        cache_salt=body.cache_salt,
+        priority=body.priority or 0,
     )
     params.tools = body.tool_setup(parser, tag_tokens)
     try:

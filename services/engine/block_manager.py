@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pdserve.services.engine.sequence import Sequence
-from pdserve.shared.kv.layout import ROOT_HASH, hash_block, prefix_block_hashes
+from pdserve.shared.kv.layout import hash_block, prefix_block_hashes
 
 if TYPE_CHECKING:  # the tiers hold tensors; the scheduler's tests need none
     from pdserve.services.engine.kv_tiers import Claim, KVTiers
@@ -154,7 +154,8 @@ class BlockManager:
             raise RuntimeError(f"{seq.seq_id} already has blocks")
         if not self.enable_prefix_cache:
             return CachedPrefix(hashes=[], block_ids=[], num_free_blocks=0, num_tokens=0)
-        hashes = prefix_block_hashes(seq.token_ids[: seq.num_tokens - 1], self.block_size)
+        prompt = seq.token_ids[: seq.num_tokens - 1]
+        hashes = prefix_block_hashes(prompt, self.block_size, seq.hash_root)
         blocks: list[int | None] = []
         for h in hashes:
             block_id = self.hash_to_block.get(h)
@@ -218,7 +219,7 @@ class BlockManager:
             return
         hashes = self.seq_hashes.setdefault(seq.seq_id, [])
         full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        parent = hashes[-1] if hashes else ROOT_HASH
+        parent = hashes[-1] if hashes else seq.hash_root  # its salt's chain
         bs = self.block_size
         for i in range(len(hashes), full):
             block_tokens = seq.token_ids[i * bs : (i + 1) * bs]

@@ -162,6 +162,8 @@ class LLMEngine(EngineCommands):
             kv_failure_policy=kv_failure_policy,
             speculator=self.speculator,
             seed=config.seed,
+            scheduling_policy=config.scheduling_policy,
+            priority_aging_s=config.priority_aging_s,
         )
         self.offload = KVOffload.build(self)  # evicted blocks to host memory and disk, and back
         # Crossing threads out (commands come in through EngineCommands): the latest stats

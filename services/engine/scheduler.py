@@ -9,10 +9,13 @@ copies a fork needs wait in ``block_copies`` for the engine.
 
 A batch serves running sequences oldest-first (a decode's token, a prompt's next chunk, a
 draft's 1 + k tokens), then admits waiting ones in arrival order while slots, token budget and
-blocks last. One admission policy for local prompts and pulls (``remote_kv``: blocks reserved,
-no budget): the blocks needed, plus a little headroom once others run, must be free - checked
+blocks last (under ``--scheduling-policy priority`` both in rank order, a prompt's chunks
+yielding to a better-ranked head: ``wait_queue.py``, which also orders the decode side's pulls
+and picks preemption victims). One admission policy for
+local prompts and pulls (``remote_kv``: blocks reserved, no budget): the blocks needed, plus a little headroom once others run, must be free - checked
 before anything is attached, so a head that does not fit leaves the prefix cache and its
-counters as they were. A running sequence short of a block preempts the newest one; a draft is
+counters as they were. A running sequence short of a block preempts the newest one (under
+priority, the worst-ranked of those not yet in the batch); a draft is
 cut to the budget and to blocks no later running sequence may need, so it never preempts. A
 prefix found on the disk tier (``kv_tiers/``) is pull-like: blocks reserved, the sequence waits
 until the engine's ``kv_loaded`` (the load runs on the disk tier's thread).
@@ -23,7 +26,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import deque
 from typing import TYPE_CHECKING
 
 from pdserve.services.engine.block_manager import BlockManager
@@ -37,6 +39,7 @@ from pdserve.services.engine.kv_arrivals import KVArrivals
 from pdserve.services.engine.outputs import RunnerOutput, ScheduledBatch, StepOutput, StepStats
 from pdserve.services.engine.sequence import Sequence, SequenceStatus
 from pdserve.services.engine.sequence_group import SequenceGroup, num_choices
+from pdserve.services.engine.wait_queue import WaitQueue
 from pdserve.shared.sampling import SamplingParams
 
 if TYPE_CHECKING:  # the spec package loads models: the scheduler only calls back into it
@@ -61,6 +64,8 @@ class Scheduler(KVArrivals):
         kv_failure_policy: str = "fail",
         speculator: Speculator | None = None,
         seed: int = 0,
+        scheduling_policy: str = "fcfs",
+        priority_aging_s: float = 0.0,
     ) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
@@ -72,7 +77,8 @@ class Scheduler(KVArrivals):
         self.speculator = speculator
         self.seqs: dict[str, Sequence] = {}  # every sequence held, by seq_id
         self.requests: dict[str, SequenceGroup] = {}  # by bus id: its choices' sequences
-        self.waiting: deque[Sequence] = deque()  # WAITING and PREEMPTED, in admission order
+        # WAITING and PREEMPTED, in admission order (--scheduling-policy: wait_queue.py)
+        self.waiting = WaitQueue(scheduling_policy, priority_aging_s)
         self.running: list[Sequence] = []
         self.pulling: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KV, by seq_id
         # (source, new) block copies of forks, for the engine to make before its next forward
@@ -175,6 +181,9 @@ class Scheduler(KVArrivals):
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self.waiting.defers(seq) and self._head_admissible():
+                i += 1  # its next prompt chunk yields to a better-ranked head (wait_queue.py)
+                continue
             if seq.spec_token_ids:  # cut to the budget and to blocks no later one may need
                 later = len(self.running) - i - 1
                 seq.cut_draft(
@@ -186,7 +195,7 @@ class Scheduler(KVArrivals):
                 )
             n = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget)
             while not self.bm.can_allocate(seq, seq.num_computed_tokens + n):
-                victim = self.running[-1]
+                victim = self.waiting.victim(self.running, i)
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -218,6 +227,11 @@ class Scheduler(KVArrivals):
     def _num_slots(self) -> int:
         """How many more sequences may run (or pull) within ``max_num_seqs``."""
         return self.max_num_seqs - len(self.running) - len(self.pulling)
+
+    def _head_admissible(self) -> bool:
+        """The head of the queue may be admitted this step: a slot is free and its blocks did
+        not fail to fit last time (else a deferred prompt would wait for nothing)."""
+        return self._num_slots() > 0 and self._blocked is not self.waiting[0]
 
     def _headroom(self) -> int:
         """Free blocks admission leaves once others run, so their decodes can grow without
@@ -273,7 +287,7 @@ class Scheduler(KVArrivals):
 
     def _run(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        self.waiting.place(self.running, seq)
 
     def _wait_first(self, seq: Sequence, status: SequenceStatus = SequenceStatus.WAITING) -> None:
         """Back to the front of the queue, to be computed (again) before anyone else."""

@@ -50,6 +50,7 @@ from __future__ import annotations
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
+from pdserve.shared.kv.layout import chain_root
 from pdserve.shared.sampling import SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:
@@ -84,6 +85,8 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling = sampling
+        # the parent of its first block's hash: its cache salt's chain (shared/kv/layout.py)
+        self.hash_root = chain_root(sampling.cache_salt)
         # Effective seed: the request's own, or one the engine drew. Sampling noise is a pure
         # function of (seed, output index), so preemption and batching never change results.
         self.seed = seed

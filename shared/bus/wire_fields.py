@@ -16,6 +16,7 @@ from pdserve.shared.bus.wire_check import INT64_MAX
 from pdserve.shared.sampling import BOUNDS as SAMPLING_BOUNDS
 from pdserve.shared.sampling import (
     GUIDED_KINDS,
+    MAX_CACHE_SALT_CHARS,
     MAX_GUIDED_SPEC_CHARS,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_VALUE,
@@ -100,6 +101,7 @@ SAMPLING_FIELD_BOUNDS: dict[str, dict[str, Any]] = {
     },
     "guided": {},
     "speculate": {},
+    "cache_salt": {"max_len": MAX_CACHE_SALT_CHARS},
 }
 GUIDED_FIELD_BOUNDS: dict[str, dict[str, Any]] = {
     "kind": {"choices": GUIDED_KINDS, "max_len": 16},

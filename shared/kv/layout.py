@@ -13,6 +13,14 @@ Chained block hashes of a token sequence name prefix-cache blocks.
 A full block of ``block_size`` tokens is named by blake2b(parent block's hash + its tokens)
 over a fixed byte encoding, so every process - workers storing blocks, the gateway's KV-aware
 router predicting them - computes the same value for the same prefix, across restarts too.
+
+A request's cache salt (``SamplingParams.cache_salt``: its tenant) names the chain's root, the
+"parent" of its first block (``chain_root``): the first block's hash, and so every later one,
+differs between salts. Everything that names blocks by hash - the pool's prefix cache on both
+sides of P/D, KV events, the gateway's prefix index, the offload tiers (their disk file names)
+and migration's recompute - then keeps tenants apart without knowing of salts. A salted first
+block's KV event names that root as its parent, a hash no block has: a consumer that rebuilds
+hashes from tokens alone cannot tie it to the unsalted chain.
 """
 
 from __future__ import annotations
@@ -37,7 +45,16 @@ def layout_id(fingerprint: Mapping[str, object]) -> str:
     return hashlib.blake2b(blob.encode(), digest_size=8).hexdigest()
 
 
-ROOT_HASH = 0
+ROOT_HASH = 0  # the root of the unsalted chain
+
+
+def chain_root(cache_salt: str | None) -> int:
+    """The parent hash of a chain's first block: ROOT_HASH unsalted, else the salt's own (never
+    ROOT_HASH: a salt cannot name the unsalted chain)."""
+    if cache_salt is None:
+        return ROOT_HASH
+    digest = hashlib.blake2b(cache_salt.encode(), digest_size=8, person=b"pdserve-salt")
+    return int.from_bytes(digest.digest(), "little") or 1
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
@@ -45,10 +62,12 @@ def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
-def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained hashes of every full block of ``token_ids``."""
+def prefix_block_hashes(
+    token_ids: Sequence[int], block_size: int, root: int = ROOT_HASH
+) -> list[int]:
+    """Chained hashes of every full block of ``token_ids``, from ``root`` (``chain_root``)."""
     hashes: list[int] = []
-    parent = ROOT_HASH
+    parent = root
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block(parent, token_ids[start : start + block_size])
         hashes.append(parent)
