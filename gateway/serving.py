@@ -17,11 +17,10 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from opentelemetry import trace
 
-from pdserve.gateway.access import ANONYMOUS, KEY_ID_KEY
+from pdserve.gateway.access import ANONYMOUS, KEY_ID_KEY, presented_key
 from pdserve.gateway.api_models import GenerationParams, check_length
 from pdserve.gateway.app_state import ARRIVED_KEY, CLIENT_ID_KEY, Gateway
 from pdserve.gateway.generation import Generation, Progress, Prompt
-from pdserve.gateway.middlewares import presented_key
 from pdserve.gateway.streaming import stream_response
 from pdserve.gateway.tenancy import check_priority, request_salt
 from pdserve.gateway.whole_answer import complete
