@@ -2,9 +2,10 @@
 worker within a bound and every KV block comes back, on the prefill side (its lease) and on the
 decode side (the blocks it reserved for the pull).
 
-One prefill and one decode worker (``chaos_stack.py``), each a real worker whose stages a gate
+One prefill and two decode workers (``chaos_stack.py``), each a real worker whose stages a gate
 file slows (``staged_worker.py``), so that the request is caught in the stage under test and not
-a moment later. Prompts of 256 tokens or more are pulled layer by layer
+a moment later; a second decode worker takes the request that migrates when its first one is
+killed. Prompts of 256 tokens or more are pulled layer by layer
 (``--kv-stream-threshold 256``), shorter ones in bulk. The gateway keeps no queue of its own
 (beyond ``--max-queue`` it answers 503): a request queues on a worker, behind another one.
 
@@ -18,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,6 +41,7 @@ def stack(tmp_path_factory, llama_dir):
     s = ChaosStack(
         tmp_path_factory.mktemp("chaos-aborts"),
         llama_dir,
+        decode=("d0", "d1"),
         worker_options={"kv_stream_threshold": STREAM_THRESHOLD},
     )
     s.start()
@@ -48,14 +52,16 @@ def stack(tmp_path_factory, llama_dir):
         s.stop()
 
 
-def prompt(tokens: int) -> list[int]:
-    return [(7 * i) % 200 + 20 for i in range(tokens)]
+def prompt(tokens: int, rid: str) -> list[int]:
+    """Its own first block for each request id: no stage is shortened by a prefix cache hit."""
+    salt = zlib.crc32(rid.encode()) % 199 + 1
+    return [(7 * i + salt) % 200 + 20 for i in range(tokens)]
 
 
 async def complete(base: str, rid: str, tokens: int, max_tokens: int, seen: list) -> None:
     body = {
         "model": await model_name(base),
-        "prompt": prompt(tokens),
+        "prompt": prompt(tokens, rid),
         "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
@@ -83,11 +89,18 @@ async def until(predicate: Callable[[], object], what: str, timeout: float = 30.
 
 
 def holds(stack: ChaosStack, worker: str, test: Callable[[Held], bool]) -> Callable[[], bool]:
+    """Whether ``worker`` ("d" for any decode worker) holds what ``test`` asks."""
+
     def check() -> bool:
-        held = stack.held().get(worker)
-        return held is not None and test(held)
+        held = stack.held()
+        names = [w for w in held if w.startswith("d")] if worker == "d" else [worker]
+        return any(n in held and test(held[n]) for n in names)
 
     return check
+
+
+def decoders_holding(stack: ChaosStack) -> list[str]:
+    return [w for w, h in stack.held().items() if w.startswith("d") and h.blocks]
 
 
 # stage -> (gates, prompt tokens, max tokens, when the request is in that stage)
@@ -99,9 +112,9 @@ STAGES: dict[str, tuple[dict[str, float], int, int, Callable[[ChaosStack, list],
         4,
         lambda s, seen: holds(s, "p0", lambda h: h.waiting >= 1)(),
     ),
-    "prefilling": (
-        {"prefill.step": STEP},
-        SHORT,
+    "prefilling": (  # four chunks of two STEPs: caught in the first three
+        {"prefill.step": 2 * STEP},
+        240,
         4,
         lambda s, seen: holds(s, "p0", lambda h: h.running >= 1 and h.blocks >= 2)(),
     ),
@@ -111,7 +124,7 @@ STAGES: dict[str, tuple[dict[str, float], int, int, Callable[[ChaosStack, list],
         SHORT,
         4,
         lambda s, seen: (
-            holds(s, "d0", lambda h: h.blocks >= 1)() and holds(s, "p0", lambda h: h.blocks >= 1)()
+            holds(s, "d", lambda h: h.blocks >= 1)() and holds(s, "p0", lambda h: h.blocks >= 1)()
         ),
     ),
     # the pull is posted and admitted (its lease pinned); the bytes are late
@@ -120,16 +133,18 @@ STAGES: dict[str, tuple[dict[str, float], int, int, Callable[[ChaosStack, list],
         SHORT,
         4,
         lambda s, seen: (
-            holds(s, "d0", lambda h: h.blocks >= 1)() and holds(s, "p0", lambda h: h.blocks >= 1)()
+            holds(s, "d", lambda h: h.blocks >= 1)() and holds(s, "p0", lambda h: h.blocks >= 1)()
         ),
     ),
     "streamed_pull": (
         {"prefill.step": STEP, "pull_answer": 30.0},
         LONG,
         4,
-        lambda s, seen: holds(s, "d0", lambda h: h.blocks >= 1)(),
+        lambda s, seen: holds(s, "d", lambda h: h.blocks >= 1)(),
     ),
     "decoding": ({"decode.step": STEP}, SHORT, 200, lambda s, seen: len(seen) >= 3),
+    # its decode worker killed mid-stream; the gateway sent it to the other one (below)
+    "migrating": ({"decode.step": STEP}, SHORT, 200, lambda s, seen: len(seen) >= 3),
 }
 
 
@@ -149,7 +164,12 @@ async def test_a_hang_up_stops_the_work_and_frees_every_block(stack, stage):
             complete(stack.base, f"leaver-{stage}", tokens, max_tokens, seen)
         )
         await until(lambda: caught(stack, seen) or leaver.done(), f"the request {stage}")
-        assert not leaver.done(), f"the request ended before it was caught {stage}"
+        assert not leaver.done(), f"it ended before it was caught {stage}: {leaver!r}"
+        if stage == "migrating":
+            (victim,) = decoders_holding(stack)
+            stack.children[victim].signal(signal.SIGKILL)
+            heir = {"d0": "d1", "d1": "d0"}[victim]
+            await until(holds(stack, heir, lambda h: h.blocks >= 1), "the migrated leg")
         leaver.cancel()  # the client hangs up: its connection closes
         hung_up = time.monotonic()
         if stage == "queued":  # it leaves the queue while the blocker still runs
@@ -170,7 +190,10 @@ async def test_a_hang_up_stops_the_work_and_frees_every_block(stack, stage):
                 task.cancel()
     record(stage, stopped)
     assert stopped <= STOP_BOUND, f"{stage}: the workers held it {stopped:.1f}s after the hang-up"
-    assert stack.live_workers() == {"p0", "d0"}
+    for name in {"p0", "d0", "d1"} - stack.live_workers():  # the migration's victim: restarted
+        stack.start_worker(name)
+    await asyncio.to_thread(stack.wait_ready)
+    await asyncio.to_thread(stack.wait_idle, 10)
 
 
 def record(stage: str, seconds: float) -> None:
