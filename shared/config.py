@@ -162,6 +162,12 @@ class WorkerConfig:
     kv_failure_policy: str = opt(
         "fail", "what a failed KV pull does to the request", choices=("fail", "recompute")
     )
+    kv_pull_timeout: float = opt(
+        30.0,
+        "decode: seconds a bulk KV pull may take, or a layer-streamed one may go without a "
+        "piece, before it counts as failed (its prefill worker died or stalled) and "
+        "--kv-failure-policy applies",
+    )
     kv_stream_threshold: int = opt(
         -1,
         "layer-wise KV streaming: a prefill worker leases the KV of a prompt of at least this "
@@ -187,6 +193,8 @@ class WorkerConfig:
                 f"--kv-stream-threshold must be -1 (auto), 0 (off) or a token count, "
                 f"got {self.kv_stream_threshold}"
             )
+        if self.kv_pull_timeout <= 0:
+            raise StartupError(f"--kv-pull-timeout must be positive, got {self.kv_pull_timeout}")
         if self.kv_stream_layer_groups < 1:
             raise StartupError(
                 f"--kv-stream-layer-groups must be at least 1, got {self.kv_stream_layer_groups}"

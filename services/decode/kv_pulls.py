@@ -33,9 +33,10 @@ from pdserve.shared.telemetry.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
-PULL_TIMEOUT = 30.0  # one request's KV pull, beyond which it counts as failed
-# a streamed pull also waits for the prefill pass it overlaps: its bound is the request's
-# deadline (--first-token-timeout), up to this
+# A bulk pull's bound is --kv-pull-timeout, and a streamed pull's between two pieces: past it
+# the pull counts as failed (a prefill worker killed mid-pull sends nothing more, and UCX tag
+# receives do not fail with its endpoint). A whole streamed pull also waits for the prefill
+# pass it overlaps: its bound is the request's deadline (--first-token-timeout), up to this
 STREAM_PULL_TIMEOUT = 600.0
 
 
@@ -73,14 +74,15 @@ class KVPulls:
         worker, engine = self.worker, self._engine()
         rid = state.bus_id
         start_ns = time.time_ns()
-        bound = STREAM_PULL_TIMEOUT if handle.streaming else PULL_TIMEOUT
+        bound = STREAM_PULL_TIMEOUT if handle.streaming else worker.config.kv_pull_timeout
         timeout = max(0.1, min(bound, state.deadline - time.time()))
         try:
             client, puller = worker.kv_client, worker.puller
             assert client is not None and puller is not None, "made by start_extra"
             if handle.streaming:  # layer by layer while prefill computes, the token last
                 groups = worker.config.kv_stream_layer_groups
-                stats = await pull_streamed(client, rid, handle, blocks, timeout, groups)
+                stall = worker.config.kv_pull_timeout  # between pieces: a dead prefill worker
+                stats = await pull_streamed(client, rid, handle, blocks, timeout, groups, stall)
                 pieces = []
             else:
                 stats, pieces = await puller.pull(rid, handle, blocks, timeout)

@@ -86,8 +86,9 @@ Failure policy - never a silent 200 with wrong output:
 - a lease gone, a layout fingerprint that differs beyond TP, blocks outside the lease or heads
   the server does not hold: a refusal with its reason (``KVTransferError``,
   ``FingerprintMismatch``);
-- no answer in time (30 s; a streamed pull waits up to the request's deadline): the endpoint
-  is aborted, so no late byte lands in blocks given to another request;
+- no answer in time (``--kv-pull-timeout``, 30 s; a streamed pull waits up to the request's
+  deadline, but never that long without a piece) or the client gone (its cancel cancels the
+  pull): the endpoint is aborted, so no late byte lands in blocks given to another request;
 - bytes that differ from the hashes taken at lease time (``--kv-checksum``):
   ``KVChecksumError``, counted and marked on the ``kv.transfer`` span.
 

@@ -219,11 +219,19 @@ class LayerViews:
 
 
 async def pull_streamed(
-    client: Any, bus_id: str, handle: Any, dst_block_ids: list[int], timeout: float, groups: int
+    client: Any,
+    bus_id: str,
+    handle: Any,
+    dst_block_ids: list[int],
+    timeout: float,
+    groups: int,
+    stall: float | None = None,
 ) -> TransferStats:
     """Pull a streamed lease as ``groups`` layer groups, all asked at once: the server sends
     each as prefill writes it, the last with the first token (``client``: a KVClient). Raises
-    KVStreamFinished when the request ended at its first token."""
+    KVStreamFinished when the request ended at its first token, KVTransferError when no piece
+    arrives for ``stall`` seconds (its prefill worker died or hangs: only pieces show that it
+    lives, and the whole pull may wait for ``timeout``, the request's deadline)."""
     num_layers = client.layer_views.num_layers if client.layer_views else 1
     pieces = plan(
         num_layers, groups, handle.ready_blocks, -(-handle.num_tokens // client.block_size)
@@ -240,7 +248,11 @@ async def pull_streamed(
         done_at[i] = time.perf_counter() - t0
         return stats
 
-    results = await asyncio.gather(*map(one, range(len(pieces))), return_exceptions=True)
+    results = await _unless_stalled(
+        [asyncio.ensure_future(one(i)) for i in range(len(pieces))], stall
+    )
+    if results is None:
+        raise KVTransferError(f"streamed KV pull from {handle.worker_id} got no piece for {stall}s")
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
         errors.sort(key=lambda e: not isinstance(e, KVStreamFinished))  # why, if it is so
@@ -256,3 +268,25 @@ async def pull_streamed(
     if total.first_token is None:
         raise KVTransferError(f"{handle.worker_id} sent no first token with the last piece")
     return total
+
+
+async def _unless_stalled(tasks: list[asyncio.Future], stall: float | None) -> list | None:
+    """Every task's result or exception, or None - every task cancelled and awaited (a pull's
+    cancel aborts its receives: nothing lands in the blocks after) - once ``stall`` seconds
+    pass with none of them done."""
+    pending = set(tasks)
+    try:
+        while pending:
+            done, pending = await asyncio.wait(
+                pending, timeout=stall, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done:
+                break
+    finally:
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+    if pending:
+        return None
+    return [t.exception() if t.exception() is not None else t.result() for t in tasks]
