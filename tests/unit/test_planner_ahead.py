@@ -233,6 +233,21 @@ def test_the_way_down_is_one_step_at_a_time() -> None:
     assert rising(bulk, [10.0, 10.0], Counts(1, 4))[-1].decode == 1  # without the rule
 
 
+def test_a_falling_load_is_followed_down_without_the_dead_band() -> None:
+    """At 38 req/s (1.9 decode workers' worth) a steady load holds 3 workers: the dead band
+    keeps the margin a load sitting at a threshold needs. The same rate at the end of a fall of
+    8 req/s a window is no such load: it is forecast under the band within a replacement time,
+    so the fall is the margin, and the role goes down to what the load needs (after the
+    streak, one step at a time, as ever)."""
+    steady = rising(Planner(PROFILE, SLO_, Limits()), [38.0] * 6, Counts(1, 3))
+    assert [d.decode for d in steady] == [3] * 6 and rules.DEAD_BAND in steady[-1].rules
+    fall = rising(
+        Planner(PROFILE, SLO_, Limits()), [70.0, 62.0, 54.0, 46.0, 38.0, 30.0, 30.0], Counts(1, 3)
+    )
+    assert rules.FALLING in fall[-2].rules and fall[-2].need["decode"] < 2
+    assert fall[-1].decode == 2, [d.decode for d in fall]
+
+
 def test_a_flap_earns_a_cooldown() -> None:
     """A scale-up soon after a scale-down undid it: the role is not scaled down again until the
     load has not needed its workers for at least the cycle just seen (and twice the last

@@ -4,7 +4,6 @@ load ramp up and down at an H200 host's scale, then the offline advisor."""
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 import pytest
@@ -103,11 +102,8 @@ def run_ramp(seed: int = 0, planner: bool = True):
 
 
 def test_the_planner_tracks_a_ramp_up_and_down() -> None:
-    start = time.perf_counter()
     auto = run_ramp()
     fixed = run_ramp(planner=False)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 2.0, f"two 10-minute ramps took {elapsed:.2f} s"  # ~0.4 s unloaded
 
     # it tracks the load: more workers at the peak, back to the minimum at the end
     desired = [(w.t, w.desired) for w in auto.windows]

@@ -41,6 +41,10 @@ variant autoscaler or Kubernetes' HPA:
 - ``dead-band`` (hysteresis): a role scales up as soon as ceil(need) exceeds its count, but down to
   n only when the need fits n workers with a margin, need <= n x (1 - dead_band); a load sitting
   exactly at a threshold therefore moves the count once and then holds it;
+- ``falling``: but a load forecast to fall by more than the dead band before a worker removed now
+  could be back (a cold start and a window) is not sitting at a threshold: the fall is the
+  margin, and the way down takes no dead band (the streak, the survivors' check, the one step
+  and the warm pool's floor still stand between a noisy window and a drain);
 - ``cooldown`` (HPA's scale-down stabilization, learnt): a scale-up within ``flap_starts``
   replacement times (a cold start and a window) of the role's last scale-down undid it: a flap.
   Each flap sets the role's cooldown to at least twice the last one and the cycle just seen, and
@@ -98,6 +102,7 @@ from pdserve.services.control.planner.role_plan import (
 from pdserve.services.control.planner.rules import (
     BACKLOG,
     BUDGET,
+    FALLING,
     FORECAST,
     IDLE_WINDOW,
     ZERO_DEMAND,
@@ -234,9 +239,17 @@ def decide(
     need = {r: s.need if s is not None else 0.0 for r, s in sizings.items()}
 
     wanted, streaks = current, {}
+    falling = _falling(window, state, config)
+    if falling:
+        run.note(
+            FALLING,
+            f"falling: the rate is forecast at {state.rate.forecast(horizons(window, config).cold):.2f}"
+            f" req/s a replacement time on, under {1 - config.dead_band:.0%} of its level"
+            f" {state.rate.level:.2f}: no dead band on the way down",
+        )
     for role in ROLES:
         target, streaks[role] = serving_target(
-            role, sizings[role], window, limits, current, state.of(role), config, run
+            role, sizings[role], window, limits, current, state.of(role), config, run, falling
         )
         wanted = wanted.with_(role, target)
     final, why = fit_budget(wanted, split, limits, current)
@@ -281,6 +294,16 @@ def decide(
         pool=fitted,
         ahead=ahead,
     )
+
+
+def _falling(window: MetricsWindow, state: PlannerState, config: PlannerConfig) -> bool:
+    """Whether the rate is forecast to fall by more than the dead band before a worker removed
+    now could be back (a cold start and a window on): a load on its way down is no load sitting
+    at a threshold, which is what the dead band is for."""
+    if window.requests == 0 or state.rate.trend >= 0:
+        return False
+    ahead = horizons(window, config).cold
+    return state.rate.forecast(ahead) <= state.rate.level * (1 - config.dead_band)
 
 
 def _ms(value: float | None) -> str:

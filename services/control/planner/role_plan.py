@@ -38,11 +38,15 @@ def serving_target(
     memory: RoleState,
     config: PlannerConfig,
     run: Notes,
+    falling: bool = False,
 ) -> tuple[int, int]:
-    """One role's serving target after the guards, and its new down streak."""
+    """One role's serving target after the guards, and its new down streak. ``falling``: the
+    load is forecast to fall by more than the dead band within a replacement time, so the fall
+    itself is the margin the dead band would keep (the streak, the survivors' check and the
+    warm pool still stand between a noisy window and a drain)."""
     cur, streak = current.of(role), memory.down_streak
     need = sizing.need if sizing is not None else 0.0
-    target = band(sizing, cur, config.dead_band)
+    target = band(sizing, cur, 0.0 if falling else config.dead_band)
     if target == cur and ceil_workers(need) < cur:
         run.note(
             DEAD_BAND,

@@ -1,0 +1,37 @@
+"""The simulated engine at a constant rate (sim_calibration.py, what perf/planner_calibrate.py sets
+beside the real stack), model-free on the SmolLM2 CPU profile ``pdserve plan`` took: at a rate
+where requests seldom meet, a request's TTFT is the profiled prefill time of its prompt (plus the
+KV hand-off) and its ITL the profiled ITL of a batch of one; as the rate rises, queueing and the
+decode batch raise both. This holds the simulator to the profile it is driven by; the comparison
+with the real stack is perf/planner_calibrate.py's (perf/README.md, issue 49: not yet within 20%
+on these shared cores)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pdserve.services.control.planner.profile import Profile
+from pdserve.services.control.planner.sim_calibration import simulate_rate
+
+RESULTS = Path(__file__).resolve().parents[2] / "perf" / "results"
+PROFILE = Profile.load(RESULTS / "plan_profile_smollm2_2cpu.json")
+ISL, OSL = 128, 32
+
+
+def test_an_idle_stack_serves_at_the_profiled_speed() -> None:
+    sim = simulate_rate(PROFILE, 0.02, ISL, OSL, duration_s=20000.0)
+    ttft, itl = sim["ttft_ms"], sim["itl_ms"]
+    assert ttft["p50"] == pytest.approx(1000 * PROFILE.prefill_seconds(ISL), rel=0.01)
+    # a batch of one at the contexts a 128 + 32-token request spans
+    lo, hi = PROFILE.decode_itl(1, ISL), PROFILE.decode_itl(1, ISL + OSL)
+    assert 0.98 * lo <= itl["p50"] <= 1.1 * hi
+
+
+def test_queueing_and_batching_raise_the_latencies_with_the_rate() -> None:
+    runs = [simulate_rate(PROFILE, r, ISL, OSL) for r in (0.2, 0.5, 0.8)]
+    ttfts = [r["ttft_ms"]["mean"] for r in runs]
+    itls = [r["itl_ms"]["mean"] for r in runs]
+    assert ttfts == sorted(ttfts) and ttfts[-1] > 1.1 * ttfts[0]
+    assert itls == sorted(itls) and itls[-1] > 1.1 * itls[0]
