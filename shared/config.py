@@ -128,6 +128,14 @@ class EngineConfig:
         "0 = drafts are free (always K)",
     )
 
+    lora_modules: list[str] = opt(
+        [],
+        "a LoRA adapter served as its own model: NAME=PATH of a PEFT directory; repeat",
+        multiple=True,
+    )
+    max_loras: int = opt(4, "LoRA adapters resident per worker (least recently used out)")
+    max_lora_rank: int = opt(16, "the largest LoRA rank served (a larger adapter: start error)")
+
     def __post_init__(self) -> None:
         problem = speculative_problem(self)
         if problem is not None:

@@ -154,7 +154,9 @@ class BlockManager:
             raise RuntimeError(f"{seq.seq_id} already has blocks")
         if not self.enable_prefix_cache:
             return CachedPrefix(hashes=[], block_ids=[], num_free_blocks=0, num_tokens=0)
-        hashes = prefix_block_hashes(seq.token_ids[: seq.num_tokens - 1], self.block_size)
+        hashes = prefix_block_hashes(
+            seq.token_ids[: seq.num_tokens - 1], self.block_size, seq.kv_identity
+        )
         blocks: list[int | None] = []
         for h in hashes:
             block_id = self.hash_to_block.get(h)
@@ -222,7 +224,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(hashes), full):
             block_tokens = seq.token_ids[i * bs : (i + 1) * bs]
-            h = hash_block(parent, block_tokens)
+            h = hash_block(parent, block_tokens, seq.kv_identity if i == 0 else ())
             hashes.append(h)
             block_id = seq.block_table[i]
             # First writer wins; a duplicate block computed concurrently stays private.

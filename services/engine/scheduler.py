@@ -40,6 +40,7 @@ from pdserve.services.engine.sequence_group import SequenceGroup, num_choices
 from pdserve.shared.sampling import SamplingParams
 
 if TYPE_CHECKING:  # the spec package loads models: the scheduler only calls back into it
+    from pdserve.services.engine.lora.slots import AdapterCache
     from pdserve.services.engine.spec.speculator import Speculator
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class Scheduler(KVArrivals):
         kv_failure_policy: str = "fail",
         speculator: Speculator | None = None,
         seed: int = 0,
+        lora: AdapterCache | None = None,
     ) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
@@ -70,6 +72,7 @@ class Scheduler(KVArrivals):
         self.prefill_only = prefill_only
         self.kv_failure_policy = kv_failure_policy
         self.speculator = speculator
+        self.lora = lora  # the resident LoRA adapters' slots (None: no --lora-modules)
         self.seqs: dict[str, Sequence] = {}  # every sequence held, by seq_id
         self.requests: dict[str, SequenceGroup] = {}  # by bus id: its choices' sequences
         self.waiting: deque[Sequence] = deque()  # WAITING and PREEMPTED, in admission order
@@ -96,6 +99,7 @@ class Scheduler(KVArrivals):
         seq = Sequence(req.bus_id, req.prompt_token_ids, sp, seed, time.monotonic())
         seq.token_ids.extend(req.output_token_ids)
         seq.remote_kv = req.remote_kv
+        seq.lora_name = req.lora
         self._register(seq, num_choices(sp))
         self.waiting.append(seq)
         reason = self._ended(seq)
@@ -200,6 +204,8 @@ class Scheduler(KVArrivals):
 
         while not preempted and self.waiting and self._num_slots() > 0:
             seq = self.waiting[0]
+            if not self._pin_adapter(seq):
+                break
             if seq.remote_kv:
                 if not self._admit_pull(seq):
                     break
@@ -246,6 +252,19 @@ class Scheduler(KVArrivals):
             return n
         self._run(seq)
         return n
+
+    def _pin_adapter(self, seq: Sequence) -> bool:
+        """Pin the head of the queue's LoRA adapter (loading it if it is not resident); False
+        when every slot is pinned by adapters that running sequences use: it waits, as for
+        blocks. A preempted sequence keeps its pin."""
+        if seq.lora_name is None or seq.lora_slot or self.lora is None:
+            return True
+        slot = self.lora.acquire(seq.lora_name)
+        if slot is None:
+            self._log_blocked(seq)
+            return False
+        seq.lora_slot = slot
+        return True
 
     def _admit_pull(self, seq: Sequence) -> bool:
         """Reserve blocks for the prompt a prefill worker computed; False when they do not fit."""
@@ -350,6 +369,9 @@ class Scheduler(KVArrivals):
             return False
         fork = group.fork(seq, self.bm, self._num_slots())
         for child in fork.running:  # they hold their blocks: newest, so first to be preempted
+            if self.lora is not None and seq.lora_slot:
+                child.lora_slot = seq.lora_slot
+                self.lora.retain(seq.lora_slot)
             self._run(child)
         for child in reversed(fork.queued):  # none yet: computed like preempted sequences
             self._wait_first(child)
@@ -372,6 +394,9 @@ class Scheduler(KVArrivals):
         self.bm.free_sequence(seq)
         if self.speculator is not None:
             self.speculator.release(seq)
+        if self.lora is not None and seq.lora_slot:
+            self.lora.release(seq.lora_slot)
+            seq.lora_slot = 0
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self.seqs[seq.seq_id]
