@@ -53,6 +53,7 @@ class PrefillStage:
         port: RequestPort
         limits: Limits
         client_id: str
+        lora: str | None
         bus_id: str
         prompt: list[int]
         sampling: SamplingParams
@@ -79,7 +80,7 @@ class PrefillStage:
         tried: set[str] = set()
         for _ in range(PREFILL_ATTEMPTS):
             skip = tried | await self.port.departures.recovered(self.deadline)
-            worker = self.port.router.pick_prefill(self.prompt, skip, self.bus_id)
+            worker = self.port.router.pick_prefill(self.prompt, skip, self.bus_id, self.lora)
             if worker is None:
                 return None
             tried.add(worker)
@@ -115,6 +116,7 @@ class PrefillStage:
                 deadline=on_wire(deadline),
                 client_id=self.client_id,
                 stream_kv=self.port.router.can_stream(),
+                lora=self.lora,
             )
             await self.port.outbox.send(worker, msg, self.headers)
             while True:

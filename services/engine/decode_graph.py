@@ -222,12 +222,13 @@ class DecodeGraphs:
         return h
 
     def _lora_slots(self, inputs: StepInputs, extra: int) -> torch.Tensor | None:
-        """Each padded row's LoRA slot (a padding row: the base model's 0). Where adapters are
-        served the graph always takes them, even in a step of base rows only: a step without
-        them would be another graph, compiled mid-serving."""
+        """Each padded row's LoRA slot. A padding row repeats row 0, its slot too: it writes its
+        K/V over row 0's, which must be the same values. Where adapters are served the graph
+        always takes the slots, even in a step of base rows only: a step without them would be
+        another graph, compiled mid-serving."""
         if not self.lora:
             return None
-        slots = torch.tensor(inputs.lora_slots + [0] * extra, dtype=torch.int64)
+        slots = torch.tensor(inputs.lora_slots + inputs.lora_slots[:1] * extra, dtype=torch.int64)
         if slots.shape[0] > 1:
             torch._dynamo.maybe_mark_dynamic(slots, 0)
         return slots.to(self.device, non_blocking=True)

@@ -44,9 +44,9 @@ from pdserve.services.engine.guided import GuidedDecoder
 from pdserve.services.engine.kv_fingerprint import kv_fingerprint
 from pdserve.services.engine.kv_stream import StreamHooks
 from pdserve.services.engine.loader import resolve_device_dtype
+from pdserve.services.engine.lora.setup import build_adapter_cache
 from pdserve.services.engine.model_config import ModelConfig
 from pdserve.services.engine.model_runner import ModelRunner
-from pdserve.services.engine.lora.setup import build_adapter_cache
 from pdserve.services.engine.model_setup import build_rank_model, kv_parts
 from pdserve.services.engine.offload import KVOffload
 from pdserve.services.engine.outputs import (

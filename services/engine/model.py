@@ -71,9 +71,6 @@ class GraphDecodeMetadata:
 
 class Linear(nn.Linear):
     _few_rows: FewRowsLinear | None = None  # made at the first call, after loading
-    # the stacked LoRA adapters of this projection (services/engine/lora/slots.py), else None
-    lora_a: torch.Tensor | None = None
-    lora_b: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # a compiled step: the form is fixed at trace time
@@ -85,7 +82,9 @@ class Linear(nn.Linear):
 
 
 def project(linear: nn.Module, x: torch.Tensor, lora_slots: torch.Tensor | None) -> torch.Tensor:
-    """``linear(x)`` plus, where the step's tokens name adapters, each token's LoRA delta."""
+    """``linear(x)`` plus, where the step's tokens name adapters, each token's LoRA delta. The
+    stacks are buffers ``lora_a``/``lora_b`` where adapters are served (lora/slots.py): buffers,
+    so a compiled step takes them as inputs and sees adapters loaded after it was traced."""
     y = linear(x)
     a, b = getattr(linear, "lora_a", None), getattr(linear, "lora_b", None)
     if lora_slots is None or a is None or b is None:
@@ -187,7 +186,9 @@ class Attention(nn.Module):
                 )
             )
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return self.shard.reduce(project(self.o_proj, out.reshape(-1, self.q_size), meta.lora_slots))
+        return self.shard.reduce(
+            project(self.o_proj, out.reshape(-1, self.q_size), meta.lora_slots)
+        )
 
     def _graph_decode(
         self,
@@ -207,7 +208,9 @@ class Attention(nn.Module):
         out = ops.paged_decode_attention(
             q, pages[:, 0], pages[:, 1], meta.block_tables, meta.context_lens, self.scale
         )
-        return self.shard.reduce(project(self.o_proj, out.reshape(-1, self.q_size), meta.lora_slots))
+        return self.shard.reduce(
+            project(self.o_proj, out.reshape(-1, self.q_size), meta.lora_slots)
+        )
 
 
 class MLP(nn.Module):

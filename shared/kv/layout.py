@@ -40,9 +40,7 @@ def layout_id(fingerprint: Mapping[str, object]) -> str:
 ROOT_HASH = 0
 
 
-def hash_block(
-    parent_hash: int, token_ids: Sequence[int], extra_keys: Sequence[str] = ()
-) -> int:
+def hash_block(parent_hash: int, token_ids: Sequence[int], extra_keys: Sequence[str] = ()) -> int:
     """A block's hash. ``extra_keys`` (a prompt's first block only) name what besides the tokens
     the KV depends on - a LoRA adapter (``identity_keys``) - so equal tokens under another
     identity get another chain; with none, the bytes hashed are the same as ever."""

@@ -22,7 +22,12 @@ def adapters(checkpoints, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     a = build_adapter(base, root / "a", seed=1, rank=8)
     b = build_adapter(
-        base, root / "b", seed=2, rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"),
+        base,
+        root / "b",
+        seed=2,
+        rank=4,
+        alpha=8.0,
+        targets=("q_proj", "v_proj", "down_proj"),
         rslora=True,
     )
     return base, {"a": a, "b": b}
@@ -104,7 +109,8 @@ def test_unknown_adapter_and_rank_refused(adapters):
 
 def test_compiled_decode_step_serves_adapters(adapters):
     """The compiled decode step takes each row's slot: the same tokens, and no compilation
-    after start whichever adapters a step mixes."""
+    after start whichever adapters a step mixes. Three rows pad to a bucket of 4, whose padding
+    row rewrites row 0's K/V: under row 0's adapter, or the KV would be the base model's."""
     base, paths = adapters
     prompts = random_prompts(3, seed=11)
     loras = ["b", None, "a"]

@@ -42,9 +42,12 @@ def read_config(name: str, path: Path) -> AdapterConfig:
     try:
         raw = json.loads((path / "adapter_config.json").read_text())
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"LoRA adapter {name!r}: cannot read {path}/adapter_config.json: {exc}")
+        message = f"LoRA adapter {name!r}: cannot read {path}/adapter_config.json: {exc}"
+        raise ModelLoadError(message) from None
     if raw.get("peft_type", "LORA") != "LORA":
-        raise ModelLoadError(f"LoRA adapter {name!r}: peft_type {raw.get('peft_type')!r} is not LORA")
+        raise ModelLoadError(
+            f"LoRA adapter {name!r}: peft_type {raw.get('peft_type')!r} is not LORA"
+        )
     for key in ("rank_pattern", "alpha_pattern", "modules_to_save"):
         if raw.get(key):
             raise ModelLoadError(f"LoRA adapter {name!r}: {key} is not supported")

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from pdserve.services.engine.lora.peft_adapter import PeftAdapter, load_adapter, read_config
 from pdserve.services.engine.model import Linear, LlamaForCausalLM
@@ -54,8 +55,12 @@ def attach_stacks(model: LlamaForCausalLM, num_slots: int, max_rank: int) -> Non
         }
         for name, linear in mods.items():
             rows = _PARTS[name] * max_rank
-            linear.lora_a = weight.new_zeros(num_slots, rows, linear.in_features)
-            linear.lora_b = weight.new_zeros(num_slots, rows, linear.out_features)
+            # buffers, not plain attributes: a compiled decode step would fold a plain tensor
+            # attribute into its graph as a constant (the zeros of start-up)
+            a = weight.new_zeros(num_slots, rows, linear.in_features)
+            linear.register_buffer("lora_a", a, persistent=False)
+            b = weight.new_zeros(num_slots, rows, linear.out_features)
+            linear.register_buffer("lora_b", b, persistent=False)
 
 
 def write_slot(model: LlamaForCausalLM, slot: int, adapter: PeftAdapter | None, max_rank: int):
@@ -76,15 +81,18 @@ def write_slot(model: LlamaForCausalLM, slot: int, adapter: PeftAdapter | None, 
             )
         r = a.shape[0]
         lo = part * max_rank
-        assert linear.lora_a is not None and linear.lora_b is not None
-        linear.lora_a[slot, lo : lo + r] = a.to(linear.lora_a.dtype)
-        linear.lora_b[slot, lo : lo + r, col : col + width] = b.to(linear.lora_b.dtype)
+        stack_a, stack_b = _stacks(linear)
+        stack_a[slot, lo : lo + r] = a.to(stack_a.dtype)
+        stack_b[slot, lo : lo + r, col : col + width] = b.to(stack_b.dtype)
 
 
-def _zero(linear: Linear, slot: int) -> None:
-    if linear.lora_a is not None and linear.lora_b is not None:
-        linear.lora_a[slot].zero_()
-        linear.lora_b[slot].zero_()
+def _stacks(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    return linear.get_buffer("lora_a"), linear.get_buffer("lora_b")
+
+
+def _zero(linear: nn.Module, slot: int) -> None:
+    for stack in _stacks(linear):
+        stack[slot].zero_()
 
 
 class AdapterCache:
@@ -107,6 +115,8 @@ class AdapterCache:
         self.num_slots = max_loras + 1
         attach_stacks(model, self.num_slots, max_rank)
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # resident, least recently used first
+        # the resident names as one tuple, replaced whole: what heartbeats read (another thread)
+        self.resident_names: tuple[str, ...] = ()
         self.pins = [0] * self.num_slots
         self.loads = 0  # adapters read from disk (tests count lazy loads and evictions)
 
@@ -126,6 +136,7 @@ class AdapterCache:
             adapter = load_adapter(name, self.modules[name], len(self.model.layers))
             write_slot(self.model, slot, adapter, self.max_rank)
             self.slot_of[name] = slot
+            self.resident_names = tuple(self.slot_of)
             self.loads += 1
             log.info("LoRA adapter %r loaded into slot %d", name, slot)
         self.slot_of.move_to_end(name)
