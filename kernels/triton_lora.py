@@ -9,6 +9,8 @@ pays two near-empty launches."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -95,11 +97,14 @@ def lora_delta(x: Tensor, a: Tensor, b: Tensor, slots: Tensor) -> Tensor:
     if tokens == 0:
         return out
     v = torch.empty(tokens, padded, dtype=torch.float32, device=x.device)
-    _lora_shrink_kernel[(tokens,)](
-        x, a, slots, v, k, x.stride(0), a.stride(0), a.stride(1), RANK=padded, BLOCK_K=64
-    )
     block_n = 64
+    # the kernels' constexprs (a typed dict: Triton's jit signature types them as constexpr)
+    shrink: dict[str, Any] = {"RANK": padded, "BLOCK_K": 64}
+    expand: dict[str, Any] = {"RANK": padded, "BLOCK_N": block_n}
+    _lora_shrink_kernel[(tokens,)](
+        x, a, slots, v, k, x.stride(0), a.stride(0), a.stride(1), **shrink
+    )
     _lora_expand_kernel[(tokens, triton.cdiv(n, block_n))](
-        v, b, slots, out, n, b.stride(0), b.stride(1), out.stride(0), RANK=padded, BLOCK_N=block_n
+        v, b, slots, out, n, b.stride(0), b.stride(1), out.stride(0), **expand
     )
     return out
