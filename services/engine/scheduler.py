@@ -204,7 +204,8 @@ class Scheduler(KVArrivals):
 
         while not preempted and self.waiting and self._num_slots() > 0:
             seq = self.waiting[0]
-            if not self._pin_adapter(seq):
+            if self.lora is not None and not self.lora.pin(seq):  # every slot busy: it waits
+                self._log_blocked(seq)
                 break
             if seq.remote_kv:
                 if not self._admit_pull(seq):
@@ -252,19 +253,6 @@ class Scheduler(KVArrivals):
             return n
         self._run(seq)
         return n
-
-    def _pin_adapter(self, seq: Sequence) -> bool:
-        """Pin the head of the queue's LoRA adapter (loading it if it is not resident); False
-        when every slot is pinned by adapters that running sequences use: it waits, as for
-        blocks. A preempted sequence keeps its pin."""
-        if seq.lora_name is None or seq.lora_slot or self.lora is None:
-            return True
-        slot = self.lora.acquire(seq.lora_name)
-        if slot is None:
-            self._log_blocked(seq)
-            return False
-        seq.lora_slot = slot
-        return True
 
     def _admit_pull(self, seq: Sequence) -> bool:
         """Reserve blocks for the prompt a prefill worker computed; False when they do not fit."""
@@ -369,9 +357,8 @@ class Scheduler(KVArrivals):
             return False
         fork = group.fork(seq, self.bm, self._num_slots())
         for child in fork.running:  # they hold their blocks: newest, so first to be preempted
-            if self.lora is not None and seq.lora_slot:
-                child.lora_slot = seq.lora_slot
-                self.lora.retain(seq.lora_slot)
+            if self.lora is not None:
+                self.lora.share(seq, child)
             self._run(child)
         for child in reversed(fork.queued):  # none yet: computed like preempted sequences
             self._wait_first(child)
@@ -394,9 +381,8 @@ class Scheduler(KVArrivals):
         self.bm.free_sequence(seq)
         if self.speculator is not None:
             self.speculator.release(seq)
-        if self.lora is not None and seq.lora_slot:
-            self.lora.release(seq.lora_slot)
-            seq.lora_slot = 0
+        if self.lora is not None:
+            self.lora.unpin(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self.seqs[seq.seq_id]

@@ -19,6 +19,7 @@ from torch import nn
 
 from pdserve.services.engine.lora.peft_adapter import PeftAdapter, load_adapter, read_config
 from pdserve.services.engine.model import Linear, LlamaForCausalLM
+from pdserve.services.engine.sequence import Sequence
 from pdserve.shared.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -143,14 +144,26 @@ class AdapterCache:
         self.pins[slot] += 1
         return slot
 
-    def retain(self, slot: int) -> None:
-        """One more sequence (a forked choice) uses ``slot``."""
-        if slot:
-            self.pins[slot] += 1
+    def pin(self, seq: Sequence) -> bool:
+        """Pin ``seq``'s adapter for it (admission; a preempted sequence keeps its pin). False
+        when every slot is pinned by other adapters: it waits, as for blocks."""
+        if seq.lora_name is None or seq.lora_slot:
+            return True
+        slot = self.acquire(seq.lora_name)
+        seq.lora_slot = slot or 0
+        return slot is not None
 
-    def release(self, slot: int) -> None:
-        if slot:
-            self.pins[slot] -= 1
+    def share(self, parent: Sequence, child: Sequence) -> None:
+        """A forked choice that runs at once uses its parent's pinned slot too."""
+        if parent.lora_slot:
+            child.lora_slot = parent.lora_slot
+            self.pins[parent.lora_slot] += 1
+
+    def unpin(self, seq: Sequence) -> None:
+        """``seq`` left the engine: its adapter may be evicted once no one else uses it."""
+        if seq.lora_slot:
+            self.pins[seq.lora_slot] -= 1
+            seq.lora_slot = 0
 
     def _free_slot(self) -> int | None:
         used = set(self.slot_of.values())
