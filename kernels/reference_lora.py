@@ -15,11 +15,13 @@ from torch import Tensor
 
 
 def lora_delta(x: Tensor, a: Tensor, b: Tensor, slots: Tensor) -> Tensor:
-    """x [T, K], a [S, R, K], b [S, R, N] (the scaling folded in), slots [T] int -> [T, N],
-    row t being x[t] @ a[slots[t]].T @ b[slots[t]], in x's dtype (math in at least fp32)."""
+    """x [T, K], a [S, R, K], b [S, R, N] (the scaling folded in; slot 0 zeros), slots [T] int
+    -> [T, N], row t being x[t] @ a[slots[t]].T @ b[slots[t]], in x's dtype (at least fp32)."""
+    # slot 0 (the base model) is zeros by contract: only slots 1.. are multiplied
+    a, b = a[1:], b[1:]
     num_slots, rank, k = a.shape
     cdt = torch.promote_types(x.dtype, torch.float32)
-    h = x.to(cdt) @ a.reshape(num_slots * rank, k).to(cdt).T  # [T, S * R]
-    own = slots[:, None] == torch.arange(num_slots, device=slots.device)[None, :]  # [T, S]
+    h = x.to(cdt) @ a.reshape(num_slots * rank, k).to(cdt).T  # [T, (S - 1) * R]
+    own = slots[:, None] == torch.arange(1, num_slots + 1, device=slots.device)[None, :]
     h = (h.view(-1, num_slots, rank) * own[..., None]).view(-1, num_slots * rank)
     return (h @ b.reshape(num_slots * rank, -1).to(cdt)).to(x.dtype)
