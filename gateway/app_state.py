@@ -206,6 +206,15 @@ class Gateway:
             return False, "no decode worker is alive"
         return True, "ok"
 
+    def lora_adapters(self) -> list[str]:
+        """The LoRA adapters served as models of their own: those the decode workers advertise
+        (``--lora-modules``; a decode worker can also prefill, so it alone can serve one)."""
+        return sorted({a for w in self.router.serving("decode") for a in w.lora_adapters})
+
+    def lora_of(self, model: str) -> str | None:
+        """The adapter a request's ``model`` names, None for the base model."""
+        return None if model == self.model.name else model
+
     def context_limit(self) -> int:
         """Longest prompt + output that can be served: the model's context, or less when even
         the largest decode worker's whole KV cache cannot hold that many tokens."""

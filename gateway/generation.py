@@ -210,6 +210,7 @@ class Generation:
             sampling,
             context,
             choices,
+            lora=self.gw.lora_of(self.params.model),
         )
         started: set[int] = set()
         try:

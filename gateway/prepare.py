@@ -26,7 +26,8 @@ TagTokens = tuple[tuple[str, int], ...]
 
 
 def check_model(gw: Gateway, model: str) -> None:
-    if model != gw.model.name:
+    """The base model's name, or one of the LoRA adapters the fleet serves; else a 404."""
+    if model != gw.model.name and model not in gw.lora_adapters():
         raise model_not_found(model)
 
 

@@ -38,6 +38,11 @@ for this gateway's own requests, the report covers other gateways' with a heartb
 likewise remembers the blocks it sent each worker since that worker's last report and takes
 them off the reported free blocks (the next report already includes them).
 
+A request under a LoRA adapter goes only to workers configured with it, and its prompt hashes
+with the adapter in the first block (as the workers' caches do). A worker where the adapter is
+not resident would load it first (``lora_resident`` in its report): that adds
+``ADAPTER_LOAD_BLOCKS`` to its prefill cost and ``ADAPTER_LOAD_REQUESTS`` to its decode count.
+
 The router keeps load, not requests: per bus id only the worker where that id's load is counted
 (``_in_prefill``, ``_in_decode``), so that ``prefill_done`` and ``decode_done`` take it off
 there. Which requests are in flight is the dispatcher's table (``gateway/inflight/dispatcher.py``).
@@ -54,7 +59,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pdserve.shared.bus.discovery_messages import WorkerLoad
-from pdserve.shared.kv.layout import ROOT_HASH, prefix_block_hashes
+from pdserve.shared.kv.layout import ROOT_HASH, identity_keys, prefix_block_hashes
 
 MAX_REMEMBER_SECONDS = 2.0  # a few heartbeat intervals
 # Cost of one prompt block a worker must compute, relative to one block of work queued there.
@@ -68,11 +73,19 @@ PREFIX_WEIGHT = 2.0
 EXPECT_SECONDS = 10.0
 MAX_EXPECTED_BLOCKS = 1 << 16  # per worker; the oldest expectations go first
 TYPICAL_DECAY = 0.1  # moving average of the prefill blocks per routed prompt
+# what loading an adapter (reading it, copying it into a slot) weighs against other work
+ADAPTER_LOAD_BLOCKS = 4
+ADAPTER_LOAD_REQUESTS = 2
 # Loading one block from a tier, as a fraction of computing it, until the worker measures it.
 # Host: a PCIe copy of a block (~0.5 MB for a 1B model at 25 GB/s: ~20 us) against its forward
 # pass (16 tokens of a 1B model: ~0.1 ms on an H100), with the scheduling around it. Disk: an
 # NVMe read at a few GB/s, off the engine thread, but the sequence waits for it.
 DEFAULT_LOAD_COST = {"device": 0.0, "host": 0.1, "disk": 0.5}
+
+
+def serving_adapter(workers: list[WorkerLoad], lora: str | None) -> list[WorkerLoad]:
+    """The workers configured with adapter ``lora`` (all of them for the base model)."""
+    return workers if lora is None else [w for w in workers if lora in w.lora_adapters]
 
 
 def _rendezvous(key: bytes, worker_id: str) -> int:
@@ -196,15 +209,20 @@ class Router:
         return {c.worker.worker_id: c.cost for c in costs}
 
     def _costs(
-        self, prompt: list[int], candidates: list[WorkerLoad], root: int = ROOT_HASH
+        self,
+        prompt: list[int],
+        candidates: list[WorkerLoad],
+        root: int = ROOT_HASH,
+        lora: str | None = None,
     ) -> list[_Cost]:
         typical = self._typical_blocks or self.blocks_for(len(prompt))
         by_size: dict[int, list[int]] = {}
         out = []
+        keys = identity_keys(lora)  # the adapter is in the first block's hash, as workers hash
         for w in candidates:
             size = w.block_size or self.block_size or 16
             if size not in by_size:
-                by_size[size] = prefix_block_hashes(prompt, size, root)
+                by_size[size] = prefix_block_hashes(prompt, size, root, extra_keys=keys)
             hashes = by_size[size]
             # The worker computes at least the last prompt token (it needs its logits), so it
             # reuses at most the full blocks before that token.
@@ -213,6 +231,8 @@ class Router:
             loads = sum(self.load_cost(w, tier) for tier in chain)
             queued = (w.waiting + w.running) * typical + sum(s.blocks for s in self._recent(w))
             cost = self.prefix_weight * (new_blocks + loads) + queued
+            if lora is not None and lora not in w.lora_resident:
+                cost += self.prefix_weight * ADAPTER_LOAD_BLOCKS
             out.append(_Cost(worker=w, cost=cost, hashes=hashes, new_blocks=new_blocks))
         return out
 
@@ -222,6 +242,7 @@ class Router:
         exclude: set[str] | None = None,
         bus_id: str | None = None,
         root: int = ROOT_HASH,
+        lora: str | None = None,
     ) -> str | None:
         """The prefill worker with the lowest cost for this prompt (see the module docstring);
         ``root``: its cache salt's chain (``chain_root``), whose blocks only count.
@@ -232,14 +253,16 @@ class Router:
         live = self.serving("prefill")
         for gone in self._expected.keys() - {w.worker_id for w in live}:
             del self._expected[gone]  # left (or restarted under a new id): its cache is gone
-        candidates = [w for w in live if w.worker_id not in (exclude or set())]
+        candidates = serving_adapter(
+            [w for w in live if w.worker_id not in (exclude or set())], lora
+        )
         if not candidates:
             return None
         pullable = {w.kv_layout for w in self.serving("decode")}
         if "" not in pullable:  # every decode worker says which blocks it can pull
             fitting = [w for w in candidates if w.kv_layout in pullable or not w.kv_layout]
             candidates = fitting or candidates  # none: the pull's refusal will say why
-        costs = self._costs(prompt, candidates, root)
+        costs = self._costs(prompt, candidates, root, lora)
         if self.prefill_policy == "round-robin":
             costs.sort(key=lambda c: c.worker.worker_id)
             best = costs[self._turn % len(costs)]
@@ -270,12 +293,14 @@ class Router:
         exclude: set[str] | None = None,
         bus_id: str | None = None,
         kv_layout: str = "",
+        lora: str | None = None,
     ) -> str | None:
         """The decode worker with the fewest requests (see the module docstring), then the most
         free blocks. With ``bus_id``, the request counts there until ``decode_done``.
         ``kv_layout``: the prefilled blocks' layout (shared.kv_layout): only workers that can
         pull them qualify, unless none can (its pull refusal then reaches the client)."""
         candidates = [w for w in self.serving("decode") if w.worker_id not in (exclude or set())]
+        candidates = serving_adapter(candidates, lora)
         if not candidates:
             return None
         if kv_layout:
@@ -289,6 +314,8 @@ class Router:
         def busy(w: WorkerLoad) -> tuple[bool, int, int]:
             free = w.free_blocks - sum(s.blocks for s in self._recent(w))
             requests = max(w.running + w.waiting, self._decoding[w.worker_id])
+            if lora is not None and lora not in w.lora_resident:
+                requests += ADAPTER_LOAD_REQUESTS  # it would load the adapter first
             return (free < blocks, requests, -free)  # a worker with room first
 
         best = min(candidates, key=busy).worker_id

@@ -89,14 +89,22 @@ def _model_card(gw: Gateway) -> dict[str, Any]:
     }
 
 
+def _adapter_card(gw: Gateway, name: str) -> dict[str, Any]:
+    """A LoRA adapter as a model of its own: its ``parent`` is the base model (vLLM's shape)."""
+    return {**_model_card(gw), "id": name, "root": name, "parent": gw.model.name}
+
+
 async def models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_card(request.app[GATEWAY_KEY])]})
+    gw = request.app[GATEWAY_KEY]
+    cards = [_model_card(gw)] + [_adapter_card(gw, a) for a in gw.lora_adapters()]
+    return web.json_response({"object": "list", "data": cards})
 
 
 async def model(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY_KEY]
-    check_model(gw, request.match_info["model"])
-    return web.json_response(_model_card(gw))
+    name = request.match_info["model"]
+    check_model(gw, name)
+    return web.json_response(_model_card(gw) if name == gw.model.name else _adapter_card(gw, name))
 
 
 async def openapi(request: web.Request) -> web.Response:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from pdserve.kernels import reference, reference_quant
+from pdserve.kernels import reference, reference_lora, reference_quant
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -32,6 +32,7 @@ _TRITON_MODULES = {
     "decode_attention": "pdserve.kernels.triton_decode",
     "prefill_attention": "pdserve.kernels.triton_prefill",
     "int8_linear": "pdserve.kernels.triton_int8",
+    "lora_delta": "pdserve.kernels.triton_lora",
 }
 
 
@@ -69,7 +70,8 @@ def _triton_impl(name: str) -> Callable:
 def _impl(name: str, tensor: Tensor) -> Callable:
     if backend_for(tensor) == "triton":
         return _triton_impl(name)
-    return getattr(reference_quant if name == "int8_linear" else reference, name)
+    twins = {"int8_linear": reference_quant, "lora_delta": reference_lora}
+    return getattr(twins.get(name, reference), name)
 
 
 def _kv_scales(k_scale: Tensor | None, v_scale: Tensor | None) -> dict[str, Tensor]:
@@ -255,3 +257,10 @@ def int8_linear(x: Tensor, qweight: Tensor, scale: Tensor, bias: Tensor | None =
     consecutive input channels, [N, K // G] (fp32 or fp16, GGUF Q8_0 is G = 32); G must be a power
     of two >= 16, and each group's scale is applied to its partial sum inside the K loop."""
     return _impl("int8_linear", x)(x, qweight, scale, bias)
+
+
+def lora_delta(x: Tensor, a: Tensor, b: Tensor, slots: Tensor) -> Tensor:
+    """Batched multi-LoRA: x [T, K], stacked adapters a [S, R, K] and b [S, R, N] (scaling folded
+    into b; slot 0 all zeros, the base model), each token's slot [T] -> [T, N], row t being
+    x[t] @ a[slots[t]].T @ b[slots[t]] in x's dtype, accumulated in fp32."""
+    return _impl("lora_delta", x)(x, a, b, slots)

@@ -26,6 +26,7 @@ class RequestState:
     # streaming must not be cut off by a wall clock; the gateway ends one that stalls, and its
     # Cancel frees what the request holds here.
     started: bool = False
+    lora: str | None = None  # the LoRA adapter it runs under (None: the base model)
 
     def attributes(self, worker_id: str) -> dict:
         return {tracing.ATTR_REQUEST_ID: self.client_id, tracing.ATTR_WORKER_ID: worker_id}

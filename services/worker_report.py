@@ -86,6 +86,8 @@ class WorkerReport:
             max_queue=worker.config.max_queue,
             instance=worker.instance,
             kv_layout=self.kv_layout,
+            lora_adapters=list(engine.lora_names()),
+            lora_resident=list(engine.lora.resident_names) if engine.lora is not None else [],
             **worker.metrics.roofline.load_fields(),  # forward-pass totals and peaks
             **engine.offload.load_fields(),  # the KV tiers' measured load costs
             **standby.load_fields(worker),

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pdserve.shared.errors import StartupError
 from pdserve.shared.gateway_edge_options import GatewayEdgeOptions, check_edge
 from pdserve.shared.options import opt
+from pdserve.shared.lora_options import LoraOptions
 from pdserve.shared.scheduling_options import SchedulingOptions
 from pdserve.shared.speculative_options import SPECULATIVE_METHODS, speculative_problem
 
@@ -40,7 +41,7 @@ class BusConfig:
 
 
 @dataclass
-class EngineConfig(SchedulingOptions):
+class EngineConfig(SchedulingOptions, LoraOptions):
     model: str | None = opt(
         "smollm2-135m-instruct",
         "a built-in model (smollm2-135m-instruct; demo = random weights for tests), a .gguf file "

@@ -82,8 +82,10 @@ class BusRequest(PrefillStage):
         context: Context | None,
         headers: dict[str, str],
         choices: OpenChoices | None = None,
+        lora: str | None = None,
     ) -> None:
         self.port = port
+        self.lora = lora  # the LoRA adapter both workers apply (None: the base model)
         self.limits = limits
         self.client_id = client_id  # the client's x-request-id: names the request on spans
         self.bus_id = bus_id  # unique: names it on the bus (see new_bus_id), and its first leg
@@ -238,7 +240,9 @@ class BusRequest(PrefillStage):
         layout = layout_id(leg.kv.fingerprint) if leg.kv is not None else ""
         if leg.kv is not None and leg.kv.streaming:
             skip = skip | self.port.router.not_streaming(layout)
-        worker = self.port.router.pick_decode(expected, leg.tried | skip, leg.bus_id, layout)
+        worker = self.port.router.pick_decode(
+            expected, leg.tried | skip, leg.bus_id, layout, lora=self.lora
+        )
         if worker is None:
             return False
         leg.tried.add(worker)
@@ -251,7 +255,7 @@ class BusRequest(PrefillStage):
         trace.get_current_span(self.context).set_attribute("pdserve.decode_worker", worker)
         # the worker enforces the deadline only until its first token (services/worker_base.py)
         deadline = on_wire(min(self.cap, leg.due))
-        msg = leg.request(self.prompt, self.port.outbox.inbox, deadline, self.client_id)
+        msg = leg.request(self.prompt, self.port.outbox.inbox, deadline, self.client_id, self.lora)
         await self.port.outbox.send(worker, msg, self.headers)
         return True
 

@@ -122,6 +122,7 @@ class Dispatcher:
         sampling: SamplingParams,
         context: Context | None = None,
         choices: OpenChoices | None = None,
+        lora: str | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """Yield the request's tokens as they arrive; the last event has a finish reason.
 
@@ -129,7 +130,8 @@ class Dispatcher:
         the request travels under a unique id of its own (``new_bus_id``).
 
         With ``sampling.n > 1`` events carry their choice's index, and ``choices`` lets the caller
-        stop one choice early (a stop string in its text).
+        stop one choice early (a stop string in its text). ``lora``: the LoRA adapter it runs
+        under on both workers (None: the base model); the router prefers workers holding it.
 
         A request whose decode worker is lost is migrated (``legs.py``); for
         its randomness to continue exactly, a sampled request without a seed gets one here.
@@ -150,6 +152,7 @@ class Dispatcher:
             context=context,
             headers=inject_headers(context=context),
             choices=choices,
+            lora=lora,
         )
         with self._tracking(request):
             if self._route(request):

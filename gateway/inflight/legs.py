@@ -122,7 +122,12 @@ class Leg:
         return prompt_len + len(self.output) + min(remaining, TYPICAL_OUTPUT_TOKENS)
 
     def request(
-        self, prompt: list[int], reply_to: str, deadline: float, client_id: str
+        self,
+        prompt: list[int],
+        reply_to: str,
+        deadline: float,
+        client_id: str,
+        lora: str | None = None,
     ) -> DecodeRequest:
         """The DecodeRequest that sends it (``deadline``: its first token's, on the wire)."""
         return DecodeRequest(
@@ -134,6 +139,7 @@ class Leg:
             reply_to=reply_to,
             deadline=deadline,
             client_id=client_id,
+            lora=lora,
         )
 
 

@@ -53,6 +53,7 @@ class PrefillStage:
         port: RequestPort
         limits: Limits
         client_id: str
+        lora: str | None
         bus_id: str
         prompt: list[int]
         sampling: SamplingParams
@@ -80,7 +81,9 @@ class PrefillStage:
         for _ in range(PREFILL_ATTEMPTS):
             skip = tried | await self.port.departures.recovered(self.deadline)
             root = chain_root(self.sampling.cache_salt)  # a salted prompt hits its own chain only
-            worker = self.port.router.pick_prefill(self.prompt, skip, self.bus_id, root)
+            worker = self.port.router.pick_prefill(
+                self.prompt, skip, self.bus_id, root=root, lora=self.lora
+            )
             if worker is None:
                 return None
             tried.add(worker)
@@ -116,6 +119,7 @@ class PrefillStage:
                 deadline=on_wire(deadline),
                 client_id=self.client_id,
                 stream_kv=self.port.router.can_stream(),
+                lora=self.lora,
             )
             await self.port.outbox.send(worker, msg, self.headers)
             while True:

@@ -161,6 +161,7 @@ class DecodeWorker(Worker):
                 req.sampling,
                 req.output_token_ids,
                 remote_kv=req.kv is not None,
+                lora=req.lora,
             )
         except ValueError as exc:  # invalid for this model (too long, token id out of range...)
             await self._fail_request(req.reply_to, req.bus_id, "invalid", str(exc))
@@ -178,6 +179,9 @@ class DecodeWorker(Worker):
             return "invalid", f"duplicate request id {req.bus_id}"
         if len(self.states) >= self.config.max_queue:
             return "overloaded", f"decode worker {self.worker_id} is full"
+        if req.kv is not None and req.kv.lora != req.lora:
+            # KV computed under one adapter never serves another (nor the base model)
+            return "invalid", f"KV computed under adapter {req.kv.lora!r}, not {req.lora!r}"
         return None
 
     def _end(self, state: DecodeState) -> None:

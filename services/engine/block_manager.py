@@ -155,7 +155,9 @@ class BlockManager:
         if not self.enable_prefix_cache:
             return CachedPrefix(hashes=[], block_ids=[], num_free_blocks=0, num_tokens=0)
         prompt = seq.token_ids[: seq.num_tokens - 1]
-        hashes = prefix_block_hashes(prompt, self.block_size, seq.hash_root)
+        hashes = prefix_block_hashes(
+            prompt, self.block_size, seq.hash_root, extra_keys=seq.kv_identity
+        )
         blocks: list[int | None] = []
         for h in hashes:
             block_id = self.hash_to_block.get(h)
@@ -223,7 +225,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(hashes), full):
             block_tokens = seq.token_ids[i * bs : (i + 1) * bs]
-            h = hash_block(parent, block_tokens)
+            h = hash_block(parent, block_tokens, seq.kv_identity if i == 0 else ())
             hashes.append(h)
             block_id = seq.block_table[i]
             # First writer wins; a duplicate block computed concurrently stays private.

@@ -27,6 +27,7 @@ class AddRequest:
     sampling: SamplingParams
     output_token_ids: tuple[int, ...] = ()  # tokens generated elsewhere (the first token)
     remote_kv: bool = False  # the prompt's KV is pulled from a prefill worker, not computed
+    lora: str | None = None  # the LoRA adapter it runs under (--lora-modules), None: the base
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,10 @@ class EngineCommands:
         """ValueError if this engine's model cannot serve the request (the engine's own)."""
         raise NotImplementedError
 
+    def lora_names(self) -> tuple[str, ...]:
+        """The LoRA adapters this engine serves (``--lora-modules``), resident or not."""
+        return ()
+
     def add_request(
         self,
         bus_id: str,
@@ -92,16 +97,21 @@ class EngineCommands:
         sampling: SamplingParams,
         output_token_ids: list[int] | tuple[int, ...] = (),
         remote_kv: bool = False,
+        lora: str | None = None,
     ) -> None:
         """Queue a request (ValueError at once if this model cannot serve it), to continue after
-        ``output_token_ids``; with ``remote_kv`` its prompt's KV is pulled into reserved blocks."""
+        ``output_token_ids``; with ``remote_kv`` its prompt's KV is pulled into reserved blocks;
+        ``lora``: the adapter it runs under (one of ``--lora-modules``)."""
         self.validate(prompt_token_ids, sampling)
+        if lora is not None and lora not in self.lora_names():
+            raise ValueError(f"no LoRA adapter {lora!r} on this worker")
         add = AddRequest(
             bus_id=bus_id,
             prompt_token_ids=list(prompt_token_ids),
             sampling=sampling,
             output_token_ids=tuple(output_token_ids),
             remote_kv=remote_kv,
+            lora=lora,
         )
         self._post(add)
 

@@ -75,7 +75,8 @@ def build(
     """An engine's compiled decode step, compiled now; None where it runs eagerly."""
     if not wanted(config, device, prefill_only):
         return None
-    graphs = DecodeGraphs(model, config.block_size, config.max_num_seqs)
+    lora = bool(config.lora_modules)
+    graphs = DecodeGraphs(model, config.block_size, config.max_num_seqs, lora)
     graphs.compile()
     return graphs
 
@@ -122,7 +123,9 @@ class _Batch:
 class DecodeGraphs:
     """The compiled decode step of one model and its cache (TP 1, a CPU or a GPU)."""
 
-    def __init__(self, model: LlamaForCausalLM, block_size: int, max_batch: int) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, block_size: int, max_batch: int, lora: bool = False
+    ) -> None:
         self.model = model
         self.block_size = block_size
         self.buckets = buckets_up_to(max_batch)
@@ -146,6 +149,8 @@ class DecodeGraphs:
             fullgraph=True,
             options={"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe},
         )
+        # LoRA adapters are served: every step passes each row's slot (``_lora_slots``)
+        self.lora = lora
         self.compiled_at_start = 0  # compilations made by compile(), before any request
         self.steps = 0  # steps run through the graphs (the start's dummy ones included)
 
@@ -188,6 +193,7 @@ class DecodeGraphs:
                 num_verifies=0,
                 read=list(range(rows)),
                 num_sampled=rows,
+                lora_slots=[0] * rows if self.lora else [],
             )
             self.run(dummy)
         seconds = time.perf_counter() - start
@@ -214,6 +220,18 @@ class DecodeGraphs:
             )
         h, _ = model.norm(h[: batch.rows], residual[: batch.rows])
         return h
+
+    def _lora_slots(self, inputs: StepInputs, extra: int) -> torch.Tensor | None:
+        """Each padded row's LoRA slot. A padding row repeats row 0, its slot too: it writes its
+        K/V over row 0's, which must be the same values. Where adapters are served the graph
+        always takes the slots, even in a step of base rows only: a step without them would be
+        another graph, compiled mid-serving."""
+        if not self.lora:
+            return None
+        slots = torch.tensor(inputs.lora_slots + inputs.lora_slots[:1] * extra, dtype=torch.int64)
+        if slots.shape[0] > 1:
+            torch._dynamo.maybe_mark_dynamic(slots, 0)
+        return slots.to(self.device, non_blocking=True)
 
     def _pad(self, inputs: StepInputs) -> _Batch:
         rows = len(inputs.counts)
@@ -248,5 +266,10 @@ class DecodeGraphs:
         kv_rows = graph_ops.kv_rows(self._first_pages, slots)
         if padded > 1:
             torch._dynamo.maybe_mark_dynamic(kv_rows, 1)
-        meta = GraphDecodeMetadata(kv_rows=kv_rows, block_tables=table, context_lens=positions + 1)
+        meta = GraphDecodeMetadata(
+            kv_rows=kv_rows,
+            block_tables=table,
+            context_lens=positions + 1,
+            lora_slots=self._lora_slots(inputs, extra),
+        )
         return _Batch(rows=rows, input_ids=ids, positions=positions, meta=meta)

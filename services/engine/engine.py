@@ -44,6 +44,7 @@ from pdserve.services.engine.guided import GuidedDecoder
 from pdserve.services.engine.kv_fingerprint import kv_fingerprint
 from pdserve.services.engine.kv_stream import StreamHooks
 from pdserve.services.engine.loader import resolve_device_dtype
+from pdserve.services.engine.lora.setup import build_adapter_cache
 from pdserve.services.engine.model_config import ModelConfig
 from pdserve.services.engine.model_runner import ModelRunner
 from pdserve.services.engine.model_setup import build_rank_model, kv_parts
@@ -139,6 +140,9 @@ class LLMEngine(EngineCommands):
         self.guided = GuidedDecoder(self.model_dir, cfg.vocab_size, cfg.eos_token_ids)
         self.runner = ModelRunner(model, self.kv_cache, self.block_size, self.device, self.guided)
         self.runner.ranks = self.ranks
+        # LoRA adapters (--lora-modules): stacked slots in the model, pinned per sequence
+        self.lora = build_adapter_cache(config, model)
+        self.runner.serves_lora = self.lora is not None
         self.step_cost = StepCost.of_runner(self.runner, cfg, shard)  # the roofline's counts
         # speculative decoding (``spec/``): decode-side only, a prefill worker never drafts
         target = TargetModel(
@@ -164,6 +168,7 @@ class LLMEngine(EngineCommands):
             seed=config.seed,
             scheduling_policy=config.scheduling_policy,
             priority_aging_s=config.priority_aging_s,
+            lora=self.lora,
         )
         self.offload = KVOffload.build(self)  # evicted blocks to host memory and disk, and back
         # Crossing threads out (commands come in through EngineCommands): the latest stats
@@ -173,6 +178,9 @@ class LLMEngine(EngineCommands):
         self.stream_hooks: StreamHooks | None = None  # a prefill worker's (kv_stream.py)
         # the compiled decode step (``--enforce-eager``: none), compiled before any request
         self.runner.graphs = decode_graph.build(model, config, self.device, prefill_only)
+
+    def lora_names(self) -> tuple[str, ...]:
+        return tuple(self.lora.modules) if self.lora is not None else ()
 
     # ---- sizing and layout -------------------------------------------------------------------
 

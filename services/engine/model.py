@@ -53,6 +53,9 @@ class AttentionMetadata:
     num_decode_tokens: int = 0
     decode_cu_seqlens_q: torch.Tensor | None = None
     decode_max_seqlen_q: int = 1
+    # each token's LoRA slot [T] (services/engine/lora; 0: the base model), None when no token
+    # of the step uses an adapter
+    lora_slots: torch.Tensor | None = None
 
 
 @dataclass
@@ -63,6 +66,7 @@ class GraphDecodeMetadata:
     kv_rows: torch.Tensor  # [2, B] where each new token's K and V go (graph_ops.kv_rows)
     block_tables: torch.Tensor  # [B, blocks]; the block count is a dynamic size of the graph
     context_lens: torch.Tensor  # [B] cached tokens of each row, its new one included
+    lora_slots: torch.Tensor | None = None  # [B] each row's LoRA slot, where adapters are served
 
 
 class Linear(nn.Linear):
@@ -75,6 +79,17 @@ class Linear(nn.Linear):
             self._few_rows = FewRowsLinear(self.weight, self.bias)
         out = self._few_rows(x)
         return super().forward(x) if out is None else out
+
+
+def project(linear: nn.Module, x: torch.Tensor, lora_slots: torch.Tensor | None) -> torch.Tensor:
+    """``linear(x)`` plus, where the step's tokens name adapters, each token's LoRA delta. The
+    stacks are buffers ``lora_a``/``lora_b`` where adapters are served (lora/slots.py): buffers,
+    so a compiled step takes them as inputs and sees adapters loaded after it was traced."""
+    y = linear(x)
+    a, b = getattr(linear, "lora_a", None), getattr(linear, "lora_b", None)
+    if lora_slots is None or a is None or b is None:
+        return y
+    return y + ops.lora_delta(x, a, b, lora_slots)
 
 
 class RMSNorm(nn.Module):
@@ -119,7 +134,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata | GraphDecodeMetadata,
         cos_sin: torch.Tensor,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        qkv = project(self.qkv_proj, x, meta.lora_slots)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -171,7 +186,9 @@ class Attention(nn.Module):
                 )
             )
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return self.shard.reduce(self.o_proj(out.reshape(-1, self.q_size)))
+        return self.shard.reduce(
+            project(self.o_proj, out.reshape(-1, self.q_size), meta.lora_slots)
+        )
 
     def _graph_decode(
         self,
@@ -191,7 +208,9 @@ class Attention(nn.Module):
         out = ops.paged_decode_attention(
             q, pages[:, 0], pages[:, 1], meta.block_tables, meta.context_lens, self.scale
         )
-        return self.shard.reduce(self.o_proj(out.reshape(-1, self.q_size)))
+        return self.shard.reduce(
+            project(self.o_proj, out.reshape(-1, self.q_size), meta.lora_slots)
+        )
 
 
 class MLP(nn.Module):
@@ -203,9 +222,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = Linear(self.intermediate, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.shard.reduce(self.down_proj(nn.functional.silu(gate) * up))
+    def forward(self, x: torch.Tensor, lora_slots: torch.Tensor | None = None) -> torch.Tensor:
+        gate, up = project(self.gate_up_proj, x, lora_slots).split(self.intermediate, dim=-1)
+        return self.shard.reduce(project(self.down_proj, nn.functional.silu(gate) * up, lora_slots))
 
 
 class DecoderLayer(nn.Module):
@@ -223,7 +242,7 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(h, residual)
         h = self.self_attn(positions, h, meta, cos_sin)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, meta.lora_slots), residual
 
 
 class LlamaForCausalLM(nn.Module):

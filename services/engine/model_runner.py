@@ -73,6 +73,8 @@ class ModelRunner:
         self.block_copies: list[tuple[int, int]] = []
         # the compiled decode step (decode_graph.py), where the engine made one
         self.graphs: DecodeGraphs | None = None
+        # LoRA adapters are served (services/engine/lora): each row carries its slot
+        self.serves_lora = False
 
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
         if not self.pinned:
@@ -115,6 +117,7 @@ class ModelRunner:
             num_verifies=batch.num_verifies,
             read=read,
             num_sampled=num_sampled,
+            lora_slots=[s.lora_slot for s in seqs] if self.serves_lora else [],
         )
         if self.ranks is not None:
             inputs.block_copies, self.block_copies = self.block_copies, []
@@ -202,6 +205,10 @@ class ModelRunner:
         block_tables = self._tensor([t + [0] * (max_blocks - len(t)) for t in tables], torch.int32)
         block_of_token = block_tables[seq_of_token, positions // self.block_size].to(torch.int64)
         slot_mapping = block_of_token * self.block_size + positions % self.block_size
+        # each token's LoRA slot; none when no row of the step uses an adapter
+        lora_slots = None
+        if any(inputs.lora_slots):
+            lora_slots = self._tensor(inputs.lora_slots)[seq_of_token]
 
         def group(lo: int, hi: int) -> ChunkGroup | None:
             if lo == hi:
@@ -232,6 +239,7 @@ class ModelRunner:
                 num_decode_tokens=sum(counts[:nq]),
                 decode_cu_seqlens_q=cu,
                 decode_max_seqlen_q=longest,
+                lora_slots=lora_slots,
             )
             return meta, positions
         decode_tables, decode_lens = block_tables[:nd], ctx_lens[:nd].to(torch.int32)
@@ -243,6 +251,7 @@ class ModelRunner:
             decode_plan=ops.decode_plan(decode_tables, decode_lens) if nd else None,
             verify=group(nd, nd + nv),
             prefill=group(nd + nv, num_rows),
+            lora_slots=lora_slots,
         )
         return meta, positions
 

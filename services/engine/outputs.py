@@ -58,6 +58,8 @@ class StepInputs:
     # fork copies (src, dst) made on rank 0 since the last step: the other ranks' caches make
     # them before this pass, which is the first that may write into those blocks
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # each row's LoRA slot (services/engine/lora), empty when the engine serves no adapters
+    lora_slots: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -28,30 +28,27 @@ import random
 import time
 from typing import TYPE_CHECKING
 
+from pdserve.services.engine.block_holds import BlockHolds
 from pdserve.services.engine.block_manager import BlockManager
 from pdserve.services.engine.commands import (
     AddRequest,
-    BlockHoldRefused,
-    HoldBlock,
-    ResetPrefixCache,
 )
 from pdserve.services.engine.kv_arrivals import KVArrivals
 from pdserve.services.engine.outputs import RunnerOutput, ScheduledBatch, StepOutput, StepStats
 from pdserve.services.engine.sequence import Sequence, SequenceStatus
 from pdserve.services.engine.sequence_group import SequenceGroup, num_choices
 from pdserve.services.engine.wait_queue import WaitQueue
-from pdserve.shared.sampling import SamplingParams
 
 if TYPE_CHECKING:  # the spec package loads models: the scheduler only calls back into it
+    from pdserve.services.engine.lora.slots import AdapterCache
     from pdserve.services.engine.spec.speculator import Speculator
 
 log = logging.getLogger(__name__)
 
 KV_FAILURE_POLICIES = ("fail", "recompute")
-_HOLD_SAMPLING = SamplingParams(max_tokens=1)
 
 
-class Scheduler(KVArrivals):
+class Scheduler(KVArrivals, BlockHolds):
     def __init__(
         self,
         block_manager: BlockManager,
@@ -66,6 +63,7 @@ class Scheduler(KVArrivals):
         seed: int = 0,
         scheduling_policy: str = "fcfs",
         priority_aging_s: float = 0.0,
+        lora: AdapterCache | None = None,
     ) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
@@ -75,6 +73,7 @@ class Scheduler(KVArrivals):
         self.prefill_only = prefill_only
         self.kv_failure_policy = kv_failure_policy
         self.speculator = speculator
+        self.lora = lora  # the resident LoRA adapters' slots (None: no --lora-modules)
         self.seqs: dict[str, Sequence] = {}  # every sequence held, by seq_id
         self.requests: dict[str, SequenceGroup] = {}  # by bus id: its choices' sequences
         # WAITING and PREEMPTED, in admission order (--scheduling-policy: wait_queue.py)
@@ -102,6 +101,7 @@ class Scheduler(KVArrivals):
         seq = Sequence(req.bus_id, req.prompt_token_ids, sp, seed, time.monotonic())
         seq.token_ids.extend(req.output_token_ids)
         seq.remote_kv = req.remote_kv
+        seq.lora_name = req.lora
         self._register(seq, num_choices(sp))
         self.waiting.append(seq)
         reason = self._ended(seq)
@@ -129,36 +129,6 @@ class Scheduler(KVArrivals):
         seq = self._choice_0(bus_id)
         if seq is not None and seq.status is SequenceStatus.PREFILLED:
             self._finish(seq, None)
-
-    def answer(self, cmd: HoldBlock | ResetPrefixCache) -> None:
-        """Answer a command that waits for its reply (unless the asker gave up)."""
-        if not cmd.reply.set_running_or_notify_cancel():
-            return
-        if isinstance(cmd, ResetPrefixCache):
-            cmd.reply.set_result(self.bm.reset_prefix_cache(cmd.external))
-            return
-        try:
-            cmd.reply.set_result(self.hold_block(cmd.hold_id))
-        except BlockHoldRefused as exc:
-            cmd.reply.set_exception(exc)
-
-    def hold_block(self, hold_id: str) -> int:
-        """One free block held under ``hold_id`` (parked until ``release``), or
-        ``BlockHoldRefused`` when requests wait or admission could not spare it."""
-        waiting = len(self.waiting)
-        if hold_id in self.requests:
-            raise BlockHoldRefused(f"{hold_id} exists")
-        if waiting:
-            raise BlockHoldRefused(
-                f"busy: {waiting} request(s) waiting; no block is taken from them"
-            )
-        seq = Sequence(hold_id, [0], _HOLD_SAMPLING, 0, time.monotonic())
-        if not self.bm.can_allocate(seq, 1, headroom=self._headroom()):
-            raise BlockHoldRefused("busy: no free KV block")
-        self.bm.allocate(seq, 1)
-        seq.status = SequenceStatus.PREFILLED
-        self._register(seq, 1)
-        return seq.block_table[0]
 
     def _register(self, seq: Sequence, n: int) -> None:
         self.seqs[seq.seq_id] = seq
@@ -209,6 +179,9 @@ class Scheduler(KVArrivals):
 
         while not preempted and self.waiting and self._num_slots() > 0:
             seq = self.waiting[0]
+            if self.lora is not None and not self.lora.pin(seq):  # every slot busy: it waits
+                self._log_blocked(seq)
+                break
             if seq.remote_kv:
                 if not self._admit_pull(seq):
                     break
@@ -364,6 +337,8 @@ class Scheduler(KVArrivals):
             return False
         fork = group.fork(seq, self.bm, self._num_slots())
         for child in fork.running:  # they hold their blocks: newest, so first to be preempted
+            if self.lora is not None:
+                self.lora.share(seq, child)
             self._run(child)
         for child in reversed(fork.queued):  # none yet: computed like preempted sequences
             self._wait_first(child)
@@ -386,6 +361,8 @@ class Scheduler(KVArrivals):
         self.bm.free_sequence(seq)
         if self.speculator is not None:
             self.speculator.release(seq)
+        if self.lora is not None:
+            self.lora.unpin(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self.seqs[seq.seq_id]

@@ -50,7 +50,7 @@ from __future__ import annotations
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
-from pdserve.shared.kv.layout import chain_root
+from pdserve.shared.kv.layout import chain_root, identity_keys
 from pdserve.shared.sampling import SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:
@@ -109,6 +109,16 @@ class Sequence:
         # distributions [k, V] when a draft model made them (None: point masses, n-gram).
         self.spec_token_ids: list[int] = []
         self.spec_probs: torch.Tensor | None = None
+        # the LoRA adapter it runs under (None: the base model) and its slot once admission
+        # pinned it (0 until then, and for the base model)
+        self.lora_name: str | None = None
+        self.lora_slot = 0
+
+    @property
+    def kv_identity(self) -> tuple[str, ...]:
+        """What besides its tokens makes this sequence's KV its own: the LoRA adapter. It enters
+        the first block's hash, so prefix hits never cross adapters."""
+        return identity_keys(self.lora_name)
 
     @property
     def num_tokens(self) -> int:

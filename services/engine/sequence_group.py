@@ -49,6 +49,7 @@ def fork_choice(parent: Sequence, index: int) -> Sequence:
         index=index,
     )
     child.num_prefix_hit_tokens = parent.num_prefix_hit_tokens  # the request's prompt's
+    child.lora_name = parent.lora_name  # its slot is pinned when it runs (the scheduler's)
     return child
 
 

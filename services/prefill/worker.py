@@ -157,8 +157,9 @@ class PrefillWorker(Worker):
         )
         state.num_prompt_tokens = len(req.prompt_token_ids)
         state.client_id = req.client_id or req.bus_id
+        state.lora = req.lora
         try:
-            self.engine.add_request(req.bus_id, req.prompt_token_ids, req.sampling)
+            self.engine.add_request(req.bus_id, req.prompt_token_ids, req.sampling, lora=req.lora)
         except ValueError as exc:  # invalid for this model (too long, token id out of range...)
             await self._reply(
                 req.reply_to,
@@ -209,6 +210,7 @@ class PrefillWorker(Worker):
                 lease = self.leases.add(
                     out.bus_id, out.kv_block_ids, out.num_kv_tokens, self.config.lease_seconds
                 )
+                lease.lora = state.lora
                 kv = self.make_handle(lease)
             result = PrefillResult(
                 bus_id=out.bus_id,
@@ -244,6 +246,7 @@ class PrefillWorker(Worker):
                 self.config.lease_seconds,
                 stream=stream,
             )
+            lease.lora = state.lora
             self.streams[start.bus_id] = stream
             early = PrefillResult(
                 bus_id=start.bus_id,
@@ -303,6 +306,7 @@ class PrefillWorker(Worker):
             streaming=lease.stream is not None,
             ready_blocks=len(lease.stream.done_blocks) if lease.stream is not None else 0,
             epoch=lease.epoch or 0,
+            lora=lease.lora,
         )
 
     async def _mirror_then_reply(self, reply_to: str, result: PrefillResult, headers: dict) -> None:

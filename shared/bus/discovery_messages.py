@@ -32,6 +32,9 @@ ROLES = ("prefill", "decode")
 KV_TIERS = ("device", "host", "disk")
 
 
+MAX_ADAPTERS = 256  # LoRA adapters a worker may advertise
+
+
 @dataclass
 class WorkerLoad:
     TYPE: ClassVar[str] = "worker_load"
@@ -81,6 +84,10 @@ class WorkerLoad:
     # services/standby.py: a warm-pool or unverified worker, never routed to until promoted
     standby: bool = bounded(default=False)
     model_version: str = text(max_len=128, default="")  # shown by /v1/models; rollouts use it
+    # multi-LoRA: the adapters it serves (--lora-modules: /v1/models lists them) and those
+    # resident now (the router prefers a worker that need not load the request's adapter)
+    lora_adapters: list[str] = bounded(default=[], max_len=MAX_ADAPTERS)
+    lora_resident: list[str] = bounded(default=[], max_len=MAX_ADAPTERS)
 
 
 @dataclass

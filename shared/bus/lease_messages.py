@@ -47,6 +47,9 @@ class KVHandle:
     # The lease's epoch: the highest generation among its blocks when it was taken (see
     # lease.py). A pull shows it, and blocks reused since are refused whatever else it shows.
     epoch: int = count(default=0)
+    # the LoRA adapter its KV was computed under (None: the base model); a decode worker
+    # refuses to pull it for a request under another adapter
+    lora: str | None = text(max_len=256, default=None)
 
 
 @dataclass

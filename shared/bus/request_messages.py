@@ -27,6 +27,7 @@ from pdserve.shared.bus.wire_fields import (
 from pdserve.shared.sampling import MAX_N, SamplingParams, TokenLogprobs
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+MAX_ADAPTER_CHARS = 256  # a LoRA adapter's name (--lora-modules NAME=...)
 # error_code values workers send (free text on the wire, so a newer worker may add codes):
 ERROR_CODES = {
     "overloaded": "the worker's queue is full (retry elsewhere)",
@@ -51,6 +52,9 @@ class PrefillRequest:
     # the request on spans and in logs, where people look it up
     client_id: str | None = ident(default=None)
     stream_kv: bool = bounded(default=False)  # may lease early: kv/transfer/stream.py
+    # the LoRA adapter the request runs under (the API's model name; None: the base model):
+    # both the prefill and the decode worker apply it
+    lora: str | None = text(max_len=MAX_ADAPTER_CHARS, default=None)
 
 
 @dataclass
@@ -97,6 +101,7 @@ class DecodeRequest:
     # pulling, prefilling), never once it streams - the gateway judges stalls from there
     deadline: float = seconds()
     client_id: str | None = ident(default=None)  # as in PrefillRequest
+    lora: str | None = text(max_len=MAX_ADAPTER_CHARS, default=None)  # as in PrefillRequest
 
 
 @dataclass

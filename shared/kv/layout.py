@@ -57,18 +57,34 @@ def chain_root(cache_salt: str | None) -> int:
     return int.from_bytes(digest.digest(), "little") or 1
 
 
-def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
+def hash_block(parent_hash: int, token_ids: Sequence[int], extra_keys: Sequence[str] = ()) -> int:
+    """A block's hash. ``extra_keys`` (a prompt's first block only) name what besides the tokens
+    the KV depends on - a LoRA adapter (``identity_keys``) - so equal tokens under another
+    identity get another chain; with none, the bytes hashed are the same as ever."""
     data = struct.pack(f"<Q{len(token_ids)}I", parent_hash, *token_ids)
+    if extra_keys:
+        data += b"\0" + "\0".join(extra_keys).encode()
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
+def identity_keys(lora_name: str | None) -> tuple[str, ...]:
+    """The first block's ``extra_keys`` of a request under ``lora_name`` (None: the base)."""
+    return () if lora_name is None else (f"lora:{lora_name}",)
+
+
 def prefix_block_hashes(
-    token_ids: Sequence[int], block_size: int, root: int = ROOT_HASH
+    token_ids: Sequence[int],
+    block_size: int,
+    root: int = ROOT_HASH,
+    *,
+    extra_keys: Sequence[str] = (),
 ) -> list[int]:
-    """Chained hashes of every full block of ``token_ids``, from ``root`` (``chain_root``)."""
+    """Chained hashes of every full block of ``token_ids``, from ``root`` (``chain_root``: a
+    tenant's salt); ``extra_keys`` are ``hash_block``'s (a LoRA adapter)."""
     hashes: list[int] = []
     parent = root
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size])
+        keys = extra_keys if start == 0 else ()
+        parent = hash_block(parent, token_ids[start : start + block_size], keys)
         hashes.append(parent)
     return hashes

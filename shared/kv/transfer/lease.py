@@ -36,6 +36,9 @@ class Lease:
     # the highest generation among its blocks when leased; None where the table has no
     # generations to read (a TP rank's mirror: rank 0's server checks for the request)
     epoch: int | None = None
+    # the LoRA adapter the KV was computed under (None: the base model): the handle says it,
+    # and a decode worker refuses KV of another adapter than its request's
+    lora: str | None = None
 
 
 class LeaseTable:
