@@ -38,8 +38,8 @@ from pdserve.services.engine.commands import (
     KVEventFeed,
     KVFailed,
     KVReady,
-    Release,
     LoadLora,
+    Release,
     ResetPrefixCache,
     UnloadLora,
 )

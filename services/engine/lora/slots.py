@@ -103,6 +103,10 @@ def _zero(linear: nn.Module, slot: int) -> None:
         stack[slot].zero_()
 
 
+class AdapterNameTaken(ModelLoadError):
+    """A load of a name already served, or still being unloaded."""
+
+
 class AdapterCache:
     """Which configured adapter sits in which slot. ``acquire`` pins an adapter for a sequence
     (loading it, lazily, into a free slot or the least recently used unpinned one) and
@@ -133,7 +137,7 @@ class AdapterCache:
         (rank, projections, shapes), loaded into a slot lazily. ModelLoadError: why not."""
         if name in self.modules:
             why = "is being unloaded" if name not in self.served else "is already loaded"
-            raise ModelLoadError(f"LoRA adapter {name!r} {why}")
+            raise AdapterNameTaken(f"LoRA adapter {name!r} {why}")
         _check_rank(name, path, self.max_rank)
         check_fits(self.model, load_adapter(name, path, len(self.model.layers)))
         self.modules[name] = path
