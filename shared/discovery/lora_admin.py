@@ -64,6 +64,18 @@ MESSAGE_TYPES[LoraAdapterAnswer.TYPE] = LoraAdapterAnswer
 LoraCommand = LoadLoraAdapter | UnloadLoraAdapter
 
 
+def _encode(msg: Any) -> bytes:
+    """``encode`` types its argument as the protocol's common ``Message`` union; these types
+    register themselves in ``MESSAGE_TYPES`` instead (as ``cache_reset.py``'s do)."""
+    return encode(msg)
+
+
+def _client(bus: Bus) -> Any:
+    if bus.nc is None:
+        raise RuntimeError("the bus is not connected")
+    return bus.nc
+
+
 def lora_subject(subjects: Subjects, worker_id: str) -> str:
     if not is_subject_token(worker_id):
         raise ValueError(f"{worker_id!r} is not a valid subject token")
@@ -90,11 +102,11 @@ async def answer_lora_commands(
             answer = LoraAdapterAnswer(
                 request_id=msg.request_id, worker_id=worker_id, status=status, error=error[:1024]
             )
-            await raw.respond(encode(answer))
+            await raw.respond(_encode(answer))
         except Exception:
             log.exception("%s %s failed", msg.TYPE, msg.request_id)
 
-    await bus.nc.subscribe(lora_subject(bus.subjects, worker_id), cb=on_msg)
+    await _client(bus).subscribe(lora_subject(bus.subjects, worker_id), cb=on_msg)
 
 
 async def ask_all(
@@ -104,8 +116,8 @@ async def ask_all(
 
     async def one(worker_id: str) -> LoraAdapterAnswer | str:
         try:
-            raw = await bus.nc.request(
-                lora_subject(bus.subjects, worker_id), encode(command), timeout=timeout
+            raw = await _client(bus).request(
+                lora_subject(bus.subjects, worker_id), _encode(command), timeout=timeout
             )
             return decode_as(raw.data, LoraAdapterAnswer, max_bytes=bus.max_bytes)
         except Exception as exc:  # no responders, a timeout, a malformed answer
