@@ -113,3 +113,22 @@ async def test_load_and_unload_through_the_gateway(model_dir) -> None:
         await d0.beat(lora_adapters=[])  # its next report drops it: loadable again
         assert (await client.post(LOAD, json=body, headers=admin)).status == 200
         assert "sql" in await models(client)
+
+
+async def test_a_load_is_all_or_nothing(model_dir) -> None:
+    """A worker that does not answer: 503, and the one that loaded unloads it again."""
+    from tests.unit.fake_workers import FakeWorker, settle
+
+    adapters = ScriptedAdapters()
+    admin = {"x-api-key": ADMIN}
+    async with serving(model_dir, admin_api_key=[ADMIN]) as (client, d0):
+        await answer_lora_commands(d0.bus, d0.worker_id, adapters)
+        silent = await FakeWorker(d0.bus.nc.network, "prefill", "p0").start()  # never answers
+        await settle()
+        body = {"lora_name": "sql", "lora_path": "/adapters/sql"}
+        resp = await client.post(LOAD, json=body, headers=admin)
+        assert resp.status == 503, await resp.text()
+        assert "p0" in (await resp.json())["error"]["message"]
+        assert [type(c).__name__ for c in adapters.seen] == ["LoadLoraAdapter", "UnloadLoraAdapter"]
+        assert adapters.names == set() and "sql" not in await models(client)
+        await silent.bus.close()
