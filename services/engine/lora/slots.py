@@ -160,8 +160,8 @@ class AdapterCache:
         self.users[name] = self.users.get(name, 0) + 1
 
     def request_ended(self, name: str) -> None:
-        left = self.users[name] = self.users[name] - 1
-        if not left:
+        left = self.users[name] = self.users.get(name, 1) - 1
+        if left <= 0:
             del self.users[name]
             if name not in self.served and name in self.modules:  # a deferred unload
                 self._drop(name)
