@@ -173,6 +173,9 @@ class Gateway:
             config.tokens_per_minute_per_key,
             self.metrics_registry,
         )
+        # adapters unloaded through POST /v1/unload_lora_adapter that some worker's report
+        # still lists (a beat sent before the unload): hidden at once (gateway/lora_admin.py)
+        self.unloaded_loras: set[str] = set()
 
     @property
     def admitted_count(self) -> int:
@@ -206,10 +209,17 @@ class Gateway:
             return False, "no decode worker is alive"
         return True, "ok"
 
+    def advertised_loras(self) -> set[str]:
+        """The LoRA adapters the decode workers advertise (``--lora-modules`` or loaded at run
+        time; a decode worker can also prefill, so it alone can serve one)."""
+        return {a for w in self.router.serving("decode") for a in w.lora_adapters}
+
     def lora_adapters(self) -> list[str]:
-        """The LoRA adapters served as models of their own: those the decode workers advertise
-        (``--lora-modules``; a decode worker can also prefill, so it alone can serve one)."""
-        return sorted({a for w in self.router.serving("decode") for a in w.lora_adapters})
+        """The LoRA adapters served as models of their own: those advertised, less those just
+        unloaded (forgotten here once no worker lists them any more)."""
+        advertised = self.advertised_loras()
+        self.unloaded_loras &= advertised
+        return sorted(advertised - self.unloaded_loras)
 
     def lora_of(self, model: str) -> str | None:
         """The adapter a request's ``model`` names, None for the base model."""

@@ -164,6 +164,24 @@ def _generation_op(summary: str, request: str, response: str, chunk: str) -> dic
     }
 
 
+def _lora_op(summary: str, fields: dict[str, Any], refused: str) -> dict[str, Any]:
+    schema = {"type": "object", "required": list(fields), "properties": fields}
+    return {
+        "post": {
+            "summary": summary + " (gateway/lora_admin.py)",
+            "security": [{"bearer": []}, {}],  # an --admin-api-key
+            "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+            "responses": {
+                **_errors(401, 403),
+                "200": {"description": "done on every worker: each one's outcome"},
+                "400": {"description": refused},
+                "404": {"description": "unload: no adapter of that name"},
+                "503": {"description": "a worker did not answer; retry"},
+            },
+        }
+    }
+
+
 def _tokenizer_op(summary: str, request: dict[str, Any], response: str) -> dict[str, Any]:
     return {
         "post": {
@@ -273,6 +291,16 @@ def openapi_spec(model: str) -> dict[str, Any]:
                     },
                 }
             },
+            "/v1/load_lora_adapter": _lora_op(
+                "vLLM's: every worker serves a LoRA adapter from a PEFT directory",
+                {"lora_name": {"type": "string"}, "lora_path": {"type": "string"}},
+                "the name is served, or a worker refused the adapter (its reason)",
+            ),
+            "/v1/unload_lora_adapter": _lora_op(
+                "vLLM's: no new requests under the adapter; running ones finish with it",
+                {"lora_name": {"type": "string"}},
+                "a malformed body",
+            ),
             "/metrics": {
                 "get": {
                     "summary": "Prometheus metrics (text format)",

@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from pdserve.gateway import admin, tokenize_api
+from pdserve.gateway import admin, lora_admin, tokenize_api
 from pdserve.gateway.access import Access, KeyPolicy, access_middleware, add_route
 from pdserve.gateway.anthropic import handlers as anthropic
 from pdserve.gateway.api_models import (
@@ -219,6 +219,8 @@ def create_app(
     add_route(app, "POST", "/tokenize", tokenize, Access.USER)
     add_route(app, "POST", "/detokenize", detokenize, Access.USER)
     add_route(app, "POST", "/reset_prefix_cache", admin.reset_prefix_cache, Access.ADMIN)
+    add_route(app, "POST", "/v1/load_lora_adapter", lora_admin.load_lora_adapter, Access.ADMIN)
+    add_route(app, "POST", "/v1/unload_lora_adapter", lora_admin.unload_lora_adapter, Access.ADMIN)
 
     async def on_startup(app: web.Application) -> None:
         await gw.start()

@@ -2,7 +2,8 @@
 
 Every worker beats (``WorkerLoad`` heartbeats, answering pings), streams what its KV tiers hold
 (``kv_event_streams.py``), shows up in NATS tooling (``nats.micro``), answers the gateway's admin
-subject (``POST /reset_prefix_cache``) and the cancel broadcast, and after a NATS reconnect says
+subjects (``POST /reset_prefix_cache``, ``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``)
+and the cancel broadcast, and after a NATS reconnect says
 that messages may have been lost. All of it starts once the role has subscribed and stops when
 the worker leaves (``WorkerGone``); the role itself takes part only through its cancel hooks.
 """
@@ -17,6 +18,7 @@ from typing import Any, Protocol
 
 from pdserve.services.engine.engine import LLMEngine
 from pdserve.services.engine.kv_event_feed import KVEventFeed
+from pdserve.services.engine.lora.slots import AdapterNameTaken
 from pdserve.services.kv_event_streams import KVEventStreams, kv_event_streams
 from pdserve.services.recent_cancels import RecentCancels
 from pdserve.shared.bus.connection import Bus
@@ -26,6 +28,8 @@ from pdserve.shared.bus.subjects import Subjects
 from pdserve.shared.config import WorkerConfig
 from pdserve.shared.discovery.announce import HeartbeatPublisher, register_micro_service
 from pdserve.shared.discovery.cache_reset import answer_resets
+from pdserve.shared.discovery.lora_admin import LoraCommand, UnloadLoraAdapter, answer_lora_commands
+from pdserve.shared.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +64,7 @@ class BusPresence:
         cache), register with NATS tooling."""
         worker, bus = self.worker, self.worker.bus
         await answer_resets(bus, worker.worker_id, self._reset_prefix_cache)
+        await answer_lora_commands(bus, worker.worker_id, self._lora_command)
         await bus.subscribe(worker.subjects.cancel, self._on_cancel, (Cancel,))
         self._heartbeat = HeartbeatPublisher(bus, self.load, worker.config.heartbeat_seconds)
         await self._heartbeat.start()
@@ -101,6 +106,27 @@ class BusPresence:
         engine = self.worker.engine
         assert engine is not None, "resets are answered once the engine runs"
         return await asyncio.wrap_future(engine.reset_prefix_cache(external))
+
+    async def _lora_command(self, cmd: LoraCommand) -> tuple[str, str]:
+        """Load or unload an adapter on the engine's thread (it owns the slots); the status
+        and reason of ``shared/discovery/lora_admin.py``. A change is heartbeaten at once, so
+        that gateways route by it without waiting for the next beat."""
+        engine = self.worker.engine
+        assert engine is not None, "adapters are loaded once the engine runs"
+        unload = isinstance(cmd, UnloadLoraAdapter)
+        future = engine.unload_lora(cmd.name) if unload else engine.load_lora(cmd.name, cmd.path)
+        try:
+            done = await asyncio.wrap_future(future)
+        except KeyError:
+            return "unknown", f"no LoRA adapter {cmd.name!r} on this worker"
+        except ValueError as exc:
+            return "disabled", str(exc)
+        except AdapterNameTaken as exc:
+            return "exists", str(exc)
+        except (ModelLoadError, OSError) as exc:
+            return "invalid", str(exc)
+        await self.publish_load()
+        return ("ok" if done is not False else "deferred"), ""
 
     async def _on_reconnect(self) -> None:
         """Our NATS node went away (a node died, a restart): what we published into the dead

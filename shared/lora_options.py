@@ -16,5 +16,10 @@ class LoraOptions:
         "a LoRA adapter served as its own model: NAME=PATH of a PEFT directory; repeat",
         multiple=True,
     )
+    enable_lora: bool = opt(
+        False,
+        "serve LoRA adapters loaded at run time (POST /v1/load_lora_adapter) even without "
+        "--lora-modules (attaches the adapter slots)",
+    )
     max_loras: int = opt(4, "LoRA adapters resident per worker (least recently used out)")
     max_lora_rank: int = opt(16, "the largest LoRA rank served (a larger adapter: start error)")

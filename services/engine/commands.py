@@ -66,7 +66,30 @@ class ResetPrefixCache:
     external: bool = False  # the offload tiers' blocks too (vLLM's ``reset_external``)
 
 
-Command = AddRequest | Abort | Release | KVReady | KVFailed | HoldBlock | ResetPrefixCache
+@dataclass(frozen=True)
+class LoadLora:
+    name: str
+    path: str
+    reply: Future  # -> None, or ModelLoadError / ValueError: why not
+
+
+@dataclass(frozen=True)
+class UnloadLora:
+    name: str
+    reply: Future  # -> True: gone now, False: once its requests end; KeyError: unknown
+
+
+Command = (
+    AddRequest
+    | Abort
+    | Release
+    | KVReady
+    | KVFailed
+    | HoldBlock
+    | ResetPrefixCache
+    | LoadLora
+    | UnloadLora
+)
 
 
 class BlockHoldRefused(Exception):
@@ -144,6 +167,18 @@ class EngineCommands:
     def reset_prefix_cache(self, external: bool = False) -> Future:
         """Forget the cached blocks of the pool (and the tiers'): a Future of how many each."""
         self._post(ResetPrefixCache(reply := Future(), external))
+        return reply
+
+    def load_lora(self, name: str, path: str) -> Future:
+        """Serve adapter ``name`` from the PEFT directory ``path`` (checked on the engine's
+        thread, which owns the slots): a Future of None, or of the reason it was refused."""
+        self._post(LoadLora(name, path, reply := Future()))
+        return reply
+
+    def unload_lora(self, name: str) -> Future:
+        """Stop serving adapter ``name``: a Future of True (gone) or False (deferred until the
+        requests under it end); KeyError when it is not served."""
+        self._post(UnloadLora(name, reply := Future()))
         return reply
 
     def _post(self, command: Command) -> None:

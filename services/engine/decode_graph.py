@@ -75,7 +75,7 @@ def build(
     """An engine's compiled decode step, compiled now; None where it runs eagerly."""
     if not wanted(config, device, prefill_only):
         return None
-    lora = bool(config.lora_modules)
+    lora = bool(config.lora_modules) or config.enable_lora
     graphs = DecodeGraphs(model, config.block_size, config.max_num_seqs, lora)
     graphs.compile()
     return graphs

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import torch
 
@@ -37,8 +38,10 @@ from pdserve.services.engine.commands import (
     KVEventFeed,
     KVFailed,
     KVReady,
+    LoadLora,
     Release,
     ResetPrefixCache,
+    UnloadLora,
 )
 from pdserve.services.engine.guided import GuidedDecoder
 from pdserve.services.engine.kv_fingerprint import kv_fingerprint
@@ -65,7 +68,7 @@ from pdserve.services.engine.scheduler import KV_FAILURE_POLICIES, Scheduler
 from pdserve.services.engine.spec import TargetModel, build_speculator
 from pdserve.services.engine.step_cost import StepCost
 from pdserve.shared.config import EngineConfig
-from pdserve.shared.errors import StartupError
+from pdserve.shared.errors import ModelLoadError, StartupError
 from pdserve.shared.kv.tp_layout import tp_problem
 from pdserve.shared.kv.transfer.heads import Split
 from pdserve.shared.models.resolve import describe, resolve
@@ -180,7 +183,7 @@ class LLMEngine(EngineCommands):
         self.runner.graphs = decode_graph.build(model, config, self.device, prefill_only)
 
     def lora_names(self) -> tuple[str, ...]:
-        return tuple(self.lora.modules) if self.lora is not None else ()
+        return self.lora.served if self.lora is not None else ()
 
     # ---- sizing and layout -------------------------------------------------------------------
 
@@ -274,7 +277,21 @@ class LLMEngine(EngineCommands):
             sch.kv_ready(cmd.bus_id, cmd.first_token)
         elif isinstance(cmd, HoldBlock | ResetPrefixCache):
             sch.answer(cmd)
+        elif isinstance(cmd, LoadLora | UnloadLora):
+            self._lora_command(cmd)
         return None
+
+    def _lora_command(self, cmd: LoadLora | UnloadLora) -> None:
+        """Add or remove a served adapter (``POST /v1/load_lora_adapter``, ``unload``)."""
+        try:
+            if self.lora is None:
+                raise ValueError("this worker serves no LoRA adapters: start it with --enable-lora")
+            if isinstance(cmd, LoadLora):
+                cmd.reply.set_result(self.lora.add(cmd.name, Path(cmd.path)))
+            else:
+                cmd.reply.set_result(self.lora.remove(cmd.name))
+        except (ValueError, KeyError, ModelLoadError, OSError) as exc:
+            cmd.reply.set_exception(exc)
 
     def _forward(self, batch: ScheduledBatch, outputs: list[StepOutput]) -> StepStats:
         t0 = time.perf_counter()

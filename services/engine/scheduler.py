@@ -96,12 +96,24 @@ class Scheduler(KVArrivals, BlockHolds):
         if req.bus_id in self.requests:
             log.error("dropping a second request with id %r", req.bus_id)
             return None
+        if req.lora is not None and (self.lora is None or req.lora not in self.lora.modules):
+            # unloaded between its check on the caller's thread and now
+            error = f"LoRA adapter {req.lora!r} is not loaded"
+            return StepOutput(
+                bus_id=req.bus_id,
+                new_token_ids=[],
+                finish_reason="error",
+                error=error,
+                request_finished=True,
+            )
         sp = req.sampling
         seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
         seq = Sequence(req.bus_id, req.prompt_token_ids, sp, seed, time.monotonic())
         seq.token_ids.extend(req.output_token_ids)
         seq.remote_kv = req.remote_kv
         seq.lora_name = req.lora
+        if self.lora is not None and req.lora is not None:
+            self.lora.request_added(req.lora)  # an unload waits for it
         self._register(seq, num_choices(sp))
         self.waiting.append(seq)
         reason = self._ended(seq)
@@ -370,4 +382,6 @@ class Scheduler(KVArrivals, BlockHolds):
         request_finished = group.remove(seq)
         if not group.seqs:  # (choices never forked here, e.g. on a prefill worker, end too)
             del self.requests[seq.bus_id]
+            if self.lora is not None and seq.lora_name is not None:
+                self.lora.request_ended(seq.lora_name)
         return request_finished

@@ -11,13 +11,15 @@ The lists follow the flow in ``pdserve.shared.bus.protocol`` (``Subjects`` names
 role          publishes                                    subscribes
 ============  ===========================================  =======================================
 gateway       prefill.*, decode.*, lease.*, cancel,        gw.> (its inbox), load.>, kv.>,
-              ping.*, admin.* (requests); JetStream API    _INBOX.> (replies to its requests)
-              and $KV of its responses bucket only
+              ping.*, admin.*, admin.*.lora (requests);    _INBOX.> (replies to its requests)
+              JetStream API and $KV of its responses
+              bucket only
 prefill       gw.> (results), load.prefill.*, kv.*          prefill.*, lease.*, cancel, ping.*,
-                                                           admin.*, probe.*, status.*, $SRV.>
+                                                           admin.*, admin.*.lora, probe.*,
+                                                           status.*, $SRV.>
 decode        gw.> (tokens), load.decode.*, kv.*,          decode.*, cancel, load.prefill.*,
-              lease.* (release after a pull)               ping.*, admin.*, probe.*, status.*,
-                                                           $SRV.>
+              lease.* (release after a pull)               ping.*, admin.*, admin.*.lora,
+                                                           probe.*, status.*, $SRV.>
 control       everything under the namespace, _INBOX.>     the same (pdserve rollout, doctor, the
                                                            launcher's control channel)
 ============  ===========================================  =======================================
@@ -76,6 +78,7 @@ def permissions(namespace: str, role: str) -> Permissions:
                 f"{ns}.cancel",
                 f"{ns}.ping.*",
                 f"{ns}.admin.*",
+                f"{ns}.admin.*.lora",  # LoRA adapters loaded/unloaded (discovery/lora_admin.py)
                 *_jetstream_kv(ns),
             ),
             subscribe=(f"{ns}.gw.>", f"{ns}.load.>", f"{ns}.kv.>", "_INBOX.>"),
@@ -84,6 +87,7 @@ def permissions(namespace: str, role: str) -> Permissions:
         f"{ns}.cancel",
         f"{ns}.ping.*",
         f"{ns}.admin.*",
+        f"{ns}.admin.*.lora",
         f"{ns}.probe.*",
         f"{ns}.status.*",
         "$SRV.>",  # NATS micro's discovery (PING, INFO, STATS)

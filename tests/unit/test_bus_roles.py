@@ -23,6 +23,8 @@ MATRIX = [
     ("gateway", True, S.cancel, True),
     ("gateway", True, S.lease("p0"), True),
     ("gateway", True, "pdserve.admin.p0", True),
+    ("gateway", True, "pdserve.admin.p0.lora", True),
+    ("gateway", True, "pdserve.admin.p0.other", False),
     ("gateway", True, "$KV.pdserve_responses.resp_1", True),
     ("gateway", True, "$JS.API.STREAM.CREATE.KV_pdserve_responses", True),
     ("gateway", True, "$JS.API.STREAM.DELETE.KV_other", False),  # only its own bucket
@@ -46,6 +48,9 @@ MATRIX = [
     ("decode", True, S.lease("p0"), True),  # releases after a pull
     ("decode", True, S.prefill("p0"), False),  # the test of issue 45
     ("decode", True, "pdserve.admin.p0", False),
+    ("decode", True, "pdserve.admin.p0.lora", False),
+    ("decode", False, "pdserve.admin.d0.lora", True),
+    ("prefill", False, "pdserve.admin.p0.lora", True),
     ("decode", True, S.cancel, False),
     ("decode", False, S.decode("d0"), True),
     ("decode", False, S.loads_of("prefill"), True),

@@ -27,12 +27,13 @@ def parse_modules(specs: list[str]) -> dict[str, Path]:
 
 
 def build_adapter_cache(config: EngineConfig, model: LlamaForCausalLM) -> AdapterCache | None:
-    """The engine's adapter slots, None without ``--lora-modules``."""
+    """The engine's adapter slots, None without ``--lora-modules`` or ``--enable-lora``: the
+    slots cost memory and a per-step slot list, so a worker that serves no adapter has none."""
     modules = parse_modules(config.lora_modules)
-    if not modules:
+    if not modules and not config.enable_lora:
         return None
     if config.tensor_parallel_size > 1:
-        raise StartupError("--lora-modules serves TP 1 only (adapters are not sharded yet)")
+        raise StartupError("LoRA adapters are served at TP 1 only (adapters are not sharded yet)")
     if config.max_loras < 1 or config.max_lora_rank < 1:
         raise StartupError("--max-loras and --max-lora-rank must be at least 1")
     return AdapterCache(model, modules, config.max_loras, config.max_lora_rank)

@@ -73,18 +73,25 @@ def write_slot(model: LlamaForCausalLM, slot: int, adapter: PeftAdapter | None, 
             _zero(linear, slot)
     if adapter is None:
         return
+    check_fits(model, adapter)
     for (layer, proj), (a, b) in adapter.weights.items():
         linear, part, col, width = fused_parts(model, layer)[proj]
-        if b.shape[1] != width or a.shape[1] != linear.in_features:
-            raise ModelLoadError(
-                f"LoRA adapter {adapter.name!r}: {proj} of layer {layer} is {tuple(a.shape)} x "
-                f"{tuple(b.shape)}, the model's is {linear.in_features} -> {width}"
-            )
         r = a.shape[0]
         lo = part * max_rank
         stack_a, stack_b = _stacks(linear)
         stack_a[slot, lo : lo + r] = a.to(stack_a.dtype)
         stack_b[slot, lo : lo + r, col : col + width] = b.to(stack_b.dtype)
+
+
+def check_fits(model: LlamaForCausalLM, adapter: PeftAdapter) -> None:
+    """ModelLoadError unless every (A, B) pair has the shapes of the model's projection."""
+    for (layer, proj), (a, b) in adapter.weights.items():
+        linear, _, _, width = fused_parts(model, layer)[proj]
+        if b.shape[1] != width or a.shape[1] != linear.in_features:
+            raise ModelLoadError(
+                f"LoRA adapter {adapter.name!r}: {proj} of layer {layer} is {tuple(a.shape)} x "
+                f"{tuple(b.shape)}, the model's is {linear.in_features} -> {width}"
+            )
 
 
 def _stacks(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,6 +103,10 @@ def _zero(linear: nn.Module, slot: int) -> None:
         stack[slot].zero_()
 
 
+class AdapterNameTaken(ModelLoadError):
+    """A load of a name already served, or still being unloaded."""
+
+
 class AdapterCache:
     """Which configured adapter sits in which slot. ``acquire`` pins an adapter for a sequence
     (loading it, lazily, into a free slot or the least recently used unpinned one) and
@@ -105,11 +116,7 @@ class AdapterCache:
         self, model: LlamaForCausalLM, modules: dict[str, Path], max_loras: int, max_rank: int
     ) -> None:
         for name, path in modules.items():  # refuse at start-up, not at a request
-            rank = read_config(name, path).rank
-            if rank > max_rank:
-                raise ModelLoadError(
-                    f"LoRA adapter {name!r} has rank {rank}, above --max-lora-rank {max_rank}"
-                )
+            _check_rank(name, path, max_rank)
         self.model = model
         self.modules = dict(modules)
         self.max_rank = max_rank
@@ -120,6 +127,50 @@ class AdapterCache:
         self.resident_names: tuple[str, ...] = ()
         self.pins = [0] * self.num_slots
         self.loads = 0  # adapters read from disk (tests count lazy loads and evictions)
+        # the names requests may name (``modules`` also holds those being unloaded while
+        # requests still use them), one tuple replaced whole: other threads read it
+        self.served: tuple[str, ...] = tuple(modules)
+        self.users: dict[str, int] = {}  # requests in the engine per adapter
+
+    def add(self, name: str, path: Path) -> None:
+        """Serve ``name`` from now on (``POST /v1/load_lora_adapter``): read and checked here
+        (rank, projections, shapes), loaded into a slot lazily. ModelLoadError: why not."""
+        if name in self.modules:
+            why = "is being unloaded" if name not in self.served else "is already loaded"
+            raise AdapterNameTaken(f"LoRA adapter {name!r} {why}")
+        _check_rank(name, path, self.max_rank)
+        check_fits(self.model, load_adapter(name, path, len(self.model.layers)))
+        self.modules[name] = path
+        self.served = (*self.served, name)
+        log.info("LoRA adapter %r added from %s", name, path)
+
+    def remove(self, name: str) -> bool:
+        """Stop serving ``name``: gone at once when no request uses it (True), else once the
+        last one finishes (False); its running sequences keep their slot. KeyError: unknown."""
+        if name not in self.served:
+            raise KeyError(name)
+        self.served = tuple(n for n in self.served if n != name)
+        if self.users.get(name, 0):
+            log.info("LoRA adapter %r unloads when its %d request(s) end", name, self.users[name])
+            return False
+        self._drop(name)
+        return True
+
+    def request_added(self, name: str) -> None:
+        self.users[name] = self.users.get(name, 0) + 1
+
+    def request_ended(self, name: str) -> None:
+        left = self.users[name] = self.users.get(name, 1) - 1
+        if left <= 0:
+            del self.users[name]
+            if name not in self.served and name in self.modules:  # a deferred unload
+                self._drop(name)
+
+    def _drop(self, name: str) -> None:
+        del self.modules[name]
+        slot = self.slot_of.pop(name, None)
+        self.resident_names = tuple(self.slot_of)
+        log.info("LoRA adapter %r unloaded%s", name, f" (slot {slot} free)" if slot else "")
 
     @property
     def resident(self) -> list[str]:
@@ -176,3 +227,11 @@ class AdapterCache:
                 log.info("LoRA adapter %r evicted from slot %d", name, slot)
                 return slot
         return None
+
+
+def _check_rank(name: str, path: Path, max_rank: int) -> None:
+    rank = read_config(name, path).rank
+    if rank > max_rank:
+        raise ModelLoadError(
+            f"LoRA adapter {name!r} has rank {rank}, above --max-lora-rank {max_rank}"
+        )
