@@ -161,7 +161,11 @@ class WorkerConfig:
         0, "decode workers prefill prompts shorter than this locally"
     )
     kv_failure_policy: str = opt(
-        "fail", "what a failed KV pull does to the request", choices=("fail", "recompute")
+        "fail",
+        "what a failed KV pull does to the request: fail it (kv_transfer error), recompute "
+        "the prompt on this decode worker, or reprefill: hand it back to the gateway, which "
+        "prefills it again on another prefill worker (on a decode worker where none is left)",
+        choices=("fail", "recompute", "reprefill"),
     )
     kv_pull_timeout: float = opt(
         30.0,
