@@ -162,9 +162,7 @@ class WorkerConfig:
     )
     kv_failure_policy: str = opt(
         "fail",
-        "what a failed KV pull does to the request: fail it (kv_transfer error), recompute "
-        "the prompt on this decode worker, or reprefill: hand it back to the gateway, which "
-        "prefills it again on another prefill worker (on a decode worker where none is left)",
+        "a failed KV pull: fail, recompute here, or reprefill (on another prefill worker)",
         choices=("fail", "recompute", "reprefill"),
     )
     kv_pull_timeout: float = opt(
