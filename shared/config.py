@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from pdserve.shared.errors import StartupError
 from pdserve.shared.gateway_edge_options import GatewayEdgeOptions, check_edge
-from pdserve.shared.options import opt
 from pdserve.shared.lora_options import LoraOptions
+from pdserve.shared.options import opt
 from pdserve.shared.scheduling_options import SchedulingOptions
 from pdserve.shared.speculative_options import SPECULATIVE_METHODS, speculative_problem
 
