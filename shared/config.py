@@ -161,7 +161,9 @@ class WorkerConfig:
         0, "decode workers prefill prompts shorter than this locally"
     )
     kv_failure_policy: str = opt(
-        "fail", "what a failed KV pull does to the request", choices=("fail", "recompute")
+        "fail",
+        "a failed KV pull: fail, recompute here, or reprefill (on another prefill worker)",
+        choices=("fail", "recompute", "reprefill"),
     )
     kv_pull_timeout: float = opt(
         30.0,

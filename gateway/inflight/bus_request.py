@@ -43,6 +43,7 @@ from pdserve.gateway.inflight.legs import (
 )
 from pdserve.gateway.inflight.limits import (
     DECODE_ATTEMPTS,
+    PREFILL_ATTEMPTS,
     RETRYABLE_CODES,
     Limits,
     due_in,
@@ -65,6 +66,8 @@ from pdserve.shared.kv.layout import layout_id
 from pdserve.shared.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+KV_REPREFILL = "kv_reprefill"  # a decode worker's failed pull, to prefill again (reprefill)
 
 
 class BusRequest(PrefillStage):
@@ -107,6 +110,7 @@ class BusRequest(PrefillStage):
         self.delivered = Delivered(self.choices)  # what the consumer has: what migrations replay
         self.legs: dict[str, Leg] = {}  # by bus id: the DecodeRequests in flight
         self.migrations = 0
+        self.reprefills = 0  # prefills again after a failed KV pull (``reprefill``)
 
     # -- the dispatcher's side ---------------------------------------------------------------
 
@@ -203,6 +207,8 @@ class BusRequest(PrefillStage):
 
     async def _on_item(self, leg: Leg, item: TokenItem) -> TokenEvent | None:
         if item.error is not None:
+            if item.error_code == KV_REPREFILL:
+                return await self._after_failed_pull(leg, item.error)
             retry = not leg.streamed and len(leg.tried) < DECODE_ATTEMPTS
             if not retry or item.error_code not in RETRYABLE_CODES:
                 raise WorkerFailure(item.error, item.error_code)
@@ -223,6 +229,32 @@ class BusRequest(PrefillStage):
             self.finished = not self.choices.open
             if leg.index is not None:  # its one choice is over, and its worker is done with it
                 self._drop_leg(leg, cancel=False)
+        return event
+
+    async def _after_failed_pull(self, leg: Leg, error: str) -> TokenEvent | None:
+        """The decode worker of the first leg could not pull its KV and asks for it to be
+        prefilled again (``--kv-failure-policy reprefill``): elsewhere, then a new first leg
+        (``PrefillStage.reprefill``). A leg that streamed, or a request that tried this
+        ``PREFILL_ATTEMPTS`` times already, fails as under policy fail."""
+        failed = leg.kv.worker_id if leg.kv is not None else None
+        if failed is None or leg.streamed or leg.index is not None:
+            raise WorkerFailure(error, "kv_transfer")
+        if self.reprefills >= PREFILL_ATTEMPTS:
+            raise WorkerFailure(error, "kv_transfer")
+        self._drop_leg(leg, cancel=False)  # its worker ended it
+        self.port.routes.register(self.bus_id, self)  # the new prefill answers to the request
+        event = await self.reprefill(failed)
+        self.stage = "decode"
+        if event is not None and not self.choices.open:
+            return event  # finished at its first token: no decode leg
+        first = Leg(
+            bus_id=self.bus_id,
+            index=None,
+            output=list(self.delivered.tokens[0]),
+            sampling=self.sampling,
+            kv=self.kv,
+        )
+        await self._send_first(first)
         return event
 
     async def _send_first(self, leg: Leg) -> None:

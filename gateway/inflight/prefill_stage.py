@@ -12,6 +12,14 @@ leg owns the request: a prefill that fails after it is not retried elsewhere - t
 worker's pull is refused, and its ``--kv-failure-policy`` recomputes the prompt (its first token
 included) or fails the request. Where no decode worker can stream, the first answer is ignored
 and the request waits for the whole prefill, pulled in bulk as before.
+
+A decode worker under ``--kv-failure-policy reprefill`` hands a failed pull back instead
+(``kv_reprefill``, before it streamed a token): ``reprefill`` prefills the prompt again on
+another prefill worker (never the one whose KV could not be pulled, which is likely dead), and
+the request's first leg goes out again with the new KV - or without KV, prefilled on a decode
+worker, where no other prefill worker is left. A first token the client already has (the dead
+worker's, identical for greedy or seeded sampling) is not sent again: the new leg continues from
+it, as a migrated one does.
 """
 
 from __future__ import annotations
@@ -26,7 +34,13 @@ from opentelemetry.context import Context
 
 from pdserve.gateway.inflight.delivery import Delivered, OpenChoices, TokenEvent
 from pdserve.gateway.inflight.faults import WorkerFailure, check_ending
-from pdserve.gateway.inflight.limits import PREFILL_ATTEMPTS, RETRYABLE_CODES, Limits, on_wire
+from pdserve.gateway.inflight.limits import (
+    PREFILL_ATTEMPTS,
+    RETRYABLE_CODES,
+    Limits,
+    due_in,
+    on_wire,
+)
 from pdserve.gateway.inflight.port import RequestPort
 from pdserve.gateway.inflight.queue_items import BusReconnected, Item, WorkerLeft
 from pdserve.shared.bus.lease_messages import KVHandle
@@ -60,6 +74,8 @@ class PrefillStage:
         context: Context | None
         headers: dict[str, str]
         stage: str
+        due: float
+        reprefills: int
         prefill_worker: str | None
         kv: KVHandle | None
         delivered: Delivered
@@ -73,11 +89,12 @@ class PrefillStage:
 
     # -- prefill -----------------------------------------------------------------------------
 
-    async def prefill(self) -> TokenEvent | None:
-        """Prefill on a prefill worker. Returns the first token's event, or None when no prefill
-        worker could take the request (a decode worker then prefills it locally)."""
+    async def prefill(self, exclude: frozenset[str] = frozenset()) -> TokenEvent | None:
+        """Prefill on a prefill worker, not one in ``exclude``. Returns the first token's event,
+        or None when no prefill worker could take the request (a decode worker then prefills it
+        locally) or the client has its first token already (``reprefill``)."""
         self.stage = "prefill"
-        tried: set[str] = set()
+        tried: set[str] = set(exclude)
         for _ in range(PREFILL_ATTEMPTS):
             skip = tried | await self.port.departures.recovered(self.deadline)
             root = chain_root(self.sampling.cache_salt)  # a salted prompt hits its own chain only
@@ -143,8 +160,22 @@ class PrefillStage:
             self.prefill_worker = None
             self.port.router.prefill_done(self.bus_id)
 
-    def _first_token(self, result: PrefillResult) -> TokenEvent:
+    async def reprefill(self, failed: str) -> TokenEvent | None:
+        """Prefill again, elsewhere than on ``failed``, the prompt whose KV the decode worker
+        could not pull from it; sets ``kv`` for the next first leg (None: prefill locally)."""
+        self.reprefills += 1
+        self.kv = None
+        self.due = due_in(self.limits.first_token_timeout)  # a new prefill, queue and pull
+        log.warning("prefilling %s again: its KV could not be pulled from %s", self.bus_id, failed)
+        event = await self.prefill(frozenset({failed}))
+        log.warning("prefilled %s again on %s", self.bus_id, self.kv.worker_id if self.kv else "-")
+        return event
+
+    def _first_token(self, result: PrefillResult) -> TokenEvent | None:
         check_ending(result.finish_reason, result.worker_id)
+        if self.delivered.tokens[0]:  # a reprefill: the client has it, the next leg follows it
+            self.kv = dataclasses.replace(result.kv, streaming=False) if result.kv else None
+            return None
         if result.first_token is not None:
             self.progressed()
         event = self.delivered.first_token(result)

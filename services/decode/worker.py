@@ -62,7 +62,9 @@ class DecodeWorker(Worker):
         self.pulls = KVPulls(self, self._end)  # into the blocks the engine reserved (kv_pulls.py)
 
     def make_engine(self) -> LLMEngine:
-        return LLMEngine(self.engine_config, kv_failure_policy=self.config.kv_failure_policy)
+        # reprefill: the engine fails the request, and the gateway prefills it again elsewhere
+        policy = "recompute" if self.config.kv_failure_policy == "recompute" else "fail"
+        return LLMEngine(self.engine_config, kv_failure_policy=policy)
 
     async def start_extra(self) -> None:
         self.kv_client = KVClient(
@@ -248,14 +250,15 @@ class DecodeWorker(Worker):
 
     def _item(self, state: DecodeState, out: StepOutput, step: StepResult) -> TokenItem:
         rid = out.bus_id
-        if out.finish_reason == "error":  # the pull failed under the fail policy
+        if out.finish_reason == "error":  # the pull failed under the fail or reprefill policy
             self._end(state)
+            reprefill = self.config.kv_failure_policy == "reprefill"
             return TokenItem(
                 bus_id=rid,
                 token_ids=[],
                 finish_reason="error",
                 error=out.error,
-                error_code="kv_transfer",
+                error_code="kv_reprefill" if reprefill else "kv_transfer",
             )
         state.started = True  # from now on the gateway judges stalls, not the deadline
         first = state.first_step_ns is None  # its first output: the step that ended its prefill

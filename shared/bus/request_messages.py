@@ -35,6 +35,7 @@ ERROR_CODES = {
     "deadline": "the request's deadline passed in this worker before its first token",
     "invalid": "this model cannot serve the request (too long, token id out of range...)",
     "kv_transfer": "the decode worker could not pull the KV (policy fail)",
+    "kv_reprefill": "the decode worker could not pull the KV (policy reprefill): prefill again",
     "internal": "a bug or an unexpected fault",
     "unknown": "answers a StreamCheck: the decode worker has no such request (over, or lost)",
 }

@@ -84,11 +84,12 @@ class ChaosStack:
         self.children["gw"] = start_service("gateway", self.nats.url, self.logs, options=options)
         self.base = f"http://127.0.0.1:{port}"
 
-    def start_worker(self, name: str) -> None:
-        """Start ``name`` (again: a new incarnation under the same id), as a supervisor would."""
+    def start_worker(self, name: str, options: dict[str, object] | None = None) -> None:
+        """Start ``name`` (again: a new incarnation under the same id), as a supervisor would;
+        ``options`` override the stack's worker options for it."""
         assert self.nats is not None
         role = self.roles[name]
-        options = {**self.worker_options, "model": self.model, "worker_id": name}
+        options = {**self.worker_options, **(options or {}), "model": self.model, "worker_id": name}
         argv = [sys.executable, "-m", "tests.integration.staged_worker", role]
         env = {"STAGE_GATES": str(self.gates)}
         self.children[name] = start_service(

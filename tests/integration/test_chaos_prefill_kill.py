@@ -8,12 +8,18 @@ pull is held back (the ``pull_answer`` gate, ``staged_worker.py``), so the pull 
 posted, admitted, its lease pinned - when the worker holding the lease is killed. In the
 streamed case the prompt is long enough to be pulled layer by layer and its prefill is slow, so
 the kill lands while layers are still being written and sent.
+
+Under ``--kv-failure-policy reprefill`` (the last tests, which restart the decode worker with it)
+the decode worker cannot recompute: it hands the failed pull back, the gateway prefills the
+prompt again on the surviving prefill worker (its log names it) and the stream still completes
+with the undisturbed answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import time
 
@@ -21,6 +27,7 @@ import aiohttp
 import pytest
 
 from tests.integration.chaos_stack import ChaosStack
+from tests.integration.stack import log_text
 
 PULL_TIMEOUT = 3.0
 STREAM_THRESHOLD = 256
@@ -82,15 +89,9 @@ async def reset_prefix_caches(base: str) -> None:
         assert r.status == 200, await r.text()
 
 
-@pytest.mark.parametrize("pull", ["bulk", "streamed"])
-async def test_a_prefill_worker_killed_mid_pull(stack, pull):
-    ids = prompt(160 if pull == "bulk" else 320, salt=len(pull))
-    stack.wait_idle(30)
-    reference, finish = await stream_text(stack.base, ids, [])
-    assert finish == "length"
-    await reset_prefix_caches(stack.base)  # the decode worker must pull it again, all of it
-    stack.wait_idle(30)
-
+async def kill_mid_pull(stack, ids: list[int], pull: str) -> tuple[str, str | None, str, float]:
+    """Stream ``ids`` while the prefill worker whose KV the decode worker pulls is SIGKILLed
+    mid-pull: (text, finish reason, the victim, seconds from the kill to the next token)."""
     stack.gate("pull_answer", 60.0)
     if pull == "streamed":
         stack.gate("prefill.step", 0.3)
@@ -115,14 +116,62 @@ async def test_a_prefill_worker_killed_mid_pull(stack, pull):
         stack.ungate_all()
         task.cancel()
     after_kill = [t - killed for t in times if t > killed]
-    print(f"{pull}: a token {after_kill[0]:.2f}s after the kill of {victim}")
-    assert (text, finish) == (reference, "length")
-    assert after_kill[0] <= PULL_TIMEOUT + 3.0  # learnt within the pull timeout, then prefilled
+    return text, finish, victim, after_kill[0]
 
+
+async def restart_victim(stack, victim: str) -> None:
+    """The other prefill worker serves on; the victim restarts under its id, as a supervisor's
+    restart would, and nothing stays held."""
     await asyncio.to_thread(stack.wait_idle, 15)  # nothing held by the living
     again, _ = await stream_text(stack.base, prompt(100, salt=7), [])  # served by the survivor
     assert again
-    stack.start_worker(victim)  # a supervisor's restart, under the same id
+    stack.start_worker(victim)
     stack.wait_ready()
     await asyncio.to_thread(stack.wait_idle, 15)
     assert stack.live_workers() == {"p0", "p1", "d0"}
+
+
+async def reference_then_cold(stack, ids: list[int]) -> str:
+    """The undisturbed answer for ``ids``; then no cache holds it, so it is pulled again."""
+    stack.wait_idle(30)
+    reference, finish = await stream_text(stack.base, ids, [])
+    assert finish == "length"
+    await reset_prefix_caches(stack.base)  # the decode worker must pull it again, all of it
+    stack.wait_idle(30)
+    return reference
+
+
+@pytest.mark.parametrize("pull", ["bulk", "streamed"])
+async def test_a_prefill_worker_killed_mid_pull(stack, pull):
+    ids = prompt(160 if pull == "bulk" else 320, salt=len(pull))
+    reference = await reference_then_cold(stack, ids)
+    text, finish, victim, first = await kill_mid_pull(stack, ids, pull)
+    print(f"{pull}: a token {first:.2f}s after the kill of {victim}")
+    assert (text, finish) == (reference, "length")
+    assert first <= PULL_TIMEOUT + 3.0  # learnt within the pull timeout, then prefilled
+    await restart_victim(stack, victim)
+
+
+@pytest.mark.parametrize("pull", ["bulk", "streamed"])
+async def test_a_prefill_worker_killed_mid_pull_is_prefilled_again(stack, pull):
+    """``--kv-failure-policy reprefill``: the decode worker hands the failed pull back, and the
+    gateway prefills the prompt again on the other prefill worker - not on the decode worker,
+    whose engine cannot recompute under this policy - and the stream completes unchanged."""
+    gateway = stack.children["gw"]
+    if stack.worker_options["kv_failure_policy"] != "reprefill":
+        stack.children["d0"].stop(30)
+        stack.worker_options["kv_failure_policy"] = "reprefill"  # and for its restarts
+        stack.start_worker("d0")
+        stack.wait_ready()
+    ids = prompt(160 if pull == "bulk" else 320, salt=13 + len(pull))
+    reference = await reference_then_cold(stack, ids)
+    before = log_text(gateway, 10**7)
+    text, finish, victim, first = await kill_mid_pull(stack, ids, pull)
+    print(f"{pull}: a token {first:.2f}s after the kill of {victim}")
+    assert (text, finish) == (reference, "length")
+    survivor = ({"p0", "p1"} - {victim}).pop()
+    news = log_text(gateway, 10**7)[len(before) :]
+    assert f"its KV could not be pulled from {victim}" in news, news[-3000:]
+    assert re.search(rf"prefilled \S+ again on {survivor}\b", news), news[-3000:]
+    assert first <= PULL_TIMEOUT + 3.0
+    await restart_victim(stack, victim)
