@@ -19,7 +19,7 @@ error event), hung (no end within ``--hang-seconds``), aborted on purpose; strea
 differs from the reference and their tokens lost or duplicated (chunks against the reference's);
 KV blocks still held at the end; per fault the completions per second in the window before and
 after (``--window``, default a minute scaled to the schedule) and the recovery time (fault to the
-end of the last 2 s after it with less than half the before rate of completions); the worst
+end of the last 2 s, before the next fault, with less than half the before rate of completions); the worst
 recovery.
 
     .venv/bin/python -m perf.chaos_bench --duration 600   # the 10-minute form
@@ -218,7 +218,9 @@ def summarize(stack: ChaosStack, run: Run, args: argparse.Namespace, t0: float) 
     for name, at in run.faults:
         before = rate(run.outcomes, max(t0, at - window), at)
         after = rate(run.outcomes, at, min(end, at + window))
-        recovered = recovery(run.outcomes, at, min(end, at + window), before)
+        # Recovery is looked for up to the next fault, not within the rate window: a fault can
+        # last longer than the window (the 10 s pause, against the short form's 7.5 s).
+        recovered = recovery(run.outcomes, at, min(end, at + spacing), before)
         faults.append(
             {
                 "fault": name,
