@@ -15,7 +15,6 @@ the gateway's admin route and the workers speak them.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from pdserve.shared.bus.connection import Bus
 from pdserve.shared.bus.protocol import MESSAGE_TYPES, ProtocolError, decode_as, encode
 from pdserve.shared.bus.subjects import Subjects, is_subject_token
 from pdserve.shared.bus.wire_fields import bounded, count, ident, text
+from pdserve.shared.discovery.worker_requests import ask_workers
 
 log = logging.getLogger(__name__)
 
@@ -105,17 +105,11 @@ async def reset_all(
 ) -> dict[str, PrefixCacheReset | str]:
     """Ask every worker at once (``external``: to empty its tiers too); per worker its
     answer, or why there is none."""
-
-    async def one(worker_id: str) -> PrefixCacheReset | str:
-        try:
-            raw = await bus.nc.request(
-                admin_subject(bus.subjects, worker_id),
-                encode(ResetPrefixCache(reset_id=reset_id, external=external)),
-                timeout=timeout,
-            )
-            return decode_as(raw.data, PrefixCacheReset, max_bytes=bus.max_bytes)
-        except Exception as exc:  # no responders, a timeout, a malformed answer
-            return f"no answer: {type(exc).__name__}"
-
-    answers = await asyncio.gather(*map(one, worker_ids))
-    return dict(zip(worker_ids, answers, strict=True))
+    return await ask_workers(
+        bus,
+        worker_ids,
+        lambda worker_id: admin_subject(bus.subjects, worker_id),
+        encode(ResetPrefixCache(reset_id=reset_id, external=external)),
+        PrefixCacheReset,
+        timeout,
+    )

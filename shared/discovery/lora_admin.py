@@ -16,7 +16,6 @@ requests under it end (``deferred``). Each answer carries the worker's status an
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from pdserve.shared.bus.connection import Bus
 from pdserve.shared.bus.protocol import MESSAGE_TYPES, ProtocolError, decode_as, encode
 from pdserve.shared.bus.subjects import Subjects, is_subject_token
 from pdserve.shared.bus.wire_fields import bounded, ident, text
+from pdserve.shared.discovery.worker_requests import ask_workers
 
 log = logging.getLogger(__name__)
 
@@ -113,15 +113,11 @@ async def ask_all(
     bus: Bus, worker_ids: list[str], command: LoraCommand, timeout: float
 ) -> dict[str, LoraAdapterAnswer | str]:
     """Send ``command`` to every worker at once; per worker its answer, or why there is none."""
-
-    async def one(worker_id: str) -> LoraAdapterAnswer | str:
-        try:
-            raw = await _client(bus).request(
-                lora_subject(bus.subjects, worker_id), _encode(command), timeout=timeout
-            )
-            return decode_as(raw.data, LoraAdapterAnswer, max_bytes=bus.max_bytes)
-        except Exception as exc:  # no responders, a timeout, a malformed answer
-            return f"no answer: {type(exc).__name__}"
-
-    answers = await asyncio.gather(*map(one, worker_ids))
-    return dict(zip(worker_ids, answers, strict=True))
+    return await ask_workers(
+        bus,
+        worker_ids,
+        lambda worker_id: lora_subject(bus.subjects, worker_id),
+        _encode(command),
+        LoraAdapterAnswer,
+        timeout,
+    )
