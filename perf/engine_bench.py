@@ -114,9 +114,12 @@ class Shape:
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         return cls(
-            cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"],
-            cfg["intermediate_size"], cfg.get("num_key_value_heads", heads) * head_dim,
-        )  # fmt: skip
+            cfg["num_hidden_layers"],
+            cfg["hidden_size"],
+            cfg["vocab_size"],
+            cfg["intermediate_size"],
+            cfg.get("num_key_value_heads", heads) * head_dim,
+        )
 
 
 def weight_shapes(shape: Shape) -> list[tuple[int, int, int]]:
@@ -169,10 +172,16 @@ def make_model(out: Path, layers: int, hidden: int, vocab: int) -> Path:
     import transformers
 
     cfg = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
-        num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64, max_position_embeddings=1024,
-        bos_token_id=0, eos_token_id=1,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64,
+        max_position_embeddings=1024,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
     return out
@@ -197,9 +206,13 @@ def run_hf(model_dir: Path, wl: Workload, batch_size: int = 8) -> float:
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
             # a static batch runs until its longest request is done; eos disabled (ignore_eos)
             model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=max(wl.output_lens[i : i + batch_size]),
-                do_sample=False, eos_token_id=None, pad_token_id=0,
-            )  # fmt: skip
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max(wl.output_lens[i : i + batch_size]),
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
     return time.perf_counter() - start
 
 
@@ -259,12 +272,20 @@ def main(argv: list[str] | None = None) -> Result:
     bound = gemm_bound(wl, shape, chunk=2048)
     tokens = wl.output_tokens
     res = Result(
-        requests=args.requests, output_tokens=tokens, hf_seconds=round(hf_s, 2), engine_seconds=round(engine_s, 2),
-        hf_tokens_per_s=round(tokens / hf_s, 1), engine_tokens_per_s=round(tokens / engine_s, 1),
-        speedup=round(hf_s / engine_s, 2), peak_kv_utilisation=round(util, 4), threads=torch.get_num_threads(),
-        gemm_bound_seconds=round(bound.seconds, 2), ceiling_speedup=round(hf_s / bound.seconds, 2),
-        model=args.model or "random bench model", batch1=batch1,
-    )  # fmt: skip
+        requests=args.requests,
+        output_tokens=tokens,
+        hf_seconds=round(hf_s, 2),
+        engine_seconds=round(engine_s, 2),
+        hf_tokens_per_s=round(tokens / hf_s, 1),
+        engine_tokens_per_s=round(tokens / engine_s, 1),
+        speedup=round(hf_s / engine_s, 2),
+        peak_kv_utilisation=round(util, 4),
+        threads=torch.get_num_threads(),
+        gemm_bound_seconds=round(bound.seconds, 2),
+        ceiling_speedup=round(hf_s / bound.seconds, 2),
+        model=args.model or "random bench model",
+        batch1=batch1,
+    )
     print(
         f"HF generate (static batches of 8): {res.hf_tokens_per_s:8.1f} output tok/s ({hf_s:.1f} s)"
     )

@@ -111,8 +111,10 @@ def main() -> None:
             "extra_ms_per_token": round((med - plain) * 1e3, 3),
         }
         r = results[name]
-        print(f"{name:>16} {tokens[name]:>7} {r['ms_per_token']:>9} {r['ratio_to_plain']:>9} "
-              f"{r['extra_ms_per_token']:>9}")  # fmt: skip
+        print(
+            f"{name:>16} {tokens[name]:>7} {r['ms_per_token']:>9} {r['ratio_to_plain']:>9} "
+            f"{r['extra_ms_per_token']:>9}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"batch": args.batch, "rounds": args.rounds, "results": results}, f, indent=2)

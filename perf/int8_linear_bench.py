@@ -126,10 +126,18 @@ def bench(name: str, n: int, k: int, rows: int, rounds: int) -> list[dict]:
     out = []
     for label in errors:
         ms = statistics.median(samples[label])
-        out.append({
-            "layer": name, "N": n, "K": k, "rows": rows, "impl": label, "ms": round(ms, 4),
-            "vs_fp32": round(fp32 / ms, 2), "rel_err": float(f"{errors[label]:.3g}"),
-        })  # fmt: skip
+        out.append(
+            {
+                "layer": name,
+                "N": n,
+                "K": k,
+                "rows": rows,
+                "impl": label,
+                "ms": round(ms, 4),
+                "vs_fp32": round(fp32 / ms, 2),
+                "rel_err": float(f"{errors[label]:.3g}"),
+            }
+        )
     return out
 
 
@@ -149,8 +157,11 @@ def main() -> None:
         for m in args.rows:
             got = bench(name, n, k, m, args.rounds)
             for r in got:
-                print(f"{name:13s} M{m:<3d} {r['impl']:28s} {r['ms']:9.4f} ms "
-                      f"{r['vs_fp32']:6.2f}x  err {r['rel_err']:.2g}", flush=True)  # fmt: skip
+                print(
+                    f"{name:13s} M{m:<3d} {r['impl']:28s} {r['ms']:9.4f} ms "
+                    f"{r['vs_fp32']:6.2f}x  err {r['rel_err']:.2g}",
+                    flush=True,
+                )
             rows += got
     if args.json:
         with open(args.json, "w") as f:

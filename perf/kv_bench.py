@@ -136,11 +136,17 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     results = asyncio.run(
         measure(
-            geometry, args.sizes_mib, args.reps, args.warmup, args.seed,
-            host=args.ucx_host, on_case=report_case, peer_host=args.peer_host,
+            geometry,
+            args.sizes_mib,
+            args.reps,
+            args.warmup,
+            args.seed,
+            host=args.ucx_host,
+            on_case=report_case,
+            peer_host=args.peer_host,
             peer_prefix=["ip", "netns", "exec", args.peer_netns] if args.peer_netns else (),
         )
-    )  # fmt: skip
+    )
     seconds = time.perf_counter() - t0
     memcpy = {n: memcpy_gbps(n, args.reps) for n in sorted({c.num_bytes for c in results})}
     table = markdown(results, args.reps, memcpy)

@@ -47,21 +47,39 @@ class Case:
 
 async def serve(geometry: Geometry, num_blocks: int) -> None:
     """The child: a checksumming server with one lease over every block; prints its handle."""
-    cache = torch.randn((num_blocks, geometry.num_layers, 2, geometry.block_size,
-                         geometry.num_kv_heads, geometry.head_dim)).to(geometry.torch_dtype)  # fmt: skip
+    cache = torch.randn(
+        (
+            num_blocks,
+            geometry.num_layers,
+            2,
+            geometry.block_size,
+            geometry.num_kv_heads,
+            geometry.head_dim,
+        )
+    ).to(geometry.torch_dtype)
     leases = LeaseTable(lambda _: None)
     server = KVServer(cache, geometry.fingerprint(), leases, checksum=True)
     await server.start()
     lease = leases.add("bench", list(range(num_blocks)), num_blocks * geometry.block_size, 3600)
-    print(json.dumps({"address": server.address, "token": lease.token,
-                      "expires": lease.expires}), flush=True)  # fmt: skip
+    print(
+        json.dumps({"address": server.address, "token": lease.token, "expires": lease.expires}),
+        flush=True,
+    )
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until EOF
     await server.stop()
 
 
 def lease_hash_gbps(geometry: Geometry, blocks: int) -> float:
-    cache = torch.randn((blocks, geometry.num_layers, 2, geometry.block_size,
-                         geometry.num_kv_heads, geometry.head_dim)).to(geometry.torch_dtype)  # fmt: skip
+    cache = torch.randn(
+        (
+            blocks,
+            geometry.num_layers,
+            2,
+            geometry.block_size,
+            geometry.num_kv_heads,
+            geometry.head_dim,
+        )
+    ).to(geometry.torch_dtype)
     hasher = KVHasher(cache, HeadSlicer(cache, geometry.fingerprint(), None, None))
     heads = (0, geometry.num_kv_heads)
     hasher.hash_blocks(range(blocks), heads)  # warm
@@ -74,24 +92,43 @@ async def measure(geometry: Geometry, sizes: list[float], reps: int) -> list[Cas
     num_blocks = geometry.blocks_for(max(sizes))
     child = subprocess.Popen(
         [sys.executable, "-m", "perf.kv_checksum_bench", "--serve", str(num_blocks)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
         env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"},
-    )  # fmt: skip
+    )
     try:
         info = json.loads(child.stdout.readline())
-        shape = (num_blocks, geometry.num_layers, 2, geometry.block_size,
-                 geometry.num_kv_heads, geometry.head_dim)  # fmt: skip
+        shape = (
+            num_blocks,
+            geometry.num_layers,
+            2,
+            geometry.block_size,
+            geometry.num_kv_heads,
+            geometry.head_dim,
+        )
         fp = geometry.fingerprint()
         clients = {
-            checked: KVClient(torch.zeros(shape, dtype=geometry.torch_dtype), fp,
-                              geometry.block_size, checksum=checked)
+            checked: KVClient(
+                torch.zeros(shape, dtype=geometry.torch_dtype),
+                fp,
+                geometry.block_size,
+                checksum=checked,
+            )
             for checked in (False, True)
-        }  # fmt: skip
+        }
         out = []
         for size in sizes:
             n = geometry.blocks_for(size)
-            handle = KVHandle("bench", info["address"], list(range(n)), n * geometry.block_size,
-                              fp, info["expires"], info["token"])  # fmt: skip
+            handle = KVHandle(
+                "bench",
+                info["address"],
+                list(range(n)),
+                n * geometry.block_size,
+                fp,
+                info["expires"],
+                info["token"],
+            )
             times: dict[bool, list[float]] = {False: [], True: []}
             verify: list[float] = []
             for checked in (False, True):  # warm both endpoints
@@ -107,11 +144,22 @@ async def measure(geometry: Geometry, sizes: list[float], reps: int) -> list[Cas
             nbytes = n * geometry.block_bytes
             off = nbytes / statistics.median(times[False]) / 1e9
             on = nbytes / statistics.median(times[True]) / 1e9
-            case = Case(size, n, off, on, on / off, statistics.median(verify) * 1e3,
-                        lease_hash_gbps(geometry, n))  # fmt: skip
-            print(f"  {size:6g} MiB  off {off:6.2f} GB/s  on {on:6.2f} GB/s  ratio "
-                  f"{case.ratio:.2f}  verify {case.verify_ms:6.2f} ms  lease hashing "
-                  f"{case.lease_hash_gbps:.2f} GB/s", file=sys.stderr, flush=True)  # fmt: skip
+            case = Case(
+                size,
+                n,
+                off,
+                on,
+                on / off,
+                statistics.median(verify) * 1e3,
+                lease_hash_gbps(geometry, n),
+            )
+            print(
+                f"  {size:6g} MiB  off {off:6.2f} GB/s  on {on:6.2f} GB/s  ratio "
+                f"{case.ratio:.2f}  verify {case.verify_ms:6.2f} ms  lease hashing "
+                f"{case.lease_hash_gbps:.2f} GB/s",
+                file=sys.stderr,
+                flush=True,
+            )
             out.append(case)
         for client in clients.values():
             await client.close()
@@ -133,14 +181,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         asyncio.run(serve(geometry, args.serve))
         return 0
-    print(f"KV pull with --kv-checksum on vs off, {geometry}, median of {args.reps} ABBA reps",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"KV pull with --kv-checksum on vs off, {geometry}, median of {args.reps} ABBA reps",
+        file=sys.stderr,
+    )
     cases = asyncio.run(measure(geometry, args.sizes_mib, args.reps))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "workload": f"{geometry}, contiguous blocks, {args.reps} ABBA repetitions",
-            "cases": [asdict(c) for c in cases]}, indent=2) + "\n")  # fmt: skip
+        args.json.write_text(
+            json.dumps(
+                {
+                    "workload": f"{geometry}, contiguous blocks, {args.reps} ABBA repetitions",
+                    "cases": [asdict(c) for c in cases],
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     return 0
 
 

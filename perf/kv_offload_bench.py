@@ -99,8 +99,14 @@ def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
 
 async def one(session: aiohttp.ClientSession, url: str, prompt: list[int], n: int) -> float:
     """TTFT (s) of one streamed greedy request; checks that all ``n`` tokens came."""
-    body = {"model": "bench", "prompt": prompt, "max_tokens": n, "temperature": 0.0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "model": "bench",
+        "prompt": prompt,
+        "max_tokens": n,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     start = time.perf_counter()
     ttft, chunks = None, 0
     async with session.post(url + "/v1/completions", json=body) as resp:
@@ -163,9 +169,16 @@ def free_port_pair() -> int:
 
 def one_run(args, tiers: bool, rnd: int, tmp: Path) -> dict:
     metrics = free_port_pair()  # the prefill worker's; the decode worker's is the next port
-    extra = ["--num-kv-blocks", str(args.pool), "--metrics-port", str(metrics),
-             "--max-num-seqs", str(max(2, args.concurrency)),
-             "--tensor-parallel-size", str(args.tensor_parallel_size)]  # fmt: skip
+    extra = [
+        "--num-kv-blocks",
+        str(args.pool),
+        "--metrics-port",
+        str(metrics),
+        "--max-num-seqs",
+        str(max(2, args.concurrency)),
+        "--tensor-parallel-size",
+        str(args.tensor_parallel_size),
+    ]
     if tiers:  # one directory for every tiers run: from round 1 on, each starts as a restart
         disk = tmp / "disk"
         gib = args.host_blocks * block_bytes(MODEL) / (1 << 30)
@@ -232,27 +245,37 @@ def summarize(args, runs: list[dict]) -> dict:
             "ttft_repeat_median_s": med([t for r in mine for t in r["ttfts"][first:]]),
             "tok_s_median": med([r["tok_s"] for r in mine]),
             "tok_s_runs": [round(r["tok_s"], 2) for r in mine],
-            "hit_rate": {"pool": round((c.get("hits", 0.0) - host - disk) / queries, 3),
-                         "host": round(host / queries, 3), "disk": round(disk / queries, 3)},
+            "hit_rate": {
+                "pool": round((c.get("hits", 0.0) - host - disk) / queries, 3),
+                "host": round(host / queries, 3),
+                "disk": round(disk / queries, 3),
+            },
             "offloaded_blocks": c.get("offloaded", 0.0),
             "load_costs": [r.get("load_costs") for r in mine],  # measured, per run (tiers)
             "probe_ttft_median_s": med([t for r in mine for t in r.get("probe_ttfts", [])])
-            if any("probe_ttfts" in r for r in mine) else None,
-        }  # fmt: skip
+            if any("probe_ttfts" in r for r in mine)
+            else None,
+        }
     off, on = out["off"], out["tiers"]
     out["ratios"] = {
-        "ttft_repeat_off_over_tiers": round(off["ttft_repeat_median_s"] / on["ttft_repeat_median_s"], 2),
+        "ttft_repeat_off_over_tiers": round(
+            off["ttft_repeat_median_s"] / on["ttft_repeat_median_s"], 2
+        ),
         "ttft_off_over_tiers": round(off["ttft_median_s"] / on["ttft_median_s"], 2),
         "tok_s_tiers_over_off": round(on["tok_s_median"] / off["tok_s_median"], 2),
-        "probe_recomputed_over_disk": round(off["probe_ttft_median_s"] / on["probe_ttft_median_s"], 2)
-        if on["probe_ttft_median_s"] else None,
-    }  # fmt: skip
+        "probe_recomputed_over_disk": round(
+            off["probe_ttft_median_s"] / on["probe_ttft_median_s"], 2
+        )
+        if on["probe_ttft_median_s"]
+        else None,
+    }
     return out
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--rounds", type=int, default=2, help="off/tiers pairs (ABAB)")
     ap.add_argument("--pool", type=int, default=32, help="KV blocks per worker")
     ap.add_argument("--prefixes", type=int, default=12)
@@ -262,8 +285,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--probes", type=int, default=4)
-    ap.add_argument("--tensor-parallel-size", type=int, default=1,
-                    help="each worker's TP size (its ranks hold their shards of the tiers)")  # fmt: skip
+    ap.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="each worker's TP size (its ranks hold their shards of the tiers)",
+    )
     ap.add_argument("--json", type=Path, help="also write the result here")
     args = ap.parse_args(argv)
     working_set = args.prefixes * args.prefix_blocks
@@ -276,19 +303,27 @@ def main(argv: list[str] | None = None) -> dict:
             for tiers in (False, True):  # ABAB
                 runs.append(one_run(args, tiers, rnd, Path(tmp)))
                 r = runs[-1]
-                print(f"round {rnd} {r['config']:5s}: {r['tok_s']:.2f} tok/s, TTFT median "
-                      f"{med(r['ttfts'])} s, probes {r.get('probe_ttfts')}, load costs "
-                      f"{r['load_costs']}", flush=True)  # fmt: skip
+                print(
+                    f"round {rnd} {r['config']:5s}: {r['tok_s']:.2f} tok/s, TTFT median "
+                    f"{med(r['ttfts'])} s, probes {r.get('probe_ttfts')}, load costs "
+                    f"{r['load_costs']}",
+                    flush=True,
+                )
     result = {
         "workload": {k: v for k, v in vars(args).items() if k != "json"}
-        | {"model": MODEL, "block_tokens": BLOCK, "suffix_tokens": SUFFIX,
-           "working_set_blocks": working_set, "working_set_over_pool": working_set / args.pool,
-           "stack": f"pdserve up 1P1D, TP {args.tensor_parallel_size} each, loopback, "
-                    "float32, CPU"},
+        | {
+            "model": MODEL,
+            "block_tokens": BLOCK,
+            "suffix_tokens": SUFFIX,
+            "working_set_blocks": working_set,
+            "working_set_over_pool": working_set / args.pool,
+            "stack": f"pdserve up 1P1D, TP {args.tensor_parallel_size} each, loopback, "
+            "float32, CPU",
+        },
         "summary": summarize(args, runs),
         "runs": runs,
         "seconds": round(time.perf_counter() - started, 1),
-    }  # fmt: skip
+    }
     print(json.dumps(result["summary"], indent=1))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

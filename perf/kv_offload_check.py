@@ -35,9 +35,15 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 def engine(args: argparse.Namespace, disk: Path) -> LLMEngine:
     probe = EngineConfig(model="demo", device=args.device, dtype=args.dtype, num_kv_blocks=1)
     block = LLMEngine(probe).bytes_per_block
-    cfg = EngineConfig(model="demo", device=args.device, dtype=args.dtype, block_size=16,
-                       num_kv_blocks=args.pool, kv_offload_ram_gib=args.ram_blocks * block / (1 << 30),
-                       kv_offload_disk=str(disk))  # fmt: skip
+    cfg = EngineConfig(
+        model="demo",
+        device=args.device,
+        dtype=args.dtype,
+        block_size=16,
+        num_kv_blocks=args.pool,
+        kv_offload_ram_gib=args.ram_blocks * block / (1 << 30),
+        kv_offload_disk=str(disk),
+    )
     return LLMEngine(cfg)
 
 
@@ -65,8 +71,9 @@ def run(args: argparse.Namespace, disk: Path) -> dict:
         eng.generate(fillers[i : i + 3], GREEDY)
     eng.offload.flush()
     checks = {"evicted": not any(h in bm.hash_to_block for h in hashes)}
-    on_disk = [read_block(tiers.disk.path(h), tiers.disk.layout, h, eng.bytes_per_block)
-               for h in hashes]  # fmt: skip
+    on_disk = [
+        read_block(tiers.disk.path(h), tiers.disk.layout, h, eng.bytes_per_block) for h in hashes
+    ]
     checks["disk_bytes"] = all(
         torch.equal(torch.from_numpy(b.copy()), want)
         for b, want in zip(on_disk, computed, strict=True)
@@ -88,9 +95,16 @@ def run(args: argparse.Namespace, disk: Path) -> dict:
     restart = again.offload.stats()
     checks["restart_from_disk"] = hit == 64 and restart.disk_hits == 4 and tokens == first
     again.close()
-    return {"device": args.device, "dtype": args.dtype, "checks": checks,
-            "host_hits": stats.host_hits, "disk_hits": stats.disk_hits, "stored": stats.stored,
-            "restart_disk_hits": restart.disk_hits, "ok": all(checks.values())}  # fmt: skip
+    return {
+        "device": args.device,
+        "dtype": args.dtype,
+        "checks": checks,
+        "host_hits": stats.host_hits,
+        "disk_hits": stats.disk_hits,
+        "stored": stats.stored,
+        "restart_disk_hits": restart.disk_hits,
+        "ok": all(checks.values()),
+    }
 
 
 def main() -> int:

@@ -60,8 +60,14 @@ METRICS_PORT = 9464
 
 async def one(base: str, model: str, size: int, rng: random.Random) -> tuple[float, float]:
     """(TTFT, gap to the second token) in seconds, of one streamed request."""
-    body = {"model": model, "prompt": [rng.randrange(*VOCAB) for _ in range(size)],
-            "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": [rng.randrange(*VOCAB) for _ in range(size)],
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     stamps: list[float] = []
     async with aiohttp.ClientSession() as session:
         t0 = time.perf_counter()
@@ -129,11 +135,19 @@ def run_loopback(logs: Path, streamed: bool, reps: dict[int, int], seed: int) ->
         children.append(
             start_service("gateway", cluster.client_url(0), logs, options={"port": port, **GATEWAY})
         )
-        children.append(start_service("prefill", cluster.client_url(1), logs,
-                                      options={**opts, "worker_id": "p0"}))  # fmt: skip
-        children.append(start_service("decode", cluster.client_url(2), logs,
-                                      options={**opts, "worker_id": "d0",
-                                               "metrics_port": metrics}))  # fmt: skip
+        children.append(
+            start_service(
+                "prefill", cluster.client_url(1), logs, options={**opts, "worker_id": "p0"}
+            )
+        )
+        children.append(
+            start_service(
+                "decode",
+                cluster.client_url(2),
+                logs,
+                options={**opts, "worker_id": "d0", "metrics_port": metrics},
+            )
+        )
         base = f"http://127.0.0.1:{port}"
         wait_ready(base)
 
@@ -206,8 +220,10 @@ def main() -> None:
         done = json.loads(args.summarize.read_text())
         for network in ("loopback", "namespaces"):
             if network in done:
-                runs = {m: [{int(k): v for k, v in r.items()} for r in rs]
-                        for m, rs in done[network]["runs"].items()}  # fmt: skip
+                runs = {
+                    m: [{int(k): v for k, v in r.items()} for r in rs]
+                    for m, rs in done[network]["runs"].items()
+                }
                 done[network]["summary"] = summarize(runs)
                 print(network, json.dumps(done[network]["summary"], indent=2))
         args.summarize.write_text(json.dumps(done, indent=2) + "\n")

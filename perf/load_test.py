@@ -166,11 +166,24 @@ class Stack:
         self.port = port
         self.log_path = log_path
         argv = [
-            sys.executable, "-m", "pdserve.cli", "up", "--model", "demo",
-            "--prefill-workers", "1", "--decode-workers", "1",
-            "--port", str(port), "--max-queue", str(max_queue),
-            "--request-timeout", str(request_timeout), *(extra or []),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "up",
+            "--model",
+            "demo",
+            "--prefill-workers",
+            "1",
+            "--decode-workers",
+            "1",
+            "--port",
+            str(port),
+            "--max-queue",
+            str(max_queue),
+            "--request-timeout",
+            str(request_timeout),
+            *(extra or []),
+        ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
         # one torch thread per service: the load, not intra-op threads, should fill the cores
         env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")

@@ -48,8 +48,13 @@ from pdserve.shared.bus.request_messages import DecodeRequest
 from pdserve.shared.options import service_env
 from perf.bench.topology import registered_workers
 
-QUIET = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-         "PYTHONUNBUFFERED": "1", "UCX_WARN_UNUSED_ENV_VARS": "n"}  # fmt: skip
+QUIET = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONUNBUFFERED": "1",
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+}
 
 
 @dataclass
@@ -72,9 +77,15 @@ async def stream_one(
 ) -> Record:
     """Stream one completion, with the usage so far on every chunk (continuous usage stats)."""
     rec = Record(rid, time.perf_counter() - t0)
-    body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len,
-            "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": req.prompt_token_ids,
+        "max_tokens": req.output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     try:
         async with session.post(url, json=body, headers={"x-request-id": rid}) as resp:
             if resp.status != 200:

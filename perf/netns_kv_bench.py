@@ -63,9 +63,19 @@ def kv_bench(
     """One ``perf/kv_bench.py`` run under ``prefix`` (a host's ``argv``, or plain ``env``)."""
     result = logs / f"{name}.json"
     argv = [
-        *prefix, *proto_env(logs, name)[1:], sys.executable, "-m", "perf.kv_bench", *host_args,
-        "--sizes-mib", *(f"{s:g}" for s in sizes), "--reps", str(reps), "--json", str(result),
-    ]  # fmt: skip
+        *prefix,
+        *proto_env(logs, name)[1:],
+        sys.executable,
+        "-m",
+        "perf.kv_bench",
+        *host_args,
+        "--sizes-mib",
+        *(f"{s:g}" for s in sizes),
+        "--reps",
+        str(reps),
+        "--json",
+        str(result),
+    ]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
     if done.returncode != 0 or not result.exists():
         raise RuntimeError(f"kv_bench ({name}) failed:\n{done.stdout}\n{done.stderr}")
@@ -94,8 +104,10 @@ def perftest(b: Host, c: Host, size: int, logs: Path, port: int = 13337) -> floa
     binary = str(UCX_DIR / "bin" / "ucx_perftest")
     server = subprocess.Popen(
         b.argv(*env, binary, *args, "-p", str(port)),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     client_argv = c.argv(
         *env, *proto_env(logs, "perftest")[1:], binary, b.address, *args, "-p", str(port), "-f"
     )
@@ -181,10 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 8, 64])
     p.add_argument("--reps", type=int, default=9, help="timed pulls per case (kv_bench)")
     p.add_argument(
-        "--rounds", type=int, default=2,
+        "--rounds",
+        type=int,
+        default=2,
         help="rounds of (perftest, pulls between hosts, loopback pulls), the order of the two "
         "pull runs alternating (ABBA): on a shared machine, load drifts between runs",
-    )  # fmt: skip
+    )
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     reason = netns.unavailable_reason()

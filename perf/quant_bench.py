@@ -81,11 +81,18 @@ def main() -> None:
     base_b1 = statistics.median(s["batch1_decode_tok_s"] for s in samples[base])
     for c in configs:
         row = {k: round(statistics.median(s[k] for s in samples[c]), 1) for k in samples[c][0]}
-        print(json.dumps({
-            "quantization": c[0], "dtype": c[1], "kv_cache_dtype": c[2], **row,
-            f"batch1_vs_{':'.join(base)}": round(row["batch1_decode_tok_s"] / base_b1, 2),
-            "kv_bytes_per_token": engines[c].bytes_per_block // engines[c].block_size,
-        }))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "quantization": c[0],
+                    "dtype": c[1],
+                    "kv_cache_dtype": c[2],
+                    **row,
+                    f"batch1_vs_{':'.join(base)}": round(row["batch1_decode_tok_s"] / base_b1, 2),
+                    "kv_bytes_per_token": engines[c].bytes_per_block // engines[c].block_size,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,14 @@ CONFIGS = "none:auto,none:int8,int8:auto,int8:int8"  # --quantization:--kv-cache
 
 def ttft(base: str, prompt: list[int]) -> float:
     """Seconds from sending a streamed completion to its first text chunk."""
-    body = {"model": "bench", "prompt": prompt, "max_tokens": 4, "temperature": 0,
-            "stream": True, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "bench",
+        "prompt": prompt,
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     request = urllib.request.Request(
         f"{base}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
@@ -62,10 +68,9 @@ def main(argv: list[str] | None = None) -> dict:
             for config in order:
                 times[config].append(ttft(stacks[config][1], prompt))
         result = {
-            c: {"median_ttft_s": round(statistics.median(t), 3),
-                "ttft_s": [round(x, 3) for x in t]}
+            c: {"median_ttft_s": round(statistics.median(t), 3), "ttft_s": [round(x, 3) for x in t]}
             for c, t in times.items()
-        }  # fmt: skip
+        }
     finally:
         for proc, _ in stacks.values():
             stop_stack(proc)

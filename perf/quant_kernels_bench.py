@@ -144,9 +144,15 @@ def bench_kv(case: DecodeCase, repeats: int, dev: torch.device) -> list[Row]:
 
         def run(k=k, v=v, ks=ks, vs=vs) -> torch.Tensor:
             return ops.decode_attention(
-                inputs.q, k, v, inputs.table, inputs.context_lens, inputs.scale,
-                k_scale=ks, v_scale=vs,
-            )  # fmt: skip
+                inputs.q,
+                k,
+                v,
+                inputs.table,
+                inputs.context_lens,
+                inputs.scale,
+                k_scale=ks,
+                v_scale=vs,
+            )
 
         err = (run().float() - expected).abs().max().item()
         if err > MAX_ABS_ERR_KV[kv_dtype]:
@@ -154,9 +160,16 @@ def bench_kv(case: DecodeCase, repeats: int, dev: torch.device) -> list[Row]:
         ms = time_ms(run, repeats)
         moved = 2 * tokens * case.num_kv_heads * (case.head_dim + 4)
         rows.append(
-            Row("decode_attention", case.name, f"{kv_dtype} cache", ms, moved / (ms * 1e6),
-                bf16_ms / ms, err)
-        )  # fmt: skip
+            Row(
+                "decode_attention",
+                case.name,
+                f"{kv_dtype} cache",
+                ms,
+                moved / (ms * 1e6),
+                bf16_ms / ms,
+                err,
+            )
+        )
     return rows
 
 

@@ -160,8 +160,15 @@ def main() -> None:
     prompts = [tok.encode(p).ids for p in PROMPTS[: args.prompts]]
     ref = measure(base, text, prompts, args.tokens)
     self_tf = teacher_forced(base, prompts, ref.greedy)  # prefill vs decode numerics alone
-    print(json.dumps({"setting": "none:float32", "perplexity": round(ref.perplexity, 4),
-                      "teacher_forced": round(self_tf, 4)}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "setting": "none:float32",
+                "perplexity": round(ref.perplexity, 4),
+                "teacher_forced": round(self_tf, 4),
+            }
+        )
+    )
     if args.batch1:
         one = [greedy(base, [p], args.tokens)[0] for p in prompts]
         print(json.dumps({"setting": "none:float32 batch 1", **agreement(ref.greedy, one)}))

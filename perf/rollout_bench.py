@@ -54,11 +54,25 @@ STEPS = 'pdserve_worker_decode_step_seconds_count{role="decode"}'
 def start_stack(model: str, args: list[str], log: Path) -> tuple[subprocess.Popen, str, str]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
-    env.update(UCX_WARN_UNUSED_ENV_VARS="n", TOKENIZERS_PARALLELISM="false",
-               PDSERVE_HEARTBEAT_SECONDS="0.2")  # fmt: skip
+    env.update(
+        UCX_WARN_UNUSED_ENV_VARS="n",
+        TOKENIZERS_PARALLELISM="false",
+        PDSERVE_HEARTBEAT_SECONDS="0.2",
+    )
     env.pop("OMP_NUM_THREADS", None)
-    argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", model, "--port", str(port),
-            "--served-model-name", SERVED, *args]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "up",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--served-model-name",
+        SERVED,
+        *args,
+    ]
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
@@ -88,9 +102,14 @@ def pct(values: list[float], q: float) -> float | None:
 def summary(records: list[RequestRecord]) -> dict[str, Any]:
     ok = [r for r in records if r.success]
     tpot = [float(np.mean(r.itl)) for r in ok if r.itl]
-    return {"requests": len(records), "failed": len(records) - len(ok),
-            "ttft_p50_ms": pct([r.ttft for r in ok], 50), "ttft_p99_ms": pct([r.ttft for r in ok], 99),
-            "tpot_p50_ms": pct(tpot, 50), "tpot_p99_ms": pct(tpot, 99)}  # fmt: skip
+    return {
+        "requests": len(records),
+        "failed": len(records) - len(ok),
+        "ttft_p50_ms": pct([r.ttft for r in ok], 50),
+        "ttft_p99_ms": pct([r.ttft for r in ok], 99),
+        "tpot_p50_ms": pct(tpot, 50),
+        "tpot_p99_ms": pct(tpot, 99),
+    }
 
 
 # ---- rollout under load ---------------------------------------------------------------------
@@ -120,8 +139,18 @@ async def rollout_under_load(args: argparse.Namespace, workdir: Path) -> dict[st
             driver = asyncio.create_task(load(session))
             await asyncio.sleep(args.before)
             began = time.perf_counter()
-            cmd = [sys.executable, "-m", "pdserve.cli", "rollout", "--nats-url", nats,
-                   "--model", args.new_model or args.model, "--model-version", "v2"]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "pdserve.cli",
+                "rollout",
+                "--nats-url",
+                nats,
+                "--model",
+                args.new_model or args.model,
+                "--model-version",
+                "v2",
+            ]
             done = await asyncio.create_subprocess_exec(*cmd, stdout=subprocess.PIPE, cwd=ROOT)
             out, _ = await done.communicate()
             ended = time.perf_counter()
@@ -134,12 +163,18 @@ async def rollout_under_load(args: argparse.Namespace, workdir: Path) -> dict[st
         stop_stack(proc)
     answer = json.loads(out or b"{}")
     t0 = marks["start"]
-    phase = {"before": [r for r in records if t0 + r.start_time < began],
-             "during": [r for r in records if began <= t0 + r.start_time < ended],
-             "after": [r for r in records if t0 + r.start_time >= ended]}  # fmt: skip
-    return {"rollout_rc": done.returncode, "rollout": answer, "versions_after": versions,
-            "rollout_seconds": round(ended - began, 2),
-            **{name: summary(rs) for name, rs in phase.items()}}  # fmt: skip
+    phase = {
+        "before": [r for r in records if t0 + r.start_time < began],
+        "during": [r for r in records if began <= t0 + r.start_time < ended],
+        "after": [r for r in records if t0 + r.start_time >= ended],
+    }
+    return {
+        "rollout_rc": done.returncode,
+        "rollout": answer,
+        "versions_after": versions,
+        "rollout_seconds": round(ended - began, 2),
+        **{name: summary(rs) for name, rs in phase.items()},
+    }
 
 
 # ---- warm pool vs cold start ----------------------------------------------------------------
@@ -147,10 +182,15 @@ async def rollout_under_load(args: argparse.Namespace, workdir: Path) -> dict[st
 
 def profile(path: Path) -> Path:
     """One decode worker 'does' 40 tok/s: three clients at 32 tokens need two (a trigger)."""
-    Profile(prefill_lens=(1, 4096), prefill_tokens_per_s=(1e6, 1e6),
-            decode_batches=(1, 2), decode_contexts=(16, 4096),
-            decode_itl_ms=((25.0, 25.0), (1e5, 1e5)), kv_capacity_tokens=100_000,
-            note="rollout_bench: a scale-up trigger").save(path)  # fmt: skip
+    Profile(
+        prefill_lens=(1, 4096),
+        prefill_tokens_per_s=(1e6, 1e6),
+        decode_batches=(1, 2),
+        decode_contexts=(16, 4096),
+        decode_itl_ms=((25.0, 25.0), (1e5, 1e5)),
+        kv_capacity_tokens=100_000,
+        note="rollout_bench: a scale-up trigger",
+    ).save(path)
     return path
 
 
@@ -171,11 +211,25 @@ def served(worker_metrics: str, gateway: str, worker: str) -> bool:
 
 async def scale_up(args: argparse.Namespace, workdir: Path, warm: bool) -> dict[str, Any]:
     metrics = free_port()
-    flags = ["--autoscale", "--planner-profile", str(profile(workdir / "profile.json")),
-             "--max-prefill-workers", "1", "--max-decode-workers", "2",
-             "--autoscale-max-cpus", "4", "--autoscale-interval", "2",
-             "--planner-warmup-seconds", "0", "--slo-itl-ms", "50",
-             "--metrics-port", str(metrics)]  # fmt: skip
+    flags = [
+        "--autoscale",
+        "--planner-profile",
+        str(profile(workdir / "profile.json")),
+        "--max-prefill-workers",
+        "1",
+        "--max-decode-workers",
+        "2",
+        "--autoscale-max-cpus",
+        "4",
+        "--autoscale-interval",
+        "2",
+        "--planner-warmup-seconds",
+        "0",
+        "--slo-itl-ms",
+        "50",
+        "--metrics-port",
+        str(metrics),
+    ]
     if warm:
         flags += ["--warm-decode-workers", "1"]
     log = workdir / f"up-{'warm' if warm else 'cold'}.log"
@@ -223,14 +277,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--after", type=float, default=20.0)
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
-    result: dict[str, Any] = {"model": args.model, "workload": {
-        "rate_req_s": args.rate, "isl": args.isl, "osl": args.osl, "cpus": os.cpu_count()}}  # fmt: skip
+    result: dict[str, Any] = {
+        "model": args.model,
+        "workload": {
+            "rate_req_s": args.rate,
+            "isl": args.isl,
+            "osl": args.osl,
+            "cpus": os.cpu_count(),
+        },
+    }
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as tmp:
         workdir = Path(tmp)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        parts = {"rollout": lambda: rollout_under_load(args, workdir),
-                 "warm_pool": lambda: scale_up(args, workdir, warm=True),
-                 "cold_start": lambda: scale_up(args, workdir, warm=False)}  # fmt: skip
+        parts = {
+            "rollout": lambda: rollout_under_load(args, workdir),
+            "warm_pool": lambda: scale_up(args, workdir, warm=True),
+            "cold_start": lambda: scale_up(args, workdir, warm=False),
+        }
         for name, part in parts.items():
             if args.part in ("all", "rollout" if name == "rollout" else "warm"):
                 try:

@@ -58,17 +58,40 @@ WARM_PREFILL = 512  # the warm-up's prompt: first-call allocations, kernel choic
 # with these keys over them.
 RANDOM_SHAPES: dict[str, dict] = {
     # Llama-3.2-1B: GQA 32/8 heads of 64, a 128k vocabulary on tied embeddings
-    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                     vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0),
+    "llama-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+    ),
     # Llama-3.2-3B
-    "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
-                     num_attention_heads=24, num_key_value_heads=8, head_dim=128,
-                     vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0),
+    "llama-3b": dict(
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+    ),
     # small enough for a smoke test
-    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1024),
-}  # fmt: skip
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=1024,
+    ),
+}
 
 
 @dataclass
@@ -121,8 +144,9 @@ def run_case(
     """One round of ``case``: its measured passes' sums."""
     vocab = eng.model_config.vocab_size
     if case.phase == "decode":
-        sp = SamplingParams(temperature=0.0, max_tokens=args.warm_steps + args.steps + 1,
-                            ignore_eos=True)  # fmt: skip
+        sp = SamplingParams(
+            temperature=0.0, max_tokens=args.warm_steps + args.steps + 1, ignore_eos=True
+        )
         batch = prompts(rng, vocab, case.batch, args.prompt_len)
     else:
         sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -157,42 +181,63 @@ def summarise(case: Case, roof: Peaks) -> dict:
     r0 = ok[0]  # every round computes and moves the same (its contexts are the same lengths)
     rl = roofline(Cost(r0["flops"], r0["bytes"]), r0["flops"] / flops_s, roof)
     return {
-        "intensity": rl.intensity, "flops_per_s": flops_s, "bytes_per_s": bytes_s,
+        "intensity": rl.intensity,
+        "flops_per_s": flops_s,
+        "bytes_per_s": bytes_s,
         "compute_fraction": flops_s / roof.flops_per_s,
-        "bandwidth_fraction": bytes_s / roof.bytes_per_s, "bound": rl.bound,
-        "ms_per_pass": 1e3 * step_s, "tokens_per_s": case.tokens / step_s,
-        "passes_per_round": r0["steps"], "advice": advice(case.phase, rl),
-    }  # fmt: skip
+        "bandwidth_fraction": bytes_s / roof.bytes_per_s,
+        "bound": rl.bound,
+        "ms_per_pass": 1e3 * step_s,
+        "tokens_per_s": case.tokens / step_s,
+        "passes_per_round": r0["steps"],
+        "advice": advice(case.phase, rl),
+    }
 
 
 def measure_peaks(device: str, dtype: str, threads: int, quick: bool) -> dict:
     plan = peaks_mod.plan_for(device, quick)
     found, detail = peaks_mod.measure_with(device, dtype, threads, plan)
-    return {**asdict(found), **detail, "ridge": found.ridge, "quick": quick,
-            "loadavg": os.getloadavg()[0]}  # fmt: skip
+    return {
+        **asdict(found),
+        **detail,
+        "ridge": found.ridge,
+        "quick": quick,
+        "loadavg": os.getloadavg()[0],
+    }
 
 
 def the_roof(before: dict, after: dict) -> Peaks:
     """Each roof the higher of its two measurements."""
-    return Peaks(max(before["flops_per_s"], after["flops_per_s"]),
-                 max(before["bytes_per_s"], after["bytes_per_s"]), before["device"],
-                 before["dtype"], before["threads"], after["measured_at"])  # fmt: skip
+    return Peaks(
+        max(before["flops_per_s"], after["flops_per_s"]),
+        max(before["bytes_per_s"], after["bytes_per_s"]),
+        before["device"],
+        before["dtype"],
+        before["threads"],
+        after["measured_at"],
+    )
 
 
 def print_table(cases: list[Case], roof: Peaks) -> None:
-    print(f"\nroof: {roof.flops_per_s / 1e9:,.1f} GFLOP/s ({roof.dtype}), "
-          f"{roof.bytes_per_s / 1e9:,.1f} GB/s read, ridge {roof.ridge:.1f} FLOP/B")  # fmt: skip
-    print(f"{'case':18s} {'FLOP/B':>8s} {'GFLOP/s':>9s} {'of peak':>8s} {'GB/s':>7s} "
-          f"{'of peak':>8s} {'bound':>7s} {'ms/pass':>8s} {'tok/s':>8s}")  # fmt: skip
+    print(
+        f"\nroof: {roof.flops_per_s / 1e9:,.1f} GFLOP/s ({roof.dtype}), "
+        f"{roof.bytes_per_s / 1e9:,.1f} GB/s read, ridge {roof.ridge:.1f} FLOP/B"
+    )
+    print(
+        f"{'case':18s} {'FLOP/B':>8s} {'GFLOP/s':>9s} {'of peak':>8s} {'GB/s':>7s} "
+        f"{'of peak':>8s} {'bound':>7s} {'ms/pass':>8s} {'tok/s':>8s}"
+    )
     for c in cases:
         r = c.result
         if "intensity" not in r:
             print(f"{c.name:18s} {r.get('error', '(no measured pass)')}")
             continue
-        print(f"{c.name:18s} {r['intensity']:8.1f} {r['flops_per_s'] / 1e9:9.1f} "
-              f"{r['compute_fraction']:8.1%} {r['bytes_per_s'] / 1e9:7.2f} "
-              f"{r['bandwidth_fraction']:8.1%} {r['bound']:>7s} {r['ms_per_pass']:8.2f} "
-              f"{r['tokens_per_s']:8.1f}")  # fmt: skip
+        print(
+            f"{c.name:18s} {r['intensity']:8.1f} {r['flops_per_s'] / 1e9:9.1f} "
+            f"{r['compute_fraction']:8.1%} {r['bytes_per_s'] / 1e9:7.2f} "
+            f"{r['bandwidth_fraction']:8.1%} {r['bound']:>7s} {r['ms_per_pass']:8.2f} "
+            f"{r['tokens_per_s']:8.1f}"
+        )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -200,8 +245,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--random-shape", choices=sorted(RANDOM_SHAPES), default=None,
-                    help="a random-weight Llama of this shape instead of --model")  # fmt: skip
+    ap.add_argument(
+        "--random-shape",
+        choices=sorted(RANDOM_SHAPES),
+        default=None,
+        help="a random-weight Llama of this shape instead of --model",
+    )
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's own)")
     ap.add_argument("--batches", nargs="*", type=int, default=[1, 4, 16, 64])
@@ -239,18 +288,30 @@ def main(argv: list[str] | None = None) -> dict:
         from pdserve.shared.models.resolve import resolve
 
         model, name = resolve(args.model).path, args.model
-    print(f"{name} on {args.device}" + (f", {threads} threads" if threads else "") +
-          f"; measuring the peaks ({'quick' if args.quick_peaks else 'full'})...", flush=True)  # fmt: skip
+    print(
+        f"{name} on {args.device}"
+        + (f", {threads} threads" if threads else "")
+        + f"; measuring the peaks ({'quick' if args.quick_peaks else 'full'})...",
+        flush=True,
+    )
     report: dict = {
         "model": name,
-        "machine": {"threads": threads, "torch": torch.__version__,
-                    "python": platform.python_version(), "cpus": os.cpu_count()},
+        "machine": {
+            "threads": threads,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+        },
         "workload": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
-    }  # fmt: skip
+    }
     before = measure_peaks(args.device, dtype, threads, args.quick_peaks)
     report["machine"]["device"] = before["device"]
-    report["peaks"] = {"before": before, "after": None, "roof": None,
-                       "rule": "each roof is the higher of its measurements before and after"}  # fmt: skip
+    report["peaks"] = {
+        "before": before,
+        "after": None,
+        "roof": None,
+        "rule": "each roof is the higher of its measurements before and after",
+    }
     cases = [Case(f"decode b{b}", "decode", "none", b, b) for b in args.batches]
     cases += [Case(f"decode b{b} int8", "decode", "int8", b, b) for b in args.int8_batches]
     cases += [Case(f"prefill {n}", "prefill", "none", 1, n) for n in args.prefill_lens]
@@ -277,8 +338,14 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-def run_all(model: Path, args: argparse.Namespace, dtype: str, cases: list[Case], report: dict,
-            started: float) -> list[str]:  # fmt: skip
+def run_all(
+    model: Path,
+    args: argparse.Namespace,
+    dtype: str,
+    cases: list[Case],
+    report: dict,
+    started: float,
+) -> list[str]:
     """Every case, ``--reps`` rounds; the JSON rewritten after each case (a run cut short by a
     timeout, as on a lent GPU, keeps its rounds' raw sums). The names of the cases that failed."""
     weights = list(dict.fromkeys(c.weights for c in cases))

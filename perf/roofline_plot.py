@@ -34,21 +34,39 @@ def plot(report: dict, path: Path) -> None:
     hi = max([*xs, roof["ridge"]]) * 4
     grid = np.logspace(np.log10(lo), np.log10(hi), 400)
     fig, ax = plt.subplots(figsize=(9, 6))
-    ax.plot(grid, np.minimum(peak_b * grid, peak_f), color="black", lw=1.8,
-            label=f"roof: {peak_b / 1e9:,.1f} GB/s x intensity, {peak_f / 1e9:,.0f} GFLOP/s")  # fmt: skip
+    ax.plot(
+        grid,
+        np.minimum(peak_b * grid, peak_f),
+        color="black",
+        lw=1.8,
+        label=f"roof: {peak_b / 1e9:,.1f} GB/s x intensity, {peak_f / 1e9:,.0f} GFLOP/s",
+    )
     for when, ls in (("before", ":"), ("after", "--")):
         p = report["peaks"][when]
-        ax.plot(grid, np.minimum(p["bytes_per_s"] * grid, p["flops_per_s"]), color="grey",
-                lw=0.9, ls=ls, label=f"peaks measured {when} the workload")  # fmt: skip
+        ax.plot(
+            grid,
+            np.minimum(p["bytes_per_s"] * grid, p["flops_per_s"]),
+            color="grey",
+            lw=0.9,
+            ls=ls,
+            label=f"peaks measured {when} the workload",
+        )
     ax.axvline(roof["ridge"], color="grey", lw=0.6)
     ax.text(roof["ridge"], peak_f * 1.15, f"ridge {roof['ridge']:.1f}", ha="center", fontsize=8)
     seen: set[tuple[str, str]] = set()
     # labels: float weights' to the right of their points, INT8's to the left (the two series
     # share intensities); prefill points, close together, alternately above and below
     dy = (3, -19)
-    order = {id(c): i for key in STYLE for i, c in enumerate(
-        sorted((c for c in cases if (c["phase"], c["weights"]) == key),
-               key=lambda c: c["result"]["intensity"]))}  # fmt: skip
+    order = {
+        id(c): i
+        for key in STYLE
+        for i, c in enumerate(
+            sorted(
+                (c for c in cases if (c["phase"], c["weights"]) == key),
+                key=lambda c: c["result"]["intensity"],
+            )
+        )
+    }
     for c in cases:
         r, key = c["result"], (c["phase"], c["weights"])
         marker, colour = STYLE.get(key, ("x", "tab:purple"))
@@ -56,15 +74,27 @@ def plot(report: dict, path: Path) -> None:
         if key not in seen:
             seen.add(key)
             label = f"{c['phase']}, {'INT8' if c['weights'] == 'int8' else 'float'} weights"
-        ax.scatter(r["intensity"], r["flops_per_s"], marker=marker, color=colour, s=45,
-                   zorder=3, label=label)  # fmt: skip
+        ax.scatter(
+            r["intensity"],
+            r["flops_per_s"],
+            marker=marker,
+            color=colour,
+            s=45,
+            zorder=3,
+            label=label,
+        )
         pct = r["bandwidth_fraction"] if r["bound"] == "memory" else r["compute_fraction"]
         left = c["weights"] == "int8"
         crowded = c["phase"] == "prefill"  # on a near-flat line: alternate above and below
-        ax.annotate(f"{c['name']}\n{pct:.0%} of {'BW' if r['bound'] == 'memory' else 'peak'}",
-                    (r["intensity"], r["flops_per_s"]), textcoords="offset points",
-                    xytext=(-6 if left else 6, dy[order.get(id(c), 0) % 2] if crowded else -8),
-                    ha="right" if left else "left", fontsize=7, color=colour)  # fmt: skip
+        ax.annotate(
+            f"{c['name']}\n{pct:.0%} of {'BW' if r['bound'] == 'memory' else 'peak'}",
+            (r["intensity"], r["flops_per_s"]),
+            textcoords="offset points",
+            xytext=(-6 if left else 6, dy[order.get(id(c), 0) % 2] if crowded else -8),
+            ha="right" if left else "left",
+            fontsize=7,
+            color=colour,
+        )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)

@@ -61,8 +61,20 @@ def start_stack(policy: str, port: int, log: Path) -> subprocess.Popen:
         "MKL_NUM_THREADS": "1",
         "PDSERVE_PREFILL_ROUTING": policy,
     }
-    argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", "demo",
-            "--prefill-workers", "2", "--decode-workers", "1", "--port", str(port)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "up",
+        "--model",
+        "demo",
+        "--prefill-workers",
+        "2",
+        "--decode-workers",
+        "1",
+        "--port",
+        str(port),
+    ]
     return subprocess.Popen(
         argv, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
     )
@@ -193,8 +205,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"sides": [asdict(kv) | kv.summary(), asdict(rr) | rr.summary()],
-                                         "throughput_ratio": round(ratio, 3)}, indent=2))  # fmt: skip
+        args.json.write_text(
+            json.dumps(
+                {
+                    "sides": [asdict(kv) | kv.summary(), asdict(rr) | rr.summary()],
+                    "throughput_ratio": round(ratio, 3),
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

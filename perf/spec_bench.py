@@ -186,10 +186,12 @@ def print_draft_cache(mode: str, engine: LLMEngine, off: LLMEngine, prompt: list
     prefill_ms = 1000 * (time.perf_counter() - start) / len(prompt)
     draft_bytes = proposer.bytes_per_block // proposer.block_size
     target_bytes = engine.bytes_per_block // engine.block_size
-    print(f"{mode}: prompts computed into the draft's cache here at {fill_ms:.3f} ms per token "
-          f"({proposer.fill_tokens} tokens); the target's prefill takes {prefill_ms:.3f} ms per "
-          f"token ({len(prompt)}-token prompt); pulling the draft's KV instead would add "
-          f"{draft_bytes} bytes per token to the target's {target_bytes}")  # fmt: skip
+    print(
+        f"{mode}: prompts computed into the draft's cache here at {fill_ms:.3f} ms per token "
+        f"({proposer.fill_tokens} tokens); the target's prefill takes {prefill_ms:.3f} ms per "
+        f"token ({len(prompt)}-token prompt); pulling the draft's KV instead would add "
+        f"{draft_bytes} bytes per token to the target's {target_bytes}"
+    )
 
 
 def main(argv: list[str] | None = None) -> list[CaseResult]:
@@ -234,7 +236,7 @@ def main(argv: list[str] | None = None) -> list[CaseResult]:
                 **MODES[m],
                 **(draft if m.startswith("draft") else {}),
             )
-        )  # fmt: skip
+        )
         for m in modes
     }
     all_cases = [
@@ -244,8 +246,10 @@ def main(argv: list[str] | None = None) -> list[CaseResult]:
     ]
     for engine in engines.values():  # warm-up: first-call allocations
         engine.generate(all_cases[0].prompts[:1], SamplingParams(temperature=0.0, max_tokens=8))
-    print(f"{args.model}, {torch.get_num_threads()} torch threads, {args.reps} reps, "
-          f"K = {args.num_speculative_tokens}, up to {args.max_tokens} tokens per answer")  # fmt: skip
+    print(
+        f"{args.model}, {torch.get_num_threads()} torch threads, {args.reps} reps, "
+        f"K = {args.num_speculative_tokens}, up to {args.max_tokens} tokens per answer"
+    )
     print("workload          batch  mode           tok/s   speed-up (median) accept  len   same")
     results = []
     for case in all_cases:

@@ -150,9 +150,13 @@ def main(argv: list[str] | None = None) -> Result:
         for (name, p), s in zip(sides, seconds.values(), strict=True)
     ]
     res = Result(
-        args.requests, tokens, round(hf_s, 2), round(tokens / hf_s, 1), stacks,
+        args.requests,
+        tokens,
+        round(hf_s, 2),
+        round(tokens / hf_s, 1),
+        stacks,
         len(os.sched_getaffinity(0)),
-    )  # fmt: skip
+    )
     print(
         f"HF generate (static batches of 8): {res.hf_tokens_per_s:8.1f} output tok/s ({hf_s:.1f} s)"
     )

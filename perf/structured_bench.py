@@ -82,16 +82,28 @@ CHOICES = ["positive", "negative", "neutral"]
 
 # (name, kind, spec, a valid document whose tokens each sequence replays)
 WORKLOADS: list[tuple[str, str, str, str]] = [
-    ("schema:person", "json_schema", json.dumps(PERSON_SCHEMA),
-     '{"name":"Ada Lovelace","age":36,"role":"admin","tags":["a","c"]}'),
-    ("schema:order", "json_schema", json.dumps(ORDER_SCHEMA),
-     '{"id":4711,"items":[{"sku":"ABC-123","qty":2},{"sku":"XYZ-999","qty":1,"gift":true}],'
-     '"note":"leave at door"}'),
-    ("json_object", "json_object", "",
-     '{"a":[1,2.5,{"b":null,"c":[true,false]}],"d":"some text","e":{"f":{"g":-3e2}}}'),
+    (
+        "schema:person",
+        "json_schema",
+        json.dumps(PERSON_SCHEMA),
+        '{"name":"Ada Lovelace","age":36,"role":"admin","tags":["a","c"]}',
+    ),
+    (
+        "schema:order",
+        "json_schema",
+        json.dumps(ORDER_SCHEMA),
+        '{"id":4711,"items":[{"sku":"ABC-123","qty":2},{"sku":"XYZ-999","qty":1,"gift":true}],'
+        '"note":"leave at door"}',
+    ),
+    (
+        "json_object",
+        "json_object",
+        "",
+        '{"a":[1,2.5,{"b":null,"c":[true,false]}],"d":"some text","e":{"f":{"g":-3e2}}}',
+    ),
     ("regex:email", "regex", EMAIL_REGEX, "ada@lovelace.org"),
     ("choice", "choice", json.dumps(CHOICES), "neutral"),
-]  # fmt: skip
+]
 BATCH_SIZES = (1, 16)
 # (batch, through the library's batched call): B=16 both ways, since a thread pool's hand-off can
 # cost more than it saves on a small, shared machine
@@ -173,8 +185,9 @@ def measure(backend: Backend, tok: TokenizerCase, repeat: int) -> LibraryResult:
             w = WorkloadResult(name, compile_ms, first_ms, len(tokens))
             for b, batched in STEP_CASES:
                 _replay(backend, grammar, tokens, b, bitmask)  # warm-up: lazily built caches
-                runs = [_replay(backend, grammar, tokens, b, bitmask, batched)
-                        for _ in range(repeat)]  # fmt: skip
+                runs = [
+                    _replay(backend, grammar, tokens, b, bitmask, batched) for _ in range(repeat)
+                ]
                 label = f"B={b}" + ("" if batched or b == 1 else " loop")
                 w.step_us[f"fill/{label}"] = min(f for f, _ in runs)
                 if batched:
@@ -230,15 +243,19 @@ def coverage(backend: Backend, tok: TokenizerCase) -> dict[str, str]:
 def _print(results: list[LibraryResult]) -> None:
     for r in results:
         print(f"\n== {r.library} on {r.tokenizer}: setup {r.setup_ms:.0f} ms")
-        print(f"{'workload':16s} {'compile ms':>10s} {'1st mask ms':>11s} {'tok':>4s} "
-              + " ".join(f"{k:>14s}" for k in r.workloads[0].step_us))  # fmt: skip
+        print(
+            f"{'workload':16s} {'compile ms':>10s} {'1st mask ms':>11s} {'tok':>4s} "
+            + " ".join(f"{k:>14s}" for k in r.workloads[0].step_us)
+        )
         for w in r.workloads:
             if w.error:
                 print(f"{w.workload:16s} ERROR {w.error}")
                 continue
             steps = " ".join(f"{v:14.1f}" for v in w.step_us.values())
-            print(f"{w.workload:16s} {w.compile_ms:10.2f} {w.first_mask_ms:11.2f} "
-                  f"{w.doc_tokens:4d} {steps}")  # fmt: skip
+            print(
+                f"{w.workload:16s} {w.compile_ms:10.2f} {w.first_mask_ms:11.2f} "
+                f"{w.doc_tokens:4d} {steps}"
+            )
         print("coverage:", ", ".join(f"{k}: {v}" for k, v in r.coverage.items()))
 
 
@@ -275,8 +292,12 @@ def engine_overhead(model: str, batch: int = 16, max_tokens: int = 24) -> Engine
     engine.guided.bitmask = timed_fill  # type: ignore[method-assign]
     step_ms = {}
     for guided in (None, guide):
-        params = [SamplingParams(temperature=0.8, seed=i, max_tokens=max_tokens, ignore_eos=True,
-                                 guided=guided) for i in range(batch)]  # fmt: skip
+        params = [
+            SamplingParams(
+                temperature=0.8, seed=i, max_tokens=max_tokens, ignore_eos=True, guided=guided
+            )
+            for i in range(batch)
+        ]
         for i, sp in enumerate(params):
             engine.add_request(f"{guided is not None}-{i}", prompt, sp)
         decode_s, mask_s[:] = [], []
@@ -285,8 +306,9 @@ def engine_overhead(model: str, batch: int = 16, max_tokens: int = 24) -> Engine
             if result and result.stats.num_decodes == batch:
                 decode_s.append(result.stats.seconds)
         step_ms[guided is not None] = statistics.mean(decode_s) * 1e3
-    return EngineOverhead(model, batch, len(decode_s), step_ms[False], step_ms[True],
-                          statistics.mean(mask_s) * 1e3)  # fmt: skip
+    return EngineOverhead(
+        model, batch, len(decode_s), step_ms[False], step_ms[True], statistics.mean(mask_s) * 1e3
+    )
 
 
 def _installed(cls: type[Backend]) -> bool:
@@ -304,8 +326,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--repeat", type=int, default=5, help="timings: best of N")
     parser.add_argument("--libraries", nargs="*", default=[b.name for b in BACKENDS])
-    parser.add_argument("--engine", metavar="MODEL", help="also time guided decode steps of "
-                        "MODEL (e.g. smollm2-135m-instruct) against unguided ones")  # fmt: skip
+    parser.add_argument(
+        "--engine",
+        metavar="MODEL",
+        help="also time guided decode steps of "
+        "MODEL (e.g. smollm2-135m-instruct) against unguided ones",
+    )
     args = parser.parse_args(argv)
     overhead = engine_overhead(args.engine) if args.engine else None  # (all threads for it)
     torch.set_num_threads(1)

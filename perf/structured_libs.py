@@ -37,9 +37,13 @@ def load_tokenizer(name: str, tokenizer, eos: int) -> TokenizerCase:
         if token not in specials:
             byte_vocab.setdefault(bytes(decoder[c] for c in token), []).append(token_id)
     return TokenizerCase(
-        name, tokenizer.to_str(), tokenizer.get_vocab_size(), eos,
-        lambda text: tokenizer.encode(text, add_special_tokens=False).ids, byte_vocab,
-    )  # fmt: skip
+        name,
+        tokenizer.to_str(),
+        tokenizer.get_vocab_size(),
+        eos,
+        lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
+        byte_vocab,
+    )
 
 
 def tokenizer_cases() -> list[TokenizerCase]:
@@ -73,8 +77,13 @@ class Backend:
 
 def _choice_regex(choices: list[str]) -> str:
     """Alternation of literals, escaping every character a regex engine could read as syntax."""
-    return "(" + "|".join("".join("\\" + c if c in r"\.+*?()|[]{}^$-&~#" else c for c in ch)
-                          for ch in choices) + ")"  # fmt: skip
+    return (
+        "("
+        + "|".join(
+            "".join("\\" + c if c in r"\.+*?()|[]{}^$-&~#" else c for c in ch) for ch in choices
+        )
+        + ")"
+    )
 
 
 class LLGuidance(Backend):
@@ -141,9 +150,12 @@ class XGrammar(Backend):
         for added in json.loads(tok.tokenizer_json)["added_tokens"]:
             vocab[added["id"]] = added["content"]
         info = xgrammar.TokenizerInfo(
-            vocab, meta["vocab_type"], vocab_size=tok.vocab_size, stop_token_ids=[tok.eos],
+            vocab,
+            meta["vocab_type"],
+            vocab_size=tok.vocab_size,
+            stop_token_ids=[tok.eos],
             add_prefix_space=meta["add_prefix_space"],
-        )  # fmt: skip
+        )
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=False)
         self.batch = xgrammar.BatchGrammarMatcher(max_threads=2)
 

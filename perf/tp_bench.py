@@ -84,9 +84,11 @@ def reheaded(model_dir: Path, tp: int, out: Path) -> tuple[Path, str | None]:
     raw = json.loads((model_dir / "config.json").read_text())
     raw.update(num_attention_heads=q // dim, num_key_value_heads=kv // dim, head_dim=dim)
     (out / "config.json").write_text(json.dumps(raw, indent=2))
-    note = (f"re-headed for TP {tp}: {cfg.num_heads} query / {cfg.num_kv_heads} KV heads of "
-            f"{cfg.head_dim} cut into {q // dim} / {kv // dim} heads of {dim} (same weights, "
-            "GEMMs and KV bytes; noise text)")  # fmt: skip
+    note = (
+        f"re-headed for TP {tp}: {cfg.num_heads} query / {cfg.num_kv_heads} KV heads of "
+        f"{cfg.head_dim} cut into {q // dim} / {kv // dim} heads of {dim} (same weights, "
+        "GEMMs and KV bytes; noise text)"
+    )
     return out, note
 
 
@@ -156,8 +158,13 @@ class CaseResult:
     replicated_over_vocab: float = 0.0  # TP 2 tok/s, whole head on rank 0 / vocab-parallel
 
 
-def measure(engines: dict[str, LLMEngine], prompts: list[list[int]], batch: int,
-            sp: SamplingParams, reps: int) -> CaseResult:  # fmt: skip
+def measure(
+    engines: dict[str, LLMEngine],
+    prompts: list[list[int]],
+    batch: int,
+    sp: SamplingParams,
+    reps: int,
+) -> CaseResult:
     runs: dict[str, list[Run]] = {m: [] for m in engines}
     names = list(engines)
     for rep in range(reps):
@@ -171,8 +178,13 @@ def measure(engines: dict[str, LLMEngine], prompts: list[list[int]], batch: int,
     for mode, rs in runs.items():
         rate = [r.tokens / r.seconds for r in rs]
         med = rs[_median_index(rate)]  # the repetition the breakdown is taken from
-        res = ModeResult(round(statistics.median(rate), 2), [round(x, 2) for x in rate],
-                         med.tokens, med.steps, round(1000 * med.seconds / med.steps, 3))  # fmt: skip
+        res = ModeResult(
+            round(statistics.median(rate), 2),
+            [round(x, 2) for x in rate],
+            med.tokens,
+            med.steps,
+            round(1000 * med.seconds / med.steps, 3),
+        )
         if med.reduce_calls:
             res.reduce_ms_per_step = round(1000 * med.reduce_seconds / med.steps, 3)
             res.reduce_us_per_call = round(1e6 * med.reduce_seconds / med.reduce_calls, 1)
@@ -207,8 +219,9 @@ class KVCase:
 
 
 def computed(cfg: ModelConfig, block_size: int, tokens: int, ptp: int, dtp: int) -> KVCase:
-    per_head = kv_cache_spec("auto", torch.float32, cfg.num_layers, block_size, 1,
-                             cfg.head_dim).bytes_per_block  # fmt: skip
+    per_head = kv_cache_spec(
+        "auto", torch.float32, cfg.num_layers, block_size, 1, cfg.head_dim
+    ).bytes_per_block
     blocks = -(-tokens // block_size)
     plans = [pull_plan(cfg.num_kv_heads, ptp, dtp, r) for r in range(dtp)]
     moved = [blocks * per_head * sum(p.hi - p.lo for p in plan) for plan in plans]
@@ -223,9 +236,16 @@ async def pull_between(cfg: ModelConfig, block_size: int, case: KVCase, reps: in
         return kv_cache_spec("auto", torch.float32, cfg.num_layers, block_size, h, cfg.head_dim)
 
     def fp(tp: int) -> dict:
-        return {"model": "tp_bench", "dtype": "float32", "block_size": block_size,
-                "num_layers": cfg.num_layers, "num_kv_heads": heads, "head_dim": cfg.head_dim,
-                TP_KEY: tp, **spec(heads).fingerprint()}  # fmt: skip
+        return {
+            "model": "tp_bench",
+            "dtype": "float32",
+            "block_size": block_size,
+            "num_layers": cfg.num_layers,
+            "num_kv_heads": heads,
+            "head_dim": cfg.head_dim,
+            TP_KEY: tp,
+            **spec(heads).fingerprint(),
+        }
 
     full = torch.randn(spec(heads).allocate(n, torch.device("cpu")).shape)
     servers, tables = [], []
@@ -233,15 +253,21 @@ async def pull_between(cfg: ModelConfig, block_size: int, case: KVCase, reps: in
         lo, hi = kv_head_range(heads, case.prefill_tp, r)
         table = LeaseTable(lambda _rid: None)
         cache = full[:, :, :, :, lo:hi].contiguous()
-        servers.append(KVServer(cache, fp(case.prefill_tp), table, heads=(lo, hi),
-                                split=kv_parts(spec(hi - lo))))  # fmt: skip
+        servers.append(
+            KVServer(
+                cache, fp(case.prefill_tp), table, heads=(lo, hi), split=kv_parts(spec(hi - lo))
+            )
+        )
         tables.append(table)
     clients = []
     for r in range(case.decode_tp):
         lo, hi = kv_head_range(heads, case.decode_tp, r)
         cache = spec(hi - lo).allocate(n, torch.device("cpu"))
-        clients.append(KVClient(cache, fp(case.decode_tp), block_size, heads=(lo, hi),
-                                split=kv_parts(spec(hi - lo))))  # fmt: skip
+        clients.append(
+            KVClient(
+                cache, fp(case.decode_tp), block_size, heads=(lo, hi), split=kv_parts(spec(hi - lo))
+            )
+        )
     for server in servers:
         await server.start()
     try:
@@ -249,16 +275,30 @@ async def pull_between(cfg: ModelConfig, block_size: int, case: KVCase, reps: in
         first = tables[0].add("r1", blocks, case.tokens, 600.0)
         for table in tables[1:]:
             table.add("r1", blocks, case.tokens, 600.0).token = first.token
-        handle = KVHandle("prefill-0", servers[0].address, blocks, case.tokens,
-                          fp(case.prefill_tp), first.expires, first.token)  # fmt: skip
+        handle = KVHandle(
+            "prefill-0",
+            servers[0].address,
+            blocks,
+            case.tokens,
+            fp(case.prefill_tp),
+            first.expires,
+            first.token,
+        )
 
         async def rank_pull(r: int) -> tuple[int, float]:
             t0 = time.perf_counter()
-            stats = await asyncio.gather(*(
-                clients[r].pull("r1", handle, blocks, address=servers[p.prefill_rank].address,
-                                heads=(p.lo, p.hi))
-                for p in pull_plan(heads, case.prefill_tp, case.decode_tp, r)
-            ))  # fmt: skip
+            stats = await asyncio.gather(
+                *(
+                    clients[r].pull(
+                        "r1",
+                        handle,
+                        blocks,
+                        address=servers[p.prefill_rank].address,
+                        heads=(p.lo, p.hi),
+                    )
+                    for p in pull_plan(heads, case.prefill_tp, case.decode_tp, r)
+                )
+            )
             return sum(s.num_bytes for s in stats), time.perf_counter() - t0
 
         rank_s: list[list[float]] = [[] for _ in clients]
@@ -293,29 +333,37 @@ async def pull_all(cfg: ModelConfig, cases: list[KVCase], reps: int) -> None:
 
 def print_decode(results: list[CaseResult]) -> None:
     one, two, whole = MODES
-    print(f"\n| batch | {one} tok/s | {two} tok/s | TP2/TP1 | {whole} tok/s | head on rank 0 / "
-          "vocab-parallel | step ms (TP1 / TP2) | all-reduce per step | per call | calls/step "
-          "| share of step |")  # fmt: skip
+    print(
+        f"\n| batch | {one} tok/s | {two} tok/s | TP2/TP1 | {whole} tok/s | head on rank 0 / "
+        "vocab-parallel | step ms (TP1 / TP2) | all-reduce per step | per call | calls/step "
+        "| share of step |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for c in results:
         a, b, w = c.modes[one], c.modes[two], c.modes[whole]
-        print(f"| {c.batch} | {a.median_tok_s:.1f} | {b.median_tok_s:.1f} | "
-              f"**{c.tp2_over_tp1:.2f}x** | {w.median_tok_s:.1f} | {c.replicated_over_vocab:.2f}x "
-              f"| {a.step_ms:.2f} / {b.step_ms:.2f} | "
-              f"{b.reduce_ms_per_step:.2f} ms | {b.reduce_us_per_call:.0f} us | "
-              f"{b.reduce_calls_per_step:.0f} | {100 * b.reduce_share:.0f}% |")  # fmt: skip
+        print(
+            f"| {c.batch} | {a.median_tok_s:.1f} | {b.median_tok_s:.1f} | "
+            f"**{c.tp2_over_tp1:.2f}x** | {w.median_tok_s:.1f} | {c.replicated_over_vocab:.2f}x "
+            f"| {a.step_ms:.2f} / {b.step_ms:.2f} | "
+            f"{b.reduce_ms_per_step:.2f} ms | {b.reduce_us_per_call:.0f} us | "
+            f"{b.reduce_calls_per_step:.0f} | {100 * b.reduce_share:.0f}% |"
+        )
 
 
 def print_kv(cases: list[KVCase]) -> None:
-    print("\n| prompt tokens | prefill TP -> decode TP | blocks | bytes per decode rank, computed "
-          "| measured | pieces per rank | pull wall per rank | whole pull |")  # fmt: skip
+    print(
+        "\n| prompt tokens | prefill TP -> decode TP | blocks | bytes per decode rank, computed "
+        "| measured | pieces per rank | pull wall per rank | whole pull |"
+    )
     print("|---:|---|---:|---|---|---|---|---:|")
     for c in cases:
         kib = " / ".join(f"{b / 1024:.0f} KiB" for b in c.computed_bytes)
         got = " / ".join(f"{b / 1024:.0f} KiB" for b in c.measured_bytes) or "-"
         ms = " / ".join(f"{x:.2f} ms" for x in c.rank_ms) or "-"
-        print(f"| {c.tokens} | {c.prefill_tp} -> {c.decode_tp} | {c.blocks} | {kib} | {got} | "
-              f"{' / '.join(map(str, c.pieces))} | {ms} | {c.pull_ms:.2f} ms |")  # fmt: skip
+        print(
+            f"| {c.tokens} | {c.prefill_tp} -> {c.decode_tp} | {c.blocks} | {kib} | {got} | "
+            f"{' / '.join(map(str, c.pieces))} | {ms} | {c.pull_ms:.2f} ms |"
+        )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -355,7 +403,7 @@ def main(argv: list[str] | None = None) -> dict:
                 max_num_seqs=max(args.batches),
                 prefix_cache=False,
             )
-        )  # fmt: skip
+        )
         for mode, (tp, threads, head) in MODES.items()
     }
     report: dict = {"model": args.model, "note": note, "model_config": asdict(cfg)}
@@ -363,15 +411,23 @@ def main(argv: list[str] | None = None) -> dict:
         for mode, engine in engines.items():  # warm-up: first-call allocations
             torch.set_num_threads(MODES[mode][1])
             serve(engine, prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), Run())
-        print(f"{args.model}{' (' + note + ')' if note else ''}; {args.reps} reps; prompts of "
-              f"{args.prompt_tokens} tokens, {args.max_tokens} output tokens (greedy, "
-              "ignore_eos); decode steps only", flush=True)  # fmt: skip
+        print(
+            f"{args.model}{' (' + note + ')' if note else ''}; {args.reps} reps; prompts of "
+            f"{args.prompt_tokens} tokens, {args.max_tokens} output tokens (greedy, "
+            "ignore_eos); decode steps only",
+            flush=True,
+        )
         results = []
         for batch in args.batches:
             chosen = prompts[: args.batch1_prompts] if batch == 1 else prompts[:batch]
             results.append(measure(engines, chosen, batch, sp, args.reps))
-            print(f"batch {batch}: " + ", ".join(f"{m} {r.median_tok_s:.1f} tok/s"
-                  for m, r in results[-1].modes.items()), flush=True)  # fmt: skip
+            print(
+                f"batch {batch}: "
+                + ", ".join(
+                    f"{m} {r.median_tok_s:.1f} tok/s" for m, r in results[-1].modes.items()
+                ),
+                flush=True,
+            )
     finally:
         for engine in engines.values():
             engine.close()
@@ -385,7 +441,7 @@ def main(argv: list[str] | None = None) -> dict:
         modes={
             m: {"tensor_parallel_size": tp, "torch_threads": t, "tp_lm_head": h}
             for m, (tp, t, h) in MODES.items()
-        },  # fmt: skip
+        },
         decode=[asdict(r) for r in results],
         kv=[asdict(c) for c in kv],
     )

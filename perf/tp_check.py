@@ -38,8 +38,13 @@ def prompts(count: int, length: int, vocab: int, seed: int = 28) -> list[list[in
 
 
 def engine(args: argparse.Namespace, tp: int) -> LLMEngine:
-    cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                       tensor_parallel_size=tp, num_kv_blocks=args.num_kv_blocks)  # fmt: skip
+    cfg = EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        tensor_parallel_size=tp,
+        num_kv_blocks=args.num_kv_blocks,
+    )
     return LLMEngine(cfg)
 
 
@@ -88,8 +93,11 @@ def run(args: argparse.Namespace) -> dict:
             want = ref.generate(batch, greedy)
         finally:
             ref.close()
-        same = sum(a == b for got, exp in zip(first, want, strict=True)
-                   for a, b in zip(got, exp, strict=True))  # fmt: skip
+        same = sum(
+            a == b
+            for got, exp in zip(first, want, strict=True)
+            for a, b in zip(got, exp, strict=True)
+        )
         out["agreement_with_tp1"] = f"{same}/{len(batch) * args.max_tokens}"
     out["problems"] = problems
     return out

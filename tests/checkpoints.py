@@ -23,22 +23,47 @@ CHAT_TEMPLATE = (
 VARIANTS: dict[str, tuple[str, dict]] = {
     "llama-gqa": (
         "LlamaConfig",
-        dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, max_position_embeddings=512),
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=512,
+        ),
     ),
     "llama-mha-tied": (
         "LlamaConfig",
-        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=4, tie_word_embeddings=True, max_position_embeddings=512,
-             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            tie_word_embeddings=True,
+            max_position_embeddings=512,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
     ),
     "qwen2-bias": (
         "Qwen2Config",
-        dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=1, max_position_embeddings=512),
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            max_position_embeddings=512,
+        ),
     ),
-}  # fmt: skip
+}
 
 
 def train_tokenizer(vocab_size: int = 384):
@@ -144,12 +169,21 @@ def build_hermes_checkpoint(out: Path, seed: int = 0) -> Path:
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in HERMES_TAGS])
     _, kwargs = VARIANTS["qwen2-bias"]
     config = transformers.Qwen2Config(
-        vocab_size=tok.get_vocab_size(), bos_token_id=None, eos_token_id=2,
-        initializer_range=0.1, **kwargs,
-    )  # fmt: skip
+        vocab_size=tok.get_vocab_size(),
+        bos_token_id=None,
+        eos_token_id=2,
+        initializer_range=0.1,
+        **kwargs,
+    )
     save_checkpoint(config, tok, out, seed)
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "chat_template": HERMES_TEMPLATE,
-    }))  # fmt: skip
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "chat_template": HERMES_TEMPLATE,
+            }
+        )
+    )
     return out

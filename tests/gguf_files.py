@@ -192,8 +192,16 @@ def tiny_llama_256(out: Path, seed: int = 0) -> Path:
 
     tok = train_tokenizer()
     config = transformers.LlamaConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=256, intermediate_size=256,
-        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        max_position_embeddings=256, bos_token_id=0, eos_token_id=1, initializer_range=0.05,
-    )  # fmt: skip
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=1,
+        initializer_range=0.05,
+    )
     return save_checkpoint(config, tok, out, seed)

@@ -32,8 +32,15 @@ def multiply(a: int, b: int) -> int:
 
 def main() -> int:
     base_url, model, out = sys.argv[1], sys.argv[2], sys.argv[3]
-    llm = ChatOpenAI(base_url=base_url, api_key="unused", model=model, temperature=0,
-                     max_tokens=96, timeout=120, max_retries=0)  # fmt: skip
+    llm = ChatOpenAI(
+        base_url=base_url,
+        api_key="unused",
+        model=model,
+        temperature=0,
+        max_tokens=96,
+        timeout=120,
+        max_retries=0,
+    )
     messages = [HumanMessage("What is 12 times 34? Use the multiply tool.")]
     calls, t0 = [], time.monotonic()
     for turn in range(MAX_TURNS + 1):
@@ -47,8 +54,7 @@ def main() -> int:
             calls.append({"turn": turn, "args": call["args"], "result": result})
             messages.append(ToolMessage(str(result), tool_call_id=call["id"]))
     answer = messages[-1].content if not messages[-1].tool_calls else None
-    record = {"calls": calls, "answer": answer, "turns": turn + 1,
-              "seconds": time.monotonic() - t0}  # fmt: skip
+    record = {"calls": calls, "answer": answer, "turns": turn + 1, "seconds": time.monotonic() - t0}
     with open(out, "w") as f:
         json.dump(record, f, indent=1)
     print(json.dumps(record))

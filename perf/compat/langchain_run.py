@@ -16,8 +16,13 @@ AGENT = Path(__file__).resolve().parent / "langchain_agent.py"
 def run_langchain(stack: Stack, out: Path) -> ToolResult:
     version = installed_version("langchain", "langchain-openai")
     log, record_path = out / "langchain.log", out / "langchain.json"
-    argv = [str(venv_bin("langchain", "python")), str(AGENT), f"{stack.base_url}/v1",
-            stack.model, str(record_path)]  # fmt: skip
+    argv = [
+        str(venv_bin("langchain", "python")),
+        str(AGENT),
+        f"{stack.base_url}/v1",
+        stack.model,
+        str(record_path),
+    ]
     rc, seconds = run_logged(argv, log, TIMEOUT_S)
     text = log.read_text(errors="replace") if log.exists() else ""
     record = json.loads(record_path.read_text()) if record_path.exists() else {}

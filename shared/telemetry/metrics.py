@@ -32,36 +32,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer, choose_encoder
 from prometheus_client.registry import Collector
 
+from pdserve.shared.telemetry.buckets import (
+    E2E_BUCKETS,
+    ITL_BUCKETS,
+    KV_TRANSFER_BUCKETS,
+    QUEUE_BUCKETS,
+    TOKEN_COUNT_BUCKETS,
+    TTFT_BUCKETS,
+)
 from pdserve.shared.telemetry.roofline_metrics import RooflineMetrics, roofline_families
-
-# Buckets span the range LLM serving actually sees: a cached short prompt answers in a few ms, a
-# long prompt on a busy cluster or a long generation takes minutes.
-# fmt: off
-TTFT_BUCKETS = (
-    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75,
-    1.0, 1.5, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
-)
-# One decode step per token: from ~1 ms (tiny model) to seconds when a step is preempted.
-ITL_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
-    0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
-)
-E2E_BUCKETS = (
-    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
-    90.0, 120.0, 240.0, 480.0, 960.0, 1920.0,
-)
-QUEUE_BUCKETS = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
-)
-# KV pull of one request: ~100 us for a few blocks over shared memory to seconds for 100k tokens
-# of a large model over TCP.
-KV_TRANSFER_BUCKETS = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-    0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-)
-# fmt: on
-TOKEN_COUNT_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 class GatewayMetrics:

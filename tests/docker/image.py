@@ -60,9 +60,12 @@ def rebuild(log: Path) -> str | None:
     """Run `make image` (docker must answer); None when it worked, else why it did not."""
     with log.open("w") as out:
         done = subprocess.run(
-            ["make", "-C", str(REPO), "image"], stdout=out, stderr=subprocess.STDOUT,
-            timeout=1800, check=False,
-        )  # fmt: skip
+            ["make", "-C", str(REPO), "image"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=1800,
+            check=False,
+        )
     if done.returncode == 0:
         return None
     tail = log.read_text(errors="replace").strip().splitlines()[-15:]

@@ -69,10 +69,13 @@ class ComposeStack:
 
     def container(self, service: str) -> str:
         found = docker(
-            "ps", "-aq",
-            "--filter", f"label=com.docker.compose.project={self.project}",
-            "--filter", f"label=com.docker.compose.service={service}",
-        )  # fmt: skip
+            "ps",
+            "-aq",
+            "--filter",
+            f"label=com.docker.compose.project={self.project}",
+            "--filter",
+            f"label=com.docker.compose.service={service}",
+        )
         assert found, f"no container for {service}"
         return found.splitlines()[0]
 

@@ -116,8 +116,14 @@ async def test_sampled_token_is_in_top_logprobs(stack: Stack, hf, hf_tok, stream
     client, tap = await tapped(stack)
     try:
         for k, seed in [(0, 5), (2, 6)]:
-            body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "seed": seed,
-                    "ignore_eos": True, "logprobs": k}  # fmt: skip
+            body = {
+                "prompt": PROMPT,
+                "max_tokens": 8,
+                "temperature": 1.0,
+                "seed": seed,
+                "ignore_eos": True,
+                "logprobs": k,
+            }
             lp = await completion_logprobs(stack, body, stream)
             sequence = await tap.sequence(8)
             assert sequence[: len(PROMPT)] == PROMPT
@@ -134,8 +140,15 @@ async def test_sampled_token_is_in_top_logprobs(stack: Stack, hf, hf_tok, stream
 async def test_echo_prompt_tokens_are_in_top_logprobs(stack: Stack, hf, hf_tok, stream: bool):
     client, tap = await tapped(stack)
     try:
-        body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 1.0, "seed": 7,
-                "ignore_eos": True, "logprobs": 1, "echo": True}  # fmt: skip
+        body = {
+            "prompt": PROMPT,
+            "max_tokens": 3,
+            "temperature": 1.0,
+            "seed": 7,
+            "ignore_eos": True,
+            "logprobs": 1,
+            "echo": True,
+        }
         lp = await completion_logprobs(stack, body, stream)
         sequence = await tap.sequence(3)
         # the first prompt token: nothing predicts it
@@ -152,8 +165,15 @@ async def test_chat_top_logprobs_stay_exactly_the_k_likeliest(stack: Stack, hf, 
     client, tap = await tapped(stack)
     try:
         for k in (0, 2):
-            body = {"messages": memory_stack.MESSAGES, "max_tokens": 8, "temperature": 1.0,
-                    "seed": 8, "ignore_eos": True, "logprobs": True, "top_logprobs": k}  # fmt: skip
+            body = {
+                "messages": memory_stack.MESSAGES,
+                "max_tokens": 8,
+                "temperature": 1.0,
+                "seed": 8,
+                "ignore_eos": True,
+                "logprobs": True,
+                "top_logprobs": k,
+            }
             status, payload = await stack.post("/v1/chat/completions", body)
             assert status == 200, payload
             content = payload["choices"][0]["logprobs"]["content"]

@@ -167,7 +167,7 @@ def test_processes_starting_together_convert_once(tmp_path, good) -> None:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for _ in range(3)
     ]
     results = [p.communicate(timeout=120) for p in procs]

@@ -101,8 +101,9 @@ def test_converter_keeps_the_q8_0_blocks(q8_files, variant) -> None:
                 values, scales = in_hf_order(f, cfg, hf)
                 assert tensors[f"{hf}.q8_0_values"].dtype == torch.int8
                 assert torch.equal(tensors[f"{hf}.q8_0_values"], values), hf
-                assert torch.equal(tensors[f"{hf}.q8_0_scales"].view(torch.int16),
-                                   scales.view(torch.int16)), hf  # fmt: skip
+                assert torch.equal(
+                    tensors[f"{hf}.q8_0_scales"].view(torch.int16), scales.view(torch.int16)
+                ), hf
     assert ("lm_head.q8_0_values" in tensors) == (not cfg.tie_word_embeddings)
 
 
@@ -156,18 +157,27 @@ def test_weight_only_int8_holds_the_gguf_bytes(q8_files, variant, monkeypatch) -
             blocks = [in_hf_order(f, cfg, hf) for hf in hf_modules(cfg, i, ours)]
             assert torch.equal(module.qweight, torch.cat([v for v, _ in blocks])), ours
             assert module.scale.dtype == torch.float16
-            assert torch.equal(module.scale.view(torch.int16),
-                               torch.cat([s for _, s in blocks]).view(torch.int16)), ours  # fmt: skip
+            assert torch.equal(
+                module.scale.view(torch.int16), torch.cat([s for _, s in blocks]).view(torch.int16)
+            ), ours
     head = model.lm_head
     assert isinstance(head, WeightOnlyInt8Linear) and head.group_size == 32
     # untied: the file's output.weight; tied: regrouped from the float embedding, which gives the
     # embedding's own Q8_0 blocks back exactly
-    values, scales = file_blocks(f, "model.embed_tokens.weight" if cfg.tie_word_embeddings
-                                 else "lm_head.weight")  # fmt: skip
+    values, scales = file_blocks(
+        f, "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    )
     assert torch.equal(head.qweight, values)
     assert torch.equal(head.scale.float(), scales.float())
     if cfg.qkv_bias:
-        bias = torch.cat([real_get(loader.CheckpointFiles(model_dir), f"model.layers.0.self_attn.{p}_proj.bias") for p in "qkv"])  # fmt: skip
+        bias = torch.cat(
+            [
+                real_get(
+                    loader.CheckpointFiles(model_dir), f"model.layers.0.self_attn.{p}_proj.bias"
+                )
+                for p in "qkv"
+            ]
+        )
         assert torch.equal(model.layers[0].self_attn.qkv_proj.bias, bias)
 
 

@@ -71,8 +71,9 @@ def assert_valid(kind: str, text: str) -> None:
 
 
 def allowed(mask_row) -> set[int]:
-    return {w * 32 + b for w, word in enumerate(mask_row.tolist()) for b in range(32)
-            if (word >> b) & 1}  # fmt: skip
+    return {
+        w * 32 + b for w, word in enumerate(mask_row.tolist()) for b in range(32) if (word >> b) & 1
+    }
 
 
 def guided_seq(guide: GuidedDecoding | None, outputs=(), prompt=(5, 6, 7)) -> Sequence:
@@ -155,8 +156,10 @@ def test_logits_narrower_than_the_tokenizer_cut_the_mask(llama_dir):
 def test_min_tokens_holds_eos_back_only_while_the_grammar_can_go_on(llama_dir, tokenizer):
     decoder = GuidedDecoder(llama_dir, VOCAB, (EOS,))
     letters = GuidedDecoding("regex", "[a-z]{1,8}")
-    short = [Sequence(r, [5], SamplingParams(min_tokens=4, guided=g), 0, 0.0)
-             for r, g in (("a", letters), ("b", letters), ("c", GUIDES["choice"]))]  # fmt: skip
+    short = [
+        Sequence(r, [5], SamplingParams(min_tokens=4, guided=g), 0, 0.0)
+        for r, g in (("a", letters), ("b", letters), ("c", GUIDES["choice"]))
+    ]
     short[1].sampling = SamplingParams(guided=letters)  # the same, without min_tokens
     for seq, text in zip(short, ("a", "a", "yes"), strict=True):
         seq.token_ids.extend(tokenizer.encode(text).ids)
@@ -170,8 +173,9 @@ def test_min_tokens_holds_eos_back_only_while_the_grammar_can_go_on(llama_dir, t
 
 
 def _sampling(guide: GuidedDecoding, seed: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=1.0, seed=seed, max_tokens=kw.pop("max_tokens", 200),
-                          guided=guide, **kw)  # fmt: skip
+    return SamplingParams(
+        temperature=1.0, seed=seed, max_tokens=kw.pop("max_tokens", 200), guided=guide, **kw
+    )
 
 
 def _json_object_bias(tokenizer: Tokenizer) -> dict:
@@ -261,8 +265,9 @@ def test_padded_vocabulary_is_never_sampled_under_a_guide(tmp_path):
 
     tok = train_tokenizer()
     kwargs = VARIANTS["llama-gqa"][1]
-    config = transformers.LlamaConfig(vocab_size=VOCAB + 45, bos_token_id=0, eos_token_id=EOS,
-                                      initializer_range=0.1, **kwargs)  # fmt: skip
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB + 45, bos_token_id=0, eos_token_id=EOS, initializer_range=0.1, **kwargs
+    )
     padded = make_engine(save_checkpoint(config, tok, tmp_path / "padded"), num_kv_blocks=128)
     guide = GuidedDecoding("regex", "[a-z ]{0,40}")
     outputs = padded.generate(random_prompts(8, seed=4), [_sampling(guide, s) for s in range(8)])

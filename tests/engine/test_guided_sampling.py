@@ -51,8 +51,13 @@ def test_200_seeds_of_every_guide_obey_it(llama_dir, caplog):
     tokenizer = Tokenizer.from_file(str(llama_dir / "tokenizer.json"))
     vocab = tokenizer.get_vocab_size()
     compiler = compiler_for(llama_dir, vocab, (EOS,))
-    engine = make_engine(llama_dir, dtype="float32", num_kv_blocks=2048, max_num_seqs=256,
-                         max_num_batched_tokens=4096)  # fmt: skip
+    engine = make_engine(
+        llama_dir,
+        dtype="float32",
+        num_kv_blocks=2048,
+        max_num_seqs=256,
+        max_num_batched_tokens=4096,
+    )
     bias = _whitespace_bias(tokenizer)
     rng = random.Random(26)
     requests = {

@@ -45,8 +45,7 @@ def lineage(msgs: list[KVEvents], tier: str) -> dict[int, tuple[int, list[int]]]
 
 async def test_engine_events_lineage_zmq_and_load_costs(llama_dir):
     probe = make_engine(llama_dir, num_kv_blocks=4)
-    engine = make_engine(llama_dir, num_kv_blocks=POOL,
-                         kv_offload_ram_gib=ram_blocks(probe, 64))  # fmt: skip
+    engine = make_engine(llama_dir, num_kv_blocks=POOL, kv_offload_ram_gib=ram_blocks(probe, 64))
     feed = engine.kv_event_feed()
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
@@ -54,8 +53,17 @@ async def test_engine_events_lineage_zmq_and_load_costs(llama_dir):
     port = sub.bind_to_random_port("tcp://127.0.0.1")
     zpub = ZmqKVEventPublisher(f"tcp://127.0.0.1:{port}")
     seen: list[KVEvents] = []
-    pub = KVEventPublisher(NoBus(), "p0", "i1", BS, feed.drain_delta, feed.snapshot, 1.0,  # type: ignore[arg-type]
-                           tiers=feed.tiers, listeners=(zpub, seen.extend))  # fmt: skip
+    pub = KVEventPublisher(
+        NoBus(),
+        "p0",
+        "i1",
+        BS,
+        feed.drain_delta,
+        feed.snapshot,
+        1.0,  # type: ignore[arg-type]
+        tiers=feed.tiers,
+        listeners=(zpub, seen.extend),
+    )
     try:
         for _ in range(100):  # until the PUB side's connection is up (it drops before)
             zpub.put([])

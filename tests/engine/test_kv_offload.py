@@ -102,13 +102,23 @@ def test_tiers_serve_evicted_prefixes_with_identical_outputs(llama_dir, tmp_path
 def restart_setup(llama_dir: Path, directory: Path, **options):
     """An engine that served PROMPTS[0] and let its prefix go down to disk, then closed."""
     one = block_gib(llama_dir)
-    first = make_engine(llama_dir, num_kv_blocks=POOL, kv_offload_ram_gib=8 * one,
-                        kv_offload_disk=str(directory), **options)  # fmt: skip
+    first = make_engine(
+        llama_dir,
+        num_kv_blocks=POOL,
+        kv_offload_ram_gib=8 * one,
+        kv_offload_disk=str(directory),
+        **options,
+    )
     first.generate([PROMPTS[0]], GREEDY)
     first.generate(FILLERS[:6], GREEDY)
     first.close()
-    again = make_engine(llama_dir, num_kv_blocks=POOL, kv_offload_ram_gib=8 * one,
-                        kv_offload_disk=str(directory), **options)  # fmt: skip
+    again = make_engine(
+        llama_dir,
+        num_kv_blocks=POOL,
+        kv_offload_ram_gib=8 * one,
+        kv_offload_disk=str(directory),
+        **options,
+    )
     again.offload.flush()  # the start-up scan
     return again
 
@@ -159,16 +169,24 @@ def test_files_of_another_layout_are_ignored(llama_dir, tmp_path):
     int8.close()
     theirs = prefix_files(tmp_path, int8_layout)
     assert all(f.exists() for f in theirs)
-    engine = make_engine(llama_dir, num_kv_blocks=POOL, kv_offload_disk=str(tmp_path),
-                         kv_offload_ram_gib=8 * block_gib(llama_dir))  # fmt: skip
+    engine = make_engine(
+        llama_dir,
+        num_kv_blocks=POOL,
+        kv_offload_disk=str(tmp_path),
+        kv_offload_ram_gib=8 * block_gib(llama_dir),
+    )
     layout = engine.offload.tiers.disk.layout
     assert layout != int8_layout
     # and one under our name whose header says int8: a copy, or a file from an older build
     mine = prefix_files(tmp_path, layout)[0]
     mine.write_bytes(theirs[0].read_bytes())
     engine.close()
-    engine = make_engine(llama_dir, num_kv_blocks=POOL, kv_offload_disk=str(tmp_path),
-                         kv_offload_ram_gib=8 * block_gib(llama_dir))  # fmt: skip
+    engine = make_engine(
+        llama_dir,
+        num_kv_blocks=POOL,
+        kv_offload_disk=str(tmp_path),
+        kv_offload_ram_gib=8 * block_gib(llama_dir),
+    )
     stats = tiers(engine)
     assert stats.disk.foreign_ignored == len(list(tmp_path.glob(f"*.{int8_layout}.kv"))) + 1
     assert stats.disk_blocks == 0
@@ -226,8 +244,14 @@ def test_blocks_come_back_byte_for_byte(llama_dir, tmp_path, device):
     from pdserve.shared.kv.layout import prefix_block_hashes
 
     one = block_gib(llama_dir)
-    engine = make_engine(llama_dir, device=device, dtype="float32", num_kv_blocks=POOL,
-                         kv_offload_ram_gib=6 * one, kv_offload_disk=str(tmp_path))  # fmt: skip
+    engine = make_engine(
+        llama_dir,
+        device=device,
+        dtype="float32",
+        num_kv_blocks=POOL,
+        kv_offload_ram_gib=6 * one,
+        kv_offload_disk=str(tmp_path),
+    )
     bm, raw, tiers_ = engine.block_manager, engine.offload.raw, engine.offload.tiers
     first = engine.generate([PROMPTS[0]], GREEDY)
     hashes = prefix_block_hashes(PREFIXES[0], 16)

@@ -78,8 +78,9 @@ def migrated(engine, prompt: list[int], i: int) -> list[int]:
     return whole
 
 
-@pytest.mark.parametrize("feature", ["preemption", "forks", "ngram", "int8", "fp8_e4m3",
-                                     "prefill_only", "migration"])  # fmt: skip
+@pytest.mark.parametrize(
+    "feature", ["preemption", "forks", "ngram", "int8", "fp8_e4m3", "prefill_only", "migration"]
+)
 def test_features_give_the_same_tokens_with_tiers_on(llama_dir, tmp_path, feature):
     plain, expected = run(feature, llama_dir, {})
     one = block_gib(llama_dir)

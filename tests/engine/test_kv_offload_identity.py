@@ -18,9 +18,13 @@ NAME = "tiny"  # both checkpoints are served under it
 
 
 def disk_engine(model_dir: Path, directory: Path):
-    return make_engine(model_dir, num_kv_blocks=POOL, served_model_name=NAME,
-                       kv_offload_ram_gib=8 * block_gib(model_dir),
-                       kv_offload_disk=str(directory))  # fmt: skip
+    return make_engine(
+        model_dir,
+        num_kv_blocks=POOL,
+        served_model_name=NAME,
+        kv_offload_ram_gib=8 * block_gib(model_dir),
+        kv_offload_disk=str(directory),
+    )
 
 
 def test_the_digest_covers_every_byte_of_the_weights_and_the_config(llama_dir, tmp_path):

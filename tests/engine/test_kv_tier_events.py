@@ -62,8 +62,13 @@ def assert_matches_tiers(engine, consumer: Consumer, directory: Path) -> None:
 def test_events_carry_the_tiers_and_converge(llama_dir, tmp_path):
     one = block_gib(llama_dir)
     # few blocks in host memory and on disk: both tiers evict too
-    engine = make_engine(llama_dir, num_kv_blocks=POOL, kv_offload_ram_gib=6 * one,
-                         kv_offload_disk=str(tmp_path), kv_offload_disk_gib=14 * one)  # fmt: skip
+    engine = make_engine(
+        llama_dir,
+        num_kv_blocks=POOL,
+        kv_offload_ram_gib=6 * one,
+        kv_offload_disk=str(tmp_path),
+        kv_offload_disk_gib=14 * one,
+    )
     feed = engine.kv_event_feed()
     assert feed.tiers == TIERS
     consumer = Consumer(feed)

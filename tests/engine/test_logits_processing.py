@@ -40,11 +40,16 @@ CASES = [
     SamplingParams(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3),
     SamplingParams(),  # untouched
     SamplingParams(repetition_penalty=0.8),
-    SamplingParams(frequency_penalty=-0.7, logit_bias_token_ids=[5, 17, 5],
-                   logit_bias_values=[3.0, -100.0, 2.0], min_tokens=4, stop_token_ids=[9, 10]),
+    SamplingParams(
+        frequency_penalty=-0.7,
+        logit_bias_token_ids=[5, 17, 5],
+        logit_bias_values=[3.0, -100.0, 2.0],
+        min_tokens=4,
+        stop_token_ids=[9, 10],
+    ),
     SamplingParams(min_tokens=2, ignore_eos=True, presence_penalty=-1.5),  # enough tokens: no mask
     SamplingParams(min_tokens=9, ignore_eos=True, stop_token_ids=[12]),  # masks 12, not EOS
-]  # fmt: skip
+]
 
 
 def test_each_control_matches_the_reference_on_model_logits(llama_dir, hf):
@@ -62,8 +67,9 @@ def test_each_control_matches_the_reference_on_model_logits(llama_dir, hf):
     logits = torch.stack(rows).float()
     processed = process_logits(logits, engine.runner._sampling_tensors(seqs))
     for i, seq in enumerate(seqs):
-        expected = reference(rows[i], seq.token_ids[: seq.num_prompt_tokens],
-                             seq.output_token_ids, seq.sampling).float()  # fmt: skip
+        expected = reference(
+            rows[i], seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, seq.sampling
+        ).float()
         assert torch.allclose(processed[i], expected, atol=1e-5), i
     assert torch.equal(processed[1], logits[1])  # a row that uses nothing is left exactly
     assert processed[3, 9] == processed[3, 10] == processed[3, 1] == -math.inf
@@ -95,8 +101,14 @@ def test_greedy_takes_the_argmax_of_the_processed_logits(llama_dir, hf):
     prompt = random_prompts(1, seed=33)[0]
     plain = hf.greedy(prompt, 6, lambda logits, out: logits)
     # ban the greedy choice at every step, and penalise repeats
-    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, repetition_penalty=1.5,
-                        logit_bias_token_ids=[plain[0]], logit_bias_values=[-100.0])  # fmt: skip
+    sp = SamplingParams(
+        temperature=0.0,
+        max_tokens=6,
+        ignore_eos=True,
+        repetition_penalty=1.5,
+        logit_bias_token_ids=[plain[0]],
+        logit_bias_values=[-100.0],
+    )
     expected = hf.greedy(prompt, 6, lambda logits, out: reference(logits, prompt, out, sp))
     assert plain[0] not in expected
     assert engine.generate([prompt], sp) == [expected]
@@ -127,8 +139,14 @@ def test_min_tokens_delays_eos(llama_dir, hf):
     assert tokens == expected and tokens[4] == EOS[0] and EOS[0] not in tokens[:4]
     assert outs[-1].finish_reason == "stop"
     # a stop token id is held back the same way
-    sp = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=3, stop_token_ids=[42],
-                        logit_bias_token_ids=[42], logit_bias_values=[100.0])  # fmt: skip
+    sp = SamplingParams(
+        temperature=0.0,
+        max_tokens=6,
+        min_tokens=3,
+        stop_token_ids=[42],
+        logit_bias_token_ids=[42],
+        logit_bias_values=[100.0],
+    )
     (tokens,) = engine.generate([prompt], sp)
     assert len(tokens) == 4 and tokens[3] == 42 and 42 not in tokens[:3]
 
@@ -138,11 +156,22 @@ def test_a_mixed_batch_processes_only_the_rows_that_ask(llama_dir, hf):
     prompts = random_prompts(5, seed=36)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
-    penalised = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
-                               presence_penalty=1.2, frequency_penalty=0.8,
-                               repetition_penalty=1.4)  # fmt: skip
-    biased = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2,
-                            logit_bias_token_ids=[7, 8], logit_bias_values=[2.5, -3.0])  # fmt: skip
+    penalised = SamplingParams(
+        temperature=0.0,
+        max_tokens=8,
+        ignore_eos=True,
+        presence_penalty=1.2,
+        frequency_penalty=0.8,
+        repetition_penalty=1.4,
+    )
+    biased = SamplingParams(
+        temperature=0.0,
+        max_tokens=8,
+        ignore_eos=True,
+        logprobs=2,
+        logit_bias_token_ids=[7, 8],
+        logit_bias_values=[2.5, -3.0],
+    )
     params = [greedy, penalised, seeded, biased, greedy]
     batched = engine.generate(prompts, params)
     for prompt, sp, got in zip(prompts, params, batched, strict=True):
@@ -150,7 +179,8 @@ def test_a_mixed_batch_processes_only_the_rows_that_ask(llama_dir, hf):
             # a seeded request samples the same tokens alone as beside processed rows
             assert engine.generate([prompt], sp) == [got]
         else:
-            ref = hf.greedy(prompt, 8, lambda logits, out, p=prompt, s=sp: reference(
-                logits, p, out, s))  # fmt: skip
+            ref = hf.greedy(
+                prompt, 8, lambda logits, out, p=prompt, s=sp: reference(logits, p, out, s)
+            )
             assert got == ref
     assert batched[1] != hf.greedy(prompts[1], 8, lambda logits, out: logits)  # penalties bite

@@ -61,7 +61,7 @@ def test_sampled_token_logprobs_match_hf_in_one_batch(llama_dir, hf):
         # taken before temperature: the same values as at temperature 1
         "t0.7-3": SamplingParams(
             temperature=0.7, seed=4, max_tokens=10, ignore_eos=True, logprobs=3
-        ),  # fmt: skip
+        ),
         "none": SamplingParams(temperature=0.7, seed=5, max_tokens=10, ignore_eos=True),
         "greedy-0": SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0),
     }
@@ -145,8 +145,9 @@ def test_max_tokens_zero_returns_prompt_logprobs_and_no_token(llama_dir, hf):
 def test_a_prefill_only_engine_returns_first_token_and_prompt_logprobs(llama_dir, hf):
     prefill = fp32_engine(llama_dir, prefill_only=True, max_num_batched_tokens=16)
     prompt = long_prompt(seed=26, length=30)
-    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2,
-                        prompt_logprobs=2)  # fmt: skip
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=2
+    )
     (first,) = drain_one(prefill, prompt, sp)
     assert first.kv_block_ids and first.finish_reason is None
     check_prompt_logprobs(first.prompt_logprobs, hf, prompt, 2)
@@ -173,8 +174,7 @@ def test_preemption_mid_prefill_neither_duplicates_nor_loses_prompt_logprobs(lla
     # B decodes and grows; A, admitted later, prefills in 15-token chunks beside it. When B
     # needs a block, A (the newest) is preempted with part of its prompt log-probs gathered,
     # and recomputed from its first token.
-    engine = fp32_engine(llama_dir, num_kv_blocks=8, max_num_batched_tokens=16,
-                         prefix_cache=False)  # fmt: skip
+    engine = fp32_engine(llama_dir, num_kv_blocks=8, max_num_batched_tokens=16, prefix_cache=False)
     prompt_b, prompt_a = long_prompt(seed=27, length=27), long_prompt(seed=28, length=90)
     sp_b = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=1)
     sp_a = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
@@ -204,11 +204,17 @@ def test_masked_tokens_report_min_logprob():
         for t in tokens:
             bitmask[row, t // 32] |= torch.tensor(1 << (t % 32)).to(torch.int32)
     st = SamplingTensors(
-        temperatures=torch.zeros(2), top_ks=torch.full((2,), 70), top_ps=torch.ones(2),
-        seeds=torch.zeros(2, dtype=torch.int64), steps=torch.zeros(2, dtype=torch.int64),
-        needs_filter=False, all_greedy=True, token_bitmask=bitmask,
-        logprob_rows=torch.tensor([0, 1]), num_logprobs=5,
-    )  # fmt: skip
+        temperatures=torch.zeros(2),
+        top_ks=torch.full((2,), 70),
+        top_ps=torch.ones(2),
+        seeds=torch.zeros(2, dtype=torch.int64),
+        steps=torch.zeros(2, dtype=torch.int64),
+        needs_filter=False,
+        all_greedy=True,
+        token_bitmask=bitmask,
+        logprob_rows=torch.tensor([0, 1]),
+        num_logprobs=5,
+    )
     out = sample(logits, st)
     assert out.tokens[0].item() in allowed[0] and out.tokens[1] == logits[1].argmax()
     top = out.logprobs.top_logprobs

@@ -189,14 +189,16 @@ async def test_replies_name_the_tp_ranks_even_when_refused(engines) -> None:
         {"rank": 1, "pid": 12, "transports": []},
     ]
     p = prefill_worker(prefill)
-    reply = await probe.lease_probe(ProbeLeaseRequest("doctor-t"), prefill, p.leases,
-                                    p.make_handle, "p0", True, ranks)  # fmt: skip
+    reply = await probe.lease_probe(
+        ProbeLeaseRequest("doctor-t"), prefill, p.leases, p.make_handle, "p0", True, ranks
+    )
     assert reply.status == "refused" and reply.rank_pids == [11, 12]
     assert decode_message(encode(reply)).rank_transports == [["tcp/lo"], []]
     handle = p.make_handle(p.leases.add("y", [0], 1, 5))
     d = decode_worker(decode, CopyClient(prefill))
-    reply = await probe.pull_probe(ProbePullRequest("doctor-t", handle), decode, d.kv_client,
-                                   "d0", True, ranks)  # fmt: skip
+    reply = await probe.pull_probe(
+        ProbePullRequest("doctor-t", handle), decode, d.kv_client, "d0", True, ranks
+    )
     assert reply.status == "refused" and reply.rank_pids == [11, 12]
     assert (await lease_probe(p, ProbeLeaseRequest("doctor-u"))).rank_pids == []  # TP 1
     p.leases.release("y")

@@ -178,15 +178,21 @@ def test_openapi_publishes_the_response_models():
     assert card["application/json"]["schema"] == ref("ModelCard")
     # what issue 16 added is in the document
     assert set(schemas["CompletionLogprobs"]["required"]) == {
-        "tokens", "token_logprobs", "top_logprobs", "text_offset",
-    }  # fmt: skip
+        "tokens",
+        "token_logprobs",
+        "top_logprobs",
+        "text_offset",
+    }
     assert schemas["CompletionLogprobs"]["properties"]["token_logprobs"]["items"]["type"] == [
         "number",
         "null",
     ]
     assert set(schemas["ChatTokenLogprob"]["required"]) == {
-        "token", "logprob", "bytes", "top_logprobs",
-    }  # fmt: skip
+        "token",
+        "logprob",
+        "bytes",
+        "top_logprobs",
+    }
     assert "prompt_tokens_details" in schemas["Usage"]["required"]
     assert "prompt_tokens_details" not in schemas["RunningUsage"]["properties"]
     assert "required" not in schemas["ChatDelta"]  # role and content come and go
@@ -227,8 +233,15 @@ def test_models_refuse_what_the_gateway_does_not_send():
 
 
 async def test_completions_with_echo_logprobs_several_choices_and_prompts(stack: Stack):
-    body = {"prompt": ["The quick", "Paged attention"], "max_tokens": 4, "n": 2,
-            "logprobs": 2, "echo": True, "seed": 1, "temperature": 1.0}  # fmt: skip
+    body = {
+        "prompt": ["The quick", "Paged attention"],
+        "max_tokens": 4,
+        "n": 2,
+        "logprobs": 2,
+        "echo": True,
+        "seed": 1,
+        "temperature": 1.0,
+    }
     status, payload = await stack.post("/v1/completions", body)
     assert status == 200, payload
     answer = check(Completion, payload, ref("CompletionResponse"))
@@ -264,8 +277,14 @@ async def test_completions_best_of_and_max_tokens_zero(stack: Stack):
 
 
 async def test_streamed_completions_with_running_usage(stack: Stack):
-    body = {"prompt": "The quick", "max_tokens": 4, "n": 2, "logprobs": 1, "echo": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    body = {
+        "prompt": "The quick",
+        "max_tokens": 4,
+        "n": 2,
+        "logprobs": 1,
+        "echo": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     events = await stack.stream("/v1/completions", body)
     *content, last = check_chunks(CompletionChunk, "/v1/completions", events)
     assert all(type(chunk.usage) is RunningUsage for chunk in content)
@@ -278,8 +297,15 @@ async def test_streamed_completions_with_running_usage(stack: Stack):
 
 
 async def test_chat_completion_with_logprobs_and_several_choices(stack: Stack):
-    body = {"messages": MESSAGES, "max_tokens": 4, "n": 2, "logprobs": True,
-            "top_logprobs": 3, "seed": 3, "temperature": 1.0}  # fmt: skip
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": 4,
+        "n": 2,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "seed": 3,
+        "temperature": 1.0,
+    }
     status, payload = await stack.post("/v1/chat/completions", body)
     assert status == 200, payload
     answer = check(ChatCompletion, payload, ref("ChatCompletionResponse"))
@@ -295,8 +321,14 @@ async def test_chat_completion_with_logprobs_and_several_choices(stack: Stack):
 
 @pytest.mark.parametrize("continuous", [False, True])
 async def test_streamed_chat_with_usage(stack: Stack, continuous: bool):
-    body = {"messages": MESSAGES, "max_tokens": 4, "n": 2, "logprobs": True, "top_logprobs": 1,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": continuous}}  # fmt: skip
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": 4,
+        "n": 2,
+        "logprobs": True,
+        "top_logprobs": 1,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": continuous},
+    }
     events = await stack.stream("/v1/chat/completions", body)
     *content, last = check_chunks(ChatCompletionChunk, "/v1/chat/completions", events)
     assert last.choices == [] and type(last.usage) is Usage

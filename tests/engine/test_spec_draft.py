@@ -83,8 +83,9 @@ def test_preemption_controls_and_choices_match_speculation_off(llama_dir, draft_
     ] * 2
     off = run(make_engine(llama_dir, num_kv_blocks=256), prompts, sps)
     # 10 blocks of 16 for 8 sequences of up to ~90 tokens: preemption all along
-    engine = draft_engine(llama_dir, draft_dir, num_kv_blocks=10, prefix_cache=False,
-                          max_num_batched_tokens=40)  # fmt: skip
+    engine = draft_engine(
+        llama_dir, draft_dir, num_kv_blocks=10, prefix_cache=False, max_num_batched_tokens=40
+    )
     got = run(engine, prompts, sps)
     greedy = [k for k in off.tokens if sps[int(k[0][1:])].temperature == 0]
     assert {k: got.tokens[k] for k in greedy} == {k: off.tokens[k] for k in greedy}
@@ -176,8 +177,21 @@ def test_the_bench_measures_a_cut_draft_beside_off_and_ngram(llama_dir, tmp_path
 
     draft = make_draft.cut(llama_dir, tmp_path / "draft", layers=1)
     assert json.loads((draft / "config.json").read_text())["num_hidden_layers"] == 1
-    argv = ["--model", str(llama_dir), "--max-tokens", "6", "--batch1-prompts", "1",
-            "--reps", "1", "--draft-model", str(draft), "--modes", "ngram", "draft"]  # fmt: skip
+    argv = [
+        "--model",
+        str(llama_dir),
+        "--max-tokens",
+        "6",
+        "--batch1-prompts",
+        "1",
+        "--reps",
+        "1",
+        "--draft-model",
+        str(draft),
+        "--modes",
+        "ngram",
+        "draft",
+    ]
     results = spec_bench.main(argv)
     assert len(results) == 6 and all(set(r.modes) == {"off", "ngram", "draft"} for r in results)
     greedy = [r for r in results if "T=" not in r.workload]

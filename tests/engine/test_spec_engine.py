@@ -78,8 +78,9 @@ def test_preemption_and_small_budgets_keep_outputs_and_free_every_block(llama_di
     expected = hf_greedy(llama_dir, prompts, sampling.max_tokens)
     # 10 blocks of 16 for 8 sequences of up to ~90 tokens: preemption all along; a 40-token
     # budget cuts drafts short
-    engine = make_engine(llama_dir, num_kv_blocks=10, prefix_cache=False,
-                         max_num_batched_tokens=40, **NGRAM)  # fmt: skip
+    engine = make_engine(
+        llama_dir, num_kv_blocks=10, prefix_cache=False, max_num_batched_tokens=40, **NGRAM
+    )
     assert run_staggered(engine, prompts, sampling) == expected
     assert engine.stats().preemptions > 0 and spec(engine).accepted_tokens > 0
     assert all_free(engine)
@@ -132,8 +133,10 @@ def test_every_sampling_control_gives_what_speculation_off_gives(llama_dir):
 
 def test_n_choices_draft_independently_and_match_speculation_off(llama_dir):
     prompts = repeating_prompts(3, seed=5)
-    sps = [SamplingParams(temperature=1.0, seed=s, n=3, max_tokens=20, ignore_eos=True)
-           for s in (1, 2, 3)] + [replace(GREEDY, n=2)]  # fmt: skip
+    sps = [
+        SamplingParams(temperature=1.0, seed=s, n=3, max_tokens=20, ignore_eos=True)
+        for s in (1, 2, 3)
+    ] + [replace(GREEDY, n=2)]
     prompts = prompts + prompts[:1]
     off = run(make_engine(llama_dir, num_kv_blocks=256), prompts, sps)
     engine = make_engine(llama_dir, num_kv_blocks=256, **NGRAM)
@@ -203,8 +206,10 @@ def test_a_step_verifies_drafts_beside_plain_decodes_and_prefill_chunks(llama_di
 
     def kinds(batch) -> list[str]:
         nd, nv = batch.num_decodes, batch.num_verifies
-        return ["decode" if i < nd else "verify" if i < nd + nv else "prefill"
-                for i in range(len(batch.seqs))]  # fmt: skip
+        return [
+            "decode" if i < nd else "verify" if i < nd + nv else "prefill"
+            for i in range(len(batch.seqs))
+        ]
 
     for batch, drafts in batches:
         assert kinds(batch) == sorted(kinds(batch), key=order.get)

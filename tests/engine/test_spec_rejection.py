@@ -26,10 +26,18 @@ def save_tiny_vocab_model(out):
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
-        bos_token_id=0, eos_token_id=1, initializer_range=0.3,
-    )  # fmt: skip
+        vocab_size=8,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=128,
+        bos_token_id=0,
+        eos_token_id=1,
+        initializer_range=0.3,
+    )
     torch.manual_seed(3)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(out)
     return out
@@ -71,15 +79,21 @@ def outputs(engine, sp: SamplingParams, first_seed: int) -> list[list[int]]:
         SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True),
         SamplingParams(
             temperature=0.8, top_p=0.9, frequency_penalty=0.7, max_tokens=5, ignore_eos=True
-        ),  # fmt: skip
+        ),
     ],
     ids=["plain", "penalised"],
 )
 def test_first_positions_follow_the_non_speculative_sampler(tiny_vocab_dir, sp):
     options = dict(num_kv_blocks=4096, max_num_seqs=256, max_num_batched_tokens=4096)
     off = make_engine(tiny_vocab_dir, dtype="float32", **options)
-    on = make_engine(tiny_vocab_dir, dtype="float32", speculative="ngram", ngram_min=1,
-                     spec_token_cost=0.0, **options)  # fmt: skip
+    on = make_engine(
+        tiny_vocab_dir,
+        dtype="float32",
+        speculative="ngram",
+        ngram_min=1,
+        spec_token_cost=0.0,
+        **options,
+    )
     spec = outputs(on, sp, 0)
     counters = on.stats().spec
     assert counters.drafts > REQUESTS  # nearly every request verified drafts...
@@ -119,8 +133,9 @@ def test_drafts_with_distributions_keep_the_sampler_s_law(tiny_vocab_dir, sp):
     sampler, batched with greedy rows, and the emitted tokens keep the plain sampler's law."""
     options = dict(num_kv_blocks=4096, max_num_seqs=256, max_num_batched_tokens=4096)
     off = make_engine(tiny_vocab_dir, dtype="float32", **options)
-    on = make_engine(tiny_vocab_dir, dtype="float32", speculative="ngram",
-                     spec_token_cost=0.0, **options)  # fmt: skip
+    on = make_engine(
+        tiny_vocab_dir, dtype="float32", speculative="ngram", spec_token_cost=0.0, **options
+    )
     on.speculator.proposer = SmoothedNgram(8)
     spec = outputs(on, sp, 0)
     counters = on.stats().spec

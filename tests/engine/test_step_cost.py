@@ -74,12 +74,18 @@ def run_steps(engine: LLMEngine) -> list[tuple[list[Row], StepStats]]:
 
     def spy(batch):
         nd, nv = batch.num_decodes, batch.num_verifies
-        seen.append([
-            Row(s.num_computed_tokens, n, len(s.spec_token_ids),
-                s.num_computed_tokens + n - len(s.spec_token_ids) == s.num_tokens,
-                "decode" if i < nd else "verify" if i < nd + nv else "prefill")
-            for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True))
-        ])  # fmt: skip
+        seen.append(
+            [
+                Row(
+                    s.num_computed_tokens,
+                    n,
+                    len(s.spec_token_ids),
+                    s.num_computed_tokens + n - len(s.spec_token_ids) == s.num_tokens,
+                    "decode" if i < nd else "verify" if i < nd + nv else "prefill",
+                )
+                for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True))
+            ]
+        )
         return run_batch(batch)
 
     engine.runner.run = spy
@@ -124,8 +130,11 @@ def test_chunks_read_their_cached_prefix_and_only_the_last_computes_logits(llama
     engine.add_request("long", list(range(5, 45)), GREEDY)
     steps = run_steps(engine)
     chunks = [rows[0] for rows, _ in steps[:3]]
-    assert [(r.start, r.count, r.ends) for r in chunks] == [(0, 16, False), (16, 16, False),
-                                                           (32, 8, True)]  # fmt: skip
+    assert [(r.start, r.count, r.ends) for r in chunks] == [
+        (0, 16, False),
+        (16, 16, False),
+        (32, 8, True),
+    ]
     middle = steps[1][1]
     pairs = 16 * 16 + 16 * 17 // 2  # positions 16..31
     flops = 2 * 73_728 * 16 + 4 * 2 * 4 * 16 * pairs  # no LM head, no head weight read

@@ -89,22 +89,29 @@ def test_regex_mask_after_a_prefix(compiler, token_bytes, tokenizer):
         ("json_object", "", ['{"a": [1, {"b": null}], "c": "x"}', "{}"], ["[1]", '"a"', "{"]),
         (
             "json_schema",
-            json.dumps({
-                "type": "object",
-                "properties": {
-                    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                    "name": {"type": "string", "maxLength": 5},
-                    "kind": {"enum": ["cat", "dog"]},
-                },
-                "required": ["age", "kind"],
-                "additionalProperties": False,
-            }),
+            json.dumps(
+                {
+                    "type": "object",
+                    "properties": {
+                        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                        "name": {"type": "string", "maxLength": 5},
+                        "kind": {"enum": ["cat", "dog"]},
+                    },
+                    "required": ["age", "kind"],
+                    "additionalProperties": False,
+                }
+            ),
             ['{"age": 3, "kind": "cat"}', '{"age":120,"name":"Rex","kind":"dog"}'],
-            ['{"age": 121, "kind": "cat"}', '{"age": 3}', '{"age": 3, "kind": "cow"}',
-             '{"age": 3, "name": "toolong", "kind": "dog"}', '{"age": 3, "kind": "cat", "x": 1}'],
+            [
+                '{"age": 121, "kind": "cat"}',
+                '{"age": 3}',
+                '{"age": 3, "kind": "cow"}',
+                '{"age": 3, "name": "toolong", "kind": "dog"}',
+                '{"age": 3, "kind": "cat", "x": 1}',
+            ],
         ),
     ],
-)  # fmt: skip
+)
 def test_language_of_each_kind(compiler, tokenizer, kind, spec, good, bad):
     guided = GuidedDecoding(kind, spec)
     for text in good:

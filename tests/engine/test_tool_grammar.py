@@ -24,8 +24,11 @@ from tests.unit.test_tool_grammar import FUNCTIONS, read_calls, valid_calls
 from tests.unit.test_tool_prompt import CONVERSATION, SMOLLM2_TEMPLATE, TOOLS, TOOLS_TEMPLATE
 
 EOS = 1  # tests.checkpoints' tokenizer
-BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
-        "tools": [{"type": "function", "function": f} for f in FUNCTIONS]}  # fmt: skip
+BODY = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "hi"}],
+    "tools": [{"type": "function", "function": f} for f in FUNCTIONS],
+}
 CHOICES = {
     "required": "required",
     "named": {"type": "function", "function": {"name": "get_weather"}},
@@ -86,8 +89,9 @@ def test_parallel_calls_under_the_grammar(engine, tokenizer):
 
 
 @pytest.mark.parametrize("parser", ["hermes", "pythonic"])
-def test_the_decode_engine_continues_the_prefill_engines_tool_grammar(llama_dir, engine,
-                                                                      tokenizer, parser):  # fmt: skip
+def test_the_decode_engine_continues_the_prefill_engines_tool_grammar(
+    llama_dir, engine, tokenizer, parser
+):
     prefill = make_engine(llama_dir, num_kv_blocks=64, prefill_only=True)
     prompts = random_prompts(4, seed=5)
     params = [guided_params(parser, "required", seed) for seed in range(4)]
@@ -116,11 +120,18 @@ def test_a_template_with_tool_syntax_renders_as_transformers(tmp_path):
     )
     # transformers as its documentation asks: arguments as objects, results as tool messages
     messages = [
-        {**m, "content": m["content"] or "",
-         "tool_calls": [{**c, "function": {**c["function"], "arguments": eval_args(c)}}
-                        for c in m["tool_calls"]]} if m.get("tool_calls") else m
+        {
+            **m,
+            "content": m["content"] or "",
+            "tool_calls": [
+                {**c, "function": {**c["function"], "arguments": eval_args(c)}}
+                for c in m["tool_calls"]
+            ],
+        }
+        if m.get("tool_calls")
+        else m
         for m in CONVERSATION
-    ]  # fmt: skip
+    ]
     expected = hf.apply_chat_template(
         messages, tools=TOOLS, tokenize=False, add_generation_prompt=True
     )

@@ -93,8 +93,9 @@ def sent_steps(engine: LLMEngine, monkeypatch) -> list:
 
 
 @pytest.mark.parametrize(("variant", "kv_heads"), [(MHA, (0, 2)), ("qwen2-bias", (0, 1))])
-def test_greedy_matches_tp1_and_hf_with_staggered_arrivals(checkpoints, tp, tp1, variant,
-                                                           kv_heads, monkeypatch):  # fmt: skip
+def test_greedy_matches_tp1_and_hf_with_staggered_arrivals(
+    checkpoints, tp, tp1, variant, kv_heads, monkeypatch
+):
     """Requests join a running batch one step apart, so decodes and prompt chunks (up to 100
     tokens, a 64-token budget) share passes. qwen2-bias has one KV head (and qkv biases): both ranks hold it."""
     model_dir = checkpoints[variant]
@@ -115,8 +116,17 @@ def test_greedy_matches_tp1_and_hf_with_staggered_arrivals(checkpoints, tp, tp1,
 
 def test_seeded_sampling_matches_tp1(checkpoints, tp, tp1):
     prompts = random_prompts(6, seed=2, max_len=30)
-    sps = [SamplingParams(temperature=1.0, top_p=0.9, top_k=(-1, 50)[i % 2], seed=100 + i,
-                          max_tokens=16, ignore_eos=True) for i in range(6)]  # fmt: skip
+    sps = [
+        SamplingParams(
+            temperature=1.0,
+            top_p=0.9,
+            top_k=(-1, 50)[i % 2],
+            seed=100 + i,
+            max_tokens=16,
+            ignore_eos=True,
+        )
+        for i in range(6)
+    ]
     want = tp1(MHA).generate(prompts, sps)
     assert tp.get(checkpoints[MHA], **SHARED).generate(prompts, sps) == want
     assert len({tuple(w) for w in want}) == len(want)
@@ -136,8 +146,7 @@ def test_prefix_cache_hits_give_the_same_tokens(checkpoints, tp, tp1):
     assert all_free(engine)
 
 
-def test_forked_choices_match_tp1_and_rank_1_copies_the_blocks(checkpoints, tp, tp1,
-                                                               monkeypatch):  # fmt: skip
+def test_forked_choices_match_tp1_and_rank_1_copies_the_blocks(checkpoints, tp, tp1, monkeypatch):
     """Greedy n=3: every choice is choice 0. Seeded n=4: each choice is TP 1's. Either way a
     child's copy of the last prompt block must reach rank 1 before its first decode, or its
     half of the heads would read another block's KV."""
@@ -172,8 +181,10 @@ def test_guided_output_matches_tp1(checkpoints, tp, tp1):
 def test_logprobs_and_prompt_logprobs_match_tp1(checkpoints, tp, tp1):
     """Sampled tokens' log-probs (greedy and seeded) and prompt log-probs over a prompt that
     runs in two chunks: the same tokens and alternatives as TP 1, values within 1e-6."""
-    prompts = [random_prompts(1, seed=6, max_len=1)[0] + list(range(20, 90)), *random_prompts(
-        2, seed=7, max_len=30)]  # fmt: skip
+    prompts = [
+        random_prompts(1, seed=6, max_len=1)[0] + list(range(20, 90)),
+        *random_prompts(2, seed=7, max_len=30),
+    ]
     sps = [
         replace(GREEDY, logprobs=3, prompt_logprobs=4),
         replace(GREEDY, temperature=0.8, seed=9, logprobs=5),

@@ -115,8 +115,10 @@ def spec_runs(tp1: LLMEngine, tp2: LLMEngine) -> None:
 
 def test_ngram_speculation_matches_tp1(checkpoints, tp):
     model_dir = checkpoints[GQA]
-    spec_runs(make_engine(model_dir, num_kv_blocks=256, **NGRAM),
-              tp.get(model_dir, num_kv_blocks=256, **NGRAM))  # fmt: skip
+    spec_runs(
+        make_engine(model_dir, num_kv_blocks=256, **NGRAM),
+        tp.get(model_dir, num_kv_blocks=256, **NGRAM),
+    )
 
 
 def test_draft_model_speculation_matches_tp1(checkpoints, tp, draft_dir):

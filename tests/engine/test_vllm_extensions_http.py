@@ -83,8 +83,15 @@ def check_prompt_logprobs(entries: list, prompt: list[int], k: int, hf, hf_tok) 
 
 
 async def test_completion_prompt_logprobs_match_hf(stack: Stack, hf, hf_tok):
-    body = {"prompt": PROMPTS, "max_tokens": 2, "n": 2, "seed": 4, "prompt_logprobs": 3,
-            "echo": True, "logprobs": 1}  # fmt: skip
+    body = {
+        "prompt": PROMPTS,
+        "max_tokens": 2,
+        "n": 2,
+        "seed": 4,
+        "prompt_logprobs": 3,
+        "echo": True,
+        "logprobs": 1,
+    }
     payload = await ok(stack, "/v1/completions", body)
     assert [c["index"] for c in payload["choices"]] == [0, 1, 2, 3]
     for choice in payload["choices"]:
@@ -103,8 +110,14 @@ async def test_completion_prompt_logprobs_match_hf(stack: Stack, hf, hf_tok):
 
 
 async def test_chat_prompt_logprobs_and_token_ids_match_hf(stack: Stack, hf, hf_tok):
-    body = {"messages": memory_stack.MESSAGES, "max_tokens": 6, "temperature": 0,
-            "ignore_eos": True, "prompt_logprobs": 2, "return_token_ids": True}  # fmt: skip
+    body = {
+        "messages": memory_stack.MESSAGES,
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "prompt_logprobs": 2,
+        "return_token_ids": True,
+    }
     payload = await ok(stack, "/v1/chat/completions", body)
     prompt = template_ids(hf_tok, memory_stack.MESSAGES, add_generation_prompt=True)
     assert payload["prompt_token_ids"] == prompt  # at the top, as vLLM puts a chat's
@@ -140,8 +153,15 @@ def joined(events: list[dict], chat: bool) -> dict[int, dict[str, list]]:
 
 
 async def test_streamed_token_ids_join_to_the_whole_answers(stack: Stack, hf_tok):
-    body = {"prompt": "The quick", "max_tokens": 5, "n": 2, "seed": 11, "temperature": 1.0,
-            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    body = {
+        "prompt": "The quick",
+        "max_tokens": 5,
+        "n": 2,
+        "seed": 11,
+        "temperature": 1.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     whole = await ok(stack, "/v1/completions", body)
     prompt = hf_tok("The quick")["input_ids"]
     events = await stack.stream("/v1/completions", body)
@@ -156,8 +176,15 @@ async def test_streamed_token_ids_join_to_the_whole_answers(stack: Stack, hf_tok
         got = streamed[choice["index"]]
         assert got == {"token_ids": choice["token_ids"], "prompt_token_ids": [prompt]}
         assert first[choice["index"]]["prompt_token_ids"] == prompt  # on the choice's first chunk
-    body = {"messages": memory_stack.MESSAGES, "max_tokens": 4, "n": 2, "seed": 12,
-            "temperature": 1.0, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    body = {
+        "messages": memory_stack.MESSAGES,
+        "max_tokens": 4,
+        "n": 2,
+        "seed": 12,
+        "temperature": 1.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     whole = await ok(stack, "/v1/chat/completions", body)
     events = await stack.stream("/v1/chat/completions", body)
     check_chunks(memory_stack.ChatCompletionChunk, "/v1/chat/completions", events)
@@ -177,8 +204,15 @@ async def test_streamed_token_ids_join_to_the_whole_answers(stack: Stack, hf_tok
 
 async def test_truncation_keeps_the_prompts_end(stack: Stack, hf, hf_tok):
     prompt = [(7 * i) % 370 + 5 for i in range(40)]
-    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
-            "truncate_prompt_tokens": 10, "return_token_ids": True, "echo": True}  # fmt: skip
+    body = {
+        "prompt": prompt,
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "truncate_prompt_tokens": 10,
+        "return_token_ids": True,
+        "echo": True,
+    }
     choice = (await ok(stack, "/v1/completions", body))["choices"][0]
     assert choice["prompt_token_ids"] == prompt[-10:]
     assert choice["token_ids"] == greedy(hf, prompt[-10:], 4)  # served as if sent short
@@ -195,8 +229,12 @@ async def test_truncation_keeps_the_prompts_end(stack: Stack, hf, hf_tok):
     )
     assert error["param"] == "truncate_prompt_tokens"
     # chat: the rendered conversation's last tokens
-    body = {"messages": memory_stack.MESSAGES, "max_tokens": 1, "truncate_prompt_tokens": 3,
-            "return_token_ids": True}  # fmt: skip
+    body = {
+        "messages": memory_stack.MESSAGES,
+        "max_tokens": 1,
+        "truncate_prompt_tokens": 3,
+        "return_token_ids": True,
+    }
     payload = await ok(stack, "/v1/chat/completions", body)
     rendered = template_ids(hf_tok, memory_stack.MESSAGES, add_generation_prompt=True)
     assert payload["prompt_token_ids"] == rendered[-3:]
@@ -208,9 +246,16 @@ async def test_truncation_keeps_the_prompts_end(stack: Stack, hf, hf_tok):
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_continue_final_message_with_echo(stack: Stack, hf, hf_tok, stream: bool):
-    body = {"messages": CONTINUED, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
-            "continue_final_message": True, "add_generation_prompt": False, "echo": True,
-            "return_token_ids": True}  # fmt: skip
+    body = {
+        "messages": CONTINUED,
+        "max_tokens": 3,
+        "temperature": 0,
+        "ignore_eos": True,
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        "echo": True,
+        "return_token_ids": True,
+    }
     prompt = template_ids(
         hf_tok, CONTINUED, add_generation_prompt=False, continue_final_message=True
     )
@@ -233,8 +278,14 @@ async def test_continue_final_message_with_echo(stack: Stack, hf, hf_tok, stream
 
 
 async def test_without_a_generation_prompt_the_reply_continues_the_last_role(stack, hf_tok):
-    body = {"messages": memory_stack.MESSAGES, "max_tokens": 2, "add_generation_prompt": False,
-            "echo": True, "return_token_ids": True, "seed": 3}  # fmt: skip
+    body = {
+        "messages": memory_stack.MESSAGES,
+        "max_tokens": 2,
+        "add_generation_prompt": False,
+        "echo": True,
+        "return_token_ids": True,
+        "seed": 3,
+    }
     payload = await ok(stack, "/v1/chat/completions", body)
     expected = template_ids(hf_tok, memory_stack.MESSAGES, add_generation_prompt=False)
     assert payload["prompt_token_ids"] == expected
@@ -248,9 +299,10 @@ async def test_without_a_generation_prompt_the_reply_continues_the_last_role(sta
         == (await ok(stack, "/v1/chat/completions", plain))["choices"][0]["message"]
     )
     error = await refused(
-        stack, "/v1/chat/completions",
+        stack,
+        "/v1/chat/completions",
         {**plain, "continue_final_message": True, "add_generation_prompt": True},
-    )  # fmt: skip
+    )
     assert error["param"] == "continue_final_message"
 
 
@@ -262,9 +314,12 @@ async def test_chat_template_kwargs_reach_the_template(stack: Stack, hf_tok):
         kwargs = {"chat_template_kwargs": {"enable_thinking": thinking}}
         payload = await ok(stack, "/v1/chat/completions", {**body, **kwargs})
         expected = hf_tok.apply_chat_template(
-            memory_stack.MESSAGES, chat_template=THINKING_TEMPLATE, tokenize=False,
-            add_generation_prompt=True, enable_thinking=thinking,
-        )  # fmt: skip
+            memory_stack.MESSAGES,
+            chat_template=THINKING_TEMPLATE,
+            tokenize=False,
+            add_generation_prompt=True,
+            enable_thinking=thinking,
+        )
         assert payload["prompt_token_ids"] == gw.model.tokenizer.encode(expected, False)
         assert ("<think></think>" in expected) != thinking
     too_many = {f"k{i}": 1 for i in range(TEMPLATE_KWARGS_MAX_KEYS + 1)}
@@ -285,8 +340,14 @@ async def test_chat_template_kwargs_reach_the_template(stack: Stack, hf_tok):
     ],
 )
 async def test_structured_outputs_constrain_the_output(stack: Stack, constraint, pattern):
-    body = {"prompt": "The quick", "max_tokens": 12, "temperature": 1.0, "seed": 5,
-            "n": 3, "structured_outputs": constraint}  # fmt: skip
+    body = {
+        "prompt": "The quick",
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "seed": 5,
+        "n": 3,
+        "structured_outputs": constraint,
+    }
     payload = await ok(stack, "/v1/completions", body)
     for choice in payload["choices"]:
         assert re.fullmatch(pattern, choice["text"]), choice["text"]
@@ -301,5 +362,6 @@ async def test_a_grammar_that_does_not_compile_is_a_400_naming_it(stack: Stack):
     body = {"prompt": "x", "structured_outputs": {"grammar": "a", "structural_tag": "{}"}}
     error = await refused(stack, "/v1/completions", body)
     assert (error["param"], error["code"]) == (
-        "structured_outputs.structural_tag", "unsupported_parameter",
-    )  # fmt: skip
+        "structured_outputs.structural_tag",
+        "unsupported_parameter",
+    )

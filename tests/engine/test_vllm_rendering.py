@@ -50,9 +50,11 @@ def as_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
 def test_continue_final_message_matches_transformers(tmp_path, byte_tok, template):
     chat, hf = oracle(tmp_path, byte_tok, template)
     expected = hf.apply_chat_template(
-        as_dicts(CONTINUED), tokenize=False, add_generation_prompt=False,
+        as_dicts(CONTINUED),
+        tokenize=False,
+        add_generation_prompt=False,
         continue_final_message=True,
-    )  # fmt: skip
+    )
     text = chat.render(CONTINUED, add_generation_prompt=False, continue_final_message=True)
     assert text == expected
     assert text.rstrip().endswith("Hallo, wie") and not text.endswith("</s>")

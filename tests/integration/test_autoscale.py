@@ -30,11 +30,15 @@ CLIENTS = 3
 
 def write_profile(path: Path) -> Path:
     Profile(
-        prefill_lens=(1, 4096), prefill_tokens_per_s=(1e6, 1e6),
-        decode_batches=(1, 2), decode_contexts=(16, 4096),
-        decode_itl_ms=((25.0, 25.0), (1e5, 1e5)), kv_capacity_tokens=100_000,
-        model="pdserve-demo", note="test_autoscale: 40 tok/s per decode worker",
-    ).save(path)  # fmt: skip
+        prefill_lens=(1, 4096),
+        prefill_tokens_per_s=(1e6, 1e6),
+        decode_batches=(1, 2),
+        decode_contexts=(16, 4096),
+        decode_itl_ms=((25.0, 25.0), (1e5, 1e5)),
+        kv_capacity_tokens=100_000,
+        model="pdserve-demo",
+        note="test_autoscale: 40 tok/s per decode worker",
+    ).save(path)
     return path
 
 
@@ -58,8 +62,13 @@ async def load(gateway: str, until: asyncio.Event) -> list[tuple[int, int]]:
     """CLIENTS clients, each one request after another, until ``until`` is set: (status,
     completion tokens) of every request."""
     results: list[tuple[int, int]] = []
-    body = {"model": "pdserve-demo-llama-v1", "prompt": "scale me " * 6,
-            "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0}  # fmt: skip
+    body = {
+        "model": "pdserve-demo-llama-v1",
+        "prompt": "scale me " * 6,
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
 
     async def client(session: aiohttp.ClientSession) -> None:
         while not until.is_set():
@@ -86,12 +95,31 @@ async def test_scales_decode_up_under_load_and_drains_back_when_idle(tmp_path: P
     gateway = f"http://127.0.0.1:{port}"
     # 1P1D take the CPU shares pdserve up gives them; the budget holds one more worker's share
     share = max(1, len(os.sched_getaffinity(0)) // 2)
-    args = ["--model", "demo", "--port", str(port), "--autoscale",
-            "--planner-profile", str(write_profile(tmp_path / "profile.json")),
-            "--max-prefill-workers", "1", "--min-decode-workers", "1", "--max-decode-workers", "2",
-            "--autoscale-max-cpus", str(3 * share), "--autoscale-interval", "2",
-            "--planner-warmup-seconds", "4", "--slo-itl-ms", "50",
-            "--planner-metrics-port", str(metrics_port)]  # fmt: skip
+    args = [
+        "--model",
+        "demo",
+        "--port",
+        str(port),
+        "--autoscale",
+        "--planner-profile",
+        str(write_profile(tmp_path / "profile.json")),
+        "--max-prefill-workers",
+        "1",
+        "--min-decode-workers",
+        "1",
+        "--max-decode-workers",
+        "2",
+        "--autoscale-max-cpus",
+        str(3 * share),
+        "--autoscale-interval",
+        "2",
+        "--planner-warmup-seconds",
+        "4",
+        "--slo-itl-ms",
+        "50",
+        "--planner-metrics-port",
+        str(metrics_port),
+    ]
     env = {"PDSERVE_HEARTBEAT_SECONDS": "0.2", "PDSERVE_DRAIN_SECONDS": "20"}
     log = tmp_path / "up.log"
     with pdserve_up(args, log, env):

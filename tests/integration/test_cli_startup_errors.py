@@ -28,8 +28,12 @@ def test_cli_prints_one_line_not_a_traceback(tmp_path) -> None:
     env = clean_env(PDSERVE_CACHE_DIR=str(tmp_path / "cache"))
     proc = subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "gateway", "--model", str(cut)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("pdserve gateway:")]
@@ -40,7 +44,11 @@ def test_cli_says_what_is_wrong_in_one_line() -> None:
     env = clean_env(PDSERVE_NGRAM_MIN="6")  # from the environment, past argparse's checks
     proc = subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "decode", "--speculative", "ngram"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == "pdserve decode: --ngram-min (6) exceeds --ngram-max (4)"

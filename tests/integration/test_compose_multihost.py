@@ -136,6 +136,9 @@ def test_docker_compose_accepts_the_role_files(role: str, tmp_path: Path) -> Non
     env_file.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
     done = subprocess.run(
         [cli, "--env-file", str(env_file), "-f", str(MULTIHOST / f"{role}.yml"), "config", "-q"],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr

@@ -189,14 +189,22 @@ def test_tp_workers_list_each_rank_with_its_pid_and_transports(tmp_path: Path) -
             tmp_path,
             None,
             {**opts, "worker_id": worker, "tensor_parallel_size": tp},
-        )  # fmt: skip
+        )
         for role, worker, tp in (("prefill", "p0", 2), ("decode", "d0", 1))
     ]
     try:
         asyncio.run(loads(nats.url, {"p0", "d0"}, lambda seen: True, timeout=120))
         out = tmp_path / "doctor.json"
-        proc = doctor("--nats-url", nats.url, "--no-peer-test", "--no-peaks",
-                      "--discover-seconds", "1", "--json", str(out))  # fmt: skip
+        proc = doctor(
+            "--nats-url",
+            nats.url,
+            "--no-peer-test",
+            "--no-peaks",
+            "--discover-seconds",
+            "1",
+            "--json",
+            str(out),
+        )
     finally:
         stop_all(children)
         nats.stop()

@@ -64,8 +64,13 @@ TEXT = "Paged attention keeps the keys and values of every token in fixed-size b
 
 
 def body(i: int, max_tokens: int, repeat: int = 5) -> dict:
-    return {"model": "llama-gqa", "prompt": f"{i}: " + TEXT * repeat, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    return {
+        "model": "llama-gqa",
+        "prompt": f"{i}: " + TEXT * repeat,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
 
 
 def get_json(url: str) -> tuple[int, dict]:
@@ -86,8 +91,13 @@ class Stack:
         self.children: dict[str, Child] = {}
         for name, role in WORKERS.items():
             extra = DECODE_OPTIONS if role == "decode" else PREFILL_OPTIONS
-            options = {**WORKER_OPTIONS, **extra, "model": str(llama_dir), "worker_id": name,
-                       "metrics_port": self.metrics[name]}  # fmt: skip
+            options = {
+                **WORKER_OPTIONS,
+                **extra,
+                "model": str(llama_dir),
+                "worker_id": name,
+                "metrics_port": self.metrics[name],
+            }
             self.children[name] = start_service(role, self.nats.url, self.logs, options=options)
         port = free_port()
         options = {**GATEWAY_OPTIONS, "model": str(llama_dir), "port": port}
@@ -174,8 +184,13 @@ async def test_a_decode_worker_drains_and_its_streams_move(stack) -> None:
     try:
         results: dict[str, Stream] = {}
         task = asyncio.create_task(run_all(stack.base, bodies, results))
-        await until(lambda: len(results) == len(bodies)
-                    and all(s.tokens_seen() >= 5 for s in results.values()), "tokens", 120)  # fmt: skip
+        await until(
+            lambda: (
+                len(results) == len(bodies) and all(s.tokens_seen() >= 5 for s in results.values())
+            ),
+            "tokens",
+            120,
+        )
         where = {rid: spy.worker_of(rid) for rid in bodies}
         victim = max(set(where.values()), key=list(where.values()).count)
         running = {rid for rid, w in where.items() if w == victim and not results[rid].finish}

@@ -378,15 +378,26 @@ async def test_bad_input_is_a_4xx_openai_error(gw: Harness):
         ("/v1/completions", {**COMPLETION, "prompt": [1, 2, 10**6]}, 400, "prompt"),
         ("/v1/completions", {**COMPLETION, "prompt": "x" * (CONTEXT * 8)}, 400, None),
         ("/v1/completions", {"prompt": "x"}, 400, "model"),
-        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "bot", "content": "x"}]}, 400,
-         "messages[0].role"),
-        ("/v1/chat/completions",
-         {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
-         "messages[0].content[0].type"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "bot", "content": "x"}]},
+            400,
+            "messages[0].role",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            400,
+            "messages[0].content[0].type",
+        ),
         ("/v1/chat/completions", {**CHAT, "n": 17}, 400, "n"),
-        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400,
-         "tools[0].function"),
-    ]  # fmt: skip
+        (
+            "/v1/chat/completions",
+            {**CHAT, "tools": [{"type": "function"}]},
+            400,
+            "tools[0].function",
+        ),
+    ]
     for path, body, status, param in cases:
         code, payload, headers = await gw.post(path, body)
         assert code == status, (body if isinstance(body, dict) else body[:40], payload)
@@ -690,9 +701,12 @@ def test_router_choices_and_burst_spreading():
 
 async def test_prefill_first_then_decode_with_kv(nats_url, model_dir, tokenizer):
     async with running_harness(
-        nats_url, model_dir, tokenizer, "pd",
+        nats_url,
+        model_dir,
+        tokenizer,
+        "pd",
         extra=[(ScriptedPrefillWorker, {"worker_id": "p0"})],
-    ) as harness:  # fmt: skip
+    ) as harness:
         body = {
             **COMPLETION,
             "max_tokens": 12,
@@ -726,14 +740,17 @@ async def test_prefill_first_then_decode_with_kv(nats_url, model_dir, tokenizer)
 async def test_prefill_retried_on_another_worker(nats_url, model_dir, tokenizer):
     # The crashing and the refusing workers look least loaded, so they are tried first.
     async with running_harness(
-        nats_url, model_dir, tokenizer, "retry",
+        nats_url,
+        model_dir,
+        tokenizer,
+        "retry",
         extra=[
             (ScriptedPrefillWorker, {"worker_id": "p-crash", "mode": "crash"}),
             (ScriptedPrefillWorker, {"worker_id": "p-busy", "mode": "overloaded", "waiting": 1}),
             (ScriptedPrefillWorker, {"worker_id": "p-ok", "waiting": 5}),
         ],
         worker_timeout=DEATH_TIMEOUT,
-    ) as harness:  # fmt: skip
+    ) as harness:
         started = time.monotonic()
         code, payload, _ = await harness.post("/v1/completions", {**COMPLETION, "max_tokens": 5})
         assert code == 200, payload
@@ -745,12 +762,15 @@ async def test_prefill_retried_on_another_worker(nats_url, model_dir, tokenizer)
 
 async def test_refusing_decode_worker_is_skipped(nats_url, model_dir, tokenizer):
     async with running_harness(
-        nats_url, model_dir, tokenizer, "refuse",
+        nats_url,
+        model_dir,
+        tokenizer,
+        "refuse",
         extra=[
             (ScriptedPrefillWorker, {"worker_id": "p0"}),
             (ScriptedDecodeWorker, {"worker_id": "d-full", "refuse": True, "free_blocks": 999}),
         ],
-    ) as harness:  # fmt: skip
+    ) as harness:
         code, payload, _ = await harness.post("/v1/completions", {**COMPLETION, "max_tokens": 6})
         assert code == 200, payload
         assert payload["choices"][0]["text"] == tokenizer.decode(harness.worker.script[:6])
@@ -763,12 +783,16 @@ async def test_refusing_decode_worker_is_skipped(nats_url, model_dir, tokenizer)
 
 async def test_every_decode_worker_refusing_is_a_503(nats_url, model_dir, tokenizer):
     async with running_harness(
-        nats_url, model_dir, tokenizer, "allfull", with_worker=False,
+        nats_url,
+        model_dir,
+        tokenizer,
+        "allfull",
+        with_worker=False,
         extra=[
             (ScriptedDecodeWorker, {"worker_id": "d-full", "refuse": True}),
             (ScriptedDecodeWorker, {"worker_id": "d-full2", "refuse": True}),
         ],
-    ) as harness:  # fmt: skip
+    ) as harness:
         code, payload, headers = await harness.post("/v1/completions", COMPLETION)
         assert code == 503 and int(headers["Retry-After"]) >= 1
         assert_openai_error(payload)
@@ -777,10 +801,13 @@ async def test_every_decode_worker_refusing_is_a_503(nats_url, model_dir, tokeni
 
 async def test_prefill_deadline_is_a_504(nats_url, model_dir, tokenizer):
     async with running_harness(
-        nats_url, model_dir, tokenizer, "slow",
+        nats_url,
+        model_dir,
+        tokenizer,
+        "slow",
         extra=[(ScriptedPrefillWorker, {"worker_id": "p-silent", "mode": "silent"})],
         prefill_timeout=0.5,
-    ) as harness:  # fmt: skip
+    ) as harness:
         code, payload, _ = await harness.post("/v1/completions", COMPLETION, {"x-request-id": "t1"})
         assert code == 504
         assert_openai_error(payload)
@@ -927,11 +954,33 @@ json_values = st.recursive(
     max_leaves=12,
 )
 field_names = st.sampled_from(
-    ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
-     "top_p", "top_k", "seed", "stop", "ignore_eos", "n", "stream", "stream_options", "user",
-     "logprobs", "echo", "metadata", "store", "service_tier", "parallel_tool_calls",
-     "frequency_penalty", "presence_penalty", "logit_bias"]
-)  # fmt: skip
+    [
+        "model",
+        "prompt",
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "ignore_eos",
+        "n",
+        "stream",
+        "stream_options",
+        "user",
+        "logprobs",
+        "echo",
+        "metadata",
+        "store",
+        "service_tier",
+        "parallel_tool_calls",
+        "frequency_penalty",
+        "presence_penalty",
+        "logit_bias",
+    ]
+)
 plausible = st.fixed_dictionaries(
     {"model": st.sampled_from([MODEL, "other", ""])},
     optional={

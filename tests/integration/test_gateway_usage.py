@@ -94,7 +94,9 @@ async def test_continuous_usage_shape_is_vllms(gw: Harness):
     status, events, _ = await gw.stream("/v1/completions", body)
     assert status == 200 and events[-1] == "[DONE]"
     *chunks, final = events[:-1]
-    assert all(set(c["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"} for c in chunks)  # fmt: skip
+    assert all(
+        set(c["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"} for c in chunks
+    )
     assert set(final["usage"]) == {
         "prompt_tokens",
         "completion_tokens",

@@ -104,8 +104,13 @@ def post(url: str, body: dict) -> dict:
 
 
 def chat(base: str, message: str, max_tokens: int, seed: int, **fields) -> tuple[str, str]:
-    body = {"model": NAME, "messages": [{"role": "user", "content": message}],
-            "max_tokens": max_tokens, "seed": seed, **fields}  # fmt: skip
+    body = {
+        "model": NAME,
+        "messages": [{"role": "user", "content": message}],
+        "max_tokens": max_tokens,
+        "seed": seed,
+        **fields,
+    }
     choice = post(base + "/v1/chat/completions", body)["choices"][0]
     return choice["message"]["content"], choice["finish_reason"]
 
@@ -119,17 +124,30 @@ def test_guided_answers_of_a_real_stack_obey_their_guides(
     from tests.integration.test_up import free_port_range, metric, scrape
 
     port, metrics = free_port(), free_port_range(2)  # the first worker's /metrics, then the next
-    args = ["--port", str(port), "--prefill-workers", str(prefill_workers),
-            "--decode-workers", "1", "--metrics-port", str(metrics)]  # fmt: skip
+    args = [
+        "--port",
+        str(port),
+        "--prefill-workers",
+        str(prefill_workers),
+        "--decode-workers",
+        "1",
+        "--metrics-port",
+        str(metrics),
+    ]
     env = {"PDSERVE_CACHE_DIR": os.environ["PDSERVE_CACHE_DIR"]}
     base, log = f"http://127.0.0.1:{port}", tmp_path / "up.log"
-    repro_format = {"type": "json_schema",
-                    "json_schema": {"name": "r", "schema": REPRO["schema"]}}  # fmt: skip
+    repro_format = {"type": "json_schema", "json_schema": {"name": "r", "schema": REPRO["schema"]}}
     # (guide name, message, seed): two seeds of each guide beside the reproduction
     cases = [(n, f"Answer in the format asked. Case {s}.", s) for n in GUIDES for s in (1, 2)]
     with pdserve_up(args, log, env, timeout=240), ThreadPoolExecutor(len(cases) + 1) as pool:
-        repro = pool.submit(chat, base, REPRO["message"], REPRO["max_tokens"], REPRO["seed"],
-                            response_format=repro_format)  # fmt: skip
+        repro = pool.submit(
+            chat,
+            base,
+            REPRO["message"],
+            REPRO["max_tokens"],
+            REPRO["seed"],
+            response_format=repro_format,
+        )
         answers = [pool.submit(chat, base, m, 40, s, **request_fields(n)) for n, m, s in cases]
         content, reason = repro.result()
         answers = [a.result() for a in answers]

@@ -48,8 +48,19 @@ def wheel(tmp_path_factory) -> Path:
         copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy2
         copy(REPO / name, src / name)
     out = tmp_path_factory.mktemp("wheel")
-    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-        "-w", out, src, cwd=src)  # fmt: skip
+    run(
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "-q",
+        "-w",
+        out,
+        src,
+        cwd=src,
+    )
     [built] = out.glob("pdserve-*.whl")
     return built
 
@@ -80,9 +91,10 @@ def test_a_fresh_venv_with_hugging_face_kernels_keeps_both(wheel: Path, tmp_path
     run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=tmp_path)
     python = venv / "bin" / "python"
     site = Path(
-        run(python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))", cwd=tmp_path)
-        .stdout.strip()
-    )  # fmt: skip
+        run(
+            python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))", cwd=tmp_path
+        ).stdout.strip()
+    )
     # Hugging Face's kernels, installed there first (copied with its dist-info and RECORD)
     copied = []
     for file in theirs.files or []:
@@ -94,8 +106,18 @@ def test_a_fresh_venv_with_hugging_face_kernels_keeps_both(wheel: Path, tmp_path
         copied.append(file)
     (site / "project-deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
 
-    run(sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "-q", wheel,
-        cwd=tmp_path)  # fmt: skip
+    run(
+        sys.executable,
+        "-m",
+        "pip",
+        "--python",
+        python,
+        "install",
+        "--no-deps",
+        "-q",
+        wheel,
+        cwd=tmp_path,
+    )
 
     # theirs: every file it recorded is still there, byte for byte
     changed = [
@@ -146,14 +168,20 @@ def test_hugging_face_kernels_and_ours_import_side_by_side(where: str, tmp_path:
     cwd = REPO if where == "root" else tmp_path
     proc = subprocess.run(
         [sys.executable, "-c", SIDE_BY_SIDE, str(REPO)],
-        cwd=cwd, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stderr[-3000:]
 
 
 def test_the_cli_runs_as_a_module_from_the_root() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "--help"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0 and "doctor" in proc.stdout, proc.stderr[-3000:]

@@ -119,13 +119,24 @@ async def test_damaged_kv_is_recomputed_not_served(tmp_path, llama_dir) -> None:
     metrics_port = free_port()
     corrupting = [sys.executable, "-m", "tests.integration.corrupting_prefill"]
     children = [
-        start_service("prefill", nats.url, tmp_path, env, {**opts, "worker_id": "p-bad"},
-                      argv=corrupting),
-        start_service("decode", nats.url, tmp_path, env, {
-            **opts, "worker_id": "d-check", "kv_checksum": True,
-            "kv_failure_policy": "recompute", "metrics_port": metrics_port}),
+        start_service(
+            "prefill", nats.url, tmp_path, env, {**opts, "worker_id": "p-bad"}, argv=corrupting
+        ),
+        start_service(
+            "decode",
+            nats.url,
+            tmp_path,
+            env,
+            {
+                **opts,
+                "worker_id": "d-check",
+                "kv_checksum": True,
+                "kv_failure_policy": "recompute",
+                "metrics_port": metrics_port,
+            },
+        ),
         start_service("decode", nats.url, tmp_path, env, {**opts, "worker_id": "d-blind"}),
-    ]  # fmt: skip
+    ]
     try:
         async with connected(nats.url, children) as gw:
             for worker in ("d-check", "d-blind"):
@@ -140,8 +151,11 @@ async def test_damaged_kv_is_recomputed_not_served(tmp_path, llama_dir) -> None:
                     assert got != expected, "the damage changed nothing: the test proves nothing"
             log = log_text(children[1], 100000)
             assert "is corrupt, not served (recompute)" in log, log
-            counted = [line for line in scrape(f"http://127.0.0.1:{metrics_port}").splitlines()
-                       if line.startswith("pdserve_kv_checksum_failures_total")]  # fmt: skip
+            counted = [
+                line
+                for line in scrape(f"http://127.0.0.1:{metrics_port}").splitlines()
+                if line.startswith("pdserve_kv_checksum_failures_total")
+            ]
             assert len(counted) == 1 and counted[0].endswith(" 1.0"), counted
 
             def marked(spans) -> bool:

@@ -53,8 +53,14 @@ async def test_a_worker_publishes_vllm_kv_events_on_zmq(tmp_path):
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
     port = sub.bind_to_random_port("tcp://127.0.0.1")  # the worker connects (no "*": vLLM's rule)
     nats = start_nats(tmp_path)
-    opts = {"worker_id": "pz", "block_size": BS, "num_kv_blocks": 32, "heartbeat_seconds": 0.2,
-            "kv_events_zmq": f"tcp://127.0.0.1:{port}", "kv_events_zmq_topic": "kv"}  # fmt: skip
+    opts = {
+        "worker_id": "pz",
+        "block_size": BS,
+        "num_kv_blocks": 32,
+        "heartbeat_seconds": 0.2,
+        "kv_events_zmq": f"tcp://127.0.0.1:{port}",
+        "kv_events_zmq_topic": "kv",
+    }
     worker = start_service("prefill", nats.url, tmp_path, None, opts)
     try:
         async with connected(nats.url, [worker]) as gw:

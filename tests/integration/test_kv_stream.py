@@ -21,8 +21,17 @@ def streamed(
     """A lease whose first ``done`` blocks were complete when it was taken."""
     stream = LayerStream(LAYERS, done_blocks=frozenset(blocks[:done]))
     lease = p.leases.add(rid, blocks, num_tokens, 30.0, stream=stream)
-    handle = KVHandle("prefill-0", p.server.address, blocks, num_tokens, fingerprint(),
-                      lease.expires, lease.token, streaming=True, ready_blocks=done)  # fmt: skip
+    handle = KVHandle(
+        "prefill-0",
+        p.server.address,
+        blocks,
+        num_tokens,
+        fingerprint(),
+        lease.expires,
+        lease.token,
+        streaming=True,
+        ready_blocks=done,
+    )
     return handle, stream
 
 

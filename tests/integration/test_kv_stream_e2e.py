@@ -85,8 +85,14 @@ async def complete(base: str, rid: str, **body) -> dict:
     async with aiohttp.ClientSession() as session:
         async with session.get(base + "/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
-    payload = {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
-               "ignore_eos": True, **body}  # fmt: skip
+    payload = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        **body,
+    }
     async with aiohttp.ClientSession() as session:
         async with session.post(
             base + "/v1/completions", json=payload, headers={"x-request-id": rid}

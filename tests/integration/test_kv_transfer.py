@@ -196,9 +196,14 @@ def peer(blocks: list[int], host: str = "127.0.0.1") -> Iterator[tuple[subproces
     try:
         info = json.loads(proc.stdout.readline())
         handle = KVHandle(
-            "prefill-x", info["address"], blocks, len(blocks) * BLOCK, fingerprint(),
-            info["expires"], info["token"],
-        )  # fmt: skip
+            "prefill-x",
+            info["address"],
+            blocks,
+            len(blocks) * BLOCK,
+            fingerprint(),
+            info["expires"],
+            info["token"],
+        )
         yield proc, handle
     finally:
         if proc.poll() is None:

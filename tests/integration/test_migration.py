@@ -42,8 +42,13 @@ GRAMMAR_PREFIX = r"([a-z]{3} [0-9]{2} )*([a-z]{1,3}( [0-9]{0,2})?)?"  # cut by m
 
 
 def greedy(i: int) -> dict:
-    return {"model": MODEL, "prompt": f"{PROMPT} {i}", "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
+    return {
+        "model": MODEL,
+        "prompt": f"{PROMPT} {i}",
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
 
 
 def seeded(i: int) -> dict:
@@ -64,8 +69,11 @@ def test_the_perf_scenario_completes_every_request(tmp_path):
     argv = ["--requests", "12", "--rate", "4", "--max-tokens", "64", "--json", str(out)]
     proc = subprocess.run(
         [sys.executable, "-m", "perf.migration_bench", *argv],
-        capture_output=True, text=True, timeout=300, env={**os.environ, **QUIET_ENV},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **QUIET_ENV},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["completed"] == 12 and result["failed"] == 0

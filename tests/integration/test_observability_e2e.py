@@ -75,8 +75,14 @@ def post(url: str, body: dict, headers: dict[str, str]) -> tuple[str, dict[str, 
 def test_one_connected_trace_per_request_with_every_phase(traced_stack):
     base, rx = traced_stack
     # a prompt longer than the default local-prefill threshold, so it takes the disaggregated path
-    body = {"model": "pdserve-demo-llama-v1", "prompt": "trace me " * 8, "max_tokens": 6,
-            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "model": "pdserve-demo-llama-v1",
+        "prompt": "trace me " * 8,
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     text, headers = post(f"{base}/v1/completions", body, {"x-request-id": "obs-req-1"})
     assert headers["x-request-id"] == "obs-req-1"
     assert text.rstrip().endswith("data: [DONE]")

@@ -121,8 +121,14 @@ async def test_completion_logprobs_match_hf(
 @pytest.mark.parametrize("stream", [False, True])
 async def test_chat_logprobs_match_hf(client, llama_dir, hf_tokenizer, hf_model, stream):
     messages = [{"role": "user", "content": "Name three colours."}]
-    args = dict(model=llama_dir.name, messages=messages, max_tokens=5, temperature=0,
-                logprobs=True, top_logprobs=2)  # fmt: skip
+    args = dict(
+        model=llama_dir.name,
+        messages=messages,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     if stream:
         content = []
         async for chunk in await client.chat.completions.create(stream=True, **args):
@@ -239,16 +245,21 @@ async def test_best_of_returns_the_likeliest_choice(client, llama_dir):
 async def test_logit_bias_forces_a_token(client, llama_dir, hf_tokenizer):
     token = hf_tokenizer(" blocks", add_special_tokens=False).input_ids[0]
     resp = await client.completions.create(
-        model=llama_dir.name, prompt=LONG, max_tokens=4, temperature=0.8, seed=1,
+        model=llama_dir.name,
+        prompt=LONG,
+        max_tokens=4,
+        temperature=0.8,
+        seed=1,
         logit_bias={str(token): 100},
-    )  # fmt: skip
+    )
     assert resp.choices[0].text == hf_tokenizer.decode([token] * 4)
 
 
 async def test_min_tokens_holds_back_eos(client, llama_dir, hf_tokenizer):
     eos = hf_tokenizer.eos_token_id
-    args = dict(model=llama_dir.name, prompt=LONG, max_tokens=10, temperature=0,
-                logit_bias={str(eos): 100})  # fmt: skip
+    args = dict(
+        model=llama_dir.name, prompt=LONG, max_tokens=10, temperature=0, logit_bias={str(eos): 100}
+    )
     assert (await client.completions.create(**args)).usage.completion_tokens == 1
     resp = await client.completions.create(extra_body={"min_tokens": 4}, **args)
     assert resp.usage.completion_tokens == 5 and resp.choices[0].finish_reason == "stop"
@@ -266,9 +277,12 @@ async def test_repetition_penalty_matches_hf(client, llama_dir, hf_tokenizer, hf
             logits = hf_model(input_ids=seq).logits[:, -1]
             seq = torch.cat([seq, penalty(seq, logits).argmax(-1, keepdim=True)], dim=1)
     resp = await client.completions.create(
-        model=llama_dir.name, prompt=LONG, max_tokens=8, temperature=0,
+        model=llama_dir.name,
+        prompt=LONG,
+        max_tokens=8,
+        temperature=0,
         extra_body={"repetition_penalty": 1.5, "ignore_eos": True},
-    )  # fmt: skip
+    )
     assert resp.choices[0].text == hf_tokenizer.decode(seq[0, len(ids) :].tolist())
 
 
@@ -304,8 +318,11 @@ async def test_json_schema_outputs_all_parse_and_validate(client, llama_dir):
         resp = await client.chat.completions.create(
             model=llama_dir.name,
             messages=[{"role": "user", "content": (LONG if i % 2 else SHORT) + f" #{i}"}],
-            max_tokens=400, temperature=1.0, seed=i, response_format=fmt,
-        )  # fmt: skip
+            max_tokens=400,
+            temperature=1.0,
+            seed=i,
+            response_format=fmt,
+        )
         # bounded sizes and bounded whitespace: the grammar itself ends the answer
         assert resp.choices[0].finish_reason == "stop"
         return resp.choices[0].message.content

@@ -29,9 +29,17 @@ def run_module(module: str, *args: str, timeout: float) -> subprocess.CompletedP
 def test_kv_bench_pulls_and_compares_both_patterns(tmp_path: Path) -> None:
     out = tmp_path / "kv.json"
     proc = run_module(
-        "perf.kv_bench", "--sizes-mib", "2", "--reps", "2", "--warmup", "0", "--json", str(out),
+        "perf.kv_bench",
+        "--sizes-mib",
+        "2",
+        "--reps",
+        "2",
+        "--warmup",
+        "0",
+        "--json",
+        str(out),
         timeout=60,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     cases = {c["pattern"]: c for c in report["cases"]}
@@ -49,10 +57,23 @@ def test_kv_bench_pulls_and_compares_both_patterns(tmp_path: Path) -> None:
 def test_load_test_bounds_admission_and_leaves_no_blocks(tmp_path: Path) -> None:
     out, md = tmp_path / "load.json", tmp_path / "load.md"
     proc = run_module(
-        "perf.load_test", "--streams", "12", "--waves", "2", "--max-queue", "2",
-        "--max-tokens", "4", "--timeout", "60", "--json", str(out), "--md", str(md),
+        "perf.load_test",
+        "--streams",
+        "12",
+        "--waves",
+        "2",
+        "--max-queue",
+        "2",
+        "--max-tokens",
+        "4",
+        "--timeout",
+        "60",
+        "--json",
+        str(out),
+        "--md",
+        str(md),
         timeout=120,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["violations"] == []
@@ -135,11 +156,28 @@ def test_tp_bench_compares_tp2_with_tp1_and_pulls_every_layout(tmp_path: Path) -
     equal the ones computed from the layout."""
     out = tmp_path / "tp.json"
     proc = run_module(
-        "perf.tp_bench", "--model", "demo", "--reps", "1", "--batches", "1", "2",
-        "--batch1-prompts", "1", "--prompt-tokens", "16", "--max-tokens", "4",
-        "--kv-tokens", "40", "--kv-reps", "1", "--json", str(out),
+        "perf.tp_bench",
+        "--model",
+        "demo",
+        "--reps",
+        "1",
+        "--batches",
+        "1",
+        "2",
+        "--batch1-prompts",
+        "1",
+        "--prompt-tokens",
+        "16",
+        "--max-tokens",
+        "4",
+        "--kv-tokens",
+        "40",
+        "--kv-reps",
+        "1",
+        "--json",
+        str(out),
         timeout=300,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["note"] is None  # the demo model splits as it is
@@ -164,8 +202,9 @@ def test_tp_bench_compares_tp2_with_tp1_and_pulls_every_layout(tmp_path: Path) -
 
 def test_kv_checksum_bench_pulls_with_the_check_on_and_off(tmp_path: Path) -> None:
     out = tmp_path / "sums.json"
-    proc = run_module("perf.kv_checksum_bench", "--sizes-mib", "1", "--reps", "2",
-                      "--json", str(out), timeout=180)  # fmt: skip
+    proc = run_module(
+        "perf.kv_checksum_bench", "--sizes-mib", "1", "--reps", "2", "--json", str(out), timeout=180
+    )
     assert proc.returncode == 0, proc.stderr
     (case,) = json.loads(out.read_text())["cases"]
     assert case["blocks"] == 2 and case["off_gbps"] > 0 and case["on_gbps"] > 0
@@ -180,10 +219,28 @@ def test_roofline_bench_reads_each_pass_against_both_peaks(tmp_path: Path) -> No
     from perf.roofline_bench import RANDOM_SHAPES
 
     out, png = tmp_path / "roof.json", tmp_path / "roof.png"
-    proc = run_module("perf.roofline_bench", "--random-shape", "tiny", "--reps", "2",
-                      "--quick-peaks", "--batches", "1", "4", "--int8-batches", "1",
-                      "--prefill-lens", "64", "--steps", "3", "--json", str(out), "--plot",
-                      str(png), timeout=240)  # fmt: skip
+    proc = run_module(
+        "perf.roofline_bench",
+        "--random-shape",
+        "tiny",
+        "--reps",
+        "2",
+        "--quick-peaks",
+        "--batches",
+        "1",
+        "4",
+        "--int8-batches",
+        "1",
+        "--prefill-lens",
+        "64",
+        "--steps",
+        "3",
+        "--json",
+        str(out),
+        "--plot",
+        str(png),
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())
     before, after, roof = (doc["peaks"][k] for k in ("before", "after", "roof"))
@@ -201,9 +258,15 @@ def test_roofline_bench_reads_each_pass_against_both_peaks(tmp_path: Path) -> No
     b1, b1_int8 = cases["decode b1"]["rounds"][0], cases["decode b1 int8"]["rounds"][0]
     assert b1_int8["flops"] == b1["flops"] and b1_int8["bytes"] < b1["bytes"] / 2
     s = RANDOM_SHAPES["tiny"]
-    shape = ModelShape(s["num_hidden_layers"], s["hidden_size"], s["num_attention_heads"],
-                       s["num_key_value_heads"], s["head_dim"], s["intermediate_size"],
-                       s["vocab_size"])  # fmt: skip
+    shape = ModelShape(
+        s["num_hidden_layers"],
+        s["hidden_size"],
+        s["num_attention_heads"],
+        s["num_key_value_heads"],
+        s["head_dim"],
+        s["intermediate_size"],
+        s["vocab_size"],
+    )
     prefill = ModelCost(shape, Storage(0, 0, 0, 0)).cost(step_shape([64], [0], 0, False, 1, 1))
     assert cases["prefill 64"]["rounds"][1]["flops"] == prefill.flops
     assert png.read_bytes().startswith(b"\x89PNG") and png.stat().st_size > 20_000

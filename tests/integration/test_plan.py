@@ -19,10 +19,31 @@ NOISE = 0.75  # a neighbour's burst may slow one cell; a physics violation is fa
 
 def test_plan_quick_profiles_saves_and_advises(tmp_path: Path) -> None:
     profile_path = tmp_path / "profile.json"
-    argv = [sys.executable, "-m", "pdserve.cli", "plan", "--quick", "--model", "demo",
-            "--num-kv-blocks", "100", "--request-rate", "2", "--isl", "200", "--osl", "40",
-            "--ttft-ms", "1000", "--itl-ms", "100", "--profile-out", str(profile_path),
-            "--result-dir", str(tmp_path / "results")]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "plan",
+        "--quick",
+        "--model",
+        "demo",
+        "--num-kv-blocks",
+        "100",
+        "--request-rate",
+        "2",
+        "--isl",
+        "200",
+        "--osl",
+        "40",
+        "--ttft-ms",
+        "1000",
+        "--itl-ms",
+        "100",
+        "--profile-out",
+        str(profile_path),
+        "--result-dir",
+        str(tmp_path / "results"),
+    ]
     env = {**os.environ, "PDSERVE_LOG_LEVEL": "ERROR"}
     done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -67,9 +88,29 @@ def test_plan_quick_profiles_saves_and_advises(tmp_path: Path) -> None:
 
     # the saved profile serves again without profiling
     again = subprocess.run(
-        [*argv[:3], "plan", "--profile", str(profile_path), "--request-rate", "1", "--isl", "100",
-         "--osl", "20", "--ttft-ms", "1000", "--itl-ms", "100", "--result-dir", str(tmp_path)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            *argv[:3],
+            "plan",
+            "--profile",
+            str(profile_path),
+            "--request-rate",
+            "1",
+            "--isl",
+            "100",
+            "--osl",
+            "20",
+            "--ttft-ms",
+            "1000",
+            "--itl-ms",
+            "100",
+            "--result-dir",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert again.returncode == 0, again.stderr[-2000:]
     assert "recommendation: " in again.stdout and "profiling" not in again.stderr

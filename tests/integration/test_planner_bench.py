@@ -17,11 +17,25 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_planner_bench_sim_mode_compares_autoscale_with_fixed_fleets(tmp_path: Path) -> None:
     out = tmp_path / "planner.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "perf.planner_bench", "--mode", "sim", "--sim-duration", "300",
-         "--json", str(out), "--plot-dir", str(tmp_path)],
-        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "perf.planner_bench",
+            "--mode",
+            "sim",
+            "--sim-duration",
+            "300",
+            "--json",
+            str(out),
+            "--plot-dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
         timeout=180,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     sim = json.loads(out.read_text())["sim_8gpu"]
     auto, one, best = sim["rows"]

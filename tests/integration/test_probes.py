@@ -18,8 +18,13 @@ from tests.integration.stack import free_port, log_text, start_nats, start_servi
 from tests.integration.worker_client import connected
 
 LEASE_SECONDS = 4.0
-OPTIONS = {"num_kv_blocks": 64, "block_size": 16, "heartbeat_seconds": 0.2,
-           "lease_seconds": LEASE_SECONDS, "drain_seconds": 60.0}  # fmt: skip
+OPTIONS = {
+    "num_kv_blocks": 64,
+    "block_size": 16,
+    "heartbeat_seconds": 0.2,
+    "lease_seconds": LEASE_SECONDS,
+    "drain_seconds": 60.0,
+}
 
 
 def probe(port: int, path: str) -> tuple[int, dict]:
@@ -49,29 +54,44 @@ async def test_ready_and_live_follow_a_workers_life(tmp_path) -> None:
     nats_port = free_port()
     nats_url = f"nats://127.0.0.1:{nats_port}"
     p_port, d_port = free_port(), free_port()
-    prefill = start_service("prefill", nats_url, tmp_path, options={
-        **OPTIONS, "worker_id": "p0", "metrics_port": p_port})  # fmt: skip
+    prefill = start_service(
+        "prefill",
+        nats_url,
+        tmp_path,
+        options={**OPTIONS, "worker_id": "p0", "metrics_port": p_port},
+    )
     children, nats = [prefill], None
     try:
         # No NATS yet: the metrics port answers, the model loads, and it stays unready.
-        status, body = await until_probe(p_port, "/ready", lambda s, b: b.get("status") == "joining",
-                                         prefill)  # fmt: skip
+        status, body = await until_probe(
+            p_port, "/ready", lambda s, b: b.get("status") == "joining", prefill
+        )
         assert status == 503 and "NATS" in body["reason"]
         assert await asyncio.to_thread(probe, p_port, "/live") == (
-            200, {"status": "alive", "phase": "joining"})  # fmt: skip
+            200,
+            {"status": "alive", "phase": "joining"},
+        )
         await asyncio.sleep(1.0)
         assert (await asyncio.to_thread(probe, p_port, "/ready"))[0] == 503
 
         nats = start_nats(tmp_path, port=nats_port)
-        decode = start_service("decode", nats_url, tmp_path, options={
-            **OPTIONS, "worker_id": "d0", "metrics_port": d_port})  # fmt: skip
+        decode = start_service(
+            "decode",
+            nats_url,
+            tmp_path,
+            options={**OPTIONS, "worker_id": "d0", "metrics_port": d_port},
+        )
         children.append(decode)
         async with connected(nats_url, children) as gw:
             ready = lambda s, b: s == 200  # noqa: E731
             assert await until_probe(p_port, "/ready", ready, prefill) == (
-                200, {"status": "ready", "requests": 0, "leases": 0})  # fmt: skip
+                200,
+                {"status": "ready", "requests": 0, "leases": 0},
+            )
             assert await until_probe(d_port, "/ready", ready, decode) == (
-                200, {"status": "ready", "requests": 0})  # fmt: skip
+                200,
+                {"status": "ready", "requests": 0},
+            )
 
             # A prompt's KV under lease, then SIGTERM: draining until the lease expires.
             result = await gw.prefill("p0", "held", list(range(5, 45)))
@@ -83,7 +103,9 @@ async def test_ready_and_live_follow_a_workers_life(tmp_path) -> None:
             assert status == 503 and body["leases"] == 1 and body["requests"] == 0
             assert "no new requests" in body["reason"]
             assert await asyncio.to_thread(probe, p_port, "/live") == (
-                200, {"status": "alive", "phase": "draining"})  # fmt: skip
+                200,
+                {"status": "alive", "phase": "draining"},
+            )
             # the lease ran out (nobody pulled it): the drain is over and the worker exits
             code = await asyncio.to_thread(prefill.wait, LEASE_SECONDS + 15)
             assert code == 0, log_text(prefill)

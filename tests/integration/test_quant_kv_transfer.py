@@ -68,7 +68,7 @@ def stack(tmp_path_factory, llama_dir):
                 "kv_cache_dtype": "auto",
                 "metrics_port": ports["d-float"],
             },
-        ),  # fmt: skip
+        ),
     ]
     gateway = start_service(
         "gateway", nats.url, logs, options={"model": str(llama_dir), "port": ports["gateway"]}
@@ -91,8 +91,9 @@ async def test_int8_blocks_and_scales_cross_ucx_intact(gw, stack, llama_dir) -> 
     engine = make_engine(llama_dir, **{k: OPTIONS[k] for k in ("dtype", "kv_cache_dtype")})
     expected = engine.generate(PROMPTS, GREEDY)
     spec = engine.kv_spec
-    float_spec = kv_cache_spec("auto", torch.float32, spec.num_layers, spec.block_size,
-                               spec.num_kv_heads, spec.head_dim)  # fmt: skip
+    float_spec = kv_cache_spec(
+        "auto", torch.float32, spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim
+    )
     before = pulled_bytes(stack[2]["d-int8"])
     blocks = 0
     for i, prompt in enumerate(PROMPTS):

@@ -38,8 +38,14 @@ def card(gateway: str) -> dict:
 
 
 async def answer(session: aiohttp.ClientSession, gateway: str) -> list[int]:
-    body = {"model": SERVED, "prompt": [5, 6, 7, 8, 9], "max_tokens": 6, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    body = {
+        "model": SERVED,
+        "prompt": [5, 6, 7, 8, 9],
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     async with session.post(gateway + "/v1/completions", json=body) as resp:
         data = await resp.json()
         assert resp.status == 200, data
@@ -52,8 +58,13 @@ async def steady(
     """(status, completion tokens) of each request until ``until``; ``errors`` gets the
     bodies of the ones that failed."""
     results: list[tuple[int, int]] = []
-    body = {"model": SERVED, "prompt": "roll me out " * 4, "max_tokens": MAX_TOKENS,
-            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    body = {
+        "model": SERVED,
+        "prompt": "roll me out " * 4,
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
 
     async def client(session: aiohttp.ClientSession) -> None:
         while not until.is_set():
@@ -74,9 +85,15 @@ async def rollout(control: Path, *args: str) -> tuple[int, str, str]:
     login = dict(line.split("=", 1) for line in control.read_text().splitlines() if "=" in line)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "pdserve.cli", "rollout", *args,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**env, **login},
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "rollout",
+        *args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**env, **login},
+    )
     out, err = await asyncio.wait_for(proc.communicate(), 300)
     return proc.returncode, out.decode(), err.decode()
 
@@ -88,8 +105,16 @@ async def test_rollout_under_load_switches_versions_and_rolls_back_bad_ones(
     v2 = build_checkpoint("llama-gqa", tmp_path / "v2" / "tiny", seed=1)
     port = free_port()
     gateway = f"http://127.0.0.1:{port}"
-    args = ["--model", str(v1), "--served-model-name", SERVED, "--port", str(port),
-            "--model-version", "v1"]  # fmt: skip
+    args = [
+        "--model",
+        str(v1),
+        "--served-model-name",
+        SERVED,
+        "--port",
+        str(port),
+        "--model-version",
+        "v1",
+    ]
     env = {"PDSERVE_HEARTBEAT_SECONDS": "0.2", "PDSERVE_DRAIN_SECONDS": "20"}
     log = tmp_path / "up.log"
     with pdserve_up(args, log, env):
@@ -103,8 +128,9 @@ async def test_rollout_under_load_switches_versions_and_rolls_back_bad_ones(
         await asyncio.sleep(1.0)
 
         # 1. the new workers cannot load: rolled back, v1 serves on
-        rc, out, err = await rollout(control, "--model", str(tmp_path / "missing"),
-                                     "--model-version", "broken")  # fmt: skip
+        rc, out, err = await rollout(
+            control, "--model", str(tmp_path / "missing"), "--model-version", "broken"
+        )
         assert rc == 1 and "exited with" in err and "while loading" in err, (out, err)
         assert json.loads(out)["rolled_back"] is True
         assert card(gateway)["model_versions"] == ["v1"]
@@ -122,8 +148,9 @@ async def test_rollout_under_load_switches_versions_and_rolls_back_bad_ones(
         assert after != before  # other weights answer: v2 serves
 
         # 3. the probe's answer is wrong: rolled back, v2 serves on
-        rc, out, err = await rollout(control, "--model", str(v1), "--model-version", "v1-again",
-                                     "--expect-tokens", "0,0,0,0")  # fmt: skip
+        rc, out, err = await rollout(
+            control, "--model", str(v1), "--model-version", "v1-again", "--expect-tokens", "0,0,0,0"
+        )
         assert rc == 1 and "verification failed" in err, (out, err)
         assert card(gateway)["model_versions"] == ["v2"]
         await asyncio.sleep(1.0)

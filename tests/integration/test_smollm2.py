@@ -71,21 +71,55 @@ def ours(model):
 def varied_strings(n: int = 320) -> list[str]:
     """Unicode, emoji, CJK, code, whitespace runs, digits and chat markup, mixed at random."""
     pieces = [
-        "Hello, world!", "The quick brown fox jumps over the lazy dog.", "naïve café déjà vu",
-        "Grüße aus München", "Ελληνικά κείμενα", "Русский текст", "עברית", "مرحبا بالعالم",
-        "हिन्दी पाठ", "日本語のテキスト", "中文分词测试", "한국어 문장", "ไทย", "🚀🔥 emoji 👩‍💻🏳️‍🌈",
-        "e\u0301 combining", "zero\u200bwidth", "tab\tseparated\tvalues", "line\r\nbreaks\n",
-        "def add(a, b):\n    return a + b\n", "for (int i = 0; i < 10; i++) { x[i] = i * 2; }",
-        "SELECT * FROM t WHERE id = 42;", '{"key": [1, 2.5, -3e10], "ok": true}',
-        "<div class=\"x\">&amp;</div>", "x = 3.14159; y = 2**64 - 1", "1234567890",
-        "$1,000,000.00", "2024-06-01T12:34:56Z", "phone: +1 (555) 010-9999", "v1.2.3-rc4",
-        "   leading spaces", "trailing spaces   ", "\n\n\nnewlines\n\n", "a  1", "b \t 22",
-        "col1    col2    col3\n1       22      333", "    indented 7", "'s 're 've 'll 'd 'm 't",
-        "<|im_start|>user\nHi there<|im_end|>\n", "<|im_start|>assistant\n", "<|endoftext|>",
-        "<|im_end|><|im_start|>", "<repo_name>pdserve<file_sep>main.py", "< |im_start| >",
-        "CamelCaseIdentifier snake_case_name kebab-case-name", "https://example.com/a?b=c&d=1",
-        "C:\\Users\\name\\file.txt", "¯\\_(ツ)_/¯", "…‘quotes’ “double” — dash",
-    ]  # fmt: skip
+        "Hello, world!",
+        "The quick brown fox jumps over the lazy dog.",
+        "naïve café déjà vu",
+        "Grüße aus München",
+        "Ελληνικά κείμενα",
+        "Русский текст",
+        "עברית",
+        "مرحبا بالعالم",
+        "हिन्दी पाठ",
+        "日本語のテキスト",
+        "中文分词测试",
+        "한국어 문장",
+        "ไทย",
+        "🚀🔥 emoji 👩‍💻🏳️‍🌈",
+        "e\u0301 combining",
+        "zero\u200bwidth",
+        "tab\tseparated\tvalues",
+        "line\r\nbreaks\n",
+        "def add(a, b):\n    return a + b\n",
+        "for (int i = 0; i < 10; i++) { x[i] = i * 2; }",
+        "SELECT * FROM t WHERE id = 42;",
+        '{"key": [1, 2.5, -3e10], "ok": true}',
+        '<div class="x">&amp;</div>',
+        "x = 3.14159; y = 2**64 - 1",
+        "1234567890",
+        "$1,000,000.00",
+        "2024-06-01T12:34:56Z",
+        "phone: +1 (555) 010-9999",
+        "v1.2.3-rc4",
+        "   leading spaces",
+        "trailing spaces   ",
+        "\n\n\nnewlines\n\n",
+        "a  1",
+        "b \t 22",
+        "col1    col2    col3\n1       22      333",
+        "    indented 7",
+        "'s 're 've 'll 'd 'm 't",
+        "<|im_start|>user\nHi there<|im_end|>\n",
+        "<|im_start|>assistant\n",
+        "<|endoftext|>",
+        "<|im_end|><|im_start|>",
+        "<repo_name>pdserve<file_sep>main.py",
+        "< |im_start| >",
+        "CamelCaseIdentifier snake_case_name kebab-case-name",
+        "https://example.com/a?b=c&d=1",
+        "C:\\Users\\name\\file.txt",
+        "¯\\_(ツ)_/¯",
+        "…‘quotes’ “double” — dash",
+    ]
     rng = random.Random(14)
     out = list(pieces)
     while len(out) < n:
@@ -173,9 +207,12 @@ def hf_answers(model, hf_tokenizer) -> list[tuple[str, int, str]]:
     with torch.no_grad():
         for p in prompts:
             ids = hf.generate(
-                torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                eos_token_id=eos, pad_token_id=eos,
-            )[0, len(p) :].tolist()  # fmt: skip
+                torch.tensor([p]),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos,
+            )[0, len(p) :].tolist()
             stopped = ids[-1] == eos
             text = hf_tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=True)
             out.append((text, len(ids), "stop" if stopped else "length"))
@@ -217,8 +254,10 @@ def test_pdserve_up_1p1d_answers_like_hf(model, hf_tokenizer, tmp_path) -> None:
 
         answers = []
         for conv in CHATS:
-            r = post(base + "/v1/chat/completions",
-                     {"model": NAME, "messages": conv, "max_tokens": MAX_TOKENS, "temperature": 0})  # fmt: skip
+            r = post(
+                base + "/v1/chat/completions",
+                {"model": NAME, "messages": conv, "max_tokens": MAX_TOKENS, "temperature": 0},
+            )
             choice = r["choices"][0]
             answers.append(
                 (
@@ -228,8 +267,10 @@ def test_pdserve_up_1p1d_answers_like_hf(model, hf_tokenizer, tmp_path) -> None:
                 )
             )
         for text in COMPLETIONS:
-            r = post(base + "/v1/completions",
-                     {"model": NAME, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0})  # fmt: skip
+            r = post(
+                base + "/v1/completions",
+                {"model": NAME, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0},
+            )
             choice = r["choices"][0]
             answers.append(
                 (choice["text"], r["usage"]["completion_tokens"], choice["finish_reason"])

@@ -30,8 +30,12 @@ def hf_greedy_gguf(source, prompts: list[list[int]]) -> list[list[int]]:
     outs = []
     with torch.no_grad():
         for p in prompts:
-            ids = hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                              min_new_tokens=MAX_TOKENS)[0, len(p):]  # fmt: skip
+            ids = hf.generate(
+                torch.tensor([p]),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                min_new_tokens=MAX_TOKENS,
+            )[0, len(p) :]
             outs.append(ids.tolist())
     return outs
 

@@ -45,8 +45,10 @@ METHODS = {
 def stack(request, tmp_path_factory, checkpoints):
     logs = tmp_path_factory.mktemp("spec")
     model = str(checkpoints["llama-gqa"])
-    method = {k: v.format(model=model) if isinstance(v, str) else v
-              for k, v in METHODS[request.param].items()}  # fmt: skip
+    method = {
+        k: v.format(model=model) if isinstance(v, str) else v
+        for k, v in METHODS[request.param].items()
+    }
     rx = OtlpReceiver()
     rx.start_in_thread()
     nats = start_nats(logs)
@@ -55,13 +57,20 @@ def stack(request, tmp_path_factory, checkpoints):
     spec = {"model": model, **method, "spec_token_cost": 0}
     env = rx.env()
     children = [
-        start_service("prefill", nats.url, logs, env={**env, "PDSERVE_WORKER_ID": "spec-p0"},
-                      options=spec),
-        start_service("decode", nats.url, logs, env={**env, "PDSERVE_WORKER_ID": "spec-d0"},
-                      options={**spec, "metrics_port": metrics_port}),
-        start_service("gateway", nats.url, logs, env={**env, "PDSERVE_PORT": str(port)},
-                      options=spec),
-    ]  # fmt: skip
+        start_service(
+            "prefill", nats.url, logs, env={**env, "PDSERVE_WORKER_ID": "spec-p0"}, options=spec
+        ),
+        start_service(
+            "decode",
+            nats.url,
+            logs,
+            env={**env, "PDSERVE_WORKER_ID": "spec-d0"},
+            options={**spec, "metrics_port": metrics_port},
+        ),
+        start_service(
+            "gateway", nats.url, logs, env={**env, "PDSERVE_PORT": str(port)}, options=spec
+        ),
+    ]
     base = f"http://127.0.0.1:{port}"
     try:
         wait_http(f"{base}/health", 120, children)
@@ -99,8 +108,14 @@ def labelled(url: str, name: str, **labels: str) -> float:
 
 
 def complete(base: str, prompt: list[int], client_id: str, **extra) -> str:
-    body = {"model": "llama-gqa", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, **extra}  # fmt: skip
+    body = {
+        "model": "llama-gqa",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
     req = urllib.request.Request(
         f"{base}/v1/completions",
         json.dumps(body).encode(),
@@ -129,8 +144,10 @@ def test_decode_worker_drafts_and_answers_are_hf_s(stack):
     draft_tokens = w["pdserve_worker_spec_decode_num_draft_tokens_total"]
     accepted = w["pdserve_worker_spec_decode_num_accepted_tokens_total"]
     assert draft_tokens >= drafts > 0 and 0 < accepted <= draft_tokens
-    per_pos = [w.get(f"pdserve_worker_spec_decode_num_accepted_tokens_per_pos_total[{j}]", 0.0)
-               for j in range(4)]  # fmt: skip
+    per_pos = [
+        w.get(f"pdserve_worker_spec_decode_num_accepted_tokens_per_pos_total[{j}]", 0.0)
+        for j in range(4)
+    ]
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
 
     # the gateway re-exports the worker's totals (from its heartbeats); bench reads them there
@@ -141,13 +158,19 @@ def test_decode_worker_drafts_and_answers_are_hf_s(stack):
     wait_until(gateway_caught_up, 10, "the gateway's spec_decode counters")
     totals = scrape_spec(base)
     assert (totals.drafts, totals.draft_tokens, totals.accepted_tokens) == (
-        drafts, draft_tokens, accepted,
-    )  # fmt: skip
+        drafts,
+        draft_tokens,
+        accepted,
+    )
 
     # each request's decode.generate span tells its own drafts
     def generate_spans(spans):
-        return [s for s in spans if s.name == "decode.generate"
-                and str(s.attributes.get("pdserve.request_id", "")).startswith("spec-")]  # fmt: skip
+        return [
+            s
+            for s in spans
+            if s.name == "decode.generate"
+            and str(s.attributes.get("pdserve.request_id", "")).startswith("spec-")
+        ]
 
     spans = rx.wait_for_sync(lambda s: len(generate_spans(s)) == len(PROMPTS), timeout=30)
     spans = generate_spans(spans)
@@ -196,8 +219,11 @@ def test_worker_and_gateway_report_the_steps_roofline(stack):
     assert labelled(base, "pdserve_peak_bytes_per_second", worker="spec-p0") > 0
 
     def forwards(spans):
-        return [s for s in spans if s.name == "prefill.forward"
-                and s.attributes.get("pdserve.request_id") == "roof-1"]  # fmt: skip
+        return [
+            s
+            for s in spans
+            if s.name == "prefill.forward" and s.attributes.get("pdserve.request_id") == "roof-1"
+        ]
 
     (span,) = forwards(rx.wait_for_sync(lambda s: forwards(s), timeout=30))
     assert span.attributes["pdserve.roofline.bound"] in ("compute", "memory")
@@ -221,9 +247,27 @@ def test_bench_reports_each_phases_bottleneck(stack, tmp_path, capsys):
     from pdserve.shared.telemetry.roofline import ModelCost, ModelShape, Storage, step_shape
 
     base, _, model, _ = stack
-    rc = cli_main(["bench", "--base-url", base, "--num-requests", "4", "--input-len", "24",
-                   "--output-len", "12", "--request-rate", "inf", "--result-dir", str(tmp_path),
-                   "--result-name", "roof", "--no-plots", "--no-progress"])  # fmt: skip
+    rc = cli_main(
+        [
+            "bench",
+            "--base-url",
+            base,
+            "--num-requests",
+            "4",
+            "--input-len",
+            "24",
+            "--output-len",
+            "12",
+            "--request-rate",
+            "inf",
+            "--result-dir",
+            str(tmp_path),
+            "--result-name",
+            "roof",
+            "--no-plots",
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert "bottleneck (forward passes during the run" in out
@@ -244,8 +288,15 @@ def test_bench_reports_each_phases_bottleneck(stack, tmp_path, capsys):
     # the run's passes only, not the warm-up request's before it: the prefill FLOPs are those
     # of its 4 prompts of 24 tokens (one logits row each), however they were packed into passes
     cfg = ModelConfig.from_dir(Path(model))
-    shape = ModelShape(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
-                       cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)  # fmt: skip
+    shape = ModelShape(
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        cfg.vocab_size,
+    )
     prompts = step_shape([24] * 4, [0] * 4, 0, False, logit_rows=4, lm_head_calls=4)
     expected = ModelCost(shape, Storage(0, 0, 0, 0)).cost(prompts).flops
     assert phases["prefill"]["flops"] == pytest.approx(expected, rel=1e-9)

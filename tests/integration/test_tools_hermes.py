@@ -46,9 +46,20 @@ def stack(tmp_path_factory):
     vocab = json.loads((model / "tokenizer.json").read_text())
     ids = {t["content"]: t["id"] for t in vocab["added_tokens"]}
     port = free_port()
-    args = ["--model", str(model), "--port", str(port), "--prefill-workers", "1",
-            "--decode-workers", "1", "--served-model-name", "hermes",
-            "--tool-call-parser", "auto"]  # fmt: skip
+    args = [
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--prefill-workers",
+        "1",
+        "--decode-workers",
+        "1",
+        "--served-model-name",
+        "hermes",
+        "--tool-call-parser",
+        "auto",
+    ]
     env = {"PDSERVE_CACHE_DIR": os.environ["PDSERVE_CACHE_DIR"]}
     with pdserve_up(args, tmp / "up.log", env, timeout=240):
         import openai
@@ -59,11 +70,15 @@ def stack(tmp_path_factory):
 
 def ask(client, ids, strict: bool, choice: str = "auto", stream: bool = False):
     body = dict(
-        model="hermes", messages=ASK, max_tokens=120, temperature=0, parallel_tool_calls=False,
+        model="hermes",
+        messages=ASK,
+        max_tokens=120,
+        temperature=0,
+        parallel_tool_calls=False,
         tools=[{"type": "function", "function": {**WEATHER, "strict": strict}}],
         tool_choice=choice,
         logit_bias={str(ids["<tool_call>"]): 100, str(ids["<|im_end|>"]): 50},
-    )  # fmt: skip
+    )
     if stream:
         return joined_stream(client, **body)
     choice_ = client.chat.completions.create(**body).choices[0]

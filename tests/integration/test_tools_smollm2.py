@@ -111,8 +111,16 @@ def stack(tmp_path_factory):
     resolve(NAME)  # converted once here, so the stack starts from the cache
     tmp = tmp_path_factory.mktemp("tools-up")
     port, metrics = free_port(), free_port_range(3)
-    args = ["--port", str(port), "--prefill-workers", "1", "--decode-workers", "2",
-            "--metrics-port", str(metrics)]  # fmt: skip
+    args = [
+        "--port",
+        str(port),
+        "--prefill-workers",
+        "1",
+        "--decode-workers",
+        "2",
+        "--metrics-port",
+        str(metrics),
+    ]
     env = {"PDSERVE_CACHE_DIR": os.environ["PDSERVE_CACHE_DIR"]}
     with pdserve_up(args, tmp / "up.log", env, timeout=300) as proc:
         yield Stack(f"http://127.0.0.1:{port}", proc.pid, tmp / "up.log")
@@ -171,9 +179,14 @@ def test_a_named_call_validates_whole_and_streamed(stack) -> None:
 
 def test_a_required_call_validates(stack) -> None:
     reply = stack.client().chat.completions.create(
-        model=NAME, messages=ASK, tools=TOOLS, tool_choice="required",
-        parallel_tool_calls=False, max_tokens=120, temperature=0,
-    )  # fmt: skip
+        model=NAME,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=120,
+        temperature=0,
+    )
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
     valid_call(choice.message.tool_calls[0])
@@ -182,9 +195,13 @@ def test_a_required_call_validates(stack) -> None:
 def test_the_whole_tool_loop_ends_in_a_text_answer(stack) -> None:
     client = stack.client()
     first = client.chat.completions.create(
-        model=NAME, messages=ASK, tools=TOOLS, max_tokens=80, temperature=0,
+        model=NAME,
+        messages=ASK,
+        tools=TOOLS,
+        max_tokens=80,
+        temperature=0,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
-    ).choices[0]  # fmt: skip
+    ).choices[0]
     call = first.message.tool_calls[0]
     args = valid_call(call)
     result = {"city": args["city"], "temperature": 18, "unit": args["unit"], "sky": "sunny"}
@@ -194,9 +211,13 @@ def test_the_whole_tool_loop_ends_in_a_text_answer(stack) -> None:
         {"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)},
     ]
     final = client.chat.completions.create(
-        model=NAME, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=40,
+        model=NAME,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="none",
+        max_tokens=40,
         temperature=0,
-    ).choices[0]  # fmt: skip
+    ).choices[0]
     assert final.finish_reason in ("stop", "length") and not final.message.tool_calls
     assert isinstance(final.message.content, str) and final.message.content.strip()
 
@@ -205,8 +226,15 @@ def test_twenty_sampled_calls_all_validate(stack) -> None:
     client = stack.client()
 
     def one(seed: int) -> dict:
-        body = dict(messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
-                    max_tokens=160, temperature=1.0, seed=seed)  # fmt: skip
+        body = dict(
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=160,
+            temperature=1.0,
+            seed=seed,
+        )
         if seed % 2:
             content, calls, finish = joined_stream(client, **body)
             assert finish == "tool_calls" and len(calls) == 1, (content, calls, finish)
@@ -227,9 +255,13 @@ def test_a_call_survives_its_decode_worker_being_killed(stack) -> None:
 
     before = sum(metric(stack.base, "pdserve_request_migrations_total").values())
     client = stack.client()
-    body = dict(messages=[{"role": "user", "content": "Write a note about Paris."}],
-                tools=[NOTE], tool_choice={"type": "function", "function": {"name": "save_note"}},
-                max_tokens=400, temperature=0)  # fmt: skip
+    body = dict(
+        messages=[{"role": "user", "content": "Write a note about Paris."}],
+        tools=[NOTE],
+        tool_choice={"type": "function", "function": {"name": "save_note"}},
+        max_tokens=400,
+        temperature=0,
+    )
     killed: list[str] = []
     deadline = time.monotonic() + 30
     while stack.busy_decode_worker() is not None:  # earlier tests' load, heartbeats behind

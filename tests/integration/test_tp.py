@@ -27,10 +27,19 @@ MAX_TOKENS = 10
 
 
 def complete(base: str, prompt: list[int], rid: str) -> list[int]:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
-    req = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json", "x-request-id": rid})  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    req = urllib.request.Request(
+        base + "/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json", "x-request-id": rid},
+    )
     with urllib.request.urlopen(req, timeout=120) as resp:
         return json.loads(resp.read())["choices"][0]["token_ids"]
 
@@ -53,10 +62,22 @@ def test_pd_between_tp_sizes_matches_hf(model_dir, expected, tmp_path, prefill_t
     kv_heads, layers = cfg["num_key_value_heads"], cfg["num_hidden_layers"]
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
     port, metrics = free_port(), free_port_range(2)
-    args = ["--port", str(port), "--model", str(model_dir), "--dtype", "float64",
-            "--num-kv-blocks", "64", "--metrics-port", str(metrics),
-            "--prefill-tensor-parallel-size", str(prefill_tp),
-            "--decode-tensor-parallel-size", str(decode_tp)]  # fmt: skip
+    args = [
+        "--port",
+        str(port),
+        "--model",
+        str(model_dir),
+        "--dtype",
+        "float64",
+        "--num-kv-blocks",
+        "64",
+        "--metrics-port",
+        str(metrics),
+        "--prefill-tensor-parallel-size",
+        str(prefill_tp),
+        "--decode-tensor-parallel-size",
+        str(decode_tp),
+    ]
     with OtlpReceiver() as rx, pdserve_up(args, tmp_path / "up.log", rx.env()):
         base = f"http://127.0.0.1:{port}"
         got = [complete(base, p, f"tp-{i}") for i, p in enumerate(prompts)]
@@ -74,14 +95,19 @@ def test_pd_between_tp_sizes_matches_hf(model_dir, expected, tmp_path, prefill_t
 
         def transfers(rid: str, spans) -> set:
             return {
-                (s.attributes["pdserve.kv.decode_rank"], s.attributes["pdserve.kv.prefill_rank"],
-                 s.attributes["pdserve.kv.heads"])
+                (
+                    s.attributes["pdserve.kv.decode_rank"],
+                    s.attributes["pdserve.kv.prefill_rank"],
+                    s.attributes["pdserve.kv.heads"],
+                )
                 for s in spans
                 if s.name == "kv.transfer" and s.attributes.get("pdserve.request_id") == rid
-            }  # fmt: skip
+            }
 
         spans = rx.wait_for_sync(lambda spans: transfers("tp-2", spans) == pairs, 30)
         for i in range(len(prompts)):
             assert transfers(f"tp-{i}", spans) == pairs
-            assert sum(s.name == "kv.transfer" and s.attributes.get("pdserve.request_id")
-                       == f"tp-{i}" for s in spans) == len(pairs)  # fmt: skip
+            assert sum(
+                s.name == "kv.transfer" and s.attributes.get("pdserve.request_id") == f"tp-{i}"
+                for s in spans
+            ) == len(pairs)

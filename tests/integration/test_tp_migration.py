@@ -27,8 +27,13 @@ MODEL = "llama-mha-tied"  # the checkpoint directory's name; 4 KV heads split ov
 
 
 def body(i: int) -> dict:
-    return {"model": MODEL, "prompt": f"Tensor parallel ranks share one step {i}",
-            "max_tokens": 240, "temperature": 0, "ignore_eos": True}  # fmt: skip
+    return {
+        "model": MODEL,
+        "prompt": f"Tensor parallel ranks share one step {i}",
+        "max_tokens": 240,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
 
 
 @pytest.fixture
@@ -40,13 +45,22 @@ def stack(tmp_path, checkpoints):
     children = {
         "p0": start_service("prefill", nats.url, tmp_path, options={**options, "worker_id": "p0"}),
         **{
-            name: start_service("decode", nats.url, tmp_path,
-                                options={**options, "worker_id": name, "tensor_parallel_size": 2})
+            name: start_service(
+                "decode",
+                nats.url,
+                tmp_path,
+                options={**options, "worker_id": name, "tensor_parallel_size": 2},
+            )
             for name in ("d0", "d1")
         },
-        "gw": start_service("gateway", nats.url, tmp_path, name="gw",
-                            options={**GATEWAY_OPTIONS, "model": model, "port": port}),
-    }  # fmt: skip
+        "gw": start_service(
+            "gateway",
+            nats.url,
+            tmp_path,
+            name="gw",
+            options={**GATEWAY_OPTIONS, "model": model, "port": port},
+        ),
+    }
     try:
         yield children, nats.url, f"http://127.0.0.1:{port}"
     finally:

@@ -64,17 +64,32 @@ def test_tp2_tiers_on_both_sides_match_hf(checkpoints, workload, tmp_path):
     model_dir = checkpoints[MODEL]
     want = hf_greedy(model_dir, workload, MAX_TOKENS)
     port, metrics = free_port(), free_port_range(2)
-    args = ["--port", str(port), "--model", str(model_dir), "--dtype", "float64",
-            "--num-kv-blocks", "8", "--kv-offload-ram-gib", "0.05",
-            "--metrics-port", str(metrics), "--tensor-parallel-size", "2"]  # fmt: skip
+    args = [
+        "--port",
+        str(port),
+        "--model",
+        str(model_dir),
+        "--dtype",
+        "float64",
+        "--num-kv-blocks",
+        "8",
+        "--kv-offload-ram-gib",
+        "0.05",
+        "--metrics-port",
+        str(metrics),
+        "--tensor-parallel-size",
+        "2",
+    ]
     with pdserve_up(args, tmp_path / "up.log"):
         base = f"http://127.0.0.1:{port}"
         got = [complete(base, p, f"tier-{i}") for i, p in enumerate(workload)]
         assert got == want
         prefill = scrape(f"http://127.0.0.1:{metrics}")
         decode = scrape(f"http://127.0.0.1:{metrics + 1}")
-        for query, param in (("reset_external=maybe", "reset_external"),
-                             ("reset_running_requests=true", "reset_running_requests")):  # fmt: skip
+        for query, param in (
+            ("reset_external=maybe", "reset_external"),
+            ("reset_running_requests=true", "reset_running_requests"),
+        ):
             status, answer = post(f"{base}/reset_prefix_cache?{query}")
             assert status == 400 and answer["error"]["param"] == param, answer
         answer = reset(base, "reset_external=true")

@@ -47,8 +47,13 @@ def pid_of(text: str, worker: str) -> int:
 
 
 async def few_requests(gateway: str, n: int) -> list[int]:
-    body = {"model": "pdserve-demo-llama-v1", "prompt": "warm", "max_tokens": 4,
-            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    body = {
+        "model": "pdserve-demo-llama-v1",
+        "prompt": "warm",
+        "max_tokens": 4,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     statuses = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         for _ in range(n):
@@ -64,13 +69,31 @@ async def test_a_pooled_worker_idles_unrouted_then_serves_at_once_when_promoted(
     port, metrics_base = free_port(), free_port()
     gateway = f"http://127.0.0.1:{port}"
     share = max(1, len(os.sched_getaffinity(0)) // 2)
-    args = ["--model", "demo", "--port", str(port), "--autoscale",
-            "--planner-profile", str(write_profile(tmp_path / "profile.json")),
-            "--max-prefill-workers", "1", "--max-decode-workers", "2",
-            "--warm-decode-workers", "1",
-            "--autoscale-max-cpus", str(4 * share), "--autoscale-interval", "2",
-            "--planner-warmup-seconds", "0", "--slo-itl-ms", "50",
-            "--metrics-port", str(metrics_base)]  # fmt: skip
+    args = [
+        "--model",
+        "demo",
+        "--port",
+        str(port),
+        "--autoscale",
+        "--planner-profile",
+        str(write_profile(tmp_path / "profile.json")),
+        "--max-prefill-workers",
+        "1",
+        "--max-decode-workers",
+        "2",
+        "--warm-decode-workers",
+        "1",
+        "--autoscale-max-cpus",
+        str(4 * share),
+        "--autoscale-interval",
+        "2",
+        "--planner-warmup-seconds",
+        "0",
+        "--slo-itl-ms",
+        "50",
+        "--metrics-port",
+        str(metrics_base),
+    ]
     env = {"PDSERVE_HEARTBEAT_SECONDS": "0.2", "PDSERVE_DRAIN_SECONDS": "20"}
     log = tmp_path / "up.log"
     # slots in start order: prefill-0, decode-0, then the pool's decode-1 (metrics port + slot)
@@ -93,9 +116,11 @@ async def test_a_pooled_worker_idles_unrouted_then_serves_at_once_when_promoted(
         stop = asyncio.Event()
         running = asyncio.create_task(load(gateway, stop))
         await asyncio.to_thread(
-            wait_until, lambda: "promoted decode-1" in log.read_text(errors="replace"), 60,
+            wait_until,
+            lambda: "promoted decode-1" in log.read_text(errors="replace"),
+            60,
             "the promotion",
-        )  # fmt: skip
+        )
         promoted_at = time.monotonic()  # the refill (decode-2) starts in the same breath
         await asyncio.to_thread(wait_until, lambda: decode_steps(pooled) > 0, 30, "its first step")
         warm = time.monotonic() - promoted_at
@@ -107,8 +132,10 @@ async def test_a_pooled_worker_idles_unrouted_then_serves_at_once_when_promoted(
         results = await running
         text = log.read_text(errors="replace")
 
-    print(f"warm pool: promotion -> first decode step {warm:.2f} s; cold start -> registered "
-          f"{cold:.2f} s; standby CPU {idle_cpu:.2%}")  # fmt: skip
+    print(
+        f"warm pool: promotion -> first decode step {warm:.2f} s; cold start -> registered "
+        f"{cold:.2f} s; standby CPU {idle_cpu:.2%}"
+    )
     assert set(results) == {(200, 32)}, results
     assert warm < cold / 2, (warm, cold)
     assert "decode-2" in text and re.search(r"started decode-2 .*for the warm pool", text)

@@ -40,8 +40,12 @@ def test_verification_through_the_triton_kernels(llama_dir):
     env.update(TRITON_INTERPRET="1", PDSERVE_KERNELS="triton", PYTHONPATH=str(REPO))
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(llama_dir), str(MAX_TOKENS)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     triton = json.loads(proc.stdout.strip().splitlines()[-1])
     assert triton["drafts"] > 0 and triton["accepted"] > 0

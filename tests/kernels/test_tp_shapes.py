@@ -176,9 +176,16 @@ def test_decode_over_a_ranks_quantized_cache(
         q, *quant.cache_args(), tables, ctx, scale, THREE_SPLITS, None, 1, *quant.scale_args()
     )
     twin = reference.decode_attention(
-        f64(q), *quant.cache_args_cpu(), tables.cpu(), ctx.cpu(), scale, None, None, 1,
+        f64(q),
+        *quant.cache_args_cpu(),
+        tables.cpu(),
+        ctx.cpu(),
+        scale,
+        None,
+        None,
+        1,
         *quant.scale_args64(),
-    )  # fmt: skip
+    )
     assert_close(out, twin, DT)
 
 

@@ -44,8 +44,9 @@ def stack(topology, tmp_path_factory, llama_dir):
     try:
         cluster.start(timeout=30)
         model = {"model": str(llama_dir)}
-        s.start_1p1d({**model, **WORKER_OPTIONS}, {**model, **WORKER_OPTIONS},
-                     {**model, **GATEWAY_OPTIONS})  # fmt: skip
+        s.start_1p1d(
+            {**model, **WORKER_OPTIONS}, {**model, **WORKER_OPTIONS}, {**model, **GATEWAY_OPTIONS}
+        )
         yield s
     finally:
         s.stop()

@@ -107,8 +107,11 @@ def _free_subnet() -> int:
     for net in _networks(routes):
         for mine in (LINK_LOCAL, BENCHMARK_RANGE):
             if net.subnet_of(mine) and net.prefixlen >= 16:
-                used.update(range(int(net.network_address.packed[2]),
-                                  int(net.broadcast_address.packed[2]) + 1))  # fmt: skip
+                used.update(
+                    range(
+                        int(net.network_address.packed[2]), int(net.broadcast_address.packed[2]) + 1
+                    )
+                )
             elif mine.subnet_of(net):
                 used.update(range(256))
     choices = [s for s in range(128, 251) if s not in used and s not in _AVOID_SUBNETS]
@@ -220,8 +223,20 @@ def build(host_names: list[str], topo: Topology | None = None) -> Topology:
         )
         topo.hosts[name] = host
         ip("netns", "add", host.netns)
-        ip("-n", sw, "link", "add", host.veth, "type", "veth", "peer", "name", "eth0",
-           "netns", host.netns)  # fmt: skip
+        ip(
+            "-n",
+            sw,
+            "link",
+            "add",
+            host.veth,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            host.netns,
+        )
         _plug(sw, host.veth)
         ns = ("-n", host.netns)
         ip(*ns, "addr", "add", f"{host.address}/24", "dev", "eth0")  # first: the primary

@@ -109,16 +109,20 @@ def test_hosts_talk_on_198_18_and_the_driver_only_on_link_local(topology) -> Non
         # the 198.18 address is eth0's primary one, the one --ucx-host checks against
         shown = subprocess.run(
             host.argv("ip", "-4", "-o", "addr", "show", "dev", "eth0"),
-            capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         assert re.findall(r"inet (\S+)/", shown) == [host.address, host.mgmt], shown
     # host B reaches host C's network address through the bridge's namespace
     c = topology.hosts["c"]
     probe = "import socket, sys; socket.create_connection((sys.argv[1], 9), timeout=3)"
     reply = subprocess.run(
         topology.hosts["b"].argv(sys.executable, "-c", probe, c.address),
-        capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert "ConnectionRefusedError" in reply.stderr, reply.stderr  # C answered: port 9 is shut
 
 
@@ -134,8 +138,11 @@ def test_nats_nodes_hand_out_and_route_over_198_18_only(stack) -> None:
     )
     info = subprocess.run(
         a.argv(sys.executable, "-c", read_info, a.address, str(NATS_PORT)),
-        capture_output=True, text=True, timeout=30, check=True,
-    ).stdout  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
     urls = json.loads(info.removeprefix("INFO "))["connect_urls"]
     expected = {f"{h.address}:{NATS_PORT}" for h in stack.topo.hosts.values()}
     assert set(urls) == expected, urls

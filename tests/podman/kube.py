@@ -64,9 +64,13 @@ class Podman:
 
     def __call__(self, *args: str, timeout: float = 120, check: bool = True) -> str:
         done = subprocess.run(
-            ["podman", *args], env=self.env, capture_output=True, text=True,
-            timeout=timeout, check=False,
-        )  # fmt: skip
+            ["podman", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
         if check and done.returncode != 0:
             raise RuntimeError(f"podman {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
         return done.stdout.strip()
@@ -74,9 +78,14 @@ class Podman:
     def logs(self, container: str, tail: int) -> str:
         """What the container wrote, stdout and stderr together (pdserve logs to stderr)."""
         done = subprocess.run(
-            ["podman", "logs", "--tail", str(tail), container], env=self.env, timeout=60,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False,
-        )  # fmt: skip
+            ["podman", "logs", "--tail", str(tail), container],
+            env=self.env,
+            timeout=60,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            check=False,
+        )
         return done.stdout
 
     def ip_of(self, pod: str, network: str) -> str:
@@ -115,8 +124,11 @@ def _refresh(podman: Podman, workdir: Path) -> None:
             if not is_current("podman", podman.env):
                 subprocess.run(
                     ["sh", "-c", 'docker save "$1" | podman load', "sh", IMAGE],
-                    env=podman.env, capture_output=True, timeout=900, check=True,
-                )  # fmt: skip
+                    env=podman.env,
+                    capture_output=True,
+                    timeout=900,
+                    check=True,
+                )
     except (NoDocker, subprocess.SubprocessError) as exc:
         raise NoPodman(
             f"image {IMAGE} is from another tree and could not be rebuilt: {exc}"
@@ -134,9 +146,12 @@ def _exists(podman: Podman) -> bool:
 
 def render() -> list[dict[str, Any]]:
     out = subprocess.run(
-        ["kubectl", "kustomize", str(OVERLAY)], capture_output=True, text=True, timeout=60,
+        ["kubectl", "kustomize", str(OVERLAY)],
+        capture_output=True,
+        text=True,
+        timeout=60,
         check=True,
-    ).stdout  # fmt: skip
+    ).stdout
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
@@ -176,9 +191,12 @@ def for_podman(
     for name in names:
         template = copy.deepcopy(statefulset["spec"]["template"])
         _strip_pod(template["spec"], aliases, model_dir)
-        pod = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": prefix + name, "labels": template["metadata"]["labels"]},
-               "spec": template["spec"]}  # fmt: skip
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": prefix + name, "labels": template["metadata"]["labels"]},
+            "spec": template["spec"],
+        }
         nats_pods.append(pod)
     rest: list[dict[str, Any]] = []
     for obj in objects:

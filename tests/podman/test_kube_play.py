@@ -76,8 +76,9 @@ class Cluster:
     def logs(self, tail: int = 40) -> str:
         out = []
         for pod in self.pods:
-            for name in self.podman("ps", "-a", "--pod", "--filter", f"pod={pod}",
-                                    "--format", "{{.Names}}", check=False).split():  # fmt: skip
+            for name in self.podman(
+                "ps", "-a", "--pod", "--filter", f"pod={pod}", "--format", "{{.Names}}", check=False
+            ).split():
                 if not name.endswith("-infra"):
                     text = self.podman.logs(name, tail)
                     out.append(f"--- {name}\n{text}")
@@ -250,8 +251,13 @@ def test_streamed_chat_equals_pdserve_up(cluster: Cluster, tmp_path: Path) -> No
 
 def completion(i: int, max_tokens: int) -> dict:
     prompt = f"{i}: Paged attention keeps the keys and values of every token in blocks. " * 4
-    return {"model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    return {
+        "model": "smollm2-135m-instruct",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
 
 
 async def run_all(base: str, bodies: dict[str, dict], out: dict) -> None:
@@ -284,8 +290,13 @@ async def test_killing_a_decode_pod_migrates_its_streams(cluster: Cluster) -> No
     try:
         results: dict = {}
         task = asyncio.create_task(run_all(cluster.gateway, bodies, results))
-        await until(lambda: len(results) == len(bodies)
-                    and all(s.tokens_seen() >= 3 for s in results.values()), "tokens", 180)  # fmt: skip
+        await until(
+            lambda: (
+                len(results) == len(bodies) and all(s.tokens_seen() >= 3 for s in results.values())
+            ),
+            "tokens",
+            180,
+        )
         where = {rid: spy.worker_of(rid) for rid in bodies}
         victim = max(set(where.values()), key=list(where.values()).count)
         before = migrations(cluster.gateway)

@@ -45,12 +45,21 @@ GUIDED_ACCEPTED = [
     ({"response_format": {"type": "text"}}, {"guided": None}),
     ({"response_format": {"type": "json_object"}}, {"guided": GuidedDecoding("json_object")}),
     (
-        {"response_format": {"type": "json_schema", "json_schema": {"name": "a-1", "schema": SCHEMA}}},
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "a-1", "schema": SCHEMA},
+            }
+        },
         {"guided": GuidedDecoding("json_schema", SCHEMA_SPEC)},
     ),
     (
-        {"response_format": {"type": "json_schema", "json_schema": {
-            "name": "x", "schema": SCHEMA, "strict": True, "description": "d"}}},
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": SCHEMA, "strict": True, "description": "d"},
+            }
+        },
         {"guided": GuidedDecoding("json_schema", SCHEMA_SPEC)},
     ),
     ({"guided_json": SCHEMA}, {"guided": GuidedDecoding("json_schema", SCHEMA_SPEC)}),
@@ -63,31 +72,43 @@ GUIDED_ACCEPTED = [
         {"guided": GuidedDecoding("regex", "a+")},
     ),
     ({"response_format": None, "guided_json": None, "guided_choice": None}, {"guided": None}),
-]  # fmt: skip
+]
 COMMON_ACCEPTED = [
     ({"n": MAX_N}, {"n": MAX_N}),
-    ({"presence_penalty": -2, "frequency_penalty": 2}, {"presence_penalty": -2.0, "frequency_penalty": 2.0}),
-    ({"repetition_penalty": MAX_REPETITION_PENALTY}, {"repetition_penalty": MAX_REPETITION_PENALTY}),
+    (
+        {"presence_penalty": -2, "frequency_penalty": 2},
+        {"presence_penalty": -2.0, "frequency_penalty": 2.0},
+    ),
+    (
+        {"repetition_penalty": MAX_REPETITION_PENALTY},
+        {"repetition_penalty": MAX_REPETITION_PENALTY},
+    ),
     ({"repetition_penalty": 0.5}, {"repetition_penalty": 0.5}),
-    ({"logit_bias": {"50256": -100, "0": 100, "7": 0.5}}, {"logit_bias": {50256: -100.0, 0: 100.0, 7: 0.5}}),
+    (
+        {"logit_bias": {"50256": -100, "0": 100, "7": 0.5}},
+        {"logit_bias": {50256: -100.0, 0: 100.0, 7: 0.5}},
+    ),
     ({"logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS)}}, {}),
     ({"stop_token_ids": [0, 2, 2]}, {"stop_token_ids": [0, 2, 2]}),
     ({"stop_token_ids": [1] * MAX_STOP_TOKEN_IDS}, {}),
     ({"max_tokens": 5, "min_tokens": 5}, {"min_tokens": 5}),
     ({"min_tokens": 0}, {"min_tokens": 0}),
     *GUIDED_ACCEPTED,
-]  # fmt: skip
+]
 COMPLETION_ACCEPTED = [
     ({"n": 2, "best_of": 5}, {"n": 2, "best_of": 5}),
     ({"n": 3, "best_of": 3, "stream": True}, {"n": 3, "best_of": 3, "stream": True}),
     ({"logprobs": 0}, {"logprobs": 0}),
     ({"logprobs": MAX_LOGPROBS, "echo": True}, {"logprobs": MAX_LOGPROBS, "echo": True}),
     # lm-eval's loglikelihood: the prompt's log-probs, nothing generated
-    ({"max_tokens": 0, "echo": True, "logprobs": 1}, {"max_tokens": 0, "echo": True, "logprobs": 1}),
+    (
+        {"max_tokens": 0, "echo": True, "logprobs": 1},
+        {"max_tokens": 0, "echo": True, "logprobs": 1},
+    ),
     ({"min_tokens": 16}, {"min_tokens": 16, "max_tokens": 16}),  # the default max_tokens
     ({"echo": False, "logprobs": None}, {"echo": False, "logprobs": None}),
     *COMMON_ACCEPTED,
-]  # fmt: skip
+]
 CHAT_ACCEPTED = [
     ({"logprobs": True}, {"logprobs": 0}),
     ({"logprobs": True, "top_logprobs": MAX_LOGPROBS}, {"logprobs": MAX_LOGPROBS}),
@@ -96,7 +117,7 @@ CHAT_ACCEPTED = [
     ({"max_completion_tokens": 8, "min_tokens": 8}, {"max_tokens": 8, "min_tokens": 8}),
     ({"min_tokens": 100}, {"min_tokens": 100, "max_tokens": None}),  # capped by the context later
     *COMMON_ACCEPTED,
-]  # fmt: skip
+]
 
 
 def check_params(params, expected: dict) -> None:
@@ -117,11 +138,22 @@ def test_chat_fields_land_in_generation_params(patch, expected):
 
 def test_defaults_change_nothing():
     for params in (parse_completion(COMPLETION).params, parse_chat(CHAT).params):
-        check_params(params, {
-            "n": 1, "best_of": None, "logprobs": None, "echo": False, "presence_penalty": 0.0,
-            "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 0,
-            "logit_bias": {}, "stop_token_ids": [], "guided": None,
-        })  # fmt: skip
+        check_params(
+            params,
+            {
+                "n": 1,
+                "best_of": None,
+                "logprobs": None,
+                "echo": False,
+                "presence_penalty": 0.0,
+                "frequency_penalty": 0.0,
+                "repetition_penalty": 1.0,
+                "min_tokens": 0,
+                "logit_bias": {},
+                "stop_token_ids": [],
+                "guided": None,
+            },
+        )
 
 
 @pytest.mark.parametrize(
@@ -156,22 +188,53 @@ GUIDED_BAD = [
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"response_format": {}}, "response_format.type"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
-    ({"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": {}}}},
-     "response_format.json_schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}},
-     "response_format.json_schema.schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-     "response_format.json_schema.schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
-     "response_format.json_schema.name"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}},
-     "response_format.json_schema.name"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": 1}}},
-     "response_format.json_schema.strict"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "x": 1}}},
-     "response_format.json_schema.x"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": BIG_SCHEMA}}},
-     "response_format.json_schema.schema"),
+    (
+        {"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": {}}}},
+        "response_format.json_schema",
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}},
+        "response_format.json_schema.schema",
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        "response_format.json_schema.schema",
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+        "response_format.json_schema.name",
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}},
+        "response_format.json_schema.name",
+    ),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {}, "strict": 1},
+            }
+        },
+        "response_format.json_schema.strict",
+    ),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {}, "x": 1},
+            }
+        },
+        "response_format.json_schema.x",
+    ),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": BIG_SCHEMA},
+            }
+        },
+        "response_format.json_schema.schema",
+    ),
     ({"guided_json": 5}, "guided_json"),
     ({"guided_json": []}, "guided_json"),
     ({"guided_json": "[]"}, "guided_json"),
@@ -190,9 +253,13 @@ GUIDED_BAD = [
     ({"guided_choice": [TOO_LONG[:-2]]}, "guided_choice"),  # fits, but not as a JSON list
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ({"response_format": {"type": "json_object"}, "guided_json": {}}, "guided_json"),
-]  # fmt: skip
+]
 COMMON_BAD = [
-    ({"n": 0}, "n"), ({"n": MAX_N + 1}, "n"), ({"n": 1.5}, "n"), ({"n": "2"}, "n"), ({"n": True}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": MAX_N + 1}, "n"),
+    ({"n": 1.5}, "n"),
+    ({"n": "2"}, "n"),
+    ({"n": True}, "n"),
     ({"presence_penalty": 2.01}, "presence_penalty"),
     ({"frequency_penalty": -2.5}, "frequency_penalty"),
     ({"frequency_penalty": "0"}, "frequency_penalty"),
@@ -223,7 +290,7 @@ COMMON_BAD = [
     ({"stop_token_ids": [1, True]}, "stop_token_ids[1]"),
     ({"stop_token_ids": [0] * (MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids"),
     *GUIDED_BAD,
-]  # fmt: skip
+]
 COMPLETION_BAD = [
     ({"best_of": 0}, "best_of"),
     ({"best_of": MAX_N + 1}, "best_of"),
@@ -250,7 +317,7 @@ COMPLETION_BAD = [
     ({"prompt": [{"a": 1}]}, "prompt"),
     ({"top_logprobs": 2}, "top_logprobs"),  # chat's field
     *COMMON_BAD,
-]  # fmt: skip
+]
 CHAT_BAD = [
     ({"logprobs": 1}, "logprobs"),
     ({"logprobs": "true"}, "logprobs"),
@@ -266,7 +333,7 @@ CHAT_BAD = [
     ({"tools": []}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"),
     *COMMON_BAD,
-]  # fmt: skip
+]
 
 
 def check_refused(parse, body, param) -> APIError:
@@ -292,9 +359,10 @@ def test_error_codes_and_messages():
 
     assert err(parse_chat, {**CHAT, "tools": [{"type": "function"}]}) == {
         "message": "'tools[0].function' is required",
-        "type": "invalid_request_error", "param": "tools[0].function",
+        "type": "invalid_request_error",
+        "param": "tools[0].function",
         "code": "missing_required_parameter",
-    }  # fmt: skip
+    }
     # An unsupported top-level parameter is reported before other errors.
     body = {**COMPLETION, "n": 99, "suffix": "x"}
     assert err(parse_completion, body)["code"] == "unsupported_parameter"

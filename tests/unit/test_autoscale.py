@@ -38,16 +38,24 @@ def profile(path: Path) -> Path:
     """Prefill never binds; one decode worker does 40 tok/s (batch 1 at 25 ms; batch 2 misses
     any ITL target), so a window's decode need is rate x OSL / 40."""
     Profile(
-        prefill_lens=(1, 4096), prefill_tokens_per_s=(1e6, 1e6),
-        decode_batches=(1, 2), decode_contexts=(16, 4096),
-        decode_itl_ms=((25.0, 25.0), (1e5, 1e5)), kv_capacity_tokens=100_000,
-    ).save(path)  # fmt: skip
+        prefill_lens=(1, 4096),
+        prefill_tokens_per_s=(1e6, 1e6),
+        decode_batches=(1, 2),
+        decode_contexts=(16, 4096),
+        decode_itl_ms=((25.0, 25.0), (1e5, 1e5)),
+        kv_capacity_tokens=100_000,
+    ).save(path)
     return path
 
 
 def up_config(tmp_path: Path, **kw) -> UpConfig:
-    base = dict(autoscale=True, planner_profile=str(profile(tmp_path / "p.json")),
-                slo_ttft_ms=1000.0, slo_itl_ms=50.0, planner_warmup_seconds=0.0)  # fmt: skip
+    base = dict(
+        autoscale=True,
+        planner_profile=str(profile(tmp_path / "p.json")),
+        slo_ttft_ms=1000.0,
+        slo_itl_ms=50.0,
+        planner_warmup_seconds=0.0,
+    )
     return UpConfig(**{**base, **kw})
 
 
@@ -172,8 +180,9 @@ def scrape(port: int) -> dict[str, float]:
 
 def test_the_loop_starts_under_load_and_drains_when_idle(tmp_path: Path) -> None:
     port = free_port()
-    up = up_config(tmp_path, max_decode_workers=2, autoscale_max_cpus=3.0,
-                   planner_metrics_port=port)  # fmt: skip
+    up = up_config(
+        tmp_path, max_decode_workers=2, autoscale_max_cpus=3.0, planner_metrics_port=port
+    )
     fleet = StandIn(up, tmp_path)
     scaler = Autoscaler(fleet, autoscale.settings(up), "127.0.0.1")
     try:

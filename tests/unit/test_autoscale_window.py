@@ -42,9 +42,15 @@ class Gateway:
 
 def load(worker: str, role: str, used: int, running: int = 0, waiting: int = 0, **kw) -> WorkerLoad:
     return WorkerLoad(
-        worker_id=worker, role=role, model="m", free_blocks=100 - used, total_blocks=100,
-        running=running, waiting=waiting, **kw,
-    )  # fmt: skip
+        worker_id=worker,
+        role=role,
+        model="m",
+        free_blocks=100 - used,
+        total_blocks=100,
+        running=running,
+        waiting=waiting,
+        **kw,
+    )
 
 
 def test_a_window_is_the_difference_of_two_scrapes() -> None:

@@ -40,17 +40,22 @@ def page(
             f'pdserve_step_{name}_total{{phase="decode",role="decode",worker="d0"}} {d0[i]}',
         ]
         if d1 is not None:
-            lines.append(f'pdserve_step_{name}_total{{phase="decode",role="decode",'
-                         f'worker="d1"}} {d1[i]}')  # fmt: skip
+            lines.append(
+                f'pdserve_step_{name}_total{{phase="decode",role="decode",worker="d1"}} {d1[i]}'
+            )
     peaks = {"p0": (1e12, 100e9), "d0": (1e12, 100e9), "d1": (2e12, 400e9)}
     for i, name in enumerate(("flops", "bytes")):
         lines += [f"# TYPE pdserve_peak_{name}_per_second gauge"]
         for worker, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode")):
             if worker != "d1" or d1 is not None:
-                lines.append(f'pdserve_peak_{name}_per_second{{role="{role}",worker="{worker}"}} '
-                             f"{peaks[worker][i]}")  # fmt: skip
-    lines += ["# TYPE pdserve_kv_cache_used_blocks gauge",
-              'pdserve_kv_cache_used_blocks{role="decode",worker="d0"} 3.0']  # fmt: skip
+                lines.append(
+                    f'pdserve_peak_{name}_per_second{{role="{role}",worker="{worker}"}} '
+                    f"{peaks[worker][i]}"
+                )
+    lines += [
+        "# TYPE pdserve_kv_cache_used_blocks gauge",
+        'pdserve_kv_cache_used_blocks{role="decode",worker="d0"} 3.0',
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -120,8 +125,13 @@ def test_a_server_without_the_series_reports_nothing() -> None:
 
 def test_the_names_are_the_gateways_own() -> None:
     """The page a real gateway renders from its workers' heartbeats parses the same way."""
-    fields = {"decode_flops": 6e11, "decode_bytes": 3e11, "decode_busy_seconds": 3.0,
-              "peak_flops_per_second": 1e12, "peak_bytes_per_second": 100e9}  # fmt: skip
+    fields = {
+        "decode_flops": 6e11,
+        "decode_bytes": 3e11,
+        "decode_busy_seconds": 3.0,
+        "peak_flops_per_second": 1e12,
+        "peak_bytes_per_second": 100e9,
+    }
     load = WorkerLoad("d0", "decode", "m", 1, 2, 0, 0, **fields)
     registry = CollectorRegistry()
     registry.register(WorkerLoadCollector(lambda: [load]))
@@ -139,8 +149,9 @@ PEAKS = Peaks(1e12, 100e9, "cpu", "float32", 2, 0.0)
 
 def metrics(bottleneck: dict) -> BenchMetrics:
     d = Distribution(4, 1.0, 0.0, 1.0, {"p99": 1.0})
-    return BenchMetrics(4, 4, 0, 2.0, 40, 400, 2.0, 200.0, 220.0, d, d, d, d, 250.0, 4, 0,
-                        bottleneck=bottleneck)  # fmt: skip
+    return BenchMetrics(
+        4, 4, 0, 2.0, 40, 400, 2.0, 200.0, 220.0, d, d, d, d, 250.0, 4, 0, bottleneck=bottleneck
+    )
 
 
 def test_summary_json_and_markdown(tmp_path, capsys) -> None:

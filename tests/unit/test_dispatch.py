@@ -359,9 +359,14 @@ async def test_router_uses_the_registry_model_filter_and_kv_events(net) -> None:
     hashes = prefix_block_hashes(PROMPT, 16)
     holder = p1 if gw.router.pick_prefill([9] * 40) == "p0" else p0  # not the load's choice
     events = KVEventPublisher(
-        holder.bus, holder.worker_id, holder.load.instance, 16, lambda: (hashes, []),
-        lambda: hashes, interval=60,
-    )  # fmt: skip
+        holder.bus,
+        holder.worker_id,
+        holder.load.instance,
+        16,
+        lambda: (hashes, []),
+        lambda: hashes,
+        interval=60,
+    )
     await events.publish_now()
     await settle()
     assert gw.workers.prefix_hits(holder.worker_id, hashes) == len(hashes)

@@ -53,8 +53,10 @@ async def test_the_decode_leg_starts_with_the_prefill_and_the_token_comes_from_i
         await w["d0"].tokens(dec, [9], "length")
         events = await run.result()
         assert [(e.token_ids, e.finish_reason) for e in events] == [
-            ([7], None), ([8], None), ([9], "length")
-        ]  # fmt: skip
+            ([7], None),
+            ([8], None),
+            ([9], "length"),
+        ]
         assert events[0].cached_tokens == 3
         await settle()
         # the decode worker pulled the lease and lets it go: the gateway releases nothing

@@ -49,8 +49,9 @@ pytestmark = pytest.mark.skipif(
 
 @cache
 def render(target: str) -> tuple[dict, ...]:
-    out = subprocess.run([KUBECTL, "kustomize", str(KUBE / target)],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [KUBECTL, "kustomize", str(KUBE / target)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
 
@@ -61,8 +62,11 @@ def of_kind(objects, kind: str) -> dict[str, dict]:
 
 def pods(objects) -> dict[str, dict]:
     """Workload name -> its pod template."""
-    return {name: o["spec"]["template"] for kind in ("Deployment", "StatefulSet")
-            for name, o in of_kind(objects, kind).items()}  # fmt: skip
+    return {
+        name: o["spec"]["template"]
+        for kind in ("Deployment", "StatefulSet")
+        for name, o in of_kind(objects, kind).items()
+    }
 
 
 def env_of(objects, container: dict) -> dict[str, str]:
@@ -170,8 +174,11 @@ def test_probes_ask_what_the_processes_serve(target: str) -> None:
 
 
 def nats_conf(objects) -> str:
-    (conf,) = [m["data"]["nats.conf"] for m in of_kind(objects, "ConfigMap").values()
-               if "nats.conf" in m.get("data", {})]  # fmt: skip
+    (conf,) = [
+        m["data"]["nats.conf"]
+        for m in of_kind(objects, "ConfigMap").values()
+        if "nats.conf" in m.get("data", {})
+    ]
     return conf
 
 
@@ -235,8 +242,11 @@ def test_resources_budgets_and_the_read_only_model(target: str) -> None:
         for c in pod["spec"]["containers"]:
             for kind in ("requests", "limits"):
                 assert {"cpu", "memory"} <= set(c["resources"][kind]), (name, kind)
-        (budget,) = [b for b in budgets.values()
-                     if b["spec"]["selector"]["matchLabels"].items() <= labels.items()]  # fmt: skip
+        (budget,) = [
+            b
+            for b in budgets.values()
+            if b["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        ]
         assert budget["spec"]["maxUnavailable"] == 1, name
         if labels[COMPONENT] not in ROLES:
             continue
@@ -295,18 +305,23 @@ def allowed(policies: list[dict], source: dict, dest: dict, port: int) -> bool:
     if not mine:
         return True
     return any(
-        (not rule.get("from")
-         or any(selects(peer["podSelector"], source["labels"]) for peer in rule["from"]))
+        (
+            not rule.get("from")
+            or any(selects(peer["podSelector"], source["labels"]) for peer in rule["from"])
+        )
         and (not rule.get("ports") or any(port_ok(p) for p in rule["ports"]))
-        for policy in mine for rule in policy["spec"].get("ingress", [])
-    )  # fmt: skip
+        for policy in mine
+        for rule in policy["spec"].get("ingress", [])
+    )
 
 
 def test_only_the_gateway_reaches_the_workers_and_workers_reach_each_other() -> None:
     objects = render("overlays/cpu")
     policies = list(of_kind(objects, "NetworkPolicy").values())
-    pod = {name: {"labels": t["metadata"]["labels"], "ports": t["spec"]["containers"][0]["ports"]}
-           for name, t in pods(objects).items()}  # fmt: skip
+    pod = {
+        name: {"labels": t["metadata"]["labels"], "ports": t["spec"]["containers"][0]["ports"]}
+        for name, t in pods(objects).items()
+    }
     stranger = {"labels": {"app": "something-else"}, "ports": []}
     go = lambda s, d, port: allowed(policies, s, pod[d], port)  # noqa: E731
     for worker in ("prefill", "decode"):

@@ -44,8 +44,18 @@ def step(bm: BlockManager, feed: KVEventFeed) -> None:
 
 
 def test_lineage_and_clears_round_trip():
-    msg = KVEvents("p0", "i1", 2, 3, [11, 12], [7], parents=[ROOT_HASH, 11],
-                   token_ids=[1, 2, 3, 4], cleared=True, tier="host")  # fmt: skip
+    msg = KVEvents(
+        "p0",
+        "i1",
+        2,
+        3,
+        [11, 12],
+        [7],
+        parents=[ROOT_HASH, 11],
+        token_ids=[1, 2, 3, 4],
+        cleared=True,
+        tier="host",
+    )
     assert decode(encode(msg)) == msg
     old = KVEvents("p0", "i1", 2, 4, [11], [])  # without lineage: the fields' defaults
     assert decode(encode(old)).parents == [] and not decode(encode(old)).cleared
@@ -136,8 +146,9 @@ async def publish(pub: KVEventPublisher, sink: Sink) -> None:
 
 
 def load(wid: str) -> WorkerLoad:
-    return WorkerLoad(wid, "prefill", "m", 100, 100, 0, 0, ts=time.time(), block_size=BS,
-                      instance="i1")  # fmt: skip
+    return WorkerLoad(
+        wid, "prefill", "m", 100, 100, 0, 0, ts=time.time(), block_size=BS, instance="i1"
+    )
 
 
 def test_big_deltas_split_within_the_bounds_and_keep_lineage_whole():
@@ -167,8 +178,16 @@ async def test_registry_drops_a_cleared_tier_then_applies_the_message():
     bm = BlockManager(num_blocks=8, block_size=BS)
     feed = KVEventFeed(("device", "host"), lambda: [])
     sink = Sink(registry)
-    pub = KVEventPublisher(sink, "p0", "i1", BS, feed.drain_delta, feed.snapshot, 1.0,  # type: ignore[arg-type]
-                           tiers=feed.tiers)  # fmt: skip
+    pub = KVEventPublisher(
+        sink,
+        "p0",
+        "i1",
+        BS,
+        feed.drain_delta,
+        feed.snapshot,
+        1.0,  # type: ignore[arg-type]
+        tiers=feed.tiers,
+    )
     a = list(range(8))
     commit(bm, "a", a)
     step(bm, feed)

@@ -26,13 +26,20 @@ TOPIC = "kv-events"
 # vLLM's event structs: (fields without a default, in order; fields with one, in order)
 VLLM = {
     "BlockStored": (
-        ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-         "lora_name"],
+        [
+            "block_hashes",
+            "parent_block_hash",
+            "token_ids",
+            "block_size",
+            "lora_id",
+            "medium",
+            "lora_name",
+        ],
         ["extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"],
     ),
     "BlockRemoved": (["block_hashes", "medium"], ["group_idx"]),
     "AllBlocksCleared": ([], []),
-}  # fmt: skip
+}
 
 
 def vllm_event(raw, fmt: str) -> dict:
@@ -115,8 +122,17 @@ async def test_a_zmq_subscriber_reads_vllm_events(sub, fmt):
         feed = KVEventFeed(
             ("device", "host"), lambda: [tier_events.pop(0) for _ in list(tier_events)]
         )
-        pub = KVEventPublisher(NoBus(), "p0", "i1", BS, feed.drain_delta, feed.snapshot, 1.0,  # type: ignore[arg-type]
-                               tiers=feed.tiers, listeners=(zpub,))  # fmt: skip
+        pub = KVEventPublisher(
+            NoBus(),
+            "p0",
+            "i1",
+            BS,
+            feed.drain_delta,
+            feed.snapshot,
+            1.0,  # type: ignore[arg-type]
+            tiers=feed.tiers,
+            listeners=(zpub,),
+        )
 
         def step() -> None:  # the engine's end of step
             stored, removed = bm.drain_events()

@@ -42,8 +42,12 @@ def test_a_request_reads_back_as_it_was_packed() -> None:
         body(encode_request(prefix, "r1", "tok", 1 << 62, flags, (2, 6), (1, 3), runs))
     )
     assert (req.version, req.bus_id, req.token, req.reply_to, req.tag) == (
-        KV_WIRE_VERSION, "r1", "tok", b"\x00puller address", 1 << 62,
-    )  # fmt: skip
+        KV_WIRE_VERSION,
+        "r1",
+        "tok",
+        b"\x00puller address",
+        1 << 62,
+    )
     assert msgpack.unpackb(req.fingerprint) == FP
     assert req.runs is None  # the pull is read once the puller is authenticated
     req.parse()
@@ -81,8 +85,15 @@ def test_a_block_beyond_the_format_is_not_sent() -> None:
 def test_a_request_that_does_not_say_who_asks_is_dropped() -> None:
     good = {"v": KV_WIRE_VERSION, "bus_id": "r1", "token": "t", "reply_to": b"a", "tag": 8}
     decode_request(msgpack.packb(good))
-    for bad in ({"bus_id": 3}, {"token": None}, {"reply_to": "text"}, {"reply_to": b""},
-                {"tag": -1}, {"tag": 1 << 63}, {"tag": "8"}):  # fmt: skip
+    for bad in (
+        {"bus_id": 3},
+        {"token": None},
+        {"reply_to": "text"},
+        {"reply_to": b""},
+        {"tag": -1},
+        {"tag": 1 << 63},
+        {"tag": "8"},
+    ):
         with pytest.raises(ValueError):
             decode_request(msgpack.packb({**good, **bad}))
     for junk in (b"", b"\x93\x01\x02\x03", b"\xc1", msgpack.packb([good])):

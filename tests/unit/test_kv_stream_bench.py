@@ -11,8 +11,10 @@ def run(ttft: float, gap: float, pull: float | None) -> dict:
 
 
 def test_the_gap_saved_is_read_against_the_bulk_pull() -> None:
-    runs = {"bulk": [run(1.0, 0.30, 0.10), run(1.0, 0.30, 0.10)],
-            "streamed": [run(1.0, 0.22, 5.0), run(1.0, 0.22, 5.0)]}  # fmt: skip
+    runs = {
+        "bulk": [run(1.0, 0.30, 0.10), run(1.0, 0.30, 0.10)],
+        "streamed": [run(1.0, 0.22, 5.0), run(1.0, 0.22, 5.0)],
+    }
     got = summarize(runs)[SIZES[0]]
     assert got["saved_s"] == 0.08 and got["saved_per_pull"] == 0.8
     assert got["second_token_ratio"] == round(1.22 / 1.30, 4)

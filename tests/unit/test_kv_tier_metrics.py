@@ -28,8 +28,9 @@ def test_tier_series_follow_the_tiers(tmp_path) -> None:
     registry.register(KVTierCollector("decode", lambda: tiers[0].stats() if tiers else None))
     assert not any("tier" in name for name, _ in scrape(registry))
 
-    tiers.append(KVTiers(BLOCK, "0123456789abcdef", 4 * BLOCK, torch.device("cpu"), tmp_path,
-                         1 << 20))  # fmt: skip
+    tiers.append(
+        KVTiers(BLOCK, "0123456789abcdef", 4 * BLOCK, torch.device("cpu"), tmp_path, 1 << 20)
+    )
     t = tiers[0]
     for h in range(6):
         t.store(h, torch.full((BLOCK,), h, dtype=torch.uint8))
@@ -39,8 +40,7 @@ def test_tier_series_follow_the_tiers(tmp_path) -> None:
     t.claim(0)  # only on disk now
     (tmp_path / "0000000000000009.fedcba9876543210.kv").write_bytes(b"another layout's")
     t.close()
-    tiers[0] = KVTiers(BLOCK, "0123456789abcdef", 4 * BLOCK, torch.device("cpu"), tmp_path,
-                       1 << 20)  # fmt: skip
+    tiers[0] = KVTiers(BLOCK, "0123456789abcdef", 4 * BLOCK, torch.device("cpu"), tmp_path, 1 << 20)
     again = tiers[0]
     again.flush()  # its scan
     restarted = scrape(registry)

@@ -213,9 +213,14 @@ def test_the_circle_check_counts_hidden_imports(tmp_path: Path) -> None:
     assert import_circles(graph) == [["pdserve.gateway.a", "pdserve.gateway.pkg.b"]]
     graph["pdserve.shared.d"]["pdserve.cli"] = 1  # d -> cli -> a -> b -> c -> d
     assert import_circles(graph) == [
-        ["pdserve.cli", "pdserve.gateway.a", "pdserve.gateway.pkg.b", "pdserve.gateway.pkg.c",
-         "pdserve.shared.d"]
-    ]  # fmt: skip
+        [
+            "pdserve.cli",
+            "pdserve.gateway.a",
+            "pdserve.gateway.pkg.b",
+            "pdserve.gateway.pkg.c",
+            "pdserve.shared.d",
+        ]
+    ]
 
 
 # ---- commands apart from the runtime -----------------------------------------------------------

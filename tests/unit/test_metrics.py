@@ -16,6 +16,7 @@ from prometheus_client.openmetrics.parser import (
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.shared.bus.discovery_messages import WorkerLoad
+from pdserve.shared.telemetry import buckets as bucket_tables
 from pdserve.shared.telemetry import metrics
 
 
@@ -214,6 +215,6 @@ def test_each_process_registry_is_independent() -> None:
     ],
 )
 def test_buckets_span_llm_latencies(name: str, lowest: float, highest: float) -> None:
-    bounds = getattr(metrics, name)
+    bounds = getattr(bucket_tables, name)
     assert list(bounds) == sorted(set(bounds))
     assert bounds[0] <= lowest and bounds[-1] >= highest

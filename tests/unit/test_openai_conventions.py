@@ -125,11 +125,14 @@ def test_stream_options():
     assert (p.include_usage, p.continuous_usage) == (False, False)
     for bad, param in [
         ({"continuous_usage_stats": "yes"}, "stream_options.continuous_usage_stats"),
-        ({"include_usage": True, "continuous_usage_stats": 1}, "stream_options.continuous_usage_stats"),
+        (
+            {"include_usage": True, "continuous_usage_stats": 1},
+            "stream_options.continuous_usage_stats",
+        ),
         ({"include_usage": "true"}, "stream_options.include_usage"),
         ({"other": True}, "stream_options.other"),
         ([True], "stream_options"),
-    ]:  # fmt: skip
+    ]:
         assert error_of(parse_chat, {**CHAT, "stream": True, "stream_options": bad}).param == param
     body = {**COMPLETION, "stream_options": {"continuous_usage_stats": True}}
     assert error_of(parse_completion, body).param == "stream_options"  # stream is not true

@@ -83,7 +83,7 @@ def test_openapi_documents_the_new_fields_and_bounds():
     assert schemas["JsonSchemaFormat"]["required"] == ["name", "schema"]
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         assert schemas[name]["additionalProperties"] == {"type": "null"}  # others only as null
-        request_validator(name)  # every $ref resolves  # fmt: skip
+        request_validator(name)  # every $ref resolves
 
 
 @pytest.mark.parametrize("patch", [p for p, _ in COMPLETION_ACCEPTED])
@@ -99,12 +99,16 @@ def test_openapi_accepts_the_chats_the_validator_accepts(patch):
 # ----------------------------------------------------------------------------- fuzz
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False)
     | st.text(max_size=8),
-    lambda children: st.lists(children, max_size=3)
-    | st.dictionaries(st.text(max_size=4), children, max_size=3),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=4), children, max_size=3)
+    ),
     max_leaves=8,
-)  # fmt: skip
+)
 # Each field mostly valid, sometimes just out of bounds or of the wrong type.
 common_fields = {
     "n": st.integers(0, 17),
@@ -147,10 +151,12 @@ completion_fields = {
     ),
 }
 chat_fields = {
-    **common_fields, "logprobs": st.booleans(), "top_logprobs": st.integers(-1, 21),
-    "max_completion_tokens": st.integers(0, 40), "metadata": st.dictionaries(
-        st.text(max_size=3), st.text(max_size=3), max_size=2),
-}  # fmt: skip
+    **common_fields,
+    "logprobs": st.booleans(),
+    "top_logprobs": st.integers(-1, 21),
+    "max_completion_tokens": st.integers(0, 40),
+    "metadata": st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=2),
+}
 field_names = st.sampled_from(sorted(CHAT_KEYS | COMPLETION_KEYS | {"tools", "suffix"}))
 anything = st.one_of(st.just({}), st.dictionaries(field_names, json_values, max_size=2))
 

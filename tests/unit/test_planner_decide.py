@@ -45,48 +45,144 @@ class Case:
 CASES = [
     # dy#9294: the arithmetic wants 1 decode worker, but the one survivor would carry both
     # workers' KV (0.45 + 0.45 >= 0.8): removing one would saturate it and bring the second back
-    Case("oscillation: survivors' KV", window(osl=osl_for(0.8, 10), decode=2, kv=0.45),
-         Counts(1, 2), Counts(1, 2), d.SURVIVORS, STREAK_MET),
-    Case("oscillation: survivors' queue", window(osl=osl_for(0.8, 10), decode=2, decode_queue=3),
-         Counts(1, 2), Counts(1, 2), d.SURVIVORS, STREAK_MET),
-    Case("the same load spread thin scales down", window(osl=osl_for(0.8, 10), decode=2, kv=0.3),
-         Counts(1, 2), Counts(1, 1), None, STREAK_MET),
+    Case(
+        "oscillation: survivors' KV",
+        window(osl=osl_for(0.8, 10), decode=2, kv=0.45),
+        Counts(1, 2),
+        Counts(1, 2),
+        d.SURVIVORS,
+        STREAK_MET,
+    ),
+    Case(
+        "oscillation: survivors' queue",
+        window(osl=osl_for(0.8, 10), decode=2, decode_queue=3),
+        Counts(1, 2),
+        Counts(1, 2),
+        d.SURVIVORS,
+        STREAK_MET,
+    ),
+    Case(
+        "the same load spread thin scales down",
+        window(osl=osl_for(0.8, 10), decode=2, kv=0.3),
+        Counts(1, 2),
+        Counts(1, 1),
+        None,
+        STREAK_MET,
+    ),
     # dy#11624 / dy#14251: no requests, no latencies: still the minimum, once the streak is met
-    Case("zero demand -> minimum", window(rate=0, prefill=4, decode=6, kv=0.0, running=0),
-         Counts(4, 6), Counts(1, 1), d.ZERO_DEMAND, STREAK_MET),
-    Case("zero demand -> minimum 0", window(rate=0, prefill=4, decode=6, kv=0.0, running=0),
-         Counts(4, 6), Counts(0, 0), d.ZERO_DEMAND, STREAK_MET, Limits(min_prefill=0, min_decode=0)),
-    Case("zero demand waits one window", window(rate=0, prefill=4, decode=6, kv=0.0, running=0),
-         Counts(4, 6), Counts(4, 6), d.STREAK),
-    Case("zero demand keeps workers still holding requests",
-         window(rate=0, decode=3, kv=0.7, running=0), Counts(1, 3), Counts(1, 3), d.SURVIVORS,
-         STREAK_MET),
+    Case(
+        "zero demand -> minimum",
+        window(rate=0, prefill=4, decode=6, kv=0.0, running=0),
+        Counts(4, 6),
+        Counts(1, 1),
+        d.ZERO_DEMAND,
+        STREAK_MET,
+    ),
+    Case(
+        "zero demand -> minimum 0",
+        window(rate=0, prefill=4, decode=6, kv=0.0, running=0),
+        Counts(4, 6),
+        Counts(0, 0),
+        d.ZERO_DEMAND,
+        STREAK_MET,
+        Limits(min_prefill=0, min_decode=0),
+    ),
+    Case(
+        "zero demand waits one window",
+        window(rate=0, prefill=4, decode=6, kv=0.0, running=0),
+        Counts(4, 6),
+        Counts(4, 6),
+        d.STREAK,
+    ),
+    Case(
+        "zero demand keeps workers still holding requests",
+        window(rate=0, decode=3, kv=0.7, running=0),
+        Counts(1, 3),
+        Counts(1, 3),
+        d.SURVIVORS,
+        STREAK_MET,
+    ),
     # dy#12430: a decode worker in warm-up sees 200 ms ITLs; they must not 4x the decode target
-    Case("cold-start ITL discarded", window(osl=osl_for(0.8, 10), itl_ms=200.0, age=5.0),
-         Counts(1, 1), Counts(1, 1), d.WARMUP),
-    Case("cold-start: few requests discarded", window(rate=0.2, osl=50, itl_ms=200.0),
-         Counts(1, 1), Counts(1, 1), d.FEW_REQUESTS),
-    Case("warm-up: no scale-down while a worker warms", window(osl=osl_for(0.8, 10), decode=2,
-         kv=0.1, age=[600.0, 5.0]), Counts(1, 2), Counts(1, 2), d.WARMUP, STREAK_MET),
+    Case(
+        "cold-start ITL discarded",
+        window(osl=osl_for(0.8, 10), itl_ms=200.0, age=5.0),
+        Counts(1, 1),
+        Counts(1, 1),
+        d.WARMUP,
+    ),
+    Case(
+        "cold-start: few requests discarded",
+        window(rate=0.2, osl=50, itl_ms=200.0),
+        Counts(1, 1),
+        Counts(1, 1),
+        d.FEW_REQUESTS,
+    ),
+    Case(
+        "warm-up: no scale-down while a worker warms",
+        window(osl=osl_for(0.8, 10), decode=2, kv=0.1, age=[600.0, 5.0]),
+        Counts(1, 2),
+        Counts(1, 2),
+        d.WARMUP,
+        STREAK_MET,
+    ),
     # hysteresis: need 1.9 fits 2 workers, but only at 95%, inside the 10% band: 3 stay
-    Case("dead band holds", window(osl=osl_for(1.9, 10), decode=3), Counts(1, 3), Counts(1, 3),
-         d.DEAD_BAND, STREAK_MET),
-    Case("dead band: need exactly 2.0 keeps 3", window(osl=osl_for(2.0, 10), decode=3),
-         Counts(1, 3), Counts(1, 3), d.DEAD_BAND, STREAK_MET),
-    Case("below the band it scales down", window(osl=osl_for(1.7, 10), decode=3), Counts(1, 3),
-         Counts(1, 2), None, STREAK_MET),
-    Case("scale-down waits for the streak", window(osl=osl_for(1.7, 10), decode=3),
-         Counts(1, 3), Counts(1, 3), d.STREAK),
-    Case("scale-up is immediate", window(osl=osl_for(2.01, 10), decode=2), Counts(1, 2),
-         Counts(1, 3), None),
-    Case("max binds", window(osl=osl_for(11.5, 10), decode=8), Counts(1, 8), Counts(1, 8),
-         d.MIN_MAX),
-    Case("budget binds", window(rate=40, isl=1000, osl=200, decode=6), Counts(5, 6),
-         Counts(4, 4), d.BUDGET, limits=Limits(budget=8)),  # need 4.48P 5.85D: 4/4.48, 4/5.85
-    Case("prefill backlog adds prefill", window(isl=400, prefill_queue=600), Counts(1, 1),
-         Counts(2, 1),
-         d.BACKLOG),
-]  # fmt: skip
+    Case(
+        "dead band holds",
+        window(osl=osl_for(1.9, 10), decode=3),
+        Counts(1, 3),
+        Counts(1, 3),
+        d.DEAD_BAND,
+        STREAK_MET,
+    ),
+    Case(
+        "dead band: need exactly 2.0 keeps 3",
+        window(osl=osl_for(2.0, 10), decode=3),
+        Counts(1, 3),
+        Counts(1, 3),
+        d.DEAD_BAND,
+        STREAK_MET,
+    ),
+    Case(
+        "below the band it scales down",
+        window(osl=osl_for(1.7, 10), decode=3),
+        Counts(1, 3),
+        Counts(1, 2),
+        None,
+        STREAK_MET,
+    ),
+    Case(
+        "scale-down waits for the streak",
+        window(osl=osl_for(1.7, 10), decode=3),
+        Counts(1, 3),
+        Counts(1, 3),
+        d.STREAK,
+    ),
+    Case(
+        "scale-up is immediate",
+        window(osl=osl_for(2.01, 10), decode=2),
+        Counts(1, 2),
+        Counts(1, 3),
+        None,
+    ),
+    Case(
+        "max binds", window(osl=osl_for(11.5, 10), decode=8), Counts(1, 8), Counts(1, 8), d.MIN_MAX
+    ),
+    Case(
+        "budget binds",
+        window(rate=40, isl=1000, osl=200, decode=6),
+        Counts(5, 6),
+        Counts(4, 4),
+        d.BUDGET,
+        limits=Limits(budget=8),
+    ),  # need 4.48P 5.85D: 4/4.48, 4/5.85
+    Case(
+        "prefill backlog adds prefill",
+        window(isl=400, prefill_queue=600),
+        Counts(1, 1),
+        Counts(2, 1),
+        d.BACKLOG,
+    ),
+]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -158,8 +254,9 @@ def test_fit_budget_keeps_the_balanced_split_by_hand() -> None:
     assert got == Counts(3, 5)
     assert "prefill 3 of 4" in why and "decode 5 of 6" in why and "budget 8 GPU" in why
     # decode at TP 2 costs 2: 3P3D and 4P3D both serve 0.857; the fuller fleet wins
-    got, _ = fit_budget(Counts(4, 4), {"prefill": 3.5, "decode": 3.5},
-                        Limits(decode_cost=2, budget=10))  # fmt: skip
+    got, _ = fit_budget(
+        Counts(4, 4), {"prefill": 3.5, "decode": 3.5}, Limits(decode_cost=2, budget=10)
+    )
     assert got == Counts(4, 3)
     assert fit_budget(Counts(2, 2), need, Limits(budget=8)) == (Counts(2, 2), "")
     with pytest.raises(ValueError, match="budget"):
@@ -207,8 +304,15 @@ def test_arrivals_with_nothing_finished_hold_the_counts() -> None:
     from pdserve.services.control.planner.profile import Profile
     from pdserve.services.control.planner.workload import SLO
 
-    window = MetricsWindow(duration_s=10.0, requests=40, mean_isl=0.0, mean_osl=0.0,
-                           ttft_ms=None, itl_ms=None, workers=())  # fmt: skip
+    window = MetricsWindow(
+        duration_s=10.0,
+        requests=40,
+        mean_isl=0.0,
+        mean_osl=0.0,
+        ttft_ms=None,
+        itl_ms=None,
+        workers=(),
+    )
     current = Counts(prefill=3, decode=4)
     limits = Limits(max_prefill=8, max_decode=8)
     d = decide(window, Profile.synthetic(), SLO(500.0, 20.0), limits, current, PlannerState())

@@ -46,9 +46,10 @@ def test_a_lone_request_takes_exactly_the_profiled_times() -> None:
         hand_profile(), Workload(0, 1000, 100), RateSchedule.constant(0.05, 400), SLO_
     )
     alone = [
-        r for r in result.requests
+        r
+        for r in result.requests
         if not any(o is not r and abs(o.arrival - r.arrival) < 5 for o in result.requests)
-    ]  # fmt: skip
+    ]
     assert len(alone) >= 5
     for r in alone:
         assert r.ttft_ms == pytest.approx(100.0)
@@ -84,9 +85,14 @@ def test_the_budget_holds_while_a_drained_worker_finishes() -> None:
     worker may start only once the drained decode worker has finished its long sequences."""
     step, _ = scripted(Counts(1, 3), Counts(2, 2))
     result = simulate(
-        H200, Workload(0, 500, 3000), RateSchedule.constant(2, 300), SLO_, planner=step,
-        limits=Limits(budget=4), config=SimConfig(prefill=1, decode=3, startup_s=10),
-    )  # fmt: skip
+        H200,
+        Workload(0, 500, 3000),
+        RateSchedule.constant(2, 300),
+        SLO_,
+        planner=step,
+        limits=Limits(budget=4),
+        config=SimConfig(prefill=1, decode=3, startup_s=10),
+    )
     assert result.max_cost <= 4
     assert all(w.live_cost <= 4 for w in result.windows)
     assert result.windows[-1].serving == Counts(2, 2)
@@ -172,8 +178,9 @@ def test_the_advisor_picks_the_cheapest_pd_that_meets_the_slo(tmp_path: Path) ->
     assert "closed form:" in text and f"recommendation: {best.label}" in text
     assert "aggregated" in text.splitlines()[-1]
     # the closed form's prefill count meets the TTFT in simulation too
-    assert any(c.prefill == advice.closed_form.prefill and c.attainment >= 0.99
-               for c in advice.candidates)  # fmt: skip
+    assert any(
+        c.prefill == advice.closed_form.prefill and c.attainment >= 0.99 for c in advice.candidates
+    )
     plot_attainment(advice, tmp_path / "attainment.png")
     assert (tmp_path / "attainment.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not math.isnan(best.goodput) and best.goodput > 0.9 * workload.request_rate

@@ -28,8 +28,15 @@ from pdserve.shared.telemetry.roofline import (
 from pdserve.shared.telemetry.roofline_metrics import RooflineMetrics
 
 # 2 layers, hidden 8, 2 query heads and 1 KV head of 4, 16 MLP channels, 32 vocabulary rows
-SHAPE = ModelShape(num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
-                   intermediate_size=16, lm_head_rows=32)  # fmt: skip
+SHAPE = ModelShape(
+    num_layers=2,
+    hidden_size=8,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=4,
+    intermediate_size=16,
+    lm_head_rows=32,
+)
 # per layer: q 8x8, k 4x8, v 4x8, o 8x8, gate 16x8, up 16x8, down 8x16 = 64+32+32+64+384 = 576
 LINEAR_PARAMS = 2 * 576
 FP32 = Storage(
@@ -47,8 +54,12 @@ INT8 = Storage(
     kv_token_bytes=FP32.kv_token_bytes,
 )
 # an int8 KV cache: a byte per value plus a float32 scale per token and head: 32 bytes a token
-KV_INT8 = Storage(FP32.layer_weight_bytes, FP32.lm_head_bytes, FP32.embedding_row_bytes,
-                  kv_token_bytes=2 * 2 * 1 * (4 * 1 + 4))  # fmt: skip
+KV_INT8 = Storage(
+    FP32.layer_weight_bytes,
+    FP32.lm_head_bytes,
+    FP32.embedding_row_bytes,
+    kv_token_bytes=2 * 2 * 1 * (4 * 1 + 4),
+)
 
 
 def test_the_model_counts_every_projection_of_every_layer() -> None:
@@ -83,8 +94,9 @@ def test_a_middle_chunk_reads_its_cached_prefix_and_computes_no_logits() -> None
 def test_a_decode_batch() -> None:
     # three sequences with 4, 7 and 10 cached tokens, one new token each: 5 + 8 + 11 = 24 pairs,
     # and decode attention reads each one's whole context, the new token's K/V included
-    shape = step_shape([1, 1, 1], [4, 7, 10], num_paged=3, prefill_paged=False, logit_rows=3,
-                       lm_head_calls=1)  # fmt: skip
+    shape = step_shape(
+        [1, 1, 1], [4, 7, 10], num_paged=3, prefill_paged=False, logit_rows=3, lm_head_calls=1
+    )
     assert (shape.tokens, shape.attended, shape.kv_read_tokens) == (3, 24, 24)
     assert shape.phase == "decode"
     flops = 2 * 1152 * 3 + 4 * 2 * 2 * 4 * 24 + 2 * 8 * 32 * 3  # 6912 + 1536 + 1536
@@ -105,8 +117,14 @@ def test_a_speculative_verification() -> None:
 
 def test_a_mixed_step_is_prefill_and_adds_up_its_rows() -> None:
     # a decode (3 cached), a verification (5 cached, 1 draft), a fresh 4-token prompt chunk
-    shape = step_shape([1, 2, 4], [3, 5, 0], num_paged=2, prefill_paged=False,
-                       logit_rows=1 + 2 + 1, lm_head_calls=1)  # fmt: skip
+    shape = step_shape(
+        [1, 2, 4],
+        [3, 5, 0],
+        num_paged=2,
+        prefill_paged=False,
+        logit_rows=1 + 2 + 1,
+        lm_head_calls=1,
+    )
     assert shape.phase == "prefill"
     assert shape.attended == 4 + (6 + 7) + (1 + 2 + 3 + 4)
     assert shape.kv_read_tokens == (3 + 1) + (5 + 2)  # the fresh chunk reads no page

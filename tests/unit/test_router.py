@@ -24,9 +24,17 @@ MODEL = "m"
 
 def load(wid: str, waiting: int = 0, running: int = 0, instance: str = "i1") -> WorkerLoad:
     return WorkerLoad(
-        wid, "prefill", MODEL, 100, 100, running, waiting, ts=time.time(), block_size=BS,
+        wid,
+        "prefill",
+        MODEL,
+        100,
+        100,
+        running,
+        waiting,
+        ts=time.time(),
+        block_size=BS,
         instance=instance,
-    )  # fmt: skip
+    )
 
 
 def router_over(workers: list[WorkerLoad], cached: dict[str, set[int]]) -> Router:

@@ -25,8 +25,19 @@ TIERS = ("device", "host", "disk")
 
 
 def load(wid: str, instance: str = "i1", **kw) -> WorkerLoad:
-    return WorkerLoad(wid, "prefill", MODEL, 100, 100, 0, 0, ts=time.time(), block_size=BS,
-                      instance=instance, **kw)  # fmt: skip
+    return WorkerLoad(
+        wid,
+        "prefill",
+        MODEL,
+        100,
+        100,
+        0,
+        0,
+        ts=time.time(),
+        block_size=BS,
+        instance=instance,
+        **kw,
+    )
 
 
 class _Sink:
@@ -54,8 +65,9 @@ async def worker():
     log = TierEventLog()
     log.enabled = True
     feed = KVEventFeed(TIERS, log.take)
-    pub = KVEventPublisher(_Sink(registry), "p0", "i1", BS, feed.drain, feed.snapshot, 1.0,
-                           tiers=feed.tiers)  # fmt: skip
+    pub = KVEventPublisher(
+        _Sink(registry), "p0", "i1", BS, feed.drain, feed.snapshot, 1.0, tiers=feed.tiers
+    )
     return registry, feed, log, pub
 
 
@@ -91,9 +103,13 @@ async def test_each_tier_snapshot_replaces_only_that_tier(worker, monkeypatch):
     log.add("disk", True, range(100, 105))
     msgs = pub.messages(snapshot=True)  # per tier, in parts: device 3 parts, host 1, disk 2
     assert [(m.tier, m.part, m.parts) for m in msgs] == [
-        ("device", 0, 3), ("device", 1, 3), ("device", 2, 3), ("host", 0, 1),
-        ("disk", 0, 2), ("disk", 1, 2),
-    ]  # fmt: skip
+        ("device", 0, 3),
+        ("device", 1, 3),
+        ("device", 2, 3),
+        ("host", 0, 1),
+        ("disk", 0, 2),
+        ("disk", 1, 2),
+    ]
     for msg in msgs:
         if (msg.tier, msg.part) != ("disk", 1):  # lost: the disk keeps its previous set
             await pub.bus.publish("unused", msg)
@@ -142,10 +158,13 @@ def test_a_chain_across_tiers_costs_each_block_by_its_tier():
     prompt = list(range(2000, 2000 + 4 * BS)) + [9]
     hashes = prefix_block_hashes(prompt, BS)
     workers = [load("mixed"), load("host")]
-    router = router_over(workers, {
-        "mixed": {"device": set(hashes[:2]), "disk": set(hashes[2:])},
-        "host": {"host": set(hashes)},
-    })  # fmt: skip
+    router = router_over(
+        workers,
+        {
+            "mixed": {"device": set(hashes[:2]), "disk": set(hashes[2:])},
+            "host": {"host": set(hashes)},
+        },
+    )
     costs = router.prefill_costs(prompt)
     w = router.prefix_weight
     assert costs["mixed"] == pytest.approx(w * (1 + 2 * DEFAULT_LOAD_COST["disk"]))

@@ -98,10 +98,14 @@ def test_the_noise_stays_below_one_where_float32_rounded_it_up():
 
 def _tensors(top_k: int = VOCAB, top_p: float = 1.0) -> SamplingTensors:
     return SamplingTensors(
-        temperatures=torch.ones(1), top_ks=torch.tensor([top_k]), top_ps=torch.tensor([top_p]),
-        seeds=torch.tensor([SEED]), steps=torch.tensor([STEP]),
-        needs_filter=top_k < VOCAB or top_p < 1.0, all_greedy=False,
-    )  # fmt: skip
+        temperatures=torch.ones(1),
+        top_ks=torch.tensor([top_k]),
+        top_ps=torch.tensor([top_p]),
+        seeds=torch.tensor([SEED]),
+        steps=torch.tensor([STEP]),
+        needs_filter=top_k < VOCAB or top_p < 1.0,
+        all_greedy=False,
+    )
 
 
 def _logits() -> torch.Tensor:

@@ -117,8 +117,11 @@ def test_a_stop_token_or_eos_finishes_unless_eos_is_ignored() -> None:
     add(sch, "eos", [3, 4], SamplingParams(max_tokens=9))
     add(sch, "ignored", [3, 4], SamplingParams(max_tokens=2, ignore_eos=True))
     _, outs, _ = step(sch, lambda seq: [TOKEN if seq.bus_id == "stop" else EOS])
-    assert said(outs) == [("stop", [TOKEN], "stop"), ("eos", [EOS], "stop"),
-                          ("ignored", [EOS], None)]  # fmt: skip
+    assert said(outs) == [
+        ("stop", [TOKEN], "stop"),
+        ("eos", [EOS], "stop"),
+        ("ignored", [EOS], None),
+    ]
     _, outs, _ = step(sch, lambda seq: [EOS])
     assert said(outs) == [("ignored", [EOS], "length")] and all_free(sch)
 

@@ -130,8 +130,9 @@ def test_n_gram_drafts_are_budgeted_by_their_match_length() -> None:
     """A sequence whose 1-token matches keep failing stops verifying those, but still drafts
     when it reaches a 4-token match (copying a quoted span): on issue 26's prompts 1-token
     matches accepted 22% of their draft tokens, 4-token ones 84%."""
-    speculator = Speculator(NgramProposer(1, 4), num_tokens=4, cost=DraftCost(0.2),
-                            max_model_len=1000)  # fmt: skip
+    speculator = Speculator(
+        NgramProposer(1, 4), num_tokens=4, cost=DraftCost(0.2), max_model_len=1000
+    )
     s = seq([7, 50, 51, 52, 53, 99, 7])  # the last token matched alone
     for _ in range(10):
         speculator.propose([s])
@@ -146,8 +147,9 @@ def test_n_gram_drafts_are_budgeted_by_their_match_length() -> None:
 
 
 def test_a_new_sequence_starts_from_what_its_kind_of_draft_achieved() -> None:
-    speculator = Speculator(NgramProposer(1, 4), num_tokens=4, cost=DraftCost(0.2),
-                            max_model_len=1000)  # fmt: skip
+    speculator = Speculator(
+        NgramProposer(1, 4), num_tokens=4, cost=DraftCost(0.2), max_model_len=1000
+    )
     first = seq([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4])  # a 4-token match
     speculator.propose([first])
     assert len(first.spec_token_ids) < 4  # the blind prior (0.5) drafts short

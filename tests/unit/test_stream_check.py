@@ -42,8 +42,9 @@ def test_an_item_continues_a_choice_only_at_the_count_delivered() -> None:
     delivered = {0: [5, 6, 7], 1: []}
 
     def at(index: int, position: int, open_choices=frozenset({0, 1})) -> int:
-        return offset(index, TokenItem("r", [9], index=index, position=position), open_choices,
-                      delivered)  # fmt: skip
+        return offset(
+            index, TokenItem("r", [9], index=index, position=position), open_choices, delivered
+        )
 
     assert at(0, 3) == 0 and at(0, 5) == 2 and at(0, 1) == -2  # next, a gap, a repeat
     assert at(1, 0) == 0 and at(1, 1) == 1

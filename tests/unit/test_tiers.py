@@ -96,8 +96,12 @@ def snippet_of(argv: list[ast.expr], constants: dict[str, str]) -> str | None:
 def renders_manifests(argv: list[ast.expr]) -> bool:
     """``[KUBECTL, "kustomize", DIR]``: kubectl prints the rendered YAML of a folder and starts
     nothing else, in a fraction of a second (tests/unit/test_kubernetes_manifests.py)."""
-    return (len(argv) >= 2 and ast.unparse(argv[0]) == "KUBECTL"
-            and isinstance(argv[1], ast.Constant) and argv[1].value == "kustomize")  # fmt: skip
+    return (
+        len(argv) >= 2
+        and ast.unparse(argv[0]) == "KUBECTL"
+        and isinstance(argv[1], ast.Constant)
+        and argv[1].value == "kustomize"
+    )
 
 
 def process_problems(tree: ast.Module, where: str) -> list[str]:

@@ -66,8 +66,11 @@ async def stream(client: TestClient, body: dict) -> tuple[int, list]:
 def assert_timeout_error(payload: dict, option: str) -> None:
     """OpenAI's error shape, our timeout kind, and the option that set the limit named."""
     assert set(payload) == {"error"} and set(payload["error"]) == {
-        "message", "type", "param", "code"
-    }  # fmt: skip
+        "message",
+        "type",
+        "param",
+        "code",
+    }
     error = payload["error"]
     assert (error["type"], error["code"]) == ("timeout_error", "timeout"), error
     assert option in error["message"], error
@@ -229,16 +232,20 @@ async def test_a_total_cap_still_bounds_a_wait_for_a_decode_worker() -> None:
 def test_defaults_flags_and_env(monkeypatch) -> None:
     config = GatewayConfig()
     assert (config.request_timeout, config.first_token_timeout, config.stall_timeout) == (
-        0.0, 300.0, 60.0
-    )  # fmt: skip
+        0.0,
+        300.0,
+        60.0,
+    )
     monkeypatch.setenv("PDSERVE_STALL_TIMEOUT", "5")
     monkeypatch.setenv("PDSERVE_REQUEST_TIMEOUT", "900")
     parser = argparse.ArgumentParser()
     add_options(parser, GatewayConfig)
     config = build(GatewayConfig, parser.parse_args(["--first-token-timeout", "20"]))
     assert (config.request_timeout, config.first_token_timeout, config.stall_timeout) == (
-        900.0, 20.0, 5.0
-    )  # fmt: skip
+        900.0,
+        20.0,
+        5.0,
+    )
     assert build(GatewayConfig, parser.parse_args(["--stall-timeout", "7"])).stall_timeout == 7.0
     with pytest.raises(StartupError, match="--stall-timeout"):
         GatewayConfig(stall_timeout=-1)

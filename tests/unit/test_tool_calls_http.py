@@ -19,11 +19,19 @@ from pdserve.gateway.tools.stream import joined
 from tests.unit.fake_workers import MODEL
 from tests.unit.gateway_fixtures import serving
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 NOOP = {"type": "function", "function": {"name": "noop"}}
-CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris and Rome?"}],
-        "tools": [WEATHER, NOOP]}  # fmt: skip
+CHAT = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Weather in Paris and Rome?"}],
+    "tools": [WEATHER, NOOP],
+}
 # what Qwen2.5 writes (the test model's template has no tool syntax: the hermes fallback)
 ANSWER = (
     "Let me check both.\n"
@@ -112,11 +120,18 @@ async def test_the_stream_joins_to_the_whole_answer(model_dir, tok, per_event):
         events = await answered(client, d0, stream, ids, per_event)
     content, calls, finish = rebuilt(events)
     message = whole["choices"][0]["message"]
-    assert (content, finish) == (message["content"], "tool_calls") == ("Let me check both.\nDone.",
-                                                                       "tool_calls")  # fmt: skip
+    assert (
+        (content, finish)
+        == (message["content"], "tool_calls")
+        == ("Let me check both.\nDone.", "tool_calls")
+    )
     assert calls == CALLS
-    first = [c["delta"]["tool_calls"][0] for e in events for c in e["choices"]
-             if "tool_calls" in c["delta"] and "id" in c["delta"]["tool_calls"][0]]  # fmt: skip
+    first = [
+        c["delta"]["tool_calls"][0]
+        for e in events
+        for c in e["choices"]
+        if "tool_calls" in c["delta"] and "id" in c["delta"]["tool_calls"][0]
+    ]
     assert [f["index"] for f in first] == [0, 1]
     assert all(f["function"]["arguments"] == "" and f["type"] == "function" for f in first)
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == len(ids)

@@ -37,8 +37,10 @@ WEATHER_SCHEMA = {
     "additionalProperties": False,
 }
 WEATHER = {"name": "get_weather", "parameters": WEATHER_SCHEMA, "strict": True}
-LOOSE = {"name": "note", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}},
-                                        "required": ["x"]}}  # fmt: skip
+LOOSE = {
+    "name": "note",
+    "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+}
 NOOP = {"name": "noop"}
 FUNCTIONS = (WEATHER, LOOSE, NOOP)
 
@@ -71,8 +73,12 @@ def accepts(lltok, tokenizer, tools: ToolSetup, text: str) -> bool:
 
 # ----------------------------------------------------------------------------- the oracle
 
-SCHEMAS = {f["name"]: f.get("parameters", {"type": "object", "properties": {},
-                                            "additionalProperties": False}) for f in FUNCTIONS}  # fmt: skip
+SCHEMAS = {
+    f["name"]: f.get(
+        "parameters", {"type": "object", "properties": {}, "additionalProperties": False}
+    )
+    for f in FUNCTIONS
+}
 
 
 def write(parser: str, calls: list[tuple[str, dict]]) -> str:
@@ -85,8 +91,9 @@ def write(parser: str, calls: list[tuple[str, dict]]) -> str:
         return f"[{inner}]"
     if parser == "llama3_json":
         return "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
-    blocks = (f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>"
-              for n, a in calls)  # fmt: skip
+    blocks = (
+        f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>" for n, a in calls
+    )
     return "\n".join(blocks)
 
 
@@ -146,8 +153,10 @@ def valid_calls(tools: ToolSetup, calls: list[tuple[str, Any]]) -> bool:
 # ----------------------------------------------------------------------------- cases
 
 GOOD = ("get_weather", {"city": "Paris", "units": "c"})
-FULL = ("get_weather", {"city": "Oslo", "days": 3, "units": "f", "hourly": None,
-                        "tags": ["a", "b"]})  # fmt: skip
+FULL = (
+    "get_weather",
+    {"city": "Oslo", "days": 3, "units": "f", "hourly": None, "tags": ["a", "b"]},
+)
 CASES = [
     ([GOOD], True),
     ([FULL], True),
@@ -212,23 +221,30 @@ def test_hermes_auto_text_around_calls_never_hides_an_unchecked_call(lltok, toke
 # Arguments from hypothesis: the schema's properties with values of any shape, in the schema's
 # order (llguidance's JSON grammar keeps it), sometimes with an unknown key.
 values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(10**6), 10**6)
-    | st.text(st.characters(min_codepoint=32, max_codepoint=0x2FF, exclude_characters="\\"),
-              max_size=10),
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**6), 10**6)
+    | st.text(
+        st.characters(min_codepoint=32, max_codepoint=0x2FF, exclude_characters="\\"), max_size=10
+    ),
     lambda inner: st.lists(inner, max_size=3),
     max_leaves=4,
-)  # fmt: skip
+)
 arguments = st.fixed_dictionaries(
-    {}, optional={key: values | st.sampled_from(["c", "f", "ab"]) for key in WEATHER_SCHEMA["properties"]}
-).map(lambda d: {k: d[k] for k in WEATHER_SCHEMA["properties"] if k in d})  # fmt: skip
+    {},
+    optional={
+        key: values | st.sampled_from(["c", "f", "ab"]) for key in WEATHER_SCHEMA["properties"]
+    },
+).map(lambda d: {k: d[k] for k in WEATHER_SCHEMA["properties"] if k in d})
 extra = st.one_of(st.just({}), st.fixed_dictionaries({"wind": values}))
 
 
 @pytest.mark.parametrize("parser", ["hermes", "llama3_json", "pythonic"])
 @settings(max_examples=60, deadline=None)
 @given(args=arguments, more=extra)
-def test_any_arguments_are_accepted_exactly_when_they_validate(lltok, tokenizer, parser, args,
-                                                               more):  # fmt: skip
+def test_any_arguments_are_accepted_exactly_when_they_validate(
+    lltok, tokenizer, parser, args, more
+):
     tools = setup(parser, "function", named="get_weather")
     calls = [("get_weather", {**args, **more})]
     assert accepts(lltok, tokenizer, tools, write(parser, calls)) == valid_calls(tools, calls)

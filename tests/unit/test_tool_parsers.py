@@ -150,11 +150,15 @@ def test_llama32_pythonic_list_with_nested_values_and_tricky_strings():
     parsed = parse(text, tools("pythonic"))
     assert parsed.content is None
     assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
-        ("search", {"query": "commas, brackets] and (parens)",
-                    "filters": {"tags": ["a", "b"], "range": [1, -2.5], "exact": True,
-                                "none": None}}),
+        (
+            "search",
+            {
+                "query": "commas, brackets] and (parens)",
+                "filters": {"tags": ["a", "b"], "range": [1, -2.5], "exact": True, "none": None},
+            },
+        ),
         ("get_time", {}),
-    ]  # fmt: skip
+    ]
 
 
 def test_pythonic_json_literals_llama4_tag_and_text_after():

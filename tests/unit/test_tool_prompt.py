@@ -50,13 +50,18 @@ WEATHER = {
     "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
 }
-TOOLS = [{"type": "function", "function": WEATHER}, {"type": "function",
-          "function": {"name": "noop"}}]  # fmt: skip
+TOOLS = [
+    {"type": "function", "function": WEATHER},
+    {"type": "function", "function": {"name": "noop"}},
+]
 CALLS = [
-    {"id": "c1", "type": "function", "function": {"name": "get_weather",
-     "arguments": '{"city": "Paris"}'}},
+    {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    },
     {"id": "c2", "type": "function", "function": {"name": "noop", "arguments": "{}"}},
-]  # fmt: skip
+]
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Weather in Paris?"},
@@ -143,8 +148,10 @@ def test_the_fallback_says_what_tool_choice_asks(choice, says):
 
 def test_past_calls_are_written_in_the_parsers_format():
     llama = render(SMOLLM2_TEMPLATE, parser="llama3_json")
-    assert ('assistant\n{"name": "get_weather", "parameters": {"city": "Paris"}}; '
-            '{"name": "noop", "parameters": {}}<|im_end|>') in llama  # fmt: skip
+    assert (
+        'assistant\n{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+        '{"name": "noop", "parameters": {}}<|im_end|>'
+    ) in llama
     assert '{"name": "function_name", "parameters": {"argument": "value"}}' in llama
     pythonic = render(SMOLLM2_TEMPLATE, parser="pythonic")
     line = 'assistant\n[get_weather(city="Paris"), noop()]<|im_end|>'
@@ -163,13 +170,21 @@ def test_messages_without_tools_render_as_before():
 
 
 def test_continuing_a_final_message_after_tool_results():
-    req = parse_chat({"model": "m", "tools": TOOLS, "add_generation_prompt": False,
-                      "continue_final_message": True,
-                      "messages": [*CONVERSATION[:5], {"role": "assistant", "content": "It is"}]})  # fmt: skip
+    req = parse_chat(
+        {
+            "model": "m",
+            "tools": TOOLS,
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+            "messages": [*CONVERSATION[:5], {"role": "assistant", "content": "It is"}],
+        }
+    )
     text = ChatTemplate(SMOLLM2_TEMPLATE, None, None).render(
-        req.messages, add_generation_prompt=False, continue_final_message=True,
+        req.messages,
+        add_generation_prompt=False,
+        continue_final_message=True,
         tools=req.params.tools,
-    )  # fmt: skip
+    )
     assert text.endswith("</tool_response><|im_end|>\n<|im_start|>assistant\nIt is")
 
 

@@ -39,10 +39,16 @@ WEATHER = {
 NOOP = {"type": "function", "function": {"name": "noop"}}
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 CHAT = {"model": MODEL, "messages": USER, "tools": [WEATHER, NOOP]}
-CALL = {"id": "call_1", "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
-HISTORY = [*USER, {"role": "assistant", "content": None, "tool_calls": [CALL]},
-           {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]  # fmt: skip
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+}
+HISTORY = [
+    *USER,
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+]
 
 
 def error_of(body: dict, parser: str = "hermes") -> dict:
@@ -73,55 +79,130 @@ BIG = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in ran
         ({"tools": None, "tool_choice": "auto"}, "tool_choice", "invalid_value"),
         ({"tools": None, "tool_choice": "none"}, "tool_choice", "invalid_value"),
         ({"tools": []}, "tools", "invalid_value"),
-        ({"tools": [{"type": "function", "function": {"name": f"f{i}"}}
-                    for i in range(MAX_TOOLS + 1)]}, "tools", "invalid_value"),
-        ({"tools": [{"type": "retrieval", "function": NOOP["function"]}]}, "tools[0].type",
-         "invalid_value"),
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": f"f{i}"}}
+                    for i in range(MAX_TOOLS + 1)
+                ]
+            },
+            "tools",
+            "invalid_value",
+        ),
+        (
+            {"tools": [{"type": "retrieval", "function": NOOP["function"]}]},
+            "tools[0].type",
+            "invalid_value",
+        ),
         ({"tools": [{"type": "function"}]}, "tools[0].function", "missing_required_parameter"),
-        ({"tools": [{"type": "function", "function": {"name": "get weather"}}]},
-         "tools[0].function.name", "invalid_value"),
-        ({"tools": [{"type": "function", "function": {"name": "f" * 65}}]},
-         "tools[0].function.name", "invalid_value"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "get weather"}}]},
+            "tools[0].function.name",
+            "invalid_value",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f" * 65}}]},
+            "tools[0].function.name",
+            "invalid_value",
+        ),
         ({"tools": [WEATHER, NOOP, WEATHER]}, "tools[2].function.name", "invalid_value"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
-         "tools[0].function.parameters", "invalid_type"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": BIG}}]},
-         "tools[0].function.parameters", "invalid_value"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]},
-         "tools[0].function.strict", "invalid_type"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
+            "tools[0].function.parameters",
+            "invalid_type",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": BIG}}]},
+            "tools[0].function.parameters",
+            "invalid_value",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]},
+            "tools[0].function.strict",
+            "invalid_type",
+        ),
         ({"tool_choice": "sometimes"}, "tool_choice", "invalid_value"),
         ({"tool_choice": 1}, "tool_choice", "invalid_type"),
-        ({"tool_choice": {"type": "function"}}, "tool_choice.function",
-         "missing_required_parameter"),
+        (
+            {"tool_choice": {"type": "function"}},
+            "tool_choice.function",
+            "missing_required_parameter",
+        ),
         ({"tool_choice": named("get_time")}, "tool_choice.function.name", "invalid_value"),
         ({"parallel_tool_calls": "no"}, "parallel_tool_calls", "invalid_type"),
-        ({"tool_choice": "required", "response_format": {"type": "json_object"}},
-         "response_format", "invalid_value"),
+        (
+            {"tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+            "invalid_value",
+        ),
         ({"tool_choice": named("noop"), "guided_regex": "a+"}, "guided_regex", "invalid_value"),
-        ({"tools": [strict(WEATHER)], "structured_outputs": {"regex": "a"}},
-         "structured_outputs", "invalid_value"),
-        ({"messages": [{"role": "user", "content": "x", "tool_calls": [CALL]}]},
-         "messages[0].tool_calls", "invalid_value"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id",
-         "missing_required_parameter"),
-        ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]},
-         "messages[0].tool_call_id", "invalid_value"),
-        ({"messages": [{"role": "tool", "content": None, "tool_call_id": "c"}]},
-         "messages[0].content", "missing_required_parameter"),
-        ({"messages": [*USER, {"role": "tool", "tool_call_id": "call_1", "content": "x"}]},
-         "messages[1].tool_call_id", "invalid_value"),
-        ({"messages": [*HISTORY[:2], {"role": "tool", "tool_call_id": "call_2",
-                                      "content": "x"}]},
-         "messages[2].tool_call_id", "invalid_value"),
-        ({"messages": [*USER, {"role": "assistant", "tool_calls": [
-            {**CALL, "function": {"name": "get_weather", "arguments": 3}}]}]},
-         "messages[1].tool_calls[0].function.arguments", "invalid_type"),
-        ({"messages": [*USER, {"role": "assistant", "tool_calls": []}]},
-         "messages[1].tool_calls", "invalid_value"),
-        ({"messages": [*USER, {"role": "assistant", "tool_calls": [{**CALL, "type": "x"}]}]},
-         "messages[1].tool_calls[0].type", "invalid_value"),
+        (
+            {"tools": [strict(WEATHER)], "structured_outputs": {"regex": "a"}},
+            "structured_outputs",
+            "invalid_value",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_calls": [CALL]}]},
+            "messages[0].tool_calls",
+            "invalid_value",
+        ),
+        (
+            {"messages": [{"role": "tool", "content": "x"}]},
+            "messages[0].tool_call_id",
+            "missing_required_parameter",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]},
+            "messages[0].tool_call_id",
+            "invalid_value",
+        ),
+        (
+            {"messages": [{"role": "tool", "content": None, "tool_call_id": "c"}]},
+            "messages[0].content",
+            "missing_required_parameter",
+        ),
+        (
+            {"messages": [*USER, {"role": "tool", "tool_call_id": "call_1", "content": "x"}]},
+            "messages[1].tool_call_id",
+            "invalid_value",
+        ),
+        (
+            {
+                "messages": [
+                    *HISTORY[:2],
+                    {"role": "tool", "tool_call_id": "call_2", "content": "x"},
+                ]
+            },
+            "messages[2].tool_call_id",
+            "invalid_value",
+        ),
+        (
+            {
+                "messages": [
+                    *USER,
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {**CALL, "function": {"name": "get_weather", "arguments": 3}}
+                        ],
+                    },
+                ]
+            },
+            "messages[1].tool_calls[0].function.arguments",
+            "invalid_type",
+        ),
+        (
+            {"messages": [*USER, {"role": "assistant", "tool_calls": []}]},
+            "messages[1].tool_calls",
+            "invalid_value",
+        ),
+        (
+            {"messages": [*USER, {"role": "assistant", "tool_calls": [{**CALL, "type": "x"}]}]},
+            "messages[1].tool_calls[0].type",
+            "invalid_value",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_tool_fields_are_one_400_naming_the_field(patch, param, code):
     body = {k: v for k, v in {**CHAT, **patch}.items() if v is not None}
     payload = error_of(body)
@@ -155,8 +236,10 @@ def test_a_schema_the_pythonic_format_cannot_enforce_is_refused_naming_it():
 def test_a_grammar_longer_than_the_wire_carries_is_refused():
     schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(40)}}
     assert len(json.dumps(schema)) < MAX_SCHEMA_CHARS
-    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": schema}}
-             for i in range(100)]  # fmt: skip
+    tools = [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": schema}}
+        for i in range(100)
+    ]
     body = {**CHAT, "tools": tools, "tool_choice": "required"}
     payload = error_of(body)
     assert payload["param"] == "tools" and str(MAX_GUIDED_SPEC_CHARS) in payload["message"]
@@ -205,18 +288,29 @@ def test_parallel_tool_calls_without_tools_changes_nothing():
 def test_past_calls_and_tool_results_reach_the_template_as_hf_reads_them():
     text_args = {**CALL, "id": "call_2", "function": {"name": "noop", "arguments": "not json"}}
     dict_args = {**CALL, "id": "call_3", "function": {"name": "noop", "arguments": {"a": 1}}}
-    messages = [*USER, {"role": "assistant", "content": "Checking.",
-                        "tool_calls": [CALL, text_args, dict_args]},
-                {"role": "tool", "tool_call_id": "call_1", "content": [
-                    {"type": "text", "text": "18 "}, {"type": "text", "text": "C"}]},
-                {"role": "tool", "tool_call_id": "call_3", "content": "ok"}]  # fmt: skip
+    messages = [
+        *USER,
+        {"role": "assistant", "content": "Checking.", "tool_calls": [CALL, text_args, dict_args]},
+        {
+            "role": "tool",
+            "tool_call_id": "call_1",
+            "content": [{"type": "text", "text": "18 "}, {"type": "text", "text": "C"}],
+        },
+        {"role": "tool", "tool_call_id": "call_3", "content": "ok"},
+    ]
     req = parse_chat({**CHAT, "messages": messages})
     assistant, result, second = req.messages[1:]
     assert assistant.content == "Checking."
     assert [c["function"]["arguments"] for c in assistant.tool_calls] == [
-        {"city": "Paris"}, "not json", {"a": 1}]  # fmt: skip
-    assert assistant.tool_calls[0] == {"id": "call_1", "type": "function",
-        "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}  # fmt: skip
+        {"city": "Paris"},
+        "not json",
+        {"a": 1},
+    ]
+    assert assistant.tool_calls[0] == {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+    }
     assert (result.role, result.content, result.tool_call_id) == ("tool", "18 C", "call_1")
     assert second.tool_call_id == "call_3"
     # an assistant message of calls only: its content is empty text
@@ -301,9 +395,17 @@ def test_openapi_describes_what_is_accepted():
     accepted = [
         {**CHAT, "messages": HISTORY, "tool_choice": named("noop"), "parallel_tool_calls": False},
         {**CHAT, "tools": [strict(WEATHER)], "tool_choice": "required"},
-        {**CHAT, "messages": [*USER, {"role": "assistant", "tool_calls": [
-            {**CALL, "function": {"name": "noop", "arguments": {"a": 1}}}]}]},
-    ]  # fmt: skip
+        {
+            **CHAT,
+            "messages": [
+                *USER,
+                {
+                    "role": "assistant",
+                    "tool_calls": [{**CALL, "function": {"name": "noop", "arguments": {"a": 1}}}],
+                },
+            ],
+        },
+    ]
     for body in accepted:
         parse_chat(body)
         assert validator.is_valid(body), list(validator.iter_errors(body))

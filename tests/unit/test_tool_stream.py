@@ -77,14 +77,28 @@ def check_same(text: str, cuts: list[int], tools: ToolSetup) -> None:
 
 ARGS = st.dictionaries(
     st.text("abcxyz_", min_size=1, max_size=5),
-    st.none() | st.booleans() | st.integers(-5, 10**12) | st.text(" a,[](){}\"'\\;é", max_size=8)
+    st.none()
+    | st.booleans()
+    | st.integers(-5, 10**12)
+    | st.text(" a,[](){}\"'\\;é", max_size=8)
     | st.lists(st.integers(0, 3), max_size=3),
     max_size=3,
-)  # fmt: skip
+)
 NAME = st.sampled_from(NAMES)
 TEXT = st.text(" \n\tab.;,{}[]()<>/\"'|_é", max_size=12)
-MARKERS = ["<tool_call>", "</tool_call>", "<tool_", "<|python_tag|>", "<|python_start|>", "[", "{",
-           '{"name": "noop"', "[noop(", ";", "\n"]  # fmt: skip
+MARKERS = [
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_",
+    "<|python_tag|>",
+    "<|python_start|>",
+    "[",
+    "{",
+    '{"name": "noop"',
+    "[noop(",
+    ";",
+    "\n",
+]
 
 
 def hermes_call(name: str, args: dict, space: str) -> str:
@@ -119,20 +133,33 @@ def pieces(draw, parser: str) -> str:
         elif kind == "marker":
             parts.append(draw(st.sampled_from(MARKERS)))
         elif kind == "call":
-            parts.append({
-                "hermes": hermes_call(name, args, draw(st.sampled_from(["", "\n", " "]))),
-                "llama3_json": llama_call(name, args) + draw(st.sampled_from(["", "; ", ";"])),
-                "pythonic": "[" + py_call(name, args) + "]",
-            }[parser])  # fmt: skip
+            parts.append(
+                {
+                    "hermes": hermes_call(name, args, draw(st.sampled_from(["", "\n", " "]))),
+                    "llama3_json": llama_call(name, args) + draw(st.sampled_from(["", "; ", ";"])),
+                    "pythonic": "[" + py_call(name, args) + "]",
+                }[parser]
+            )
         else:
-            parts.append(draw(st.sampled_from([
-                '<tool_call>{"name": "get_weather", "arguments": {"a": 1}</tool_call>',
-                '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>',
-                '<tool_call>{"name": "noop", "arguments": [1]}</tool_call>',
-                '{"name": "get_weather", "parameters": "x"}', '{"name": "nope", "parameters": {}}',
-                "[noop(1)]", "[noop(a=b)]", "[unknown(a=1)]", "[noop(a=1), 3]", "[noop(a=1",
-                '<tool_call>{"name": "noop"',
-            ])))  # fmt: skip
+            parts.append(
+                draw(
+                    st.sampled_from(
+                        [
+                            '<tool_call>{"name": "get_weather", "arguments": {"a": 1}</tool_call>',
+                            '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>',
+                            '<tool_call>{"name": "noop", "arguments": [1]}</tool_call>',
+                            '{"name": "get_weather", "parameters": "x"}',
+                            '{"name": "nope", "parameters": {}}',
+                            "[noop(1)]",
+                            "[noop(a=b)]",
+                            "[unknown(a=1)]",
+                            "[noop(a=1), 3]",
+                            "[noop(a=1",
+                            '<tool_call>{"name": "noop"',
+                        ]
+                    )
+                )
+            )
     return "".join(parts)
 
 

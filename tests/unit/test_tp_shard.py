@@ -11,11 +11,22 @@ from pdserve.services.engine.parallel.shard import Shard, shard_piece
 
 def config(vocab: int = 10, heads: int = 4, kv_heads: int = 2, inter: int = 12) -> ModelConfig:
     return ModelConfig(
-        model_type="llama", vocab_size=vocab, hidden_size=8, intermediate_size=inter, num_layers=1,
-        num_heads=heads, num_kv_heads=kv_heads, head_dim=2, rms_norm_eps=1e-6,
-        rope_theta=10000.0, rope_scaling=None, max_position_embeddings=64,
-        tie_word_embeddings=True, qkv_bias=False, eos_token_ids=(0,),
-    )  # fmt: skip
+        model_type="llama",
+        vocab_size=vocab,
+        hidden_size=8,
+        intermediate_size=inter,
+        num_layers=1,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=2,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        qkv_bias=False,
+        eos_token_ids=(0,),
+    )
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4])

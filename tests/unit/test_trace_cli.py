@@ -376,8 +376,17 @@ async def test_last_n_lists_newest_first(jaeger) -> None:
     assert stand_in.queries == [{"service": "pdserve-gateway", "limit": "2"}]
     header, *rows, mean = text.strip().splitlines()
     assert header.split() == [
-        "request", "start", "(UTC)", "queue", "prefill", "kv", "transfer", "decode", "other", "total"
-    ]  # fmt: skip
+        "request",
+        "start",
+        "(UTC)",
+        "queue",
+        "prefill",
+        "kv",
+        "transfer",
+        "decode",
+        "other",
+        "total",
+    ]
     assert [r.split()[0] for r in rows] == ["req-local-3", "req-chunked-2"]
     cells = rows[1].split()
     # start, then (time, unit, share) for queue, prefill, kv transfer, decode, other, then total
@@ -389,8 +398,17 @@ async def test_last_n_lists_newest_first(jaeger) -> None:
     assert rows[0].split()[8] == "-"  # local prefill: no KV transfer
     # Means over both: queue (5+35)/2, prefill (20+400)/2, kv (0+50)/2, total (230+1000)/2.
     assert mean.split()[:10] == [
-        "mean", "20.0", "ms", "3.3%", "210.0", "ms", "34.1%", "25.0", "ms", "4.1%"
-    ]  # fmt: skip
+        "mean",
+        "20.0",
+        "ms",
+        "3.3%",
+        "210.0",
+        "ms",
+        "34.1%",
+        "25.0",
+        "ms",
+        "4.1%",
+    ]
     assert mean.split()[-2:] == ["615.0", "ms"]
 
 

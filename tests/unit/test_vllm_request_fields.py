@@ -44,13 +44,19 @@ STRUCTURED_ACCEPTED = [
     ({"grammar": 'start: "a"+'}, GuidedDecoding("grammar", 'start: "a"+')),
     ({"json_object": True}, GuidedDecoding("json_object")),
     ({"json_object": False, "regex": "a"}, GuidedDecoding("regex", "a")),  # false: no constraint
-    ({"json": OPEN, "disable_additional_properties": True},
-     GuidedDecoding("json_schema", json.dumps(CLOSED))),
-    ({"json": OPEN, "disable_additional_properties": False},
-     GuidedDecoding("json_schema", json.dumps(OPEN))),
-    ({"regex": "a", "disable_any_whitespace": False, "structural_tag": None},
-     GuidedDecoding("regex", "a")),
-]  # fmt: skip
+    (
+        {"json": OPEN, "disable_additional_properties": True},
+        GuidedDecoding("json_schema", json.dumps(CLOSED)),
+    ),
+    (
+        {"json": OPEN, "disable_additional_properties": False},
+        GuidedDecoding("json_schema", json.dumps(OPEN)),
+    ),
+    (
+        {"regex": "a", "disable_any_whitespace": False, "structural_tag": None},
+        GuidedDecoding("regex", "a"),
+    ),
+]
 
 
 @pytest.mark.parametrize("parse, base", [(parse_completion, COMPLETION), (parse_chat, CHAT)])
@@ -72,14 +78,23 @@ STRUCTURED_BAD = [
     ({"regex": ""}, "structured_outputs.regex", "invalid_value"),
     ({"choice": []}, "structured_outputs.choice", "invalid_value"),
     ({"grammar": 7}, "structured_outputs.grammar", "invalid_type"),
-    ({"regex": "a", "structural_tag": "{}"}, "structured_outputs.structural_tag",
-     "unsupported_parameter"),
-    ({"regex": "a", "disable_any_whitespace": True}, "structured_outputs.disable_any_whitespace",
-     "unsupported_parameter"),
-    ({"regex": "a", "whitespace_pattern": " "}, "structured_outputs.whitespace_pattern",
-     "unsupported_parameter"),
+    (
+        {"regex": "a", "structural_tag": "{}"},
+        "structured_outputs.structural_tag",
+        "unsupported_parameter",
+    ),
+    (
+        {"regex": "a", "disable_any_whitespace": True},
+        "structured_outputs.disable_any_whitespace",
+        "unsupported_parameter",
+    ),
+    (
+        {"regex": "a", "whitespace_pattern": " "},
+        "structured_outputs.whitespace_pattern",
+        "unsupported_parameter",
+    ),
     ({"regex": "a", "backend": "xgrammar"}, "structured_outputs.backend", "unsupported_parameter"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("value, param, code", STRUCTURED_BAD)
@@ -107,14 +122,22 @@ def test_structured_outputs_is_one_guide_among_the_others(other):
 def test_shared_extensions_land_in_generation_params(parse, base):
     params = parse(base).params
     assert (params.prompt_logprobs, params.return_token_ids, params.truncate_prompt_tokens) == (
-        None, False, None,
-    )  # fmt: skip
-    body = {**base, "prompt_logprobs": MAX_LOGPROBS, "return_token_ids": True,
-            "truncate_prompt_tokens": -1}  # fmt: skip
+        None,
+        False,
+        None,
+    )
+    body = {
+        **base,
+        "prompt_logprobs": MAX_LOGPROBS,
+        "return_token_ids": True,
+        "truncate_prompt_tokens": -1,
+    }
     params = parse(body).params
     assert (params.prompt_logprobs, params.return_token_ids, params.truncate_prompt_tokens) == (
-        MAX_LOGPROBS, True, -1,
-    )  # fmt: skip
+        MAX_LOGPROBS,
+        True,
+        -1,
+    )
     assert (
         parse({**base, "prompt_logprobs": 0, "truncate_prompt_tokens": 7}).params.prompt_logprobs
         == 0
@@ -152,12 +175,20 @@ TWO_TURNS = [{"role": "user", "content": "hi"}, {"role": "assistant", "content":
         ({}, (True, False, {}), "assistant", ""),
         ({"echo": True}, (True, False, {}), "assistant", "Once"),  # the assistant's own turn
         ({"echo": True, "continue_final_message": True}, (False, True, {}), "assistant", "Once"),
-        ({"continue_final_message": True, "add_generation_prompt": False},
-         (False, True, {}), "assistant", ""),
-        ({"add_generation_prompt": False, "chat_template_kwargs": {"enable_thinking": False}},
-         (False, False, {"enable_thinking": False}), "assistant", ""),
+        (
+            {"continue_final_message": True, "add_generation_prompt": False},
+            (False, True, {}),
+            "assistant",
+            "",
+        ),
+        (
+            {"add_generation_prompt": False, "chat_template_kwargs": {"enable_thinking": False}},
+            (False, False, {"enable_thinking": False}),
+            "assistant",
+            "",
+        ),
     ],
-)  # fmt: skip
+)
 def test_chat_rendering_options(patch, template, role, echo):
     req = parse_chat({**CHAT, "messages": TWO_TURNS, **patch})
     assert (req.add_generation_prompt, req.continue_final_message, req.template_kwargs) == template
@@ -173,20 +204,32 @@ def test_without_a_generation_prompt_the_reply_has_the_last_role():
 
 
 CHAT_BAD = [
-    ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message",
-     "add_generation_prompt"),
+    (
+        {"continue_final_message": True, "add_generation_prompt": True},
+        "continue_final_message",
+        "add_generation_prompt",
+    ),
     ({"add_generation_prompt": "no"}, "add_generation_prompt", "boolean"),
     ({"echo": 1}, "echo", "boolean"),
     ({"chat_template_kwargs": []}, "chat_template_kwargs", "object"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "'messages'"),
-    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs",
-     "set by the server"),
+    (
+        {"chat_template_kwargs": {"add_generation_prompt": False}},
+        "chat_template_kwargs",
+        "set by the server",
+    ),
     ({"chat_template_kwargs": {"a-b": 1}}, "chat_template_kwargs", "'a-b'"),
-    ({"chat_template_kwargs": {f"k{i}": 1 for i in range(TEMPLATE_KWARGS_MAX_KEYS + 1)}},
-     "chat_template_kwargs", f"at most {TEMPLATE_KWARGS_MAX_KEYS} entries"),
-    ({"chat_template_kwargs": {"k": "x" * TEMPLATE_KWARGS_MAX_CHARS}}, "chat_template_kwargs",
-     f"{TEMPLATE_KWARGS_MAX_CHARS} characters"),
-]  # fmt: skip
+    (
+        {"chat_template_kwargs": {f"k{i}": 1 for i in range(TEMPLATE_KWARGS_MAX_KEYS + 1)}},
+        "chat_template_kwargs",
+        f"at most {TEMPLATE_KWARGS_MAX_KEYS} entries",
+    ),
+    (
+        {"chat_template_kwargs": {"k": "x" * TEMPLATE_KWARGS_MAX_CHARS}},
+        "chat_template_kwargs",
+        f"{TEMPLATE_KWARGS_MAX_CHARS} characters",
+    ),
+]
 
 
 @pytest.mark.parametrize("patch, param, phrase", CHAT_BAD)
@@ -197,9 +240,13 @@ def test_chat_extensions_refuse_bad_values(patch, param, phrase):
 
 @pytest.mark.parametrize(
     "name, value",
-    [("add_generation_prompt", True), ("continue_final_message", False),
-     ("chat_template_kwargs", {}), ("top_logprobs", 1)],
-)  # fmt: skip
+    [
+        ("add_generation_prompt", True),
+        ("continue_final_message", False),
+        ("chat_template_kwargs", {}),
+        ("top_logprobs", 1),
+    ],
+)
 def test_chat_only_extensions_are_refused_on_completions(name, value):
     err = error_of(parse_completion, {**COMPLETION, name: value})
     assert (err.param, err.code) == (name, "unsupported_parameter")
@@ -214,8 +261,9 @@ def test_openapi_documents_the_extensions():
     chat = schemas["ChatCompletionRequest"]["properties"]
     for props in (completion, chat):
         assert (props["prompt_logprobs"]["minimum"], props["prompt_logprobs"]["maximum"]) == (
-            0, MAX_LOGPROBS,
-        )  # fmt: skip
+            0,
+            MAX_LOGPROBS,
+        )
         assert props["return_token_ids"]["type"] == ["boolean", "null"]
         assert props["truncate_prompt_tokens"]["minimum"] == -1
         assert {"$ref": "#/components/schemas/StructuredOutputs"} in props["structured_outputs"][
@@ -247,16 +295,29 @@ def test_openapi_documents_the_extensions():
 @pytest.mark.parametrize(
     "name, body",
     [
-        ("CompletionRequest", {**COMPLETION, "prompt_logprobs": 2, "return_token_ids": True,
-                               "truncate_prompt_tokens": -1,
-                               "structured_outputs": {"grammar": GBNF}}),
-        ("ChatCompletionRequest", {**CHAT, "echo": True, "add_generation_prompt": False,
-                                   "continue_final_message": True,
-                                   "chat_template_kwargs": {"enable_thinking": False},
-                                   "structured_outputs": {"json": SCHEMA,
-                                                          "disable_additional_properties": True}}),
+        (
+            "CompletionRequest",
+            {
+                **COMPLETION,
+                "prompt_logprobs": 2,
+                "return_token_ids": True,
+                "truncate_prompt_tokens": -1,
+                "structured_outputs": {"grammar": GBNF},
+            },
+        ),
+        (
+            "ChatCompletionRequest",
+            {
+                **CHAT,
+                "echo": True,
+                "add_generation_prompt": False,
+                "continue_final_message": True,
+                "chat_template_kwargs": {"enable_thinking": False},
+                "structured_outputs": {"json": SCHEMA, "disable_additional_properties": True},
+            },
+        ),
     ],
-)  # fmt: skip
+)
 def test_openapi_accepts_what_the_validator_accepts(name, body):
     (parse_completion if name == "CompletionRequest" else parse_chat)(body)
     components = openapi_spec("m")["components"]
