@@ -8,6 +8,7 @@ layers, no modules import each other in a circle, and no file of product code pa
 from __future__ import annotations
 
 import ast
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -280,3 +281,23 @@ def test_no_project_file_exceeds_400_lines() -> None:
         if (lines := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES
     ]
     assert not too_long, f"over {MAX_LINES} lines:\n" + "\n".join(too_long)
+
+
+# ---- formatting ------------------------------------------------------------------------------
+
+# Spelled in two pieces so that this file does not match its own check.
+FORMATTER_OFF = ("# fmt: " + "skip", "# fmt: " + "off")
+
+
+def test_the_formatter_is_never_switched_off() -> None:
+    """Packed lines hidden from ruff format read worse than the formatter's; keep none."""
+    tracked = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
+    offenders = [
+        f"{name}:{number}"
+        for name in tracked
+        for number, line in enumerate((REPO / name).read_text(encoding="utf-8").splitlines(), 1)
+        if any(marker in line for marker in FORMATTER_OFF)
+    ]
+    assert not offenders, "formatter switched off at:\n" + "\n".join(offenders)
