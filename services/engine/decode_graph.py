@@ -5,9 +5,15 @@ glue (norms, rotary, the KV write, Python between ~20 ops a layer) as in reading
 Compiled with Inductor, each layer's glue becomes a few fused C++ loops around the matmuls, and
 decode attention reads the KV pages in place (``kernels/paged_decode.py``).
 
-What runs here: a step whose every row decodes one token (no verification rows, no prompt
-chunk), at TP 1, with no layer hook, of at most the largest bucket's rows. Anything else runs
-eagerly, as before.
+What runs here: a step whose every row decodes one token or verifies drafts (no prompt chunk,
+no prompt log-probs), at TP 1, with no layer hook, of at most the largest bucket's tokens.
+Anything else runs eagerly, as before.
+
+- **Verification rows, flattened.** A row that verifies K drafts has 1 + K query tokens; each
+  becomes a row of the graph with its own position and context length (the tokens up to and
+  including itself). Every token's K/V is written before attention reads, so the flattened rows
+  see exactly the causal context the eager path's prefill attention gives them. Speculation then
+  runs on the compiled step too, rather than falling back to eager steps where it drafts.
 
 - **Buckets.** The rows are padded to the next bucket (1, 2, 4, 8, then multiples of 8, as
   vLLM's CUDA graphs do). A padding row repeats row 0: it writes row 0's K/V to row 0's slot
@@ -114,7 +120,7 @@ def _run_layer(
 class _Batch:
     """A step's rows, padded to their bucket, as the graph's tensors."""
 
-    rows: int  # the real ones, first
+    rows: int  # the real ones (one a token), first
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: GraphDecodeMetadata
@@ -153,6 +159,7 @@ class DecodeGraphs:
         self.lora = lora
         self.compiled_at_start = 0  # compilations made by compile(), before any request
         self.steps = 0  # steps run through the graphs (the start's dummy ones included)
+        self.verify_steps = 0  # of them, steps with speculative verification rows
 
     @property
     def compilations(self) -> int:
@@ -164,13 +171,14 @@ class DecodeGraphs:
         return self._backend.graphs - self.compiled_at_start
 
     def serves(self, inputs: StepInputs) -> bool:
-        """Whether this step is a plain decode step the graphs run."""
-        rows = len(inputs.counts)
+        """Whether this step is one the graphs run: decode and verification rows only, every
+        token of them sampled (``read`` is the flat batch, in order)."""
+        tokens = len(inputs.input_ids)
         return (
-            0 < rows <= self.buckets[-1]
-            and inputs.num_decodes == rows
-            and inputs.num_sampled == rows
-            and len(inputs.read) == rows
+            0 < tokens <= self.buckets[-1]
+            and inputs.num_decodes + inputs.num_verifies == len(inputs.counts)
+            and inputs.num_sampled == tokens
+            and inputs.read == list(range(tokens))
             and self.model.layer_hook is None
         )
 
@@ -210,6 +218,7 @@ class DecodeGraphs:
         """The final hidden states (normed) of the step's rows, in order."""
         batch = self._pad(inputs)
         self.steps += 1
+        self.verify_steps += inputs.num_verifies > 0
         model = self.model
         h = model.embed_tokens(batch.input_ids)
         # the first layer adds a zero residual: the same sums as the eager model, one graph
@@ -221,37 +230,42 @@ class DecodeGraphs:
         h, _ = model.norm(h[: batch.rows], residual[: batch.rows])
         return h
 
-    def _lora_slots(self, inputs: StepInputs, extra: int) -> torch.Tensor | None:
-        """Each padded row's LoRA slot. A padding row repeats row 0, its slot too: it writes its
-        K/V over row 0's, which must be the same values. Where adapters are served the graph
-        always takes the slots, even in a step of base rows only: a step without them would be
-        another graph, compiled mid-serving."""
+    def _lora_slots(
+        self, inputs: StepInputs, token_row: torch.Tensor | None, extra: int
+    ) -> torch.Tensor | None:
+        """Each padded token's LoRA slot (its step row's). A padding row repeats token 0, its
+        slot too: it writes its K/V over token 0's, which must be the same values. Where adapters
+        are served the graph always takes the slots, even in a step of base rows only: a step
+        without them would be another graph, compiled mid-serving."""
         if not self.lora:
             return None
-        slots = torch.tensor(inputs.lora_slots + inputs.lora_slots[:1] * extra, dtype=torch.int64)
+        slots = torch.tensor(inputs.lora_slots, dtype=torch.int64)
+        if token_row is not None:
+            slots = slots[token_row]
+        slots = torch.cat((slots, slots[:1].expand(extra)))
         if slots.shape[0] > 1:
             torch._dynamo.maybe_mark_dynamic(slots, 0)
         return slots.to(self.device, non_blocking=True)
 
     def _pad(self, inputs: StepInputs) -> _Batch:
-        rows = len(inputs.counts)
-        padded = self.bucket(rows)
-        extra = padded - rows
+        tokens = len(inputs.input_ids)
+        padded = self.bucket(tokens)
+        extra = padded - tokens
         tables = inputs.block_tables
         width = max(MIN_TABLE_BLOCKS, max(len(t) for t in tables))
-        table = torch.zeros(padded, width, dtype=torch.int64)
+        table = torch.zeros(len(tables), width, dtype=torch.int64)
         lengths = torch.tensor([len(t) for t in tables])
         flat = torch.tensor([b for t in tables for b in t], dtype=torch.int64)
         # each row's blocks at the start of its table row: one scatter, no loop over rows
-        row_of = torch.repeat_interleave(torch.arange(rows), lengths)
-        col_of = torch.arange(len(flat)) - torch.repeat_interleave(
-            torch.cumsum(lengths, 0) - lengths, lengths
-        )
-        table[row_of, col_of] = flat
-        positions = torch.tensor(inputs.starts + inputs.starts[:1] * extra, dtype=torch.int64)
+        table[_runs(lengths)] = flat
+        positions = torch.tensor(inputs.starts, dtype=torch.int64)
+        token_row = None
+        if tokens > len(tables):  # verification rows: one graph row per query token
+            token_row, offset = _runs(torch.tensor(inputs.counts))
+            table, positions = table[token_row], positions[token_row] + offset
+        table = torch.cat((table, table[:1].expand(extra, -1)))  # padding repeats token 0
+        positions = torch.cat((positions, positions[:1].expand(extra)))
         ids = torch.tensor(inputs.input_ids + inputs.input_ids[:1] * extra, dtype=torch.int64)
-        if extra:
-            table[rows:] = table[0]
         bs = self.block_size
         slots = table.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
         if self.device.type != "cpu":
@@ -270,6 +284,14 @@ class DecodeGraphs:
             kv_rows=kv_rows,
             block_tables=table,
             context_lens=positions + 1,
-            lora_slots=self._lora_slots(inputs, extra),
+            lora_slots=self._lora_slots(inputs, token_row, extra),
         )
-        return _Batch(rows=rows, input_ids=ids, positions=positions, meta=meta)
+        return _Batch(rows=tokens, input_ids=ids, positions=positions, meta=meta)
+
+
+def _runs(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For runs of ``lengths`` items laid end to end: each item's run and its index in the run
+    (vectorised: no loop over the runs)."""
+    run_of = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    firsts = torch.cumsum(lengths, 0) - lengths
+    return run_of, torch.arange(len(run_of)) - torch.repeat_interleave(firsts, lengths)

@@ -3,9 +3,9 @@
 Each case runs the same requests through an eager engine and a compiled one, which must emit
 identical tokens (float64, so a greedy tie cannot flip), and where HF can say, HF's too. The
 mixes cross the graph's edges: batch 1, a bucket's edge, padded rows, sequences joining and
-leaving, prefix-cache hits, chunked prefill beside decodes, and speculative verification rows
-(those steps run eagerly; the plain decode steps around them run compiled). No case may compile
-after start: a new batch size within the buckets, or a longer context, reuses the graphs.
+leaving, prefix-cache hits, chunked prefill beside decodes (those steps run eagerly), and
+speculative verification rows (flattened into one graph row per query token). No case may
+compile after start: a new batch size within the buckets, or a longer context, reuses the graphs.
 """
 
 from __future__ import annotations
@@ -70,15 +70,21 @@ def test_prefix_hits_and_chunked_prefill_match_eager(checkpoints):
 
 
 def test_speculative_verification_beside_compiled_decodes(checkpoints):
-    """n-gram speculation: verification rows run eagerly, the steps without drafts compiled."""
+    """n-gram speculation: steps with verification rows run compiled too, each draft token a
+    graph row whose context ends at itself, and accept what the eager path accepts. Drafts of
+    different lengths beside plain decode rows cross the buckets (max_num_seqs 16: up to 16
+    tokens a graph step)."""
     model_dir = checkpoints["llama-gqa"]
-    prompts = [p * 3 for p in random_prompts(3, seed=13, max_len=8)]  # repeats: drafts found
-    spec = {"speculative": "ngram", "ngram_min": 1, "spec_token_cost": 0.0}
+    prompts = [p * 3 for p in random_prompts(5, seed=13, max_len=8)]  # repeats: drafts found
+    spec = {"speculative": "ngram", "ngram_min": 1, "spec_token_cost": 0.0, "max_num_seqs": 16}
     eager, compiled = both(model_dir, **spec)
     out = run_staggered(compiled, prompts, GREEDY)
     assert out == run_staggered(eager, prompts, GREEDY)
     assert out == hf_greedy(model_dir, prompts, GREEDY.max_tokens)
     served_compiled(compiled)
+    graphs = compiled.runner.graphs
+    assert graphs.verify_steps > 0, "no verification step ran compiled"
+    assert compiled.stats().spec.accepted_tokens > 0
 
 
 def test_sampled_requests_match_eager(checkpoints):
