@@ -179,6 +179,25 @@ def test_the_floor_is_a_reserve_that_gives_way_to_serving() -> None:
     assert Limits(budget=4).cost(tight.counts) + tight.pool.decode <= 4
 
 
+def test_the_floor_counts_spare_capacity_within_the_dead_band() -> None:
+    """The reserve is capacity available at once, counted as the serving fleet counts its own
+    margin: 5 decode workers at 4.05 workers' worth of load have 0.95 of a worker spare, within
+    the dead band's 10% of 5 of the floor's one, so no pooled worker is started for the 0.05 a
+    noisy window asks; 1 worker at half a worker's load has too little spare (0.5 short of 1,
+    against 0.1), so one waits loaded; and at 4.75 workers' worth 5 keep too little."""
+    floor = PlannerConfig(pool_floor=Counts(0, 1))
+
+    def pool(rate: float, decode: int) -> int:
+        w = window(rate=rate, osl=OSL, decode=decode)
+        got = decide(w, PROFILE, SLO_, Limits(), Counts(1, decode), PlannerState(), floor)
+        assert got.decode == decode
+        return got.pool.decode
+
+    assert pool(81.0, 5) == 0
+    assert pool(10.0, 1) == 1
+    assert pool(95.0, 5) == 1
+
+
 # ---- guards -----------------------------------------------------------------------------------
 
 
@@ -246,6 +265,20 @@ def test_a_falling_load_is_followed_down_without_the_dead_band() -> None:
     )
     assert rules.FALLING in fall[-2].rules and fall[-2].need["decode"] < 2
     assert fall[-1].decode == 2, [d.decode for d in fall]
+
+
+def test_a_falling_load_drains_on_the_first_window_that_asks() -> None:
+    """A steady load's scale-down waits for a two-window streak (one noisy window is no trend);
+    a load forecast to fall already is one, its trend fitted over many windows: each step down
+    is taken on the first window whose need fits fewer workers, one step at a time."""
+    fall = rising(
+        Planner(PROFILE, SLO_, Limits()), [70.0, 62.0, 54.0, 46.0, 38.0, 30.0, 30.0], Counts(1, 4)
+    )
+    assert [d.decode for d in fall] == [4, 4, 4, 3, 3, 2, 2], [d.decode for d in fall]
+    assert all(rules.STREAK not in d.rules for d in fall)
+    assert rules.FALLING in fall[3].rules and fall[3].need["decode"] < 3
+    steady = rising(Planner(PROFILE, SLO_, Limits()), [10.0, 10.0, 10.0], Counts(1, 3))
+    assert [d.decode for d in steady] == [3, 2, 2] and rules.STREAK in steady[0].rules
 
 
 def test_a_flap_earns_a_cooldown() -> None:

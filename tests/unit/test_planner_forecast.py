@@ -104,6 +104,26 @@ def test_a_surge_is_taken_at_once_when_asked() -> None:
     assert high.update(92.0, surge, 8.0).trend < 2  # +15%: not a surge at 80 req/s
 
 
+def test_after_a_surge_the_trend_is_the_slope_since_it() -> None:
+    """A surge's window holds the new slope and the lag the level built before it: taken whole
+    as the trend (6 a window here), it would plan a ramp rising 2 a window three times too
+    steep for many windows, Holt's constant gain shedding a tenth of each miss. Instead, until
+    the gain has its memory's worth of windows (1 / beta), the trend is the least-squares slope
+    of the windows since the surge, the level before it first: within three windows it is
+    under 3, then it hands back to the filter."""
+    surge = HoltGains(alpha=0.4, beta=0.1, surge_sigmas=3.0)
+    state = feed([8.0, 8.5, 7.6, 8.2, 7.9, 8.1], surge, 0.8).update(14.0, surge, 0.8)
+    assert state.trend > 5 and state.fresh == (pytest.approx(8.04, abs=0.05), 14.0)
+    trends = []
+    for v in (16.0, 18.0, 20.0, 22.0):
+        state = state.update(v, surge, 0.8)
+        trends.append(state.trend)
+    assert trends[0] < 4.5 and trends[2] < 3.0 and trends[-1] < trends[0]
+    for v in range(24, 36, 2):
+        state = state.update(float(v), surge, 0.8)
+    assert state.fresh == () and state.trend == pytest.approx(2.0, abs=0.3)
+
+
 def test_gains_outside_the_stable_region_are_refused() -> None:
     for alpha, beta in ((0.0, 0.1), (2.0, 0.1), (0.5, 3.5), (0.5, 0.0)):
         with pytest.raises(ValueError, match="stable region"):

@@ -34,8 +34,10 @@ variant autoscaler or Kubernetes' HPA:
   started is cleared rather than carried;
 - ``pool``: the warm pool holds what the cold horizon's outlook, raised by ``pool_z`` of the
   forecast's measured error, needs beyond the serving target, and at least ``pool_floor``
-  (``--warm-*-workers``) of capacity available at once (serving workers beyond the need count),
-  within what serving leaves of the budget. It shrinks only a replacement time (or the role's
+  (``--warm-*-workers``) of capacity available at once (serving capacity beyond the need, now
+  or at the cold horizon, counts, fractionally and within the dead band of the serving fleet:
+  a noisy window's need 0.05 above a worker does not start one), within what serving leaves of
+  the budget. It shrinks only a replacement time (or the role's
   cooldown) after it grew, and it does not grow while its role is on the way down (that would
   start one worker to stop another);
 - ``dead-band`` (hysteresis): a role scales up as soon as ceil(need) exceeds its count, but down to
@@ -43,8 +45,9 @@ variant autoscaler or Kubernetes' HPA:
   exactly at a threshold therefore moves the count once and then holds it;
 - ``falling``: but a load forecast to fall by more than the dead band before a worker removed now
   could be back (a cold start and a window) is not sitting at a threshold: the fall is the
-  margin, and the way down takes no dead band (the streak, the survivors' check, the one step
-  and the warm pool's floor still stand between a noisy window and a drain);
+  margin, and the way down takes no dead band and no streak (the fall's trend, fitted over
+  many windows, is the evidence a streak collects; the survivors' check, the one step and the
+  warm pool's floor still stand between a noisy window and a drain);
 - ``cooldown`` (HPA's scale-down stabilization, learnt): a scale-up within ``flap_starts``
   replacement times (a cold start and a window) of the role's last scale-down undid it: a flap.
   Each flap sets the role's cooldown to at least twice the last one and the cycle just seen, and
@@ -52,7 +55,7 @@ variant autoscaler or Kubernetes' HPA:
   for that long. A sawtooth load is held at its peak's fleet after a flap or two; a ramp that
   never turns back pays nothing. The cooldown halves every ``cooldown_half_life_s``;
 - ``scale-down-streak`` (hysteresis): a scale-down happens only after ``scale_down_windows``
-  consecutive windows all asked for one;
+  consecutive windows all asked for one (one while the load is ``falling``);
 - ``one-step``: a scale-down removes at most ``down_step`` serving workers of a role (the rest
   wait for the next streak): the way down is taken one step at a time, each one checked against
   the load the survivors then carry;
@@ -257,8 +260,18 @@ def decide(
         run.note(BUDGET, why)
     pool = Counts(
         *(
+            # the reserve must still be there when a pooled worker started now would be: the
+            # serving workers' spare is counted against the need now and at the cold horizon
             pool_target(
-                r, uppers[r], final.of(r), need[r], window, current, state.of(r), config, run
+                r,
+                uppers[r],
+                final.of(r),
+                max(need[r], split[r]),
+                window,
+                current,
+                state.of(r),
+                config,
+                run,
             )
             for r in ROLES
         )

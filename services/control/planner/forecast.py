@@ -29,7 +29,17 @@ Principles and Practice*, table 7.8)::
 (with ``beta`` the gain on the error, not Holt's beta* = beta / alpha). That model lets the trend
 wander by ``beta`` of every error, so at long horizons it overstates the error of a steady load;
 the measured one stays near the noise there, grows at once when a surge beats the forecasts,
-and not when a corner makes them overshoot. Pure: a frozen state in, a new one out, no clock.
+and not when a corner makes them overshoot.
+
+**After a surge** (an error beyond ``surge_sigmas`` and ``surge_share``) the level and trend take
+all of it at once, but that one window's error is the new slope *plus* the lag the level built
+before the filter saw the rise: taken whole as the trend it plans a gentle ramp two or three
+times too steep, and Holt's constant gain sheds only ``beta`` of each miss. So until the filter
+has ``1 / beta`` windows since the surge (its trend's memory), the trend is the least-squares
+slope of those windows, the level before the surge first: on a ramp it is near the slope within
+three windows, on a step it decays to 0 as the flat windows accumulate.
+
+Pure: a frozen state in, a new one out, no clock.
 """
 
 from __future__ import annotations
@@ -70,6 +80,8 @@ class Holt:
     n: int = 0
     past: tuple[tuple[float, float], ...] = ()  # (level, trend) after each recent observation
     var_ahead: tuple[float, ...] = ()  # [j - 1]: twice the mean squared miss above, j ahead
+    # since the last surge: the level before it, then each observation (empty: no fresh surge)
+    fresh: tuple[float, ...] = ()
 
     def update(self, observed: float, gains: HoltGains, noise_floor: float = 0.0) -> Holt:
         """The state after one more window. The first observation sets the level; the error
@@ -90,10 +102,20 @@ class Holt:
             ahead[j - 1] = max(noise_floor, (1 - g) * ahead[j - 1] + g * score)
         alpha, beta = gains.alpha, gains.beta
         surge = error > gains.surge_share * abs(predicted)
+        fresh = (*self.fresh, observed) if self.fresh else ()
         if gains.surge_sigmas and surge and error * error > gains.surge_sigmas**2 * self.var:
             alpha, beta = 1.0, 1.0
+            fresh = (self.level, observed)
         level = predicted + alpha * error
         trend = self.trend + beta * error
+        if len(fresh) > 2:
+            # a surge's first window is all the filter has of the new slope, and it holds the
+            # lag the level built before it too (the error is slope plus catch-up): until the
+            # constant gain has as much history as its memory (1 / beta windows), the trend is
+            # the least-squares slope of the windows since the surge, the level before it first
+            trend = _slope(fresh)
+            if len(fresh) > 1 + 1 / beta:
+                fresh = ()
         return Holt(
             level=level,
             trend=trend,
@@ -101,6 +123,7 @@ class Holt:
             n=self.n + 1,
             past=(*self.past, (level, trend))[-MEMORY:],
             var_ahead=tuple(ahead),
+            fresh=fresh,
         )
 
     def forecast(self, windows_ahead: float) -> float:
@@ -127,3 +150,12 @@ class Holt:
         if scored < j:
             var *= (self.model_stderr(j, gains) / self.model_stderr(scored, gains)) ** 2
         return math.sqrt(var)
+
+
+def _slope(values: tuple[float, ...]) -> float:
+    """The least-squares slope of evenly spaced values (one a window)."""
+    n = len(values)
+    mid = (n - 1) / 2
+    mean = sum(values) / n
+    num = sum((k - mid) * (v - mean) for k, v in enumerate(values))
+    return num / sum((k - mid) ** 2 for k in range(n))

@@ -5,6 +5,7 @@ its clocks, and the cooldown its flaps have earned)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from pdserve.services.control.planner.demand import Sizing
 from pdserve.services.control.planner.guards import band, survivors
@@ -42,8 +43,9 @@ def serving_target(
 ) -> tuple[int, int]:
     """One role's serving target after the guards, and its new down streak. ``falling``: the
     load is forecast to fall by more than the dead band within a replacement time, so the fall
-    itself is the margin the dead band would keep (the streak, the survivors' check and the
-    warm pool still stand between a noisy window and a drain)."""
+    itself is the margin the dead band would keep, and its trend the evidence the streak would
+    collect (the survivors' check, the one step and the warm pool still stand between a noisy
+    window and a drain)."""
     cur, streak = current.of(role), memory.down_streak
     need = sizing.need if sizing is not None else 0.0
     target = band(sizing, cur, 0.0 if falling else config.dead_band)
@@ -81,10 +83,12 @@ def serving_target(
         if target >= cur:
             return cur, 0
     streak += 1
-    if streak < config.scale_down_windows:
+    # a load forecast to fall has the streak's evidence already: its trend is many windows'
+    windows = 1 if falling else config.scale_down_windows
+    if streak < windows:
         run.note(
             STREAK,
-            f"{role}: {cur} -> {target} wanted, window {streak} of {config.scale_down_windows}",
+            f"{role}: {cur} -> {target} wanted, window {streak} of {windows}",
         )
         return cur, streak
     if config.down_step and cur - target > config.down_step and sizing is not None:
@@ -111,12 +115,14 @@ def pool_target(
     run: Notes,
 ) -> int:
     """One role's pool target: the upper outlook beyond the serving target, and at least the
-    floor's reserve of capacity available at once (serving workers beyond the need, which the
-    dead band keeps, are such capacity too); shrunk only a replacement time (or the role's
+    floor's reserve of capacity available at once (serving capacity beyond the need, which the
+    dead band keeps, is such capacity too, fractionally: the reserve is short only by more than
+    the dead band's share of the serving fleet, the margin a count is held within itself); shrunk only a replacement time (or the role's
     cooldown, if longer) after it last grew (its loading is paid for, and a load that keeps
     turning would have it started again), and never grown while the role drains."""
-    spare = max(0, serving - ceil_workers(need))
-    floor = max(0, config.pool_floor.of(role) - spare)
+    spare = max(0.0, serving - need)
+    short = config.pool_floor.of(role) - spare - config.dead_band * serving
+    floor = max(0, math.ceil(round(short, 9)))
     want = max(floor, (upper or 0) - serving)
     left = pool_left(role, window, current, serving)
     falling = memory.since_down_s < min(memory.since_up_s, replacement_s(window, config))
