@@ -20,6 +20,7 @@ import functools
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -79,12 +80,19 @@ _LIB.define("int8_gemv(Tensor x, Tensor qweight, Tensor scale) -> Tensor")
 _LIB.define("bf16_gemv(Tensor x, Tensor weight) -> Tensor")
 
 
+def _kernel() -> Any:
+    module = _module()
+    if module is None:
+        raise RuntimeError("the AVX2 GEMV kernel is not available here (see available())")
+    return module
+
+
 def _int8_gemv(x: Tensor, qweight: Tensor, scale: Tensor) -> Tensor:
-    return _module().int8_gemv(x.contiguous(), qweight, scale)  # pyright: ignore[reportAttributeAccessIssue]
+    return _kernel().int8_gemv(x.contiguous(), qweight, scale)
 
 
 def _bf16_gemv(x: Tensor, weight: Tensor) -> Tensor:
-    return _module().bf16_gemv(x.contiguous(), weight)  # pyright: ignore[reportAttributeAccessIssue]
+    return _kernel().bf16_gemv(x.contiguous(), weight)
 
 
 _LIB.impl("int8_gemv", _int8_gemv, "CPU")
