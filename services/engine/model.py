@@ -16,7 +16,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from pdserve.kernels import ops
+from pdserve.kernels import cpu_gemv, ops
 from pdserve.services.engine.few_rows import FewRowsLinear
 from pdserve.services.engine.model_config import ModelConfig
 from pdserve.services.engine.parallel.shard import SINGLE, Shard
@@ -71,8 +71,12 @@ class GraphDecodeMetadata:
 
 class Linear(nn.Linear):
     _few_rows: FewRowsLinear | None = None  # made at the first call, after loading
+    # a bfloat16 CPU weight read by kernels/cpu_gemv.py at few rows (model_setup.use_cpu_gemv)
+    _bf16_gemv: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._bf16_gemv:
+            return cpu_gemv.bf16_linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():  # a compiled step: the form is fixed at trace time
             return super().forward(x)
         if self._few_rows is None or not self._few_rows.serves(self.weight):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.kernels import cpu_gemv
 from pdserve.services.engine.decode_graph import buckets_up_to
 from pdserve.shared.sampling import SamplingParams
 from tests.engine_support import make_engine, random_prompts, run_staggered
@@ -115,10 +116,24 @@ def test_cpu_linear_weights_are_column_major(checkpoints):
 
 
 def test_int8_weights_compile_and_match_eager(checkpoints):
-    """fbgemm's INT8 layers run inside the graph as opaque ops (quant/int8_linear.py)."""
+    """The INT8 layers run inside the graph as one opaque op that picks the AVX2 kernel or
+    fbgemm by row count at run time (quant/int8_linear.py): batches 1-5 cross its edge at 4."""
     model_dir = checkpoints["llama-gqa"]
     prompts = random_prompts(5, seed=15, max_len=20)
     eager, compiled = both(model_dir, dtype="float32", quantization="int8")
+    assert run_staggered(compiled, prompts, GREEDY) == run_staggered(eager, prompts, GREEDY)
+    served_compiled(compiled)
+
+
+def test_bf16_weights_take_the_gemv_kernel_and_match_eager(checkpoints):
+    """bfloat16 linears on an AVX2 CPU go through kernels/cpu_gemv at 1-4 rows, F.linear
+    above, in the graph and out of it alike: the same tokens, and no recompile."""
+    model_dir = checkpoints["llama-gqa"]
+    prompts = random_prompts(6, seed=17, max_len=20)
+    eager, compiled = both(model_dir, dtype="bfloat16")
+    if cpu_gemv.available():
+        model = compiled.runner.model
+        assert model.lm_head._bf16_gemv and model.layers[0].mlp.down_proj._bf16_gemv
     assert run_staggered(compiled, prompts, GREEDY) == run_staggered(eager, prompts, GREEDY)
     served_compiled(compiled)
 

@@ -6,7 +6,11 @@ threads, AVX-512 VNNI, torch 2.13): fbgemm's dynamic linear with a prepacked wei
 int32 accumulation) ran SmolLM2's shapes 1.0-12.8x faster than fp32 (the 49,152-wide head most),
 while ``aten._weight_int8pack_mm`` (weight-only) was slower than fp32, ``torch._int_mm`` needs 17+
 rows and a separate activation pass, and torchao 0.18 (the release for torch 2.13) was slower than
-fp32 eager on every shape and compiled on the MLP's. On CUDA the weights stay INT8 and the Triton
+fp32 eager on every shape and compiled on the MLP's. On an AVX2 CPU without VNNI (issue 42's
+EPYC, one thread, perf/gemv_bench.py) fbgemm's op read the weights at ~60% of a plain sum of
+the same bytes at batch 1, so up to 4 rows (a decode step) go to ``kernels/cpu_gemv.cpp``
+instead: the same per-token W8A8 math (symmetric 8-bit rounding, exact integer sums, as
+``int8_linear_reference``), at ~75% of the sum; prompts and larger batches stay on fbgemm. On CUDA the weights stay INT8 and the Triton
 weight-only kernel (``ops.int8_linear``) dequantizes them in registers: at decode sizes a matmul is
 bound by reading the weights, which INT8 halves against bf16.
 
@@ -33,7 +37,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from pdserve.kernels import ops
+from pdserve.kernels import cpu_gemv, ops
 from pdserve.services.engine.quant.int8_weights import Int8Weight, quantize_per_channel
 from pdserve.services.engine.quant.smooth import activation_maxima, smoothing_scales
 
@@ -56,24 +60,49 @@ _PACKED: dict[int, object] = {}
 _next_handle = itertools.count()
 
 
-@torch.library.custom_op("pdserve::fbgemm_linear_dynamic", mutates_args=())
-def fbgemm_linear_dynamic(
-    x: Tensor, handle: Tensor, out_probe: Tensor, reduce_range: bool
+def _int8_rows(
+    x: Tensor, qweight: Tensor, scale: Tensor, packed: object, reduce_range: bool
 ) -> Tensor:
-    """fbgemm's dynamic INT8 linear of the packed weight ``handle`` names; ``out_probe`` is an
-    empty [N, 0] tensor that gives the traced graph the output's width."""
-    return torch.ops.quantized.linear_dynamic(x, _PACKED[int(handle)], reduce_range)
+    """x [B, K] float32 (already smoothed) against one layer's INT8 weight.
+
+    Up to ``cpu_gemv.MAX_ROWS`` rows (a decode step at batch 1-4) go to the AVX2 kernel
+    (``kernels/cpu_gemv.cpp``): each row rounded to int8 with its own symmetric scale and
+    multiplied in exact integers, reading the weight once at near the bus's speed; fbgemm's
+    op read it at ~60% of that (perf/README.md, issue 42). More rows (prompts, larger batches)
+    go to fbgemm's prepacked GEMM."""
+    if x.shape[0] <= cpu_gemv.MAX_ROWS and cpu_gemv.available():
+        return cpu_gemv.int8_gemv(x, qweight, scale)
+    if x.shape[0] == 1:
+        # one row: fbgemm's one scale is the per-token scale already, and the four small ops
+        # below were a quarter of the layer's time
+        return torch.ops.quantized.linear_dynamic(x, packed, reduce_range)
+    # fbgemm rounds the whole input with one scale; a prompt's rows differ in range by 100x (and
+    # SmolLM2 has outlier tokens), so each row is first brought to amax 1: one scale for all is
+    # then the per-token scale, and the rows' amax multiply the result back.
+    row_max = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
+    return torch.ops.quantized.linear_dynamic(x / row_max, packed, reduce_range) * row_max
 
 
-@fbgemm_linear_dynamic.register_fake
-def _fbgemm_linear_dynamic_fake(
-    x: Tensor, handle: Tensor, out_probe: Tensor, reduce_range: bool
+@torch.library.custom_op("pdserve::cpu_int8_linear", mutates_args=())
+def cpu_int8_linear(
+    x: Tensor, qweight: Tensor, scale: Tensor, handle: Tensor, reduce_range: bool
 ) -> Tensor:
-    return x.new_empty(x.shape[0], out_probe.shape[0])
+    """``_int8_rows`` with fbgemm's packed weight named by ``handle``. One opaque op, so the
+    choice by row count is made at run time: a branch in the traced graph would guard the
+    dynamic batch size, and recompile."""
+    return _int8_rows(x, qweight, scale, _PACKED[int(handle)], reduce_range)
+
+
+@cpu_int8_linear.register_fake
+def _cpu_int8_linear_fake(
+    x: Tensor, qweight: Tensor, scale: Tensor, handle: Tensor, reduce_range: bool
+) -> Tensor:
+    return x.new_empty(x.shape[0], qweight.shape[0])
 
 
 class CpuInt8Linear(nn.Module):
-    """W8A8 dynamic: fbgemm/oneDNN quantizes each token's activations on the fly."""
+    """W8A8 dynamic: each token's activations rounded to int8 on the fly, by the AVX2 kernel at
+    up to 4 rows, by fbgemm above (``_int8_rows``)."""
 
     def __init__(
         self,
@@ -102,14 +131,10 @@ class CpuInt8Linear(nn.Module):
         _PACKED[handle] = self._packed
         weakref.finalize(self, _PACKED.pop, handle, None)
         self._handle = torch.tensor(handle)
-        self._out_probe = torch.empty(self.out_features, 0)
-
-    def _linear(self, x: Tensor) -> Tensor:
-        if torch.compiler.is_compiling():
-            return torch.ops.pdserve.fbgemm_linear_dynamic(
-                x, self._handle, self._out_probe, self.reduce_range
-            )
-        return torch.ops.quantized.linear_dynamic(x, self._packed, self.reduce_range)
+        # the AVX2 kernel's operands (few rows); plain attributes, not buffers: the roofline
+        # counts one weight read a step (step_cost.stored_bytes), and a few rows read these
+        self.qweight = weight.qweight.contiguous()
+        self.scale = weight.scale.float().contiguous()
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)
@@ -117,23 +142,18 @@ class CpuInt8Linear(nn.Module):
             x2 = x2.float()
         if self.inv_smooth is not None:
             x2 = x2 * self.inv_smooth
-        if x2.shape[0] == 1:
-            # one row (a batch-1 decode step): fbgemm's one scale is the per-token scale
-            # already, and the four small ops below were a quarter of the layer's time
-            y = self._linear(x2)
+        if torch.compiler.is_compiling():
+            y = torch.ops.pdserve.cpu_int8_linear(
+                x2, self.qweight, self.scale, self._handle, self.reduce_range
+            )
         else:
-            # fbgemm rounds the whole input with one scale; a prompt's rows differ in range by
-            # 100x (and SmolLM2 has outlier tokens), so each row is first brought to amax 1:
-            # one scale for all is then the per-token scale, and the rows' amax multiply the
-            # result back.
-            row_max = x2.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
-            y = self._linear(x2 / row_max) * row_max
+            y = _int8_rows(x2, self.qweight, self.scale, self._packed, self.reduce_range)
         if self.bias is not None:
             y = y + self.bias
         return y.to(self.out_dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, int8 dynamic (fbgemm)"
+        return f"in={self.in_features}, out={self.out_features}, int8 dynamic (fbgemm, avx2)"
 
 
 class WeightOnlyInt8Linear(nn.Module):

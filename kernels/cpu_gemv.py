@@ -1,0 +1,150 @@
+"""Few-row linears over INT8 and bfloat16 weights on an AVX2 CPU: ``kernels/cpu_gemv.cpp``.
+
+A decode step at batch 1-4 is a GEMV per layer, bound by reading the weights. On the AVX2 EPYC
+of issue 42 (one thread, perf/gemv_bench.py) none of torch's kernels read 1- or 2-byte weights
+near the bus: fbgemm's dynamic INT8 linear about half of a plain sum of the same bytes, ATen's
+``_weight_int8pack_mm`` and an Inductor-compiled dequantizing reduction far less, oneDNN's bf16
+matmul about 40%. The C++ loop widens the weights in registers and streams them once.
+
+Built on first use with torch's extension builder (g++ and ninja) into
+``$PDSERVE_EXT_DIR`` (default ``~/.cache/pdserve/ext``); an engine that will use it builds it
+while it loads its model (``model_setup.build_rank_model``), never in a step. Only where the
+CPU has AVX2 and FMA (``PDSERVE_NO_CPU_GEMV=1`` turns it off); ``available()`` is False elsewhere, or when the build fails, and the callers keep their
+torch path. The ops are registered with torch.library so a compiled decode step calls them as
+opaque ops (``torch.ops.pdserve.int8_gemv`` / ``bf16_gemv``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+# the widest row group the kernel keeps in registers: above it, the callers' GEMM paths win
+MAX_ROWS = 4
+
+_SOURCE = Path(__file__).resolve().with_name("cpu_gemv.cpp")
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c"]
+
+
+def _cpu_has_avx2() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx2" in flags and " fma" in flags
+
+
+def _build_dir() -> Path:
+    # not under $PDSERVE_CACHE_DIR: tests point that at fresh folders, and a build costs a
+    # minute of a loaded 2-vCPU machine; torch rebuilds when the source changes
+    base = os.environ.get("PDSERVE_EXT_DIR") or Path.home() / ".cache" / "pdserve" / "ext"
+    out = Path(base) / f"cpu_gemv-torch{torch.__version__.split('+')[0]}"
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+@functools.cache
+def _module() -> object | None:
+    if os.environ.get("PDSERVE_NO_CPU_GEMV") or not _cpu_has_avx2():
+        return None
+    from torch.utils import cpp_extension
+
+    try:
+        return cpp_extension.load(
+            name="pdserve_cpu_gemv",
+            sources=[str(_SOURCE)],
+            extra_cflags=_FLAGS,
+            build_directory=str(_build_dir()),
+            verbose=False,
+        )
+    except (OSError, RuntimeError, ImportError) as exc:  # no compiler, no ninja
+        log.warning("the AVX2 GEMV kernel did not build (%s): INT8/bf16 decode keeps torch's", exc)
+        return None
+
+
+def available() -> bool:
+    """Whether the kernel is built (building it the first time) and this CPU can run it."""
+    return _module() is not None
+
+
+_LIB = torch.library.Library("pdserve", "FRAGMENT")
+_LIB.define("int8_gemv(Tensor x, Tensor qweight, Tensor scale) -> Tensor")
+_LIB.define("bf16_gemv(Tensor x, Tensor weight) -> Tensor")
+
+
+def _kernel() -> Any:
+    module = _module()
+    if module is None:
+        raise RuntimeError("the AVX2 GEMV kernel is not available here (see available())")
+    return module
+
+
+def _int8_gemv(x: Tensor, qweight: Tensor, scale: Tensor) -> Tensor:
+    return _kernel().int8_gemv(x.contiguous(), qweight, scale)
+
+
+def _bf16_gemv(x: Tensor, weight: Tensor) -> Tensor:
+    return _kernel().bf16_gemv(x.contiguous(), weight)
+
+
+_LIB.impl("int8_gemv", _int8_gemv, "CPU")
+_LIB.impl("bf16_gemv", _bf16_gemv, "CPU")
+
+
+@torch.library.register_fake("pdserve::int8_gemv")
+def _int8_gemv_fake(x: Tensor, qweight: Tensor, scale: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+@torch.library.register_fake("pdserve::bf16_gemv")
+def _bf16_gemv_fake(x: Tensor, weight: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def int8_gemv(x: Tensor, qweight: Tensor, scale: Tensor) -> Tensor:
+    """(x @ qweight.T) * scale: float32 x [B, K], int8 qweight [N, K], float32 scale [N]."""
+    return torch.ops.pdserve.int8_gemv(x, qweight, scale)
+
+
+def bf16_gemv(x: Tensor, weight: Tensor) -> Tensor:
+    """x @ weight.T in float32: float32 x [B, K], bfloat16 weight [N, K]."""
+    return torch.ops.pdserve.bf16_gemv(x, weight)
+
+
+# a bfloat16 linear layer whose row count is known only at run time (a compiled decode step's
+# dynamic batch): the choice is made inside one opaque op, as a branch in the graph would guard
+# the batch size and recompile
+_LIB.define("cpu_bf16_linear(Tensor x, Tensor weight) -> Tensor")
+
+
+def _cpu_bf16_linear(x: Tensor, weight: Tensor) -> Tensor:
+    x2 = x.reshape(-1, weight.shape[1])
+    if x2.shape[0] <= MAX_ROWS:
+        y = _bf16_gemv(x2.float(), weight).to(x.dtype)
+    else:
+        y = torch.nn.functional.linear(x2, weight)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+_LIB.impl("cpu_bf16_linear", _cpu_bf16_linear, "CPU")
+
+
+@torch.library.register_fake("pdserve::cpu_bf16_linear")
+def _cpu_bf16_linear_fake(x: Tensor, weight: Tensor) -> Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``F.linear`` of a bfloat16 ``weight`` [N, K]: up to MAX_ROWS rows of x through the AVX2
+    kernel (float32 accumulation, as oneDNN's, the result rounded to x's dtype), more through
+    ``F.linear``. Call only where ``available()``."""
+    y = torch.ops.pdserve.cpu_bf16_linear(x, weight)
+    return y if bias is None else y + bias

@@ -1,0 +1,82 @@
+"""The AVX2 few-row kernels (kernels/cpu_gemv.cpp, issue 42) against their references: INT8
+rows rounded per token and summed exactly (``int8_linear_reference``, the CPU W8A8 math), and
+bfloat16 weights against ``F.linear`` in float64; row counts on both sides of the kernel's
+MAX_ROWS, widths with and without a tail, and the ops inside a compiled graph with a dynamic
+batch (no recompile across row counts)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo.testing
+import torch.nn.functional as F
+
+from pdserve.kernels import cpu_gemv
+from pdserve.services.engine.quant.int8_linear import CpuInt8Linear
+from pdserve.services.engine.quant.int8_weights import int8_linear_reference, quantize_per_channel
+
+pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="no AVX2 kernel on this CPU")
+
+
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.double() - ref.double()).norm() / ref.double().norm())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("k", [576, 80, 1539])
+def test_int8_gemv_is_the_per_token_w8a8_product(rows: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(rows * k)
+    w8 = quantize_per_channel(torch.randn(96, k, generator=gen) * 0.05)
+    x = torch.randn(rows, k, generator=gen) * torch.logspace(-2, 2, rows)[:, None]
+    got = cpu_gemv.int8_gemv(x, w8.qweight, w8.scale)
+    ref = int8_linear_reference(x.double(), w8)
+    # the same integers, then float32 scaling against float64
+    assert _rel(got, ref) < 1e-6
+    for r in range(rows):  # a row's result does not depend on the rows beside it
+        alone = cpu_gemv.int8_gemv(x[r : r + 1].contiguous(), w8.qweight, w8.scale)
+        torch.testing.assert_close(alone[0], got[r], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 9])
+def test_cpu_int8_linear_takes_the_kernel_for_few_rows_only(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(64, 96, generator=gen) * 0.05
+    layer = CpuInt8Linear(quantize_per_channel(weight), None, torch.float32)
+    x = torch.randn(rows, 96, generator=gen)
+    got = layer(x)
+    exact = x @ weight.T
+    kernel = cpu_gemv.int8_gemv(x, layer.qweight, layer.scale)
+    assert torch.equal(got, kernel) == (rows <= cpu_gemv.MAX_ROWS)
+    assert _rel(got, exact) < 0.03
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("k", [576, 83])
+def test_bf16_gemv_matches_a_float64_product(rows: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(rows + k)
+    w = torch.randn(130, k, generator=gen).bfloat16()
+    x = torch.randn(rows, k, generator=gen)
+    got = cpu_gemv.bf16_gemv(x, w)
+    assert _rel(got, x.double() @ w.double().T) < 1e-6
+    xb = x.bfloat16()
+    linear = cpu_gemv.bf16_linear(xb, w, None)
+    assert linear.dtype == torch.bfloat16
+    assert _rel(linear, F.linear(xb.float(), w.float())) < 1e-2
+
+
+def test_ops_in_a_compiled_graph_serve_every_row_count_without_recompiling() -> None:
+    gen = torch.Generator().manual_seed(0)
+    w8 = quantize_per_channel(torch.randn(48, 64, generator=gen))
+    layer = CpuInt8Linear(w8, None, torch.float32)
+    wb = torch.randn(40, 48, generator=gen).bfloat16()
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return cpu_gemv.bf16_linear(layer(x).bfloat16(), wb, None)
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+    for rows in (2, 3, 4, 5, 8, 16):
+        x = torch.randn(rows, 64, generator=gen)
+        torch.testing.assert_close(compiled(x), step(x), rtol=0, atol=0)
+    assert counter.frame_count == 1
