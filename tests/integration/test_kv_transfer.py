@@ -283,6 +283,29 @@ async def test_a_late_server_cannot_write_into_blocks_of_a_timed_out_pull() -> N
     await client.close()
 
 
+async def test_a_pull_survives_another_pulls_cancel_on_their_shared_endpoint() -> None:
+    """A decode worker cancels a pull nobody wants (its client hung up) by aborting the endpoint
+    it shares with every other pull from that peer, which cancels their receives too. Those
+    pulls reconnect and complete: a bystander's KV is not lost to another request's cancel (a
+    streamed pull failed in CI that way, and fell back to recomputing its prompt)."""
+    dst = cache(fill=-1.0)
+    client = KVClient(dst, fingerprint(), BLOCK)
+    with peer([0, 1, 2, 3]) as (proc, handle):
+        proc.send_signal(signal.SIGSTOP)  # both pulls wait, their receives posted
+        bystander = asyncio.ensure_future(client.pull("r1", handle, [4, 5, 6, 7], timeout=30.0))
+        await asyncio.sleep(0.5)  # it made the endpoint (a fresh one, never reused)
+        unwanted = asyncio.ensure_future(client.pull("r1", handle, [8, 9, 10, 11], timeout=30.0))
+        await asyncio.sleep(0.5)
+        unwanted.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await unwanted
+        proc.send_signal(signal.SIGCONT)
+        await bystander
+        assert torch.equal(dst[4:8], peer_cache()[0:4])
+        assert (dst[8:12] == -1).all()  # the cancelled pull's blocks: nothing landed
+    await client.close()
+
+
 def test_lease_expiry_and_pinning() -> None:
     now = [1000.0]
     freed: list[str] = []

@@ -184,11 +184,12 @@ class KVClient:
         sliced = self._sliced(handle, whole)
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
+        attempts = 0
         while True:
             try:
-                ep, reused = self.endpoints.cached(raw), True
+                ep = self.endpoints.cached(raw)
                 if ep is None:
-                    ep, reused = await self.endpoints.get(raw)
+                    ep, _ = await self.endpoints.get(raw)
             except Exception as exc:  # e.g. UCXXUnreachableError: the prefill worker is gone
                 raise KVTransferError(
                     f"cannot reach {handle.worker_id} for the KV pull: {exc!r}"
@@ -221,8 +222,13 @@ class KVClient:
                 self.endpoints.drop(raw, ep)
                 if isinstance(exc, asyncio.CancelledError):
                     raise
-                if reused and time.monotonic() < deadline:  # a kept endpoint went stale: retry
-                    log.info("endpoint to %s was stale (%r); reconnecting", handle.worker_id, exc)
+                attempts += 1
+                if attempts == 1 and time.monotonic() < deadline:
+                    # Once more, on a fresh endpoint: a kept one may have gone stale, and a shared
+                    # one may have been aborted under us by another pull's cancel (here, or at
+                    # the peer through its twin), which cancels our receives too. A dead peer
+                    # fails the reconnect, or this second try.
+                    log.info("endpoint to %s failed (%r); reconnecting", handle.worker_id, exc)
                     continue
                 raise KVTransferError(f"KV pull from {handle.worker_id} failed: {exc!r}") from exc
         stats.seconds = time.perf_counter() - t0
