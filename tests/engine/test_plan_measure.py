@@ -36,13 +36,17 @@ def test_a_decode_cell_runs_its_whole_batch_on_the_pool_sized_for_it(batch, cont
 
 def test_prefill_points_are_prompts_timed_to_their_first_token() -> None:
     engine = LLMEngine(EngineConfig(model="demo", max_num_batched_tokens=256))
-    points = measure_prefill(engine, [32, 600], reps=2, rep_seconds=10.0)
+    # no time budget to cut the repetitions short: exactly ``reps`` of each, on any machine
+    points = measure_prefill(engine, [32, 600], reps=2, rep_seconds=float("inf"))
     assert [(n, reps) for n, _, reps in points] == [(32, 2), (600, 2)]
     assert all(tps > 0 for _, tps, _ in points)
     # 600 tokens ran in three chunks of 256 and was timed as one prompt: slower than 32 tokens
     assert 600 / points[1][1] > 32 / points[0][1]
     assert engine.block_manager.num_free_blocks == engine.num_blocks  # leases released
     assert not engine.has_unfinished()
+    # a spent budget stops after the one repetition every point gets
+    once = measure_prefill(engine, [32, 600], reps=5, rep_seconds=0.0)
+    assert [(n, reps) for n, _, reps in once] == [(32, 1), (600, 1)]
 
 
 def test_lengths_beyond_the_context_are_capped_to_it() -> None:
