@@ -23,7 +23,8 @@ loaded and resident (each used once at warm-up, none in the measured batches). T
 to back in each round, which one first alternating; the figure is the median over the rounds
 of each round's ratio (LoRA engine / plain engine), so a load swing between rounds cancels.
 
-    python -m perf.lora_bench --base-only --rounds 9 --json perf/results/lora_base_only.json
+    python -m perf.lora_bench --base-only --threads 1 --rounds 9 \
+        --json perf/results/lora_base_only.json
 """
 
 from __future__ import annotations
@@ -146,8 +147,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--base-only", action="store_true", help="--enable-lora's cost, base traffic")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--json", default=None, help="write the results here too")
     args = ap.parse_args()
+    if args.threads:  # on the loaded 2-vCPU VM, 2 threads ran far slower than 1 (contention)
+        torch.set_num_threads(args.threads)
     meta = {
         "model": args.model,
         "batch": args.batch,
