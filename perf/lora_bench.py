@@ -16,12 +16,22 @@ run their default path (on a CPU: the compiled decode step).
 
     python -m perf.lora_bench [--model smollm2-135m-instruct] [--batch 8] [--tokens 64] \
         [--rounds 5] [--json perf/results/lora_bench.json]
+
+``--base-only`` measures what ``--enable-lora`` costs traffic that uses no adapter: the same
+base-model batch on an engine without LoRA and on one with ``--enable-lora`` and the 4 adapters
+loaded and resident (each used once at warm-up, none in the measured batches). The two run back
+to back in each round, which one first alternating; the figure is the median over the rounds
+of each round's ratio (LoRA engine / plain engine), so a load swing between rounds cancels.
+
+    python -m perf.lora_bench --base-only --threads 1 --rounds 9 \
+        --json perf/results/lora_base_only.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -77,16 +87,8 @@ def run(engine: LLMEngine, prompt: list[int], sp: SamplingParams, loras: list[st
     return time.perf_counter() - start, tokens
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--json", default=None, help="write the results here too")
-    args = ap.parse_args()
-
+def engines(args: argparse.Namespace, enable_lora: bool = False):
+    """The engine without LoRA, the one with the 4 adapters, and their names."""
     common = dict(model=args.model, dtype="float32", num_kv_blocks=512)
     base = LLMEngine(EngineConfig(**common))
     cfg = base.model_config
@@ -94,8 +96,77 @@ def main() -> None:
     names = [f"adapter{i}" for i in range(4)]
     modules = [f"{n}={write_adapter(cfg, tmp / n, args.rank, i)}" for i, n in enumerate(names)]
     lora = LLMEngine(
-        EngineConfig(**common, lora_modules=modules, max_loras=4, max_lora_rank=args.rank)
+        EngineConfig(
+            **common,
+            lora_modules=modules,
+            enable_lora=enable_lora,
+            max_loras=4,
+            max_lora_rank=args.rank,
+        )
     )
+    return base, lora, names
+
+
+def base_only(args: argparse.Namespace) -> dict:
+    """Base-model batches on the plain engine and on the ``--enable-lora`` one, per round."""
+    base, lora, names = engines(args, enable_lora=True)
+    prompt = list(range(100, 132))
+    warm = SamplingParams(temperature=0.0, max_tokens=4)
+    run(base, prompt, warm, [None] * args.batch)
+    run(lora, prompt, warm, names)  # every adapter resident: loaded, then unused
+    assert lora.lora is not None and sorted(lora.lora.resident) == names
+    run(lora, prompt, warm, [None] * args.batch)
+    sp = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    rates: dict[str, list[float]] = {"plain": [], "enable_lora": []}
+    ratios = []
+    for r in range(args.rounds):
+        pair = [("plain", base), ("enable_lora", lora)]
+        for name, engine in pair if r % 2 == 0 else pair[::-1]:
+            seconds, n = run(engine, prompt, sp, [None] * args.batch)
+            rates[name].append(n / seconds)
+        ratios.append(rates["enable_lora"][-1] / rates["plain"][-1])
+    print(f"base-only traffic, batch {args.batch}, {args.tokens} tokens, {args.model}")
+    for name, v in rates.items():
+        print(f"{name:>12} {statistics.median(v):>7.1f} tok/s (median)")
+    print(f"enable_lora / plain: median of per-round ratios {statistics.median(ratios):.3f}")
+    return {
+        "variant": "base_only",
+        "tokens_per_second": {k: round(statistics.median(v), 1) for k, v in rates.items()},
+        "rounds": {k: [round(x, 1) for x in v] for k, v in rates.items()},
+        "ratios": [round(x, 3) for x in ratios],
+        "median_ratio": round(statistics.median(ratios), 3),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--base-only", action="store_true", help="--enable-lora's cost, base traffic")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--json", default=None, help="write the results here too")
+    args = ap.parse_args()
+    if args.threads:  # on the loaded 2-vCPU VM, 2 threads ran far slower than 1 (contention)
+        torch.set_num_threads(args.threads)
+    meta = {
+        "model": args.model,
+        "batch": args.batch,
+        "tokens": args.tokens,
+        "rank": args.rank,
+        "rounds": args.rounds,
+        "torch_threads": torch.get_num_threads(),
+    }
+    if args.base_only:
+        payload = {**meta, "results": base_only(args)}
+        if args.json:
+            Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+        return
+
+    base, lora, names = engines(args)
     prompt = list(range(100, 132))
     sp = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     todo = {
@@ -126,16 +197,7 @@ def main() -> None:
     for name, res in results.items():
         print(f"{name:>22} {res['tokens_per_second']:>9} tok/s  {res['ratio_to_base']:>6}x")
     if args.json:
-        payload = {
-            "model": args.model,
-            "batch": args.batch,
-            "tokens": args.tokens,
-            "rank": args.rank,
-            "rounds": args.rounds,
-            "torch_threads": torch.get_num_threads(),
-            "results": results,
-        }
-        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({**meta, "results": results}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pdserve.services.engine.sequence import Sequence
+from pdserve.shared.discovery.kv_delta import Lineage
 from pdserve.shared.kv.layout import hash_block, prefix_block_hashes
 
 if TYPE_CHECKING:  # the tiers hold tensors; the scheduler's tests need none
@@ -80,9 +81,9 @@ class BlockManager:
         # the gateway can route a prompt to the worker that already holds its prefix.
         self.stored_events: list[int] = []
         self.removed_events: list[int] = []
-        # the stored blocks' lineage for the KV event stream, by hash: (parent hash, tokens),
-        # kept from the hashing ``commit`` does anyway (``take_lineage`` hands them out)
-        self.lineage: dict[int, tuple[int, list[int]]] = {}
+        # the stored blocks' lineage for the KV event stream, by hash: (parent hash, tokens,
+        # adapter), kept from the hashing ``commit`` does anyway (``take_lineage`` hands them out)
+        self.lineage: dict[int, Lineage] = {}
         # KV offload (``offload.py`` sets these): where evicted cached blocks go, the tiers a
         # prefix lookup continues in, and the loads attached prefixes wait for, by seq_id
         self.on_evict: Callable[[int, int], None] | None = None
@@ -233,7 +234,7 @@ class BlockManager:
                 self.hash_to_block[h] = block_id
                 self.block_hash[block_id] = h
                 self.stored_events.append(h)
-                self.lineage[h] = (parent, block_tokens)
+                self.lineage[h] = (parent, block_tokens, seq.lora_name)
                 self._bound_events()
             parent = h
 
@@ -328,8 +329,8 @@ class BlockManager:
         self.stored_events, self.removed_events = [], []
         return stored, removed
 
-    def take_lineage(self, stored: list[int]) -> dict[int, tuple[int, list[int]]]:
-        """The (parent hash, tokens) of ``stored`` (what ``drain_events`` just returned), and
+    def take_lineage(self, stored: list[int]) -> dict[int, Lineage]:
+        """The (parent hash, tokens, adapter) of ``stored`` (what ``drain_events`` just returned), and
         forget the rest: a block stored and evicted in between needs none."""
         lineage, self.lineage = self.lineage, {}
         return {h: lineage[h] for h in stored if h in lineage}

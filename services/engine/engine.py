@@ -146,6 +146,8 @@ class LLMEngine(EngineCommands):
         # LoRA adapters (--lora-modules): stacked slots in the model, pinned per sequence
         self.lora = build_adapter_cache(config, model)
         self.runner.serves_lora = self.lora is not None
+        if self.lora is not None and self.ranks is not None:
+            self.runner.lora_loads = self.lora.take_loads
         self.step_cost = StepCost.of_runner(self.runner, cfg, shard)  # the roofline's counts
         # speculative decoding (``spec/``): decode-side only, a prefill worker never drafts
         target = TargetModel(

@@ -1,7 +1,8 @@
 """The KV cache's changes per tier, from the engine (and disk) threads to one consumer.
 
 The engine thread ``push``es each step's net (stored, removed) hashes of its device pool, with
-the stored blocks' lineage (parent hash, tokens: what ``BlockManager.commit`` hashed anyway);
+the stored blocks' lineage (parent hash, tokens and LoRA adapter: what ``BlockManager.commit``
+hashed anyway);
 the offload tiers' events (host memory, disk: ``kv_tiers/tier_events.py``) are taken from
 ``take_tier_events`` when the consumer collects. Any thread may ``clear`` a tier (every block
 gone: AllBlocksCleared). The consumer's ``drain(tier)`` / ``drain_delta(tier)`` return the net
@@ -29,7 +30,7 @@ DEVICE = "device"
 LINEAGE_LIMIT = 1 << 18  # blocks whose lineage is remembered (~100 B each with 16 tokens)
 
 # what the engine thread posts: a step's (stored, removed, lineage of stored), or a tier's clear
-_Posted = tuple[list[int], list[int], dict[int, tuple[int, list[int]]]] | str
+_Posted = tuple[list[int], list[int], dict[int, Lineage]] | str
 
 
 class KVEventFeed:
@@ -47,7 +48,7 @@ class KVEventFeed:
             t: ({}, {}) for t in tiers
         }
         self._cleared: set[str] = set()
-        self._lineage: dict[int, tuple[int, array]] = {}
+        self._lineage: dict[int, tuple[int, array, str | None]] = {}
         self._dropped: list[int] = []  # removed in this collection: their lineage may go
 
     # ---- producers (the engine thread; ``clear``: any thread) ---------------------------------
@@ -56,7 +57,7 @@ class KVEventFeed:
         self,
         stored: list[int],
         removed: list[int],
-        lineage: dict[int, tuple[int, list[int]]] | None = None,
+        lineage: dict[int, Lineage] | None = None,
     ) -> None:
         self._outbox.append((stored, removed, lineage or {}))
 
@@ -93,9 +94,10 @@ class KVEventFeed:
         self._cleared.add(tier)
         self._dropped += held
 
-    def _remember(self, lineage: dict[int, tuple[int, list[int]]]) -> None:
-        for h, (parent, tokens) in lineage.items():
-            self._lineage[h] = (parent, array("i", tokens))  # 4 bytes a token, not a list's 36
+    def _remember(self, lineage: dict[int, Lineage]) -> None:
+        for h, (parent, tokens, lora) in lineage.items():
+            # 4 bytes a token, not a list's 36; the adapter's name is shared, not copied
+            self._lineage[h] = (parent, array("i", tokens), lora)
         while len(self._lineage) > LINEAGE_LIMIT:
             del self._lineage[next(iter(self._lineage))]
 

@@ -12,6 +12,7 @@ buffers with non-blocking copies so the host keeps building while they travel.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import accumulate
 
 import torch
@@ -75,6 +76,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # LoRA adapters are served (services/engine/lora): each row carries its slot
         self.serves_lora = False
+        # TP > 1 with adapters: the slot loads the other ranks have yet to make (AdapterCache)
+        self.lora_loads: Callable[[], list[tuple[int, str, str]]] | None = None
 
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
         if not self.pinned:
@@ -121,6 +124,8 @@ class ModelRunner:
         )
         if self.ranks is not None:
             inputs.block_copies, self.block_copies = self.block_copies, []
+            if self.lora_loads is not None:
+                inputs.lora_loads = self.lora_loads()
             self.ranks.send_step(inputs)
         try:
             hidden = self.forward(inputs)

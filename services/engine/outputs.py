@@ -60,6 +60,9 @@ class StepInputs:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # each row's LoRA slot (services/engine/lora), empty when the engine serves no adapters
     lora_slots: list[int] = field(default_factory=list)
+    # TP > 1: adapters rank 0 loaded into slots since the last step, (slot, name, directory):
+    # the other ranks load their cut of each before this pass (services/engine/lora/sharding.py)
+    lora_loads: list[tuple[int, str, str]] = field(default_factory=list)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from pdserve.services.engine.loader import resolve_device_dtype
+from pdserve.services.engine.lora.setup import build_follower_slots
 from pdserve.services.engine.model_config import ModelConfig
 from pdserve.services.engine.model_runner import ModelRunner
 from pdserve.services.engine.model_setup import build_rank_model, kv_parts
@@ -69,6 +70,7 @@ def serve(spec: RankSpec) -> None:
         conn.send(("error", f"{type(exc).__name__}: {exc}"[:500]))
         raise
     runner = ModelRunner(built.model, built.kv_cache, config.block_size, device)
+    lora = build_follower_slots(config, built.model)  # rank 0's adapter slots, this rank's cut
     agent = KVAgent(
         conn=kv_conn,
         kv_cache=built.kv_cache,
@@ -101,6 +103,8 @@ def serve(spec: RankSpec) -> None:
                 conn.send(("tier", tiers.apply(body)))
                 continue
             runner.copy_blocks(body.block_copies)
+            if lora is not None and body.lora_loads:
+                lora.apply(body.lora_loads)
             runner.follow_logits(body, runner.forward(body))
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from pdserve.shared.bus.wire_fields import (
+    MAX_ADAPTER_CHARS,
     MAX_KV_EVENT_HASHES,
     MAX_KV_EVENT_TOKENS,
     MAX_TOKENS,
@@ -99,8 +100,12 @@ class KVEvents:
     so a late or lossy one converges. ``seq`` counts messages per worker incarnation.
     A delta's stored blocks may carry their lineage (BlockStored): ``parents[i]`` is the hash
     before ``stored[i]`` in its chain (ROOT_HASH, 0, for a first block), ``token_ids`` their
-    tokens back to back; both empty when unknown. ``cleared``: every block of the tier went
-    (AllBlocksCleared) before this message's lists apply."""
+    tokens back to back; both empty when unknown. A block computed under a LoRA adapter names it
+    (vLLM's ``lora_name``): ``lora_index[i]`` is 0 for the base model, else ``stored[i]``'s
+    adapter is ``lora_names[lora_index[i] - 1]`` (an index, not the name, per block: one byte
+    where a name may take 256); both empty when no block has lineage or an adapter.
+    ``cleared``: every block of the tier went (AllBlocksCleared) before this message's lists
+    apply."""
 
     TYPE: ClassVar[str] = "kv_events"
     worker_id: str = ident()
@@ -116,6 +121,8 @@ class KVEvents:
     parents: list[int] = bounded(default=[], lo=0, hi=UINT64_MAX, max_len=MAX_KV_EVENT_HASHES)
     token_ids: list[int] = tokens(max_len=MAX_KV_EVENT_TOKENS, default=[])
     cleared: bool = bounded(default=False)
+    lora_names: list[str] = bounded(default=[], max_len=MAX_ADAPTERS)
+    lora_index: list[int] = bounded(default=[], lo=0, hi=MAX_ADAPTERS, max_len=MAX_KV_EVENT_HASHES)
 
     def __post_init__(self) -> None:
         if self.part >= self.parts:
@@ -127,6 +134,13 @@ class KVEvents:
             self.snapshot or len(self.parents) != n or len(self.token_ids) != n * self.block_size
         ):
             raise ValueError(f"lineage of {len(self.parents)}, {len(self.token_ids)} for {n}")
+        if self.lora_index or self.lora_names:
+            if len(self.lora_index) != len(self.parents) or not n:
+                raise ValueError(f"{len(self.lora_index)} adapter indices for {n} blocks")
+            if max(self.lora_index) > len(self.lora_names):
+                raise ValueError(f"an adapter index past {len(self.lora_names)} names")
+            if any(not name or len(name) > MAX_ADAPTER_CHARS for name in self.lora_names):
+                raise ValueError(f"adapter names are 1 to {MAX_ADAPTER_CHARS} characters")
 
 
 @dataclass

@@ -50,7 +50,7 @@ from pdserve.shared.bus.wire_fields import (
 )
 from pdserve.shared.sampling import GuidedDecoding, SamplingParams, TokenLogprobs
 
-PROTOCOL_VERSION = 14  # 3: n choices, log-probs, penalties, structured output; 4: positions;
+PROTOCOL_VERSION = 15  # 3: n choices, log-probs, penalties, structured output; 4: positions;
 # 5: one name per id (bus_id on the bus, client_id for the x-request-id); 6: TP ranks' KV servers
 # 7: WorkerLoad's roofline totals and peaks; 8: KVEvents per KV tier, WorkerLoad's tier load costs
 # 9: KV events' parents, token ids and clears; WorkerLoad's standby state and model version;
@@ -58,7 +58,8 @@ PROTOCOL_VERSION = 14  # 3: n choices, log-probs, penalties, structured output; 
 # 11: KVHandle.epoch, the lease's block generation (KV wire version 4)
 # 12: SamplingParams.priority and cache_salt (tenants' scheduling and prefix-cache isolation)
 # 13: GuidedDecoding.reasoning (structured output after a reasoning model's thoughts)
-# 14: multi-LoRA: Prefill/DecodeRequest.lora, WorkerLoad.lora_adapters and KV events' lora
+# 14: multi-LoRA: Prefill/DecodeRequest.lora, WorkerLoad.lora_adapters and KV handles' lora
+# 15: KV events name the adapter of blocks computed under one (KVEvents.lora_names, lora_index)
 
 Message = (
     PrefillRequest

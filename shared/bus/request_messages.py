@@ -14,6 +14,7 @@ from typing import ClassVar
 
 from pdserve.shared.bus.lease_messages import KVHandle
 from pdserve.shared.bus.wire_fields import (
+    MAX_ADAPTER_CHARS,
     MAX_TOKEN_ID,
     MAX_TOKENS,
     bounded,
@@ -27,7 +28,6 @@ from pdserve.shared.bus.wire_fields import (
 from pdserve.shared.sampling import MAX_N, SamplingParams, TokenLogprobs
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
-MAX_ADAPTER_CHARS = 256  # a LoRA adapter's name (--lora-modules NAME=...)
 # error_code values workers send (free text on the wire, so a newer worker may add codes):
 ERROR_CODES = {
     "overloaded": "the worker's queue is full (retry elsewhere)",

@@ -41,6 +41,7 @@ MAX_KV_EVENT_HASHES = 1 << 16
 # Token ids per KVEvents message (a stored block's tokens ride with it, <= 5 msgpack bytes each:
 # ~330 KB); the publisher splits deltas so hashes and tokens together stay under ~1 MB.
 MAX_KV_EVENT_TOKENS = 1 << 16
+MAX_ADAPTER_CHARS = 256  # a LoRA adapter's name (--lora-modules NAME=...)
 UINT64_MAX = (1 << 64) - 1  # block hashes are unsigned 64-bit (blake2b, 8 bytes)
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-# a stored block's (parent hash, its tokens); the parent of a prompt's first block is ROOT_HASH
-Lineage = tuple[int, Sequence[int]]
+# a stored block's (parent hash, its tokens, the LoRA adapter whose KV it holds, None for the
+# base model); the parent of a prompt's first block is ROOT_HASH
+Lineage = tuple[int, Sequence[int], str | None]
 
 
 @dataclass

@@ -8,8 +8,10 @@ contents instead, which replace what a gateway knew. Listeners (the vLLM-format 
 
 Messages stay under NATS's default 1 MB payload: at most ``MAX_KV_EVENT_HASHES`` hashes in all
 (stored, their parents, removed; 9 msgpack bytes each) and ``MAX_KV_EVENT_TOKENS`` token ids
-(5 bytes at most) per message; bigger changes are split. A message's lineage is all of its
-stored blocks' or none, so blocks without one (disk blocks indexed at start) go apart.
+(5 bytes at most) per message, and at most ``MAX_ADAPTERS`` LoRA adapter names (a block
+computed under one names it by index: a byte); bigger changes are split. A message's lineage is
+all of its stored blocks' or none, so blocks without one (disk blocks indexed at start) go
+apart.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from collections.abc import Callable
 from itertools import chain
 
 from pdserve.shared.bus.connection import Bus
-from pdserve.shared.bus.discovery_messages import KVEvents
+from pdserve.shared.bus.discovery_messages import MAX_ADAPTERS, KVEvents
 from pdserve.shared.bus.wire_fields import MAX_KV_EVENT_HASHES, MAX_KV_EVENT_TOKENS
-from pdserve.shared.discovery.kv_delta import KVDelta
+from pdserve.shared.discovery.kv_delta import KVDelta, Lineage
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,40 @@ KV_SNAPSHOT_SECONDS = 10.0  # a late-joining gateway knows a worker's whole cach
 
 # gets every batch of messages about to be published (on the event loop; must not block)
 Listener = Callable[[list[KVEvents]], None]
+
+
+def _lineage_chunks(known: list[int], lineage: dict[int, Lineage], size: int) -> list[list[int]]:
+    """``known`` cut into messages' chunks of at most ``size`` blocks and ``MAX_ADAPTERS``
+    adapters each."""
+    chunks: list[list[int]] = []
+    chunk: list[int] = []
+    names: set[str] = set()
+    for h in known:
+        lora = lineage[h][2]
+        new_name = lora is not None and lora not in names
+        if len(chunk) == size or (new_name and len(names) == MAX_ADAPTERS):
+            chunks.append(chunk)
+            chunk, names = [], set()
+        chunk.append(h)
+        if lora is not None:
+            names.add(lora)
+    return [*chunks, chunk] if chunk else chunks
+
+
+def lineage_fields(lineage: list[Lineage]) -> dict:
+    """A message's ``KVEvents`` lineage fields for its stored blocks' lineage, in order: the
+    parents, the tokens, and the adapters as indices into the message's adapter names (none
+    when every block is the base model's)."""
+    fields: dict = {
+        "parents": [parent for parent, _, _ in lineage],
+        "token_ids": list(chain.from_iterable(tokens for _, tokens, _ in lineage)),
+    }
+    names = list(dict.fromkeys(lora for _, _, lora in lineage if lora is not None))
+    if names:
+        index = {name: i for i, name in enumerate(names, start=1)}
+        fields["lora_names"] = names
+        fields["lora_index"] = [0 if lora is None else index[lora] for _, _, lora in lineage]
+    return fields
 
 
 class KVEventPublisher:
@@ -111,38 +147,33 @@ class KVEventPublisher:
         got = self.drain(*args)
         delta = got if isinstance(got, KVDelta) else KVDelta(*got)
         out = []
-        for stored, removed, parents, tokens in self._split(delta):
+        for stored, removed, lineage in self._split(delta):
             self.seq += 1
             cleared = delta.cleared and not out  # the first message clears, then the rest apply
-            out.append(
-                self._msg(stored, removed, tier, parents=parents, token_ids=tokens, cleared=cleared)
-            )
+            out.append(self._msg(stored, removed, tier, cleared=cleared, **lineage))
         return out
 
-    def _split(self, delta: KVDelta) -> list[tuple[list[int], list[int], list[int], list[int]]]:
-        """The delta as messages' (stored, removed, parents, token ids), within the bounds."""
+    def _split(self, delta: KVDelta) -> list[tuple[list[int], list[int], dict]]:
+        """The delta as messages' (stored, removed, lineage fields), within the bounds."""
         n, lineage, bs = MAX_KV_EVENT_HASHES, delta.lineage, self.block_size
         known = [h for h in delta.stored if h in lineage]
         unknown = [h for h in delta.stored if h not in lineage] if lineage else delta.stored
         per_known = max(1, min(n // 2, MAX_KV_EVENT_TOKENS // bs))  # a parent each, bs tokens
         parts = []
         removed = delta.removed
-        for i in range(0, len(known), per_known):
-            chunk = known[i : i + per_known]
+        for chunk in _lineage_chunks(known, lineage, per_known):
             room = n - 2 * len(chunk)
-            parents = [lineage[h][0] for h in chunk]
-            tokens = list(chain.from_iterable(lineage[h][1] for h in chunk))
-            parts.append((chunk, removed[:room], parents, tokens))
+            parts.append((chunk, removed[:room], lineage_fields([lineage[h] for h in chunk])))
             removed = removed[room:]
         for i in range(0, len(unknown), n):
             chunk = unknown[i : i + n]
             room = n - len(chunk)
-            parts.append((chunk, removed[:room], [], []))
+            parts.append((chunk, removed[:room], {}))
             removed = removed[room:]
         for i in range(0, len(removed), n):
-            parts.append(([], removed[i : i + n], [], []))
+            parts.append(([], removed[i : i + n], {}))
         if not parts and delta.cleared:
-            parts.append(([], [], [], []))
+            parts.append(([], [], {}))
         return parts
 
     def _msg(self, stored: list[int], removed: list[int], tier: str, **kw) -> KVEvents:

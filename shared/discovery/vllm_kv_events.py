@@ -33,7 +33,9 @@ memory "CPU", disk "DISK"); block hashes are pdserve's chained 64-bit blake2b ha
 unsigned integers (vLLM's default ``ExternalBlockHash`` is also a 64-bit integer, but computed
 differently: a consumer that recomputes hashes from tokens must use pdserve's); a prompt's first
 block has ``parent_block_hash`` None; consecutive blocks of one chain go in one BlockStored, as
-vLLM sends them. A clear of any tier is AllBlocksCleared (vLLM's has no medium); a worker's
+vLLM sends them. A block computed under a LoRA adapter names it in ``lora_name`` (its chain's
+first hash has the adapter in its ``extra_keys``); ``lora_id`` stays None: vLLM's is a number
+its process gave the adapter, pdserve's workers know adapters by name only. A clear of any tier is AllBlocksCleared (vLLM's has no medium); a worker's
 first batch is one, so a consumer forgets what an earlier process on the endpoint held. Blocks
 whose tokens the worker does not know (disk blocks indexed at start) are not announced:
 ``skipped_blocks`` counts them.
@@ -84,10 +86,12 @@ def stored_events(msg: KVEvents) -> list[Event]:
     one chain (none without lineage)."""
     out: list[Event] = []
     bs, medium = msg.block_size, MEDIUM[msg.tier]
+    loras = [None, *msg.lora_names]
+    index = msg.lora_index or [0] * len(msg.stored)
     start = 0
     for i in range(1, len(msg.stored) + 1):
-        if i < len(msg.stored) and msg.parents[i] == msg.stored[i - 1]:
-            continue  # the chain goes on
+        if i < len(msg.stored) and msg.parents[i] == msg.stored[i - 1] and index[i] == index[i - 1]:
+            continue  # the chain goes on (under one adapter: a chain never changes it)
         parent = msg.parents[start]
         out.append(
             {
@@ -98,7 +102,7 @@ def stored_events(msg: KVEvents) -> list[Event]:
                 "block_size": bs,
                 "lora_id": None,
                 "medium": medium,
-                "lora_name": None,
+                "lora_name": loras[index[start]],
             }
         )
         start = i

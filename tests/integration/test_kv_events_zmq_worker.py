@@ -3,7 +3,7 @@ prefill's blocks reach a real ZMQ subscriber as vLLM's BlockStored (chained hash
 tokens, medium "GPU"), after the worker's first batch, AllBlocksCleared; the same blocks reach
 the gateway's registry on NATS with their lineage. A prefix-cache reset (``POST
 /reset_prefix_cache``'s request) is refused while a lease holds the blocks, then clears them and
-says so on both streams."""
+says so on both streams. Blocks computed under a LoRA adapter name it (vLLM's ``lora_name``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import zmq
 from pdserve.shared.bus.discovery_messages import KVEvents
 from pdserve.shared.bus.lease_messages import ReleaseLease
 from pdserve.shared.discovery.cache_reset import reset_all
-from pdserve.shared.kv.layout import ROOT_HASH, prefix_block_hashes
+from pdserve.shared.kv.layout import ROOT_HASH, identity_keys, prefix_block_hashes
 from tests.integration.stack import start_nats, start_service, stop_all
 from tests.integration.worker_client import connected
 
@@ -115,6 +115,68 @@ async def test_a_worker_publishes_vllm_kv_events_on_zmq(tmp_path):
             # and the cache starts over: the same prompt is computed, its blocks stored again
             again = await gw.prefill("pz", "r2", PROMPT)
             assert again.cached_tokens == 0
+    finally:
+        stop_all([worker])
+        nats.stop()
+        sub.close(linger=0)
+        ctx.term()
+
+
+async def test_blocks_under_an_adapter_carry_its_name(tmp_path, llama_dir):
+    """A prefill worker serving a PEFT adapter (``--lora-modules``): the prompt's blocks
+    computed under it reach the ZMQ subscriber with vLLM's ``lora_name`` (the same prompt under
+    the base model: another chain, ``lora_name`` None), and NATS's KVEvents name it too."""
+    from tests.lora_support import build_adapter
+
+    adapter = build_adapter(llama_dir, tmp_path / "sql", seed=5, rank=4)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    nats = start_nats(tmp_path)
+    opts = {
+        "worker_id": "pl",
+        "model": str(llama_dir),
+        "lora_modules": [f"sql={adapter}"],
+        "block_size": BS,
+        "num_kv_blocks": 32,
+        "heartbeat_seconds": 0.2,
+        "kv_events_zmq": f"tcp://127.0.0.1:{port}",
+        "kv_events_zmq_topic": "kv",
+    }
+    worker = start_service("prefill", nats.url, tmp_path, None, opts)
+    try:
+        async with connected(nats.url, [worker]) as gw:
+            on_nats: list[KVEvents] = []
+
+            async def heard(msg: KVEvents, headers) -> None:
+                on_nats.append(msg)
+
+            await gw.bus.subscribe(gw.bus.subjects.kv("pl"), heard, (KVEvents,))
+            await asyncio.sleep(1.0)  # the PUB side's connection (it drops before it is up)
+            assert (await gw.prefill("pl", "r1", PROMPT, lora="sql")).error is None
+            assert (await gw.prefill("pl", "r2", PROMPT)).error is None
+            got = await asyncio.to_thread(events, sub, 6)
+            sql = prefix_block_hashes(PROMPT, BS, extra_keys=identity_keys("sql"))
+            base = prefix_block_hashes(PROMPT, BS)
+            name_of = {
+                h: e["lora_name"]
+                for e in got
+                if e["type"] == "BlockStored"
+                for h in e["block_hashes"]
+            }
+            assert name_of == {**dict.fromkeys(sql, "sql"), **dict.fromkeys(base, None)}
+            for _ in range(50):
+                deltas = [m for m in on_nats if m.stored and not m.snapshot]
+                if sum(len(m.stored) for m in deltas) >= 6:
+                    break
+                await asyncio.sleep(0.1)
+            on_bus = {
+                h: [None, *m.lora_names][i]
+                for m in deltas
+                for h, i in zip(m.stored, m.lora_index or [0] * len(m.stored), strict=True)
+            }
+            assert on_bus == name_of
     finally:
         stop_all([worker])
         nats.stop()

@@ -13,9 +13,13 @@ import pytest
 from pdserve.services.engine.block_manager import BlockManager
 from pdserve.services.engine.kv_event_feed import KVEventFeed
 from pdserve.services.engine.sequence import Sequence
-from pdserve.shared.bus.discovery_messages import KVEvents, WorkerLoad
+from pdserve.shared.bus.discovery_messages import MAX_ADAPTERS, KVEvents, WorkerLoad
 from pdserve.shared.bus.protocol import ProtocolError, decode, encode
-from pdserve.shared.bus.wire_fields import MAX_KV_EVENT_HASHES, MAX_KV_EVENT_TOKENS
+from pdserve.shared.bus.wire_fields import (
+    MAX_ADAPTER_CHARS,
+    MAX_KV_EVENT_HASHES,
+    MAX_KV_EVENT_TOKENS,
+)
 from pdserve.shared.discovery.kv_delta import KVDelta
 from pdserve.shared.discovery.kv_publisher import KVEventPublisher
 from pdserve.shared.discovery.worker_registry import WorkerRegistry
@@ -59,6 +63,22 @@ def test_lineage_and_clears_round_trip():
     assert decode(encode(msg)) == msg
     old = KVEvents("p0", "i1", 2, 4, [11], [])  # without lineage: the fields' defaults
     assert decode(encode(old)).parents == [] and not decode(encode(old)).cleared
+    under = KVEvents(
+        worker_id="p0",
+        instance="i1",
+        block_size=2,
+        seq=5,
+        stored=[11, 12],
+        removed=[],
+        parents=[ROOT_HASH, 11],
+        token_ids=[1, 2, 3, 4],
+        lora_names=["sql"],
+        lora_index=[1, 0],
+    )
+    assert decode(encode(under)) == under
+
+
+LINEAGE = {"parents": [0, 11], "token_ids": [1, 2, 3, 4]}
 
 
 @pytest.mark.parametrize(
@@ -68,6 +88,11 @@ def test_lineage_and_clears_round_trip():
         {"parents": [0, 11], "token_ids": [1, 2, 3]},  # a token short
         {"parents": [0, 11], "token_ids": [1, 2, 3, 4], "snapshot": True},  # snapshots: none
         {"token_ids": [1] * (MAX_KV_EVENT_TOKENS + 1)},  # over the bound
+        {"lora_names": ["a"], "lora_index": [1, 1]},  # adapters without lineage
+        {**LINEAGE, "lora_names": ["a"], "lora_index": [1]},  # an index short
+        {**LINEAGE, "lora_names": ["a"], "lora_index": [1, 2]},  # past the names
+        {**LINEAGE, "lora_names": [""], "lora_index": [1, 0]},  # an empty name
+        {**LINEAGE, "lora_names": ["a" * 257], "lora_index": [1, 0]},  # too long a name
     ],
 )
 def test_decoder_refuses_lineage_that_does_not_fit(fields):
@@ -93,7 +118,7 @@ def test_lineage_follows_blocks_from_the_pool_to_host_memory():
     assert delta.lineage[first][0] == ROOT_HASH and list(delta.lineage[first][1]) == tokens[:4]
     assert delta.lineage[second][0] == first and list(delta.lineage[second][1]) == tokens[4:]
     # the chained hash of each block is its parent's and its tokens' (what a consumer checks)
-    for h, (parent, toks) in delta.lineage.items():
+    for h, (parent, toks, _) in delta.lineage.items():
         assert hash_block(parent, list(toks)) == h
 
     # the pool evicts both (another prompt needs the blocks); host memory takes them
@@ -152,10 +177,14 @@ def load(wid: str) -> WorkerLoad:
 
 
 def test_big_deltas_split_within_the_bounds_and_keep_lineage_whole():
+    """Every bound at once: the most hashes and tokens, and more adapters (of the longest
+    names) than one message may name; each block keeps its own adapter."""
     n = MAX_KV_EVENT_HASHES
     known = list(range(1, n + 1))
     unknown = list(range(10 * n, 10 * n + 100))
-    lineage = {h: (h - 1, [h % 1000] * BS) for h in known}
+    names = [f"{i:03d}" + "x" * (MAX_ADAPTER_CHARS - 3) for i in range(MAX_ADAPTERS + 44)]
+    adapter = {h: None if h % 2 else names[h % len(names)] for h in known}
+    lineage = {h: (h - 1, [h % 1000] * BS, adapter[h]) for h in known}
     delta = KVDelta(known + unknown, list(range(20 * n, 20 * n + n)), True, lineage)
     pub = KVEventPublisher(None, "p0", "i1", BS, lambda: delta, lambda: [], 1.0)  # type: ignore[arg-type]
     msgs = pub.messages(snapshot=False)
@@ -166,6 +195,9 @@ def test_big_deltas_split_within_the_bounds_and_keep_lineage_whole():
         assert len(encode(m)) < 1 << 20  # NATS's default payload limit
         if m.parents:
             assert all(lineage[h][0] == p for h, p in zip(m.stored, m.parents, strict=True))
+            assert len(m.lora_names) <= MAX_ADAPTERS
+            got = [[None, *m.lora_names][i] for i in m.lora_index]
+            assert got == [adapter[h] for h in m.stored]
         else:
             assert set(m.stored) <= set(unknown)
     assert sorted(h for m in msgs for h in m.stored) == sorted(known + unknown)

@@ -18,7 +18,7 @@ from pdserve.services.engine.kv_event_feed import KVEventFeed
 from pdserve.services.engine.sequence import Sequence
 from pdserve.shared.discovery.kv_publisher import KVEventPublisher
 from pdserve.shared.discovery.vllm_kv_events import DropOldest, ZmqKVEventPublisher
-from pdserve.shared.kv.layout import prefix_block_hashes
+from pdserve.shared.kv.layout import ROOT_HASH, hash_block, identity_keys, prefix_block_hashes
 from pdserve.shared.sampling import SamplingParams
 
 BS = 4
@@ -88,8 +88,9 @@ class NoBus:
         pass
 
 
-def commit(bm: BlockManager, rid: str, tokens: list[int]) -> Sequence:
+def commit(bm: BlockManager, rid: str, tokens: list[int], lora: str | None = None) -> Sequence:
     s = Sequence(rid, tokens, SamplingParams(), 0, 0.0)
+    s.lora_name = lora  # as the scheduler sets it for a request under an adapter
     bm.attach_prefix(s, bm.find_prefix(s))  # as admission does: cached blocks are reused
     bm.allocate(s, s.num_tokens)
     s.num_computed_tokens = s.num_tokens
@@ -188,6 +189,82 @@ async def test_a_zmq_subscriber_reads_vllm_events(sub, fmt):
         await publish()
         assert got[-1] == [{"type": "AllBlocksCleared"}]
         assert zpub.dropped == 0 and zpub.send_failed == 0
+    finally:
+        zpub.close()
+
+
+async def connected(sub: Subscriber, fmt: str) -> ZmqKVEventPublisher:
+    """A ZMQ publisher whose subscription is up (PUB drops what it sends before), drained."""
+    zpub = ZmqKVEventPublisher(f"tcp://127.0.0.1:{sub.port}", TOPIC, fmt)
+    for _ in range(100):
+        zpub.put([{"type": "AllBlocksCleared"}])
+        if sub.recv(50) is not None:
+            break
+    while sub.recv(100) is not None:
+        pass
+    return zpub
+
+
+@pytest.mark.parametrize("fmt", ["map", "array"])
+async def test_blocks_computed_under_an_adapter_name_it(sub, fmt):
+    """vLLM's ``lora_name``: the same tokens under adapter "sql" and under the base model are
+    two chains, and each BlockStored says whose it is, in the pool and after an eviction to
+    host memory; with the name a consumer recomputes the first block's hash."""
+    zpub = await connected(sub, fmt)
+    try:
+        bm = BlockManager(num_blocks=4, block_size=BS)
+        tier_events: list[tuple[str, bool, int]] = []
+        feed = KVEventFeed(
+            ("device", "host"), lambda: [tier_events.pop(0) for _ in list(tier_events)]
+        )
+        seen: list = []
+        pub = KVEventPublisher(
+            NoBus(),  # type: ignore[arg-type]
+            worker_id="p0",
+            instance="i1",
+            block_size=BS,
+            drain=feed.drain_delta,
+            snapshot=feed.snapshot,
+            interval=1.0,
+            tiers=feed.tiers,
+            listeners=(zpub, seen.extend),
+        )
+        await pub.publish_now(snapshot=True)
+        assert sub.recv() is not None  # the first batch: AllBlocksCleared
+
+        tokens = list(range(100, 108))
+        base = prefix_block_hashes(tokens, BS)
+        sql = prefix_block_hashes(tokens, BS, extra_keys=identity_keys("sql"))
+        assert set(base).isdisjoint(sql)
+        bm.free_sequence(commit(bm, "a", tokens, lora="sql"))
+        bm.free_sequence(commit(bm, "b", tokens))
+        stored, removed = bm.drain_events()
+        feed.push(stored, removed, bm.take_lineage(stored))
+        await pub.publish_now()
+        _, events, _ = vllm_batch(sub.recv()[1], fmt)  # type: ignore[index]
+        by_chain = {tuple(e["block_hashes"]): e for e in events}
+        assert by_chain[tuple(sql)]["lora_name"] == "sql"
+        assert by_chain[tuple(base)]["lora_name"] is None
+        assert all(e["lora_id"] is None for e in events)  # pdserve has names, not vLLM's ids
+        first = by_chain[tuple(sql)]
+        assert hash_block(ROOT_HASH, first["token_ids"][:BS], identity_keys("sql")) == sql[0]
+        # on NATS: the name once, an index per block
+        (msg,) = [m for m in seen if m.stored]
+        assert msg.lora_names == ["sql"]
+        assert dict(zip(msg.stored, msg.lora_index, strict=True)) == {
+            **dict.fromkeys(sql, 1),
+            **dict.fromkeys(base, 0),
+        }
+
+        # another prompt evicts both chains; host memory takes the adapter's and names it too
+        commit(bm, "c", list(range(300, 316)))
+        tier_events += [("host", True, h) for h in sql]
+        stored, removed = bm.drain_events()
+        feed.push(stored, removed, bm.take_lineage(stored))
+        await pub.publish_now()
+        _, events, _ = vllm_batch(sub.recv()[1], fmt)  # type: ignore[index]
+        (on_host,) = [e for e in events if e["type"] == "BlockStored" and e["medium"] == "CPU"]
+        assert on_host["block_hashes"] == sql and on_host["lora_name"] == "sql"
     finally:
         zpub.close()
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pdserve.services.engine.lora.peft_adapter import PeftAdapter, load_adapter, read_config
+from pdserve.services.engine.lora.peft_adapter import PeftAdapter, read_config
+from pdserve.services.engine.lora.sharding import SlotLoad, load_cut
 from pdserve.services.engine.model import Linear, LlamaForCausalLM
 from pdserve.services.engine.sequence import Sequence
 from pdserve.shared.errors import ModelLoadError
@@ -131,6 +132,9 @@ class AdapterCache:
         # requests still use them), one tuple replaced whole: other threads read it
         self.served: tuple[str, ...] = tuple(modules)
         self.users: dict[str, int] = {}  # requests in the engine per adapter
+        # TP > 1: the slot loads made since the last step, for the other ranks (sharding.py)
+        self.followed = model.shard.size > 1
+        self.loads_due: list[SlotLoad] = []
 
     def add(self, name: str, path: Path) -> None:
         """Serve ``name`` from now on (``POST /v1/load_lora_adapter``): read and checked here
@@ -139,7 +143,7 @@ class AdapterCache:
             why = "is being unloaded" if name not in self.served else "is already loaded"
             raise AdapterNameTaken(f"LoRA adapter {name!r} {why}")
         _check_rank(name, path, self.max_rank)
-        check_fits(self.model, load_adapter(name, path, len(self.model.layers)))
+        check_fits(self.model, load_cut(name, path, self.model))
         self.modules[name] = path
         self.served = (*self.served, name)
         log.info("LoRA adapter %r added from %s", name, path)
@@ -185,8 +189,10 @@ class AdapterCache:
             slot = self._free_slot()
             if slot is None:
                 return None
-            adapter = load_adapter(name, self.modules[name], len(self.model.layers))
+            adapter = load_cut(name, self.modules[name], self.model)
             write_slot(self.model, slot, adapter, self.max_rank)
+            if self.followed:
+                self.loads_due.append((slot, name, str(self.modules[name])))
             self.slot_of[name] = slot
             self.resident_names = tuple(self.slot_of)
             self.loads += 1
@@ -194,6 +200,11 @@ class AdapterCache:
         self.slot_of.move_to_end(name)
         self.pins[slot] += 1
         return slot
+
+    def take_loads(self) -> list[SlotLoad]:
+        """The slot loads the other TP ranks have yet to make (sent with the next step)."""
+        loads, self.loads_due = self.loads_due, []
+        return loads
 
     def pin(self, seq: Sequence) -> bool:
         """Pin ``seq``'s adapter for it (admission; a preempted sequence keeps its pin). False
