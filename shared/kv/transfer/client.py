@@ -224,10 +224,8 @@ class KVClient:
                     raise
                 attempts += 1
                 if attempts == 1 and time.monotonic() < deadline:
-                    # Once more, on a fresh endpoint: a kept one may have gone stale, and a shared
-                    # one may have been aborted under us by another pull's cancel (here, or at
-                    # the peer through its twin), which cancels our receives too. A dead peer
-                    # fails the reconnect, or this second try.
+                    # once more, on a fresh endpoint: a kept one went stale, or another pull's
+                    # cancel aborted it under us (here, or at the peer); a dead peer fails again
                     log.info("endpoint to %s failed (%r); reconnecting", handle.worker_id, exc)
                     continue
                 raise KVTransferError(f"KV pull from {handle.worker_id} failed: {exc!r}") from exc
