@@ -331,7 +331,7 @@ async def test_abandoned_transfer_unpins_its_lease_once_released() -> None:
     async with Pair() as p:
         p.lease("r1", list(range(16)), 16 * BLOCK)
         lease = p.leases.get("r1")
-        ep, _ = await p.server.endpoints.get(p.client.own_address())
+        ep = await p.server.endpoints.get(p.client.own_address())
         # what the server is left with: a rendezvous-sized send (256 KiB) nobody will receive
         send = asyncio.ensure_future(ep.send(torch.zeros(1 << 16).numpy(), tag=12, force_tag=True))
         p.leases.pin(lease)

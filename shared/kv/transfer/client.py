@@ -189,7 +189,7 @@ class KVClient:
             try:
                 ep = self.endpoints.cached(raw)
                 if ep is None:
-                    ep, _ = await self.endpoints.get(raw)
+                    ep = await self.endpoints.get(raw)
             except Exception as exc:  # e.g. UCXXUnreachableError: the prefill worker is gone
                 raise KVTransferError(
                     f"cannot reach {handle.worker_id} for the KV pull: {exc!r}"

@@ -207,7 +207,7 @@ class KVServer:
 
     async def _answer_later(self, req: PullRequest, answer: Answer | str) -> None:
         try:
-            ep, _ = await self.endpoints.get(req.reply_to)
+            ep = await self.endpoints.get(req.reply_to)
             if not isinstance(answer, str):
                 await settle(answer.staged)  # UCX must not read half a copy
                 if answer.event is not None:  # the layers' kernels must have written them

@@ -221,21 +221,21 @@ class Endpoints:
     def __len__(self) -> int:
         return len(self.eps)
 
-    async def get(self, raw: bytes) -> tuple[Any, bool]:
-        """The endpoint to ``raw`` and whether it already existed."""
+    async def get(self, raw: bytes) -> Any:
+        """The endpoint to ``raw``: the kept one, or a new one."""
         import ucxx
 
         ucx_progress.driver()  # this event loop makes UCX progress (once per loop)
         ep = self.eps.get(raw)
         if ep is not None and not ep.closed:
             self.eps.move_to_end(raw)
-            return ep, True
+            return ep
         ep = await ucxx.create_endpoint_from_worker_address(ucx_address(raw))
         self.eps[raw] = ep
         self.eps.move_to_end(raw)
         while len(self.eps) > self.limit:
             abort(self.eps.popitem(last=False)[1])
-        return ep, False
+        return ep
 
     def cached(self, raw: bytes) -> Any:
         """The open endpoint to ``raw``, if one is kept (None: ``get`` must connect)."""
