@@ -6,12 +6,12 @@ near the bus: fbgemm's dynamic INT8 linear about half of a plain sum of the same
 ``_weight_int8pack_mm`` and an Inductor-compiled dequantizing reduction far less, oneDNN's bf16
 matmul about 40%. The C++ loop widens the weights in registers and streams them once.
 
-Built on first use with torch's extension builder (g++ and ninja) into
-``$PDSERVE_EXT_DIR`` (default ``~/.cache/pdserve/ext``); an engine that will use it builds it
-while it loads its model (``model_setup.build_rank_model``), never in a step. Only where the
-CPU has AVX2 and FMA (``PDSERVE_NO_CPU_GEMV=1`` turns it off); ``available()`` is False elsewhere, or when the build fails, and the callers keep their
-torch path. The ops are registered with torch.library so a compiled decode step calls them as
-opaque ops (``torch.ops.pdserve.int8_gemv`` / ``bf16_gemv``).
+Built on first use with torch's extension builder (g++ and ninja) into ``$PDSERVE_EXT_DIR`` (default
+``~/.cache/pdserve/ext``); an engine that will use it builds it while it loads its model
+(``model_setup.build_rank_model``), never in a step. Only where the CPU has AVX2 and FMA
+(``PDSERVE_NO_CPU_GEMV=1`` turns it off); ``available()`` is False elsewhere, or when the build
+fails, and the callers keep their torch path. The ops are registered with torch.library so a
+compiled decode step calls them as opaque ops (``torch.ops.pdserve.int8_gemv`` / ``bf16_gemv``).
 """
 
 from __future__ import annotations

@@ -330,7 +330,7 @@ class BlockManager:
         return stored, removed
 
     def take_lineage(self, stored: list[int]) -> dict[int, Lineage]:
-        """The (parent hash, tokens, adapter) of ``stored`` (what ``drain_events`` just returned), and
-        forget the rest: a block stored and evicted in between needs none."""
+        """The (parent hash, tokens, adapter) of ``stored`` (what ``drain_events`` just returned),
+        and forget the rest: a block stored and evicted in between needs none."""
         lineage, self.lineage = self.lineage, {}
         return {h: lineage[h] for h in stored if h in lineage}

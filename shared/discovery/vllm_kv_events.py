@@ -27,17 +27,17 @@ The definition followed: ``vllm/distributed/kv_events.py`` of vllm-project/vllm 
     ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
     lora_name]``, ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``.
 
-The mapping from pdserve (docs/kv-events.md): a tier's blocks carry vLLM's ``medium``
-(``MEDIUM``: device pool "GPU" - also on a CPU-only worker, it is the engine's own pool -, host
-memory "CPU", disk "DISK"); block hashes are pdserve's chained 64-bit blake2b hashes as
-unsigned integers (vLLM's default ``ExternalBlockHash`` is also a 64-bit integer, but computed
-differently: a consumer that recomputes hashes from tokens must use pdserve's); a prompt's first
-block has ``parent_block_hash`` None; consecutive blocks of one chain go in one BlockStored, as
-vLLM sends them. A block computed under a LoRA adapter names it in ``lora_name`` (its chain's
-first hash has the adapter in its ``extra_keys``); ``lora_id`` stays None: vLLM's is a number
-its process gave the adapter, pdserve's workers know adapters by name only. A clear of any tier is AllBlocksCleared (vLLM's has no medium); a worker's
-first batch is one, so a consumer forgets what an earlier process on the endpoint held. Blocks
-whose tokens the worker does not know (disk blocks indexed at start) are not announced:
+The mapping from pdserve (docs/kv-events.md): a tier's blocks carry vLLM's ``medium`` (``MEDIUM``:
+device pool "GPU" - also on a CPU-only worker, it is the engine's own pool -, host memory "CPU",
+disk "DISK"); block hashes are pdserve's chained 64-bit blake2b hashes as unsigned integers (vLLM's
+default ``ExternalBlockHash`` is also a 64-bit integer, but computed differently: a consumer that
+recomputes hashes from tokens must use pdserve's); a prompt's first block has ``parent_block_hash``
+None; consecutive blocks of one chain go in one BlockStored, as vLLM sends them. A block computed
+under a LoRA adapter names it in ``lora_name`` (its chain's first hash has the adapter in its
+``extra_keys``); ``lora_id`` stays None: vLLM's is a number its process gave the adapter, pdserve's
+workers know adapters by name only. A clear of any tier is AllBlocksCleared (vLLM's has no medium);
+a worker's first batch is one, so a consumer forgets what an earlier process on the endpoint held.
+Blocks whose tokens the worker does not know (disk blocks indexed at start) are not announced:
 ``skipped_blocks`` counts them.
 
 Never in the way of a step: the conversion runs on the worker's event loop (the NATS

@@ -32,10 +32,11 @@ Decode side, ``KVDecodeSide`` (``services/decode/worker.py:DecodeWorker``):
     on ready       ``KVPullAnswers.kv_ready``: the reserved blocks hold the prompt's KV (and, for
                    a streamed pull, the first token): the sequence joins the batch.
     on failure     ``KVPullAnswers.kv_failed``: ``--kv-failure-policy`` fails the request,
-                   computes the prompt here, or (``reprefill``) fails it with ``kv_reprefill``,
-                   and the gateway prefills it again on another prefill worker
-                   (``gateway/inflight/prefill_stage.py:PrefillStage.reprefill``). Both are ``LLMEngine``'s commands, applied on the
-                   engine thread by ``services/engine/kv_arrivals.py:KVArrivals``.
+                   computes the prompt here, or (``reprefill``) fails it with ``kv_reprefill``, and
+                   the gateway prefills it again on another prefill worker
+                   (``gateway/inflight/prefill_stage.py:PrefillStage.reprefill``). Both are
+                   ``LLMEngine``'s commands, applied on the engine thread by
+                   ``services/engine/kv_arrivals.py:KVArrivals``.
 
 The hand-off, one request (NATS messages: ``shared/bus/*_messages.py``; ``<ns>`` is the
 namespace)::
@@ -94,11 +95,11 @@ Failure policy - never a silent 200 with wrong output:
 - bytes that differ from the hashes taken at lease time (``--kv-checksum``):
   ``KVChecksumError``, counted and marked on the ``kv.transfer`` span.
 
-Whatever the failure, the decode worker releases the lease and tells the engine
-``kv_failed``, never ``kv_ready``; ``--kv-failure-policy`` then fails the request (the default),
-recomputes its prompt on the decode worker, or (``reprefill``) has the gateway prefill it again
-on another prefill worker and send it to decode anew (on a decode worker where none is left). A decode worker that turns a request away
-before pulling (draining, full, past its deadline) releases its lease at once, and the gateway
+Whatever the failure, the decode worker releases the lease and tells the engine ``kv_failed``, never
+``kv_ready``; ``--kv-failure-policy`` then fails the request (the default), recomputes its prompt on
+the decode worker, or (``reprefill``) has the gateway prefill it again on another prefill worker and
+send it to decode anew (on a decode worker where none is left). A decode worker that turns a request
+away before pulling (draining, full, past its deadline) releases its lease at once, and the gateway
 releases the lease of any prefill answer nobody will pull
 (``gateway/inflight/outbox.py:Outbox.release_stale``). A prefill worker that dies fails the pulls
 from it; a decode worker that dies leaves its leases to expire.

@@ -115,11 +115,12 @@ def pool_target(
     run: Notes,
 ) -> int:
     """One role's pool target: the upper outlook beyond the serving target, and at least the
-    floor's reserve of capacity available at once (serving capacity beyond the need, which the
-    dead band keeps, is such capacity too, fractionally: the reserve is short only by more than
-    the dead band's share of the serving fleet, the margin a count is held within itself); shrunk only a replacement time (or the role's
-    cooldown, if longer) after it last grew (its loading is paid for, and a load that keeps
-    turning would have it started again), and never grown while the role drains."""
+    floor's reserve of capacity available at once (serving capacity beyond the need, which the dead
+    band keeps, is such capacity too, fractionally: the reserve is short only by more than the dead
+    band's share of the serving fleet, the margin a count is held within itself); shrunk only a
+    replacement time (or the role's cooldown, if longer) after it last grew (its loading is paid
+    for, and a load that keeps turning would have it started again), and never grown while the role
+    drains."""
     spare = max(0.0, serving - need)
     short = config.pool_floor.of(role) - spare - config.dead_band * serving
     floor = max(0, math.ceil(round(short, 9)))

@@ -18,14 +18,11 @@ directory until a request uses it, so it is cut on every rank the same way.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 from pdserve.services.engine.lora.peft_adapter import PeftAdapter, load_adapter
 from pdserve.services.engine.model import LlamaForCausalLM
 from pdserve.services.engine.parallel.shard import shard_piece
-
-log = logging.getLogger(__name__)
 
 # PEFT projection -> (the fused parameter's name as ``shard_piece`` knows it, its piece index)
 _COLUMN = {

@@ -1,18 +1,18 @@
 """``nn.Linear`` replacements with INT8 weights, one per device, and the swap that installs them.
 
-Chosen by measurement on the reference CPU (perf/int8_linear_bench.py, perf/README.md; 2
-threads, AVX-512 VNNI, torch 2.13): fbgemm's dynamic linear with a prepacked weight
+Chosen by measurement on the reference CPU (perf/int8_linear_bench.py, perf/README.md; 2 threads,
+AVX-512 VNNI, torch 2.13): fbgemm's dynamic linear with a prepacked weight
 (``torch.ops.quantized.linear_dynamic``: per-token activation rounding, per-channel INT8 weights,
 int32 accumulation) ran SmolLM2's shapes 1.0-12.8x faster than fp32 (the 49,152-wide head most),
 while ``aten._weight_int8pack_mm`` (weight-only) was slower than fp32, ``torch._int_mm`` needs 17+
 rows and a separate activation pass, and torchao 0.18 (the release for torch 2.13) was slower than
-fp32 eager on every shape and compiled on the MLP's. On an AVX2 CPU without VNNI (issue 42's
-EPYC, one thread, perf/gemv_bench.py) fbgemm's op read the weights at ~60% of a plain sum of
-the same bytes at batch 1, so up to 4 rows (a decode step) go to ``kernels/cpu_gemv.cpp``
-instead: the same per-token W8A8 math (symmetric 8-bit rounding, exact integer sums, as
-``int8_linear_reference``), at ~75% of the sum; prompts and larger batches stay on fbgemm. On CUDA the weights stay INT8 and the Triton
-weight-only kernel (``ops.int8_linear``) dequantizes them in registers: at decode sizes a matmul is
-bound by reading the weights, which INT8 halves against bf16.
+fp32 eager on every shape and compiled on the MLP's. On an AVX2 CPU without VNNI (issue 42's EPYC,
+one thread, perf/gemv_bench.py) fbgemm's op read the weights at ~60% of a plain sum of the same
+bytes at batch 1, so up to 4 rows (a decode step) go to ``kernels/cpu_gemv.cpp`` instead: the same
+per-token W8A8 math (symmetric 8-bit rounding, exact integer sums, as ``int8_linear_reference``), at
+~75% of the sum; prompts and larger batches stay on fbgemm. On CUDA the weights stay INT8 and the
+Triton weight-only kernel (``ops.int8_linear``) dequantizes them in registers: at decode sizes a
+matmul is bound by reading the weights, which INT8 halves against bf16.
 
 GGUF Q8_0 layers (int8 values, a float16 scale per 32 input channels) go onto the weight-only path
 as they are: the loader builds ``WeightOnlyInt8Linear`` from the file's values and group scales,
