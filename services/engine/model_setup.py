@@ -77,15 +77,12 @@ def use_cpu_gemv(model: nn.Module, device: torch.device) -> None:
     plain sum of the same bytes, the kernel at ~65% (perf/README.md)."""
     if device.type != "cpu":
         return
-    linears = [m for m in model.modules() if isinstance(m, (Linear, CpuInt8Linear))]
-    bf16 = [m for m in linears if isinstance(m, Linear) and m.weight.dtype == torch.bfloat16]
-    if not (bf16 or any(isinstance(m, CpuInt8Linear) for m in linears)):
-        return
-    if not cpu_gemv.available():
-        return
-    for module in bf16:
-        if module.weight.is_contiguous():
-            module._bf16_gemv = True
+    modules = list(model.modules())
+    bf16 = [m for m in modules if isinstance(m, Linear) and m.weight.dtype == torch.bfloat16]
+    int8 = any(isinstance(m, CpuInt8Linear) for m in modules)
+    if (bf16 or int8) and cpu_gemv.available():  # the kernel reads row-major weights
+        for module in bf16:
+            module._bf16_gemv = module.weight.is_contiguous()
 
 
 @dataclass
