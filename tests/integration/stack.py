@@ -12,6 +12,7 @@ Small on purpose. Typical session fixture::
 
 API:
 - ``free_port()``: an unused loopback TCP port.
+- ``free_port_range(n)``: the first of ``n`` consecutive free ports (worker metrics ports).
 - ``start_nats(workdir, **kw) -> NatsServer``: nats-server on a free loopback port; ``.url``,
   ``.stop()``, ``.restart(down_seconds)`` (same port), ``.child.pid``.
 - ``start_service(command, nats_url, log_dir, env=None, options=None) -> Child``: runs
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -45,6 +47,7 @@ __all__ = [
     "pdserve_up",
     "NatsServer",
     "free_port",
+    "free_port_range",
     "listening_sockets",
     "log_text",
     "start_nats",
@@ -65,6 +68,27 @@ QUIET_ENV = {
     # compiling the decode step at each of the suite's stack starts would cost it minutes
     "PDSERVE_ENFORCE_EAGER": "1",
 }
+
+
+def free_port_range(n: int) -> int:
+    """The first of ``n`` consecutive ports free now on loopback.
+
+    Drawn from below the kernel's ephemeral range: ``pdserve up`` hands the worker in slot ``i``
+    the metrics port ``base + i`` only when that worker starts, and until then any ``bind(0)``
+    (NATS, another worker's UCX listener) or outbound connection could take an ephemeral port.
+    """
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(100):
+        base = random.randrange(1024, low - n)
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(base, base + n):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError(f"no {n} consecutive free ports below {low}")
 
 
 def start_nats(workdir: Path, **kw: object) -> NatsServer:

@@ -39,8 +39,7 @@ ASK = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     from pdserve.shared.models.resolve import resolve
-    from tests.integration.stack import free_port, pdserve_up
-    from tests.integration.test_up import free_port_range
+    from tests.integration.stack import free_port, free_port_range, pdserve_up
 
     resolve(NAME)  # converted once here, so the stack starts from the cache
     tmp = tmp_path_factory.mktemp("anthropic-up")

@@ -120,8 +120,8 @@ def chat(base: str, message: str, max_tokens: int, seed: int, **fields) -> tuple
 def test_guided_answers_of_a_real_stack_obey_their_guides(
     model_dir, compiler, tmp_path, prefill_workers
 ):
-    from tests.integration.stack import free_port, pdserve_up
-    from tests.integration.test_up import free_port_range, metric, scrape
+    from tests.integration.stack import free_port, free_port_range, pdserve_up
+    from tests.integration.test_up import metric, scrape
 
     port, metrics = free_port(), free_port_range(2)  # the first worker's /metrics, then the next
     args = [

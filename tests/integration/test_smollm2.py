@@ -229,8 +229,8 @@ def post(url: str, body: dict) -> dict:
 
 @pytest.mark.slow
 def test_pdserve_up_1p1d_answers_like_hf(model, hf_tokenizer, tmp_path) -> None:
-    from tests.integration.stack import free_port, pdserve_up
-    from tests.integration.test_up import free_port_range, metric, scrape
+    from tests.integration.stack import free_port, free_port_range, pdserve_up
+    from tests.integration.test_up import metric, scrape
 
     port = free_port()
     # the product's defaults: the decode worker compiles its decode step (decode_graph.py)

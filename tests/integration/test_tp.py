@@ -17,8 +17,8 @@ import pytest
 
 from pdserve.shared.kv.tp_layout import pull_plan
 from tests.engine_support import random_prompts
-from tests.integration.stack import free_port, pdserve_up
-from tests.integration.test_up import free_port_range, metric, scrape
+from tests.integration.stack import free_port, free_port_range, pdserve_up
+from tests.integration.test_up import metric, scrape
 from tests.oracle import hf_greedy
 from tests.otlp_receiver import OtlpReceiver
 

@@ -20,9 +20,9 @@ import urllib.request
 import pytest
 
 from tests.engine_support import random_prompts
-from tests.integration.stack import free_port, pdserve_up
+from tests.integration.stack import free_port, free_port_range, pdserve_up
 from tests.integration.test_tp import MODEL, complete
-from tests.integration.test_up import free_port_range, metric, scrape
+from tests.integration.test_up import metric, scrape
 from tests.oracle import hf_greedy
 
 MAX_TOKENS = 10

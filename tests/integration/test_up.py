@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -20,6 +19,7 @@ import pytest
 from tests.integration.stack import (
     descendants,
     free_port,
+    free_port_range,
     listening_sockets,
     pdserve_up,
     wait_until,
@@ -35,25 +35,6 @@ PROMPTS = [
     list(range(100, 132)),
     [9, 9, 9],  # below the threshold: local prefill
 ]
-
-
-def free_port_range(n: int) -> int:
-    """A base port with ``n`` consecutive free ports after it (worker metrics ports)."""
-    for _ in range(50):
-        base = free_port()
-        try:
-            socks = []
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
 
 
 def still_running(pid: int, start: str) -> bool:

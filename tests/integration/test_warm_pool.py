@@ -21,7 +21,7 @@ from pathlib import Path
 import aiohttp
 
 from pdserve.services.control.launch_checks import registered_names
-from tests.integration.stack import free_port, pdserve_up, wait_until
+from tests.integration.stack import free_port, free_port_range, pdserve_up, wait_until
 from tests.integration.test_autoscale import load, write_profile
 from tests.integration.test_up import scrape
 
@@ -66,7 +66,7 @@ async def few_requests(gateway: str, n: int) -> list[int]:
 async def test_a_pooled_worker_idles_unrouted_then_serves_at_once_when_promoted(
     tmp_path: Path,
 ) -> None:
-    port, metrics_base = free_port(), free_port()
+    port, metrics_base = free_port(), free_port_range(3)
     gateway = f"http://127.0.0.1:{port}"
     share = max(1, len(os.sched_getaffinity(0)) // 2)
     args = [
