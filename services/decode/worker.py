@@ -304,8 +304,8 @@ class DecodeWorker(Worker):
         self._end(state)
         self.engine.abort(bus_id)  # mid-pull: freed once the pull stops writing
         if isinstance(state, DecodeState) and state.pull is not None and not state.pull.done():
-            # a pull of KV nobody wants: stopped now (its receives aborted with its endpoint,
-            # the lease released, kv_failed) rather than at its end or --kv-pull-timeout
+            # a pull of KV nobody wants: stopped now (the server completes its receives, or its
+            # endpoint is aborted; the lease released, kv_failed) rather than at --kv-pull-timeout
             state.pull.cancel()
 
     async def on_cancel_choice(self, bus_id: str, index: int) -> None:

@@ -17,12 +17,12 @@ from typing import Any
 from pdserve.shared.kv.ucx_progress import _API, _Batch, _open, driver
 
 
-class _Exchange(_Batch):
+class Exchange(_Batch):
     """A request's send, then the receives posted for its answer (the reply first), seen by the
-    driver as one request: completed once all are - or, sooner, with the send's error (nothing
-    will answer it), or once the reply is in and ``early()`` says the rest will never come.
-    Resolved sooner, the operations still running stay tracked, their buffers held, until UCX
-    completes them (the caller aborts the endpoint, which does)."""
+    driver as one request: ``future`` is completed once all are - or, sooner, with the send's
+    error (nothing will answer it), or once the reply is in and ``early()`` says the rest will
+    never come. Resolved sooner (or cancelled by its waiter), the operations still running stay
+    tracked, their buffers held, until UCX completes them: ``settled`` says when."""
 
     def __init__(self, requests: list[Any], early: Callable[[], bool] | None) -> None:
         super().__init__(requests)
@@ -55,6 +55,19 @@ class _Exchange(_Batch):
             if self.early is not None and self.early():
                 future.set_result(None)
 
+    async def settled(self, timeout: float) -> bool:
+        """Whether UCX completes every operation posted within ``timeout`` seconds - with data,
+        empty, or failed - so that none can write into its buffer any more. A cancel of the
+        caller answers False (it aborts the endpoint, which completes them)."""
+        done = driver().track(_Batch(self.requests), None)
+        try:
+            await asyncio.wait_for(done, max(0.0, timeout))
+        except (TimeoutError, asyncio.CancelledError):
+            return False
+        except Exception:  # one of them failed: completed all the same
+            pass
+        return True
+
 
 def ask(ep: Any, buffer: Any, tag: int) -> Any:
     """Post a send of ``buffer`` on ``ep`` with exactly ``tag``, untracked: pass what this
@@ -71,11 +84,11 @@ def exchange(
     buffers: list[Any],
     tags: list[int],
     early: Callable[[], bool] | None = None,
-) -> asyncio.Future:
+) -> tuple[asyncio.Future, Exchange]:
     """Receive one message with each of ``tags`` from ``ep``'s peer into the buffer at its
     place (the first is the reply, which ``early`` may read once it is in), in order per tag;
-    one future for them and the send ``asked`` of ``request`` (see ``_Exchange``). A failure
-    to post comes back through it."""
+    one future for them and the send ``asked`` of ``request``, and the exchange it follows (see
+    ``Exchange``). A failure to post comes back through the future."""
     api = _API.load()
     progress = driver()
     requests: list[Any] = [asked]
@@ -87,11 +100,11 @@ def exchange(
         for buf, tag in zip(buffers, tags, strict=True):
             arr = buf if type(buf) is array else array(buf)  # ucx_progress.array: built before
             requests.append(raw.tag_recv(arr, utags[tag], mask))
-    except Exception as exc:  # nobody waits for those posted, but UCX still owns their buffers
-        progress.track(_Batch(requests), held).cancel()
-        failed = progress.loop.create_future()
-        failed.set_exception(exc)
-        return failed
-    batch = _Exchange(requests, early)
-    batch.future = progress.track(batch, held)
-    return batch.future
+    except Exception as exc:  # UCX owns the buffers of those posted until they complete
+        failed = Exchange(requests, None)
+        failed.future = future = progress.track(failed, held)
+        future.set_exception(exc)
+        return future, failed
+    batch = Exchange(requests, early)
+    batch.future = future = progress.track(batch, held)
+    return future, batch

@@ -148,3 +148,27 @@ async def test_blocks_complete_when_leased_move_before_any_layer_is_written() ->
         stream.finish(first_token=3)
         stats = await asyncio.wait_for(pull, 5.0)
         assert torch.equal(p.dst[dst], p.src[src]) and len(stats.piece_seconds) == 3
+
+
+async def test_a_cancelled_pull_waits_for_the_refusal_and_keeps_the_endpoint() -> None:
+    """A request that ends at its first token: the gateway cancels its decode leg while the
+    server still holds the pieces (a race CI hit). The cancelled pull waits for the refusal's
+    empty messages to complete its receives rather than aborting the endpoint it shares: the
+    peer noticed such an abort late and failed the next request's pull on the endpoint made in
+    its place, which then recomputed its prompt."""
+    async with Pair() as p:
+        handle, stream = streamed(p, "r1", [0, 1], 2 * 4)
+        pull = asyncio.ensure_future(pull_streamed(p.client, "r1", handle, [5, 6], 10.0, groups=2))
+        await settle()
+        [ep] = p.client.endpoints.eps.values()
+        pull.cancel()
+        await settle()
+        assert not pull.done()  # its receives are still posted: the blocks stay its own
+        stream.end(FINISHED)
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(pull, 5.0)
+        assert list(p.client.endpoints.eps.values()) == [ep] and not ep.closed
+        assert (p.dst[5:7] == -1).all()
+        again = p.lease("r2", [7, 8], 2 * 4)
+        await p.client.pull("r2", again, [12, 13])
+        assert torch.equal(p.dst[12:14], p.src[7:9])

@@ -25,7 +25,7 @@ from tests.unit.test_ucx_progress import Request
 def exchange(n: int, early=None) -> tuple[deque[_Posted], list[Request], asyncio.Future]:
     """A request's send and ``n - 1`` receives, as the driver follows them."""
     requests = [Request() for _ in range(n)]
-    batch = ucx_exchange._Exchange(requests, early)
+    batch = ucx_exchange.Exchange(requests, early)
     batch.future = asyncio.get_running_loop().create_future()
     return deque([_Posted(batch, batch.future, bytearray(8))]), requests, batch.future
 

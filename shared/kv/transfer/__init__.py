@@ -47,7 +47,10 @@ no byte, so the connection - and every other pull on it - lives on. If the data 
 empties do not come in time, or a server from before version 2 refuses without them, the
 puller aborts that endpoint, which cancels every receive still pointing into its blocks (so no
 late byte can reach blocks given to another request) and, UCX pairing the two peers'
-endpoints, also fails the server's sends at once.
+endpoints, also fails the server's sends at once. A pull cancelled because its request went
+away first waits a moment (``client.CANCEL_GRACE``) for the server to complete its receives -
+the KV under way, or a held piece refused - and aborts only if it does not: an abort fails
+every pull on that connection, and the new endpoint after it too, until the peer notices.
 
 Layer-wise streaming (``stream.py``): a lease taken while prefill still writes its blocks is
 pulled as pieces, one per group of layers, each request saying ``layers: [lo, hi]`` and, for the

@@ -22,13 +22,11 @@ from pdserve.shared.kv.transfer.request import (
     PIECE,
     SLICED,
     WHOLE,
-    encode_request,
-    request_prefix,
+    RequestWriter,
 )
 from pdserve.shared.kv.transfer.stream import FINISHED, KVStreamFinished, Layers, LayerViews
 from pdserve.shared.kv.transfer.wire import (
     KV_WIRE_VERSION,
-    MAX_CONTROL_BYTES,
     REPLY_BYTES,
     BlockBytes,
     Endpoints,
@@ -49,6 +47,13 @@ from pdserve.shared.kv.transfer.wire import (
 )
 
 log = logging.getLogger(__name__)
+# How long a cancelled pull (its request gone) waits for the server to complete its posted
+# receives - with the KV under way, in milliseconds, or empty for a held piece, refused once
+# its prefill ends or its lease goes - before it aborts the endpoint, the only way to take a
+# posted receive back. An abort cancels every other pull on the endpoint, and the peer, which
+# notices it late, failed the endpoints made in its place for a while: a gateway's cancel of a
+# request that ended at its first token cost the next request's pull its KV that way.
+CANCEL_GRACE = 2.0
 
 
 @dataclass
@@ -57,6 +62,7 @@ class _Pull:
     # receives into our blocks are posted on this endpoint: until the server has completed
     # every one (with KV, or with empty messages when it refuses), only an abort cancels them
     incoming: bool = False
+    exchange: ucx_exchange.Exchange | None = None  # the request and those receives
 
 
 class KVClient:
@@ -95,7 +101,7 @@ class KVClient:
         self._address: bytes | None = None
         self._addresses: dict[str, tuple[int, bytes]] = {}  # parsed once per server
         self._checked: dict | None = None  # the last handle fingerprint that matched ours
-        self._prefix: tuple[dict, bytes] | None = None  # see _request
+        self.requests = RequestWriter()
         self._yeses: dict[tuple[bool, int], bytes] = {}  # see _yes
 
     def _parse(self, address: str) -> tuple[int, bytes]:
@@ -218,10 +224,13 @@ class KVClient:
                 if pull.incoming:  # unless it could not (or answered in a form we cannot take)
                     self.endpoints.drop(raw, ep)
                 raise
+            except asyncio.CancelledError:  # abort only if the server does not end it soon
+                grace = min(deadline, time.monotonic() + CANCEL_GRACE) - time.monotonic()
+                if pull.incoming and not (pull.exchange and await pull.exchange.settled(grace)):
+                    self.endpoints.drop(raw, ep)
+                raise
             except BaseException as exc:
                 self.endpoints.drop(raw, ep)
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
                 attempts += 1
                 if attempts == 1 and time.monotonic() < deadline:
                     # once more, on a fresh endpoint: a kept one went stale, or another pull's
@@ -245,33 +254,23 @@ class KVClient:
         return handle.fingerprint.get(TP_KEY, 1) != self.fingerprint.get(TP_KEY, 1)
 
     def _request(self, bus_id: str, handle: KVHandle, runs, tag: int, heads, sliced, piece) -> Any:
-        """The request message (``request.py``): its entries that stay the same from pull to
-        pull (version, our address, the fingerprint) are packed once per fingerprint."""
-        if self._prefix is None or self._prefix[0] != handle.fingerprint:
-            packed = request_prefix(self.own_address(), handle.fingerprint)
-            self._prefix = (dict(handle.fingerprint), packed)
+        """The request message (``request.py``)."""
         flags = (WHOLE if heads == self.slicer.heads else 0) | (SLICED if sliced else 0)
         flags |= CHECKSUM if self.checksum else 0
         layers, final = piece
         if layers is not None:  # a streamed lease's layer group
             flags |= PIECE | (FINAL if final else 0)
-        try:
-            message = encode_request(
-                self._prefix[1],
-                bus_id,
-                handle.token,
-                tag,
-                flags,
-                heads,
-                layers or (0, 0),
-                runs,
-                epoch=handle.epoch,
-            )
-        except ValueError as exc:
-            raise KVTransferError(str(exc)) from None
-        if len(message) > MAX_CONTROL_BYTES:
-            raise KVTransferError(f"pull request of {len(message)} bytes is too large")
-        return message
+        layers = layers or (0, 0)
+        return self.requests.write(
+            self.own_address(),
+            bus_id,
+            handle,
+            tag=tag,
+            flags=flags,
+            heads=heads,
+            layers=layers,
+            runs=runs,
+        )
 
     async def _pull(
         self,
@@ -319,7 +318,7 @@ class KVClient:
             tags.append(tag + 3)
         # one future for the request and every receive: the puller wakes once, for the last
         # byte - or at once for a refusal from a server that leaves our receives posted
-        answered = ucx_exchange.exchange(
+        answered, pull.exchange = ucx_exchange.exchange(
             ep, asked, message, posted, tags, lambda: reply_leaves_posted(reply)
         )
         # Everything a yes needs is ready before the wait: after the last byte this process

@@ -23,7 +23,12 @@ from typing import Any
 
 import msgpack
 
-from pdserve.shared.kv.transfer.wire import KV_WIRE_VERSION, MAX_ADDRESS_BYTES, MAX_CONTROL_BYTES
+from pdserve.shared.kv.transfer.wire import (
+    KV_WIRE_VERSION,
+    MAX_ADDRESS_BYTES,
+    MAX_CONTROL_BYTES,
+    KVTransferError,
+)
 
 WHOLE, SLICED, CHECKSUM, PIECE, FINAL = 1, 2, 4, 8, 16
 _HEAD = struct.Struct("<BHHHH")
@@ -62,6 +67,48 @@ def encode_request(
     )
     body = bytes([0x80 | (_FIXED + 5)]) + prefix[1:] + varying[1:]
     return len(body).to_bytes(4, "little") + body
+
+
+class RequestWriter:
+    """One puller's requests: the entries that stay the same from pull to pull (version, its
+    address, the fingerprint) are packed once per fingerprint. A request that cannot be encoded,
+    or is too large for the server's receive, raises KVTransferError."""
+
+    def __init__(self) -> None:
+        self._prefix: tuple[dict, bytes] | None = None
+
+    def write(
+        self,
+        reply_to: bytes,
+        bus_id: str,
+        handle: Any,
+        *,
+        tag: int,
+        flags: int,
+        heads: tuple[int, int],
+        layers: tuple[int, int],
+        runs: list[tuple[int, int, int]],
+    ) -> bytes:
+        """The request for ``handle``'s (a ``KVHandle``) blocks, for ``encode_request``."""
+        if self._prefix is None or self._prefix[0] != handle.fingerprint:
+            self._prefix = (dict(handle.fingerprint), request_prefix(reply_to, handle.fingerprint))
+        try:
+            message = encode_request(
+                self._prefix[1],
+                bus_id,
+                handle.token,
+                tag,
+                flags,
+                heads,
+                layers,
+                runs,
+                epoch=handle.epoch,
+            )
+        except ValueError as exc:
+            raise KVTransferError(str(exc)) from None
+        if len(message) > MAX_CONTROL_BYTES:
+            raise KVTransferError(f"pull request of {len(message)} bytes is too large")
+        return message
 
 
 class PullRequest:
