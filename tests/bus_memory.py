@@ -203,7 +203,7 @@ class MemoryClient:
             if not answer.done():
                 answer.set_result(msg)
 
-        inbox = await self.subscribe(f"_INBOX.{secrets.token_hex(8)}", cb=on_reply)
+        inbox = await self.subscribe(self.new_inbox(), cb=on_reply)
         try:
             if self.network.route(self, subject, payload, inbox.subject, headers) == 0:
                 raise NoRespondersError
@@ -213,6 +213,9 @@ class MemoryClient:
                 raise NatsTimeoutError from None
         finally:
             await inbox.unsubscribe()
+
+    def new_inbox(self) -> str:
+        return f"_INBOX.{secrets.token_hex(8)}"
 
     async def flush(self, timeout: float = 2.0) -> None:
         """Everything published is already queued at its subscribers; let them run once."""

@@ -116,6 +116,7 @@ class Bus:
         self._suspended = False
         self._auth_rejected: asyncio.Future | None = None
         self._replay = ReplayWindow()  # replayable messages (shared/bus/replay.py)
+        self._echo: str | None = None  # our own subject that ``answers`` asks through NATS
 
     # -- connection -------------------------------------------------------------------------
 
@@ -251,6 +252,29 @@ class Bus:
     async def flush(self, timeout: float = 2.0) -> None:
         if self.nc is not None:
             await self.nc.flush(timeout=timeout)
+
+    async def answers(self, timeout: float) -> bool:
+        """Whether a request to ourselves comes back through our server within ``timeout``: a
+        link that went down shows here at once, while nats-py notices only after
+        ``max_outstanding_pings`` of its own (``connect_options``), and until then ``connected``
+        still says yes. Not ``flush``: nats-py (2.x) breaks its connection on a PONG that comes
+        after a flush timed out."""
+        if not self.connected:
+            return False
+        assert self.nc is not None
+        try:
+            if self._echo is None:
+                subject = self.nc.new_inbox()
+
+                async def echo(msg: Msg) -> None:
+                    await msg.respond(b"")
+
+                await self.nc.subscribe(subject, cb=echo)
+                self._echo = subject
+            await self.nc.request(self._echo, b"", timeout=timeout)
+        except Exception:  # nats-py's timeout, or the connection broke meanwhile
+            return False
+        return True
 
     async def subscribe(
         self,

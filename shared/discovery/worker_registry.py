@@ -6,8 +6,9 @@ in its prefix cache. A worker whose heartbeats stop for ``timeout`` seconds stop
 at once, but is reported gone only when a ping confirms it: NATS answers "no responders" at once
 for a process that died (kill -9 closes its connection), while a live worker that was merely
 slow - a busy engine thread starving its event loop - answers late and keeps its requests.
-Silence is judged only while our own connection is up, counted from our latest reconnect: a
-gateway cut off from NATS hears nobody, which says nothing about the workers.
+Silence is judged only while our own connection is up, counted from our latest reconnect, and
+a worker that does not answer its ping is gone only if our own server answers one: a gateway
+cut off from NATS hears nobody, which says nothing about the workers.
 Listeners hear about joins and departures, e.g. to fail the streams of a decode worker that died,
 and about a worker whose own connection broke and is back (``REJOINED``: it kept its requests,
 but what it sent or was sent meanwhile may be lost).
@@ -234,12 +235,16 @@ class WorkerRegistry:
         load = entry.load
         asked = self.clock()
         answer = await self.ping(load.worker_id, self.confirm_timeout)
+        # nobody answered: the silence may be ours (our server unreachable, our connection not
+        # yet seen broken) - a partition once made a gateway report every worker gone
+        ours = answer is not None or await self.bus.answers(self.confirm_timeout)
         if self._confirming.get(load.worker_id) is asyncio.current_task():
             del self._confirming[load.worker_id]
         if self.suspects.get(load.worker_id) is not entry:
             return  # a heartbeat or WorkerGone settled it meanwhile
-        if answer is None and (not self.bus.connected or self._back > asked):
-            # our own connection broke meanwhile: no verdict; silence counts from our reconnect
+        if answer is None and (not ours or not self.bus.connected or self._back > asked):
+            # our own connection is or was broken meanwhile: no verdict; silence counts from
+            # our reconnect
             self.entries[load.worker_id] = self.suspects.pop(load.worker_id)
             return
         if answer is not None and answer.instance == load.instance:

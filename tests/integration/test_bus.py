@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import subprocess
 import time
 from collections.abc import AsyncIterator, Callable
@@ -293,6 +294,36 @@ async def test_silent_worker_that_answers_pings_is_not_reported_gone(nats) -> No
         assert (LEFT, "d9") not in events
         await quiet.stop(gone=False)  # now it dies for real (no ping answers)
         await until(lambda: (LEFT, "d9") in events, timeout=1.0)
+
+
+async def test_a_registry_whose_own_server_falls_silent_reports_nobody_gone(tmp_path) -> None:
+    """Our server stops answering while our connection still looks up - a link down that TCP
+    has not noticed (a partition took a gateway's NATS node away): every worker falls silent at
+    once and no ping is answered. That silence is ours: nobody is reported gone (the gateway
+    once failed every stream that way), and the workers are routable again once it answers."""
+    from pdserve.shared.discovery.announce import HeartbeatPublisher
+    from pdserve.shared.discovery.worker_registry import LEFT
+
+    server = start_nats(tmp_path)
+    try:
+        async with watched_registry(server.url, timeout=0.3) as (worker_bus, registry, events):
+            beats = HeartbeatPublisher(
+                worker_bus, lambda: WorkerLoad("d7", "decode", "m", 7, 8, 1, 0), interval=0.1
+            )
+            await beats.start()
+            await until(lambda: registry.get("d7") is not None, timeout=2.0)
+            assert server.child is not None
+            server.child.signal(signal.SIGSTOP)
+            try:
+                await asyncio.sleep(2.5)  # silent for several rounds of ping and confirm
+                assert (LEFT, "d7") not in events
+            finally:
+                server.child.signal(signal.SIGCONT)
+            await until(lambda: registry.get("d7") is not None, timeout=3.0)
+            assert (LEFT, "d7") not in events
+            await beats.stop(gone=True)
+    finally:
+        server.stop()
 
 
 async def test_micro_service_registration(nats) -> None:
