@@ -9,10 +9,19 @@ stream is compared with it. The faults, evenly spread over ``--duration``:
     abort storm      ``--clients`` extra streams hung up at random moments
     kill prefill     SIGKILL of p0, restarted 2 s later under the same id (a supervisor)
     kill decode      SIGKILL of d0 (its streams migrate), restarted 2 s later
-    nats restart     the NATS server down for 1 s, on the same port
-    pause decode     SIGSTOP of d1 for 10 s, then SIGCONT: a stand-in for a network partition
-                     (network namespaces need root; the worker falls silent to everyone the same
-                     way, but its sockets stay up, so it is not a lost link)
+    nats restart     a NATS node down for 1 s, on the same port (on the hosts: host a's, the
+                     gateway's, p0's and d0's, whose clients fail over to the other two)
+    partition decode d1's host loses its network link for ``--outage`` s (10), then gets it back
+    partition prefill p1's host the same
+
+The partitions are real: the stack runs on network-namespace "hosts" on one bridge
+(tests/multihost/chaos_hosts.py: p0, d0 and the gateway on host a, d1 on b, p1 on c, one NATS
+node each, clustered; KV and NATS cross the bridge on 198.18.0.0/15 addresses), and a partition
+takes the host's veth end on the bridge down - its processes run on, unreachable. That needs
+root and ``ip netns``; without them the stack runs in the root namespace, the partition faults
+are left out of the schedule and the report says so and why (``partition``). ``stall decode``
+(SIGSTOP of d1 for ``--outage`` s, then SIGCONT: the worker falls silent but its sockets stay
+up) is not a partition and runs only when ``--faults`` names it.
 
 Reports (``--out``, JSON): requests completed, failed with a clean error (an HTTP error or an
 error event), hung (no end within ``--hang-seconds``), aborted on purpose; streams whose text
@@ -42,11 +51,21 @@ from pathlib import Path
 import aiohttp
 
 from tests.integration.chaos_stack import ChaosStack
+from tests.multihost import netns
+from tests.multihost.chaos_hosts import NetnsChaosStack
 
-FAULTS = ("abort_storm", "kill_prefill", "kill_decode", "nats_restart", "pause_decode")
+FAULTS = (
+    "abort_storm",
+    "kill_prefill",
+    "kill_decode",
+    "nats_restart",
+    "partition_decode",
+    "partition_prefill",
+)
+PARTITIONS = {"partition_decode": "d1", "partition_prefill": "p1"}  # fault -> worker cut off
+OPTIONAL = ("stall_decode",)
 WORKER_OPTIONS = {"kv_stream_threshold": 256, "kv_pull_timeout": 3.0, "num_kv_blocks": 256}
 RESTART_AFTER = 2.0  # a supervisor's delay before it starts a killed worker again
-PAUSE_SECONDS = 10.0
 MAX_TOKENS = 24
 BIN = 2.0  # seconds: the grain of the recovery time
 
@@ -71,6 +90,9 @@ class Run:
     reference: dict[int, tuple[str, int]] = field(default_factory=dict)
     outcomes: list[Outcome] = field(default_factory=list)
     faults: list[tuple[str, float]] = field(default_factory=list)
+    schedule: tuple[str, ...] = FAULTS
+    outage: float = 10.0  # seconds a partition (or stall) lasts
+    partition: str = ""  # how partitions were made, or why they were left out
 
 
 def make_prompts(count: int, seed: int) -> list[list[int]]:
@@ -149,10 +171,17 @@ async def inject(stack: ChaosStack, run: Run, session: aiohttp.ClientSession, fa
     elif fault == "nats_restart":
         assert stack.nats is not None
         await asyncio.to_thread(stack.nats.restart, 1.0)
-    elif fault == "pause_decode":
+    elif fault in PARTITIONS:
+        assert isinstance(stack, NetnsChaosStack)
+        stack.partition(PARTITIONS[fault], down=True)
+        try:
+            await asyncio.sleep(run.outage)
+        finally:
+            stack.partition(PARTITIONS[fault], down=False)
+    elif fault == "stall_decode":
         stack.children["d1"].signal(signal.SIGSTOP)
         try:
-            await asyncio.sleep(PAUSE_SECONDS)
+            await asyncio.sleep(run.outage)
         finally:
             stack.children["d1"].signal(signal.SIGCONT)
 
@@ -171,9 +200,9 @@ async def drive(stack: ChaosStack, run: Run, args: argparse.Namespace) -> float:
         t0 = time.monotonic()
         stop = t0 + args.duration
         load = [asyncio.create_task(steady(session, run, c, stop)) for c in range(args.clients)]
-        spacing = args.duration / (len(FAULTS) + 1)
+        spacing = args.duration / (len(run.schedule) + 1)
         faults = []  # each on time, whether or not the one before has recovered
-        for k, fault in enumerate(FAULTS, 1):
+        for k, fault in enumerate(run.schedule, 1):
             await asyncio.sleep(max(0.0, t0 + k * spacing - time.monotonic()))
             faults.append(asyncio.create_task(inject(stack, run, session, fault)))
         await asyncio.gather(*load, *faults)
@@ -199,7 +228,7 @@ def recovery(outcomes: list[Outcome], at: float, hi: float, before: float) -> fl
 
 
 def summarize(stack: ChaosStack, run: Run, args: argparse.Namespace, t0: float) -> dict:
-    spacing = args.duration / (len(FAULTS) + 1)
+    spacing = args.duration / (len(run.schedule) + 1)
     window = args.window or min(60.0, spacing / 2)
     kinds = {k: 0 for k in ("completed", "error", "hung", "aborted")}
     wrong, lost, duplicated, errors = 0, 0, 0, []
@@ -219,7 +248,7 @@ def summarize(stack: ChaosStack, run: Run, args: argparse.Namespace, t0: float) 
         before = rate(run.outcomes, max(t0, at - window), at)
         after = rate(run.outcomes, at, min(end, at + window))
         # Recovery is looked for up to the next fault, not within the rate window: a fault can
-        # last longer than the window (the 10 s pause, against the short form's 7.5 s).
+        # last longer than the window (a 10 s partition, against the short form's 7.5 s).
         recovered = recovery(run.outcomes, at, min(end, at + spacing), before)
         faults.append(
             {
@@ -246,7 +275,12 @@ def summarize(stack: ChaosStack, run: Run, args: argparse.Namespace, t0: float) 
         "worst_recovery_s": None if None in recoveries else max(recoveries, default=0.0),
         "unrecovered_faults": sum(r is None for r in recoveries),
         "sample_errors": errors,
-        "partition": "stand-in: SIGSTOP/SIGCONT of d1 for 10 s (no network namespaces)",
+        "partition": run.partition,
+        # completions per second in each BIN from the start: what each fault did, to the eye
+        "timeline_per_s": [
+            round(rate(run.outcomes, t0 + lo, t0 + lo + BIN), 1)
+            for lo in (BIN * k for k in range(int(args.duration / BIN)))
+        ],
     }
 
 
@@ -268,28 +302,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="", help="a checkpoint folder; default: the tiny llama")
     p.add_argument("--out", default="perf/results/chaos_bench.json")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--faults",
+        default=",".join(FAULTS),
+        help=f"the schedule, in order (comma-separated; also: {', '.join(OPTIONAL)})",
+    )
+    p.add_argument("--outage", type=float, default=10.0, help="seconds a partition lasts")
+    p.add_argument("--logs", default="", help="keep every process's log in this folder")
     args = p.parse_args(argv)
+    schedule, note = plan(args.faults, args.outage)
+    print(f"chaos_bench: {note}", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="chaos-bench-") as tmp:
         model = args.model
         if not model:
             from tests.checkpoints import build_checkpoint
 
             model = str(build_checkpoint("llama-gqa", Path(tmp) / "ckpt"))
-        stack = ChaosStack(
-            Path(tmp) / "logs",
+        on_hosts = any(f in PARTITIONS for f in schedule)
+        stack = (NetnsChaosStack if on_hosts else ChaosStack)(
+            Path(args.logs) if args.logs else Path(tmp) / "logs",
             model,
             prefill=("p0", "p1"),
             decode=("d0", "d1"),
             worker_options=WORKER_OPTIONS,
         )
-        stack.start()
         try:
+            stack.start()
             stack.wait_ready()
             run = Run(
                 base=stack.base,
                 model=Path(model).name,
                 prompts=make_prompts(args.prompts, args.seed),
                 hang_seconds=args.hang_seconds,
+                schedule=schedule,
+                outage=args.outage,
+                partition=note,
             )
             run.model = served_model(stack.base)
             t0 = asyncio.run(drive(stack, run, args))
@@ -306,6 +353,24 @@ def main(argv: list[str] | None = None) -> int:
     ok = not result["requests"]["hung"] and not result["blocks_leaked"]
     ok = ok and not result["streams_differing_from_reference"]
     return 0 if ok else 1
+
+
+def plan(faults: str, outage: float) -> tuple[tuple[str, ...], str]:
+    """The schedule to run and the report's line on partitions: real ones need root and
+    ``ip netns``; without them they are left out, said so, never replaced by a stand-in."""
+    schedule = tuple(f.strip() for f in faults.split(",") if f.strip())
+    unknown = [f for f in schedule if f not in FAULTS + OPTIONAL]
+    if unknown:
+        raise SystemExit(f"unknown faults {unknown}: choose from {FAULTS + OPTIONAL}")
+    wanted = [f for f in schedule if f in PARTITIONS]
+    if not wanted:
+        return schedule, "none in the schedule"
+    reason = netns.unavailable_reason()
+    if reason is not None:
+        kept = tuple(f for f in schedule if f not in PARTITIONS)
+        return kept, f"left out ({', '.join(wanted)}): {reason}"
+    cut = ", ".join(f"{f}: {PARTITIONS[f]}'s host" for f in wanted)
+    return schedule, f"real: the host's veth on the bridge down for {outage:g} s ({cut})"
 
 
 def served_model(base: str) -> str:

@@ -192,6 +192,9 @@ class NatsServer:
     cluster_name: str = "pdserve"
     cluster_port: int = 0  # 0: a standalone server
     routes: list[str] = field(default_factory=list)
+    # clients are not told of the other nodes: they stay on the ones they list (a node per
+    # host as a host-local bus, whose clients must not wander to a node on another host)
+    no_advertise: bool = False
     monitor_port: int = 0  # HTTP monitoring (/routez); 0: off
     argv_prefix: list[str] = field(default_factory=list)  # e.g. ip netns exec NAME
     listen: str = ""  # bind address of clients, routes and monitoring; "" means host
@@ -228,6 +231,7 @@ class NatsServer:
                 f'  listen: "{self.listen or self.host}:{self.cluster_port}"',
                 f"  routes: [{routes}]",
                 *([f'  advertise: "{self.host}:{self.cluster_port}"'] if advertise else []),
+                *(["  no_advertise: true"] if self.no_advertise else []),
                 "}",
             ]
         if self.jetstream_dir is not None:  # a cluster's nodes replicate by their server_name
