@@ -23,7 +23,7 @@ import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.errors import AuthorizationError
+from nats.errors import AuthorizationError, NoRespondersError
 
 from pdserve.shared.bus.protocol import Message, ProtocolError, decode_as, encode
 from pdserve.shared.bus.rejects import reject_reason, subject_kind
@@ -116,7 +116,6 @@ class Bus:
         self._suspended = False
         self._auth_rejected: asyncio.Future | None = None
         self._replay = ReplayWindow()  # replayable messages (shared/bus/replay.py)
-        self._echo: str | None = None  # our own subject that ``answers`` asks through NATS
 
     # -- connection -------------------------------------------------------------------------
 
@@ -254,24 +253,20 @@ class Bus:
             await self.nc.flush(timeout=timeout)
 
     async def answers(self, timeout: float) -> bool:
-        """Whether a request to ourselves comes back through our server within ``timeout``: a
-        link that went down shows here at once, while nats-py notices only after
-        ``max_outstanding_pings`` of its own (``connect_options``), and until then ``connected``
-        still says yes. Not ``flush``: nats-py (2.x) breaks its connection on a PONG that comes
-        after a flush timed out."""
+        """Whether our server answers a request within ``timeout``: one to a subject nobody
+        listens on (a ping of a worker id no worker has) comes back at once as "no responders".
+        A link that went down shows here at once, while nats-py notices only after
+        ``max_outstanding_pings`` of its own (``connect_options``), and until then
+        ``connected`` still says yes. Not ``flush``: nats-py (2.x) breaks its connection on a
+        PONG that comes after a flush timed out. A ping subject, because a gateway's NATS user
+        may publish pings and nothing in ``_INBOX`` (``roles.py``)."""
         if not self.connected:
             return False
         assert self.nc is not None
         try:
-            if self._echo is None:
-                subject = self.nc.new_inbox()
-
-                async def echo(msg: Msg) -> None:
-                    await msg.respond(b"")
-
-                await self.nc.subscribe(subject, cb=echo)
-                self._echo = subject
-            await self.nc.request(self._echo, b"", timeout=timeout)
+            await self.nc.request(self.subjects.ping(f"_probe-{self.name}"), b"", timeout=timeout)
+        except NoRespondersError:
+            return True
         except Exception:  # nats-py's timeout, or the connection broke meanwhile
             return False
         return True
