@@ -234,10 +234,19 @@ class WorkerRegistry:
         """Ping a silent worker: an answer makes it live again; none means it is gone."""
         load = entry.load
         asked = self.clock()
-        answer = await self.ping(load.worker_id, self.confirm_timeout)
-        # nobody answered: the silence may be ours (our server unreachable, our connection not
-        # yet seen broken) - a partition once made a gateway report every worker gone
-        ours = answer is not None or await self.bus.answers(self.confirm_timeout)
+        # The silence may be ours (our server unreachable, our connection not yet seen broken):
+        # a partition once made a gateway report every worker gone. So our own server must
+        # answer within half the ping's time as it leaves (the worker then has the other half),
+        # and again once it is over: a ping that sat in a dead link until its time ran out says
+        # nothing, even if the link is back by then.
+        before = asyncio.ensure_future(self.bus.answers(self.confirm_timeout / 2))
+        try:
+            answer = await self.ping(load.worker_id, self.confirm_timeout)
+            ours = await before
+        finally:
+            before.cancel()
+        if answer is None and ours:
+            ours = await self.bus.answers(self.confirm_timeout)
         if self._confirming.get(load.worker_id) is asyncio.current_task():
             del self._confirming[load.worker_id]
         if self.suspects.get(load.worker_id) is not entry:
