@@ -12,9 +12,14 @@ look too dear to adaptive K. Three forms compete:
 - ``packed``: MKL's packed GEMM (``torch.ops.mkl._mkl_linear``, what inductor uses for CPU
   linears) on a copy of the weight packed once; 4 rows then cost 1.2x one row, 5 rows 1.3x.
 
-Which wins depends on the CPU, so each row count is timed once per process on the first layer
-that meets it, and the winner serves every layer from then on. The packed copy doubles the
-weights' memory, so it is made only where packing won.
+Which wins depends on the CPU, so each row count is timed once per process, and the winner
+serves every layer from then on. An engine times them while it loads (``choose_forms``, on one
+of its decoder layers), never in a step: timed on the first layer that met a row count, the
+forms were timed on the 113 MB LM head of SmolLM2, where a prompt batch or a decode batch first
+reached 2-7 rows, and each new row count stalled that step by 2-3 s (issue 49's calibration
+found it: the real stack's TTFT and ITL means 1.3-2x the simulator's from these outliers). The
+packed copy doubles the weights' memory, so it is made only where packing won; the LM head's is
+made at start too (``prepare``), as packing 113 MB costs a step ~0.2 s.
 
 Packing is offered up to 5 rows, a batch-1 verification of up to 4 drafts. At 6-8 rows it wins
 too (8 rows: 1.4x one row against 2.4x), which makes plain decoding of a batch of 8 about twice
@@ -76,6 +81,11 @@ class FewRowsLinear:
             self._packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, PACKED_FOR)
         return torch.ops.mkl._mkl_linear(x, self._packed, self.weight, self.bias, x.shape[0])
 
+    def prepare(self) -> None:
+        """Pack the weight now where a chosen form packs (call after ``choose_forms``)."""
+        if "packed" in _FORM.values() and can_pack(self.weight) and self._packed is None:
+            self._packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, PACKED_FOR)
+
     def _time_forms(self, x: torch.Tensor) -> str:
         forms: dict[str, Callable[[], object]] = {
             "usual": lambda: torch.mm(x, self.weight.t()),
@@ -93,3 +103,15 @@ def _seconds(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def choose_forms(weight: torch.Tensor) -> None:
+    """Time every few-row count on ``weight`` (a decoder layer's) now, where no request waits;
+    row counts already timed in this process keep their form."""
+    if weight.is_cuda or weight.dtype not in (torch.float32, torch.float64):
+        return
+    probe = FewRowsLinear(weight, None)
+    for rows in FEW_ROWS:
+        if rows not in _FORM:
+            probe._time_forms(torch.randn(rows, weight.shape[1], dtype=weight.dtype))

@@ -84,6 +84,13 @@ class Linear(nn.Linear):
         out = self._few_rows(x)
         return super().forward(x) if out is None else out
 
+    def prepare_few_rows(self) -> None:
+        """Make the few-rows forms now (and the packed copy, where packing won), not in a step."""
+        if self._bf16_gemv:
+            return
+        self._few_rows = FewRowsLinear(self.weight, self.bias)
+        self._few_rows.prepare()
+
 
 def project(linear: nn.Module, x: torch.Tensor, lora_slots: torch.Tensor | None) -> torch.Tensor:
     """``linear(x)`` plus, where the step's tokens name adapters, each token's LoRA delta. The

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pdserve.kernels import cpu_gemv
+from pdserve.services.engine import few_rows
 from pdserve.services.engine.loader import load_model
 from pdserve.services.engine.model import Linear, LlamaForCausalLM
 from pdserve.services.engine.model_config import ModelConfig
@@ -85,6 +86,19 @@ def use_cpu_gemv(model: nn.Module, device: torch.device) -> None:
             module._bf16_gemv = module.weight.is_contiguous()
 
 
+def choose_few_row_forms(model: LlamaForCausalLM, device: torch.device) -> None:
+    """Time the few-rows matmul forms (``few_rows.py``) on a decoder layer while the model
+    loads, and pack the LM head where packing won: a step that first meets 2-7 rows (a decode
+    batch, a batch of prompts' last tokens at the head) must not time a 113 MB head."""
+    if device.type != "cpu" or not model.layers:
+        return
+    probe = model.decoder_layers()[0].mlp.gate_up_proj
+    if isinstance(probe, Linear):
+        few_rows.choose_forms(probe.weight)
+    if isinstance(model.lm_head, Linear):
+        model.lm_head.prepare_few_rows()
+
+
 @dataclass
 class RankModel:
     model: LlamaForCausalLM
@@ -107,6 +121,7 @@ def build_rank_model(
     model = load_model(model_dir, cfg, device, dtype, config.quantization, shard=shard)
     lay_out_for_gemv(model, device)
     use_cpu_gemv(model, device)
+    choose_few_row_forms(model, device)
     spec = cache_spec(config, cfg, dtype, shard)
     num_blocks = num_blocks_for(config, spec)
     kv_cache = spec.allocate(num_blocks, device)
