@@ -198,6 +198,27 @@ def test_the_floor_counts_spare_capacity_within_the_dead_band() -> None:
     assert pool(95.0, 5) == 1
 
 
+def test_a_pool_no_longer_needed_shrinks_after_the_streak_not_a_replacement_time() -> None:
+    """A pooled decode worker that grew a window ago, at a load the serving fleet holds: the
+    pool's hysteresis is serving's streak (two windows that ask for less), not a replacement
+    time since it grew (90 s here): it waits one window, then stops; within a cooldown earned
+    by flapping it holds."""
+    w = dataclasses.replace(
+        window(rate=50, osl=OSL, decode=3), pool=Counts(0, 1), pool_ready=Counts(0, 1)
+    )
+    grew = PlannerState(decode=RoleState(pool_since_up_s=0.0))
+    planner = Planner(PROFILE, SLO_, Limits(), state=grew)
+    first = planner.step(w, Counts(1, 3))
+    assert first.decode == 3 and first.pool.decode == 1, first.reasons
+    assert rules.STREAK in first.rules and planner.state.decode.pool_streak == 1
+    second = planner.step(w, Counts(1, 3))
+    assert second.pool.decode == 0, second.reasons  # 60 s after it grew, under 90 s
+    flapped = PlannerState(decode=RoleState(pool_since_up_s=0.0, cooldown_s=600.0))
+    planner = Planner(PROFILE, SLO_, Limits(), state=flapped)
+    for _ in range(3):
+        assert planner.step(w, Counts(1, 3)).pool.decode == 1
+
+
 # ---- guards -----------------------------------------------------------------------------------
 
 

@@ -37,9 +37,9 @@ variant autoscaler or Kubernetes' HPA:
   (``--warm-*-workers``) of capacity available at once (serving capacity beyond the need, now
   or at the cold horizon, counts, fractionally and within the dead band of the serving fleet:
   a noisy window's need 0.05 above a worker does not start one), within what serving leaves of
-  the budget. It shrinks only a replacement time (or the role's
-  cooldown) after it grew, and it does not grow while its role is on the way down (that would
-  start one worker to stop another);
+  the budget. It shrinks only after ``scale_down_windows`` windows in a row asked for less
+  (serving's hysteresis), and not within the role's cooldown after it grew; it does not grow
+  while its role is on the way down (that would start one worker to stop another);
 - ``dead-band`` (hysteresis): a role scales up as soon as ceil(need) exceeds its count, but down to
   n only when the need fits n workers with a margin, need <= n x (1 - dead_band); a load sitting
   exactly at a threshold therefore moves the count once and then holds it;
@@ -258,24 +258,23 @@ def decide(
     final, why = fit_budget(wanted, split, limits, current)
     if why:
         run.note(BUDGET, why)
-    pool = Counts(
-        *(
-            # the reserve must still be there when a pooled worker started now would be: the
-            # serving workers' spare is counted against the need now and at the cold horizon
-            pool_target(
-                r,
-                uppers[r],
-                final.of(r),
-                max(need[r], split[r]),
-                window,
-                current,
-                state.of(r),
-                config,
-                run,
-            )
-            for r in ROLES
+    # the reserve must still be there when a pooled worker started now would be: the serving
+    # workers' spare is counted against the need now and at the cold horizon
+    pools = {
+        r: pool_target(
+            r,
+            uppers[r],
+            final.of(r),
+            max(need[r], split[r]),
+            window,
+            current,
+            state.of(r),
+            config,
+            run,
         )
-    )
+        for r in ROLES
+    }
+    pool = Counts(*(pools[r][0] for r in ROLES))
     fitted = fit_pool(pool, config.pool_floor, final, limits)
     if fitted != pool:
         run.note(BUDGET, f"pool {pool} -> {fitted}: what serving leaves of the budget")
@@ -295,6 +294,7 @@ def decide(
             config,
             run,
         )
+        memory[role] = dataclasses.replace(memory[role], pool_streak=pools[role][1])
         if final.of(role) != current.of(role):
             run.note(None, f"{role}: {current.of(role)} -> {final.of(role)}")
     return Decision(

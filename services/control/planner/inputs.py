@@ -152,6 +152,7 @@ class RoleState:
     since_needed_s: float = math.inf  # since the load last needed all its serving workers
     cooldown_s: float = 0.0  # no scale-down until the load has not needed them this long
     pool_since_up_s: float = math.inf  # since its warm pool last grew
+    pool_streak: int = 0  # consecutive windows that asked for a smaller warm pool
 
     def aged(self, seconds: float, half_life_s: float) -> RoleState:
         """One window later: the clocks advance, the cooldown decays."""

@@ -113,14 +113,14 @@ def pool_target(
     memory: RoleState,
     config: PlannerConfig,
     run: Notes,
-) -> int:
+) -> tuple[int, int]:
     """One role's pool target: the upper outlook beyond the serving target, and at least the
     floor's reserve of capacity available at once (serving capacity beyond the need, which the dead
     band keeps, is such capacity too, fractionally: the reserve is short only by more than the dead
-    band's share of the serving fleet, the margin a count is held within itself); shrunk only a
-    replacement time (or the role's cooldown, if longer) after it last grew (its loading is paid
-    for, and a load that keeps turning would have it started again), and never grown while the role
-    drains."""
+    band's share of the serving fleet, the margin a count is held within itself); shrunk only
+    after ``scale_down_windows`` windows in a row asked for less (its new streak comes back with
+    it), never within the role's cooldown after it last grew (a load that keeps turning would have
+    it started again), and never grown while the role drains."""
     spare = max(0.0, serving - need)
     short = config.pool_floor.of(role) - spare - config.dead_band * serving
     floor = max(0, math.ceil(round(short, 9)))
@@ -131,19 +131,36 @@ def pool_target(
         # the role is on its way down (it drains now, or shrank within a replacement time and
         # has not grown since): a pooled worker started now would replace the one drained
         want = max(min(floor, left), left)
-    hold = max(replacement_s(window, config), memory.cooldown_s)
-    if want < left and memory.pool_since_up_s < hold:
+    streak = 0
+    if want < left and memory.pool_since_up_s < memory.cooldown_s:
         run.note(
-            COOLDOWN, f"{role} pool: keep {left}, not {want}: grew {memory.pool_since_up_s:g} s ago"
+            COOLDOWN,
+            f"{role} pool: keep {left}, not {want}: grew {memory.pool_since_up_s:g} s ago, within"
+            f" its {memory.cooldown_s:.0f} s cooldown",
         )
         want = left
+    elif want < left:
+        # the pool's hysteresis is serving's: windows in a row that asked for less, not a
+        # replacement time since it grew (a pooled worker the outlook no longer wants costs a
+        # GPU a second while it waits, whatever its loading cost; a load that turns back within
+        # the streak keeps it, and one that keeps turning has earned the cooldown above)
+        streak = memory.pool_streak + 1
+        if streak < config.scale_down_windows:
+            run.note(
+                STREAK,
+                f"{role} pool: {left} -> {want} wanted, window {streak} of"
+                f" {config.scale_down_windows}",
+            )
+            want = left
+        else:
+            streak = 0
     if want != left:
         run.note(
             POOL,
             f"{role} pool: {left} -> {want} (the forecast's upper bound needs {upper or 0},"
             f" serving {serving}, floor {floor})",
         )
-    return want
+    return want, streak
 
 
 def pool_left(role: str, window: MetricsWindow, current: Counts, serving: int) -> int:
