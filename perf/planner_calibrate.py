@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "duration_s": args.duration,
             "seed": args.seed,
             "cpus": len(os.sched_getaffinity(0)),
-            "note": "2 shared vCPUs; other engineers' tests ran at the same time",
+            "note": "2 shared vCPUs: the load averages above say what else ran",
         },
         # the profile the simulator was driven by, kept whole: the calibration test replays it
         "profile": profile.to_dict(),

@@ -3,11 +3,12 @@ beside the real stack), model-free on the SmolLM2 CPU profile ``pdserve plan`` t
 where requests seldom meet, a request's TTFT is the profiled prefill time of its prompt (plus the
 KV hand-off) and its ITL the profiled ITL of a batch of one; as the rate rises, queueing and the
 decode batch raise both. This holds the simulator to the profile it is driven by; the comparison
-with the real stack is perf/planner_calibrate.py's (perf/README.md, issue 49: not yet within 20%
-on these shared cores)."""
+with the real stack is perf/planner_calibrate.py's, and the last test replays its recorded run:
+the simulator driven by the profile taken in that run, against the real stack's figures."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -35,3 +36,19 @@ def test_queueing_and_batching_raise_the_latencies_with_the_rate() -> None:
     itls = [r["itl_ms"]["mean"] for r in runs]
     assert ttfts == sorted(ttfts) and ttfts[-1] > 1.1 * ttfts[0]
     assert itls == sorted(itls) and itls[-1] > 1.1 * itls[0]
+
+
+# perf/planner_calibrate.py on a quiet VM, after the few-rows stall fix (perf/README.md, issue 49)
+CALIBRATION = RESULTS / "issue49" / "planner_calibration_smollm2_2cpu_quiet.json"
+
+
+def test_the_simulator_stays_near_the_real_stack_it_was_measured_against() -> None:
+    """ITL within 20% of the real stack's at every rate. TTFT is not yet: the real prefill
+    shares the memory bus with the decode worker beside it (the profile times each alone) and
+    its p50 was 1.18-1.30x the simulator's, so the bound here holds that gap from growing."""
+    run = json.loads(CALIBRATION.read_text())
+    profile = Profile.from_dict(run["profile"])
+    for point in run["points"]:
+        sim, real = simulate_rate(profile, point["rate"], ISL, OSL), point["real"]
+        assert sim["itl_ms"]["mean"] == pytest.approx(real["itl_ms"]["mean"], rel=0.2)
+        assert sim["ttft_ms"]["p50"] == pytest.approx(real["ttft_ms"]["p50"], rel=0.35)
