@@ -76,15 +76,21 @@ class FewRowsLinear:
             return (out + self.bias if self.bias is not None else out).contiguous()
         return self._packed_mm(x)
 
+    def _pack(self) -> torch.Tensor:
+        packed = self._packed
+        if packed is None:
+            packed = self._packed = torch.ops.mkl._mkl_reorder_linear_weight(
+                self.weight, PACKED_FOR
+            )
+        return packed
+
     def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is None:
-            self._packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, PACKED_FOR)
-        return torch.ops.mkl._mkl_linear(x, self._packed, self.weight, self.bias, x.shape[0])
+        return torch.ops.mkl._mkl_linear(x, self._pack(), self.weight, self.bias, x.shape[0])
 
     def prepare(self) -> None:
         """Pack the weight now where a chosen form packs (call after ``choose_forms``)."""
-        if "packed" in _FORM.values() and can_pack(self.weight) and self._packed is None:
-            self._packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, PACKED_FOR)
+        if "packed" in _FORM.values() and can_pack(self.weight):
+            self._pack()
 
     def _time_forms(self, x: torch.Tensor) -> str:
         forms: dict[str, Callable[[], object]] = {

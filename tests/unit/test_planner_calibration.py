@@ -43,9 +43,9 @@ CALIBRATION = RESULTS / "issue49" / "planner_calibration_smollm2_2cpu_quiet.json
 
 
 def test_the_simulator_stays_near_the_real_stack_it_was_measured_against() -> None:
-    """ITL within 20% of the real stack's at every rate. TTFT is not yet: the real prefill
-    shares the memory bus with the decode worker beside it (the profile times each alone) and
-    its p50 was 1.18-1.30x the simulator's, so the bound here holds that gap from growing."""
+    """ITL within 20% of the real stack's at every rate. TTFT is not yet: its p50 was
+    1.18-1.30x the simulator's (the stack's own hops and a decode worker sharing the memory bus
+    explain part of it, perf/README.md), so the bound here holds that gap from growing."""
     run = json.loads(CALIBRATION.read_text())
     profile = Profile.from_dict(run["profile"])
     for point in run["points"]:
