@@ -18,14 +18,30 @@ from pdserve.services.engine.engine import LLMEngine
 from pdserve.shared.config import EngineConfig
 
 
+def count_steps(engine: LLMEngine) -> list[int]:
+    """A one-item list that counts the engine's steps from here on (the real steps, wrapped)."""
+    count, inner = [0], engine.step
+
+    def step():
+        count[0] += 1
+        return inner()
+
+    engine.step = step  # type: ignore[method-assign]
+    return count
+
+
 @pytest.mark.parametrize(("batch", "context"), [(8, 4096), (13, 1000)])
 def test_a_decode_cell_runs_its_whole_batch_on_the_pool_sized_for_it(batch, context) -> None:
     steps = 2
     blocks = decode_pool_blocks(batch, context, steps, 16)
     engine = LLMEngine(EngineConfig(model="demo", num_kv_blocks=blocks, block_size=16))
-    # the largest cell, then a smaller one on the same engine: the first one's blocks came back
-    points = measure_decode(engine, [1, batch], [context], steps)
+    # the largest cell, then a smaller one on the same engine: the first one's blocks came back;
+    # a second pass over the grid comes back to each cell, and still one point a cell
+    stepped = count_steps(engine)
+    points = measure_decode(engine, [1, batch], [context], steps, passes=2)
     assert [(b, c) for b, c, _ in points] == [(1, context), (batch, context)]
+    # a throwaway cell, then 2 cells x 2 passes: each admits, warms up, times its steps, drains
+    assert stepped[0] >= 5 * (1 + 1 + steps)
     assert all(itl > 0 for _, _, itl in points)
     assert engine.block_manager.num_free_blocks == blocks  # every cell's blocks freed
     # one block fewer per sequence and the batch no longer fits: the sizing is not loose by luck

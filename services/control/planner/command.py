@@ -68,7 +68,9 @@ class PlanConfig:
     prefill_lens: str = opt("", "prompt lengths to profile, comma separated (default by device)")
     decode_batches: str = opt("", "decode batch sizes to profile, comma separated")
     decode_contexts: str = opt("", "decode context lengths to profile, comma separated")
-    decode_steps: int = opt(0, "timed decode steps per batch and context (0: by device)")
+    decode_steps: int = opt(
+        0, "timed decode steps per batch and context, in each pass over the grid (0: by device)"
+    )
     sim_seconds: float = opt(120.0, "simulated seconds of load per configuration")
 
 

@@ -6,20 +6,25 @@ engine built from the same ``EngineConfig``, a prefill engine prefill-only.
 - **prefill**: one prompt of each length on the idle engine, timed from ``add_request`` to its
   first token (what a prefill worker spends on it, chunking included). Prompts are random token
   ids, a fresh one per repetition, so the prefix cache never turns a repetition into a hit. The
-  fastest of a few repetitions, fewer where one takes long.
+  median of a few repetitions, fewer where one takes long, taken in rounds over the lengths.
 - **decode**: ``batch`` sequences of ``context`` tokens enter as a decode worker's requests do
-  (``remote_kv``: blocks allocated, the KV "pulled"), then whole engine steps are timed, the
-  fastest after one warm-up step. The KV bytes are never written: a step's cost does not depend
+  (``remote_kv``: blocks allocated, the KV "pulled"), then whole engine steps are timed after one
+  warm-up step, in a few passes over the grid; a cell's ITL is the median of its steps. The KV bytes are never written: a step's cost does not depend
   on their values, and computing 8 x 4k prompts first would take minutes on a CPU. The pool is
   sized to hold the largest cell, so the grid is complete; the capacity a served decode worker
   has (``kv_capacity_tokens``) is computed from the engine's own options as the worker sizes it.
 
     python -m pdserve.services.control.planner.measure SPEC.json OUT.json
 
-Why the fastest, not the median: the profile describes a worker on CPUs (or a GPU) of its own, as
-``pdserve up`` places it, and on a shared machine other processes only ever add time - a burst of
-theirs lifted whole cells of the median 2x on a busy 2-core VM. The live planner's correction
-factor (observed / profiled latency) takes up what a worker meets in service.
+Why the median, not the fastest, and why in rounds: the profile stands for what a worker
+typically takes, and the planner sizes the fleet from it. On an idle 2-vCPU VM, twenty 128-token
+prefills in a row took 438-715 ms (median 546), in slow and fast phases seconds long, with no
+steal time and nothing else running: the host's neighbours, whom the served stack meets too. The
+fastest of four was 20% below the median, and the simulator's TTFT sat that far below the real
+stack's (perf/planner_calibrate.py). Measured in one go, a cell's repetitions fall in one phase,
+so rounds over the lengths and passes over the decode grid spread them across the run. The median
+still drops a burst of another process's work on a shared machine; the live planner's correction
+factor (observed / profiled latency) takes up what a worker meets beyond.
 
 SPEC holds the role, the engine options and the lengths; OUT receives the points, or
 ``{"error": ...}`` (exit 2 for a problem of the input, 1 for anything else).
@@ -34,6 +39,7 @@ import math
 import os
 import platform
 import random
+import statistics
 import sys
 import time
 import traceback
@@ -86,13 +92,21 @@ def measure_prefill(engine: Any, lens: list[int], reps: int, rep_seconds: float)
         return elapsed
 
     one(lens[0])  # warm-up: first-call allocations and kernel choices
+    times: dict[int, list[float]] = {n: [] for n in lens}
+
+    def wanted(n: int) -> bool:
+        done = times[n]
+        return len(done) < reps and (not done or sum(done) < rep_seconds)
+
+    # in rounds, a repetition of each length that wants one: a length's repetitions are spread
+    # over the run, so a slow phase of the host lands on several lengths, not on one whole
+    while any(wanted(n) for n in lens):
+        for n in filter(wanted, lens):
+            times[n].append(one(n))
     points = []
     for n in lens:
-        times: list[float] = []
-        while len(times) < reps and (not times or sum(times) < rep_seconds):
-            times.append(one(n))
-        seconds = min(times)
-        points.append([n, n / seconds, len(times)])
+        seconds = statistics.median(times[n])
+        points.append([n, n / seconds, len(times[n])])
         progress(f"prefill {n:>6} tokens: {n / seconds:9.1f} tok/s ({1000 * seconds:.0f} ms)")
     return points
 
@@ -107,8 +121,8 @@ class _DecodeCells:
         self.rng, self.vocab = random.Random(1), engine.model_config.vocab_size
         self.sampling = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
 
-    def seconds(self, batch: int, context: int) -> float:
-        """The fastest of ``steps`` whole engine steps, after one warm-up step."""
+    def seconds(self, batch: int, context: int) -> list[float]:
+        """``steps`` whole engine steps, timed after one warm-up step."""
         engine, ids = self.engine, []
         for _ in range(batch):
             self.count += 1
@@ -133,21 +147,29 @@ class _DecodeCells:
             engine.abort(rid)
         while engine.has_unfinished():
             engine.step()
-        return min(times[1:])
+        return times[1:]
 
 
-def measure_decode(engine: Any, batches: list[int], contexts: list[int], steps: int) -> list[list]:
-    """[batch, context, ITL ms] for every cell of the grid. A throwaway cell first: the first
-    cell on a fresh engine read 15-25% slow (allocator and caches settling) on a CPU and a GPU
-    alike, beyond what one warm-up step absorbs."""
+def measure_decode(
+    engine: Any, batches: list[int], contexts: list[int], steps: int, passes: int = 1
+) -> list[list]:
+    """[batch, context, ITL ms] for every cell of the grid: the median of its steps, ``steps`` in
+    each of ``passes`` passes over the grid. Passes spread a cell's steps over the run: a slow
+    phase of a shared host lasts seconds, as long as a few cells, and measured in one go those
+    cells would carry it whole (batch 2 read 59-78 ms in three profiles of one quiet hour). A
+    throwaway cell first: the first cell on a fresh engine read 15-25% slow (allocator and caches
+    settling) on a CPU and a GPU alike, beyond what one warm-up step absorbs."""
     cells = _DecodeCells(engine, steps)
     cells.seconds(batches[0], contexts[0])
+    times: dict[tuple[int, int], list[float]] = {(b, c): [] for c in contexts for b in batches}
+    for _ in range(passes):
+        for batch, context in times:
+            times[batch, context] += cells.seconds(batch, context)
     points = []
-    for context in contexts:
-        for batch in batches:
-            itl = 1000.0 * cells.seconds(batch, context)
-            points.append([batch, context, itl])
-            progress(f"decode batch {batch:>3} at context {context:>6}: ITL {itl:8.1f} ms")
+    for (batch, context), cell in times.items():
+        itl = 1000.0 * statistics.median(cell)
+        points.append([batch, context, itl])
+        progress(f"decode batch {batch:>3} at context {context:>6}: ITL {itl:8.1f} ms")
     return points
 
 
@@ -238,7 +260,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             lens = cap_lengths(spec["lens"], limit, "prompt lengths")
             out["points"] = measure_prefill(engine, lens, spec["reps"], spec["rep_seconds"])
         else:
-            out["points"] = measure_decode(engine, batches, contexts, steps)
+            passes = spec.get("passes", 1)
+            out["points"] = measure_decode(engine, batches, contexts, steps, passes)
             out["kv_capacity_tokens"] = num_blocks_for(config, engine.kv_spec) * config.block_size
     finally:
         engine.close()

@@ -58,7 +58,8 @@ class ProfileSettings:
     prefill_lens: tuple[int, ...]
     decode_batches: tuple[int, ...]
     decode_contexts: tuple[int, ...]
-    decode_steps: int  # timed steps per decode cell (after one warm-up step)
+    decode_steps: int  # timed steps per decode cell and pass (after one warm-up step)
+    decode_passes: int  # passes over the decode grid (measure.measure_decode says why)
     prefill_reps: int  # most repetitions of one prompt length
     rep_seconds: float  # ... and no more once they took this long
 
@@ -71,6 +72,7 @@ class ProfileSettings:
                 decode_batches=(1, 2, 4),
                 decode_contexts=(64, 256),
                 decode_steps=10,
+                decode_passes=1,
                 prefill_reps=3,
                 rep_seconds=0.5,
             )
@@ -80,6 +82,7 @@ class ProfileSettings:
                 decode_batches=(1, 2, 4, 8, 16, 32, 64),
                 decode_contexts=(256, 1024, 4096),
                 decode_steps=10,
+                decode_passes=2,
                 prefill_reps=5,
                 rep_seconds=2.0,
             )
@@ -87,9 +90,10 @@ class ProfileSettings:
             prefill_lens=(128, 512, 2048),
             decode_batches=(1, 2, 4, 8),
             decode_contexts=(256, 1024, 4096),
-            decode_steps=5,
-            prefill_reps=3,
-            rep_seconds=2.0,
+            decode_steps=3,
+            decode_passes=5,
+            prefill_reps=7,
+            rep_seconds=4.0,
         )
 
     def capped(self, max_num_seqs: int) -> ProfileSettings:
@@ -232,6 +236,7 @@ def run_profile(
                     "batches": list(settings.decode_batches),
                     "contexts": list(settings.decode_contexts),
                     "steps": settings.decode_steps,
+                    "passes": settings.decode_passes,
                 },
             ),
         ):
