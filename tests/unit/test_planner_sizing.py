@@ -53,6 +53,21 @@ def test_profile_round_trips_through_json_and_refuses_a_hole(tmp_path: Path) -> 
         Profile.from_dict({**p.to_dict(), "version": 99})
 
 
+def test_a_scaled_profile_is_the_same_engine_that_much_slower() -> None:
+    prof = hand_profile()
+    slow = prof.scaled(prefill=2.0, decode=1.5)
+    for n in (100, 700, 5000):
+        assert slow.prefill_seconds(n) == pytest.approx(2.0 * prof.prefill_seconds(n))
+    for batch, context in ((1, 100), (3, 900), (8, 4000)):
+        assert slow.decode_itl(batch, context) == pytest.approx(
+            1.5 * prof.decode_itl(batch, context)
+        )
+    assert slow.kv_capacity_tokens == prof.kv_capacity_tokens
+    assert prof.scaled() == prof
+    with pytest.raises(ValueError):
+        prof.scaled(prefill=0.0)
+
+
 def test_best_decode_batch_meets_the_itl_and_fits_the_kv() -> None:
     p = hand_profile()
     cap = p.best_decode(30.0, 1000)  # 10 + 0.5 (b - 1) <= 30  ->  b = 41, ITL 30 ms

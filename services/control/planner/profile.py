@@ -20,6 +20,7 @@ The batch is never extrapolated: ``max_batch`` is the largest batch measured (or
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from bisect import bisect_right
 from collections.abc import Iterable, Sequence
@@ -107,6 +108,17 @@ class Profile:
         """ms per decode step of one worker running ``batch`` sequences of ``context`` tokens."""
         rows = [interp(self.decode_contexts, row, context) for row in self.decode_itl_ms]
         return interp(self.decode_batches, rows, batch)
+
+    def scaled(self, prefill: float = 1.0, decode: float = 1.0) -> Profile:
+        """This profile on an engine ``prefill`` times as slow at prefill and ``decode`` times at
+        decode (the planner's corrections, observed over profiled, applied to the curves)."""
+        if prefill <= 0 or decode <= 0:
+            raise ValueError("scale factors must be positive")
+        return dataclasses.replace(
+            self,
+            prefill_tokens_per_s=tuple(t / prefill for t in self.prefill_tokens_per_s),
+            decode_itl_ms=tuple(tuple(v * decode for v in row) for row in self.decode_itl_ms),
+        )
 
     def batch_limit(self, context: float, kv_fraction: float = 1.0) -> int:
         """The largest batch whose KV fits in ``kv_fraction`` of the pool at this context."""

@@ -81,6 +81,9 @@ class SimConfig:
     seed: int = 0
     promote_s: float = 1.0  # from a promotion (SIGUSR1) to a pooled worker's first request
     pool: Counts = Counts(0, 0)  # the warm pool at t = 0 (loaded)
+    # an arrival trace (s from the start, ascending) replayed in place of the schedule's Poisson
+    # draws: the very arrivals a real run had, so that both meet the same bursts
+    arrivals: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

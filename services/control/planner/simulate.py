@@ -2,7 +2,7 @@
 same load ramp at a GPU host's scale.
 
 Requests arrive by a ``RateSchedule`` (a Poisson process whose rate follows a piecewise-linear
-curve, drawn by thinning), with lengths from a ``Workload``. The gateway routes each prompt to the
+curve, drawn by thinning), or replay a recorded trace of arrival times, with lengths from a ``Workload``. The gateway routes each prompt to the
 prefill worker with the least queued work, then (after ``kv_transfer_ms``) its sequence to the
 decode worker with the least KV reserved or waiting; sim_workers.py says how each worker spends
 its time. Every ``window_s`` the simulator builds the ``MetricsWindow`` the planner reads (rate,
@@ -63,6 +63,7 @@ class _Sim:
         self.profile, self.workload, self.schedule, self.slo = profile, workload, schedule, slo
         self.planner, self.limits, self.cfg = planner, limits, config
         self.rng = random.Random(config.seed)
+        self.replayed = 0  # how many of config.arrivals have been scheduled
         self.events: list[tuple[float, int, int, object, int]] = []
         self.seq = 0
         self.now = 0.0
@@ -197,6 +198,11 @@ class _Sim:
     # ---- the loop ----------------------------------------------------------------------------
 
     def next_arrival(self, t: float) -> None:
+        if self.cfg.arrivals:
+            if self.replayed < len(self.cfg.arrivals):
+                self.push(self.cfg.arrivals[self.replayed], ARRIVE)
+                self.replayed += 1
+            return
         peak = self.schedule.peak
         if peak <= 0:
             return
