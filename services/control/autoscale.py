@@ -57,6 +57,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from pdserve.services.control.autoscale_settings import (  # noqa: F401 (re-exported)
     Settings,
     fleet_limits,
+    planner_options,
     settings,
 )
 from pdserve.services.control.autoscale_window import Snapshot, Worker, build_window, parse_snapshot
@@ -68,7 +69,6 @@ from pdserve.services.control.planner.inputs import (
     ROLES,
     Counts,
     MetricsWindow,
-    PlannerConfig,
 )
 from pdserve.services.control.processes import Child, visible_gpus
 from pdserve.services.control.warm_pool import WarmPool
@@ -143,7 +143,7 @@ class Autoscaler:
                 f" {limits.cost(least) + self.pool.cost(costs):g} {self.unit} > budget"
                 f" {budget:g}; --autoscale-max-{self.unit.lower()}s raises it (workers then share)"
             )
-        planner_config = PlannerConfig(warmup_s=config.warmup_s, pool_floor=floor)
+        planner_config = planner_options(config, floor, self.unit, budget, len(cpus))
         self.planner = Planner(
             profile=config.profile, slo=config.slo, limits=limits, config=planner_config
         )

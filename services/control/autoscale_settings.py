@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.services.control.planner.inputs import ROLES, Limits
+from pdserve.services.control.planner.inputs import ROLES, Counts, Limits, PlannerConfig
 from pdserve.services.control.planner.profile import Profile
 from pdserve.services.control.planner.workload import SLO
 from pdserve.shared.config import UpConfig
@@ -82,3 +82,16 @@ def fleet_limits(up: UpConfig, costs: dict[str, float], budget: float, unit: str
     except ValueError as exc:
         flag = f"--autoscale-max-{unit.lower()}s"
         raise StartupError(f"--autoscale: {exc}; {flag} raises it (workers then share)") from None
+
+
+def planner_options(
+    settings: Settings, pool_floor: Counts, unit: str, budget: float, cpus: int
+) -> PlannerConfig:
+    """The planner's options. Where the budget oversubscribes a CPU host, busy workers split its
+    cores, and the planner fits its counts to them (guards.fit_cores)."""
+    shared = unit == "CPU" and budget > cpus
+    return PlannerConfig(
+        warmup_s=settings.warmup_s,
+        pool_floor=pool_floor,
+        host_cpus=float(cpus) if shared else None,
+    )

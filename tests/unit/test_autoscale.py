@@ -249,6 +249,23 @@ def test_a_worker_that_dies_on_its_own_is_replaced_and_not_retired(tmp_path: Pat
             child.stop(2.0)
 
 
+@pytest.mark.parametrize("oversubscribed", [True, False])
+def test_a_budget_beyond_the_cpus_has_the_planner_fit_its_counts_to_them(
+    tmp_path: Path, oversubscribed: bool
+) -> None:
+    here = len(os.sched_getaffinity(0))
+    budget = here + 2.0 if oversubscribed else float(here)
+    up = up_config(tmp_path, autoscale_max_cpus=budget)
+    fleet = StandIn(up, tmp_path)
+    scaler = Autoscaler(fleet, autoscale.settings(up), "127.0.0.1")
+    try:
+        assert scaler.planner.config.host_cpus == (here if oversubscribed else None)
+    finally:
+        scaler.close()
+        for child in fleet.children:
+            child.stop(2.0)
+
+
 def test_on_gpus_a_worker_costs_a_gpu_per_rank_and_takes_one_nobody_uses(tmp_path: Path) -> None:
     """No CUDA needed: placement is bookkeeping. Three GPUs, 1P1D on the first two: the budget
     (the GPUs here) holds one more decode worker, which gets the third GPU."""

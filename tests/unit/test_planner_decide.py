@@ -13,7 +13,7 @@ import pytest
 from pdserve.services.control.planner import rules as d
 from pdserve.services.control.planner.decide import Planner, decide
 from pdserve.services.control.planner.forecast import HoltGains
-from pdserve.services.control.planner.guards import fit_budget, pick_to_drain
+from pdserve.services.control.planner.guards import fit_budget, fit_cores, pick_to_drain
 from pdserve.services.control.planner.inputs import (
     ROLES,
     Counts,
@@ -261,6 +261,44 @@ def test_fit_budget_keeps_the_balanced_split_by_hand() -> None:
     assert fit_budget(Counts(2, 2), need, Limits(budget=8)) == (Counts(2, 2), "")
     with pytest.raises(ValueError, match="budget"):
         Limits(min_prefill=3, min_decode=3, budget=5)
+
+
+def test_fit_cores_keeps_what_the_cores_can_run_by_hand() -> None:
+    """2 cores, a worker 1 CPU. 1P1D -> 2P1D at needs 0.59 / 0.73 (the CPU ramp's): 3 workers on 2
+    cores run at 2/3, so decode covers 0.67 / 0.73 = 0.91 of its need, against 1.37 at 1P1D."""
+    cpu = Limits(budget=4, unit="CPU")
+    need = {"prefill": 0.59, "decode": 0.73}
+    got, why = fit_cores(Counts(2, 1), need, cpu, Counts(1, 1), 2.0)
+    assert got == Counts(1, 1) and "on 2 cores" in why and "67%" in why
+    # both short: 2P2D, each worker at half a core, serves what 1P1D does; the smaller fleet wins
+    got, _ = fit_cores(Counts(2, 2), {"prefill": 0.82, "decode": 1.01}, cpu, Counts(1, 1), 2.0)
+    assert got == Counts(1, 1)
+    # prefill short, decode with room: moving a share of a core to prefill pays (on 3 cores the
+    # second prefill worker even runs at full speed)
+    need = {"prefill": 1.5, "decode": 0.5}
+    assert fit_cores(Counts(2, 2), need, cpu, Counts(1, 1), 3.0)[0] == Counts(2, 1)
+    assert fit_cores(Counts(2, 1), need, cpu, Counts(1, 1), 2.0)[0] == Counts(2, 1)
+    # within the cores, or a role asked to shrink: as wanted
+    assert fit_cores(Counts(1, 1), need, cpu, Counts(2, 1), 2.0) == (Counts(1, 1), "")
+    assert fit_cores(Counts(1, 2), need, cpu, Counts(2, 2), 2.0)[0].prefill == 1
+
+
+def test_on_shared_cores_a_worker_that_would_split_them_is_not_added() -> None:
+    """Prefill needs 1.31 workers, decode 0.97: a second prefill worker on 2 cores would leave
+    decode 0.67 of one (0.69 of its need) to give prefill 1.33 (1.02): 1P1D serves 0.76."""
+    w = window(rate=10, isl=900, osl=osl_for(0.95, 10), ttft_ms=500.0, itl_ms=15.0)
+    cpu = Limits(budget=4, unit="CPU")
+    grown = decide(w, PROFILE, SLO_, cpu, Counts(1, 1), PlannerState())
+    assert grown.counts.prefill > 1 and d.CORES not in grown.rules
+    shared = PlannerConfig(host_cpus=2.0)
+    held = decide(w, PROFILE, SLO_, cpu, Counts(1, 1), PlannerState(), shared)
+    assert held.counts == Counts(1, 1) and d.CORES in held.rules
+    # the pool: the outlook's worker beyond the serving one would load on the 2 cores that
+    # serve, so nothing above the floor
+    assert held.pool == Counts(0, 0)
+    assert any("pool 1P0D -> 0P0D: what serving leaves of the cores" in r for r in held.reasons)
+    floor = dataclasses.replace(shared, pool_floor=Counts(1, 0))
+    assert decide(w, PROFILE, SLO_, cpu, Counts(1, 1), PlannerState(), floor).pool == Counts(1, 0)
 
 
 def test_budget_binds_even_against_the_current_fleet() -> None:

@@ -69,7 +69,12 @@ variant autoscaler or Kubernetes' HPA:
   of the sustained demand is kept (a prefill/decode pipeline serves only as much as its scarcer
   role allows; a backlog does not count), growth is trimmed rather than a role cut (unless the
   fleet is already over a lowered budget), the decision says which role got fewer workers than
-  it needs, and why; the pool gives way first.
+  it needs, and why; the pool gives way first;
+- ``cores``: where the budget oversubscribes a CPU host (``host_cpus``), busy workers split its
+  cores, so a worker beyond them adds its role a share of a core and takes as much from every
+  other one. Growth is trimmed to the counts that serve the largest share of the demand at
+  that split, the smaller fleet on a tie (on 2 cores, 1P1D stays 1P1D); the pool keeps its floor
+  and, above it, only what serving leaves of the cores (a pooled worker loads on them).
 """
 
 from __future__ import annotations
@@ -87,7 +92,7 @@ from pdserve.services.control.planner.demand import (
     outlook,
     size,
 )
-from pdserve.services.control.planner.guards import fit_budget, fit_pool
+from pdserve.services.control.planner.guards import fit_budget, fit_cores, fit_pool
 from pdserve.services.control.planner.inputs import (
     ROLES,
     Counts,
@@ -105,6 +110,7 @@ from pdserve.services.control.planner.role_plan import (
 from pdserve.services.control.planner.rules import (
     BACKLOG,
     BUDGET,
+    CORES,
     FALLING,
     FORECAST,
     IDLE_WINDOW,
@@ -258,6 +264,10 @@ def decide(
     final, why = fit_budget(wanted, split, limits, current)
     if why:
         run.note(BUDGET, why)
+    if config.host_cpus is not None:
+        final, why = fit_cores(final, split, limits, current, config.host_cpus)
+        if why:
+            run.note(CORES, why)
     # the reserve must still be there when a pooled worker started now would be: the serving
     # workers' spare is counted against the need now and at the cold horizon
     pools = {
@@ -278,6 +288,13 @@ def decide(
     fitted = fit_pool(pool, config.pool_floor, final, limits)
     if fitted != pool:
         run.note(BUDGET, f"pool {pool} -> {fitted}: what serving leaves of the budget")
+    if config.host_cpus is not None:
+        # a pooled worker loads on the cores: beyond what serving leaves of them, only the floor
+        cored = fit_pool(fitted, config.pool_floor, final, limits, config.host_cpus)
+        cored = Counts(*(max(cored.of(r), config.pool_floor.of(r)) for r in ROLES))
+        if cored != fitted:
+            run.note(CORES, f"pool {fitted} -> {cored}: what serving leaves of the cores")
+        fitted = cored
     memory = {}
     for role in ROLES:
         sizing = sizings[role]

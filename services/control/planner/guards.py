@@ -1,6 +1,6 @@
 """The arithmetic of decide.py's guards: the dead band, the survivors' check, the budget's split
-between the roles, the warm pool within what serving leaves of the budget, and which workers to
-drain. Pure functions of counts, needs and samples."""
+between the roles, the cores a CPU host really has, the warm pool within what serving leaves of
+the budget, and which workers to drain. Pure functions of counts, needs and samples."""
 
 from __future__ import annotations
 
@@ -91,13 +91,56 @@ def fit_budget(
     )
 
 
-def fit_pool(pool: Counts, floor: Counts, serving: Counts, limits: Limits) -> Counts:
-    """The pool within what the serving fleet leaves of the budget: serving comes first (a
-    reserve is there to be used), then the floor, then what the forecast's upper bound asks
-    above it; the role with the most pooled (above its floor first) gives one up at a time."""
-    if limits.budget is None:
+def fit_cores(
+    wanted: Counts, need: dict[str, float], limits: Limits, current: Counts, cpus: float
+) -> tuple[Counts, str]:
+    """On a host whose ``cpus`` the budget oversubscribes: the counts that serve the largest
+    share of the demand when busy workers split the cores evenly. A fleet costing C CPUs on
+    fewer gives each worker cpus / C of its share, so a worker beyond the cores adds its role a
+    share and takes as much from every other one. Ties go to the smaller fleet: a worker that
+    adds nothing still loads on the cores that serve. Only growth is trimmed: a role asked to
+    shrink shrinks, one asked to grow gets between what it has and what it wanted.
+
+    All workers busy is the case that binds (a decode worker under load always is, and a
+    prefill worker whenever prompts queue): 1P1D on 2 cores -> 2P1D at a decode need of 0.73
+    gives decode 0.67 of a core, which is why this stays 1P1D."""
+    if limits.cost(wanted) <= cpus + 1e-9:
+        return wanted, ""
+    spans = {r: range(min(current.of(r), wanted.of(r)), wanted.of(r) + 1) for r in ROLES}
+    best: tuple[tuple[float, float, int], Counts] | None = None
+    for p in spans["prefill"]:
+        for d in spans["decode"]:
+            counts = Counts(p, d)
+            speed = min(1.0, cpus / limits.cost(counts))
+            share = min(
+                counts.of(r) * speed / need[r] if need[r] > 0 else float("inf") for r in ROLES
+            )
+            key = (round(share, 9), -limits.cost(counts), d)
+            if best is None or key > best[0]:
+                best = (key, counts)
+    assert best is not None  # the spans are never empty
+    got = best[1]
+    if got == wanted:
+        return wanted, ""
+    speed = min(1.0, cpus / limits.cost(wanted))
+    return got, (
+        f"{wanted} would cost {limits.cost(wanted):g} {limits.unit} on {cpus:g} cores, each"
+        f" worker at {speed:.0%} of its share: kept {got}, which serves more of the demand"
+        f" (prefill {need['prefill']:.2f}, decode {need['decode']:.2f} workers' worth)"
+    )
+
+
+def fit_pool(
+    pool: Counts, floor: Counts, serving: Counts, limits: Limits, budget: float | None = None
+) -> Counts:
+    """The pool within what the serving fleet leaves of the budget (``budget``: this one
+    instead of the limits'): serving comes first (a reserve is there to be used), then the floor,
+    then what the forecast's upper bound asks above it; the role with the most pooled (above its
+    floor first) gives one up at a time."""
+    budget = limits.budget if budget is None else budget
+    if budget is None:
         return pool
-    room = limits.budget - limits.cost(serving)
+    room = budget - limits.cost(serving)
     kept = {r: pool.of(r) for r in ROLES}
     while sum(kept[r] * limits.cost_of(r) for r in ROLES) > room + 1e-9:
         above = [r for r in ROLES if kept[r] > floor.of(r)]

@@ -140,6 +140,9 @@ class PlannerConfig:
     cooldown_max: float = 8.0
     cooldown_half_life_s: float = 1800.0
     down_step: int = 1  # serving workers one scale-down removes per role (0: as many as fit)
+    # the CPUs of a host the budget oversubscribes (--autoscale-max-cpus above them): workers
+    # then split these cores, and a count is fitted to them (guards.fit_cores); None: no such
+    host_cpus: float | None = None
 
 
 @dataclass(frozen=True)

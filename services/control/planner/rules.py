@@ -22,6 +22,7 @@ ONE_STEP = "one-step"
 SURVIVORS = "survivors"
 MIN_MAX = "min-max"
 BUDGET = "budget"
+CORES = "cores"
 
 # the rules that hold a count the arithmetic alone would have moved
 GUARDS = frozenset(
@@ -36,6 +37,7 @@ GUARDS = frozenset(
         SURVIVORS,
         MIN_MAX,
         BUDGET,
+        CORES,
     }
 )
 
