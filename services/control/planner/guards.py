@@ -47,6 +47,12 @@ def survivors(workers: list[WorkerSample], target: int, config: PlannerConfig) -
     )
 
 
+def served_share(counts: Counts, need: dict[str, float], speed: float = 1.0) -> float:
+    """The share of the demand a P/D pipeline serves: min(P / need_P, D / need_D), each worker
+    at ``speed`` of its own (a role with no need never limits it)."""
+    return min(counts.of(r) * speed / need[r] if need[r] > 0 else float("inf") for r in ROLES)
+
+
 def fit_budget(
     wanted: Counts, need: dict[str, float], limits: Limits, current: Counts | None = None
 ) -> tuple[Counts, str]:
@@ -71,8 +77,7 @@ def fit_budget(
         if d < floor.decode:
             break
         counts = Counts(p, d)
-        share = min(counts.of(r) / need[r] if need[r] > 0 else float("inf") for r in ROLES)
-        key = (share, limits.cost(counts), d)
+        key = (served_share(counts, need), limits.cost(counts), d)
         if best is None or key > best[0]:
             best = (key, counts)
     assert best is not None  # Limits checked that the minimum fleet fits
@@ -112,10 +117,7 @@ def fit_cores(
         for d in spans["decode"]:
             counts = Counts(p, d)
             speed = min(1.0, cpus / limits.cost(counts))
-            share = min(
-                counts.of(r) * speed / need[r] if need[r] > 0 else float("inf") for r in ROLES
-            )
-            key = (round(share, 9), -limits.cost(counts), d)
+            key = (round(served_share(counts, need, speed), 9), -limits.cost(counts), d)
             if best is None or key > best[0]:
                 best = (key, counts)
     assert best is not None  # the spans are never empty

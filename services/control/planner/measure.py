@@ -9,8 +9,9 @@ engine built from the same ``EngineConfig``, a prefill engine prefill-only.
   median of a few repetitions, fewer where one takes long, taken in rounds over the lengths.
 - **decode**: ``batch`` sequences of ``context`` tokens enter as a decode worker's requests do
   (``remote_kv``: blocks allocated, the KV "pulled"), then whole engine steps are timed after one
-  warm-up step, in a few passes over the grid; a cell's ITL is the median of its steps. The KV bytes are never written: a step's cost does not depend
-  on their values, and computing 8 x 4k prompts first would take minutes on a CPU. The pool is
+  warm-up step, in a few passes over the grid; a cell's ITL is the median of its steps. The KV
+  bytes are never written: a step's cost does not depend on their values, and computing 8 x 4k
+  prompts first would take minutes on a CPU. The pool is
   sized to hold the largest cell, so the grid is complete; the capacity a served decode worker
   has (``kv_capacity_tokens``) is computed from the engine's own options as the worker sizes it.
 

@@ -3,8 +3,8 @@ real stack: per-request TTFT and mean ITL (TPOT), their mean, p50 and p90. The c
 (tests/unit/test_planner_calibration.py) compares these with the recorded real figures, so the
 simulator cannot drift from the engine it stands for.
 
-Against a real run, the simulator replays that run's own arrival times: a minute at under 1 req/s
-is 12-70 requests, and which of them happen to meet (three within 0.1 s, say) moves their mean
+Against a real run, the simulator replays that run's own arrival times: 90 s at under 1 req/s
+is 12-74 requests, and which of them happen to meet (three within 0.1 s, say) moves their mean
 TTFT by more than the engine model is to be held to. A long Poisson run says what the rate gives
 on average."""
 

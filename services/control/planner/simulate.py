@@ -2,16 +2,17 @@
 same load ramp at a GPU host's scale.
 
 Requests arrive by a ``RateSchedule`` (a Poisson process whose rate follows a piecewise-linear
-curve, drawn by thinning), or replay a recorded trace of arrival times, with lengths from a ``Workload``. The gateway routes each prompt to the
-prefill worker with the least queued work, then (after ``kv_transfer_ms``) its sequence to the
-decode worker with the least KV reserved or waiting; sim_workers.py says how each worker spends
-its time. Every ``window_s`` the simulator builds the ``MetricsWindow`` the planner reads (rate,
-mean ISL/OSL, TTFT and ITL at the SLO's percentile, each serving worker's age, KV usage and
-queue; the workers still loading; the warm pool; the start latencies measured), calls the
-planner, and applies its decision (sim_fleet.py): a new worker serves ``startup_s`` after it is
-asked for, or ``promote_s`` after it is promoted from the warm pool, and costs from its start,
-pooled or serving; a removed worker is drained (no new work, it finishes what it holds, then
-goes). The budget holds for the fleet as it physically is, the pool included.
+curve, drawn by thinning), or replay a recorded trace of arrival times, with lengths from a
+``Workload``. The gateway routes each prompt to the prefill worker with the least queued work, then
+(after ``kv_transfer_ms``) its sequence to the decode worker with the least KV reserved or waiting;
+sim_workers.py says how each worker spends its time. Every ``window_s`` the simulator builds the
+``MetricsWindow`` the planner reads (rate, mean ISL/OSL, TTFT and ITL at the SLO's percentile, each
+serving worker's age, KV usage and queue; the workers still loading; the warm pool; the start
+latencies measured), calls the planner, and applies its decision (sim_fleet.py): a new worker
+serves ``startup_s`` after it is asked for, or ``promote_s`` after it is promoted from the warm
+pool, and costs from its start, pooled or serving; a removed worker is drained (no new work, it
+finishes what it holds, then goes). The budget holds for the fleet as it physically is, the pool
+included.
 
 Deterministic for a seed; a 10-minute ramp of a few thousand requests runs in well under a second.
 """
