@@ -21,6 +21,10 @@ good ones per second of the ramp. Both runs see the same arrival times and lengt
   read from ``pdserve_planner_*`` on ``--planner-metrics-port`` once a second.
 - ``fixed 1P1D``: ``pdserve up`` with its defaults.
 
+``--rounds 2`` runs the arms A B B A and reports each arm's mean too: this VM's speed drifts by
+20-30% within minutes, and one pair, autoscale first, saw the same 1P1D fleet score 74.7% under
+the planner and 91.6% fixed just after.
+
 Workload (simulated, perf/planner_sim.py): 8 GPUs, ``Profile.synthetic()`` (an H200-like 8B
 model, illustrative roofline numbers), ISL 512-1536 / OSL 128-384, 8 -> 80 -> 8 req/s over
 900 s, TTFT <= 500 ms and ITL <= 20 ms at p90, 10 s windows, 60 s cold start, 1 s promotion
@@ -43,9 +47,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,9 +68,9 @@ from pdserve.services.control.bench.client import (
 )
 from pdserve.services.control.bench.datasets import BenchRequest
 from pdserve.services.control.planner.sim_data import RateSchedule
-from pdserve.services.control.planner.workload import SLO
 from pdserve.services.control.processes import free_port
-from perf.planner_sim import PHASES, SimSetup, plot_timeline, table
+from perf.planner_cpu_score import CPU_SLO, row
+from perf.planner_sim import SimSetup, plot_timeline, table
 from perf.planner_targets import run_sims
 from perf.stack_bench import stop_stack  # Popen.send_signal skips a process already reaped
 
@@ -74,7 +78,6 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "perf" / "results"
 MODEL = "smollm2-135m-instruct"
 READY_TIMEOUT = 300.0
-CPU_SLO = SLO(2000.0, 150.0, "p90")
 ISL, OSL, VOCAB = 128, 32, 49152
 
 
@@ -173,59 +176,54 @@ async def drive(base: str, offsets: np.ndarray, metrics: str | None) -> tuple[li
     return list(records), timeline
 
 
-def row(
+def _run_arm(
     label: str,
-    records: list[RequestRecord],
-    timeline: list[dict[str, float]],
+    offsets: np.ndarray,
+    profile: Path,
+    slo: list[str],
+    tmp: Path,
     duration: float,
-    fixed: bool,
 ) -> dict[str, Any]:
-    q = CPU_SLO.quantile
-
-    def per_request(r: RequestRecord) -> tuple[float, float]:
-        if not r.success:
-            return math.inf, math.inf
-        return 1000 * r.ttft, 1000 * (sum(r.itl) / len(r.itl) if r.itl else 0.0)
-
-    lat = [per_request(r) for r in records]
-    good = sum(1 for t, i in lat if CPU_SLO.met_by(t, i))
-
-    def phase(a: float, b: float) -> float:
-        span = [x for r, x in zip(records, lat, strict=True) if a <= r.start_time < b]
-        return sum(1 for t, i in span if CPU_SLO.met_by(t, i)) / len(span) if span else 1.0
-
-    def pct(k: int) -> float | None:
-        v = sorted(x[k] for x in lat)
-        got = v[min(len(v) - 1, math.ceil(q * len(v)) - 1)] if v else 0.0
-        return None if math.isinf(got) else got
-
-    if fixed:
-        timeline = [
-            {"t": 0.0, "prefill": 1, "decode": 1, "draining": 0, "actions": 0},
-            {"t": duration, "prefill": 1, "decode": 1, "draining": 0, "actions": 0},
+    """One run of the ramp on a fresh stack: ``autoscale`` or ``fixed 1P1D``."""
+    mport = free_port()
+    extra = (
+        []
+        if label != "autoscale"
+        else [
+            "--autoscale",
+            "--planner-profile",
+            str(profile),
+            *slo,
+            "--max-prefill-workers",
+            "2",
+            "--max-decode-workers",
+            "2",
+            "--autoscale-max-cpus",
+            "4",
+            "--autoscale-interval",
+            "5",
+            "--planner-warmup-seconds",
+            "10",
+            "--planner-metrics-port",
+            str(mport),
         ]
-    # worker-seconds within the ramp: serving and draining workers, each sample held a step
-    ws = 0.0
-    for a, b in zip(timeline, timeline[1:], strict=False):
-        t0, t1 = min(a["t"], duration), min(b["t"], duration)
-        ws += max(0.0, t1 - t0) * (a["prefill"] + a["decode"] + a["draining"])
-    return {
-        "config": label,
-        "requests": len(records),
-        "failed": sum(1 for r in records if not r.success),
-        "attainment": good / len(records) if records else 1.0,
-        "goodput_rps": good / duration,
-        "ttft_ms": pct(0),
-        "itl_ms": pct(1),
-        "worker_seconds": ws,
-        "scaling_actions": int(timeline[-1]["actions"]) if timeline else 0,
-        "max_workers": max(
-            (p["prefill"] + p["decode"] + p["draining"] for p in timeline), default=0
-        ),
-        "by_phase": {name: phase(a * duration, b * duration) for name, a, b in PHASES},
-        "timeline": timeline,
-        "errors": sorted({r.error[:120] for r in records if r.error})[:5],
-    }
+    )
+    log = tmp / f"{label.split()[0]}.log"
+    proc, base = start_stack(extra, log)
+    try:
+        metrics = f"http://127.0.0.1:{mport}" if label == "autoscale" else None
+        records, timeline = asyncio.run(drive(base, offsets, metrics))
+    finally:
+        stop_stack(proc)
+    out = row(label, records, timeline, duration, label != "autoscale")
+    # the planner's lines, with the reasons it prints indented below a move
+    said, keep = [], False
+    for ln in log.read_text(errors="replace").splitlines():
+        keep = "pdserve autoscale:" in ln or (keep and ln.startswith("  "))
+        if keep:
+            said.append(ln)
+    out["planner_log"] = said[-400:]
+    return out
 
 
 def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
@@ -242,49 +240,22 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
     ]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for label in ("autoscale", "fixed 1P1D"):
-            mport = free_port()
-            extra = (
-                []
-                if label != "autoscale"
-                else [
-                    "--autoscale",
-                    "--planner-profile",
-                    str(profile),
-                    *slo,
-                    "--max-prefill-workers",
-                    "2",
-                    "--max-decode-workers",
-                    "2",
-                    "--autoscale-max-cpus",
-                    "4",
-                    "--autoscale-interval",
-                    "5",
-                    "--planner-warmup-seconds",
-                    "10",
-                    "--planner-metrics-port",
-                    str(mport),
-                ]
-            )
-            log = Path(tmp) / f"{label.split()[0]}.log"
-            proc, base = start_stack(extra, log)
-            try:
-                metrics = f"http://127.0.0.1:{mport}" if label == "autoscale" else None
-                records, timeline = asyncio.run(drive(base, offsets, metrics))
-            finally:
-                stop_stack(proc)
-            rows.append(row(label, records, timeline, args.duration, label != "autoscale"))
-            # the planner's lines, with the reasons it prints indented below a move
-            said, keep = [], False
-            for ln in log.read_text(errors="replace").splitlines():
-                keep = "pdserve autoscale:" in ln or (keep and ln.startswith("  "))
-                if keep:
-                    said.append(ln)
-            rows[-1]["planner_log"] = said[-400:]
-            print(
-                f"{label}: {rows[-1]['attainment']:.1%} good, {rows[-1]['failed']} failed",
-                flush=True,
-            )
+        # ABBA: each round swaps the arms' order, so that a host whose speed drifts over minutes
+        # (20-30% on this VM) favours neither arm on the mean of an even number of rounds
+        for round_ in range(args.rounds):
+            order = ("autoscale", "fixed 1P1D")[:: 1 if round_ % 2 == 0 else -1]
+            for label in order:
+                rows.append(_run_arm(label, offsets, profile, slo, Path(tmp), args.duration))
+                rows[-1]["round"] = round_
+                print(
+                    f"round {round_}, {label}: {rows[-1]['attainment']:.1%} good,"
+                    f" {rows[-1]['failed']} failed",
+                    flush=True,
+                )
+    means = {
+        label: statistics.fmean(r["attainment"] for r in rows if r["config"] == label)
+        for label in ("autoscale", "fixed 1P1D")
+    }
     return {
         "setup": {
             "model": MODEL,
@@ -301,6 +272,7 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
         },
         "schedule": [list(p) for p in schedule.points],
         "rows": rows,
+        "mean_attainment": means,
     }
 
 
@@ -310,6 +282,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--low", type=float, default=0.3, help="CPU ramp: requests/s at its ends")
     ap.add_argument("--high", type=float, default=1.0, help="CPU ramp: requests/s at its peak")
     ap.add_argument("--duration", type=float, default=180.0, help="CPU ramp length, seconds")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="CPU ramp: runs of each arm, the order swapped every round (2: ABBA)",
+    )
     ap.add_argument("--profile", default=str(RESULTS / "plan_profile_smollm2_2cpu.json"))
     ap.add_argument("--sim-profile", default="", help="a Profile JSON (default: synthetic)")
     ap.add_argument("--sim-duration", type=float, default=SimSetup.duration_s)
@@ -362,8 +340,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cpu = run_cpu(args)
         print(f"CPU stack ({cpu['setup']['cpus']} CPUs): {CPU_SLO.describe()}")
         print(table(cpu["rows"], "worker"), flush=True)
+        print("mean attainment:", cpu["mean_attainment"], flush=True)
         plot_timeline(
-            cpu["rows"],
+            [r for r in cpu["rows"] if r["round"] == 0],
             cpu["schedule"],
             f"{MODEL}, {cpu['setup']['cpus']} CPUs: {CPU_SLO.describe()}",
             plots / "planner_ramp_cpu.png",
