@@ -29,6 +29,8 @@ def test_plan_quick_profiles_saves_and_advises(tmp_path: Path) -> None:
         "demo",
         "--num-kv-blocks",
         "100",
+        "--max-num-batched-tokens",
+        "1536",
         "--request-rate",
         "2",
         "--isl",
@@ -65,6 +67,8 @@ def test_plan_quick_profiles_saves_and_advises(tmp_path: Path) -> None:
     # 100 blocks of 16 tokens, as --num-kv-blocks 100 sizes a decode worker's pool (the profiling
     # pool held the grid, up to 4 x 256 tokens and more)
     assert profile.kv_capacity_tokens == 1600
+    # the engine's token budget per step: the simulated prefill worker batches prompts up to it
+    assert profile.prefill_batch_tokens == 1536
     # each role ran on its own share of this machine's CPUs, at one torch thread per CPU
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) >= 2:

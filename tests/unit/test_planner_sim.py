@@ -3,6 +3,7 @@ load ramp up and down at an H200 host's scale, then the offline advisor."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -54,6 +55,41 @@ def test_a_lone_request_takes_exactly_the_profiled_times() -> None:
     for r in alone:
         assert r.ttft_ms == pytest.approx(100.0)
         assert r.itl_ms == pytest.approx((99 * 10.0 + 2.0) / 99)
+
+
+def _trace(profile: Profile, arrivals: tuple[float, ...], osl: int = 100) -> list:
+    result = simulate(
+        profile,
+        Workload(0, 1000, osl),
+        RateSchedule.constant(1.0, arrivals[-1] + 1e-6),
+        SLO_,
+        config=SimConfig(arrivals=arrivals),
+    )
+    return sorted(result.requests, key=lambda r: r.index)
+
+
+def test_a_prefill_step_takes_the_waiting_prompts_that_fit_its_token_budget() -> None:
+    """1,000-token prompts at 100 ms each: one arrives, three more while it runs. With a budget
+    of 2,000 tokens a step takes two of them, which get their first token together; with none
+    (0), one at a time."""
+    arrivals = (0.0, 0.05, 0.05, 0.05)
+    one_by_one = _trace(hand_profile(), arrivals)
+    assert [round(r.first_token, 3) for r in one_by_one] == [0.1, 0.2, 0.3, 0.4]
+    batched = _trace(dataclasses.replace(hand_profile(), prefill_batch_tokens=2000), arrivals)
+    assert [round(r.first_token, 3) for r in batched] == [0.1, 0.3, 0.3, 0.4]
+
+
+def test_a_sequence_joins_a_running_batch_a_step_after_its_admission() -> None:
+    """Its KV is pulled during the step after the one that admitted it: a request whose KV is
+    ready while another decodes joins two step boundaries on, one that finds the worker idle
+    at once (its first decode step 10 ms after the 2 ms transfer)."""
+    first, second = _trace(hand_profile(), (0.0, 1.0), osl=1000)
+    assert first.join == pytest.approx(first.first_token + 0.002)
+    ready = second.first_token + 0.002
+    # the first decodes at 10 ms a step from its join: the second is admitted at the boundary
+    # after it is ready, and joins at the one after that
+    boundary = first.join + math.ceil((ready - first.join) / 0.010 - 1e-9) * 0.010
+    assert second.join == pytest.approx(boundary + 0.010, abs=1e-6)
 
 
 def test_kv_capacity_limits_the_batch() -> None:

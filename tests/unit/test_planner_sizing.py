@@ -4,6 +4,7 @@ sizing formulas (sizing.py's docstring has them)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from pathlib import Path
@@ -47,6 +48,11 @@ def test_profile_round_trips_through_json_and_refuses_a_hole(tmp_path: Path) -> 
     p.save(tmp_path / "profile.json")
     assert Profile.load(tmp_path / "profile.json") == p
     assert "illustrative" in p.note
+    batching = dataclasses.replace(p, prefill_batch_tokens=2048)
+    assert Profile.from_dict(batching.to_dict()).prefill_batch_tokens == 2048
+    old = p.to_dict()
+    del old["prefill"]["batch_tokens"]  # a profile from before the field: one prompt a step
+    assert Profile.from_dict(old).prefill_batch_tokens == 0
     with pytest.raises(ValueError, match="lacks"):
         Profile.from_points([(10, 1.0)], [(1, 10, 5.0), (2, 20, 6.0)], kv_capacity_tokens=10)
     with pytest.raises(ValueError, match="version"):

@@ -68,6 +68,8 @@ class Profile:
     decode_itl_ms: tuple[tuple[float, ...], ...]  # [batch index][context index]
     kv_capacity_tokens: int  # one decode worker's KV pool, in tokens
     max_batch: int = 0  # the engine's cap on running sequences; 0 = the largest batch measured
+    # the prefill engine's token budget per step: the prompts one step takes together (0: one)
+    prefill_batch_tokens: int = 0
     model: str = ""
     hardware: str = ""
     note: str = ""
@@ -89,6 +91,8 @@ class Profile:
             raise ValueError("decode ITLs must be positive")
         if self.kv_capacity_tokens <= 0:
             raise ValueError("kv_capacity_tokens must be positive")
+        if self.prefill_batch_tokens < 0:
+            raise ValueError("prefill_batch_tokens must be >= 0")
         if self.max_batch == 0:
             object.__setattr__(self, "max_batch", self.decode_batches[-1])
         if not 1 <= self.max_batch <= self.decode_batches[-1]:
@@ -164,6 +168,7 @@ class Profile:
             "prefill": {
                 "prompt_len": list(self.prefill_lens),
                 "tokens_per_s": list(self.prefill_tokens_per_s),
+                "batch_tokens": self.prefill_batch_tokens,
             },
             "decode": {
                 "batch": list(self.decode_batches),
@@ -187,6 +192,7 @@ class Profile:
             decode_itl_ms=tuple(tuple(float(x) for x in row) for row in dec["itl_ms"]),
             kv_capacity_tokens=int(dec["kv_capacity_tokens"]),
             max_batch=int(dec.get("max_batch", 0)),
+            prefill_batch_tokens=int(pre.get("batch_tokens", 0)),
             model=str(doc.get("model", "")),
             hardware=str(doc.get("hardware", "")),
             note=str(doc.get("note", "")),

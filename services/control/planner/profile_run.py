@@ -255,6 +255,7 @@ def run_profile(
         [(int(b), int(c), float(itl)) for b, c, itl in dec["points"]],
         kv_capacity_tokens=int(dec["kv_capacity_tokens"]),
         max_batch=min(engine.max_num_seqs, max(int(b) for b, _, _ in dec["points"])),
+        prefill_batch_tokens=engine.max_num_batched_tokens,
         model=dec["model"],
         hardware=hardware,
         note=f"pdserve plan, {dec['dtype']}, measured in {seconds:g} s"

@@ -250,9 +250,10 @@ class _Sim:
         elif kind == PREFILL_DONE:
             w = payload
             assert isinstance(w, PrefillWorker)
-            req, due = w.finish(self.now)
-            self.first_token(req)
-            self.push(self.now + self.cfg.kv_transfer_ms / 1000.0, KV_READY, req)
+            done, due = w.finish(self.now)
+            for req in done:
+                self.first_token(req)
+                self.push(self.now + self.cfg.kv_transfer_ms / 1000.0, KV_READY, req)
             if due is not None:
                 self.push(due, PREFILL_DONE, w)
             elif w.state == DRAINING and w.idle():
