@@ -63,3 +63,13 @@ def test_cuda_and_one_row_keep_the_module_path() -> None:
     lin = FewRowsLinear(torch.randn(8, 4), None)
     assert lin(torch.randn(1, 4)) is None
     assert lin(torch.randn(3, 2, 4)) is None
+
+
+def test_a_weight_that_cannot_pack_takes_the_usual_form_where_packing_won() -> None:
+    """The forms are timed on the first engine's float32 weights; a float64 engine in the same
+    process (the HF-oracle tests) met "packed" and failed in MKL's reorder, when packing won the
+    timing on a loaded machine."""
+    few_rows._FORM.update(dict.fromkeys(few_rows.FEW_ROWS, "packed"))
+    lin = layer().double()
+    x = torch.randn(3, 64, dtype=torch.float64)
+    torch.testing.assert_close(lin(x), x @ lin.weight.T + lin.bias)
