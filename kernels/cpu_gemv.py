@@ -1,10 +1,17 @@
-"""Few-row linears over INT8 and bfloat16 weights on an AVX2 CPU: ``kernels/cpu_gemv.cpp``.
+"""Few-row linears over INT8, bfloat16 and float32 weights on an AVX2 CPU: ``kernels/cpu_gemv.cpp``.
 
 A decode step at batch 1-4 is a GEMV per layer, bound by reading the weights. On the AVX2 EPYC
 of issue 42 (one thread, perf/gemv_bench.py) none of torch's kernels read 1- or 2-byte weights
 near the bus: fbgemm's dynamic INT8 linear about half of a plain sum of the same bytes, ATen's
 ``_weight_int8pack_mm`` and an Inductor-compiled dequantizing reduction far less, oneDNN's bf16
 matmul about 40%. The C++ loop widens the weights in registers and streams them once.
+
+Float32 weights are stored column-major for MKL's one-row GEMV (``model_setup.lay_out_for_gemv``),
+but MKL's GEMM of 2-4 rows over that layout read them at 40-60% of its GEMV's speed: a compiled
+SmolLM2 decode step took 40 ms at batch 1, 69 at 2 and 107 at 4. ``f32_linear`` takes 1-4 rows
+through a loop over the column-major layout that reads the weight once for all of them: a pass
+over SmolLM2's linears took 24.1 / 26.3 / 28.6 / 31.3 ms at 1-4 rows, against MKL's 28.5 / 47.1 /
+62.0 / 73.7 and 26.0-26.5 ms for a plain sum of the same bytes (``perf.gemv_bench``, one thread).
 
 Built on first use with torch's extension builder (g++ and ninja) into ``$PDSERVE_EXT_DIR`` (default
 ``~/.cache/pdserve/ext``); an engine that will use it builds it while it loads its model
@@ -92,6 +99,7 @@ def available() -> bool:
 _LIB = torch.library.Library("pdserve", "FRAGMENT")
 _LIB.define("int8_gemv(Tensor x, Tensor qweight, Tensor scale) -> Tensor")
 _LIB.define("bf16_gemv(Tensor x, Tensor weight) -> Tensor")
+_LIB.define("cpu_f32_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 
 
 def _kernel() -> Any:
@@ -168,3 +176,37 @@ def bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     ``F.linear``. Call only where ``available()``."""
     y = torch.ops.pdserve.cpu_bf16_linear(x, weight)
     return y if bias is None else y + bias
+
+
+def f32_rows(rows: int) -> bool:
+    """Whether the float32 kernel takes a matmul of this many rows: 1 to MAX_ROWS (more are a
+    GEMM that amortises)."""
+    return 1 <= rows <= MAX_ROWS
+
+
+def f32_linear_now(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``F.linear`` of a column-major float32 ``weight`` [N, K] over 2-MAX_ROWS rows of a 2-D
+    float32 ``x``, through the kernel, called directly (eager: no dispatcher hop)."""
+    y = _kernel().f32_colmajor_gemv(x.contiguous(), weight)
+    return y if bias is None else y + bias
+
+
+def _cpu_f32_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    if f32_rows(x.shape[0]):
+        return f32_linear_now(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+_LIB.impl("cpu_f32_linear", _cpu_f32_linear, "CPU")
+
+
+@torch.library.register_fake("pdserve::cpu_f32_linear")
+def _cpu_f32_linear_fake(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def f32_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``f32_linear_now`` as one opaque op, for a compiled step whose row count is known only at
+    run time (a dynamic batch): the kernel for 2-MAX_ROWS rows, ``F.linear`` otherwise, each
+    with the bias as the eager path adds it. Call only where ``available()``."""
+    return torch.ops.pdserve.cpu_f32_linear(x, weight, bias)

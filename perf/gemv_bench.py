@@ -14,7 +14,9 @@ rows, one thread. Each candidate computes y = x @ W.T for float32 x [B, K]:
 - ``bf16 F.linear``: oneDNN's bf16 matmul (x cast to bf16);
 - ``bf16 inductor``: the same reduction over a bf16 weight;
 - ``int8 avx2 kernel`` / ``bf16 avx2 kernel``: ``kernels/cpu_gemv.cpp`` (weight-only, the
-  weights widened to float32 in registers, up to 4 rows per pass over the weight).
+  weights widened to float32 in registers, up to 4 rows per pass over the weight);
+- ``fp32 avx2 kernel (col-major)``: the same file's loop over the column-major float32 layout
+  (blocks of 8 weight rows, 16 columns at a time; what the engine runs at 2-4 rows).
 
 Weights are cold: each candidate cycles through enough copies of its weight to pass 3x the L3,
 as a decode step that streams 30 layers does. GB/s counts the weight bytes (int8: 1, bf16: 2,
@@ -112,7 +114,15 @@ def variants(w: torch.Tensor, batch: int) -> dict[str, tuple[int, Callable[[obje
         wb = w.to(torch.bfloat16)
         return lambda x: cpu_gemv.bf16_gemv(x, wb)
 
-    kernels = {"int8 avx2 kernel": (1, int8_kernel), "bf16 avx2 kernel": (2, bf16_kernel)}
+    def fp32_kernel(_: object) -> Callable:
+        wc = w.t().contiguous().t()
+        return lambda x: cpu_gemv.f32_linear_now(x, wc, None)
+
+    kernels = {
+        "int8 avx2 kernel": (1, int8_kernel),
+        "bf16 avx2 kernel": (2, bf16_kernel),
+        "fp32 avx2 kernel (col-major)": (4, fp32_kernel),
+    }
     return {
         **(kernels if cpu_gemv.available() else {}),
         "fp32 F.linear (col-major)": (4, fp32),

@@ -21,6 +21,10 @@ found it: the real stack's TTFT and ITL means 1.3-2x the simulator's from these 
 packed copy doubles the weights' memory, so it is made only where packing won; the LM head's is
 made at start too (``prepare``), as packing 113 MB costs a step ~0.2 s.
 
+Column-major float32 weights (the CPU layout, ``model_setup.lay_out_for_gemv``) never get here at
+1-4 rows: ``kernels/cpu_gemv.py`` reads them once for all the rows, eagerly and in the compiled
+decode step (``Linear.forward``). These forms serve 5-7 rows, and other layouts and dtypes.
+
 Packing is offered up to 5 rows, a batch-1 verification of up to 4 drafts. At 6-8 rows it wins
 too (8 rows: 1.4x one row against 2.4x), which makes plain decoding of a batch of 8 about twice
 as fast, but the verification steps of such a batch (9-40 rows) cannot use it, and adaptive K,

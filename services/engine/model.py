@@ -73,12 +73,20 @@ class Linear(nn.Linear):
     _few_rows: FewRowsLinear | None = None  # made at the first call, after loading
     # a bfloat16 CPU weight read by kernels/cpu_gemv.py at few rows (model_setup.use_cpu_gemv)
     _bf16_gemv: bool = False
+    # a column-major float32 CPU weight read by kernels/cpu_gemv.py at 1-4 rows (same setup)
+    _f32_colmajor: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._bf16_gemv:
             return cpu_gemv.bf16_linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():  # a compiled step: the form is fixed at trace time
+            if self._f32_colmajor and x.dim() == 2:
+                # one opaque op: the graph of batches 2 and up knows its row count only at run
+                # time, and the op picks the kernel (1-4 rows) or F.linear then
+                return cpu_gemv.f32_linear(x, self.weight, self.bias)
             return super().forward(x)
+        if self._f32_colmajor and x.dim() == 2 and cpu_gemv.f32_rows(x.shape[0]):
+            return cpu_gemv.f32_linear_now(x, self.weight, self.bias)
         if self._few_rows is None or not self._few_rows.serves(self.weight):
             self._few_rows = FewRowsLinear(self.weight, self.bias)
         out = self._few_rows(x)

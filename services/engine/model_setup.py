@@ -71,8 +71,8 @@ def lay_out_for_gemv(model: nn.Module, device: torch.device) -> None:
 
 
 def use_cpu_gemv(model: nn.Module, device: torch.device) -> None:
-    """Route few-row (decode) matmuls over 1- and 2-byte CPU weights to ``kernels/cpu_gemv``:
-    bfloat16 linears here, INT8 ones in ``CpuInt8Linear`` itself. Builds the kernel now, while
+    """Route few-row (decode) matmuls over CPU weights to ``kernels/cpu_gemv``: bfloat16 and
+    column-major float32 linears here, INT8 ones in ``CpuInt8Linear`` itself. Builds the kernel now, while
     the model loads, so no step waits for the compiler; where it cannot build, nothing changes.
     On the AVX2 CPU of issue 42 (one thread) oneDNN's bf16 matmul read its weights at ~40% of a
     plain sum of the same bytes, the kernel at ~65% (perf/README.md)."""
@@ -81,9 +81,19 @@ def use_cpu_gemv(model: nn.Module, device: torch.device) -> None:
     modules = list(model.modules())
     bf16 = [m for m in modules if isinstance(m, Linear) and m.weight.dtype == torch.bfloat16]
     int8 = any(isinstance(m, CpuInt8Linear) for m in modules)
-    if (bf16 or int8) and cpu_gemv.available():  # the kernel reads row-major weights
-        for module in bf16:
+    # float32 weights laid out column-major (lay_out_for_gemv): 1-4 rows through the kernel
+    f32 = [
+        m
+        for m in modules
+        if isinstance(m, Linear)
+        and m.weight.dtype == torch.float32
+        and m.weight.t().is_contiguous()
+    ]
+    if (bf16 or int8 or f32) and cpu_gemv.available():
+        for module in bf16:  # the bf16 kernel reads row-major weights
             module._bf16_gemv = module.weight.is_contiguous()
+        for module in f32:
+            module._f32_colmajor = True
 
 
 def choose_few_row_forms(model: LlamaForCausalLM, device: torch.device) -> None:

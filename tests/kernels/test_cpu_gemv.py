@@ -80,3 +80,51 @@ def test_ops_in_a_compiled_graph_serve_every_row_count_without_recompiling() -> 
         x = torch.randn(rows, 64, generator=gen)
         torch.testing.assert_close(compiled(x), step(x), rtol=0, atol=0)
     assert counter.frame_count == 1
+
+
+def _column_major(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """A float32 weight [N, K] laid out as model_setup.lay_out_for_gemv lays it: its transpose
+    contiguous."""
+    return torch.randn(n, k, generator=gen).t().contiguous().t()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize(("n", "k"), [(96, 576), (101, 37), (576, 1536)])
+def test_f32_colmajor_gemv_matches_a_float64_product(rows: int, n: int, k: int) -> None:
+    """Widths with a tail of columns (101) and of weight rows (37), and row groups past 4."""
+    gen = torch.Generator().manual_seed(rows * n + k)
+    w = _column_major(n, k, gen)
+    x = torch.randn(rows, k, generator=gen)
+    got = cpu_gemv.f32_linear_now(x, w, None)
+    assert _rel(got, x.double() @ w.double().T) < 1e-6
+    for r in range(rows):  # a row's sums run in one order whatever rows are beside it
+        alone = cpu_gemv.f32_linear_now(x[r : r + 1].contiguous(), w, None)
+        torch.testing.assert_close(alone[0], got[r], rtol=0, atol=0)
+
+
+def test_column_major_float32_linears_take_the_kernel_for_1_to_4_rows() -> None:
+    """In a model (model_setup.use_cpu_gemv), eagerly and inside a compiled graph of a dynamic
+    batch: the kernel's own result for 1-4 rows, ``F.linear``'s otherwise, and no recompile."""
+    from pdserve.services.engine.model import Linear
+    from pdserve.services.engine.model_setup import lay_out_for_gemv, use_cpu_gemv
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Linear(64, 80, bias=True)).requires_grad_(False)
+    lay_out_for_gemv(model, torch.device("cpu"))
+    use_cpu_gemv(model, torch.device("cpu"))
+    layer = model[0]
+    assert layer._f32_colmajor
+    kernel = lambda x: cpu_gemv.f32_linear_now(x, layer.weight, layer.bias)  # noqa: E731
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(layer, backend=counter, fullgraph=True, dynamic=True)
+    # one row last: Dynamo specialises a size of 1, as the engine's batch-1 graph is its own
+    for rows in (2, 3, 4, 5, 9, 1):
+        x = torch.randn(rows, 64)
+        eager = layer(x)
+        if cpu_gemv.f32_rows(rows):
+            assert torch.equal(eager, kernel(x))
+        else:
+            assert torch.equal(eager, F.linear(x, layer.weight, layer.bias))
+        assert torch.equal(compiled(x), eager)
+        assert counter.frame_count == (1 if rows > 1 else 2)
