@@ -153,11 +153,13 @@ void int8_group(const int8_t* x, const float* xs, const int8_t* w, const float* 
   }
 }
 
-void check(const torch::Tensor& x, const torch::Tensor& w) {
+// x a contiguous float32 [B, K] and w a [N, K] weight on the CPU, row- or column-major
+void check(const torch::Tensor& x, const torch::Tensor& w, bool column_major = false) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x: contiguous float32 [B, K]");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
-              "w: contiguous [N, K]");
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == x.size(1), "w: [N, K]");
+  TORCH_CHECK(column_major ? w.t().is_contiguous() : w.is_contiguous(),
+              column_major ? "w: column-major" : "w: contiguous");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "CPU tensors");
 }
 
@@ -259,12 +261,8 @@ torch::Tensor bf16_gemv(torch::Tensor x, torch::Tensor weight) {
 
 // y = x @ weight.T, float32 weight [N, K] stored column-major (weight.t() contiguous)
 torch::Tensor f32_colmajor_gemv(torch::Tensor x, torch::Tensor weight) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "x: contiguous float32 [B, K]");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat &&
-                  weight.t().is_contiguous() && weight.size(1) == x.size(1),
-              "weight: float32 [N, K], column-major");
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "CPU tensors");
+  check(x, weight, /*column_major=*/true);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat, "weight: float32");
   const int64_t b = x.size(0), k = x.size(1), n = weight.size(0);
   auto y = torch::empty({b, n}, x.options());
   const float* xp = x.data_ptr<float>();

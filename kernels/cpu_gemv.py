@@ -185,7 +185,7 @@ def f32_rows(rows: int) -> bool:
 
 
 def f32_linear_now(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``F.linear`` of a column-major float32 ``weight`` [N, K] over 2-MAX_ROWS rows of a 2-D
+    """``F.linear`` of a column-major float32 ``weight`` [N, K] over 1-MAX_ROWS rows of a 2-D
     float32 ``x``, through the kernel, called directly (eager: no dispatcher hop)."""
     y = _kernel().f32_colmajor_gemv(x.contiguous(), weight)
     return y if bias is None else y + bias
@@ -207,6 +207,6 @@ def _cpu_f32_linear_fake(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tens
 
 def f32_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``f32_linear_now`` as one opaque op, for a compiled step whose row count is known only at
-    run time (a dynamic batch): the kernel for 2-MAX_ROWS rows, ``F.linear`` otherwise, each
+    run time (a dynamic batch): the kernel for 1-MAX_ROWS rows, ``F.linear`` otherwise, each
     with the bias as the eager path adds it. Call only where ``available()``."""
     return torch.ops.pdserve.cpu_f32_linear(x, weight, bias)

@@ -72,8 +72,9 @@ def lay_out_for_gemv(model: nn.Module, device: torch.device) -> None:
 
 def use_cpu_gemv(model: nn.Module, device: torch.device) -> None:
     """Route few-row (decode) matmuls over CPU weights to ``kernels/cpu_gemv``: bfloat16 and
-    column-major float32 linears here, INT8 ones in ``CpuInt8Linear`` itself. Builds the kernel now, while
-    the model loads, so no step waits for the compiler; where it cannot build, nothing changes.
+    column-major float32 linears here, INT8 ones in ``CpuInt8Linear`` itself. Builds the kernel
+    now, while the model loads, so no step waits for the compiler; where it cannot build,
+    nothing changes.
     On the AVX2 CPU of issue 42 (one thread) oneDNN's bf16 matmul read its weights at ~40% of a
     plain sum of the same bytes, the kernel at ~65% (perf/README.md)."""
     if device.type != "cpu":

@@ -122,7 +122,6 @@ class PrefillWorker(Worker):
         self.profile = profile
         self.queue: deque[SimRequest] = deque()  # waiting for the next step
         self.batch: list[SimRequest] = []  # the step in progress: its prompts finish together
-        self.busy_until = 0.0
         self.backlog_tokens = 0  # queued + in progress: the router's cost
 
     def idle(self) -> bool:
@@ -152,9 +151,7 @@ class PrefillWorker(Worker):
         while self.queue and (not self.batch or tokens + self.queue[0].isl <= budget):
             tokens += self.queue[0].isl
             self.batch.append(self.queue.popleft())
-        seconds = sum(self.profile.prefill_seconds(req.isl) for req in self.batch)
-        self.busy_until = now + seconds
-        return self.busy_until
+        return now + sum(self.profile.prefill_seconds(req.isl) for req in self.batch)
 
 
 class DecodeWorker(Worker):
