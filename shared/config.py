@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from pdserve.shared.errors import StartupError
+from pdserve.shared.execution_options import ExecutionOptions
 from pdserve.shared.gateway_edge_options import GatewayEdgeOptions, check_edge
 from pdserve.shared.lora_options import LoraOptions
 from pdserve.shared.options import opt
@@ -41,7 +42,7 @@ class BusConfig:
 
 
 @dataclass
-class EngineConfig(SchedulingOptions, LoraOptions):
+class EngineConfig(SchedulingOptions, LoraOptions, ExecutionOptions):
     model: str | None = opt(
         "smollm2-135m-instruct",
         "a built-in model (smollm2-135m-instruct; demo = random weights for tests), a .gguf file "
@@ -91,14 +92,6 @@ class EngineConfig(SchedulingOptions, LoraOptions):
         True, "reuse cached KV blocks of shared prompt prefixes (--no-prefix-cache turns it off)"
     )
     seed: int = opt(0, "seed for weights of the demo model and for unseeded sampling")
-    torch_threads: int = opt(
-        0, "torch CPU threads of a worker; 0 = one per CPU the process may run on (its affinity)"
-    )
-    enforce_eager: bool = opt(
-        False,
-        "run every step eagerly: no compiled decode graphs (on a CPU, decode steps are "
-        "otherwise compiled with Inductor at start, one graph per batch-size bucket)",
-    )
     tp_lm_head: str = opt(
         "vocab",
         "the LM head at TP > 1: vocab = each rank computes its slice of the vocabulary and rank 0 "

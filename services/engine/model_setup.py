@@ -11,6 +11,7 @@ from torch import nn
 
 from pdserve.kernels import cpu_gemv
 from pdserve.services.engine import few_rows
+from pdserve.services.engine.huge_pages import move_to_huge_pages
 from pdserve.services.engine.loader import load_model
 from pdserve.services.engine.model import Linear, LlamaForCausalLM
 from pdserve.services.engine.model_config import ModelConfig
@@ -131,6 +132,8 @@ def build_rank_model(
     torch.manual_seed(config.seed)
     model = load_model(model_dir, cfg, device, dtype, config.quantization, shard=shard)
     lay_out_for_gemv(model, device)
+    if config.huge_pages and device.type == "cpu":
+        move_to_huge_pages(model)
     use_cpu_gemv(model, device)
     choose_few_row_forms(model, device)
     spec = cache_spec(config, cfg, dtype, shard)

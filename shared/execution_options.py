@@ -1,0 +1,25 @@
+"""How an engine runs its model on a CPU: its threads, compiled or eager steps, and the pages
+its weights live in. A mixin of ``EngineConfig``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.shared.options import opt
+
+
+@dataclass
+class ExecutionOptions:
+    torch_threads: int = opt(
+        0, "torch CPU threads of a worker; 0 = one per CPU the process may run on (its affinity)"
+    )
+    enforce_eager: bool = opt(
+        False,
+        "run every step eagerly: no compiled decode graphs (on a CPU, decode steps are "
+        "otherwise compiled with Inductor at start, one graph per batch-size bucket)",
+    )
+    huge_pages: bool = opt(
+        True,
+        "keep CPU weights in transparent huge pages (madvise): a decode step streams them with "
+        "fewer TLB misses (no effect where THP is off)",
+    )

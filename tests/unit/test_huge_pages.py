@@ -1,0 +1,63 @@
+"""Weights moved into a huge-page region keep their values, layouts and sharing."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdserve.services.engine.huge_pages import ALIGN, HUGE_PAGE, huge_region, move_to_huge_pages
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.head = nn.Linear(32, 64, bias=False)
+        self.head.weight = self.embed.weight  # tied, as SmolLM2's LM head
+        self.proj = nn.Linear(32, 48)
+        # column-major, as model_setup.lay_out_for_gemv stores float32 linears on a CPU
+        self.proj.weight.data = self.proj.weight.data.t().contiguous().t()
+        self.register_buffer("table", torch.arange(40.0).view(8, 5)[:, 1:])  # a strided view
+        self.small = nn.Parameter(torch.ones(3))
+
+
+def test_a_region_is_aligned_to_a_huge_page() -> None:
+    storage, start = huge_region(3 * 4096)
+    assert (storage.data_ptr() + start) % HUGE_PAGE == 0
+    assert storage.nbytes() >= start + 3 * 4096
+
+
+def test_moved_tensors_keep_values_strides_and_sharing() -> None:
+    torch.manual_seed(0)
+    model = _Tied()
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    strides = {name: t.stride() for name, t in model.state_dict().items()}
+    small_ptr = model.small.data_ptr()
+    large = (model.embed.weight, model.proj.weight, model.proj.bias, model.table)
+    old_offsets = [t.storage_offset() for t in large]
+    old_bytes = sum(t.untyped_storage().nbytes() for t in large)
+
+    moved = move_to_huge_pages(model, min_bytes=128)
+
+    state = model.state_dict()
+    for name, t in state.items():
+        torch.testing.assert_close(t, before[name], rtol=0, atol=0)
+        assert t.stride() == strides[name], name
+    assert model.head.weight is model.embed.weight
+    assert model.proj.weight.t().is_contiguous()
+    region = model.embed.weight.untyped_storage().data_ptr()
+    for t, old_offset in zip(large, old_offsets, strict=True):
+        assert t.untyped_storage().data_ptr() == region  # one region for every large storage
+        assert (t.data_ptr() - old_offset * t.element_size()) % ALIGN == 0  # its old storage's
+    assert model.small.data_ptr() == small_ptr  # under min_bytes: left where it was
+    assert old_bytes <= moved < old_bytes + len(large) * ALIGN
+    # the module still computes what it did
+    x = torch.randn(2, 32)
+    torch.testing.assert_close(model.proj(x), x @ before["proj.weight"].T + before["proj.bias"])
+
+
+def test_a_model_with_nothing_large_is_left_alone() -> None:
+    model = nn.Linear(4, 4)
+    ptr = model.weight.data_ptr()
+    assert move_to_huge_pages(model) == 0
+    assert model.weight.data_ptr() == ptr
