@@ -17,6 +17,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -166,21 +168,31 @@ void check(const torch::Tensor& x, const torch::Tensor& w, bool column_major = f
 // y[r, n0:n1] for r < R: R rows of x against a float32 weight stored column-major, wt its
 // transpose [K, N] contiguous (model_setup.lay_out_for_gemv's layout, where MKL's one-row GEMV
 // reads at the bus's speed but its GEMM of 2-4 rows at 40-60% of it). The weight streams in
-// blocks of kBlockK rows: within a block, 16 columns at a time read one 64-byte line from each
-// row, so the next 16 columns continue kBlockK sequential streams the prefetcher follows; the
-// R x 16 partial sums stay in registers across a block and in y (L1) across blocks. A row's sums
-// run in the same order whatever R is, so 3 rows padded to 4 give the same 3 results. Blocks of
-// 8 rows measured best (SmolLM2's projections, 30 layers, one thread: 2-4 rows at 1.0-1.15x one
-// row; 4 rows took 31 ms in blocks of 4, 24-26 ms in blocks of 8, 48 ms in blocks of 32).
+// blocks of `block` rows: within a block, 16 columns at a time read one 64-byte line from each
+// row, and the R x 16 partial sums stay in registers across a block and in y across blocks.
+// - One row over a narrow weight (R x N sums within kSequentialBytes, in L1): blocks of one
+//   row, so the weight streams front to back as one sequence, as a plain sum reads it. On issue
+//   42's second CPU (Zen 4, weights in 2 MiB pages, one thread) SmolLM2's decoder linears took
+//   17.1 ms so against 24.7 ms in blocks of 8 (a plain sum: 15.3).
+// - Otherwise blocks of kBlockK rows: the next 16 columns continue kBlockK streams the
+//   prefetcher follows, and y is read and written once per block, not once per weight row (a
+//   113 MB LM head's 49152 sums are 192 KiB). On the first CPU (AVX2, one thread) 4 rows took
+//   31 ms in blocks of 4, 24-26 ms in blocks of 8, 48 ms in blocks of 32.
+// A row's sums run in the same order whatever R is, so 3 rows padded to 4 give the same 3 results.
 constexpr int64_t kBlockK = 8;
+constexpr int64_t kSequentialBytes = 16 * 1024;
+
+int64_t block_rows(int64_t rows, int64_t n) {
+  return rows == 1 && n * int64_t(sizeof(float)) <= kSequentialBytes ? 1 : kBlockK;
+}
 
 template <int R>
 void colmajor_rows(const float* x, const float* wt, float* y, int64_t k, int64_t n,
-                   int64_t n0, int64_t n1) {
+                   int64_t block, int64_t n0, int64_t n1) {
   const int64_t n16 = n0 + (n1 - n0) / 16 * 16;
   for (int r = 0; r < R; ++r) std::fill(y + r * n + n0, y + r * n + n1, 0.0f);
-  for (int64_t k0 = 0; k0 < k; k0 += kBlockK) {
-    const int64_t k1 = std::min(k, k0 + kBlockK);
+  for (int64_t k0 = 0; k0 < k; k0 += block) {
+    const int64_t k1 = std::min(k, k0 + block);
     for (int64_t j = n0; j < n16; j += 16) {
       __m256 lo[R], hi[R];
       for (int r = 0; r < R; ++r) {
@@ -204,7 +216,8 @@ void colmajor_rows(const float* x, const float* wt, float* y, int64_t k, int64_t
     for (int64_t j = n16; j < n1; ++j) {
       for (int r = 0; r < R; ++r) {
         float sum = y[r * n + j];
-        for (int64_t i = k0; i < k1; ++i) sum += x[r * k + i] * wt[i * n + j];
+        // fused, as the vector columns: the same sums whatever the block and row count
+        for (int64_t i = k0; i < k1; ++i) sum = std::fma(x[r * k + i], wt[i * n + j], sum);
         y[r * n + j] = sum;
       }
     }
@@ -212,12 +225,12 @@ void colmajor_rows(const float* x, const float* wt, float* y, int64_t k, int64_t
 }
 
 void colmajor_group(const float* x, const float* wt, float* y, int64_t rows, int64_t k, int64_t n,
-                    int64_t n0, int64_t n1) {
+                    int64_t block, int64_t n0, int64_t n1) {
   switch (rows) {
-    case 1: return colmajor_rows<1>(x, wt, y, k, n, n0, n1);
-    case 2: return colmajor_rows<2>(x, wt, y, k, n, n0, n1);
-    case 3: return colmajor_rows<3>(x, wt, y, k, n, n0, n1);
-    default: return colmajor_rows<4>(x, wt, y, k, n, n0, n1);
+    case 1: return colmajor_rows<1>(x, wt, y, k, n, block, n0, n1);
+    case 2: return colmajor_rows<2>(x, wt, y, k, n, block, n0, n1);
+    case 3: return colmajor_rows<3>(x, wt, y, k, n, block, n0, n1);
+    default: return colmajor_rows<4>(x, wt, y, k, n, block, n0, n1);
   }
 }
 
@@ -259,8 +272,9 @@ torch::Tensor bf16_gemv(torch::Tensor x, torch::Tensor weight) {
   return gemv<at::BFloat16>(x, weight, nullptr);
 }
 
-// y = x @ weight.T, float32 weight [N, K] stored column-major (weight.t() contiguous)
-torch::Tensor f32_colmajor_gemv(torch::Tensor x, torch::Tensor weight) {
+// y = x @ weight.T, float32 weight [N, K] stored column-major (weight.t() contiguous); block:
+// weight rows per block, 0 = block_rows' choice (another value is for perf/gemv_bench)
+torch::Tensor f32_colmajor_gemv(torch::Tensor x, torch::Tensor weight, int64_t block) {
   check(x, weight, /*column_major=*/true);
   TORCH_CHECK(weight.scalar_type() == at::kFloat, "weight: float32");
   const int64_t b = x.size(0), k = x.size(1), n = weight.size(0);
@@ -268,17 +282,87 @@ torch::Tensor f32_colmajor_gemv(torch::Tensor x, torch::Tensor weight) {
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const int64_t rows_per_block = block > 0 ? block : block_rows(std::min(b, kMaxRows), n);
   // 256 columns a task: a task's blocks are 8 KiB of the weight, its R x 256 sums 4 KiB
   at::parallel_for(0, n, 256, [&](int64_t n0, int64_t n1) {
     for (int64_t r = 0; r < b; r += kMaxRows) {
-      colmajor_group(xp + r * k, wp, yp + r * n, std::min(kMaxRows, b - r), k, n, n0, n1);
+      colmajor_group(xp + r * k, wp, yp + r * n, std::min(kMaxRows, b - r), k, n, rows_per_block,
+                     n0, n1);
     }
   });
   return y;
 }
 
+// The CPU kernels of the ops that cpu_gemv.py and graph_ops.py define, registered here so that
+// a call (from a compiled decode step's wrapper, about 150 a SmolLM2 step) goes from the
+// dispatcher straight to C++: through the Python impls each call cost 10-40 us more (the op's
+// Python callback, then a few ATen calls for the KV store). The Python impls stay registered
+// for every backend (CompositeExplicitAutograd): they serve where this file did not build.
+
+torch::Tensor cpu_f32_linear(const torch::Tensor& x, const torch::Tensor& weight,
+                             const std::optional<torch::Tensor>& bias) {
+  if (x.dim() != 2 || x.size(0) < 1 || x.size(0) > kMaxRows) {
+    return at::linear(x, weight, bias);  // a GEMM amortises; as F.linear
+  }
+  auto y = f32_colmajor_gemv(x.contiguous(), weight, 0);
+  return bias.has_value() ? y.add_(*bias) : y;
+}
+
+torch::Tensor cpu_bf16_linear(const torch::Tensor& x, const torch::Tensor& weight) {
+  const auto x2 = x.reshape({-1, weight.size(1)});
+  torch::Tensor y = x2.size(0) <= kMaxRows
+                        ? bf16_gemv(x2.to(at::kFloat).contiguous(), weight).to(x.scalar_type())
+                        : at::linear(x2, weight);
+  auto shape = x.sizes().vec();
+  shape.back() = weight.size(0);
+  return y.reshape(shape);
+}
+
+torch::Tensor int8_gemv_op(const torch::Tensor& x, const torch::Tensor& qweight,
+                           const torch::Tensor& scale) {
+  return int8_gemv(x.contiguous(), qweight, scale);
+}
+
+torch::Tensor bf16_gemv_op(const torch::Tensor& x, const torch::Tensor& weight) {
+  return bf16_gemv(x.contiguous(), weight);
+}
+
+// key/value [T, Hk, D] into one layer's block-major pages [blocks, 2, block_size, Hk, D] at
+// rows [2, T] of the pages seen as rows of Hk * D values (graph_ops.kv_rows): a copy per row
+void store_kv_rows(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor pages,
+                   const torch::Tensor& rows) {
+  TORCH_CHECK(pages.dim() == 5 && pages.device().is_cpu(), "pages: [blocks, 2, bs, Hk, D]");
+  const int64_t block_size = pages.size(2), width = pages.size(3) * pages.size(4);
+  const int64_t limit = (pages.size(0) - 1) * (pages.stride(0) / width) + 2 * block_size;
+  const auto k = key.reshape({-1, width}).to(pages.scalar_type()).contiguous();
+  const auto v = value.reshape({-1, width}).to(pages.scalar_type()).contiguous();
+  const auto at_rows = rows.to(at::kLong).contiguous();
+  const int64_t tokens = k.size(0);
+  TORCH_CHECK(v.size(0) == tokens && at_rows.numel() == 2 * tokens, "rows: [2, T]");
+  const int64_t* r = at_rows.data_ptr<int64_t>();
+  const int64_t row_bytes = width * pages.element_size();
+  char* base = static_cast<char*>(pages.data_ptr());
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(0 <= r[t] && r[t] < limit && 0 <= r[tokens + t] && r[tokens + t] < limit,
+                "a KV row outside the pages");
+    std::memcpy(base + r[t] * row_bytes, static_cast<const char*>(k.data_ptr()) + t * row_bytes,
+                row_bytes);
+    std::memcpy(base + r[tokens + t] * row_bytes,
+                static_cast<const char*>(v.data_ptr()) + t * row_bytes, row_bytes);
+  }
+}
+
+TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
+  m.impl("cpu_f32_linear", &cpu_f32_linear);
+  m.impl("cpu_bf16_linear", &cpu_bf16_linear);
+  m.impl("int8_gemv", &int8_gemv_op);
+  m.impl("bf16_gemv", &bf16_gemv_op);
+  m.impl("store_kv_rows", &store_kv_rows);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemv", &int8_gemv);
   m.def("bf16_gemv", &bf16_gemv);
-  m.def("f32_colmajor_gemv", &f32_colmajor_gemv);
+  m.def("f32_colmajor_gemv", &f32_colmajor_gemv, py::arg("x"), py::arg("weight"),
+        py::arg("block") = 0);
 }

@@ -65,6 +65,9 @@ def _module() -> object | None:
         return None
     from torch.utils import cpp_extension
 
+    # the extension registers the CPU kernels of ops defined in Python: define them all first
+    from pdserve.kernels import graph_ops  # noqa: F401
+
     _put_ninja_on_path()
     try:
         return cpp_extension.load(
@@ -117,8 +120,8 @@ def _bf16_gemv(x: Tensor, weight: Tensor) -> Tensor:
     return _kernel().bf16_gemv(x.contiguous(), weight)
 
 
-_LIB.impl("int8_gemv", _int8_gemv, "CPU")
-_LIB.impl("bf16_gemv", _bf16_gemv, "CPU")
+_LIB.impl("int8_gemv", _int8_gemv, "CompositeExplicitAutograd")
+_LIB.impl("bf16_gemv", _bf16_gemv, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("pdserve::int8_gemv")
@@ -162,7 +165,7 @@ def _cpu_bf16_linear(x: Tensor, weight: Tensor) -> Tensor:
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-_LIB.impl("cpu_bf16_linear", _cpu_bf16_linear, "CPU")
+_LIB.impl("cpu_bf16_linear", _cpu_bf16_linear, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("pdserve::cpu_bf16_linear")
@@ -197,7 +200,7 @@ def _cpu_f32_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return torch.nn.functional.linear(x, weight, bias)
 
 
-_LIB.impl("cpu_f32_linear", _cpu_f32_linear, "CPU")
+_LIB.impl("cpu_f32_linear", _cpu_f32_linear, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("pdserve::cpu_f32_linear")

@@ -52,7 +52,7 @@ def _store_kv_rows(key: Tensor, value: Tensor, pages: Tensor, rows: Tensor) -> N
     view.index_copy_(0, rows.reshape(-1), source)
 
 
-_LIB.impl("store_kv_rows", _store_kv_rows, "CPU")
+_LIB.impl("store_kv_rows", _store_kv_rows, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("pdserve::store_kv_rows")
