@@ -13,6 +13,8 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include "cpu_gemv.h"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -365,4 +367,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_gemv", &bf16_gemv);
   m.def("f32_colmajor_gemv", &f32_colmajor_gemv, py::arg("x"), py::arg("weight"),
         py::arg("block") = 0);
+  bind_cpu_decoder(m);
 }

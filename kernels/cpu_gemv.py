@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 # the widest row group the kernel keeps in registers: above it, the callers' GEMM paths win
 MAX_ROWS = 4
 
-_SOURCE = Path(__file__).resolve().with_name("cpu_gemv.cpp")
+_SOURCES = [Path(__file__).resolve().with_name(n) for n in ("cpu_gemv.cpp", "cpu_decode.cpp")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c"]
 
 
@@ -72,7 +72,7 @@ def _module() -> object | None:
     try:
         return cpp_extension.load(
             name="pdserve_cpu_gemv",
-            sources=[str(_SOURCE)],
+            sources=[str(p) for p in _SOURCES],
             extra_cflags=_FLAGS,
             build_directory=str(_build_dir()),
             verbose=False,

@@ -23,3 +23,8 @@ class ExecutionOptions:
         "keep CPU weights in transparent huge pages (madvise): a decode step streams them with "
         "fewer TLB misses (no effect where THP is off)",
     )
+    cpu_fused_decode: bool = opt(
+        True,
+        "a CPU decode step of 1-4 rows runs every layer in one C++ call (kernels/cpu_decode.cpp) "
+        "where the weights are float32 or INT8; otherwise compiled graphs serve it too",
+    )

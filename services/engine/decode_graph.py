@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from pdserve.kernels import graph_ops
+from pdserve.services.engine import cpu_decoder
 from pdserve.services.engine.model import DecoderLayer, GraphDecodeMetadata, LlamaForCausalLM
 from pdserve.services.engine.outputs import StepInputs
 from pdserve.shared.config import EngineConfig
@@ -83,6 +84,8 @@ def build(
         return None
     lora = bool(config.lora_modules) or config.enable_lora
     graphs = DecodeGraphs(model, config.block_size, config.max_num_seqs, lora)
+    if config.cpu_fused_decode and not lora:
+        graphs.fused = cpu_decoder.build(model)
     graphs.compile()
     return graphs
 
@@ -157,6 +160,9 @@ class DecodeGraphs:
         )
         # LoRA adapters are served: every step passes each row's slot (``_lora_slots``)
         self.lora = lora
+        # the C++ decoder that runs steps of up to cpu_decoder.MAX_ROWS rows (cpu_decoder.py)
+        self.fused: object | None = None
+        self.fused_steps = 0  # of ``steps``, those the C++ decoder ran
         self.compiled_at_start = 0  # compilations made by compile(), before any request
         self.steps = 0  # steps run through the graphs (the start's dummy ones included)
         self.verify_steps = 0  # of them, steps with speculative verification rows
@@ -182,6 +188,9 @@ class DecodeGraphs:
             and self.model.layer_hook is None
         )
 
+    def _runs_fused(self, rows: int) -> bool:
+        return self.fused is not None and rows <= cpu_decoder.MAX_ROWS
+
     def bucket(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
 
@@ -191,7 +200,10 @@ class DecodeGraphs:
         returns the seconds it took."""
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
         start = time.perf_counter()
-        for rows in sorted({1, self.buckets[-1]}):  # the batch-1 graph, the dynamic one
+        # the smallest graph, then the dynamic one for every larger bucket (a second shape
+        # makes Dynamo's sizes dynamic); buckets the C++ decoder runs need no graph
+        graph_buckets = [b for b in self.buckets if not self._runs_fused(b)]
+        for rows in sorted({graph_buckets[0], graph_buckets[-1]} if graph_buckets else set()):
             dummy = StepInputs(
                 input_ids=[0] * rows,
                 counts=[1] * rows,
@@ -222,6 +234,19 @@ class DecodeGraphs:
         model = self.model
         h = model.embed_tokens(batch.input_ids)
         # the first layer adds a zero residual: the same sums as the eager model, one graph
+        if self._runs_fused(len(batch.input_ids)):
+            self.fused_steps += 1
+            meta = batch.meta
+            h, residual = self.fused.forward(  # type: ignore[attr-defined]
+                h,
+                batch.positions,
+                meta.kv_rows,
+                meta.block_tables,
+                meta.context_lens,
+                model.cos_sin,
+            )
+            h, _ = model.norm(h[: batch.rows], residual[: batch.rows])
+            return h
         residual = torch.zeros_like(h)
         for layer in model.decoder_layers():
             h, residual = self._layer(

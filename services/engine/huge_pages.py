@@ -76,12 +76,11 @@ def move_to_huge_pages(model: nn.Module, min_bytes: int = MIN_BYTES) -> int:
         offsets[ptr] = total
         total += -(-storage.nbytes() // ALIGN) * ALIGN
     region, start = huge_region(total)
-    as_bytes = torch.empty(0, dtype=torch.uint8)
     for ptr, storage in storages.items():
         offsets[ptr] += start
-        dst = torch.empty(0, dtype=torch.uint8).set_(region, offsets[ptr], (storage.nbytes(),))
-        dst.copy_(as_bytes.set_(storage))
-    as_bytes.set_()  # let go of the last old storage
+        dst = torch.empty(0, dtype=torch.uint8)
+        dst.set_(region, offsets[ptr], (storage.nbytes(),), (1,))
+        dst.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
     with torch.no_grad():
         for t in tensors:
             offset = offsets.get(t.untyped_storage().data_ptr())

@@ -1,0 +1,295 @@
+// A Llama decoder's layers for a decode step of 1-4 rows on a CPU, in one C++ call (issue 42).
+//
+// Why: at batch 1 a SmolLM2 step reads 538 MB of float32 weights (135 MB in INT8), which the
+// few-row kernels stream at ~90% of a plain sum's speed. Run as 30 compiled Inductor graphs, one
+// per layer, the step spent ~100 us a layer besides them: Dynamo's guards and frame, AOTAutograd's
+// wrappers, Inductor's Python wrapper and five op calls (py-spy: 3-4 ms of a 24 ms step). Here
+// the whole stack of layers is one loop: RMSNorm with the residual add, the fused QKV projection,
+// rotary (rotate-half), the K/V write into the block-major pages, paged GQA attention over each
+// row's own context, the output projection, the second norm, SiLU-and-mul and the down
+// projection. The arithmetic is the graph's: float32 throughout, the same kernels for the
+// linears, softmax with the row max subtracted.
+//
+// Rows are what decode_graph.py pads: a decode token, or one verification token with its own
+// position, context length and table row. Pages are [blocks, 2, block_size, Hk, D] float32
+// with K and V rows of Hk * D values (graph_ops.fits); kv_rows [2, B] are graph_ops.kv_rows.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "cpu_gemv.h"
+
+namespace {
+
+// exp of 8 floats: 2^n * e^r with r in [-ln2/2, ln2/2] and a degree-6 polynomial (relative error
+// ~2e-7, as expf's last bits); inputs below -87 give 0, as the masked scores need
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.3f);
+  const __m256 too_small = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(too_small, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// one projection: a column-major float32 weight, or INT8 rows with a scale per output channel
+// (and SmoothQuant's inverse smoothing of x, where the checkpoint has it)
+struct Projection {
+  torch::Tensor weight;
+  std::optional<torch::Tensor> scale, inv_smooth, bias;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    torch::Tensor y;
+    if (weight.scalar_type() == at::kChar) {
+      y = int8_gemv(inv_smooth ? (x * *inv_smooth).contiguous() : x, weight, *scale);
+    } else {
+      y = f32_colmajor_gemv(x, weight, 0);
+    }
+    return bias ? y.add_(*bias) : y;
+  }
+};
+
+struct Layer {
+  torch::Tensor input_norm, post_norm, pages;
+  Projection qkv, o, gate_up, down;
+};
+
+// residual += h; out = rmsnorm(residual) * weight, per row (HF LlamaRMSNorm in float32)
+void add_and_norm(float* residual, const float* h, const float* weight, float* out, int64_t rows,
+                  int64_t width, float eps) {
+  for (int64_t b = 0; b < rows; ++b) {
+    float* s = residual + b * width;
+    const float* x = h + b * width;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= width; i += 8) {
+      const __m256 v = _mm256_add_ps(_mm256_loadu_ps(s + i), _mm256_loadu_ps(x + i));
+      _mm256_storeu_ps(s + i, v);
+      acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float sq = hsum(acc);
+    for (; i < width; ++i) {
+      s[i] += x[i];
+      sq += s[i] * s[i];
+    }
+    const float inv = 1.0f / std::sqrt(sq / float(width) + eps);
+    for (int64_t j = 0; j < width; ++j) out[b * width + j] = weight[j] * (s[j] * inv);
+  }
+}
+
+// rotate-half rotary of `heads` vectors of d values at x, to position p's cos/sin row
+void rotate(float* x, int64_t heads, int64_t d, const float* cos_sin) {
+  const int64_t half = d / 2;
+  for (int64_t hd = 0; hd < heads; ++hd) {
+    float* v = x + hd * d;
+    for (int64_t i = 0; i < half; ++i) {
+      const float c = cos_sin[i], s = cos_sin[half + i], x1 = v[i], x2 = v[half + i];
+      v[i] = x1 * c - x2 * s;
+      v[half + i] = x2 * c + x1 * s;
+    }
+  }
+}
+
+}  // namespace
+
+class CpuDecoder {
+ public:
+  CpuDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
+      : hq_(num_heads), hk_(num_kv_heads), d_(head_dim), eps_(float(eps)), scale_(float(scale)) {
+    TORCH_CHECK(hq_ % hk_ == 0 && d_ % 8 == 0, "heads: Hq a multiple of Hk, D of 8");
+  }
+
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, torch::Tensor pages,
+                 std::vector<std::optional<torch::Tensor>> qkv,
+                 std::vector<std::optional<torch::Tensor>> o,
+                 std::vector<std::optional<torch::Tensor>> gate_up,
+                 std::vector<std::optional<torch::Tensor>> down) {
+    TORCH_CHECK(pages.dim() == 5 && pages.scalar_type() == at::kFloat, "pages: float32, 5-D");
+    TORCH_CHECK(pages.stride(2) == hk_ * d_ && pages.stride(3) == d_ && pages.stride(4) == 1,
+                "pages: block-major rows of Hk * D");
+    layers_.push_back(Layer{input_norm.contiguous(), post_norm.contiguous(), pages,
+                            projection(qkv), projection(o), projection(gate_up),
+                            projection(down)});
+  }
+
+  // h [B, hidden] the embedded tokens -> (h, residual) after the last layer (the final norm is
+  // the caller's)
+  std::pair<torch::Tensor, torch::Tensor> forward(torch::Tensor h, const torch::Tensor& positions,
+                                                  const torch::Tensor& kv_rows,
+                                                  const torch::Tensor& block_tables,
+                                                  const torch::Tensor& context_lens,
+                                                  const torch::Tensor& cos_sin) {
+    h = h.to(at::kFloat).contiguous();
+    const int64_t rows = h.size(0), width = h.size(1);
+    auto residual = torch::zeros_like(h);
+    auto x = torch::empty_like(h);
+    const auto pos = positions.to(at::kLong).contiguous();
+    const auto kv = kv_rows.to(at::kLong).contiguous();
+    const auto tables = block_tables.to(at::kLong).contiguous();
+    const auto lens = context_lens.to(at::kLong).contiguous();
+    const auto rope = cos_sin.to(at::kFloat).contiguous();
+    TORCH_CHECK(pos.numel() == rows && kv.numel() == 2 * rows && lens.numel() == rows &&
+                    tables.size(0) == rows,
+                "one position, two KV rows, a table row and a context length per row");
+    auto attn = torch::empty({rows, hq_ * d_}, h.options());
+    for (const Layer& layer : layers_) {
+      add_and_norm(residual.data_ptr<float>(), h.data_ptr<float>(),
+                   layer.input_norm.data_ptr<float>(), x.data_ptr<float>(), rows, width, eps_);
+      auto qkv = layer.qkv(x);  // [B, (Hq + 2 Hk) D]
+      store_and_attend(layer, qkv, pos, kv, tables, lens, rope, attn);
+      h = layer.o(attn);
+      add_and_norm(residual.data_ptr<float>(), h.data_ptr<float>(),
+                   layer.post_norm.data_ptr<float>(), x.data_ptr<float>(), rows, width, eps_);
+      auto gate_up = layer.gate_up(x);
+      h = layer.down(silu_and_mul(gate_up));
+    }
+    return {h, residual};
+  }
+
+ private:
+  static Projection projection(const std::vector<std::optional<torch::Tensor>>& parts) {
+    TORCH_CHECK(parts.size() == 4 && parts[0], "a projection: (weight, scale, inv_smooth, bias)");
+    return Projection{*parts[0], parts[1], parts[2], parts[3]};
+  }
+
+  static torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
+    const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
+    auto out = torch::empty({rows, inner}, gate_up.options());
+    const float* g = gate_up.data_ptr<float>();
+    float* o = out.data_ptr<float>();
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (int64_t b = 0; b < rows; ++b) {
+      const float* gb = g + b * 2 * inner;
+      const float* ub = gb + inner;
+      int64_t i = 0;
+      for (; i + 8 <= inner; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(gb + i);
+        const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
+        _mm256_storeu_ps(o + b * inner + i,
+                         _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(ub + i)));
+      }
+      for (; i < inner; ++i) o[b * inner + i] = gb[i] / (1.0f + std::exp(-gb[i])) * ub[i];
+    }
+    return out;
+  }
+
+  // rotary on q and k, k and v into the pages, then each row's attention over its context
+  void store_and_attend(const Layer& layer, torch::Tensor& qkv, const torch::Tensor& pos,
+                        const torch::Tensor& kv, const torch::Tensor& tables,
+                        const torch::Tensor& lens, const torch::Tensor& rope,
+                        torch::Tensor& out) const {
+    const int64_t rows = qkv.size(0), stride = qkv.size(1), row_width = hk_ * d_;
+    const int64_t blocks = layer.pages.size(0), block_size = layer.pages.size(2);
+    const int64_t block_stride = layer.pages.stride(0), v_offset = layer.pages.stride(1);
+    const int64_t limit = (blocks - 1) * (block_stride / row_width) + 2 * block_size;
+    float* pages = layer.pages.data_ptr<float>();
+    float* q = qkv.data_ptr<float>();
+    const int64_t* p = pos.data_ptr<int64_t>();
+    const int64_t* r = kv.data_ptr<int64_t>();
+    for (int64_t b = 0; b < rows; ++b) {
+      TORCH_CHECK(0 <= p[b] && p[b] < rope.size(0), "a position past the rotary table");
+      const float* cs = rope.data_ptr<float>() + p[b] * d_;
+      rotate(q + b * stride, hq_ + hk_, d_, cs);  // q's heads, then k's: adjacent in qkv
+      for (int kind = 0; kind < 2; ++kind) {
+        const int64_t at = r[kind * rows + b];
+        TORCH_CHECK(0 <= at && at < limit, "a KV row outside the pages");
+        std::copy_n(q + b * stride + (hq_ + kind * hk_) * d_, row_width, pages + at * row_width);
+      }
+    }
+    const int64_t width = tables.size(1), group = hq_ / hk_;
+    const int64_t* table = tables.data_ptr<int64_t>();
+    const int64_t* len = lens.data_ptr<int64_t>();
+    std::vector<float> scores;
+    std::vector<float> acc(group * d_);
+    for (int64_t b = 0; b < rows; ++b) {
+      const int64_t ctx = std::min(len[b], width * block_size);
+      scores.assign(group * std::max<int64_t>(ctx, 1) + 8, 0.0f);
+      for (int64_t g = 0; g < hk_; ++g) {
+        const float* qg = q + b * stride + g * group * d_;
+        // scores[j * ctx + t]: query head g * group + j against cached token t
+        for (int64_t t = 0; t < ctx; ++t) {
+          const int64_t block = std::clamp<int64_t>(table[b * width + t / block_size], 0, blocks - 1);
+          const float* k = pages + block * block_stride + (t % block_size) * row_width + g * d_;
+          for (int64_t j = 0; j < group; ++j) {
+            __m256 dot = _mm256_setzero_ps();
+            for (int64_t i = 0; i < d_; i += 8) {
+              dot = _mm256_fmadd_ps(_mm256_loadu_ps(qg + j * d_ + i), _mm256_loadu_ps(k + i), dot);
+            }
+            scores[j * ctx + t] = hsum(dot) * scale_;
+          }
+        }
+        std::vector<float> denom(group, 0.0f);
+        for (int64_t j = 0; j < group; ++j) {
+          float* s = scores.data() + j * ctx;
+          float mx = -1e30f;
+          for (int64_t t = 0; t < ctx; ++t) mx = std::max(mx, s[t]);
+          const __m256 m8 = _mm256_set1_ps(mx);
+          __m256 sum8 = _mm256_setzero_ps();
+          int64_t t = 0;
+          for (; t + 8 <= ctx; t += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), m8));
+            _mm256_storeu_ps(s + t, e);
+            sum8 = _mm256_add_ps(sum8, e);
+          }
+          float sum = hsum(sum8);
+          for (; t < ctx; ++t) {
+            s[t] = std::exp(s[t] - mx);
+            sum += s[t];
+          }
+          denom[j] = std::max(sum, 1.0f);  // >= 1 where any token is valid (the max gives 1)
+        }
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t t = 0; t < ctx; ++t) {
+          const int64_t block = std::clamp<int64_t>(table[b * width + t / block_size], 0, blocks - 1);
+          const float* v =
+              pages + block * block_stride + v_offset + (t % block_size) * row_width + g * d_;
+          for (int64_t j = 0; j < group; ++j) {
+            const __m256 w = _mm256_set1_ps(scores[j * ctx + t]);
+            float* a = acc.data() + j * d_;
+            for (int64_t i = 0; i < d_; i += 8) {
+              _mm256_storeu_ps(a + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(v + i), _mm256_loadu_ps(a + i)));
+            }
+          }
+        }
+        float* o = out.data_ptr<float>() + b * hq_ * d_ + g * group * d_;
+        for (int64_t j = 0; j < group; ++j) {
+          for (int64_t i = 0; i < d_; ++i) o[j * d_ + i] = acc[j * d_ + i] / denom[j];
+        }
+      }
+    }
+  }
+
+  int64_t hq_, hk_, d_;
+  float eps_, scale_;
+  std::vector<Layer> layers_;
+};
+
+void bind_cpu_decoder(pybind11::module& m) {
+  pybind11::class_<CpuDecoder>(m, "CpuDecoder")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double>())
+      .def("add_layer", &CpuDecoder::add_layer)
+      .def("forward", &CpuDecoder::forward);
+}

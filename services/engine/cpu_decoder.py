@@ -1,0 +1,63 @@
+"""A decode step of 1-4 rows on a CPU as one C++ call over every layer (``kernels/cpu_decode.cpp``).
+
+The compiled decode step (``decode_graph.py``) runs one Inductor graph per layer. At batch 1 the
+layers' weights stream in ~17 ms (float32 SmolLM2, one thread), and calling 30 graphs added
+~3-4 ms: Dynamo's guards, AOTAutograd's wrappers, Inductor's Python wrapper, five op calls a
+layer. The C++ decoder holds every layer's weights and pages and runs the same arithmetic in one
+loop: what llama.cpp's graph does, and what puts batch-1 decode at the weights' read time.
+
+It serves the rows the graphs would (decode and verification tokens, padded to a bucket) where
+every projection is one the few-row kernels read: float32 column-major (``Linear._f32_colmajor``)
+or INT8 (``CpuInt8Linear``), activations float32, no LoRA. More rows, other dtypes and adapters
+keep the graphs. ``--no-cpu-fused-decode`` turns it off (the graphs then serve every bucket).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pdserve.kernels import cpu_gemv
+from pdserve.services.engine.model import Linear, LlamaForCausalLM
+from pdserve.services.engine.quant.int8_linear import CpuInt8Linear
+
+MAX_ROWS = cpu_gemv.MAX_ROWS  # the kernels' row groups: more rows are a GEMM, the graphs' job
+
+
+def _projection(linear: nn.Module) -> list[torch.Tensor | None] | None:
+    """(weight, scale, inv_smooth, bias) of a projection the C++ decoder can run, else None."""
+    if isinstance(linear, Linear) and linear._f32_colmajor:
+        return [linear.weight, None, None, linear.bias]
+    if isinstance(linear, CpuInt8Linear) and linear.out_dtype == torch.float32:
+        return [linear.qweight, linear.scale, linear.inv_smooth, linear.bias]
+    return None
+
+
+def build(model: LlamaForCausalLM) -> Any | None:
+    """The model's C++ decoder, or None where a layer has a projection or norm it cannot run."""
+    layers = model.decoder_layers()
+    if not layers or not cpu_gemv.available():
+        return None
+    first = layers[0].self_attn
+    decoder = None
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        parts = [
+            _projection(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        ]
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if (
+            any(p is None for p in parts)
+            or any(n.weight.dtype != torch.float32 or n.eps != norms[0].eps for n in norms)
+            or attn.kv_pages.dtype != torch.float32
+            or attn.kv_pages.dim() != 5
+        ):
+            return None
+        if decoder is None:
+            decoder = cpu_gemv._kernel().CpuDecoder(
+                first.num_heads, first.num_kv_heads, first.head_dim, norms[0].eps, first.scale
+            )
+        decoder.add_layer(norms[0].weight, norms[1].weight, attn.kv_pages, *parts)
+    return decoder

@@ -1,0 +1,84 @@
+"""The C++ decoder (kernels/cpu_decode.cpp, services/engine/cpu_decoder.py) against the compiled
+graphs it stands in for, and against the eager path: steps of 1-4 rows, float32 and INT8."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kernels import cpu_gemv
+from pdserve.services.engine.outputs import StepInputs
+from pdserve.shared.sampling import SamplingParams
+from tests.engine_support import make_engine, random_prompts, run_staggered
+
+pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="the AVX2 kernels did not build")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def _engine(model_dir, **overrides):
+    return make_engine(model_dir, dtype="float32", enforce_eager=False, **overrides)
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias"])
+def test_hidden_states_match_the_graphs_on_ragged_pages(checkpoints, variant):
+    """Rows whose contexts end inside a block, on a block's edge and past several blocks, over a
+    cache of random K/V; a verification row (three query tokens, each its own context) beside
+    them. The C++ decoder and the Inductor graph write the same K/V and read the same pages."""
+    engine = _engine(checkpoints[variant], num_kv_blocks=32)
+    graphs = engine.runner.graphs
+    assert graphs.fused is not None
+    torch.manual_seed(0)
+    engine.runner.kv_cache.normal_()
+    inputs = StepInputs(
+        input_ids=[11, 12, 13, 14],
+        counts=[1, 3],
+        starts=[16, 37],  # the first row's new token opens block 1; the second's span 2-3
+        block_tables=[[5, 9], [2, 7, 30]],
+        num_decodes=1,
+        num_verifies=1,
+        read=[0, 1, 2, 3],
+        num_sampled=4,
+    )
+    assert graphs.serves(inputs)
+    with torch.inference_mode():
+        fused = graphs.run(inputs)
+        graphs.fused, kept = None, graphs.fused
+        reference = graphs.run(inputs)
+        graphs.fused = kept
+    assert graphs.fused_steps == 1
+    torch.testing.assert_close(fused, reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_tokens_match_eager_at_batches_1_to_5(checkpoints, quantization):
+    """Batches 1-5 (5: past the decoder's 4 rows, the graphs serve it), sequences joining and
+    leaving: the same greedy tokens as the eager engine."""
+    model_dir = checkpoints["llama-gqa"]
+    prompts = random_prompts(5, seed=21, max_len=24)
+    compiled = _engine(model_dir, quantization=quantization, max_num_seqs=8)
+    eager = make_engine(model_dir, dtype="float32", quantization=quantization)
+    assert run_staggered(compiled, prompts, GREEDY) == run_staggered(eager, prompts, GREEDY)
+    graphs = compiled.runner.graphs
+    assert 0 < graphs.fused_steps < graphs.steps, "both paths served steps"
+    assert graphs.recompiles == 0
+
+
+def test_speculative_rows_run_fused(checkpoints):
+    """n-gram drafts at batch 1: verification steps of 1 + K <= 4 rows take the C++ decoder and
+    accept what the eager path accepts."""
+    model_dir = checkpoints["llama-gqa"]
+    prompts = [p * 3 for p in random_prompts(1, seed=22, max_len=8)]
+    spec = {"speculative": "ngram", "ngram_min": 1, "spec_token_cost": 0.0}
+    spec["num_speculative_tokens"] = 3
+    compiled = _engine(model_dir, **spec)
+    eager = make_engine(model_dir, dtype="float32", **spec)
+    assert compiled.generate(prompts, GREEDY) == eager.generate(prompts, GREEDY)
+    assert compiled.runner.graphs.verify_steps > 0 and compiled.runner.graphs.fused_steps > 0
+
+
+def test_off_switch_and_unsupported_weights_keep_the_graphs(checkpoints):
+    model_dir = checkpoints["llama-gqa"]
+    assert _engine(model_dir, cpu_fused_decode=False).runner.graphs.fused is None
+    # float64 linears are not what the kernels read
+    assert make_engine(model_dir, enforce_eager=False).runner.graphs.fused is None
