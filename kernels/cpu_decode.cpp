@@ -7,12 +7,14 @@
 // the whole stack of layers is one loop: RMSNorm with the residual add, the fused QKV projection,
 // rotary (rotate-half), the K/V write into the block-major pages, paged GQA attention over each
 // row's own context, the output projection, the second norm, SiLU-and-mul and the down
-// projection. The arithmetic is the graph's: float32 throughout, the same kernels for the
-// linears, softmax with the row max subtracted.
+// projection. The arithmetic is the eager model's: float32 math, the same kernels for the
+// linears, softmax with the row max subtracted; a bfloat16 model's activations are rounded to
+// bfloat16 wherever the eager model stores one (sums, norms, projections, rotary, SiLU).
 //
 // Rows are what decode_graph.py pads: a decode token, or one verification token with its own
-// position, context length and table row. Pages are [blocks, 2, block_size, Hk, D] float32
-// with K and V rows of Hk * D values (graph_ops.fits); kv_rows [2, B] are graph_ops.kv_rows.
+// position, context length and table row. Pages are [blocks, 2, block_size, Hk, D] in the
+// model's dtype with K and V rows of Hk * D values (graph_ops.fits); kv_rows [2, B] are
+// graph_ops.kv_rows.
 
 #include <immintrin.h>
 
@@ -55,13 +57,42 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// one projection: a column-major float32 weight, or INT8 rows with a scale per output channel
+// each float to the nearest bfloat16 (ties to even), kept as a float; NaN-free inputs
+void round_bf16(float* p, int64_t n) {
+  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
+  const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256i b = _mm256_castps_si256(_mm256_loadu_ps(p + i));
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
+    b = _mm256_and_si256(_mm256_add_epi32(b, _mm256_add_epi32(bias, odd)), high);
+    _mm256_storeu_ps(p + i, _mm256_castsi256_ps(b));
+  }
+  for (; i < n; ++i) p[i] = static_cast<float>(c10::BFloat16(p[i]));
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+// one projection: a column-major float32 weight, a row-major bfloat16 one, or INT8 rows with a scale per output channel
 // (and SmoothQuant's inverse smoothing of x, where the checkpoint has it)
 struct Projection {
   torch::Tensor weight;
   std::optional<torch::Tensor> scale, inv_smooth, bias;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
+    if (weight.scalar_type() == at::kBFloat16) {  // as the eager layer: y, then y + bias, rounded
+      auto y = bf16_gemv(x, weight);
+      round_bf16(y.data_ptr<float>(), y.numel());
+      if (bias) {
+        y.add_(*bias);
+        round_bf16(y.data_ptr<float>(), y.numel());
+      }
+      return y;
+    }
     torch::Tensor y;
     if (weight.scalar_type() == at::kChar) {
       y = int8_gemv(inv_smooth ? (x * *inv_smooth).contiguous() : x, weight, *scale);
@@ -77,31 +108,36 @@ struct Layer {
   Projection qkv, o, gate_up, down;
 };
 
-// residual += h; out = rmsnorm(residual) * weight, per row (HF LlamaRMSNorm in float32)
+// residual += h; out = rmsnorm(residual) * weight, per row (HF LlamaRMSNorm in float32; in
+// bfloat16 the sum, the normed row and the product are each rounded, as the eager model's)
 void add_and_norm(float* residual, const float* h, const float* weight, float* out, int64_t rows,
-                  int64_t width, float eps) {
+                  int64_t width, float eps, bool bf16) {
   for (int64_t b = 0; b < rows; ++b) {
     float* s = residual + b * width;
     const float* x = h + b * width;
+    for (int64_t i = 0; i < width; ++i) s[i] += x[i];
+    if (bf16) round_bf16(s, width);
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= width; i += 8) {
-      const __m256 v = _mm256_add_ps(_mm256_loadu_ps(s + i), _mm256_loadu_ps(x + i));
-      _mm256_storeu_ps(s + i, v);
+      const __m256 v = _mm256_loadu_ps(s + i);
       acc = _mm256_fmadd_ps(v, v, acc);
     }
     float sq = hsum(acc);
-    for (; i < width; ++i) {
-      s[i] += x[i];
-      sq += s[i] * s[i];
-    }
+    for (; i < width; ++i) sq += s[i] * s[i];
     const float inv = 1.0f / std::sqrt(sq / float(width) + eps);
-    for (int64_t j = 0; j < width; ++j) out[b * width + j] = weight[j] * (s[j] * inv);
+    float* o = out + b * width;
+    for (int64_t j = 0; j < width; ++j) o[j] = s[j] * inv;
+    if (bf16) round_bf16(o, width);
+    for (int64_t j = 0; j < width; ++j) o[j] *= weight[j];
+    if (bf16) round_bf16(o, width);
   }
 }
 
-// rotate-half rotary of `heads` vectors of d values at x, to position p's cos/sin row
-void rotate(float* x, int64_t heads, int64_t d, const float* cos_sin) {
+// rotate-half rotary of `heads` vectors of d values at x, to position p's cos/sin row; each
+// product rounded before the sum, as torch's separate ops round them (no fused multiply-add)
+__attribute__((optimize("fp-contract=off"))) void rotate(float* x, int64_t heads, int64_t d,
+                                                        const float* cos_sin) {
   const int64_t half = d / 2;
   for (int64_t hd = 0; hd < heads; ++hd) {
     float* v = x + hd * d;
@@ -117,8 +153,15 @@ void rotate(float* x, int64_t heads, int64_t d, const float* cos_sin) {
 
 class CpuDecoder {
  public:
-  CpuDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
-      : hq_(num_heads), hk_(num_kv_heads), d_(head_dim), eps_(float(eps)), scale_(float(scale)) {
+  // bf16: the model's activations and pages are bfloat16 (else float32)
+  CpuDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+             bool bf16)
+      : hq_(num_heads),
+        hk_(num_kv_heads),
+        d_(head_dim),
+        eps_(float(eps)),
+        scale_(float(scale)),
+        bf16_(bf16) {
     TORCH_CHECK(hq_ % hk_ == 0 && d_ % 8 == 0, "heads: Hq a multiple of Hk, D of 8");
   }
 
@@ -127,10 +170,12 @@ class CpuDecoder {
                  std::vector<std::optional<torch::Tensor>> o,
                  std::vector<std::optional<torch::Tensor>> gate_up,
                  std::vector<std::optional<torch::Tensor>> down) {
-    TORCH_CHECK(pages.dim() == 5 && pages.scalar_type() == at::kFloat, "pages: float32, 5-D");
+    TORCH_CHECK(pages.dim() == 5 && pages.scalar_type() == (bf16_ ? at::kBFloat16 : at::kFloat),
+                "pages: 5-D, in the model's dtype");
     TORCH_CHECK(pages.stride(2) == hk_ * d_ && pages.stride(3) == d_ && pages.stride(4) == 1,
                 "pages: block-major rows of Hk * D");
-    layers_.push_back(Layer{input_norm.contiguous(), post_norm.contiguous(), pages,
+    layers_.push_back(Layer{input_norm.to(at::kFloat).contiguous(),
+                            post_norm.to(at::kFloat).contiguous(), pages,
                             projection(qkv), projection(o), projection(gate_up),
                             projection(down)});
   }
@@ -157,15 +202,22 @@ class CpuDecoder {
     auto attn = torch::empty({rows, hq_ * d_}, h.options());
     for (const Layer& layer : layers_) {
       add_and_norm(residual.data_ptr<float>(), h.data_ptr<float>(),
-                   layer.input_norm.data_ptr<float>(), x.data_ptr<float>(), rows, width, eps_);
+                   layer.input_norm.data_ptr<float>(), x.data_ptr<float>(), rows, width, eps_,
+                   bf16_);
       auto qkv = layer.qkv(x);  // [B, (Hq + 2 Hk) D]
-      store_and_attend(layer, qkv, pos, kv, tables, lens, rope, attn);
+      if (bf16_) {
+        store_and_attend<at::BFloat16>(layer, qkv, pos, kv, tables, lens, rope, attn);
+      } else {
+        store_and_attend<float>(layer, qkv, pos, kv, tables, lens, rope, attn);
+      }
       h = layer.o(attn);
       add_and_norm(residual.data_ptr<float>(), h.data_ptr<float>(),
-                   layer.post_norm.data_ptr<float>(), x.data_ptr<float>(), rows, width, eps_);
+                   layer.post_norm.data_ptr<float>(), x.data_ptr<float>(), rows, width, eps_,
+                   bf16_);
       auto gate_up = layer.gate_up(x);
       h = layer.down(silu_and_mul(gate_up));
     }
+    if (bf16_) return {h.to(at::kBFloat16), residual.to(at::kBFloat16)};  // exact: rounded
     return {h, residual};
   }
 
@@ -175,7 +227,8 @@ class CpuDecoder {
     return Projection{*parts[0], parts[1], parts[2], parts[3]};
   }
 
-  static torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
+  // silu(gate) * up; in bfloat16 each of the two rounded, as the eager model's
+  torch::Tensor silu_and_mul(const torch::Tensor& gate_up) const {
     const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
     auto out = torch::empty({rows, inner}, gate_up.options());
     const float* g = gate_up.data_ptr<float>();
@@ -184,19 +237,23 @@ class CpuDecoder {
     for (int64_t b = 0; b < rows; ++b) {
       const float* gb = g + b * 2 * inner;
       const float* ub = gb + inner;
+      float* ob = o + b * inner;
       int64_t i = 0;
       for (; i + 8 <= inner; i += 8) {
         const __m256 gv = _mm256_loadu_ps(gb + i);
         const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
-        _mm256_storeu_ps(o + b * inner + i,
-                         _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(ub + i)));
+        _mm256_storeu_ps(ob + i, _mm256_mul_ps(gv, sig));
       }
-      for (; i < inner; ++i) o[b * inner + i] = gb[i] / (1.0f + std::exp(-gb[i])) * ub[i];
+      for (; i < inner; ++i) ob[i] = gb[i] / (1.0f + std::exp(-gb[i]));
+      if (bf16_) round_bf16(ob, inner);
+      for (int64_t j = 0; j < inner; ++j) ob[j] *= ub[j];
+      if (bf16_) round_bf16(ob, inner);
     }
     return out;
   }
 
   // rotary on q and k, k and v into the pages, then each row's attention over its context
+  template <typename P>
   void store_and_attend(const Layer& layer, torch::Tensor& qkv, const torch::Tensor& pos,
                         const torch::Tensor& kv, const torch::Tensor& tables,
                         const torch::Tensor& lens, const torch::Tensor& rope,
@@ -205,7 +262,7 @@ class CpuDecoder {
     const int64_t blocks = layer.pages.size(0), block_size = layer.pages.size(2);
     const int64_t block_stride = layer.pages.stride(0), v_offset = layer.pages.stride(1);
     const int64_t limit = (blocks - 1) * (block_stride / row_width) + 2 * block_size;
-    float* pages = layer.pages.data_ptr<float>();
+    P* pages = layer.pages.data_ptr<P>();
     float* q = qkv.data_ptr<float>();
     const int64_t* p = pos.data_ptr<int64_t>();
     const int64_t* r = kv.data_ptr<int64_t>();
@@ -213,10 +270,12 @@ class CpuDecoder {
       TORCH_CHECK(0 <= p[b] && p[b] < rope.size(0), "a position past the rotary table");
       const float* cs = rope.data_ptr<float>() + p[b] * d_;
       rotate(q + b * stride, hq_ + hk_, d_, cs);  // q's heads, then k's: adjacent in qkv
+      if (bf16_) round_bf16(q + b * stride, (hq_ + hk_) * d_);
       for (int kind = 0; kind < 2; ++kind) {
         const int64_t at = r[kind * rows + b];
         TORCH_CHECK(0 <= at && at < limit, "a KV row outside the pages");
-        std::copy_n(q + b * stride + (hq_ + kind * hk_) * d_, row_width, pages + at * row_width);
+        const float* src = q + b * stride + (hq_ + kind * hk_) * d_;
+        for (int64_t i = 0; i < row_width; ++i) pages[at * row_width + i] = P(src[i]);
       }
     }
     const int64_t width = tables.size(1), group = hq_ / hk_;
@@ -232,11 +291,11 @@ class CpuDecoder {
         // scores[j * ctx + t]: query head g * group + j against cached token t
         for (int64_t t = 0; t < ctx; ++t) {
           const int64_t block = std::clamp<int64_t>(table[b * width + t / block_size], 0, blocks - 1);
-          const float* k = pages + block * block_stride + (t % block_size) * row_width + g * d_;
+          const P* k = pages + block * block_stride + (t % block_size) * row_width + g * d_;
           for (int64_t j = 0; j < group; ++j) {
             __m256 dot = _mm256_setzero_ps();
             for (int64_t i = 0; i < d_; i += 8) {
-              dot = _mm256_fmadd_ps(_mm256_loadu_ps(qg + j * d_ + i), _mm256_loadu_ps(k + i), dot);
+              dot = _mm256_fmadd_ps(_mm256_loadu_ps(qg + j * d_ + i), load8(k + i), dot);
             }
             scores[j * ctx + t] = hsum(dot) * scale_;
           }
@@ -264,13 +323,13 @@ class CpuDecoder {
         std::fill(acc.begin(), acc.end(), 0.0f);
         for (int64_t t = 0; t < ctx; ++t) {
           const int64_t block = std::clamp<int64_t>(table[b * width + t / block_size], 0, blocks - 1);
-          const float* v =
+          const P* v =
               pages + block * block_stride + v_offset + (t % block_size) * row_width + g * d_;
           for (int64_t j = 0; j < group; ++j) {
             const __m256 w = _mm256_set1_ps(scores[j * ctx + t]);
             float* a = acc.data() + j * d_;
             for (int64_t i = 0; i < d_; i += 8) {
-              _mm256_storeu_ps(a + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(v + i), _mm256_loadu_ps(a + i)));
+              _mm256_storeu_ps(a + i, _mm256_fmadd_ps(w, load8(v + i), _mm256_loadu_ps(a + i)));
             }
           }
         }
@@ -278,18 +337,20 @@ class CpuDecoder {
         for (int64_t j = 0; j < group; ++j) {
           for (int64_t i = 0; i < d_; ++i) o[j * d_ + i] = acc[j * d_ + i] / denom[j];
         }
+        if (bf16_) round_bf16(o, group * d_);
       }
     }
   }
 
   int64_t hq_, hk_, d_;
   float eps_, scale_;
+  bool bf16_;
   std::vector<Layer> layers_;
 };
 
 void bind_cpu_decoder(pybind11::module& m) {
   pybind11::class_<CpuDecoder>(m, "CpuDecoder")
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, double>())
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, bool>())
       .def("add_layer", &CpuDecoder::add_layer)
       .def("forward", &CpuDecoder::forward);
 }

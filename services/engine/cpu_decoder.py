@@ -8,8 +8,9 @@ loop: what llama.cpp's graph does, and what puts batch-1 decode at the weights' 
 
 It serves the rows the graphs would (decode and verification tokens, padded to a bucket) where
 every projection is one the few-row kernels read: float32 column-major (``Linear._f32_colmajor``)
-or INT8 (``CpuInt8Linear``), activations float32, no LoRA. More rows, other dtypes and adapters
-keep the graphs. ``--no-cpu-fused-decode`` turns it off (the graphs then serve every bucket).
+or INT8 (``CpuInt8Linear``) under float32 activations, bfloat16 (``Linear._bf16_gemv``) under
+bfloat16 ones (rounded where the eager model rounds), and no LoRA. More rows, other dtypes and
+adapters keep the graphs. ``--no-cpu-fused-decode`` turns it off (the graphs then serve every bucket).
 """
 
 from __future__ import annotations
@@ -26,10 +27,14 @@ from pdserve.services.engine.quant.int8_linear import CpuInt8Linear
 MAX_ROWS = cpu_gemv.MAX_ROWS  # the kernels' row groups: more rows are a GEMM, the graphs' job
 
 
-def _projection(linear: nn.Module) -> list[torch.Tensor | None] | None:
-    """(weight, scale, inv_smooth, bias) of a projection the C++ decoder can run, else None."""
-    if isinstance(linear, Linear) and linear._f32_colmajor:
-        return [linear.weight, None, None, linear.bias]
+def _projection(linear: nn.Module, dtype: torch.dtype) -> list[torch.Tensor | None] | None:
+    """(weight, scale, inv_smooth, bias) of a projection the C++ decoder can run in a model of
+    ``dtype`` (float32 or bfloat16 activations), else None."""
+    if isinstance(linear, Linear):
+        runs = linear._bf16_gemv if dtype == torch.bfloat16 else linear._f32_colmajor
+        return [linear.weight, None, None, linear.bias] if runs else None
+    if dtype == torch.bfloat16:
+        return None
     if isinstance(linear, CpuInt8Linear) and linear.out_dtype == torch.float32:
         return [linear.qweight, linear.scale, linear.inv_smooth, linear.bias]
     return None
@@ -41,23 +46,32 @@ def build(model: LlamaForCausalLM) -> Any | None:
     if not layers or not cpu_gemv.available():
         return None
     first = layers[0].self_attn
+    dtype = layers[0].input_layernorm.weight.dtype  # the activations'
+    if dtype not in (torch.float32, torch.bfloat16):
+        return None
     decoder = None
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         parts = [
-            _projection(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            _projection(m, dtype)
+            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         ]
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if (
             any(p is None for p in parts)
-            or any(n.weight.dtype != torch.float32 or n.eps != norms[0].eps for n in norms)
-            or attn.kv_pages.dtype != torch.float32
+            or any(n.weight.dtype != dtype or n.eps != norms[0].eps for n in norms)
+            or attn.kv_pages.dtype != dtype
             or attn.kv_pages.dim() != 5
         ):
             return None
         if decoder is None:
             decoder = cpu_gemv._kernel().CpuDecoder(
-                first.num_heads, first.num_kv_heads, first.head_dim, norms[0].eps, first.scale
+                first.num_heads,
+                first.num_kv_heads,
+                first.head_dim,
+                norms[0].eps,
+                first.scale,
+                dtype == torch.bfloat16,
             )
         decoder.add_layer(norms[0].weight, norms[1].weight, attn.kv_pages, *parts)
     return decoder

@@ -17,15 +17,40 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
 def _engine(model_dir, **overrides):
-    return make_engine(model_dir, dtype="float32", enforce_eager=False, **overrides)
+    return make_engine(model_dir, **{"dtype": "float32", "enforce_eager": False, **overrides})
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias"])
-def test_hidden_states_match_the_graphs_on_ragged_pages(checkpoints, variant):
+def _differ_only_at_near_ties(model_dir, prompts, got, expected, margin=0.02) -> None:
+    """Where two greedy runs part, float32 HF's two best logits there are within ``margin``: a
+    tie that bfloat16's rounding may break either way (8 bits of mantissa: 0.0078 at 2.0)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
+    for prompt, a, b in zip(prompts, got, expected, strict=True):
+        if a == b:
+            continue
+        k = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + b[:k]])).logits[0, -1]
+        top = torch.topk(logits, 2).values
+        assert {a[k], b[k]} <= set(torch.topk(logits, 3).indices.tolist())
+        assert float(top[0] - top[1]) < margin, f"parted at {k} without a tie"
+
+
+@pytest.mark.parametrize(
+    ("variant", "dtype", "tol"),
+    [
+        ("llama-gqa", "float32", 1e-4),
+        ("qwen2-bias", "float32", 1e-4),
+        ("llama-gqa", "bfloat16", 3e-2),
+    ],
+)
+def test_hidden_states_match_the_graphs_on_ragged_pages(checkpoints, variant, dtype, tol):
     """Rows whose contexts end inside a block, on a block's edge and past several blocks, over a
     cache of random K/V; a verification row (three query tokens, each its own context) beside
-    them. The C++ decoder and the Inductor graph write the same K/V and read the same pages."""
-    engine = _engine(checkpoints[variant], num_kv_blocks=32)
+    them. The C++ decoder and the Inductor graph write the same K/V and read the same pages
+    (bfloat16: the graph does not round where the eager model does, the decoder does)."""
+    engine = _engine(checkpoints[variant], num_kv_blocks=32, dtype=dtype)
     graphs = engine.runner.graphs
     assert graphs.fused is not None
     torch.manual_seed(0)
@@ -47,18 +72,25 @@ def test_hidden_states_match_the_graphs_on_ragged_pages(checkpoints, variant):
         reference = graphs.run(inputs)
         graphs.fused = kept
     assert graphs.fused_steps == 1
-    torch.testing.assert_close(fused, reference, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fused.float(), reference.float(), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8"])
-def test_tokens_match_eager_at_batches_1_to_5(checkpoints, quantization):
+@pytest.mark.parametrize(
+    ("dtype", "quantization"), [("float32", "none"), ("float32", "int8"), ("bfloat16", "none")]
+)
+def test_tokens_match_eager_at_batches_1_to_5(checkpoints, dtype, quantization):
     """Batches 1-5 (5: past the decoder's 4 rows, the graphs serve it), sequences joining and
-    leaving: the same greedy tokens as the eager engine."""
+    leaving: the same greedy tokens as the eager engine (bfloat16: rounded where it rounds)."""
     model_dir = checkpoints["llama-gqa"]
     prompts = random_prompts(5, seed=21, max_len=24)
-    compiled = _engine(model_dir, quantization=quantization, max_num_seqs=8)
-    eager = make_engine(model_dir, dtype="float32", quantization=quantization)
-    assert run_staggered(compiled, prompts, GREEDY) == run_staggered(eager, prompts, GREEDY)
+    kw = {"dtype": dtype, "quantization": quantization}
+    compiled = make_engine(model_dir, enforce_eager=False, max_num_seqs=8, **kw)
+    eager = make_engine(model_dir, **kw)
+    got, expected = run_staggered(compiled, prompts, GREEDY), run_staggered(eager, prompts, GREEDY)
+    if dtype == "bfloat16":
+        _differ_only_at_near_ties(model_dir, prompts, got, expected)
+    else:
+        assert got == expected
     graphs = compiled.runner.graphs
     assert 0 < graphs.fused_steps < graphs.steps, "both paths served steps"
     assert graphs.recompiles == 0
