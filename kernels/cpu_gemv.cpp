@@ -188,13 +188,18 @@ int64_t block_rows(int64_t rows, int64_t n) {
   return rows == 1 && n * int64_t(sizeof(float)) <= kSequentialBytes ? 1 : kBlockK;
 }
 
+// weight rows [kb, ke) of a column-major weight: what one thread streams
+struct RowRange {
+  int64_t begin, end;
+};
+
 template <int R>
 void colmajor_rows(const float* x, const float* wt, float* y, int64_t k, int64_t n,
-                   int64_t block, int64_t n0, int64_t n1) {
+                   int64_t block, RowRange rows, int64_t n0, int64_t n1) {
   const int64_t n16 = n0 + (n1 - n0) / 16 * 16;
   for (int r = 0; r < R; ++r) std::fill(y + r * n + n0, y + r * n + n1, 0.0f);
-  for (int64_t k0 = 0; k0 < k; k0 += block) {
-    const int64_t k1 = std::min(k, k0 + block);
+  for (int64_t k0 = rows.begin; k0 < rows.end; k0 += block) {
+    const int64_t k1 = std::min(rows.end, k0 + block);
     for (int64_t j = n0; j < n16; j += 16) {
       __m256 lo[R], hi[R];
       for (int r = 0; r < R; ++r) {
@@ -227,12 +232,12 @@ void colmajor_rows(const float* x, const float* wt, float* y, int64_t k, int64_t
 }
 
 void colmajor_group(const float* x, const float* wt, float* y, int64_t rows, int64_t k, int64_t n,
-                    int64_t block, int64_t n0, int64_t n1) {
+                    int64_t block, RowRange range) {
   switch (rows) {
-    case 1: return colmajor_rows<1>(x, wt, y, k, n, block, n0, n1);
-    case 2: return colmajor_rows<2>(x, wt, y, k, n, block, n0, n1);
-    case 3: return colmajor_rows<3>(x, wt, y, k, n, block, n0, n1);
-    default: return colmajor_rows<4>(x, wt, y, k, n, block, n0, n1);
+    case 1: return colmajor_rows<1>(x, wt, y, k, n, block, range, 0, n);
+    case 2: return colmajor_rows<2>(x, wt, y, k, n, block, range, 0, n);
+    case 3: return colmajor_rows<3>(x, wt, y, k, n, block, range, 0, n);
+    default: return colmajor_rows<4>(x, wt, y, k, n, block, range, 0, n);
   }
 }
 
@@ -283,15 +288,27 @@ torch::Tensor f32_colmajor_gemv(torch::Tensor x, torch::Tensor weight, int64_t b
   auto y = torch::empty({b, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   const int64_t rows_per_block = block > 0 ? block : block_rows(std::min(b, kMaxRows), n);
-  // 256 columns a task: a task's blocks are 8 KiB of the weight, its R x 256 sums 4 KiB
-  at::parallel_for(0, n, 256, [&](int64_t n0, int64_t n1) {
-    for (int64_t r = 0; r < b; r += kMaxRows) {
-      colmajor_group(xp + r * k, wp, yp + r * n, std::min(kMaxRows, b - r), k, n, rows_per_block,
-                     n0, n1);
+  // Threads split the weight's rows, not its columns: each streams one contiguous run of the
+  // weight into sums of its own (split by columns, every thread reads short pieces of every
+  // row), and the runs' sums add in run order, so a row's result is the same whatever rows are
+  // beside it. SmolLM2's LM head at one row: 9.3 ms on one thread, 4.6 on two.
+  const int64_t runs = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), k / 64));
+  auto partial = runs == 1 ? y : torch::empty({runs, b, n}, x.options());
+  float* pp = partial.data_ptr<float>();
+  at::parallel_for(0, runs, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const RowRange range{k * c / runs, k * (c + 1) / runs};
+      for (int64_t r = 0; r < b; r += kMaxRows) {
+        colmajor_group(xp + r * k, wp, pp + (c * b + r) * n, std::min(kMaxRows, b - r), k, n,
+                       rows_per_block, range);
+      }
     }
   });
+  if (runs > 1) {
+    y.copy_(partial[0]);
+    for (int64_t c = 1; c < runs; ++c) y.add_(partial[c]);
+  }
   return y;
 }
 

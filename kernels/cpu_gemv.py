@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 4
 
 _SOURCES = [Path(__file__).resolve().with_name(n) for n in ("cpu_gemv.cpp", "cpu_decode.cpp")]
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c"]
+# -fopenmp: at::parallel_for is inline OpenMP, serial without it (it links torch's own libgomp)
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 
 
 def _cpu_has_avx2() -> bool:
@@ -74,6 +75,7 @@ def _module() -> object | None:
             name="pdserve_cpu_gemv",
             sources=[str(p) for p in _SOURCES],
             extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
             build_directory=str(_build_dir()),
             verbose=False,
         )
