@@ -77,8 +77,8 @@ inline __m256 load8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
 }
 
-// one projection: a column-major float32 weight, a row-major bfloat16 one, or INT8 rows with a scale per output channel
-// (and SmoothQuant's inverse smoothing of x, where the checkpoint has it)
+// one projection: a column-major float32 weight, a row-major bfloat16 one, or INT8 rows with a
+// scale per output channel (and SmoothQuant's inverse smoothing of x, where the checkpoint has it)
 struct Projection {
   torch::Tensor weight;
   std::optional<torch::Tensor> scale, inv_smooth, bias;
@@ -147,6 +147,56 @@ __attribute__((optimize("fp-contract=off"))) void rotate(float* x, int64_t heads
       v[half + i] = x2 * c + x1 * s;
     }
   }
+}
+
+// one layer's block-major pages [blocks, 2, block_size, Hk, D] as rows of Hk * D values
+template <typename P>
+struct PageView {
+  P* base;
+  int64_t row_width, block_size, blocks, block_stride, v_offset, limit;
+
+  PageView(const torch::Tensor& pages, int64_t width)
+      : base(pages.data_ptr<P>()),
+        row_width(width),
+        block_size(pages.size(2)),
+        blocks(pages.size(0)),
+        block_stride(pages.stride(0)),
+        v_offset(pages.stride(1)),
+        limit((pages.size(0) - 1) * (pages.stride(0) / width) + 2 * pages.size(2)) {}
+
+  // write one K or V row at `at` (graph_ops.kv_rows' numbering)
+  void store(int64_t at, const float* src) const {
+    TORCH_CHECK(0 <= at && at < limit, "a KV row outside the pages");
+    for (int64_t i = 0; i < row_width; ++i) base[at * row_width + i] = P(src[i]);
+  }
+
+  // token t's K (kind 0) or V (kind 1) row of a table row; ids clamped into the cache, as
+  // paged_decode.py's (a table slot past the context is never read: t < the context)
+  const P* row(const int64_t* table, int64_t t, int kind) const {
+    const int64_t block = std::clamp<int64_t>(table[t / block_size], 0, blocks - 1);
+    return base + block * block_stride + kind * v_offset + (t % block_size) * row_width;
+  }
+};
+
+// scores -> exp(score - max) in place; returns their sum, at least 1 (the max's own term is 1
+// wherever a token is valid; an empty context returns 1 and its output stays 0)
+float softmax(float* s, int64_t n) {
+  float mx = -1e30f;
+  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+  const __m256 m8 = _mm256_set1_ps(mx);
+  __m256 sum8 = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), m8));
+    _mm256_storeu_ps(s + t, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  float sum = hsum(sum8);
+  for (; t < n; ++t) {
+    s[t] = std::exp(s[t] - mx);
+    sum += s[t];
+  }
+  return std::max(sum, 1.0f);
 }
 
 }  // namespace
@@ -258,88 +308,63 @@ class CpuDecoder {
                         const torch::Tensor& kv, const torch::Tensor& tables,
                         const torch::Tensor& lens, const torch::Tensor& rope,
                         torch::Tensor& out) const {
-    const int64_t rows = qkv.size(0), stride = qkv.size(1), row_width = hk_ * d_;
-    const int64_t blocks = layer.pages.size(0), block_size = layer.pages.size(2);
-    const int64_t block_stride = layer.pages.stride(0), v_offset = layer.pages.stride(1);
-    const int64_t limit = (blocks - 1) * (block_stride / row_width) + 2 * block_size;
-    P* pages = layer.pages.data_ptr<P>();
+    const PageView<P> pages(layer.pages, hk_ * d_);
+    const int64_t rows = qkv.size(0), stride = qkv.size(1), width = tables.size(1);
     float* q = qkv.data_ptr<float>();
     const int64_t* p = pos.data_ptr<int64_t>();
     const int64_t* r = kv.data_ptr<int64_t>();
     for (int64_t b = 0; b < rows; ++b) {
       TORCH_CHECK(0 <= p[b] && p[b] < rope.size(0), "a position past the rotary table");
-      const float* cs = rope.data_ptr<float>() + p[b] * d_;
-      rotate(q + b * stride, hq_ + hk_, d_, cs);  // q's heads, then k's: adjacent in qkv
+      rotate(q + b * stride, hq_ + hk_, d_, rope.data_ptr<float>() + p[b] * d_);  // q, then k
       if (bf16_) round_bf16(q + b * stride, (hq_ + hk_) * d_);
-      for (int kind = 0; kind < 2; ++kind) {
-        const int64_t at = r[kind * rows + b];
-        TORCH_CHECK(0 <= at && at < limit, "a KV row outside the pages");
-        const float* src = q + b * stride + (hq_ + kind * hk_) * d_;
-        for (int64_t i = 0; i < row_width; ++i) pages[at * row_width + i] = P(src[i]);
+      for (int kind = 0; kind < 2; ++kind) {  // K, then V
+        pages.store(r[kind * rows + b], q + b * stride + (hq_ + kind * hk_) * d_);
       }
     }
-    const int64_t width = tables.size(1), group = hq_ / hk_;
     const int64_t* table = tables.data_ptr<int64_t>();
     const int64_t* len = lens.data_ptr<int64_t>();
-    std::vector<float> scores;
-    std::vector<float> acc(group * d_);
     for (int64_t b = 0; b < rows; ++b) {
-      const int64_t ctx = std::min(len[b], width * block_size);
-      scores.assign(group * std::max<int64_t>(ctx, 1) + 8, 0.0f);
+      const int64_t ctx = std::min(len[b], width * pages.block_size);
       for (int64_t g = 0; g < hk_; ++g) {
-        const float* qg = q + b * stride + g * group * d_;
-        // scores[j * ctx + t]: query head g * group + j against cached token t
-        for (int64_t t = 0; t < ctx; ++t) {
-          const int64_t block = std::clamp<int64_t>(table[b * width + t / block_size], 0, blocks - 1);
-          const P* k = pages + block * block_stride + (t % block_size) * row_width + g * d_;
-          for (int64_t j = 0; j < group; ++j) {
-            __m256 dot = _mm256_setzero_ps();
-            for (int64_t i = 0; i < d_; i += 8) {
-              dot = _mm256_fmadd_ps(_mm256_loadu_ps(qg + j * d_ + i), load8(k + i), dot);
-            }
-            scores[j * ctx + t] = hsum(dot) * scale_;
-          }
-        }
-        std::vector<float> denom(group, 0.0f);
-        for (int64_t j = 0; j < group; ++j) {
-          float* s = scores.data() + j * ctx;
-          float mx = -1e30f;
-          for (int64_t t = 0; t < ctx; ++t) mx = std::max(mx, s[t]);
-          const __m256 m8 = _mm256_set1_ps(mx);
-          __m256 sum8 = _mm256_setzero_ps();
-          int64_t t = 0;
-          for (; t + 8 <= ctx; t += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), m8));
-            _mm256_storeu_ps(s + t, e);
-            sum8 = _mm256_add_ps(sum8, e);
-          }
-          float sum = hsum(sum8);
-          for (; t < ctx; ++t) {
-            s[t] = std::exp(s[t] - mx);
-            sum += s[t];
-          }
-          denom[j] = std::max(sum, 1.0f);  // >= 1 where any token is valid (the max gives 1)
-        }
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t t = 0; t < ctx; ++t) {
-          const int64_t block = std::clamp<int64_t>(table[b * width + t / block_size], 0, blocks - 1);
-          const P* v =
-              pages + block * block_stride + v_offset + (t % block_size) * row_width + g * d_;
-          for (int64_t j = 0; j < group; ++j) {
-            const __m256 w = _mm256_set1_ps(scores[j * ctx + t]);
-            float* a = acc.data() + j * d_;
-            for (int64_t i = 0; i < d_; i += 8) {
-              _mm256_storeu_ps(a + i, _mm256_fmadd_ps(w, load8(v + i), _mm256_loadu_ps(a + i)));
-            }
-          }
-        }
-        float* o = out.data_ptr<float>() + b * hq_ * d_ + g * group * d_;
-        for (int64_t j = 0; j < group; ++j) {
-          for (int64_t i = 0; i < d_; ++i) o[j * d_ + i] = acc[j * d_ + i] / denom[j];
-        }
-        if (bf16_) round_bf16(o, group * d_);
+        float* o = out.data_ptr<float>() + (b * hq_ + g * (hq_ / hk_)) * d_;
+        attend(pages, table + b * width, ctx, g, q + b * stride + g * (hq_ / hk_) * d_, o);
       }
     }
+  }
+
+  // the query heads of KV head g (at q, adjacent) over ctx cached tokens of one table row
+  template <typename P>
+  void attend(const PageView<P>& pages, const int64_t* table, int64_t ctx, int64_t g,
+              const float* q, float* out) const {
+    const int64_t group = hq_ / hk_;
+    std::vector<float> scores(group * std::max<int64_t>(ctx, 1));  // [j * ctx + t]
+    for (int64_t t = 0; t < ctx; ++t) {
+      const P* k = pages.row(table, t, 0) + g * d_;
+      for (int64_t j = 0; j < group; ++j) {
+        __m256 dot = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d_; i += 8) {
+          dot = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d_ + i), load8(k + i), dot);
+        }
+        scores[j * ctx + t] = hsum(dot) * scale_;
+      }
+    }
+    std::vector<float> denom(group);
+    for (int64_t j = 0; j < group; ++j) denom[j] = softmax(scores.data() + j * ctx, ctx);
+    std::fill(out, out + group * d_, 0.0f);
+    for (int64_t t = 0; t < ctx; ++t) {
+      const P* v = pages.row(table, t, 1) + g * d_;
+      for (int64_t j = 0; j < group; ++j) {
+        const __m256 w = _mm256_set1_ps(scores[j * ctx + t]);
+        float* a = out + j * d_;
+        for (int64_t i = 0; i < d_; i += 8) {
+          _mm256_storeu_ps(a + i, _mm256_fmadd_ps(w, load8(v + i), _mm256_loadu_ps(a + i)));
+        }
+      }
+    }
+    for (int64_t j = 0; j < group; ++j) {
+      for (int64_t i = 0; i < d_; ++i) out[j * d_ + i] /= denom[j];
+    }
+    if (bf16_) round_bf16(out, group * d_);
   }
 
   int64_t hq_, hk_, d_;
