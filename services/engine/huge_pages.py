@@ -47,7 +47,10 @@ def huge_region(nbytes: int) -> tuple[torch.UntypedStorage, int]:
     and the byte offset in it where a 2 MiB-aligned span of ``nbytes`` starts."""
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
-        mapping.madvise(mmap.MADV_HUGEPAGE)
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel built without THP: EINVAL, and the region stays 4 KiB pages
+            log.debug("madvise(MADV_HUGEPAGE) refused: weights stay in 4 KiB pages")
     # frombuffer keeps the mapping alive as long as the storage
     region = torch.frombuffer(mapping, dtype=torch.uint8)
     start = -region.data_ptr() % HUGE_PAGE
