@@ -43,48 +43,59 @@ inline void widen16(const at::BFloat16* w, __m256& lo, __m256& hi) {
 
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
 
-// y[b, n] for b < R, n in [n0, n1): R rows of x against rows n of w. Four accumulators a row
-// of x (32 weights an iteration): with two, each iteration waited on the last one's FMAs, and
-// one row read bfloat16 weights at 85% of a plain sum's speed; with four at 90-95% (SmolLM2's
-// weights from huge pages, one thread: 10.6-9.7 ms a pass against 11.8-11.0).
+// R <= 2 rows of x against one weight row of k: four accumulators a row of x (32 weights an
+// iteration). With two, each iteration waited on the last one's FMAs, and one row read
+// bfloat16 weights at 85% of a plain sum's speed; with four at 90-95% (SmolLM2's weights from
+// huge pages, one thread: 10.6-9.7 ms a pass against 11.8-11.0). More rows take the same
+// (L1-resident) weight row again two at a time: four rows' sixteen accumulators would spill.
+template <typename W, int R>
+void dot_rows(const float* x, const W* row, int64_t k, float* sums) {
+  const int64_t k32 = k - k % 32, k16 = k - k % 16;
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int a = 0; a < 4; ++a) acc[r][a] = _mm256_setzero_ps();
+  }
+  for (int64_t i = 0; i < k32; i += 32) {
+    __m256 lo0, hi0, lo1, hi1;
+    widen16(row + i, lo0, hi0);
+    widen16(row + i + 16, lo1, hi1);
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * k + i;
+      acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), lo0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), hi0, acc[r][1]);
+      acc[r][2] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), lo1, acc[r][2]);
+      acc[r][3] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), hi1, acc[r][3]);
+    }
+  }
+  if (k32 < k16) {
+    __m256 lo, hi;
+    widen16(row + k32, lo, hi);
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * k + k32), lo, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * k + k32 + 8), hi, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256 sum4 = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][2]),
+                                      _mm256_add_ps(acc[r][1], acc[r][3]));
+    float sum = hsum(sum4);
+    for (int64_t i = k16; i < k; ++i) sum += x[r * k + i] * to_float(row[i]);
+    sums[r] = sum;
+  }
+}
+
+// y[b, n] for b < R, n in [n0, n1): R rows of x against rows n of w; a row's sums run in the
+// same order whatever R is
 template <typename W, int R>
 void gemv_rows(const float* x, const W* w, const float* scale, float* y, int64_t k, int64_t ldy,
                int64_t n0, int64_t n1) {
-  const int64_t k32 = k - k % 32, k16 = k - k % 16;
+  float sums[R];
   for (int64_t n = n0; n < n1; ++n) {
     const W* row = w + n * k;
-    __m256 acc[R][4];
-    for (int r = 0; r < R; ++r) {
-      for (int a = 0; a < 4; ++a) acc[r][a] = _mm256_setzero_ps();
-    }
-    for (int64_t i = 0; i < k32; i += 32) {
-      __m256 lo0, hi0, lo1, hi1;
-      widen16(row + i, lo0, hi0);
-      widen16(row + i + 16, lo1, hi1);
-      for (int r = 0; r < R; ++r) {
-        const float* xr = x + r * k + i;
-        acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), lo0, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), hi0, acc[r][1]);
-        acc[r][2] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), lo1, acc[r][2]);
-        acc[r][3] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), hi1, acc[r][3]);
-      }
-    }
-    if (k32 < k16) {
-      __m256 lo, hi;
-      widen16(row + k32, lo, hi);
-      for (int r = 0; r < R; ++r) {
-        acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * k + k32), lo, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * k + k32 + 8), hi, acc[r][1]);
-      }
-    }
+    for (int r = 0; r + 1 < R; r += 2) dot_rows<W, 2>(x + r * k, row, k, sums + r);
+    if (R % 2) dot_rows<W, 1>(x + (R - 1) * k, row, k, sums + R - 1);
     const float s = scale == nullptr ? 1.0f : scale[n];
-    for (int r = 0; r < R; ++r) {
-      const __m256 sum4 = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][2]),
-                                        _mm256_add_ps(acc[r][1], acc[r][3]));
-      float sum = hsum(sum4);
-      for (int64_t i = k16; i < k; ++i) sum += x[r * k + i] * to_float(row[i]);
-      y[r * ldy + n] = sum * s;
-    }
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = sums[r] * s;
   }
 }
 
