@@ -26,5 +26,6 @@ class ExecutionOptions:
     cpu_fused_decode: bool = opt(
         True,
         "a CPU decode step of 1-4 rows runs every layer in one C++ call (kernels/cpu_decode.cpp) "
-        "where the weights are float32 or INT8; otherwise compiled graphs serve it too",
+        "where the weights are float32, INT8 or bfloat16 and no LoRA is served; otherwise the "
+        "compiled graphs serve it too",
     )
