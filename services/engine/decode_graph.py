@@ -233,7 +233,6 @@ class DecodeGraphs:
         self.verify_steps += inputs.num_verifies > 0
         model = self.model
         h = model.embed_tokens(batch.input_ids)
-        # the first layer adds a zero residual: the same sums as the eager model, one graph
         if self._runs_fused(len(batch.input_ids)):
             self.fused_steps += 1
             meta = batch.meta
@@ -247,6 +246,7 @@ class DecodeGraphs:
             )
             h, _ = model.norm(h[: batch.rows], residual[: batch.rows])
             return h
+        # the first layer adds a zero residual: the same sums as the eager model, one graph
         residual = torch.zeros_like(h)
         for layer in model.decoder_layers():
             h, residual = self._layer(
