@@ -162,7 +162,7 @@ struct PageView {
         blocks(pages.size(0)),
         block_stride(pages.stride(0)),
         v_offset(pages.stride(1)),
-        limit((pages.size(0) - 1) * (pages.stride(0) / width) + 2 * pages.size(2)) {}
+        limit(kv_row_limit(pages, width)) {}
 
   // write one K or V row at `at` (graph_ops.kv_rows' numbering)
   void store(int64_t at, const float* src) const {

@@ -3,12 +3,19 @@
 
 #include <torch/extension.h>
 
+// the widest row group the kernels keep in registers (cpu_gemv.py's MAX_ROWS)
+constexpr int64_t kMaxRows = 4;
+
 // y = (x @ qweight.T) * scale: float32 x [B, K], int8 qweight [N, K], float32 scale [N]
 torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale);
 // y = x @ weight.T: float32 x [B, K], bfloat16 weight [N, K]
 torch::Tensor bf16_gemv(torch::Tensor x, torch::Tensor weight);
 // y = x @ weight.T: float32 x [B, K], float32 weight [N, K] stored column-major; block 0: auto
 torch::Tensor f32_colmajor_gemv(torch::Tensor x, torch::Tensor weight, int64_t block);
+
+// rows of width values a layer's block-major pages [blocks, 2, block_size, Hk, D] hold, counted
+// as graph_ops.kv_rows counts them: a K or V row index must stay below it
+int64_t kv_row_limit(const torch::Tensor& pages, int64_t width);
 
 // the fused decoder's Python class (cpu_decode.cpp)
 void bind_cpu_decoder(pybind11::module& m);

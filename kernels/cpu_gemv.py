@@ -38,7 +38,9 @@ log = logging.getLogger(__name__)
 # the widest row group the kernel keeps in registers: above it, the callers' GEMM paths win
 MAX_ROWS = 4
 
-_SOURCES = [Path(__file__).resolve().with_name(n) for n in ("cpu_gemv.cpp", "cpu_decode.cpp")]
+_SOURCES = [
+    Path(__file__).resolve().with_name(n) for n in ("cpu_gemv.cpp", "cpu_decode.cpp", "cpu_ops.cpp")
+]
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it (it links torch's own libgomp)
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 
