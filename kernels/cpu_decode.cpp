@@ -24,38 +24,10 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_attention.h"
 #include "cpu_gemv.h"
 
 namespace {
-
-// exp of 8 floats: 2^n * e^r with r in [-ln2/2, ln2/2] and a degree-6 polynomial (relative error
-// ~2e-7, as expf's last bits); inputs below -87 give 0, as the masked scores need
-inline __m256 exp8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.3f);
-  const __m256 too_small = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(too_small, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
 
 // each float to the nearest bfloat16 (ties to even), kept as a float; NaN-free inputs
 void round_bf16(float* p, int64_t n) {
@@ -69,12 +41,6 @@ void round_bf16(float* p, int64_t n) {
     _mm256_storeu_ps(p + i, _mm256_castsi256_ps(b));
   }
   for (; i < n; ++i) p[i] = static_cast<float>(c10::BFloat16(p[i]));
-}
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
 }
 
 // one projection: a column-major float32 weight, a row-major bfloat16 one, or INT8 rows with a
@@ -147,56 +113,6 @@ __attribute__((optimize("fp-contract=off"))) void rotate(float* x, int64_t heads
       v[half + i] = x2 * c + x1 * s;
     }
   }
-}
-
-// one layer's block-major pages [blocks, 2, block_size, Hk, D] as rows of Hk * D values
-template <typename P>
-struct PageView {
-  P* base;
-  int64_t row_width, block_size, blocks, block_stride, v_offset, limit;
-
-  PageView(const torch::Tensor& pages, int64_t width)
-      : base(pages.data_ptr<P>()),
-        row_width(width),
-        block_size(pages.size(2)),
-        blocks(pages.size(0)),
-        block_stride(pages.stride(0)),
-        v_offset(pages.stride(1)),
-        limit(kv_row_limit(pages, width)) {}
-
-  // write one K or V row at `at` (graph_ops.kv_rows' numbering)
-  void store(int64_t at, const float* src) const {
-    TORCH_CHECK(0 <= at && at < limit, "a KV row outside the pages");
-    for (int64_t i = 0; i < row_width; ++i) base[at * row_width + i] = P(src[i]);
-  }
-
-  // token t's K (kind 0) or V (kind 1) row of a table row; ids clamped into the cache, as
-  // paged_decode.py's (a table slot past the context is never read: t < the context)
-  const P* row(const int64_t* table, int64_t t, int kind) const {
-    const int64_t block = std::clamp<int64_t>(table[t / block_size], 0, blocks - 1);
-    return base + block * block_stride + kind * v_offset + (t % block_size) * row_width;
-  }
-};
-
-// scores -> exp(score - max) in place; returns their sum, at least 1 (the max's own term is 1
-// wherever a token is valid; an empty context returns 1 and its output stays 0)
-float softmax(float* s, int64_t n) {
-  float mx = -1e30f;
-  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
-  const __m256 m8 = _mm256_set1_ps(mx);
-  __m256 sum8 = _mm256_setzero_ps();
-  int64_t t = 0;
-  for (; t + 8 <= n; t += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), m8));
-    _mm256_storeu_ps(s + t, e);
-    sum8 = _mm256_add_ps(sum8, e);
-  }
-  float sum = hsum(sum8);
-  for (; t < n; ++t) {
-    s[t] = std::exp(s[t] - mx);
-    sum += s[t];
-  }
-  return std::max(sum, 1.0f);
 }
 
 }  // namespace
@@ -321,50 +237,10 @@ class CpuDecoder {
         pages.store(r[kind * rows + b], q + b * stride + (hq_ + kind * hk_) * d_);
       }
     }
-    const int64_t* table = tables.data_ptr<int64_t>();
-    const int64_t* len = lens.data_ptr<int64_t>();
-    for (int64_t b = 0; b < rows; ++b) {
-      const int64_t ctx = std::min(len[b], width * pages.block_size);
-      for (int64_t g = 0; g < hk_; ++g) {
-        float* o = out.data_ptr<float>() + (b * hq_ + g * (hq_ / hk_)) * d_;
-        attend(pages, table + b * width, ctx, g, q + b * stride + g * (hq_ / hk_) * d_, o);
-      }
-    }
-  }
-
-  // the query heads of KV head g (at q, adjacent) over ctx cached tokens of one table row
-  template <typename P>
-  void attend(const PageView<P>& pages, const int64_t* table, int64_t ctx, int64_t g,
-              const float* q, float* out) const {
-    const int64_t group = hq_ / hk_;
-    std::vector<float> scores(group * std::max<int64_t>(ctx, 1));  // [j * ctx + t]
-    for (int64_t t = 0; t < ctx; ++t) {
-      const P* k = pages.row(table, t, 0) + g * d_;
-      for (int64_t j = 0; j < group; ++j) {
-        __m256 dot = _mm256_setzero_ps();
-        for (int64_t i = 0; i < d_; i += 8) {
-          dot = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d_ + i), load8(k + i), dot);
-        }
-        scores[j * ctx + t] = hsum(dot) * scale_;
-      }
-    }
-    std::vector<float> denom(group);
-    for (int64_t j = 0; j < group; ++j) denom[j] = softmax(scores.data() + j * ctx, ctx);
-    std::fill(out, out + group * d_, 0.0f);
-    for (int64_t t = 0; t < ctx; ++t) {
-      const P* v = pages.row(table, t, 1) + g * d_;
-      for (int64_t j = 0; j < group; ++j) {
-        const __m256 w = _mm256_set1_ps(scores[j * ctx + t]);
-        float* a = out + j * d_;
-        for (int64_t i = 0; i < d_; i += 8) {
-          _mm256_storeu_ps(a + i, _mm256_fmadd_ps(w, load8(v + i), _mm256_loadu_ps(a + i)));
-        }
-      }
-    }
-    for (int64_t j = 0; j < group; ++j) {
-      for (int64_t i = 0; i < d_; ++i) out[j * d_ + i] /= denom[j];
-    }
-    if (bf16_) round_bf16(out, group * d_);
+    const HeadShape shape{hq_, hk_, d_, scale_};
+    attend_rows(pages, tables.data_ptr<int64_t>(), width, lens.data_ptr<int64_t>(), rows, shape,
+                q, stride, out.data_ptr<float>());
+    if (bf16_) round_bf16(out.data_ptr<float>(), out.numel());
   }
 
   int64_t hq_, hk_, d_;

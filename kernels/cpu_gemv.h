@@ -17,5 +17,10 @@ torch::Tensor f32_colmajor_gemv(torch::Tensor x, torch::Tensor weight, int64_t b
 // as graph_ops.kv_rows counts them: a K or V row index must stay below it
 int64_t kv_row_limit(const torch::Tensor& pages, int64_t width);
 
+// paged GQA decode attention over one layer's pages, in place (cpu_attention.cpp)
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& pages,
+                              const torch::Tensor& block_tables,
+                              const torch::Tensor& context_lens, double scale);
+
 // the fused decoder's Python class (cpu_decode.cpp)
 void bind_cpu_decoder(pybind11::module& m);

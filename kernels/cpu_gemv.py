@@ -19,6 +19,8 @@ Built on first use with torch's extension builder (g++ and ninja) into ``$PDSERV
 (``PDSERVE_NO_CPU_GEMV=1`` turns it off); ``available()`` is False elsewhere, or when the build
 fails, and the callers keep their torch path. The ops are registered with torch.library so a
 compiled decode step calls them as opaque ops (``torch.ops.pdserve.int8_gemv`` / ``bf16_gemv``).
+The same extension holds the fused decoder of 1-4 rows (``cpu_decode.cpp``) and the paged decode
+attention of the larger compiled steps (``cpu_attention.cpp``, ``paged_attention``).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 4
 
 _SOURCES = [
-    Path(__file__).resolve().with_name(n) for n in ("cpu_gemv.cpp", "cpu_decode.cpp", "cpu_ops.cpp")
+    Path(__file__).resolve().with_name(n)
+    for n in ("cpu_gemv.cpp", "cpu_decode.cpp", "cpu_attention.cpp", "cpu_ops.cpp")
 ]
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it (it links torch's own libgomp)
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
@@ -217,3 +220,37 @@ def f32_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     run time (a dynamic batch): the kernel for 1-MAX_ROWS rows, ``F.linear`` otherwise, each
     with the bias as the eager path adds it. Call only where ``available()``."""
     return torch.ops.pdserve.cpu_f32_linear(x, weight, bias)
+
+
+# paged decode attention over one layer's block-major pages, read in place (cpu_attention.cpp):
+# a compiled decode step's attention where the extension is built
+_LIB.define(
+    "paged_attention(Tensor q, Tensor pages, Tensor block_tables, Tensor context_lens,"
+    " float scale) -> Tensor"
+)
+
+
+def _paged_attention(
+    q: Tensor, pages: Tensor, block_tables: Tensor, context_lens: Tensor, scale: float
+) -> Tensor:
+    return _kernel().paged_attention(q, pages, block_tables, context_lens, scale)
+
+
+_LIB.impl("paged_attention", _paged_attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("pdserve::paged_attention")
+def _paged_attention_fake(
+    q: Tensor, pages: Tensor, block_tables: Tensor, context_lens: Tensor, scale: float
+) -> Tensor:
+    return q.new_empty(q.shape)
+
+
+def paged_attention(
+    q: Tensor, pages: Tensor, block_tables: Tensor, context_lens: Tensor, scale: float
+) -> Tensor:
+    """``paged_decode.paged_decode_attention`` of q [B, Hq, D] over one layer's float32 or
+    bfloat16 pages [blocks, 2, block_size, Hk, D] (block-major: ``graph_ops.fits``), as one
+    opaque op whose C++ kernel reads each row's K/V slices in place, a task per (row, KV head)
+    on every thread. Call only where ``available()``."""
+    return torch.ops.pdserve.paged_attention(q, pages, block_tables, context_lens, scale)

@@ -77,6 +77,7 @@ TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
   m.impl("int8_gemv", &int8_gemv_op);
   m.impl("bf16_gemv", &bf16_gemv_op);
   m.impl("store_kv_rows", &store_kv_rows);
+  m.impl("paged_attention", &paged_attention);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -84,5 +85,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_gemv", &bf16_gemv);
   m.def("f32_colmajor_gemv", &f32_colmajor_gemv, py::arg("x"), py::arg("weight"),
         py::arg("block") = 0);
+  m.def("paged_attention", &paged_attention);
   bind_cpu_decoder(m);
 }

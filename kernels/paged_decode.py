@@ -1,5 +1,9 @@
 """Paged decode attention that reads the KV pages in place: for the compiled CPU decode step.
 
+Where the C++ extension builds (an AVX2 CPU), the engine's compiled step calls its kernel instead
+(``cpu_gemv.paged_attention``, ``cpu_attention.cpp``: 1.3x this form at batch 16-64); this form
+serves elsewhere, and quantized caches' math is its reference.
+
 One query per sequence over its cached tokens, written in plain torch ops so that it
 
 - runs eagerly (correct; the gather then materializes each sequence's pages, any speed), and

@@ -122,6 +122,11 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    # a compiled decode step's attention through kernels/cpu_gemv.paged_attention, the C++ op
+    # over the pages (model_setup.use_cpu_gemv): 1.3x Inductor's form at batch 16-64
+    # (perf/paged_decode_bench.py)
+    _cpu_paged_attention: bool = False
+
     def __init__(self, cfg: ModelConfig, shard: Shard = SINGLE) -> None:
         super().__init__()
         # this rank's heads (all of them at TP 1): q/k/v are column-parallel, o row-parallel
@@ -224,9 +229,14 @@ class Attention(nn.Module):
         q, k = ops.rotated(positions, q, k, cos_sin)
         pages = self.kv_pages
         ops.store_kv_graph(k, v, pages, meta.kv_rows)
-        out = ops.paged_decode_attention(
-            q, pages[:, 0], pages[:, 1], meta.block_tables, meta.context_lens, self.scale
-        )
+        if self._cpu_paged_attention and pages.dtype in (torch.float32, torch.bfloat16):
+            out = cpu_gemv.paged_attention(
+                q, pages, meta.block_tables, meta.context_lens, self.scale
+            )
+        else:
+            out = ops.paged_decode_attention(
+                q, pages[:, 0], pages[:, 1], meta.block_tables, meta.context_lens, self.scale
+            )
         return self.shard.reduce(
             project(self.o_proj, out.reshape(-1, self.q_size), meta.lora_slots)
         )

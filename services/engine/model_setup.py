@@ -13,10 +13,9 @@ from pdserve.kernels import cpu_gemv
 from pdserve.services.engine import few_rows
 from pdserve.services.engine.huge_pages import move_to_huge_pages
 from pdserve.services.engine.loader import load_model
-from pdserve.services.engine.model import Linear, LlamaForCausalLM
+from pdserve.services.engine.model import Attention, Linear, LlamaForCausalLM
 from pdserve.services.engine.model_config import ModelConfig
 from pdserve.services.engine.parallel.shard import Shard
-from pdserve.services.engine.quant.int8_linear import CpuInt8Linear
 from pdserve.services.engine.quant.kv_cache import KVCacheSpec, kv_cache_spec
 from pdserve.shared.config import EngineConfig
 from pdserve.shared.kv.transfer.heads import Split
@@ -75,14 +74,13 @@ def use_cpu_gemv(model: nn.Module, device: torch.device) -> None:
     """Route few-row (decode) matmuls over CPU weights to ``kernels/cpu_gemv``: bfloat16 and
     column-major float32 linears here, INT8 ones in ``CpuInt8Linear`` itself. Builds the kernel
     now, while the model loads, so no step waits for the compiler; where it cannot build,
-    nothing changes.
+    nothing changes. The compiled decode step's attention takes the extension's op too.
     On the AVX2 CPU of issue 42 (one thread) oneDNN's bf16 matmul read its weights at ~40% of a
     plain sum of the same bytes, the kernel at ~65% (perf/README.md)."""
     if device.type != "cpu":
         return
     modules = list(model.modules())
     bf16 = [m for m in modules if isinstance(m, Linear) and m.weight.dtype == torch.bfloat16]
-    int8 = any(isinstance(m, CpuInt8Linear) for m in modules)
     # float32 weights laid out column-major (lay_out_for_gemv): 1-4 rows through the kernel
     f32 = [
         m
@@ -91,11 +89,15 @@ def use_cpu_gemv(model: nn.Module, device: torch.device) -> None:
         and m.weight.dtype == torch.float32
         and m.weight.t().is_contiguous()
     ]
-    if (bf16 or int8 or f32) and cpu_gemv.available():
-        for module in bf16:  # the bf16 kernel reads row-major weights
-            module._bf16_gemv = module.weight.is_contiguous()
-        for module in f32:
-            module._f32_colmajor = True
+    if not cpu_gemv.available():
+        return
+    for module in bf16:  # the bf16 kernel reads row-major weights
+        module._bf16_gemv = module.weight.is_contiguous()
+    for module in f32:
+        module._f32_colmajor = True
+    for module in modules:  # a compiled decode step's attention: the C++ op over the pages
+        if isinstance(module, Attention):
+            module._cpu_paged_attention = True
 
 
 def choose_few_row_forms(model: LlamaForCausalLM, device: torch.device) -> None:

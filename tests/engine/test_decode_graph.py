@@ -121,6 +121,8 @@ def test_int8_weights_compile_and_match_eager(checkpoints):
     model_dir = checkpoints["llama-gqa"]
     prompts = random_prompts(5, seed=15, max_len=20)
     eager, compiled = both(model_dir, dtype="float32", quantization="int8")
+    # ... and the graph's attention reads the float32 pages through the C++ op
+    assert compiled.runner.model.layers[0].self_attn._cpu_paged_attention == cpu_gemv.available()
     assert run_staggered(compiled, prompts, GREEDY) == run_staggered(eager, prompts, GREEDY)
     served_compiled(compiled)
 
@@ -134,6 +136,8 @@ def test_bf16_weights_take_the_gemv_kernel_and_match_eager(checkpoints):
     if cpu_gemv.available():
         model = compiled.runner.model
         assert model.lm_head._bf16_gemv and model.layers[0].mlp.down_proj._bf16_gemv
+        # batches 5 and 6 run the graph of bucket 8, its attention the C++ op over the pages
+        assert model.layers[0].self_attn._cpu_paged_attention
     assert run_staggered(compiled, prompts, GREEDY) == run_staggered(eager, prompts, GREEDY)
     served_compiled(compiled)
 
