@@ -3,6 +3,10 @@ against achieved FLOP/s (log), the memory roof (peak bytes/s x intensity) up to 
 compute roof after it, one labelled point per case.
 
     python -m perf.roofline_plot perf/results/roofline_bench.json perf/results/roofline_cpu.png
+    python -m perf.roofline_plot AFTER.json OUT.png BEFORE.json   # before and after, one machine
+
+With a second report (an earlier tree's run on the same machine), its cases are drawn hollow,
+each with an arrow to the same case of the first report: what changed between the two trees.
 """
 
 from __future__ import annotations
@@ -22,14 +26,19 @@ STYLE = {  # (phase, weights) -> marker, colour
 }
 
 
-def plot(report: dict, path: Path) -> None:
+def measured(report: dict) -> list[dict]:
+    return [c for c in report["cases"] if "intensity" in c["result"]]
+
+
+def plot(report: dict, path: Path, before: dict | None = None) -> None:
     matplotlib.use("Agg")  # files only, never a display
     import matplotlib.pyplot as plt
 
-    cases = [c for c in report["cases"] if "intensity" in c["result"]]  # measured ones
+    cases = measured(report)
+    earlier = measured(before) if before is not None else []
     roof = report["peaks"]["roof"]
     peak_f, peak_b = roof["flops_per_s"], roof["bytes_per_s"]
-    xs = [c["result"]["intensity"] for c in cases]
+    xs = [c["result"]["intensity"] for c in cases + earlier]
     lo = min([*xs, roof["ridge"]]) / 4
     hi = max([*xs, roof["ridge"]]) * 4
     grid = np.logspace(np.log10(lo), np.log10(hi), 400)
@@ -95,10 +104,32 @@ def plot(report: dict, path: Path) -> None:
             fontsize=7,
             color=colour,
         )
+    after = {c["name"]: c["result"] for c in cases}
+    for c in earlier:  # the earlier tree: hollow, an arrow to where the case is now
+        r, key = c["result"], (c["phase"], c["weights"])
+        marker, colour = STYLE.get(key, ("x", "tab:purple"))
+        ax.scatter(
+            r["intensity"],
+            r["flops_per_s"],
+            marker=marker,
+            facecolors="none",
+            edgecolors=colour,
+            s=45,
+            zorder=2,
+            label="before" if c is earlier[0] else None,
+        )
+        now = after.get(c["name"])
+        if now is not None:
+            ax.annotate(
+                "",
+                xy=(now["intensity"], now["flops_per_s"]),
+                xytext=(r["intensity"], r["flops_per_s"]),
+                arrowprops={"arrowstyle": "->", "color": colour, "lw": 0.7, "alpha": 0.6},
+            )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)
-    ys = [c["result"]["flops_per_s"] for c in cases]
+    ys = [c["result"]["flops_per_s"] for c in cases + earlier]
     ax.set_ylim(min([*ys, peak_b * lo]) / 2, peak_f * 2)
     ax.set_xlabel("arithmetic intensity (FLOP / byte moved)")
     ax.set_ylabel("achieved FLOP/s (over the forward passes' wall time)")
@@ -113,4 +144,5 @@ def plot(report: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    plot(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]))
+    earlier = json.loads(Path(sys.argv[3]).read_text()) if len(sys.argv) > 3 else None
+    plot(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]), earlier)

@@ -270,3 +270,14 @@ def test_roofline_bench_reads_each_pass_against_both_peaks(tmp_path: Path) -> No
     prefill = ModelCost(shape, Storage(0, 0, 0, 0)).cost(step_shape([64], [0], 0, False, 1, 1))
     assert cases["prefill 64"]["rounds"][1]["flops"] == prefill.flops
     assert png.read_bytes().startswith(b"\x89PNG") and png.stat().st_size > 20_000
+    # before and after: an earlier report's cases hollow, an arrow to each case now
+    halved = json.loads(out.read_text())
+    for c in halved["cases"]:
+        c["result"]["flops_per_s"] /= 2
+    (tmp_path / "before.json").write_text(json.dumps(halved))
+    both = tmp_path / "both.png"
+    proc = run_module(
+        "perf.roofline_plot", str(out), str(both), str(tmp_path / "before.json"), timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert both.stat().st_size > png.stat().st_size  # the extra points and arrows
