@@ -219,11 +219,14 @@ struct RowRange {
   int64_t begin, end;
 };
 
+// zero: start y[r, n0:n1] at 0 (else add to it: a later block of weight rows)
 template <int R>
 void colmajor_rows(const float* x, const float* wt, float* y, int64_t k, int64_t n,
-                   int64_t block, RowRange rows, int64_t n0, int64_t n1) {
+                   int64_t block, RowRange rows, int64_t n0, int64_t n1, bool zero = true) {
   const int64_t n16 = n0 + (n1 - n0) / 16 * 16;
-  for (int r = 0; r < R; ++r) std::fill(y + r * n + n0, y + r * n + n1, 0.0f);
+  if (zero) {
+    for (int r = 0; r < R; ++r) std::fill(y + r * n + n0, y + r * n + n1, 0.0f);
+  }
   for (int64_t k0 = rows.begin; k0 < rows.end; k0 += block) {
     const int64_t k1 = std::min(rows.end, k0 + block);
     for (int64_t j = n0; j < n16; j += 16) {
@@ -258,12 +261,35 @@ void colmajor_rows(const float* x, const float* wt, float* y, int64_t k, int64_t
 }
 
 void colmajor_group(const float* x, const float* wt, float* y, int64_t rows, int64_t k, int64_t n,
-                    int64_t block, RowRange range) {
+                    int64_t block, RowRange range, int64_t n0 = 0, int64_t n1 = -1,
+                    bool zero = true) {
+  n1 = n1 < 0 ? n : n1;
   switch (rows) {
-    case 1: return colmajor_rows<1>(x, wt, y, k, n, block, range, 0, n);
-    case 2: return colmajor_rows<2>(x, wt, y, k, n, block, range, 0, n);
-    case 3: return colmajor_rows<3>(x, wt, y, k, n, block, range, 0, n);
-    default: return colmajor_rows<4>(x, wt, y, k, n, block, range, 0, n);
+    case 1: return colmajor_rows<1>(x, wt, y, k, n, block, range, n0, n1, zero);
+    case 2: return colmajor_rows<2>(x, wt, y, k, n, block, range, n0, n1, zero);
+    case 3: return colmajor_rows<3>(x, wt, y, k, n, block, range, n0, n1, zero);
+    default: return colmajor_rows<4>(x, wt, y, k, n, block, range, n0, n1, zero);
+  }
+}
+
+// More rows than a register group holds: a GEMM over the column-major weight. Tiles of kTileN
+// columns by kTileK weight rows (32 KiB of weight, in L1/L2) serve every group of 4 rows of x in
+// turn, so the weight comes from memory once, where groups streaming all of it each read it
+// once a group. Each y element still sums its products in weight-row order.
+constexpr int64_t kTileN = 128;
+constexpr int64_t kTileK = 256;
+
+void colmajor_tiled(const float* x, const float* wt, float* y, int64_t b, int64_t k, int64_t n,
+                    RowRange range) {
+  for (int64_t n0 = 0; n0 < n; n0 += kTileN) {
+    const int64_t n1 = std::min(n, n0 + kTileN);
+    for (int64_t k0 = range.begin; k0 < range.end; k0 += kTileK) {
+      const RowRange tile{k0, std::min(range.end, k0 + kTileK)};
+      for (int64_t r = 0; r < b; r += kMaxRows) {
+        colmajor_group(x + r * k, wt, y + r * n, std::min(kMaxRows, b - r), k, n, kTileK, tile,
+                       n0, n1, /*zero=*/k0 == range.begin);
+      }
+    }
   }
 }
 
@@ -325,6 +351,10 @@ torch::Tensor f32_colmajor_gemv(torch::Tensor x, torch::Tensor weight, int64_t b
   at::parallel_for(0, runs, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const RowRange range{k * c / runs, k * (c + 1) / runs};
+      if (b > kMaxRows) {
+        colmajor_tiled(xp, wp, pp + c * b * n, b, k, n, range);
+        continue;
+      }
       for (int64_t r = 0; r < b; r += kMaxRows) {
         colmajor_group(xp + r * k, wp, pp + (c * b + r) * n, std::min(kMaxRows, b - r), k, n,
                        rows_per_block, range);

@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 # the widest row group the kernel keeps in registers: above it, the callers' GEMM paths win
 MAX_ROWS = 4
+# float32 column-major weights only: up to this many rows the kernel tiles the weight and beats
+# MKL's GEMM, which copies the column-major weight into its packed form on every call (cpu_gemv.h)
+MAX_GEMM_ROWS = 48
 
 _SOURCES = [
     Path(__file__).resolve().with_name(n)
@@ -189,13 +192,13 @@ def bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def f32_rows(rows: int) -> bool:
-    """Whether the float32 kernel takes a matmul of this many rows: 1 to MAX_ROWS (more are a
-    GEMM that amortises)."""
-    return 1 <= rows <= MAX_ROWS
+    """Whether the float32 kernel takes a matmul of this many rows: 1 to MAX_GEMM_ROWS (above
+    it, MKL's GEMM)."""
+    return 1 <= rows <= MAX_GEMM_ROWS
 
 
 def f32_linear_now(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``F.linear`` of a column-major float32 ``weight`` [N, K] over 1-MAX_ROWS rows of a 2-D
+    """``F.linear`` of a column-major float32 ``weight`` [N, K] over 1-MAX_GEMM_ROWS rows of a 2-D
     float32 ``x``, through the kernel, called directly (eager: no dispatcher hop)."""
     y = _kernel().f32_colmajor_gemv(x.contiguous(), weight)
     return y if bias is None else y + bias
@@ -217,7 +220,7 @@ def _cpu_f32_linear_fake(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tens
 
 def f32_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``f32_linear_now`` as one opaque op, for a compiled step whose row count is known only at
-    run time (a dynamic batch): the kernel for 1-MAX_ROWS rows, ``F.linear`` otherwise, each
+    run time (a dynamic batch): the kernel for 1-MAX_GEMM_ROWS rows, ``F.linear`` otherwise, each
     with the bias as the eager path adds it. Call only where ``available()``."""
     return torch.ops.pdserve.cpu_f32_linear(x, weight, bias)
 

@@ -16,8 +16,8 @@
 
 torch::Tensor cpu_f32_linear(const torch::Tensor& x, const torch::Tensor& weight,
                              const std::optional<torch::Tensor>& bias) {
-  if (x.dim() != 2 || x.size(0) < 1 || x.size(0) > kMaxRows) {
-    return at::linear(x, weight, bias);  // a GEMM amortises; as F.linear
+  if (x.dim() != 2 || x.size(0) < 1 || x.size(0) > kMaxGemmRows) {
+    return at::linear(x, weight, bias);  // MKL's GEMM catches up; as F.linear
   }
   auto y = f32_colmajor_gemv(x.contiguous(), weight, 0);
   return bias.has_value() ? y.add_(*bias) : y;
