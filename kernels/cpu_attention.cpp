@@ -5,7 +5,7 @@
 // weighted V sum reads each page once per 8 lanes of D. Here a task reads each block's K and V
 // rows once, where the page holds it, with its accumulators in registers (cpu_attention.h).
 // Measured side by side (perf/paged_decode_bench.py, SmolLM2's heads, fp32, pages from memory):
-// 1.3x Inductor's form at batch 16 and 64 (26-29% of the read roof against 20-22%), 2-3x at
+// 1.3x Inductor's form at batch 16 and 64 (26-29% of the read roof against 20-22%), 1.4-2.8x at
 // batch 1. What holds both far from the roof is the core's misses in flight: a plain sum over
 // the same 24 KiB runs of a block reads 10-17 GB/s on one core, a contiguous one 25-28.
 
