@@ -15,7 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include "cpu_gemv.h"
-#include <immintrin.h>
+#include "cpu_simd.h"
 
 #include <algorithm>
 #include <cmath>
@@ -24,14 +24,6 @@
 #include <vector>
 
 namespace {
-
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
 
 // 16 bfloat16 weights from w as two vectors of 8 floats: a bf16 is a float's high half
 inline void widen16(const at::BFloat16* w, __m256& lo, __m256& hi) {
@@ -222,7 +214,7 @@ struct RowRange {
 // zero: start y[r, n0:n1] at 0 (else add to it: a later block of weight rows)
 template <int R>
 void colmajor_rows(const float* x, const float* wt, float* y, int64_t k, int64_t n,
-                   int64_t block, RowRange rows, int64_t n0, int64_t n1, bool zero = true) {
+                   int64_t block, RowRange rows, int64_t n0, int64_t n1, bool zero) {
   const int64_t n16 = n0 + (n1 - n0) / 16 * 16;
   if (zero) {
     for (int r = 0; r < R; ++r) std::fill(y + r * n + n0, y + r * n + n1, 0.0f);
@@ -260,10 +252,9 @@ void colmajor_rows(const float* x, const float* wt, float* y, int64_t k, int64_t
   }
 }
 
+// rows <= kMaxRows of x against columns [n0, n1) of the weight (zero: as colmajor_rows')
 void colmajor_group(const float* x, const float* wt, float* y, int64_t rows, int64_t k, int64_t n,
-                    int64_t block, RowRange range, int64_t n0 = 0, int64_t n1 = -1,
-                    bool zero = true) {
-  n1 = n1 < 0 ? n : n1;
+                    int64_t block, RowRange range, int64_t n0, int64_t n1, bool zero) {
   switch (rows) {
     case 1: return colmajor_rows<1>(x, wt, y, k, n, block, range, n0, n1, zero);
     case 2: return colmajor_rows<2>(x, wt, y, k, n, block, range, n0, n1, zero);
@@ -357,7 +348,7 @@ torch::Tensor f32_colmajor_gemv(torch::Tensor x, torch::Tensor weight, int64_t b
       }
       for (int64_t r = 0; r < b; r += kMaxRows) {
         colmajor_group(xp + r * k, wp, pp + (c * b + r) * n, std::min(kMaxRows, b - r), k, n,
-                       rows_per_block, range);
+                       rows_per_block, range, 0, n, /*zero=*/true);
       }
     }
   });
