@@ -37,7 +37,8 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-# the widest row group the kernel keeps in registers: above it, the callers' GEMM paths win
+# the widest row group the kernels keep in registers: above it, INT8 and bfloat16 take the
+# callers' GEMM paths, and the fused decoder (cpu_decode.cpp) hands the step to the graphs
 MAX_ROWS = 4
 # float32 column-major weights only: up to this many rows the kernel tiles the weight and beats
 # MKL's GEMM, which copies the column-major weight into its packed form on every call (cpu_gemv.h)
@@ -254,6 +255,7 @@ def paged_attention(
 ) -> Tensor:
     """``paged_decode.paged_decode_attention`` of q [B, Hq, D] over one layer's float32 or
     bfloat16 pages [blocks, 2, block_size, Hk, D] (block-major: ``graph_ops.fits``), as one
-    opaque op whose C++ kernel reads each row's K/V slices in place, a task per (row, KV head)
-    on every thread. Call only where ``available()``."""
+    opaque op whose C++ kernel reads each row's blocks in place, a task per row (per row and KV
+    head where there are fewer rows than threads) on every thread. Call only where
+    ``available()``."""
     return torch.ops.pdserve.paged_attention(q, pages, block_tables, context_lens, scale)

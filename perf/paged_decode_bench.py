@@ -13,7 +13,7 @@ between two reads of one layer's pages, so they come from memory.
   True)``, the block count dynamic (``mark_dynamic``), one compile per batch size (the engine's
   bucket) and thread count: the second context reuses the graph (checked: ``recompiles``).
 - **cpp**: ``kernels/cpu_gemv.paged_attention``, the extension's C++ op (``cpu_attention.cpp``)
-  over the layer's block-major pages, a task per (sequence, KV head) on every thread: what the
+  over the layer's block-major pages, a task per sequence on every thread: what the
   engine's compiled step calls where the extension builds (its CPU has AVX2), the compiled form
   elsewhere.
 - **twin**: ``reference.decode_attention`` with its ``DecodePlan`` made once outside the timing,
