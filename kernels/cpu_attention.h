@@ -93,25 +93,33 @@ inline void block_scores(const P* k, int64_t rw, int64_t n, int64_t d, const flo
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) {
     if (next) {
+      PDSERVE_UNROLL
       for (int u = 0; u < 4; ++u) prefetch_lines(next + (t + u) * rw, d * int64_t(sizeof(P)));
     }
     __m256 acc[G][4];
+    PDSERVE_UNROLL
     for (int j = 0; j < G; ++j) {
+      PDSERVE_UNROLL
       for (int u = 0; u < 4; ++u) acc[j][u] = _mm256_setzero_ps();
     }
     for (int64_t i = 0; i < d; i += 8) {
       __m256 qv[G];
+      PDSERVE_UNROLL
       for (int j = 0; j < G; ++j) qv[j] = _mm256_loadu_ps(q + j * d + i);
+      PDSERVE_UNROLL
       for (int u = 0; u < 4; ++u) {
         const __m256 kv = load8(k + (t + u) * rw + i);
+        PDSERVE_UNROLL
         for (int j = 0; j < G; ++j) acc[j][u] = _mm256_fmadd_ps(qv[j], kv, acc[j][u]);
       }
     }
+    PDSERVE_UNROLL
     for (int j = 0; j < G; ++j) {
       _mm_storeu_ps(scores + j * bs + t, _mm_mul_ps(hsum4(acc[j]), _mm_set1_ps(scale)));
     }
   }
   for (; t < n; ++t) {
+    PDSERVE_UNROLL
     for (int j = 0; j < G; ++j) {
       __m256 dot = _mm256_setzero_ps();
       for (int64_t i = 0; i < d; i += 8) {
@@ -130,19 +138,26 @@ inline void block_values(const P* v, int64_t rw, int64_t n, int64_t d, const flo
                          int64_t bs, float* out, const P* next) {
   for (int64_t i0 = 0; i0 < d; i0 += 8 * C) {
     __m256 acc[G][C];
+    PDSERVE_UNROLL
     for (int j = 0; j < G; ++j) {
+      PDSERVE_UNROLL
       for (int c = 0; c < C; ++c) acc[j][c] = _mm256_loadu_ps(out + j * d + i0 + 8 * c);
     }
     for (int64_t t = 0; t < n; ++t) {
       if (next) prefetch_lines(next + t * rw + i0, 8 * C * int64_t(sizeof(P)));
       __m256 w[G];
+      PDSERVE_UNROLL
       for (int j = 0; j < G; ++j) w[j] = _mm256_broadcast_ss(weights + j * bs + t);
+      PDSERVE_UNROLL
       for (int c = 0; c < C; ++c) {
         const __m256 vv = load8(v + t * rw + i0 + 8 * c);
+        PDSERVE_UNROLL
         for (int j = 0; j < G; ++j) acc[j][c] = _mm256_fmadd_ps(w[j], vv, acc[j][c]);
       }
     }
+    PDSERVE_UNROLL
     for (int j = 0; j < G; ++j) {
+      PDSERVE_UNROLL
       for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + j * d + i0 + 8 * c, acc[j][c]);
     }
   }

@@ -8,8 +8,9 @@
 // multiply-adds with it, so the loops below are built to keep up with the bus: INT8 in exact
 // integers, 32 weights a maddubs; bfloat16 widened to float32 in registers (a shift).
 //
-// Weights are row-major [N, K] (K contiguous), float32 ones column-major; x is float32 [B, K];
-// the rows of x are taken in groups of up to 4, so the weight is read once per group.
+// Weights are row-major [N, K] (K contiguous); x is float32 [B, K]; the rows of x are taken in
+// groups of up to 4, so the weight is read once per group. Float32 weights stored column-major
+// have kernels of their own (cpu_colmajor.cpp).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -43,13 +44,16 @@ template <typename W, int R>
 void dot_rows(const float* x, const W* row, int64_t k, float* sums) {
   const int64_t k32 = k - k % 32, k16 = k - k % 16;
   __m256 acc[R][4];
+  PDSERVE_UNROLL
   for (int r = 0; r < R; ++r) {
+    PDSERVE_UNROLL
     for (int a = 0; a < 4; ++a) acc[r][a] = _mm256_setzero_ps();
   }
   for (int64_t i = 0; i < k32; i += 32) {
     __m256 lo0, hi0, lo1, hi1;
     widen16(row + i, lo0, hi0);
     widen16(row + i + 16, lo1, hi1);
+    PDSERVE_UNROLL
     for (int r = 0; r < R; ++r) {
       const float* xr = x + r * k + i;
       acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), lo0, acc[r][0]);
@@ -61,11 +65,13 @@ void dot_rows(const float* x, const W* row, int64_t k, float* sums) {
   if (k32 < k16) {
     __m256 lo, hi;
     widen16(row + k32, lo, hi);
+    PDSERVE_UNROLL
     for (int r = 0; r < R; ++r) {
       acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * k + k32), lo, acc[r][0]);
       acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * k + k32 + 8), hi, acc[r][1]);
     }
   }
+  PDSERVE_UNROLL
   for (int r = 0; r < R; ++r) {
     const __m256 sum4 = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][2]),
                                       _mm256_add_ps(acc[r][1], acc[r][3]));
@@ -86,6 +92,7 @@ void gemv_rows(const float* x, const W* w, const float* scale, float* y, int64_t
     for (int r = 0; r + 1 < R; r += 2) dot_rows<W, 2>(x + r * k, row, k, sums + r);
     if (R % 2) dot_rows<W, 1>(x + (R - 1) * k, row, k, sums + R - 1);
     const float s = scale == nullptr ? 1.0f : scale[n];
+    PDSERVE_UNROLL
     for (int r = 0; r < R; ++r) y[r * ldy + n] = sums[r] * s;
   }
 }
@@ -147,16 +154,19 @@ void int8_rows(const int8_t* x, const float* xs, const int8_t* w, const float* s
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* row = w + n * k;
     __m256i acc[R];
+    PDSERVE_UNROLL
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
     for (int64_t i = 0; i < k32; i += 32) {
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i));
       const __m256i wa = _mm256_sign_epi8(wv, wv);
+      PDSERVE_UNROLL
       for (int r = 0; r < R; ++r) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * k + i));
         const __m256i p16 = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, wv));
         acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(p16, ones));
       }
     }
+    PDSERVE_UNROLL
     for (int r = 0; r < R; ++r) {
       int32_t sum = hsum_epi32(acc[r]);
       for (int64_t i = k32; i < k; ++i) sum += int32_t(x[r * k + i]) * int32_t(row[i]);
@@ -175,8 +185,11 @@ void int8_group(const int8_t* x, const float* xs, const int8_t* w, const float* 
   }
 }
 
+
+}  // namespace
+
 // x a contiguous float32 [B, K] and w a [N, K] weight on the CPU, row- or column-major
-void check(const torch::Tensor& x, const torch::Tensor& w, bool column_major = false) {
+void check_linear(const torch::Tensor& x, const torch::Tensor& w, bool column_major) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x: contiguous float32 [B, K]");
   TORCH_CHECK(w.dim() == 2 && w.size(1) == x.size(1), "w: [N, K]");
@@ -185,114 +198,13 @@ void check(const torch::Tensor& x, const torch::Tensor& w, bool column_major = f
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "CPU tensors");
 }
 
-// y[r, n0:n1] for r < R: R rows of x against a float32 weight stored column-major, wt its
-// transpose [K, N] contiguous (model_setup.lay_out_for_gemv's layout, where MKL's one-row GEMV
-// reads at the bus's speed but its GEMM of 2-4 rows at 40-60% of it). The weight streams in
-// blocks of `block` rows: within a block, 16 columns at a time read one 64-byte line from each
-// row, and the R x 16 partial sums stay in registers across a block and in y across blocks.
-// - One row over a narrow weight (R x N sums within kSequentialBytes, in L1): blocks of one
-//   row, so the weight streams front to back as one sequence, as a plain sum reads it. On issue
-//   42's second CPU (Zen 4, weights in 2 MiB pages, one thread) SmolLM2's decoder linears took
-//   17.1 ms so against 24.7 ms in blocks of 8 (a plain sum: 15.3).
-// - Otherwise blocks of kBlockK rows: the next 16 columns continue kBlockK streams the
-//   prefetcher follows, and y is read and written once per block, not once per weight row (a
-//   113 MB LM head's 49152 sums are 192 KiB). On the first CPU (AVX2, one thread) 4 rows took
-//   31 ms in blocks of 4, 24-26 ms in blocks of 8, 48 ms in blocks of 32.
-// A row's sums run in the same order whatever R is, so 3 rows padded to 4 give the same 3 results.
-constexpr int64_t kBlockK = 8;
-constexpr int64_t kSequentialBytes = 16 * 1024;
-
-int64_t block_rows(int64_t rows, int64_t n) {
-  return rows == 1 && n * int64_t(sizeof(float)) <= kSequentialBytes ? 1 : kBlockK;
-}
-
-// weight rows [kb, ke) of a column-major weight: what one thread streams
-struct RowRange {
-  int64_t begin, end;
-};
-
-// zero: start y[r, n0:n1] at 0 (else add to it: a later block of weight rows)
-template <int R>
-void colmajor_rows(const float* x, const float* wt, float* y, int64_t k, int64_t n,
-                   int64_t block, RowRange rows, int64_t n0, int64_t n1, bool zero) {
-  const int64_t n16 = n0 + (n1 - n0) / 16 * 16;
-  if (zero) {
-    for (int r = 0; r < R; ++r) std::fill(y + r * n + n0, y + r * n + n1, 0.0f);
-  }
-  for (int64_t k0 = rows.begin; k0 < rows.end; k0 += block) {
-    const int64_t k1 = std::min(rows.end, k0 + block);
-    for (int64_t j = n0; j < n16; j += 16) {
-      __m256 lo[R], hi[R];
-      for (int r = 0; r < R; ++r) {
-        lo[r] = _mm256_loadu_ps(y + r * n + j);
-        hi[r] = _mm256_loadu_ps(y + r * n + j + 8);
-      }
-      for (int64_t i = k0; i < k1; ++i) {
-        const float* row = wt + i * n + j;
-        const __m256 w0 = _mm256_loadu_ps(row), w1 = _mm256_loadu_ps(row + 8);
-        for (int r = 0; r < R; ++r) {
-          const __m256 xv = _mm256_broadcast_ss(x + r * k + i);
-          lo[r] = _mm256_fmadd_ps(xv, w0, lo[r]);
-          hi[r] = _mm256_fmadd_ps(xv, w1, hi[r]);
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        _mm256_storeu_ps(y + r * n + j, lo[r]);
-        _mm256_storeu_ps(y + r * n + j + 8, hi[r]);
-      }
-    }
-    for (int64_t j = n16; j < n1; ++j) {
-      for (int r = 0; r < R; ++r) {
-        float sum = y[r * n + j];
-        // fused, as the vector columns: the same sums whatever the block and row count
-        for (int64_t i = k0; i < k1; ++i) sum = std::fma(x[r * k + i], wt[i * n + j], sum);
-        y[r * n + j] = sum;
-      }
-    }
-  }
-}
-
-// rows <= kMaxRows of x against columns [n0, n1) of the weight (zero: as colmajor_rows')
-void colmajor_group(const float* x, const float* wt, float* y, int64_t rows, int64_t k, int64_t n,
-                    int64_t block, RowRange range, int64_t n0, int64_t n1, bool zero) {
-  switch (rows) {
-    case 1: return colmajor_rows<1>(x, wt, y, k, n, block, range, n0, n1, zero);
-    case 2: return colmajor_rows<2>(x, wt, y, k, n, block, range, n0, n1, zero);
-    case 3: return colmajor_rows<3>(x, wt, y, k, n, block, range, n0, n1, zero);
-    default: return colmajor_rows<4>(x, wt, y, k, n, block, range, n0, n1, zero);
-  }
-}
-
-// More rows than a register group holds: a GEMM over the column-major weight. Tiles of kTileN
-// columns by kTileK weight rows (32 KiB of weight, in L1/L2) serve every group of 4 rows of x in
-// turn, so the weight comes from memory once, where groups streaming all of it each read it
-// once a group. Each y element still sums its products in weight-row order.
-constexpr int64_t kTileN = 128;
-constexpr int64_t kTileK = 256;
-
-void colmajor_tiled(const float* x, const float* wt, float* y, int64_t b, int64_t k, int64_t n,
-                    RowRange range) {
-  for (int64_t n0 = 0; n0 < n; n0 += kTileN) {
-    const int64_t n1 = std::min(n, n0 + kTileN);
-    for (int64_t k0 = range.begin; k0 < range.end; k0 += kTileK) {
-      const RowRange tile{k0, std::min(range.end, k0 + kTileK)};
-      for (int64_t r = 0; r < b; r += kMaxRows) {
-        colmajor_group(x + r * k, wt, y + r * n, std::min(kMaxRows, b - r), k, n, kTileK, tile,
-                       n0, n1, /*zero=*/k0 == range.begin);
-      }
-    }
-  }
-}
-
-}  // namespace
-
 // y = (x @ qweight.T) * scale: int8 qweight [N, K], one float32 scale per output channel.
 // Each row of x is first rounded to int8 with one scale of its own (symmetric, 127 levels, as
 // llama.cpp's Q8_0 rounds its activations per block), so the products are exact integers:
 // _mm256_maddubs_epi16 multiplies 32 weight bytes by 32 activation bytes a uop, and a row's
 // sums stay in int32 (|q| <= 127: 127 * 127 * K fits for K < 133,000).
 torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale) {
-  check(x, qweight);
+  check_linear(x, qweight, /*column_major=*/false);
   TORCH_CHECK(qweight.scalar_type() == at::kChar, "qweight: int8");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
                   scale.numel() == qweight.size(0),
@@ -317,44 +229,7 @@ torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor sc
 
 // y = x @ weight.T, bfloat16 weight [N, K], float32 x and y
 torch::Tensor bf16_gemv(torch::Tensor x, torch::Tensor weight) {
-  check(x, weight);
+  check_linear(x, weight, /*column_major=*/false);
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "weight: bfloat16");
   return gemv<at::BFloat16>(x, weight, nullptr);
-}
-
-// y = x @ weight.T, float32 weight [N, K] stored column-major (weight.t() contiguous); block:
-// weight rows per block, 0 = block_rows' choice (another value is for perf/gemv_bench)
-torch::Tensor f32_colmajor_gemv(torch::Tensor x, torch::Tensor weight, int64_t block) {
-  check(x, weight, /*column_major=*/true);
-  TORCH_CHECK(weight.scalar_type() == at::kFloat, "weight: float32");
-  const int64_t b = x.size(0), k = x.size(1), n = weight.size(0);
-  auto y = torch::empty({b, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  const int64_t rows_per_block = block > 0 ? block : block_rows(std::min(b, kMaxRows), n);
-  // Threads split the weight's rows, not its columns: each streams one contiguous run of the
-  // weight into sums of its own (split by columns, every thread reads short pieces of every
-  // row), and the runs' sums add in run order, so a row's result is the same whatever rows are
-  // beside it. SmolLM2's LM head at one row: 9.3 ms on one thread, 4.6 on two.
-  const int64_t runs = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), k / 64));
-  auto partial = runs == 1 ? y : torch::empty({runs, b, n}, x.options());
-  float* pp = partial.data_ptr<float>();
-  at::parallel_for(0, runs, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      const RowRange range{k * c / runs, k * (c + 1) / runs};
-      if (b > kMaxRows) {
-        colmajor_tiled(xp, wp, pp + c * b * n, b, k, n, range);
-        continue;
-      }
-      for (int64_t r = 0; r < b; r += kMaxRows) {
-        colmajor_group(xp + r * k, wp, pp + (c * b + r) * n, std::min(kMaxRows, b - r), k, n,
-                       rows_per_block, range, 0, n, /*zero=*/true);
-      }
-    }
-  });
-  if (runs > 1) {
-    y.copy_(partial[0]);
-    for (int64_t c = 1; c < runs; ++c) y.add_(partial[c]);
-  }
-  return y;
 }

@@ -5,10 +5,14 @@
 
 // the widest row group the kernels keep in registers (cpu_gemv.py's MAX_ROWS)
 constexpr int64_t kMaxRows = 4;
-// the most rows the float32 kernel takes (tiled, cpu_gemv.cpp's colmajor_tiled) before MKL's
-// GEMM (cpu_gemv.py's MAX_GEMM_ROWS): SmolLM2's linears, 2 threads, 30 layers: 20 against 48
-// ms at 5 rows, 28 against 51 at 16, 102 against 109 at 48, level at 64
-constexpr int64_t kMaxGemmRows = 48;
+// the most rows the float32 kernel takes (cpu_colmajor.cpp) before MKL's GEMM (cpu_gemv.py's
+// MAX_GEMM_ROWS). SmolLM2's five linear shapes against F.linear on the same column-major
+// weights (issue 42's Zen 4 VM): 1.4-1.6x at 16 rows, 1.1-1.2x at 24, 0.8-1.0x at 28 (one thread
+// and two)
+constexpr int64_t kMaxGemmRows = 24;
+
+// x a contiguous float32 [B, K] and w a [N, K] weight on the CPU, row- or column-major
+void check_linear(const torch::Tensor& x, const torch::Tensor& w, bool column_major);
 
 // y = (x @ qweight.T) * scale: float32 x [B, K], int8 qweight [N, K], float32 scale [N]
 torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale);

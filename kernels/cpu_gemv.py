@@ -1,4 +1,5 @@
-"""Few-row linears over INT8, bfloat16 and float32 weights on an AVX2 CPU: ``kernels/cpu_gemv.cpp``.
+"""Few-row linears over INT8, bfloat16 and float32 weights on an AVX2 CPU: ``kernels/cpu_gemv.cpp``
+and ``kernels/cpu_colmajor.cpp``.
 
 A decode step at batch 1-4 is a GEMV per layer, bound by reading the weights. On the AVX2 EPYC
 of issue 42 (one thread, perf/gemv_bench.py) none of torch's kernels read 1- or 2-byte weights
@@ -40,13 +41,19 @@ log = logging.getLogger(__name__)
 # the widest row group the kernels keep in registers: above it, INT8 and bfloat16 take the
 # callers' GEMM paths, and the fused decoder (cpu_decode.cpp) hands the step to the graphs
 MAX_ROWS = 4
-# float32 column-major weights only: up to this many rows the kernel tiles the weight and beats
-# MKL's GEMM, which copies the column-major weight into its packed form on every call (cpu_gemv.h)
-MAX_GEMM_ROWS = 48
+# float32 column-major weights only: up to this many rows the kernel (cpu_colmajor.cpp) beats MKL's
+# GEMM, which copies the column-major weight into its packed form on every call (cpu_gemv.h)
+MAX_GEMM_ROWS = 24
 
 _SOURCES = [
     Path(__file__).resolve().with_name(n)
-    for n in ("cpu_gemv.cpp", "cpu_decode.cpp", "cpu_attention.cpp", "cpu_ops.cpp")
+    for n in (
+        "cpu_gemv.cpp",
+        "cpu_colmajor.cpp",
+        "cpu_decode.cpp",
+        "cpu_attention.cpp",
+        "cpu_ops.cpp",
+    )
 ]
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it (it links torch's own libgomp)
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
