@@ -1,4 +1,4 @@
-"""A decode step of 1-4 rows on a CPU as one C++ call over every layer (``kernels/cpu_decode.cpp``).
+"""A decode step of a few rows on a CPU as one C++ call over every layer (``kernels/cpu_decode.cpp``).
 
 The compiled decode step (``decode_graph.py``) runs one Inductor graph per layer. At batch 1 the
 layers' weights stream in ~17 ms (float32 SmolLM2, one thread), and calling 30 graphs added
@@ -6,11 +6,14 @@ layers' weights stream in ~17 ms (float32 SmolLM2, one thread), and calling 30 g
 layer. The C++ decoder holds every layer's weights and pages and runs the same arithmetic in one
 loop: what llama.cpp's graph does, and what puts batch-1 decode at the weights' read time.
 
-It serves the rows the graphs would (decode and verification tokens, padded to a bucket) where
-every projection is one the few-row kernels read: float32 column-major (``Linear._f32_colmajor``)
-or INT8 (``CpuInt8Linear``) under float32 activations, bfloat16 (``Linear._bf16_gemv``) under
-bfloat16 ones (rounded where the eager model rounds), and no LoRA. More rows, other dtypes and
-adapters keep the graphs. ``--no-cpu-fused-decode`` turns it off (the graphs then serve every bucket).
+It serves the rows the graphs would (decode and verification tokens, not padded: it has no shapes
+to specialise) where every projection is one the few-row kernels read: float32 column-major
+(``Linear._f32_colmajor``) or INT8 (``CpuInt8Linear``) under float32 activations, bfloat16
+(``Linear._bf16_gemv``) under bfloat16 ones (rounded where the eager model rounds), and no LoRA.
+Float32 weights take it up to ``cpu_gemv.MAX_GEMM_ROWS`` rows (the kernel reads the weight once
+for all of them: a speculative verification of 4-8 drafts stays here), INT8 and bfloat16 up to
+``cpu_gemv.MAX_ROWS`` (their kernels take 4 rows a pass over the weight). More rows, other dtypes
+and adapters keep the graphs. ``--no-cpu-fused-decode`` turns it off (the graphs then serve every bucket).
 """
 
 from __future__ import annotations
@@ -25,6 +28,21 @@ from pdserve.services.engine.model import Linear, LlamaForCausalLM
 from pdserve.services.engine.quant.int8_linear import CpuInt8Linear
 
 MAX_ROWS = cpu_gemv.MAX_ROWS  # the kernels' row groups: more rows are a GEMM, the graphs' job
+
+
+def max_rows(model: LlamaForCausalLM) -> int:
+    """The most rows of a step the C++ decoder of ``model`` serves (see the module)."""
+    f32 = all(
+        isinstance(m, Linear) and m._f32_colmajor and not m._bf16_gemv
+        for layer in model.decoder_layers()
+        for m in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+    )
+    return cpu_gemv.MAX_GEMM_ROWS if f32 else MAX_ROWS
 
 
 def _projection(linear: nn.Module, dtype: torch.dtype) -> list[torch.Tensor | None] | None:

@@ -86,6 +86,7 @@ def build(
     graphs = DecodeGraphs(model, config.block_size, config.max_num_seqs, lora)
     if config.cpu_fused_decode and not lora:
         graphs.fused = cpu_decoder.build(model)
+        graphs.fused_rows = cpu_decoder.max_rows(model)
     graphs.compile()
     return graphs
 
@@ -160,8 +161,9 @@ class DecodeGraphs:
         )
         # LoRA adapters are served: every step passes each row's slot (``_lora_slots``)
         self.lora = lora
-        # the C++ decoder that runs steps of up to cpu_decoder.MAX_ROWS rows (cpu_decoder.py)
+        # the C++ decoder that runs steps of up to ``fused_rows`` rows (cpu_decoder.py)
         self.fused: object | None = None
+        self.fused_rows = cpu_decoder.MAX_ROWS
         self.fused_steps = 0  # of ``steps``, those the C++ decoder ran
         self.compiled_at_start = 0  # compilations made by compile(), before any request
         self.steps = 0  # steps run through the graphs (the start's dummy ones included)
@@ -189,7 +191,7 @@ class DecodeGraphs:
         )
 
     def _runs_fused(self, rows: int) -> bool:
-        return self.fused is not None and rows <= cpu_decoder.MAX_ROWS
+        return self.fused is not None and rows <= self.fused_rows
 
     def bucket(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
@@ -274,7 +276,8 @@ class DecodeGraphs:
 
     def _pad(self, inputs: StepInputs) -> _Batch:
         tokens = len(inputs.input_ids)
-        padded = self.bucket(tokens)
+        # the C++ decoder takes any row count; a graph, its bucket's
+        padded = tokens if self._runs_fused(tokens) else self.bucket(tokens)
         extra = padded - tokens
         tables = inputs.block_tables
         width = max(MIN_TABLE_BLOCKS, max(len(t) for t in tables))

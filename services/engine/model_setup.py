@@ -81,7 +81,7 @@ def use_cpu_gemv(model: nn.Module, device: torch.device) -> None:
         return
     modules = list(model.modules())
     bf16 = [m for m in modules if isinstance(m, Linear) and m.weight.dtype == torch.bfloat16]
-    # float32 weights laid out column-major (lay_out_for_gemv): 1-48 rows through the kernel
+    # float32 weights laid out column-major (lay_out_for_gemv): 1-24 rows through the kernel
     f32 = [
         m
         for m in modules

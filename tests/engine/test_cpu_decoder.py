@@ -1,5 +1,6 @@
 """The C++ decoder (kernels/cpu_decode.cpp, services/engine/cpu_decoder.py) against the compiled
-graphs it stands in for, and against the eager path: steps of 1-4 rows, float32 and INT8."""
+graphs it stands in for, and against the eager path: steps of 1-4 rows in float32, INT8 and
+bfloat16, and of 5-24 rows in float32 (its kernel reads the weight once for them all)."""
 
 from __future__ import annotations
 
@@ -45,27 +46,33 @@ def _differ_only_at_near_ties(model_dir, prompts, got, expected, margin=0.02) ->
         ("llama-gqa", "bfloat16", 3e-2),
     ],
 )
-def test_hidden_states_match_the_graphs_on_ragged_pages(checkpoints, variant, dtype, tol):
+@pytest.mark.parametrize("drafts", [2, 8])
+def test_hidden_states_match_the_graphs_on_ragged_pages(checkpoints, variant, dtype, tol, drafts):
     """Rows whose contexts end inside a block, on a block's edge and past several blocks, over a
     cache of random K/V; a verification row (three query tokens, each its own context) beside
-    them. The C++ decoder and the Inductor graph write the same K/V and read the same pages
-    (bfloat16: the graph does not round where the eager model does, the decoder does)."""
+    them (with 8 drafts, 10 rows: float32's row groups past 4, the others' graphs). The C++ decoder
+    and the Inductor graph write the same K/V and read the same pages (bfloat16: the graph does
+    not round where the eager model does, the decoder does)."""
     engine = _engine(checkpoints[variant], num_kv_blocks=32, dtype=dtype)
     graphs = engine.runner.graphs
     assert graphs.fused is not None
     torch.manual_seed(0)
     engine.runner.kv_cache.normal_()
+    rows = 2 + drafts
     inputs = StepInputs(
-        input_ids=[11, 12, 13, 14],
-        counts=[1, 3],
-        starts=[16, 37],  # the first row's new token opens block 1; the second's span 2-3
+        input_ids=list(range(11, 11 + rows)),
+        counts=[1, 1 + drafts],
+        starts=[16, 37],  # the first row's new token opens block 1; the second's span 2-3 and on
         block_tables=[[5, 9], [2, 7, 30]],
         num_decodes=1,
         num_verifies=1,
-        read=[0, 1, 2, 3],
-        num_sampled=4,
+        read=list(range(rows)),
+        num_sampled=rows,
     )
     assert graphs.serves(inputs)
+    if not graphs._runs_fused(rows):
+        assert dtype == "bfloat16" and rows > cpu_gemv.MAX_ROWS
+        return
     with torch.inference_mode():
         fused = graphs.run(inputs)
         graphs.fused, kept = None, graphs.fused
@@ -78,13 +85,15 @@ def test_hidden_states_match_the_graphs_on_ragged_pages(checkpoints, variant, dt
 @pytest.mark.parametrize(
     ("dtype", "quantization"), [("float32", "none"), ("float32", "int8"), ("bfloat16", "none")]
 )
-def test_tokens_match_eager_at_batches_1_to_5(checkpoints, dtype, quantization):
-    """Batches 1-5 (5: past the decoder's 4 rows, the graphs serve it), sequences joining and
-    leaving: the same greedy tokens as the eager engine (bfloat16: rounded where it rounds)."""
+def test_tokens_match_eager_past_the_decoders_rows(checkpoints, dtype, quantization):
+    """Batches from 1 to one past the decoder's rows (INT8 and bfloat16: 5, past 4; float32: 25,
+    past 24), sequences joining and leaving: the graphs serve the widest steps, and the tokens are
+    the eager engine's (bfloat16: rounded where it rounds)."""
     model_dir = checkpoints["llama-gqa"]
-    prompts = random_prompts(5, seed=21, max_len=24)
+    widest = cpu_gemv.MAX_GEMM_ROWS if (dtype, quantization) == ("float32", "none") else 4
+    prompts = random_prompts(widest + 1, seed=21, max_len=24)
     kw = {"dtype": dtype, "quantization": quantization}
-    compiled = make_engine(model_dir, enforce_eager=False, max_num_seqs=8, **kw)
+    compiled = make_engine(model_dir, enforce_eager=False, max_num_seqs=widest + 8, **kw)
     eager = make_engine(model_dir, **kw)
     got, expected = run_staggered(compiled, prompts, GREEDY), run_staggered(eager, prompts, GREEDY)
     if dtype == "bfloat16":
@@ -96,13 +105,14 @@ def test_tokens_match_eager_at_batches_1_to_5(checkpoints, dtype, quantization):
     assert graphs.recompiles == 0
 
 
-def test_speculative_rows_run_fused(checkpoints):
-    """n-gram drafts at batch 1: verification steps of 1 + K <= 4 rows take the C++ decoder and
-    accept what the eager path accepts."""
+@pytest.mark.parametrize("drafts", [3, 7])
+def test_speculative_rows_run_fused(checkpoints, drafts):
+    """n-gram drafts at batch 1: verification steps of 1 + K rows (4, and 8: float32's row
+    groups past 4) take the C++ decoder and accept what the eager path accepts."""
     model_dir = checkpoints["llama-gqa"]
     prompts = [p * 3 for p in random_prompts(1, seed=22, max_len=8)]
     spec = {"speculative": "ngram", "ngram_min": 1, "spec_token_cost": 0.0}
-    spec["num_speculative_tokens"] = 3
+    spec["num_speculative_tokens"] = drafts
     compiled = _engine(model_dir, **spec)
     eager = make_engine(model_dir, dtype="float32", **spec)
     assert compiled.generate(prompts, GREEDY) == eager.generate(prompts, GREEDY)
