@@ -1,5 +1,5 @@
 """Smoke runs of the perf scripts (kv_bench, kv_checksum_bench, load_test, engine_bench,
-stack_bench, tp_bench, roofline_bench) at toy sizes (real processes)."""
+stack_bench, tp_bench, roofline_bench, step_rows_bench) at toy sizes (real processes)."""
 
 from __future__ import annotations
 
@@ -281,3 +281,32 @@ def test_roofline_bench_reads_each_pass_against_both_peaks(tmp_path: Path) -> No
     )
     assert proc.returncode == 0, proc.stderr
     assert both.stat().st_size > png.stat().st_size  # the extra points and arrows
+
+
+def test_step_rows_bench_prices_each_row_count(tmp_path: Path, checkpoints) -> None:
+    """perf/step_rows_bench.py (issue 42) on a tiny float32 checkpoint: one verification step
+    per row count through the engine's default path, priced against the first; float32 steps of
+    1-24 rows take the C++ decoder where the extension builds."""
+    from pdserve.kernels import cpu_gemv
+
+    out = tmp_path / "rows.json"
+    proc = run_module(
+        "perf.step_rows_bench",
+        "--model",
+        str(checkpoints["llama-gqa"]),
+        "--rows",
+        "1",
+        "5",
+        "--reps",
+        "2",
+        "--context",
+        "20",
+        "--json",
+        str(out),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["rows"] for r in rows] == [1, 5]
+    assert rows[0]["vs_first"] == 1.0 and all(r["step_ms"] > 0 for r in rows)
+    assert all(r["fused"] for r in rows) == cpu_gemv.available()
