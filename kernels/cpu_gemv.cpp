@@ -104,7 +104,11 @@ void gemv_group(const float* x, const W* w, const float* scale, float* y, int64_
     case 1: return gemv_rows<W, 1>(x, w, scale, y, k, ldy, n0, n1);
     case 2: return gemv_rows<W, 2>(x, w, scale, y, k, ldy, n0, n1);
     case 3: return gemv_rows<W, 3>(x, w, scale, y, k, ldy, n0, n1);
-    default: return gemv_rows<W, 4>(x, w, scale, y, k, ldy, n0, n1);
+    case 4: return gemv_rows<W, 4>(x, w, scale, y, k, ldy, n0, n1);
+    case 5: return gemv_rows<W, 5>(x, w, scale, y, k, ldy, n0, n1);
+    case 6: return gemv_rows<W, 6>(x, w, scale, y, k, ldy, n0, n1);
+    case 7: return gemv_rows<W, 7>(x, w, scale, y, k, ldy, n0, n1);
+    default: return gemv_rows<W, 8>(x, w, scale, y, k, ldy, n0, n1);
   }
 }
 
@@ -117,8 +121,8 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, const float* 
   float* yp = y.data_ptr<float>();
   // 64 output channels a task: a 36 KiB slice of a 576-wide int8 weight
   at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t r = 0; r < b; r += kMaxRows) {
-      gemv_group<W>(xp + r * k, wp, scale, yp + r * n, std::min(kMaxRows, b - r), k, n, n0, n1);
+    for (int64_t r = 0; r < b; r += kBf16Rows) {
+      gemv_group<W>(xp + r * k, wp, scale, yp + r * n, std::min(kBf16Rows, b - r), k, n, n0, n1);
     }
   });
   return y;
@@ -220,8 +224,8 @@ torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor sc
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t r = 0; r < b; r += kMaxRows) {
-      int8_group(xp + r * k, xs.data() + r, wp, sp, yp + r * n, std::min(kMaxRows, b - r), k, n,
-                 n0, n1);
+      const int64_t rows = std::min(kMaxRows, b - r);
+      int8_group(xp + r * k, xs.data() + r, wp, sp, yp + r * n, rows, k, n, n0, n1);
     }
   });
   return y;

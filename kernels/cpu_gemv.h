@@ -3,8 +3,14 @@
 
 #include <torch/extension.h>
 
-// the widest row group the kernels keep in registers (cpu_gemv.py's MAX_ROWS)
+// the widest row group the float32 column-major kernel keeps in registers (cpu_colmajor.cpp), and
+// the most rows the INT8 kernel takes in one pass over the weight (cpu_gemv.py's MAX_ROWS)
 constexpr int64_t kMaxRows = 4;
+// the most rows the bfloat16 kernel takes in one pass over the weight (cpu_gemv.py's
+// MAX_BF16_ROWS): each weight row, read once, serves them all from L1. SmolLM2's linears, one
+// thread (perf/gemv_bench.py): 5 rows 1.5x as fast as oneDNN's bf16 matmul, 8 rows level; INT8
+// stays at 4, where fbgemm already catches up (Zen 4: 11 against 14 ms at 4 rows)
+constexpr int64_t kBf16Rows = 8;
 // the most rows the float32 kernel takes (cpu_colmajor.cpp) before MKL's GEMM (cpu_gemv.py's
 // MAX_GEMM_ROWS). SmolLM2's five linear shapes against F.linear on the same column-major
 // weights (issue 42's Zen 4 VM): 1.4-1.6x at 16 rows, 1.1-1.2x at 24, 0.8-1.0x at 28 (one thread

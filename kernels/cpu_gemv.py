@@ -38,9 +38,11 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-# the widest row group the kernels keep in registers: above it, INT8 and bfloat16 take the
-# callers' GEMM paths, and the fused decoder (cpu_decode.cpp) hands the step to the graphs
+# the most rows the INT8 kernel takes (one pass over the weight): above it, fbgemm's GEMM, and
+# the fused decoder (cpu_decode.cpp) of an INT8 model hands the step to the graphs
 MAX_ROWS = 4
+# ... and the bfloat16 kernel: above it, oneDNN's matmul (cpu_gemv.h's kBf16Rows)
+MAX_BF16_ROWS = 8
 # float32 column-major weights only: up to this many rows the kernel (cpu_colmajor.cpp) beats MKL's
 # GEMM, which copies the column-major weight into its packed form on every call (cpu_gemv.h)
 MAX_GEMM_ROWS = 24
@@ -176,7 +178,7 @@ _LIB.define("cpu_bf16_linear(Tensor x, Tensor weight) -> Tensor")
 
 def _cpu_bf16_linear(x: Tensor, weight: Tensor) -> Tensor:
     x2 = x.reshape(-1, weight.shape[1])
-    if x2.shape[0] <= MAX_ROWS:
+    if x2.shape[0] <= MAX_BF16_ROWS:
         y = _bf16_gemv(x2.float(), weight).to(x.dtype)
     else:
         y = torch.nn.functional.linear(x2, weight)
@@ -192,7 +194,7 @@ def _cpu_bf16_linear_fake(x: Tensor, weight: Tensor) -> Tensor:
 
 
 def bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``F.linear`` of a bfloat16 ``weight`` [N, K]: up to MAX_ROWS rows of x through the AVX2
+    """``F.linear`` of a bfloat16 ``weight`` [N, K]: up to MAX_BF16_ROWS rows of x through the AVX2
     kernel (float32 accumulation, as oneDNN's, the result rounded to x's dtype), more through
     ``F.linear``. Call only where ``available()``."""
     y = torch.ops.pdserve.cpu_bf16_linear(x, weight)

@@ -25,7 +25,7 @@ torch::Tensor cpu_f32_linear(const torch::Tensor& x, const torch::Tensor& weight
 
 torch::Tensor cpu_bf16_linear(const torch::Tensor& x, const torch::Tensor& weight) {
   const auto x2 = x.reshape({-1, weight.size(1)});
-  torch::Tensor y = x2.size(0) <= kMaxRows
+  torch::Tensor y = x2.size(0) <= kBf16Rows
                         ? bf16_gemv(x2.to(at::kFloat).contiguous(), weight).to(x.scalar_type())
                         : at::linear(x2, weight);
   auto shape = x.sizes().vec();

@@ -25,7 +25,7 @@ class ExecutionOptions:
     )
     cpu_fused_decode: bool = opt(
         True,
-        "a CPU decode step of a few rows (float32: 1-24, INT8 and bfloat16: 1-4) runs every layer "
+        "a CPU decode step of a few rows (float32: 1-24, bfloat16: 1-8, INT8: 1-4) runs every layer "
         "in one C++ call (kernels/cpu_decode.cpp) where the weights are float32, INT8 or bfloat16 "
         "and no LoRA is served; otherwise the compiled graphs serve it too",
     )

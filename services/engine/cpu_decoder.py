@@ -10,10 +10,10 @@ It serves the rows the graphs would (decode and verification tokens, not padded:
 to specialise) where every projection is one the few-row kernels read: float32 column-major
 (``Linear._f32_colmajor``) or INT8 (``CpuInt8Linear``) under float32 activations, bfloat16
 (``Linear._bf16_gemv``) under bfloat16 ones (rounded where the eager model rounds), and no LoRA.
-Float32 weights take it up to ``cpu_gemv.MAX_GEMM_ROWS`` rows (the kernel reads the weight once
-for all of them: a speculative verification of 4-8 drafts stays here), INT8 and bfloat16 up to
-``cpu_gemv.MAX_ROWS`` (their kernels take 4 rows a pass over the weight). More rows, other dtypes
-and adapters keep the graphs. ``--no-cpu-fused-decode`` turns it off (the graphs then serve every bucket).
+Float32 weights take it up to ``cpu_gemv.MAX_GEMM_ROWS`` rows and bfloat16 ones up to
+``cpu_gemv.MAX_BF16_ROWS`` (the kernels read the weight once for all of them: a speculative
+verification of 4 drafts stays here), INT8 ones up to ``cpu_gemv.MAX_ROWS`` (where fbgemm's GEMM
+catches up). More rows, other dtypes and adapters keep the graphs. ``--no-cpu-fused-decode`` turns it off (the graphs then serve every bucket).
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ from pdserve.kernels import cpu_gemv
 from pdserve.services.engine.model import Linear, LlamaForCausalLM
 from pdserve.services.engine.quant.int8_linear import CpuInt8Linear
 
-MAX_ROWS = cpu_gemv.MAX_ROWS  # the kernels' row groups: more rows are a GEMM, the graphs' job
+MAX_ROWS = cpu_gemv.MAX_ROWS  # INT8's kernel: the fewest rows any projection's kernel takes
 
 
 def max_rows(model: LlamaForCausalLM) -> int:
-    """The most rows of a step the C++ decoder of ``model`` serves (see the module)."""
-    f32 = all(
-        isinstance(m, Linear) and m._f32_colmajor and not m._bf16_gemv
+    """The most rows of a step the C++ decoder of ``model`` serves (see the module): the fewest
+    its projections' kernels take in one pass over their weights."""
+    limits = [
+        _rows_of(m)
         for layer in model.decoder_layers()
         for m in (
             layer.self_attn.qkv_proj,
@@ -41,8 +42,16 @@ def max_rows(model: LlamaForCausalLM) -> int:
             layer.mlp.gate_up_proj,
             layer.mlp.down_proj,
         )
-    )
-    return cpu_gemv.MAX_GEMM_ROWS if f32 else MAX_ROWS
+    ]
+    return min(limits, default=MAX_ROWS)
+
+
+def _rows_of(linear: nn.Module) -> int:
+    if isinstance(linear, Linear) and linear._bf16_gemv:
+        return cpu_gemv.MAX_BF16_ROWS
+    if isinstance(linear, Linear) and linear._f32_colmajor:
+        return cpu_gemv.MAX_GEMM_ROWS
+    return MAX_ROWS  # INT8
 
 
 def _projection(linear: nn.Module, dtype: torch.dtype) -> list[torch.Tensor | None] | None:

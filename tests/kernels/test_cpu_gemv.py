@@ -50,18 +50,27 @@ def test_cpu_int8_linear_takes_the_kernel_for_few_rows_only(rows: int) -> None:
     assert _rel(got, exact) < 0.03
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8, 9])
 @pytest.mark.parametrize("k", [576, 83])
 def test_bf16_gemv_matches_a_float64_product(rows: int, k: int) -> None:
+    """Row groups up to 8 in one pass over the weight (9: a second pass of one row)."""
     gen = torch.Generator().manual_seed(rows + k)
     w = torch.randn(130, k, generator=gen).bfloat16()
     x = torch.randn(rows, k, generator=gen)
     got = cpu_gemv.bf16_gemv(x, w)
     assert _rel(got, x.double() @ w.double().T) < 1e-6
+    for r in range(rows):  # a row's result does not depend on the rows beside it
+        alone = cpu_gemv.bf16_gemv(x[r : r + 1].contiguous(), w)
+        torch.testing.assert_close(alone[0], got[r], rtol=0, atol=0)
     xb = x.bfloat16()
     linear = cpu_gemv.bf16_linear(xb, w, None)
     assert linear.dtype == torch.bfloat16
     assert _rel(linear, F.linear(xb.float(), w.float())) < 1e-2
+    # the kernel's own result up to MAX_BF16_ROWS rows, oneDNN's above
+    if rows <= cpu_gemv.MAX_BF16_ROWS:
+        assert torch.equal(linear, cpu_gemv.bf16_gemv(xb.float(), w).bfloat16())
+    else:
+        assert torch.equal(linear, F.linear(xb, w))
 
 
 def test_ops_in_a_compiled_graph_serve_every_row_count_without_recompiling() -> None:
