@@ -19,11 +19,11 @@
 
 namespace {
 
-// y[r, n0:n1] for r < R: R rows of x against a float32 weight stored column-major, wt its
-// transpose [K, N] contiguous (model_setup.lay_out_for_gemv's layout, where MKL's one-row GEMV
-// reads at the bus's speed but its GEMM of 2-4 rows at 40-60% of it). The weight streams in
-// blocks of `block` rows: within a block, 16 columns at a time read one 64-byte line from each
-// row, and the R x 16 partial sums stay in registers across a block and in y across blocks.
+// y = R rows of x against a float32 weight stored column-major, wt its transpose [K, N]
+// contiguous (model_setup.lay_out_for_gemv's layout, where MKL's one-row GEMV reads at the bus's
+// speed but its GEMM of 2-4 rows at 40-60% of it). The weight streams in blocks of `block` rows:
+// within a block, 16 columns at a time read one 64-byte line from each row, and the R x 16
+// partial sums stay in registers across a block and in y across blocks.
 // - One row over a narrow weight (R x N sums within kSequentialBytes, in L1): blocks of one
 //   row, so the weight streams front to back as one sequence, as a plain sum reads it. On issue
 //   42's second CPU (Zen 4, weights in 2 MiB pages, one thread) SmolLM2's decoder linears took

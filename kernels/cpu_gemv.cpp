@@ -9,8 +9,8 @@
 // integers, 32 weights a maddubs; bfloat16 widened to float32 in registers (a shift).
 //
 // Weights are row-major [N, K] (K contiguous); x is float32 [B, K]; the rows of x are taken in
-// groups of up to 4, so the weight is read once per group. Float32 weights stored column-major
-// have kernels of their own (cpu_colmajor.cpp).
+// groups (INT8: up to 4, bfloat16: up to 8), so the weight is read once per group. Float32
+// weights stored column-major have kernels of their own (cpu_colmajor.cpp).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

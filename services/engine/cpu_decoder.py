@@ -1,4 +1,4 @@
-"""A decode step of a few rows on a CPU as one C++ call over every layer (``kernels/cpu_decode.cpp``).
+"""A decode step of a few rows on a CPU as one C++ call over every layer (kernels/cpu_decode.cpp).
 
 The compiled decode step (``decode_graph.py``) runs one Inductor graph per layer. At batch 1 the
 layers' weights stream in ~17 ms (float32 SmolLM2, one thread), and calling 30 graphs added
@@ -13,7 +13,8 @@ to specialise) where every projection is one the few-row kernels read: float32 c
 Float32 weights take it up to ``cpu_gemv.MAX_GEMM_ROWS`` rows and bfloat16 ones up to
 ``cpu_gemv.MAX_BF16_ROWS`` (the kernels read the weight once for all of them: a speculative
 verification of 4 drafts stays here), INT8 ones up to ``cpu_gemv.MAX_ROWS`` (where fbgemm's GEMM
-catches up). More rows, other dtypes and adapters keep the graphs. ``--no-cpu-fused-decode`` turns it off (the graphs then serve every bucket).
+catches up). More rows, other dtypes and adapters keep the graphs. ``--no-cpu-fused-decode``
+turns it off (the graphs then serve every bucket).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from pdserve.kernels import cpu_gemv
-from pdserve.services.engine.model import Linear, LlamaForCausalLM
+from pdserve.services.engine.model import DecoderLayer, Linear, LlamaForCausalLM
 from pdserve.services.engine.quant.int8_linear import CpuInt8Linear
 
 MAX_ROWS = cpu_gemv.MAX_ROWS  # INT8's kernel: the fewest rows any projection's kernel takes
@@ -33,17 +34,14 @@ MAX_ROWS = cpu_gemv.MAX_ROWS  # INT8's kernel: the fewest rows any projection's 
 def max_rows(model: LlamaForCausalLM) -> int:
     """The most rows of a step the C++ decoder of ``model`` serves (see the module): the fewest
     its projections' kernels take in one pass over their weights."""
-    limits = [
-        _rows_of(m)
-        for layer in model.decoder_layers()
-        for m in (
-            layer.self_attn.qkv_proj,
-            layer.self_attn.o_proj,
-            layer.mlp.gate_up_proj,
-            layer.mlp.down_proj,
-        )
-    ]
+    limits = [_rows_of(m) for layer in model.decoder_layers() for m in _projections(layer)]
     return min(limits, default=MAX_ROWS)
+
+
+def _projections(layer: DecoderLayer) -> tuple[nn.Module, ...]:
+    """A decoder layer's four linears, in the order ``CpuDecoder.add_layer`` takes them."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
 
 
 def _rows_of(linear: nn.Module) -> int:
@@ -78,11 +76,8 @@ def build(model: LlamaForCausalLM) -> Any | None:
         return None
     decoder = None
     for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        parts = [
-            _projection(m, dtype)
-            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        ]
+        attn = layer.self_attn
+        parts = [_projection(m, dtype) for m in _projections(layer)]
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if (
             any(p is None for p in parts)
