@@ -27,6 +27,7 @@ attention of the larger compiled steps (``cpu_attention.cpp``, ``paged_attention
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -71,9 +72,12 @@ def _cpu_has_avx2() -> bool:
 
 def _build_dir() -> Path:
     # not under $PDSERVE_CACHE_DIR: tests point that at fresh folders, and a build costs a
-    # minute of a loaded 2-vCPU machine; torch rebuilds when the source changes
+    # minute of a loaded 2-vCPU machine; torch rebuilds when the source changes. One folder per
+    # checkout: torch's build file names the sources by absolute path, so two checkouts sharing
+    # a folder (a clone's CI run beside the working tree) rebuilt it in turn under one lock
     base = os.environ.get("PDSERVE_EXT_DIR") or Path.home() / ".cache" / "pdserve" / "ext"
-    out = Path(base) / f"cpu_gemv-torch{torch.__version__.split('+')[0]}"
+    checkout = hashlib.sha1(str(_SOURCES[0].parent).encode()).hexdigest()[:8]
+    out = Path(base) / f"cpu_gemv-torch{torch.__version__.split('+')[0]}-{checkout}"
     out.mkdir(parents=True, exist_ok=True)
     return out
 

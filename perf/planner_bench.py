@@ -28,8 +28,10 @@ the planner and 91.6% fixed just after.
 Workload (simulated, perf/planner_sim.py): 8 GPUs, ``Profile.synthetic()`` (an H200-like 8B
 model, illustrative roofline numbers), ISL 512-1536 / OSL 128-384, 8 -> 80 -> 8 req/s over
 900 s, TTFT <= 500 ms and ITL <= 20 ms at p90, 10 s windows, 60 s cold start, 1 s promotion
-from the warm pool (floor: one prefill worker); autoscale vs fixed 1P1D vs the advisor's best
-P:D for the peak rate. ``--steepness`` takes the rise and fall faster about the same peak,
+from the warm pool (floor: one prefill worker), prefill workers serving prompts past the TTFT
+target after the on-time ones (``--prompt-deadline-ms``, which ``pdserve up --autoscale`` sets;
+``--sim-arrival-order``: not); autoscale vs fixed 1P1D vs the advisor's best P:D for the peak
+rate. ``--steepness`` takes the rise and fall faster about the same peak,
 ``--seeds`` and several ``--steepness`` values sweep (perf/planner_targets.py: one targets row
 per run), ``--sawtooth S`` adds a sawtooth 8 <-> 80 req/s turning every S seconds.
 
@@ -304,6 +306,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="simulated warm pool's floor of prefill workers",
     )
     ap.add_argument("--sim-warm-decode", type=int, default=SimSetup.warm_decode)
+    ap.add_argument(
+        "--sim-arrival-order",
+        action="store_true",
+        help="simulated prefill workers in strict arrival order (no --prompt-deadline-ms)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--seeds",

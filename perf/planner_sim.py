@@ -64,6 +64,9 @@ class SimSetup:
     itl_ms: float = 20.0
     percentile: str = "p90"
     seed: int = 0
+    # prefill workers serve prompts past the TTFT target after the on-time ones, as pdserve up
+    # --autoscale sets --prompt-deadline-ms (False: arrival order, the engine's default)
+    prompt_deadline: bool = True
 
     def workload(self) -> Workload:
         rng = random.Random(self.seed)
@@ -173,6 +176,7 @@ def run_sim(
             seed=setup.seed,
             promote_s=setup.promote_s,
             pool=pool,
+            prompt_deadline_s=setup.ttft_ms / 1000 if setup.prompt_deadline else 0.0,
         )
 
     auto = simulate(

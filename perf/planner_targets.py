@@ -119,6 +119,7 @@ def run_sims(args: argparse.Namespace, plots: Path) -> dict[str, Any]:
         window_s=args.sim_window,
         warm_prefill=args.sim_warm_prefill,
         warm_decode=args.sim_warm_decode,
+        prompt_deadline=not args.sim_arrival_order,
     )
     head = dataclasses.replace(base, seed=seeds[0], steepness=args.steepness[0])
     sim = run_sim(head, prof)

@@ -1,5 +1,6 @@
 """The engine's options for the order requests are served in: vLLM's ``--scheduling-policy``,
-and the aging that bounds a low priority's wait (``services/engine/wait_queue.py``). A mixin of
+the aging that bounds a low priority's wait, and the deadline past which a prompt waits behind
+the ones still on time (``services/engine/wait_queue.py``). A mixin of
 ``EngineConfig``, so that the gateway (which refuses a priority fcfs cannot honour) and every
 worker read the same values."""
 
@@ -28,12 +29,26 @@ class SchedulingOptions:
         "many seconds it has waited, so a low priority waits a bounded time behind a stream of "
         "higher ones; 0 = no aging (strict priority)",
     )
+    # services/engine/wait_queue.py ("Late prompts"): under overload, first come first served
+    # makes every queued request miss a TTFT target; this keeps as many on time as there is speed
+    prompt_deadline_ms: float = opt(
+        -1.0,
+        "under --scheduling-policy fcfs, a prompt that has waited this long for its first token "
+        "goes behind those that have not (they can still meet the TTFT target; it cannot); "
+        "0 = off (strict arrival order); -1 = pdserve up --autoscale's --slo-ttft-ms, else off",
+    )
 
     def check_scheduling(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:  # argparse skips env defaults
             raise StartupError(
                 f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}"
             )
+        if self.prompt_deadline_ms < -1:
+            raise StartupError(
+                f"--prompt-deadline-ms must be >= 0, or -1 (auto), got {self.prompt_deadline_ms}"
+            )
+        if self.prompt_deadline_ms > 0 and self.scheduling_policy != "fcfs":
+            raise StartupError("--prompt-deadline-ms orders an fcfs queue: not with priority")
         if self.priority_aging_s < 0:
             raise StartupError(
                 f"--priority-aging-s must be >= 0 (0 = no aging), got {self.priority_aging_s}"

@@ -97,6 +97,9 @@ class Launcher:
         self.started: dict[str, autoscale.WorkerStart] = {}  # worker id -> role, place, time
         # --autoscale's flags are refused here, before anything starts
         self.autoscale = autoscale.settings(self.up) if self.up.autoscale else None
+        if self.engine.prompt_deadline_ms < 0:  # auto: the TTFT target the planner sizes for
+            deadline = self.up.slo_ttft_ms if self.up.autoscale else 0.0
+            self.engine = dataclasses.replace(self.engine, prompt_deadline_ms=deadline)
         WarmPool.from_flags(self.up)  # a warm pool without --autoscale is refused too
         self.autoscaler: autoscale.Autoscaler | None = None
         self.control: RolloutDriver | None = None  # pdserve rollout's requests (services/rollout)

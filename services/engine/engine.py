@@ -173,6 +173,7 @@ class LLMEngine(EngineCommands):
             seed=config.seed,
             scheduling_policy=config.scheduling_policy,
             priority_aging_s=config.priority_aging_s,
+            prompt_deadline_s=max(0.0, config.prompt_deadline_ms) / 1000.0,
             lora=self.lora,
         )
         self.offload = KVOffload.build(self)  # evicted blocks to host memory and disk, and back
@@ -327,6 +328,7 @@ class LLMEngine(EngineCommands):
             waiting=len(sch.waiting),
             pulling=len(sch.pulling),
             preemptions=sch.num_preemptions,
+            late_prompts=sch.waiting.num_late,
             prefix_queries=bm.prefix_queries,
             prefix_hits=bm.prefix_hits,
             spec=self.speculator.counters.snapshot() if self.speculator else None,

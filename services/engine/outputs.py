@@ -177,6 +177,7 @@ class EngineStats:
     waiting: int = 0  # queued for admission (including requests whose KV will be pulled)
     pulling: int = 0  # blocks reserved, KV being pulled
     preemptions: int = 0  # since start
+    late_prompts: int = 0  # prompts that waited past --prompt-deadline-ms, since start
     prefix_queries: int = 0  # full prompt blocks looked up in the prefix cache, since start
     prefix_hits: int = 0  # ... and found there
     spec: SpecCounters | None = None  # speculative decoding since start (None: off)

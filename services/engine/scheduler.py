@@ -63,6 +63,7 @@ class Scheduler(KVArrivals, BlockHolds):
         seed: int = 0,
         scheduling_policy: str = "fcfs",
         priority_aging_s: float = 0.0,
+        prompt_deadline_s: float = 0.0,
         lora: AdapterCache | None = None,
     ) -> None:
         self.bm = block_manager
@@ -77,7 +78,7 @@ class Scheduler(KVArrivals, BlockHolds):
         self.seqs: dict[str, Sequence] = {}  # every sequence held, by seq_id
         self.requests: dict[str, SequenceGroup] = {}  # by bus id: its choices' sequences
         # WAITING and PREEMPTED, in admission order (--scheduling-policy: wait_queue.py)
-        self.waiting = WaitQueue(scheduling_policy, priority_aging_s)
+        self.waiting = WaitQueue(scheduling_policy, priority_aging_s, prompt_deadline_s)
         self.running: list[Sequence] = []
         self.pulling: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KV, by seq_id
         # (source, new) block copies of forks, for the engine to make before its next forward
@@ -189,6 +190,7 @@ class Scheduler(KVArrivals, BlockHolds):
             budget -= n
             i += 1
 
+        self.waiting.demote_late(time.monotonic())  # (the clock of Sequence.arrival)
         while not preempted and self.waiting and self._num_slots() > 0:
             seq = self.waiting[0]
             if self.lora is not None and not self.lora.pin(seq):  # every slot busy: it waits

@@ -20,6 +20,16 @@ high-priority arrival is admitted at the next step, not after every admitted pro
 On the decode side the same rank orders the admission of pulls (the KV of the better-ranked
 request is reserved, and so pulled, first) and picks preemption victims: the worst rank among
 those still to run this step (lowest priority, latest arrival), where fcfs takes the newest.
+
+**Late prompts** (``--prompt-deadline-ms``, fcfs only): a prompt still without its first token
+that has waited longer than the deadline goes behind every prompt that has not, in the order
+they fell late. Under overload first come, first served makes every request in the queue miss a
+TTFT target once the queue holds more than a target's worth of work; serving the prompts that
+can still make it first keeps as many on time as the worker's speed allows, and the late ones,
+late whatever happens, are served whenever no on-time prompt waits (so under overload that lasts,
+they wait until it ends: the planner's job). The queue is in arrival order, so the late are
+always at its head and ``demote_late`` moves them in O(moved). A sequence that has a token
+already (a preempted decode, a pull's first token from the prefill worker) is never late.
 """
 
 from __future__ import annotations
@@ -35,12 +45,19 @@ from pdserve.services.engine.sequence import Sequence
 class WaitQueue:
     """WAITING and PREEMPTED sequences, the one to admit next first."""
 
-    def __init__(self, policy: str = "fcfs", aging_s: float = 0.0) -> None:
+    def __init__(
+        self, policy: str = "fcfs", aging_s: float = 0.0, prompt_deadline_s: float = 0.0
+    ) -> None:
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}")
+        if prompt_deadline_s > 0 and policy != "fcfs":
+            raise ValueError("a prompt deadline orders an fcfs queue only")
         self.by_priority = policy == "priority"
         self.aging_s = aging_s
+        self.prompt_deadline_s = prompt_deadline_s  # 0: no prompt is ever late
         self._fifo: deque[Sequence] = deque()
+        self._late: deque[Sequence] = deque()  # past the deadline, behind every _fifo sequence
+        self.num_late = 0  # prompts that fell late, ever (a counter for the worker's metrics)
         # priority: (rank, tie-break, sequence), ascending
         self._sorted: list[tuple[tuple[float, float], int, Sequence]] = []
         self._ties = itertools.count()
@@ -66,19 +83,33 @@ class WaitQueue:
         else:
             self._fifo.appendleft(seq)
 
+    def demote_late(self, now: float) -> None:
+        """Move the prompts at the head that have waited past the deadline behind the others
+        (see the module). Called before each admission; O(1) when none is late."""
+        if self.prompt_deadline_s <= 0:
+            return
+        fifo, cutoff = self._fifo, now - self.prompt_deadline_s
+        while fifo and fifo[0].arrival < cutoff and _awaits_first_token(fifo[0]):
+            self._late.append(fifo.popleft())
+            self.num_late += 1
+
     def _insert(self, seq: Sequence) -> None:
         bisect.insort(self._sorted, (self.rank(seq), next(self._ties), seq), key=_by_order)
 
     def __getitem__(self, i: int) -> Sequence:
         """``[0]``: the head, next to admit."""
-        return self._sorted[i][2] if self.by_priority else self._fifo[i]
+        if self.by_priority:
+            return self._sorted[i][2]
+        return self._fifo[i] if i < len(self._fifo) else self._late[i - len(self._fifo)]
 
     def popleft(self) -> Sequence:
-        return self._sorted.pop(0)[2] if self.by_priority else self._fifo.popleft()
+        if self.by_priority:
+            return self._sorted.pop(0)[2]
+        return self._fifo.popleft() if self._fifo else self._late.popleft()
 
     def remove(self, seq: Sequence) -> None:
         if not self.by_priority:
-            self._fifo.remove(seq)
+            (self._fifo if seq in self._fifo else self._late).remove(seq)
             return
         for i, (_, _, queued) in enumerate(self._sorted):
             if queued is seq:
@@ -87,7 +118,7 @@ class WaitQueue:
         raise ValueError(f"{seq.seq_id} is not waiting")
 
     def __len__(self) -> int:
-        return len(self._sorted) if self.by_priority else len(self._fifo)
+        return len(self._sorted) if self.by_priority else len(self._fifo) + len(self._late)
 
     def __bool__(self) -> bool:
         return len(self) > 0
@@ -95,7 +126,7 @@ class WaitQueue:
     def __iter__(self) -> Iterator[Sequence]:
         if self.by_priority:
             return (seq for _, _, seq in self._sorted)
-        return iter(self._fifo)
+        return itertools.chain(self._fifo, self._late)
 
     def place(self, running: list[Sequence], seq: Sequence) -> None:
         """Add ``seq`` to the running list, which a step serves in order: last under fcfs
@@ -122,6 +153,11 @@ class WaitQueue:
         if not self.by_priority:
             return running[-1]
         return max(running[start:], key=self.rank)
+
+
+def _awaits_first_token(seq: Sequence) -> bool:
+    """Whether ``seq``'s TTFT is still to come: a prompt of its own, no token yet."""
+    return not seq.remote_kv and seq.num_output_tokens == 0
 
 
 def _by_order(item: tuple[tuple[float, float], int, Sequence]) -> tuple[tuple[float, float], int]:

@@ -175,6 +175,10 @@ class WorkerMetrics:
         self.preemptions = counter(
             "pdserve_worker_preemptions", "Sequences preempted because KV blocks ran out."
         )
+        self.late_prompts = counter(
+            "pdserve_worker_late_prompts",
+            "Prompts that waited past --prompt-deadline-ms and went behind the on-time ones.",
+        )
         # hit rate = hits / queries: both count full prompt blocks looked up in the prefix cache
         self.prefix_cache_queries = counter(
             "pdserve_worker_prefix_cache_queries", "Prompt blocks looked up in the prefix cache."

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 
+from pdserve.services.engine import scheduler as scheduler_module
 from pdserve.services.engine.engine import LLMEngine
 from pdserve.services.engine.engine_thread import EngineThread
 from pdserve.services.engine.outputs import StepResult
@@ -190,3 +192,25 @@ async def test_the_engine_thread_applies_commands_and_sleeps_when_idle(llama_dir
     finally:
         thread.stop()
     assert thread.error is None and all_free(engine)
+
+
+def test_a_prefill_engine_serves_late_prompts_after_on_time_ones_and_counts_them(
+    llama_dir, monkeypatch
+) -> None:
+    clock = [100.0]  # the scheduler's clock (arrivals and the deadline), moved by hand
+    monkeypatch.setattr(scheduler_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    # 24-token prompts and a budget of 24 tokens a step: one prompt a step, so the order of
+    # first tokens is the order of admission
+    engine = make_engine(
+        llama_dir, prefill_only=True, max_num_batched_tokens=24, prompt_deadline_ms=200.0
+    )
+    prompt = [5 + i for i in range(24)]
+    for rid in ("a", "b", "c"):
+        engine.add_request(rid, prompt, GREEDY)
+    order = [o.bus_id for o in step_outputs(engine) if o.new_token_ids]  # "a", on time
+    clock[0] += 1.0  # "b" and "c" have waited 1 s: past the deadline
+    engine.add_request("fresh", prompt, GREEDY)
+    while len(order) < 4:
+        order += [o.bus_id for o in step_outputs(engine) if o.new_token_ids]
+    assert order == ["a", "fresh", "b", "c"]
+    assert engine.stats().late_prompts == 2

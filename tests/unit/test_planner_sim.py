@@ -79,6 +79,27 @@ def test_a_prefill_step_takes_the_waiting_prompts_that_fit_its_token_budget() ->
     assert [round(r.first_token, 3) for r in batched] == [0.1, 0.3, 0.3, 0.4]
 
 
+def test_a_prompt_past_the_deadline_waits_behind_the_on_time_ones() -> None:
+    """100 ms prompts, a burst of five at once, then one at 0.3 s. In arrival order the
+    latecomer waits behind the burst. With a 250 ms deadline, when the step at 0.3 s starts the
+    burst's fourth and fifth have waited 0.3 s (late) and the latecomer none: it goes first, the
+    late ones after it. Nobody is lost."""
+    arrivals = (0.0, 0.0, 0.0, 0.0, 0.0, 0.3)
+
+    def firsts(deadline_s: float) -> list[float]:
+        result = simulate(
+            hand_profile(),
+            Workload(0, 1000, 10),
+            RateSchedule.constant(1.0, arrivals[-1] + 1e-6),
+            SLO_,
+            config=SimConfig(arrivals=arrivals, prompt_deadline_s=deadline_s),
+        )
+        return [round(r.first_token, 3) for r in sorted(result.requests, key=lambda r: r.index)]
+
+    assert firsts(0.0) == [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]
+    assert firsts(0.25) == [0.1, 0.2, 0.3, 0.5, 0.6, 0.4]
+
+
 def test_a_sequence_joins_a_running_batch_a_step_after_its_admission() -> None:
     """Its KV is pulled during the step after the one that admitted it: a request whose KV is
     ready while another decodes joins two step boundaries on, one that finds the worker idle

@@ -77,6 +77,8 @@ class SimConfig:
     decode: int = 1
     aggregated: int = 0  # > 0: this many workers doing both phases (prefill = decode = 0)
     chunk_tokens: int = 2048  # aggregated workers' prefill chunk per step
+    # prefill workers' --prompt-deadline-ms, in s (0: arrival order; sim_workers.py)
+    prompt_deadline_s: float = 0.0
     tail_s: float = 300.0  # after the schedule ends, how long in-flight requests may finish
     seed: int = 0
     promote_s: float = 1.0  # from a promotion (SIGUSR1) to a pooled worker's first request

@@ -115,7 +115,11 @@ class SimFleet:
         ready_at = self.now + self.cfg.startup_s if self.now > 0 else 0.0  # t = 0: loaded
         if role == "prefill":
             w: Worker = PrefillWorker(
-                worker_id=name, created=self.now, ready_at=ready_at, profile=self.profile
+                worker_id=name,
+                created=self.now,
+                ready_at=ready_at,
+                profile=self.profile,
+                deadline_s=self.cfg.prompt_deadline_s,
             )
         else:
             chunk = self.cfg.chunk_tokens if role == "aggregated" else 0

@@ -1,7 +1,9 @@
 """The simulated workers: a prefill worker and a decode worker driven by a ``Profile``'s curves.
 
 A **prefill worker** serves its queue first come, first served, a prompt in ``ISL /
-throughput(ISL)`` seconds. Where the profile gives the engine's token budget per step
+throughput(ISL)`` seconds. With a prompt deadline (``--prompt-deadline-ms``, which ``pdserve up
+--autoscale`` sets to the TTFT target) a prompt that has waited longer goes behind the ones that
+have not, as the engine's wait queue orders them (services/engine/wait_queue.py). Where the profile gives the engine's token budget per step
 (``prefill_batch_tokens``, ``--max-num-batched-tokens``), a step takes every waiting prompt that
 fits it, as the real scheduler does: the step lasts as long as its prompts one after another and
 all of them get their first token at its end. Three prompts that arrive together while a fourth
@@ -117,18 +119,27 @@ class Worker:
 
 
 class PrefillWorker(Worker):
-    def __init__(self, worker_id: str, created: float, ready_at: float, profile: Profile) -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        created: float,
+        ready_at: float,
+        profile: Profile,
+        deadline_s: float = 0.0,
+    ) -> None:
         super().__init__(worker_id, "prefill", created, ready_at)
         self.profile = profile
-        self.queue: deque[SimRequest] = deque()  # waiting for the next step
+        self.deadline_s = deadline_s  # a prompt waiting longer is late (0: none ever is)
+        self.queue: deque[SimRequest] = deque()  # waiting for the next step, on time
+        self.late: deque[SimRequest] = deque()  # waited past the deadline: behind the queue
         self.batch: list[SimRequest] = []  # the step in progress: its prompts finish together
         self.backlog_tokens = 0  # queued + in progress: the router's cost
 
     def idle(self) -> bool:
-        return not self.queue and not self.batch
+        return not self.queue and not self.late and not self.batch
 
     def load(self) -> tuple[float, int, int]:  # kv usage, queued, running
-        return 0.0, len(self.queue), len(self.batch)
+        return 0.0, len(self.queue) + len(self.late), len(self.batch)
 
     def add(self, req: SimRequest, now: float) -> float | None:
         """Queue a prompt; returns when it finishes if the worker was idle (else None)."""
@@ -142,15 +153,22 @@ class PrefillWorker(Worker):
         for req in done:
             self.backlog_tokens -= req.isl
             req.first_token = now
-        return done, self._start(now) if self.queue else None
+        return done, self._start(now) if self.queue or self.late else None
 
     def _start(self, now: float) -> float:
         """The next step: the queue's head, and behind it, with a token budget
-        (``Profile.prefill_batch_tokens``), the prompts that fit it beside the head."""
+        (``Profile.prefill_batch_tokens``), the prompts that fit it beside the head. The late
+        come after every on-time prompt, and admission stops at the first that does not fit,
+        as the engine's does."""
+        if self.deadline_s > 0:
+            while self.queue and now - self.queue[0].arrival > self.deadline_s:
+                self.late.append(self.queue.popleft())
         budget, tokens = self.profile.prefill_batch_tokens, 0
-        while self.queue and (not self.batch or tokens + self.queue[0].isl <= budget):
-            tokens += self.queue[0].isl
-            self.batch.append(self.queue.popleft())
+        while source := self.queue or self.late:
+            if self.batch and tokens + source[0].isl > budget:
+                break
+            tokens += source[0].isl
+            self.batch.append(source.popleft())
         return now + sum(self.profile.prefill_seconds(req.isl) for req in self.batch)
 
 
