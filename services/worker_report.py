@@ -42,12 +42,21 @@ class ReportedWorker(Protocol):
     def load_extra(self) -> dict: ...
 
 
+# the engine's running totals (EngineStats fields) and the WorkerMetrics counters they feed
+COUNTERS = {
+    "preemptions": "preemptions",
+    "late_prompts": "late_prompts",
+    "prefix_queries": "prefix_cache_queries",
+    "prefix_hits": "prefix_cache_hits",
+}
+
+
 class WorkerReport:
     def __init__(self, worker: ReportedWorker) -> None:
         self.worker = worker
         self.metrics_url: str | None = None  # also serves /ready and /live
-        # the engine's (preemptions, late prompts, prefix queries, hits) already counted
-        self._counted = (0, 0, 0, 0)
+        # the engine's totals already counted, by EngineStats field (COUNTERS)
+        self._counted = dict.fromkeys(COUNTERS, 0)
         self._spec_counted = SpecCounters()  # speculative decoding's totals already counted
 
     def serve_metrics(self) -> None:
@@ -100,21 +109,11 @@ class WorkerReport:
         stats = self._engine().stats()
         m = self.worker.metrics
         m.set_load(stats.used_blocks, stats.total_blocks, stats.running, stats.waiting)
-        preemptions, late, queries, hits = self._counted
-        if stats.preemptions > preemptions:
-            m.preemptions.inc(stats.preemptions - preemptions)
-        if stats.late_prompts > late:
-            m.late_prompts.inc(stats.late_prompts - late)
-        if stats.prefix_queries > queries:
-            m.prefix_cache_queries.inc(stats.prefix_queries - queries)
-        if stats.prefix_hits > hits:
-            m.prefix_cache_hits.inc(stats.prefix_hits - hits)
-        self._counted = (
-            stats.preemptions,
-            stats.late_prompts,
-            stats.prefix_queries,
-            stats.prefix_hits,
-        )
+        for field, metric in COUNTERS.items():
+            total = getattr(stats, field)
+            if total > self._counted[field]:
+                getattr(m, metric).inc(total - self._counted[field])
+            self._counted[field] = total
         spec = stats.spec  # speculative decoding (a decode engine's; a prefill one never drafts)
         if spec is None or spec.drafts == self._spec_counted.drafts:
             return
