@@ -4,10 +4,11 @@
 // every loop that consumes it, the softmax three more passes over a score buffer, and the
 // weighted V sum reads each page once per 8 lanes of D. Here a task reads each block's K and V
 // rows once, where the page holds it, with its accumulators in registers (cpu_attention.h).
-// Measured side by side (perf/paged_decode_bench.py, SmolLM2's heads, fp32, pages from memory):
-// 1.3x Inductor's form at batch 16 and 64 (26-29% of the read roof against 20-22%), 1.4-2.8x at
-// batch 1. What holds both far from the roof is the core's misses in flight: a plain sum over
-// the same 24 KiB runs of a block reads 10-17 GB/s on one core, a contiguous one 25-28.
+// Measured side by side (perf/paged_decode_bench.py, SmolLM2's heads, fp32, pages from memory in
+// huge pages, as the engine allocates them): at batch 16 and 64, 17-19 GB/s on one core, 50-55%
+// of the read roof, 3x Inductor's form; 26-36 GB/s on two. Its misses in flight held it at 7-8
+// GB/s a core until the next block's lines were asked into L2 rather than L1 (cpu_attention.h);
+// now each core's arithmetic is what bounds it: pages already in cache read at about 20 GB/s.
 
 #include "cpu_attention.h"
 

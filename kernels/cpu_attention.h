@@ -53,16 +53,32 @@ struct HeadShape {
   float scale;
 };
 
-// Ask for the lines of `bytes` at p (into L1) ahead of their use: the next block of a context is
-// anywhere in the cache, where the hardware prefetcher starts cold. A few lines at a time, as
-// the current block's rows are read: a burst of a block's lines at once fills the core's miss
-// buffers and the rest are dropped.
+// Ask for the lines of `bytes` at p ahead of their use: the next block of a context is anywhere
+// in the cache, where the hardware prefetcher starts cold. A few lines at a time, as the current
+// block's rows are read: a burst of a block's lines at once fills the core's miss buffers and
+// the rest are dropped. Into L2, not L1: asked into L1, each line held one of L1's few miss
+// buffers until it came, and the kernel read 7-8 GB/s from memory on one core; into L2, 17-19
+// (Zen 4, SmolLM2's heads at batch 16-64, pages in huge pages; two blocks ahead or a burst a
+// block: slower).
 constexpr int64_t kPrefetchBlocks = 1;
 
 inline void prefetch_lines(const void* p, int64_t bytes) {
   for (int64_t at = 0; at < bytes; at += 64) {
-    _mm_prefetch(static_cast<const char*>(p) + at, _MM_HINT_T0);
+    _mm_prefetch(static_cast<const char*>(p) + at, _MM_HINT_T1);
   }
+}
+
+// the largest of p[0..n)
+inline float max_of(const float* p, int64_t n) {
+  __m256 m8 = _mm256_set1_ps(-INFINITY);
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(p + t));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  float mx = _mm_cvtss_f32(m4);
+  for (; t < n; ++t) mx = std::max(mx, p[t]);
+  return mx;
 }
 
 // p[0..n) = exp(p - mx) in place; returns their sum
@@ -198,10 +214,13 @@ struct BlockKernels {
 // holds right after them (one run of memory, where two passes over the context would read K's
 // and V's halves apart), with the softmax kept online (a running max and sum per query head, the
 // partial output rescaled when the max grows, as flash attention's). scores: room for
-// (g1 - g0) * group * block_size floats.
+// (g1 - g0) * group * block_size floats. then_k and then_v: the first block's K and V rows of the
+// task that comes next (null: none), prefetched with the last block (offset as this task's
+// heads are: (g0 of that task - g0) * D apart from its block's row).
 template <typename P>
 void attend_heads(const PageView<P>& pages, const int64_t* table, int64_t ctx, int64_t g0,
-                  int64_t g1, const HeadShape& s, const float* q, float* out, float* scores) {
+                  int64_t g1, const HeadShape& s, const float* q, float* out, float* scores,
+                  const P* then_k, const P* then_v) {
   const int64_t group = s.hq / s.hk, d = s.d, heads = (g1 - g0) * group;
   const int64_t bs = pages.block_size, rw = pages.row_width;
   const BlockKernels<P> kernels(group, d);
@@ -217,8 +236,8 @@ void attend_heads(const PageView<P>& pages, const int64_t* table, int64_t ctx, i
     const P* vb = pages.row(table, t0, 1);
     // the same rows of the next block, asked for while this one is computed on
     const int64_t ahead = t0 + kPrefetchBlocks * bs;
-    const P* next_k = ahead < ctx ? pages.row(table, ahead, 0) : nullptr;
-    const P* next_v = ahead < ctx ? pages.row(table, ahead, 1) : nullptr;
+    const P* next_k = ahead < ctx ? pages.row(table, ahead, 0) : then_k;
+    const P* next_v = ahead < ctx ? pages.row(table, ahead, 1) : then_v;
     for (int64_t h = 0; h < heads; h += step) {  // scores [h * bs + t]
       const P* k = kb + (g0 + h / group) * d;
       const P* next = next_k ? next_k + (g0 + h / group) * d : nullptr;
@@ -227,7 +246,7 @@ void attend_heads(const PageView<P>& pages, const int64_t* table, int64_t ctx, i
     // the online softmax: weights against the running max, the partial output rescaled
     for (int64_t h = 0; h < heads; ++h) {
       float* p = scores + h * bs;
-      const float block_max = *std::max_element(p, p + n);
+      const float block_max = max_of(p, n);
       if (block_max > run_max[h]) {
         const float shrink = std::exp(run_max[h] - block_max);
         run_sum[h] *= shrink;
@@ -252,7 +271,8 @@ void attend_heads(const PageView<P>& pages, const int64_t* table, int64_t ctx, i
 // Every row's attention: q and out [rows, Hq * D] float32 with row strides q_stride and
 // Hq * D; tables [rows, width]; lens [rows] (clamped to the table's span). A task is a row (its
 // K and V rows are then read whole: each block's run is one stream), or a (row, KV head) where
-// there are fewer rows than threads.
+// there are fewer rows than threads. A task's last block prefetches the next task's first: left
+// cold, that block cost a 512-token context ~10% of its time (Zen 4, one thread, batch 16-64).
 template <typename P>
 void attend_rows(const PageView<P>& pages, const int64_t* tables, int64_t width,
                  const int64_t* lens, int64_t rows, const HeadShape& s, const float* q,
@@ -266,9 +286,19 @@ void attend_rows(const PageView<P>& pages, const int64_t* tables, int64_t width,
       const int64_t b = task / split, g0 = (task % split) * heads;
       const int64_t ctx = std::clamp<int64_t>(lens[b], 0, span);
       scores.resize(heads * group * pages.block_size);
+      const P* then_k = nullptr;
+      const P* then_v = nullptr;
+      if (task + 1 < end) {
+        const int64_t b_next = (task + 1) / split, g0_next = ((task + 1) % split) * heads;
+        if (std::min(lens[b_next], span) > 0) {
+          const int64_t shift = (g0_next - g0) * s.d;
+          then_k = pages.row(tables + b_next * width, 0, 0) + shift;
+          then_v = pages.row(tables + b_next * width, 0, 1) + shift;
+        }
+      }
       attend_heads(pages, tables + b * width, ctx, g0, g0 + heads, s,
                    q + b * q_stride + g0 * group * s.d, out + (b * s.hq + g0 * group) * s.d,
-                   scores.data());
+                   scores.data(), then_k, then_v);
     }
   });
 }

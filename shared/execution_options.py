@@ -20,8 +20,9 @@ class ExecutionOptions:
     )
     huge_pages: bool = opt(
         True,
-        "keep CPU weights in transparent huge pages (madvise): a decode step streams them with "
-        "fewer TLB misses (no effect where THP is off)",
+        "keep CPU weights and the KV cache in transparent huge pages (madvise): a decode step "
+        "streams the weights and reads each sequence's pages with fewer TLB misses (no effect "
+        "where THP is off)",
     )
     cpu_fused_decode: bool = opt(
         True,

@@ -140,7 +140,7 @@ def build_rank_model(
     choose_few_row_forms(model, device)
     spec = cache_spec(config, cfg, dtype, shard)
     num_blocks = num_blocks_for(config, spec)
-    kv_cache = spec.allocate(num_blocks, device)
+    kv_cache = spec.allocate(num_blocks, device, huge_pages=config.huge_pages)
     model.kv_spec = spec
     max_model_len = min(
         config.max_model_len or cfg.max_position_embeddings, num_blocks * config.block_size

@@ -1,11 +1,21 @@
-"""Weights moved into a huge-page region keep their values, layouts and sharing."""
+"""Weights moved into a huge-page region keep their values, layouts and sharing; the KV cache
+allocated in one is what an ordinary allocation would be."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from pdserve.services.engine.huge_pages import ALIGN, HUGE_PAGE, huge_region, move_to_huge_pages
+from pdserve.services.engine.huge_pages import (
+    ALIGN,
+    HUGE_PAGE,
+    huge_region,
+    huge_zeros,
+    move_to_huge_pages,
+    thp_mode,
+)
+from pdserve.services.engine.quant.kv_cache import kv_cache_spec
 
 
 class _Tied(nn.Module):
@@ -77,3 +87,43 @@ def test_a_kernel_without_thp_keeps_ordinary_pages(monkeypatch) -> None:
     before = model.weight.detach().clone()
     assert move_to_huge_pages(model, min_bytes=1024) >= before.numel() * 4
     torch.testing.assert_close(model.weight, before, rtol=0, atol=0)
+
+
+def _thp_eligible(t: torch.Tensor) -> bool:
+    """Whether the kernel marks the mapping holding ``t`` as huge-page eligible (smaps)."""
+    from pathlib import Path
+
+    address = t.data_ptr()
+    eligible = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
+            start, end = (int(x, 16) for x in head.split("-"))
+            eligible = False if start <= address < end else None
+        elif eligible is False and head == "THPeligible:":
+            return line.split()[1] == "1"
+    raise AssertionError("no mapping holds the tensor")
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_the_kv_cache_can_live_in_huge_pages(kv_dtype: str) -> None:
+    """The engine's KV cache (float, or quantized bytes) in a huge-page region: the same shape
+    and dtype as an ordinary allocation, zeroed, writable, on a 2 MiB boundary, and marked for
+    huge pages where THP waits for madvise."""
+    spec = kv_cache_spec(kv_dtype, torch.float32, 8, 16, 4, 64)  # 256 or 80 KiB a block
+    blocks = 40  # over 2 MiB: smaller regions hold no whole huge page
+    plain = spec.allocate(blocks, torch.device("cpu"))
+    huge = spec.allocate(blocks, torch.device("cpu"), huge_pages=True)
+    assert huge.shape == plain.shape and huge.dtype == plain.dtype and huge.is_contiguous()
+    assert huge.data_ptr() % HUGE_PAGE == 0
+    assert not huge.any()
+    huge[2].fill_(3)
+    assert int(huge.count_nonzero()) == huge[2].numel()
+    if thp_mode() == "madvise":
+        assert _thp_eligible(huge) and not _thp_eligible(plain)
+
+
+def test_huge_zeros_of_any_shape() -> None:
+    t = huge_zeros((7, 3), torch.bfloat16)
+    assert t.shape == (7, 3) and t.dtype == torch.bfloat16 and not t.any()
+    assert t.untyped_storage().nbytes() >= 7 * 3 * 2

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pdserve.services.engine.huge_pages import huge_zeros
+
 # --kv-cache-dtype -> the element type stored (auto: the model's dtype, unquantized)
 KV_ELEMENT_TYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 SCALE_DTYPE = torch.float32
@@ -46,12 +48,20 @@ class KVCacheSpec:
         scale = torch.empty(0, dtype=SCALE_DTYPE).element_size()
         return self.values_per_block * elem + self.scales_per_block * scale
 
-    def allocate(self, num_blocks: int, device: torch.device) -> Tensor:
-        """The cache's storage, zeroed: what the KV transfer moves, block i being row i."""
+    def allocate(
+        self, num_blocks: int, device: torch.device | str, huge_pages: bool = False
+    ) -> Tensor:
+        """The cache's storage, zeroed: what the KV transfer moves, block i being row i.
+        ``huge_pages``: on a CPU, in a region that asks for transparent huge pages
+        (huge_pages.huge_zeros says why)."""
         if not self.quantized:
-            shape = (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads)
-            return torch.zeros(*shape, self.head_dim, dtype=self.dtype, device=device)
-        return torch.zeros(num_blocks, self.bytes_per_block, dtype=torch.uint8, device=device)
+            geometry = (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+            shape, dtype = (num_blocks, *geometry), self.dtype
+        else:
+            shape, dtype = (num_blocks, self.bytes_per_block), torch.uint8
+        if huge_pages and torch.device(device).type == "cpu":
+            return huge_zeros(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     def split(self, storage: Tensor) -> tuple[Tensor, Tensor | None]:
         """(values [blocks, layers, 2, block_size, kv_heads, head_dim], scales [blocks, layers, 2,
