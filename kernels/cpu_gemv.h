@@ -3,6 +3,8 @@
 
 #include <torch/extension.h>
 
+#include <optional>
+
 // the widest row group the float32 column-major kernel keeps in registers (cpu_colmajor.cpp), and
 // the most rows the INT8 kernel takes in one pass over the weight (cpu_gemv.py's MAX_ROWS)
 constexpr int64_t kMaxRows = 4;
@@ -35,6 +37,14 @@ int64_t kv_row_limit(const torch::Tensor& pages, int64_t width);
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& pages,
                               const torch::Tensor& block_tables,
                               const torch::Tensor& context_lens, double scale);
+
+// the oneDNN-packed copy of a float32 weight for many-row linears (cpu_packed_gemm.cpp):
+// register it once; packed_linear answers x @ weight.T + bias through it, or nullopt where
+// the weight has none
+void register_packed_gemm(const torch::Tensor& weight, const torch::Tensor& packed);
+int64_t packed_gemm_count();
+std::optional<torch::Tensor> packed_linear(const torch::Tensor& x, const torch::Tensor& weight,
+                                           const std::optional<torch::Tensor>& bias);
 
 // the fused decoder's Python class (cpu_decode.cpp)
 void bind_cpu_decoder(pybind11::module& m);

@@ -56,6 +56,7 @@ _SOURCES = [
         "cpu_decode.cpp",
         "cpu_attention.cpp",
         "cpu_ops.cpp",
+        "cpu_packed_gemm.cpp",
     )
 ]
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it (it links torch's own libgomp)
@@ -216,6 +217,38 @@ def f32_linear_now(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     float32 ``x``, through the kernel, called directly (eager: no dispatcher hop)."""
     y = _kernel().f32_colmajor_gemv(x.contiguous(), weight)
     return y if bias is None else y + bias
+
+
+# the row count oneDNN is told to expect when it chooses the packed layout: a hint only, the
+# copy serves any row count (measured 25-512 rows, perf/README.md)
+PACK_HINT_ROWS = 64
+
+
+def can_pack_gemm(weight: Tensor) -> bool:
+    """Whether ``pack_gemm`` can give this weight a oneDNN copy: a 2-D float32 CPU weight where
+    the extension built and torch has oneDNN."""
+    return (
+        weight.dim() == 2
+        and weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and available()
+    )
+
+
+def pack_gemm(weight: Tensor) -> Tensor:
+    """Give a float32 weight [N, K] a copy in oneDNN's blocked layout, which ``f32_linear``
+    then uses for more than MAX_GEMM_ROWS rows (cpu_packed_gemm.cpp: found by the weight's
+    address while its storage lives); returns the copy. Call only where ``can_pack_gemm``."""
+    with torch.no_grad():
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_HINT_ROWS)
+    _kernel().register_packed_gemm(weight, packed)
+    return packed
+
+
+def packed_gemm_count() -> int:
+    """Weights with a live packed copy (tests; freed weights drop out)."""
+    return _kernel().packed_gemm_count() if available() else 0
 
 
 def _cpu_f32_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

@@ -32,6 +32,7 @@ Writes perf/results/roofline_bench.json and the roofline plot perf/results/roofl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -49,6 +50,7 @@ from pdserve.shared.config import EngineConfig
 from pdserve.shared.sampling import SamplingParams
 from pdserve.shared.telemetry import peaks as peaks_mod
 from pdserve.shared.telemetry.roofline import Cost, Peaks, advice, roofline
+from perf.llamacpp_bench import parse_overrides
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BLOCK = 16
@@ -129,7 +131,7 @@ def make_engine(model: Path, args: argparse.Namespace, dtype: str, quant: str) -
         prefix_cache=False,
         enforce_eager=args.enforce_eager,
     )
-    return LLMEngine(config)
+    return LLMEngine(dataclasses.replace(config, **parse_overrides(args.pdserve_arg)))
 
 
 def prompts(rng: random.Random, vocab: int, count: int, length: int) -> list[list[int]]:
@@ -264,6 +266,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--enforce-eager",
         action="store_true",
         help="eager decode steps (the default compiles them on a CPU)",
+    )
+    ap.add_argument(
+        "--pdserve-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an EngineConfig field for every engine, e.g. cpu_packed_gemm=false",
     )
     ap.add_argument("--quick-peaks", action="store_true", help="quick peaks (tests only)")
     ap.add_argument("--json", type=Path, default=RESULTS / "roofline_bench.json")

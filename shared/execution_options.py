@@ -30,3 +30,9 @@ class ExecutionOptions:
         "in one C++ call (kernels/cpu_decode.cpp) where the weights are float32, INT8 or bfloat16 "
         "and no LoRA is served; otherwise the compiled graphs serve it too",
     )
+    cpu_packed_gemm: bool = opt(
+        True,
+        "float32 CPU linears of more than 24 rows (a prefill chunk, a decode batch of 25 and up) "
+        "run through oneDNN on a copy of each weight packed once (kernels/cpu_packed_gemm.cpp); "
+        "the copy doubles the float32 weights' memory",
+    )

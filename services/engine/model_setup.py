@@ -3,6 +3,7 @@ other tensor-parallel rank (``rank_process.py``) build the same way from the sam
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from pdserve.services.engine.parallel.shard import Shard
 from pdserve.services.engine.quant.kv_cache import KVCacheSpec, kv_cache_spec
 from pdserve.shared.config import EngineConfig
 from pdserve.shared.kv.transfer.heads import Split
+
+log = logging.getLogger(__name__)
 
 
 def cache_spec(
@@ -100,6 +103,22 @@ def use_cpu_gemv(model: nn.Module, device: torch.device) -> None:
             module._cpu_paged_attention = True
 
 
+def pack_for_gemm(model: nn.Module) -> int:
+    """Give every column-major float32 CPU linear (``use_cpu_gemv``'s) a oneDNN-packed copy for
+    its GEMMs of more than 24 rows (kernels/cpu_packed_gemm.cpp says why); returns the bytes
+    the copies hold. Nothing where the extension or oneDNN is missing."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and module._f32_colmajor:
+            if not cpu_gemv.can_pack_gemm(module.weight):
+                continue
+            module._packed_gemm = cpu_gemv.pack_gemm(module.weight)
+            total += module.weight.numel() * module.weight.element_size()
+    if total:
+        log.info("float32 linears: %.0f MiB packed for oneDNN's GEMM", total / (1 << 20))
+    return total
+
+
 def choose_few_row_forms(model: LlamaForCausalLM, device: torch.device) -> None:
     """Time the few-rows matmul forms (``few_rows.py``) on a decoder layer while the model
     loads, and pack the LM head where packing won: a step that first meets 2-7 rows (a decode
@@ -137,6 +156,8 @@ def build_rank_model(
     if config.huge_pages and device.type == "cpu":
         move_to_huge_pages(model)
     use_cpu_gemv(model, device)
+    if config.cpu_packed_gemm:
+        pack_for_gemm(model)
     choose_few_row_forms(model, device)
     spec = cache_spec(config, cfg, dtype, shard)
     num_blocks = num_blocks_for(config, spec)
