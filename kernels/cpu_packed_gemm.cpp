@@ -38,7 +38,7 @@ std::unordered_map<const void*, PackedWeight> registry;
 bool still_holds(const PackedWeight& entry, const torch::Tensor& weight) {
   const auto alive = entry.storage.lock();
   return alive && alive.get() == weight.storage().unsafeGetStorageImpl() &&
-         entry.shape == weight.sizes().vec();
+         weight.sizes() == c10::IntArrayRef(entry.shape);
 }
 
 void drop_freed() {

@@ -6,9 +6,10 @@ queries, block size 16; one query per sequence; batch 1, 16 and 64, every sequen
 or 2048; one thread and two. The cache is the engine's block-major [blocks, layers, 2, 16, 3, 64]
 tensor, read through its strided per-layer views, in a huge-page region as the engine allocates
 it (``--huge-pages``, the default; ``--no-huge-pages``: ordinary 4 KiB pages); each sequence's
-blocks are a random permutation (a block manager after churn). Successive timed calls read successive layers, and a 64 MiB scrub
-before each call evicts the caches: in a decode step 29 other layers and the weights pass
-between two reads of one layer's pages, so they come from memory.
+blocks are a random permutation (a block manager after churn). Successive timed calls read
+successive layers, and a 64 MiB scrub before each call evicts the caches: in a decode step 29
+other layers and the weights pass between two reads of one layer's pages, so they come from
+memory.
 
 - **compiled**: ``kernels/paged_decode.paged_decode_attention`` under ``torch.compile(fullgraph=
   True)``, the block count dynamic (``mark_dynamic``), one compile per batch size (the engine's
@@ -154,6 +155,10 @@ def bench_threads(args: argparse.Namespace, threads: int) -> list[Row]:
     roof_buffers = [torch.ones(ROOF_BYTES // 4)]
     if args.huge_pages:
         roof_buffers.append(huge_zeros((ROOF_BYTES // 4,), torch.float32).fill_(1.0))
+
+    def read_roof() -> float:
+        return max(read_gbps(b) for b in roof_buffers)
+
     scrub = torch.ones(SCRUB_BYTES // 4)
     rows = []
     for batch in args.batches:
@@ -183,12 +188,12 @@ def bench_threads(args: argparse.Namespace, threads: int) -> list[Row]:
 
             roof, best_c, best_t, best_cpp = 0.0, float("inf"), float("inf"), float("inf")
             for _ in range(args.rounds):  # interleaved: drifting neighbours hit all alike
-                roof = max(roof, *(read_gbps(b) for b in roof_buffers))
+                roof = max(roof, read_roof())
                 best_c = min(best_c, cold_ms(run_compiled, case.layers, args.reps, scrub))
-                roof = max(roof, *(read_gbps(b) for b in roof_buffers))
+                roof = max(roof, read_roof())
                 best_t = min(best_t, cold_ms(run_twin, case.layers, args.reps, scrub))
                 if use_cpp:
-                    roof = max(roof, *(read_gbps(b) for b in roof_buffers))
+                    roof = max(roof, read_roof())
                     best_cpp = min(best_cpp, cold_ms(run_cpp, case.layers, args.reps, scrub))
             row = Row(
                 threads=threads,

@@ -3,6 +3,8 @@ allocated in one is what an ordinary allocation would be."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -91,8 +93,6 @@ def test_a_kernel_without_thp_keeps_ordinary_pages(monkeypatch) -> None:
 
 def _thp_eligible(t: torch.Tensor) -> bool:
     """Whether the kernel marks the mapping holding ``t`` as huge-page eligible (smaps)."""
-    from pathlib import Path
-
     address = t.data_ptr()
     eligible = None
     for line in Path("/proc/self/smaps").read_text().splitlines():

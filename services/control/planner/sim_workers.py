@@ -5,8 +5,9 @@ throughput(ISL)`` seconds. With a prompt deadline (``--prompt-deadline-ms``, whi
 --autoscale`` sets to the TTFT target) a prompt that has waited longer goes behind the ones that
 have not, as the engine's wait queue orders them (services/engine/wait_queue.py). Where the
 profile gives the engine's token budget per step (``prefill_batch_tokens``,
-``--max-num-batched-tokens``), a step takes every waiting prompt that fits it, as the real scheduler does: the step lasts as long as its prompts one after another and
-all of them get their first token at its end. Three prompts that arrive together while a fourth
+``--max-num-batched-tokens``), a step takes every waiting prompt that fits it, as the real
+scheduler does: the step lasts as long as its prompts one after another and all of them get
+their first token at its end. Three prompts that arrive together while a fourth
 is in progress thus wait for each other: through ``pdserve up`` they took 2.08 s all three, where
 one at a time would have averaged 1.4 s. With no budget (0) the worker takes one prompt a step.
 
