@@ -22,7 +22,7 @@
 template <typename P>
 struct PageView {
   P* base;
-  int64_t row_width, block_size, blocks, block_stride, v_offset, limit;
+  int64_t row_width, block_size, blocks, block_stride, v_offset;
 
   PageView(const torch::Tensor& pages, int64_t width)
       : base(pages.data_ptr<P>()),
@@ -30,13 +30,15 @@ struct PageView {
         block_size(pages.size(2)),
         blocks(pages.size(0)),
         block_stride(pages.stride(0)),
-        v_offset(pages.stride(1)),
-        limit(kv_row_limit(pages, width)) {}
+        v_offset(pages.stride(1)) {}
 
-  // write one K or V row at `at` (graph_ops.kv_rows' numbering)
-  void store(int64_t at, const float* src) const {
-    TORCH_CHECK(0 <= at && at < limit, "a KV row outside the pages");
-    for (int64_t i = 0; i < row_width; ++i) base[at * row_width + i] = P(src[i]);
+  // write token t's K (kind 0) or V (kind 1) row into its block of a table row of `width` blocks
+  void store(const int64_t* table, int64_t width, int64_t t, int kind, const float* src) const {
+    TORCH_CHECK(0 <= t && t < width * block_size, "a token past its table row");
+    const int64_t block = table[t / block_size];
+    TORCH_CHECK(0 <= block && block < blocks, "a token's block outside the pages");
+    P* dst = base + block * block_stride + kind * v_offset + (t % block_size) * row_width;
+    for (int64_t i = 0; i < row_width; ++i) dst[i] = P(src[i]);
   }
 
   // token t's K (kind 0) or V (kind 1) row of a table row; ids clamped into the cache, as

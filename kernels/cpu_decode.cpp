@@ -7,14 +7,15 @@
 // the whole stack of layers is one loop: RMSNorm with the residual add, the fused QKV projection,
 // rotary (rotate-half), the K/V write into the block-major pages, paged GQA attention over each
 // row's own context, the output projection, the second norm, SiLU-and-mul and the down
-// projection. The arithmetic is the eager model's: float32 math, the same kernels for the
+// projection; the token lookup before the layers and the final norm after them are in the call
+// too. The arithmetic is the eager model's: float32 math, the same kernels for the
 // linears, softmax with the row max subtracted; a bfloat16 model's activations are rounded to
 // bfloat16 wherever the eager model stores one (sums, norms, projections, rotary, SiLU).
 //
-// Rows are what decode_graph.py pads: a decode token, or one verification token with its own
-// position, context length and table row. Pages are [blocks, 2, block_size, Hk, D] in the
-// model's dtype with K and V rows of Hk * D values (graph_ops.fits); kv_rows [2, B] are
-// graph_ops.kv_rows.
+// Rows are what decode_graph.py makes of a step: a decode token, or one verification token with
+// its own position and table row (its context: the tokens up to and including it). Pages are
+// [blocks, 2, block_size, Hk, D] in the model's dtype with K and V rows of Hk * D values
+// (graph_ops.fits).
 
 #include <immintrin.h>
 
@@ -146,25 +147,33 @@ class CpuDecoder {
                             projection(down)});
   }
 
-  // h [B, hidden] the embedded tokens -> (h, residual) after the last layer (the final norm is
-  // the caller's)
-  std::pair<torch::Tensor, torch::Tensor> forward(torch::Tensor h, const torch::Tensor& positions,
-                                                  const torch::Tensor& kv_rows,
-                                                  const torch::Tensor& block_tables,
-                                                  const torch::Tensor& context_lens,
-                                                  const torch::Tensor& cos_sin) {
-    h = h.to(at::kFloat).contiguous();
+  // the token embedding [vocab, hidden] and the final norm's weight, in the model's dtype: the two
+  // ends of a step, so that one call runs from token ids to the hidden states the LM head reads
+  // (in Python, the lookup and the norm's five ops cost ~0.3 ms of a 12 ms bfloat16 step)
+  void set_ends(torch::Tensor embedding, torch::Tensor final_norm) {
+    TORCH_CHECK(embedding.dim() == 2 && final_norm.numel() == embedding.size(1),
+                "embedding [vocab, hidden], final norm [hidden]");
+    embedding_ = embedding;
+    final_norm_ = final_norm.to(at::kFloat).contiguous();
+  }
+
+  // ids [B] the step's tokens at `positions` [B], each with a row of `block_tables` [B, blocks]
+  // and a context of its position + 1 tokens -> [B, hidden] their final normed hidden states, in
+  // the model's dtype (set_ends first). Each token's K and V go to its position's slot of its
+  // table row: the rows graph_ops.kv_rows gives the graphs, found here without a tensor op.
+  torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& positions,
+                        const torch::Tensor& block_tables, const torch::Tensor& cos_sin) {
+    TORCH_CHECK(embedding_.defined(), "set_ends before forward");
+    auto h = embedding_.index_select(0, ids.to(at::kLong)).to(at::kFloat).contiguous();
     const int64_t rows = h.size(0), width = h.size(1);
     auto residual = torch::zeros_like(h);
     auto x = torch::empty_like(h);
     const auto pos = positions.to(at::kLong).contiguous();
-    const auto kv = kv_rows.to(at::kLong).contiguous();
+    const auto lens = pos + 1;
     const auto tables = block_tables.to(at::kLong).contiguous();
-    const auto lens = context_lens.to(at::kLong).contiguous();
     const auto rope = cos_sin.to(at::kFloat).contiguous();
-    TORCH_CHECK(pos.numel() == rows && kv.numel() == 2 * rows && lens.numel() == rows &&
-                    tables.size(0) == rows,
-                "one position, two KV rows, a table row and a context length per row");
+    TORCH_CHECK(pos.numel() == rows && tables.dim() == 2 && tables.size(0) == rows,
+                "one position and a table row per token");
     auto attn = torch::empty({rows, hq_ * d_}, h.options());
     for (const Layer& layer : layers_) {
       add_and_norm(residual.data_ptr<float>(), h.data_ptr<float>(),
@@ -172,9 +181,9 @@ class CpuDecoder {
                    bf16_);
       auto qkv = layer.qkv(x);  // [B, (Hq + 2 Hk) D]
       if (bf16_) {
-        store_and_attend<at::BFloat16>(layer, qkv, pos, kv, tables, lens, rope, attn);
+        store_and_attend<at::BFloat16>(layer, qkv, pos, tables, lens, rope, attn);
       } else {
-        store_and_attend<float>(layer, qkv, pos, kv, tables, lens, rope, attn);
+        store_and_attend<float>(layer, qkv, pos, tables, lens, rope, attn);
       }
       h = layer.o(attn);
       add_and_norm(residual.data_ptr<float>(), h.data_ptr<float>(),
@@ -183,8 +192,9 @@ class CpuDecoder {
       auto gate_up = layer.gate_up(x);
       h = layer.down(silu_and_mul(gate_up));
     }
-    if (bf16_) return {h.to(at::kBFloat16), residual.to(at::kBFloat16)};  // exact: rounded
-    return {h, residual};
+    add_and_norm(residual.data_ptr<float>(), h.data_ptr<float>(), final_norm_.data_ptr<float>(),
+                 x.data_ptr<float>(), rows, width, eps_, bf16_);
+    return bf16_ ? x.to(at::kBFloat16) : x;  // exact: rounded
   }
 
  private:
@@ -221,24 +231,23 @@ class CpuDecoder {
   // rotary on q and k, k and v into the pages, then each row's attention over its context
   template <typename P>
   void store_and_attend(const Layer& layer, torch::Tensor& qkv, const torch::Tensor& pos,
-                        const torch::Tensor& kv, const torch::Tensor& tables,
-                        const torch::Tensor& lens, const torch::Tensor& rope,
-                        torch::Tensor& out) const {
+                        const torch::Tensor& tables, const torch::Tensor& lens,
+                        const torch::Tensor& rope, torch::Tensor& out) const {
     const PageView<P> pages(layer.pages, hk_ * d_);
     const int64_t rows = qkv.size(0), stride = qkv.size(1), width = tables.size(1);
     float* q = qkv.data_ptr<float>();
     const int64_t* p = pos.data_ptr<int64_t>();
-    const int64_t* r = kv.data_ptr<int64_t>();
+    const int64_t* table = tables.data_ptr<int64_t>();
     for (int64_t b = 0; b < rows; ++b) {
       TORCH_CHECK(0 <= p[b] && p[b] < rope.size(0), "a position past the rotary table");
       rotate(q + b * stride, hq_ + hk_, d_, rope.data_ptr<float>() + p[b] * d_);  // q, then k
       if (bf16_) round_bf16(q + b * stride, (hq_ + hk_) * d_);
       for (int kind = 0; kind < 2; ++kind) {  // K, then V
-        pages.store(r[kind * rows + b], q + b * stride + (hq_ + kind * hk_) * d_);
+        pages.store(table + b * width, width, p[b], kind, q + b * stride + (hq_ + kind * hk_) * d_);
       }
     }
     const HeadShape shape{hq_, hk_, d_, scale_};
-    attend_rows(pages, tables.data_ptr<int64_t>(), width, lens.data_ptr<int64_t>(), rows, shape,
+    attend_rows(pages, table, width, lens.data_ptr<int64_t>(), rows, shape,
                 q, stride, out.data_ptr<float>());
     if (bf16_) round_bf16(out.data_ptr<float>(), out.numel());
   }
@@ -247,11 +256,13 @@ class CpuDecoder {
   float eps_, scale_;
   bool bf16_;
   std::vector<Layer> layers_;
+  torch::Tensor embedding_, final_norm_;
 };
 
 void bind_cpu_decoder(pybind11::module& m) {
   pybind11::class_<CpuDecoder>(m, "CpuDecoder")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, bool>())
       .def("add_layer", &CpuDecoder::add_layer)
+      .def("set_ends", &CpuDecoder::set_ends)
       .def("forward", &CpuDecoder::forward);
 }

@@ -3,8 +3,9 @@
 The compiled decode step (``decode_graph.py``) runs one Inductor graph per layer. At batch 1 the
 layers' weights stream in ~17 ms (float32 SmolLM2, one thread), and calling 30 graphs added
 ~3-4 ms: Dynamo's guards, AOTAutograd's wrappers, Inductor's Python wrapper, five op calls a
-layer. The C++ decoder holds every layer's weights and pages and runs the same arithmetic in one
-loop: what llama.cpp's graph does, and what puts batch-1 decode at the weights' read time.
+layer. The C++ decoder holds every layer's weights and pages, the token embedding and the final
+norm, and runs the same arithmetic in one loop from token ids to the hidden states the LM head
+reads: what llama.cpp's graph does, and what puts batch-1 decode at the weights' read time.
 
 It serves the rows the graphs would (decode and verification tokens, not padded: it has no shapes
 to specialise) where every projection is one the few-row kernels read: float32 column-major
@@ -72,6 +73,7 @@ def build(model: LlamaForCausalLM) -> Any | None:
         return None
     first = layers[0].self_attn
     dtype = layers[0].input_layernorm.weight.dtype  # the activations'
+    eps = layers[0].input_layernorm.eps
     if dtype not in (torch.float32, torch.bfloat16):
         return None
     decoder = None
@@ -81,7 +83,7 @@ def build(model: LlamaForCausalLM) -> Any | None:
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if (
             any(p is None for p in parts)
-            or any(n.weight.dtype != dtype or n.eps != norms[0].eps for n in norms)
+            or any(n.weight.dtype != dtype or n.eps != eps for n in norms)
             or attn.kv_pages.dtype != dtype
             or attn.kv_pages.dim() != 5
         ):
@@ -91,9 +93,18 @@ def build(model: LlamaForCausalLM) -> Any | None:
                 first.num_heads,
                 first.num_kv_heads,
                 first.head_dim,
-                norms[0].eps,
+                eps,
                 first.scale,
                 dtype == torch.bfloat16,
             )
         decoder.add_layer(norms[0].weight, norms[1].weight, attn.kv_pages, *parts)
+    embedding, final_norm = model.embed_tokens.weight, model.norm
+    if (
+        decoder is None
+        or embedding.dtype != dtype
+        or final_norm.weight.dtype != dtype
+        or final_norm.eps != eps
+    ):
+        return None
+    decoder.set_ends(embedding, final_norm.weight)
     return decoder

@@ -230,24 +230,17 @@ class DecodeGraphs:
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """The final hidden states (normed) of the step's rows, in order."""
-        batch = self._pad(inputs)
         self.steps += 1
         self.verify_steps += inputs.num_verifies > 0
         model = self.model
-        h = model.embed_tokens(batch.input_ids)
-        if self._runs_fused(len(batch.input_ids)):
+        if self._runs_fused(len(inputs.input_ids)):
             self.fused_steps += 1
-            meta = batch.meta
-            h, residual = self.fused.forward(  # type: ignore[attr-defined]
-                h,
-                batch.positions,
-                meta.kv_rows,
-                meta.block_tables,
-                meta.context_lens,
-                model.cos_sin,
+            rows = _token_rows(inputs)
+            return self.fused.forward(  # type: ignore[attr-defined]
+                rows.ids, rows.positions, rows.table, model.cos_sin
             )
-            h, _ = model.norm(h[: batch.rows], residual[: batch.rows])
-            return h
+        batch = self._pad(inputs)
+        h = model.embed_tokens(batch.input_ids)
         # the first layer adds a zero residual: the same sums as the eager model, one graph
         residual = torch.zeros_like(h)
         for layer in model.decoder_layers():
@@ -276,24 +269,13 @@ class DecodeGraphs:
 
     def _pad(self, inputs: StepInputs) -> _Batch:
         tokens = len(inputs.input_ids)
-        # the C++ decoder takes any row count; a graph, its bucket's
-        padded = tokens if self._runs_fused(tokens) else self.bucket(tokens)
+        padded = self.bucket(tokens)
         extra = padded - tokens
-        tables = inputs.block_tables
-        width = max(MIN_TABLE_BLOCKS, max(len(t) for t in tables))
-        table = torch.zeros(len(tables), width, dtype=torch.int64)
-        lengths = torch.tensor([len(t) for t in tables])
-        flat = torch.tensor([b for t in tables for b in t], dtype=torch.int64)
-        # each row's blocks at the start of its table row: one scatter, no loop over rows
-        table[_runs(lengths)] = flat
-        positions = torch.tensor(inputs.starts, dtype=torch.int64)
-        token_row = None
-        if tokens > len(tables):  # verification rows: one graph row per query token
-            token_row, offset = _runs(torch.tensor(inputs.counts))
-            table, positions = table[token_row], positions[token_row] + offset
-        table = torch.cat((table, table[:1].expand(extra, -1)))  # padding repeats token 0
-        positions = torch.cat((positions, positions[:1].expand(extra)))
-        ids = torch.tensor(inputs.input_ids + inputs.input_ids[:1] * extra, dtype=torch.int64)
+        rows = _token_rows(inputs)
+        # padding repeats token 0
+        table = torch.cat((rows.table, rows.table[:1].expand(extra, -1)))
+        positions = torch.cat((rows.positions, rows.positions[:1].expand(extra)))
+        ids = torch.cat((rows.ids, rows.ids[:1].expand(extra)))
         bs = self.block_size
         slots = table.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
         if self.device.type != "cpu":
@@ -312,9 +294,38 @@ class DecodeGraphs:
             kv_rows=kv_rows,
             block_tables=table,
             context_lens=positions + 1,
-            lora_slots=self._lora_slots(inputs, token_row, extra),
+            lora_slots=self._lora_slots(inputs, rows.token_row, extra),
         )
         return _Batch(rows=tokens, input_ids=ids, positions=positions, meta=meta)
+
+
+@dataclass
+class _TokenRows:
+    """A step's tokens as rows (a verification row's tokens each a row of its own)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    table: torch.Tensor  # [tokens, blocks]: each token's sequence's block table
+    token_row: torch.Tensor | None  # each token's step row, where a row verifies drafts
+
+
+def _token_rows(inputs: StepInputs) -> _TokenRows:
+    """The step's tokens as rows, in few ops: for the C++ decoder's steps this is most of the
+    Python a step has besides the engine's."""
+    tables = inputs.block_tables
+    lengths = torch.tensor([len(t) for t in tables])
+    width = max(MIN_TABLE_BLOCKS, int(lengths.max()))
+    flat = torch.tensor([b for t in tables for b in t], dtype=torch.int64)
+    # each row's blocks at the start of its table row: one masked fill, in row order
+    table = torch.zeros(len(tables), width, dtype=torch.int64)
+    table.masked_scatter_(torch.arange(width) < lengths[:, None], flat)
+    positions = torch.tensor(inputs.starts, dtype=torch.int64)
+    token_row = None
+    if len(inputs.input_ids) > len(tables):  # verification rows: one row per query token
+        token_row, offset = _runs(torch.tensor(inputs.counts))
+        table, positions = table[token_row], positions[token_row] + offset
+    ids = torch.tensor(inputs.input_ids, dtype=torch.int64)
+    return _TokenRows(ids=ids, positions=positions, table=table, token_row=token_row)
 
 
 def _runs(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

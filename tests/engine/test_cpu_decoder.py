@@ -124,3 +124,20 @@ def test_off_switch_and_unsupported_weights_keep_the_graphs(checkpoints):
     assert _engine(model_dir, cpu_fused_decode=False).runner.graphs.fused is None
     # float64 linears are not what the kernels read
     assert make_engine(model_dir, enforce_eager=False).runner.graphs.fused is None
+
+
+def test_a_token_outside_its_pages_is_refused(checkpoints):
+    """The decoder writes each token's K/V through its table row: a position past the row, or a
+    block the cache does not have, is an error rather than a write elsewhere in memory."""
+    engine = _engine(checkpoints["llama-gqa"], num_kv_blocks=8)
+    graphs = engine.runner.graphs
+    fused, cos_sin = graphs.fused, graphs.model.cos_sin
+    ids = torch.tensor([11])
+    with torch.inference_mode():
+        fused.forward(ids, torch.tensor([17]), torch.tensor([[3, 4]]), cos_sin)  # in block 4
+        with pytest.raises(RuntimeError, match="past its table row"):
+            fused.forward(ids, torch.tensor([32]), torch.tensor([[3, 4]]), cos_sin)
+        with pytest.raises(RuntimeError, match="outside the pages"):
+            fused.forward(ids, torch.tensor([17]), torch.tensor([[3, 8]]), cos_sin)
+        with pytest.raises(RuntimeError, match="per token"):
+            fused.forward(ids, torch.tensor([1, 2]), torch.tensor([[3, 4]]), cos_sin)
