@@ -60,12 +60,14 @@ struct Projection {
       }
       return y;
     }
-    torch::Tensor y;
     if (weight.scalar_type() == at::kChar) {
-      y = int8_gemv(inv_smooth ? (x * *inv_smooth).contiguous() : x, weight, *scale);
-    } else {
-      y = f32_colmajor_gemv(x, weight, 0);
+      auto y = int8_gemv(inv_smooth ? (x * *inv_smooth).contiguous() : x, weight, *scale);
+      return bias ? y.add_(*bias) : y;
     }
+    if (x.size(0) >= kPackedFromRows) {  // as cpu_f32_linear chooses: the same sums as eager
+      if (auto y = packed_linear(x, weight, bias)) return *y;
+    }
+    auto y = f32_colmajor_gemv(x, weight, 0);
     return bias ? y.add_(*bias) : y;
   }
 };

@@ -18,6 +18,12 @@ constexpr int64_t kBf16Rows = 8;
 // weights (issue 42's Zen 4 VM): 1.4-1.6x at 16 rows, 1.1-1.2x at 24, 0.8-1.0x at 28 (one thread
 // and two)
 constexpr int64_t kMaxGemmRows = 24;
+// from this many rows a float32 linear whose weight has a oneDNN-packed copy
+// (cpu_packed_gemm.cpp) runs on it instead (cpu_gemv.py's PACKED_FROM_ROWS). A SmolLM2 pass's
+// linears (perf/gemv_bench.py, perf/results/issue42/gemv_packed_rows_t*.json): one thread, 5 rows
+// 30.0 against 35.5 ms, 16 rows 53 against 95; two threads, 5 rows 20.6 against 22.4, 16 rows 35
+// against 83. At 1-3 rows oneDNN takes 1.1-1.6x as long as the column-major kernel, 4 is level.
+constexpr int64_t kPackedFromRows = 5;
 
 // x a contiguous float32 [B, K] and w a [N, K] weight on the CPU, row- or column-major
 void check_linear(const torch::Tensor& x, const torch::Tensor& w, bool column_major);
@@ -43,6 +49,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& pages
 // the weight has none
 void register_packed_gemm(const torch::Tensor& weight, const torch::Tensor& packed);
 int64_t packed_gemm_count();
+int64_t packed_gemm_calls();
 std::optional<torch::Tensor> packed_linear(const torch::Tensor& x, const torch::Tensor& weight,
                                            const std::optional<torch::Tensor>& bias);
 

@@ -22,7 +22,7 @@ fails, and the callers keep their torch path. The ops are registered with torch.
 compiled decode step calls them as opaque ops (``torch.ops.pdserve.int8_gemv`` / ``bf16_gemv``).
 The same extension holds the fused decoder of 1-4 rows (``cpu_decode.cpp``), the paged decode
 attention of the larger compiled steps (``cpu_attention.cpp``, ``paged_attention``), and the
-oneDNN-packed copies that float32 linears of more than MAX_GEMM_ROWS rows run on
+oneDNN-packed copies that float32 linears of PACKED_FROM_ROWS rows and more run on
 (``cpu_packed_gemm.cpp``, ``pack_gemm``).
 """
 
@@ -49,6 +49,9 @@ MAX_BF16_ROWS = 8
 # float32 column-major weights only: up to this many rows the kernel (cpu_colmajor.cpp) beats MKL's
 # GEMM, which copies the column-major weight into its packed form on every call (cpu_gemv.h)
 MAX_GEMM_ROWS = 24
+# ... except from this many rows where the weight has a oneDNN-packed copy (``pack_gemm``): it
+# serves them (cpu_gemv.h's kPackedFromRows)
+PACKED_FROM_ROWS = 5
 
 _SOURCES = [
     Path(__file__).resolve().with_name(n)
@@ -208,10 +211,10 @@ def bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return y if bias is None else y + bias
 
 
-def f32_rows(rows: int) -> bool:
+def f32_rows(rows: int, packed: bool = False) -> bool:
     """Whether the float32 kernel takes a matmul of this many rows: 1 to MAX_GEMM_ROWS (above
-    it, MKL's GEMM)."""
-    return 1 <= rows <= MAX_GEMM_ROWS
+    it, MKL's GEMM), or fewer than PACKED_FROM_ROWS where the weight has a ``packed`` copy."""
+    return 1 <= rows < PACKED_FROM_ROWS if packed else 1 <= rows <= MAX_GEMM_ROWS
 
 
 def f32_linear_now(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -242,7 +245,7 @@ def can_pack_gemm(weight: Tensor) -> bool:
 
 def pack_gemm(weight: Tensor) -> Tensor:
     """Give a float32 weight [N, K] a copy in oneDNN's blocked layout, which ``f32_linear``
-    then uses for more than MAX_GEMM_ROWS rows (cpu_packed_gemm.cpp: found by the weight's
+    then uses for PACKED_FROM_ROWS rows and more (cpu_packed_gemm.cpp: found by the weight's
     address while its storage lives); returns the copy. Call only where ``can_pack_gemm``."""
     with torch.no_grad():
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_HINT_ROWS)
@@ -253,6 +256,11 @@ def pack_gemm(weight: Tensor) -> Tensor:
 def packed_gemm_count() -> int:
     """Weights with a live packed copy (tests; freed weights drop out)."""
     return _kernel().packed_gemm_count() if available() else 0
+
+
+def packed_gemm_calls() -> int:
+    """Products made on packed copies so far, in this process (tests: which path a step took)."""
+    return _kernel().packed_gemm_calls() if available() else 0
 
 
 def _cpu_f32_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -271,7 +279,8 @@ def _cpu_f32_linear_fake(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tens
 
 def f32_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``f32_linear_now`` as one opaque op, for a compiled step whose row count is known only at
-    run time (a dynamic batch): the kernel for 1-MAX_GEMM_ROWS rows, ``F.linear`` otherwise, each
+    run time (a dynamic batch): oneDNN's GEMM on the weight's packed copy from PACKED_FROM_ROWS
+    rows where it has one, else the kernel for 1-MAX_GEMM_ROWS rows and ``F.linear`` above, each
     with the bias as the eager path adds it. Call only where ``available()``."""
     return torch.ops.pdserve.cpu_f32_linear(x, weight, bias)
 

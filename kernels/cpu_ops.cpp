@@ -16,10 +16,10 @@
 
 torch::Tensor cpu_f32_linear(const torch::Tensor& x, const torch::Tensor& weight,
                              const std::optional<torch::Tensor>& bias) {
+  if (x.dim() == 2 && x.size(0) >= kPackedFromRows) {
+    if (auto y = packed_linear(x, weight, bias)) return *y;  // oneDNN on the packed copy
+  }
   if (x.dim() != 2 || x.size(0) < 1 || x.size(0) > kMaxGemmRows) {
-    if (x.dim() == 2 && x.size(0) > kMaxGemmRows) {
-      if (auto y = packed_linear(x, weight, bias)) return *y;  // oneDNN on the packed copy
-    }
     return at::linear(x, weight, bias);  // MKL's GEMM catches up; as F.linear
   }
   auto y = f32_colmajor_gemv(x.contiguous(), weight, 0);
@@ -91,5 +91,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention);
   m.def("register_packed_gemm", &register_packed_gemm);
   m.def("packed_gemm_count", &packed_gemm_count);
+  m.def("packed_gemm_calls", &packed_gemm_calls);
   bind_cpu_decoder(m);
 }

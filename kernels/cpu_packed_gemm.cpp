@@ -1,5 +1,6 @@
-// Float32 linears of more rows than the few-row kernels take (a decode batch of 25 and up, a
-// prefill chunk), through oneDNN on a copy of the weight packed once (issue 42).
+// Float32 linears of 5 rows and more (a speculative verification, a decode batch, a prefill
+// chunk), through oneDNN on a copy of the weight packed once (issue 42; cpu_gemv.h's
+// kPackedFromRows says where it overtakes the column-major kernel).
 //
 // Why: the engine keeps float32 weights column-major for the few-row kernels
 // (cpu_colmajor.cpp). Given such a weight, MKL's SGEMM copies it into its own panels on every
@@ -18,6 +19,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <atomic>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
@@ -34,6 +36,7 @@ struct PackedWeight {
 
 std::mutex registry_mutex;
 std::unordered_map<const void*, PackedWeight> registry;
+std::atomic<int64_t> calls{0};  // products made on a packed copy (tests: which path ran)
 
 bool still_holds(const PackedWeight& entry, const torch::Tensor& weight) {
   const auto alive = entry.storage.lock();
@@ -66,6 +69,8 @@ int64_t packed_gemm_count() {
   return static_cast<int64_t>(registry.size());
 }
 
+int64_t packed_gemm_calls() { return calls.load(std::memory_order_relaxed); }
+
 std::optional<torch::Tensor> packed_linear(const torch::Tensor& x, const torch::Tensor& weight,
                                            const std::optional<torch::Tensor>& bias) {
   torch::Tensor packed;
@@ -84,5 +89,6 @@ std::optional<torch::Tensor> packed_linear(const torch::Tensor& x, const torch::
                           c10::IValue(c10::List<std::optional<at::Scalar>>()),
                           c10::IValue()};
   op.callBoxed(&stack);
+  calls.fetch_add(1, std::memory_order_relaxed);
   return stack.back().toTensor();
 }

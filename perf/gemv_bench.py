@@ -16,7 +16,9 @@ rows, one thread. Each candidate computes y = x @ W.T for float32 x [B, K]:
 - ``int8 avx2 kernel`` / ``bf16 avx2 kernel``: ``kernels/cpu_gemv.cpp`` (weight-only, the
   weights widened to float32 in registers, up to 4 rows per pass over the weight);
 - ``fp32 avx2 kernel (col-major)``: the same file's loop over the column-major float32 layout
-  (blocks of 8 weight rows, 16 columns at a time; what the engine runs at 2-4 rows).
+  (blocks of 8 weight rows, 16 columns at a time; what the engine runs at 2-4 rows);
+- ``fp32 oneDNN packed``: oneDNN's linear on the weight reordered once into its blocked layout
+  (``cpu_gemv.pack_gemm``'s copy; what the engine runs from 5 rows).
 
 Weights are cold: each candidate cycles through enough copies of its weight to pass 3x the L3,
 as a decode step that streams 30 layers does. GB/s counts the weight bytes (int8: 1, bf16: 2,
@@ -118,11 +120,17 @@ def variants(w: torch.Tensor, batch: int) -> dict[str, tuple[int, Callable[[obje
         wc = w.t().contiguous().t()
         return lambda x: cpu_gemv.f32_linear_now(x, wc, None)
 
+    def fp32_packed(_: object) -> Callable:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, cpu_gemv.PACK_HINT_ROWS)
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
     kernels = {
         "int8 avx2 kernel": (1, int8_kernel),
         "bf16 avx2 kernel": (2, bf16_kernel),
         "fp32 avx2 kernel (col-major)": (4, fp32_kernel),
     }
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        kernels["fp32 oneDNN packed"] = (4, fp32_packed)
     return {
         **(kernels if cpu_gemv.available() else {}),
         "fp32 F.linear (col-major)": (4, fp32),

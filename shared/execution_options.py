@@ -32,7 +32,7 @@ class ExecutionOptions:
     )
     cpu_packed_gemm: bool = opt(
         True,
-        "float32 CPU linears of more than 24 rows (a prefill chunk, a decode batch of 25 and up) "
-        "run through oneDNN on a copy of each weight packed once (kernels/cpu_packed_gemm.cpp); "
+        "float32 CPU linears of 5 rows and more (a prefill chunk, a decode batch, a speculative "
+        "verification) run through oneDNN on a copy of each weight packed once (kernels/cpu_packed_gemm.cpp); "
         "the copy doubles the float32 weights' memory",
     )

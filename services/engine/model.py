@@ -75,7 +75,7 @@ class Linear(nn.Linear):
     _bf16_gemv: bool = False
     # a column-major float32 CPU weight read by kernels/cpu_gemv.py at 1-4 rows (same setup)
     _f32_colmajor: bool = False
-    # its copy in oneDNN's layout for more rows (model_setup.pack_for_gemm), or None
+    # its copy in oneDNN's layout for 5 rows and more (model_setup.pack_for_gemm), or None
     _packed_gemm: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,9 +87,10 @@ class Linear(nn.Linear):
                 # time, and the op picks the kernel (1-4 rows) or F.linear then
                 return cpu_gemv.f32_linear(x, self.weight, self.bias)
             return super().forward(x)
-        if self._f32_colmajor and x.dim() == 2 and cpu_gemv.f32_rows(x.shape[0]):
+        packed = self._packed_gemm is not None
+        if self._f32_colmajor and x.dim() == 2 and cpu_gemv.f32_rows(x.shape[0], packed):
             return cpu_gemv.f32_linear_now(x, self.weight, self.bias)
-        if self._packed_gemm is not None and x.dim() == 2:  # many rows: oneDNN on the copy
+        if packed and x.dim() == 2:  # 5 rows and more: oneDNN on the copy
             return cpu_gemv.f32_linear(x, self.weight, self.bias)
         if self._few_rows is None or not self._few_rows.serves(self.weight):
             self._few_rows = FewRowsLinear(self.weight, self.bias)

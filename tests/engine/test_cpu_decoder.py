@@ -141,3 +141,19 @@ def test_a_token_outside_its_pages_is_refused(checkpoints):
             fused.forward(ids, torch.tensor([17]), torch.tensor([[3, 8]]), cos_sin)
         with pytest.raises(RuntimeError, match="per token"):
             fused.forward(ids, torch.tensor([1, 2]), torch.tensor([[3, 4]]), cos_sin)
+
+
+def test_float32_steps_of_5_rows_and_more_take_the_packed_copies(checkpoints):
+    """From PACKED_FROM_ROWS rows the decoder's float32 projections run on oneDNN's packed
+    copies, as the eager model's linears do; below, on the column-major kernel."""
+    engine = _engine(checkpoints["llama-gqa"], num_kv_blocks=16)
+    graphs = engine.runner.graphs
+    fused, cos_sin = graphs.fused, graphs.model.cos_sin
+    layers = len(graphs.model.decoder_layers())
+    few = cpu_gemv.PACKED_FROM_ROWS
+    with torch.inference_mode():
+        for rows, packed_products in ((few - 1, 0), (few, 4 * layers)):
+            before = cpu_gemv.packed_gemm_calls()
+            ids = torch.arange(11, 11 + rows)
+            fused.forward(ids, torch.arange(rows), torch.tensor([[1, 2]] * rows), cos_sin)
+            assert cpu_gemv.packed_gemm_calls() - before == packed_products

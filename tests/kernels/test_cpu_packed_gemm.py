@@ -1,6 +1,6 @@
-"""Float32 linears of more than 24 rows through oneDNN on a packed copy of the weight
+"""Float32 linears of 5 rows and more through oneDNN on a packed copy of the weight
 (kernels/cpu_packed_gemm.cpp, issue 42): the product, eagerly and inside a compiled graph of a
-dynamic batch, the few-row kernel still below 25 rows, and a copy that stops answering once its
+dynamic batch, the few-row kernel still below 5 rows, and a copy that stops answering once its
 weight is freed (its address may then hold another weight)."""
 
 from __future__ import annotations
@@ -42,12 +42,13 @@ def test_many_rows_take_the_packed_copy_eagerly_and_compiled() -> None:
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounter()
     compiled = torch.compile(layer, backend=counter, fullgraph=True, dynamic=True)
-    for rows in (2, 24, 25, 64, 130, 3):
+    for rows in (2, 4, 5, 24, 25, 64, 130, 3):
         x = torch.randn(rows, 64)
         eager = layer(x)
         exact = x.double() @ layer.weight.double().T + layer.bias.double()
         assert _rel(eager, exact) < 1e-6
-        if cpu_gemv.f32_rows(rows):  # the few-row kernel, as before
+        if rows < cpu_gemv.PACKED_FROM_ROWS:  # the few-row kernel
+            assert cpu_gemv.f32_rows(rows, packed=True)
             assert torch.equal(eager, cpu_gemv.f32_linear_now(x, layer.weight, layer.bias))
         else:  # oneDNN's product on the copy: not MKL's F.linear on the weight
             packed = torch.ops.mkldnn._linear_pointwise(
