@@ -85,14 +85,15 @@ def test_hidden_states_match_the_graphs_on_ragged_pages(checkpoints, variant, dt
 )
 def test_tokens_match_eager_past_the_decoders_rows(checkpoints, dtype, quantization):
     """Batches from 1 to one past the decoder's rows (INT8: 5, past 4; bfloat16: 9, past 8;
-    float32: 25, past 24), sequences joining and leaving: the graphs serve the widest steps, and the tokens are
-    the eager engine's (bfloat16: rounded where it rounds)."""
+    float32 without packed copies: 25, past 24), sequences joining and leaving: the graphs serve
+    the widest steps, and the tokens are the eager engine's (bfloat16: rounded where it
+    rounds)."""
     model_dir = checkpoints["llama-gqa"]
     widest = cpu_gemv.MAX_ROWS if quantization == "int8" else cpu_gemv.MAX_BF16_ROWS
     if (dtype, quantization) == ("float32", "none"):
         widest = cpu_gemv.MAX_GEMM_ROWS
     prompts = random_prompts(widest + 1, seed=21, max_len=24)
-    kw = {"dtype": dtype, "quantization": quantization}
+    kw = {"dtype": dtype, "quantization": quantization, "cpu_packed_gemm": False}
     compiled = make_engine(model_dir, enforce_eager=False, max_num_seqs=widest + 8, **kw)
     eager = make_engine(model_dir, **kw)
     got, expected = run_staggered(compiled, prompts, GREEDY), run_staggered(eager, prompts, GREEDY)
@@ -103,6 +104,19 @@ def test_tokens_match_eager_past_the_decoders_rows(checkpoints, dtype, quantizat
     graphs = compiled.runner.graphs
     assert 0 < graphs.fused_steps < graphs.steps, "both paths served steps"
     assert graphs.recompiles == 0
+
+
+def test_packed_float32_steps_of_any_width_run_fused(checkpoints):
+    """With oneDNN-packed copies the decoder takes float32 steps of any width: a batch past 24
+    rows runs in it, no graph is compiled, and the tokens are the eager engine's."""
+    model_dir = checkpoints["llama-gqa"]
+    prompts = random_prompts(cpu_gemv.MAX_GEMM_ROWS + 3, seed=23, max_len=24)
+    compiled = _engine(model_dir, max_num_seqs=len(prompts), max_num_batched_tokens=1024)
+    eager = make_engine(model_dir, dtype="float32", max_num_batched_tokens=1024)
+    assert compiled.generate(prompts, GREEDY) == eager.generate(prompts, GREEDY)
+    graphs = compiled.runner.graphs
+    assert graphs.fused_steps == graphs.steps > 0
+    assert graphs.compilations == 0
 
 
 @pytest.mark.parametrize("drafts", [3, 7])
