@@ -221,10 +221,11 @@ class DecodeGraphs:
         seconds = time.perf_counter() - start
         self.compiled_at_start = self._backend.graphs
         log.info(
-            "decode step compiled: %d graphs for buckets %s in %.1f s",
+            "decode step compiled: %d graphs for buckets %s in %.1f s (the C++ decoder: %s)",
             self.compiled_at_start,
-            self.buckets,
+            graph_buckets,
             seconds,
+            _rows_served(self.fused_rows) if self.fused is not None else "off",
         )
         return seconds
 
@@ -297,6 +298,10 @@ class DecodeGraphs:
             lora_slots=self._lora_slots(inputs, rows.token_row, extra),
         )
         return _Batch(rows=tokens, input_ids=ids, positions=positions, meta=meta)
+
+
+def _rows_served(most: int) -> str:
+    return "steps of any width" if most == cpu_decoder.ANY_ROWS else f"steps of 1-{most} rows"
 
 
 @dataclass
