@@ -105,8 +105,8 @@ def use_cpu_gemv(model: nn.Module, device: torch.device) -> None:
 
 def pack_for_gemm(model: nn.Module) -> int:
     """Give every column-major float32 CPU linear (``use_cpu_gemv``'s) a oneDNN-packed copy for
-    its GEMMs of 5 rows and more (kernels/cpu_packed_gemm.cpp and cpu_gemv.h say why); returns the bytes
-    the copies hold. Nothing where the extension or oneDNN is missing."""
+    its GEMMs of 5 rows and more (kernels/cpu_packed_gemm.cpp and cpu_gemv.h say why); returns
+    the bytes the copies hold. Nothing where the extension or oneDNN is missing."""
     total = 0
     for module in model.modules():
         if isinstance(module, Linear) and module._f32_colmajor:
