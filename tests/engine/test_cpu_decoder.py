@@ -106,10 +106,12 @@ def test_tokens_match_eager_past_the_decoders_rows(checkpoints, dtype, quantizat
     assert graphs.recompiles == 0
 
 
-def test_packed_float32_steps_of_any_width_run_fused(checkpoints):
+@pytest.mark.parametrize("variant", ["llama-gqa", "llama-mha-tied"])
+def test_packed_float32_steps_of_any_width_run_fused(checkpoints, variant):
     """With oneDNN-packed copies the decoder takes float32 steps of any width: a batch past 24
-    rows runs in it, no graph is compiled, and the tokens are the eager engine's."""
-    model_dir = checkpoints["llama-gqa"]
+    rows runs in it, no graph is compiled, and the tokens are the eager engine's (with tied
+    embeddings too, where the decoder looks tokens up in the LM head's column-major weight)."""
+    model_dir = checkpoints[variant]
     prompts = random_prompts(cpu_gemv.MAX_GEMM_ROWS + 3, seed=23, max_len=24)
     compiled = _engine(model_dir, max_num_seqs=len(prompts), max_num_batched_tokens=1024)
     eager = make_engine(model_dir, dtype="float32", max_num_batched_tokens=1024)
