@@ -64,11 +64,7 @@ struct Projection {
       auto y = int8_gemv(inv_smooth ? (x * *inv_smooth).contiguous() : x, weight, *scale);
       return bias ? y.add_(*bias) : y;
     }
-    if (x.size(0) >= kPackedFromRows) {  // as cpu_f32_linear chooses: the same sums as eager
-      if (auto y = packed_linear(x, weight, bias)) return *y;
-    }
-    auto y = f32_colmajor_gemv(x, weight, 0);
-    return bias ? y.add_(*bias) : y;
+    return cpu_f32_linear(x, weight, bias);  // the op eager layers call: the same sums
   }
 };
 

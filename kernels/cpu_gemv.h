@@ -34,6 +34,12 @@ torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor sc
 torch::Tensor bf16_gemv(torch::Tensor x, torch::Tensor weight);
 // y = x @ weight.T: float32 x [B, K], float32 weight [N, K] stored column-major; block 0: auto
 torch::Tensor f32_colmajor_gemv(torch::Tensor x, torch::Tensor weight, int64_t block);
+// x @ weight.T + bias over such a weight, the form chosen by row count (cpu_ops.cpp): the packed
+// copy from kPackedFromRows rows where there is one, the column-major kernel up to kMaxGemmRows,
+// F.linear above. The graphs' op and the C++ decoder choose through it; the eager Linear
+// chooses alike (cpu_gemv.f32_rows).
+torch::Tensor cpu_f32_linear(const torch::Tensor& x, const torch::Tensor& weight,
+                             const std::optional<torch::Tensor>& bias);
 
 // rows of width values a layer's block-major pages [blocks, 2, block_size, Hk, D] hold, counted
 // as graph_ops.kv_rows counts them: a K or V row index must stay below it

@@ -20,7 +20,7 @@ Built on first use with torch's extension builder (g++ and ninja) into ``$PDSERV
 (``PDSERVE_NO_CPU_GEMV=1`` turns it off); ``available()`` is False elsewhere, or when the build
 fails, and the callers keep their torch path. The ops are registered with torch.library so a
 compiled decode step calls them as opaque ops (``torch.ops.pdserve.int8_gemv`` / ``bf16_gemv``).
-The same extension holds the fused decoder of 1-4 rows (``cpu_decode.cpp``), the paged decode
+The same extension holds the fused decoder (``cpu_decode.cpp``), the paged decode
 attention of the larger compiled steps (``cpu_attention.cpp``, ``paged_attention``), and the
 oneDNN-packed copies that float32 linears of PACKED_FROM_ROWS rows and more run on
 (``cpu_packed_gemm.cpp``, ``pack_gemm``).

@@ -26,13 +26,14 @@ class ExecutionOptions:
     )
     cpu_fused_decode: bool = opt(
         True,
-        "a CPU decode step of a few rows (float32: 1-24, bfloat16: 1-8, INT8: 1-4) runs every layer "
-        "in one C++ call (kernels/cpu_decode.cpp) where the weights are float32, INT8 or bfloat16 "
-        "and no LoRA is served; otherwise the compiled graphs serve it too",
+        "a CPU decode step (float32: any width with --cpu-packed-gemm, else 1-24 rows; "
+        "bfloat16: 1-8; INT8: 1-4) runs every layer in one C++ call (kernels/cpu_decode.cpp) "
+        "where the weights are float32, INT8 or bfloat16 and no LoRA is served; otherwise the "
+        "compiled graphs serve it too",
     )
     cpu_packed_gemm: bool = opt(
         True,
         "float32 CPU linears of 5 rows and more (a prefill chunk, a decode batch, a speculative "
-        "verification) run through oneDNN on a copy of each weight packed once (kernels/cpu_packed_gemm.cpp); "
-        "the copy doubles the float32 weights' memory",
+        "verification) run through oneDNN on a copy of each weight packed once "
+        "(kernels/cpu_packed_gemm.cpp); the copy doubles the float32 weights' memory",
     )
