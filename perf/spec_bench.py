@@ -12,7 +12,7 @@ the speed-up over off (also of the medians), the draft acceptance rate
 (accepted / draft tokens), the mean acceptance length (tokens a verified draft emits: 1 +
 accepted / drafts), and whether every output is token-identical to speculation off. The
 speed-up counts whole requests, prompts' prefill included (which speculation does not change:
-at batch 1 on SmolLM2 it is about a quarter of the time with n-gram on); ``decode`` is the
+at batch 1 on SmolLM2 about a fifth of the first repetition with n-gram on); ``decode`` is the
 speed-up of the decode steps alone (steps with no prompt chunk), what speculation acts on.
 
 With ``--draft-model DIR`` the draft-model modes run too (adaptive and fixed K); for SmolLM2 a
@@ -142,7 +142,12 @@ def run_case(engine: LLMEngine, case: Case) -> CaseRun:
                 tokens[out.bus_id].extend(out.new_token_ids)
         outputs += [tokens[rid] for rid in ids]
     seconds = time.perf_counter() - start
-    return CaseRun(seconds, decode, outputs, _counters(engine).since(before))
+    return CaseRun(
+        seconds=seconds,
+        decode_seconds=decode,
+        outputs=outputs,
+        spec=_counters(engine).since(before),
+    )
 
 
 def _counters(engine: LLMEngine) -> SpecCounters:
